@@ -1,0 +1,1 @@
+"""Model families (Flax NNX), HF weight conversion, and tiny test-model builders."""
