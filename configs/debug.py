@@ -1,0 +1,18 @@
+"""A small config for checking a set-up: tiny local model, few steps."""
+
+from primejax.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.run.name = "debug"
+    c.run.max_steps = 5
+    c.model.path = "outputs/models/tiny-qwen3"
+    c.model.build_tiny.enabled = True
+    c.orchestrator.batch_size = 16
+    c.orchestrator.group_size = 4
+    c.orchestrator.seq_len = 256
+    c.orchestrator.max_prompt_tokens = 64
+    c.orchestrator.sampling.max_tokens = 32
+    c.inference.max_model_len = 256
+    return c

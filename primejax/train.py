@@ -1,0 +1,40 @@
+"""`python -m primejax.train --config configs/x.py [--config.KEY=VALUE ...]`: the user's main command.
+
+Starts the inference server, the orchestrator and the trainer of one run as child processes (see
+primejax/launcher.py); `--dry_run` only resolves, validates, prints and records the config.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from primejax.cli import parse_config, run_main
+from primejax.config import to_json
+from primejax.rundir import write_resolved_config
+
+DEFAULT_CONFIG = "configs/demo.py"
+
+
+def _define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_bool("dry_run", False, "resolve, validate and print the config, then exit", flag_values=fv)
+
+
+def main() -> int:
+    cfg, fv = parse_config(
+        sys.argv[1:], prog="primejax.train", doc=__doc__.split("\n\n")[1], define_flags=_define_flags,
+        default_config_path=DEFAULT_CONFIG,
+    )
+    path = write_resolved_config(cfg, "train")
+    if fv["dry_run"].value:
+        print(to_json(cfg))
+        print(f"# resolved config written to {path}", file=sys.stderr)
+        return 0
+    from primejax.launcher import launch  # deferred: the launcher imports process machinery
+
+    return launch(cfg)
+
+
+if __name__ == "__main__":
+    run_main(main)
