@@ -1,0 +1,147 @@
+"""Config validation: every rule has a failing case, and the CLI turns bad input into one line + exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from primejax.cli import UsageError, parse_config
+from primejax.config import ConfigError, default_config, from_json, lock, to_json, validate
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def _cfg(**changes):
+    c = default_config()
+    c.model.path = "some/model"
+    lock(c)
+    for key, value in changes.items():
+        node = c
+        *parents, leaf = key.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def test_defaults_validate():
+    assert validate(_cfg()) is not None
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"orchestrator__group_size": 5}, "orchestrator.batch_size"),
+        ({"orchestrator__async_level": -1}, "orchestrator.async_level"),
+        ({"orchestrator__seq_len": 100}, "orchestrator.seq_len"),
+        ({"inference__max_model_len": 100}, "inference.max_model_len"),
+        ({"orchestrator__batch_size": 0}, "orchestrator.batch_size"),
+        ({"orchestrator__sampling__top_p": 0.0}, "orchestrator.sampling.top_p"),
+        ({"orchestrator__sampling__temperature": -1.0}, "orchestrator.sampling.temperature"),
+        ({"trainer__optim__lr": -1.0}, "trainer.optim.lr"),
+        ({"trainer__scheduler__type": "exp"}, "trainer.scheduler.type"),
+        ({"trainer__scheduler__type": "cosine", "trainer__scheduler__warmup_steps": 50}, "trainer.scheduler.warmup_steps"),
+        ({"trainer__loss__type": "custom"}, "trainer.loss.import_path"),
+        ({"trainer__loss__is_clip": 0.0}, "trainer.loss.is_clip"),
+        ({"trainer__loss__kwargs_json": "{bad"}, "trainer.loss.kwargs_json"),
+        ({"trainer__loss__kwargs_json": "[1]"}, "trainer.loss.kwargs_json"),
+        ({"trainer__mesh__fsdp": 0}, "trainer.mesh.fsdp"),
+        ({"trainer__mesh__data": -1}, "trainer.mesh"),
+        ({"trainer__on_nonfinite": "ignore"}, "trainer.on_nonfinite"),
+        ({"model__param_dtype": "float16"}, "model.param_dtype"),
+        ({"model__attention_impl": "flash"}, "model.attention_impl"),
+        ({"model__path": ""}, "model.path"),
+        ({"run__resume_step": "yesterday"}, "run.resume_step"),
+        ({"run__name": "a/b"}, "run.name"),
+        ({"run__max_steps": 0}, "run.max_steps"),
+        ({"orchestrator__filters__pre_batch": ("gibberish", "nonsense")}, "orchestrator.filters.pre_batch"),
+        ({"orchestrator__filters__repetition_threshold": 1.5}, "orchestrator.filters.repetition_threshold"),
+        ({"orchestrator__buffer__easy_fraction": 0.7, "orchestrator__buffer__hard_fraction": 0.7},
+         "orchestrator.buffer.easy_fraction"),
+        ({"orchestrator__buffer__oversampling_factor": 0.5}, "orchestrator.buffer.oversampling_factor"),
+        ({"orchestrator__algo__sampling__source": "teacher"}, "orchestrator.algo.sampling.source"),
+        ({"orchestrator__algo__length_penalty__type": "words"}, "orchestrator.algo.length_penalty.type"),
+    ],
+)
+def test_each_rule_rejects_with_the_key_named(changes, key):
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg(**changes))
+    assert err.value.key == key, str(err.value)
+
+
+def test_env_rules():
+    c = _cfg()
+    c.orchestrator.envs.reverse_text.weight = 0.0
+    with pytest.raises(ConfigError, match="orchestrator.envs.reverse_text.weight"):
+        validate(c)
+    c = _cfg()
+    c.orchestrator.envs.reverse_text.id = ""
+    with pytest.raises(ConfigError, match="orchestrator.envs.reverse_text.id"):
+        validate(c)
+
+
+def test_locked_tree_rejects_unknown_keys_and_wrong_types():
+    c = _cfg()
+    with pytest.raises(AttributeError):
+        c.trainer.optim.lrr = 1.0
+    with pytest.raises(TypeError):
+        c.orchestrator.group_size = "abc"
+
+
+def test_json_round_trip_keeps_every_value():
+    c = _cfg(trainer__optim__lr=3e-4, orchestrator__filters__post_batch=("zero_advantage",))
+    c2 = from_json(to_json(c))
+    assert json.loads(to_json(c2)) == json.loads(to_json(c))
+    assert c2.orchestrator.filters.post_batch == ("zero_advantage",)
+
+
+def test_parse_config_applies_overrides(tmp_path):
+    cfg, fv = parse_config(
+        ["--config", str(ROOT / "configs/debug.py"), "--config.trainer.optim.lr=1e-5", "--config.run.name=exp1"],
+        prog="t",
+    )
+    assert cfg.trainer.optim.lr == 1e-5 and cfg.run.name == "exp1"
+
+
+@pytest.mark.parametrize(
+    "arg, fragment",
+    [
+        ("--config.trainer.optim.lrr=1", "trainer.optim.lrr"),
+        ("--config.orchestrator.group_size=abc", "orchestrator.group_size"),
+        ("--config.orchestrator.group_size=5", "orchestrator.batch_size"),
+    ],
+)
+def test_parse_config_errors_name_the_key(arg, fragment):
+    with pytest.raises(UsageError, match=fragment.replace(".", r"\.")):
+        parse_config(["--config", str(ROOT / "configs/debug.py"), arg], prog="t")
+
+
+@pytest.mark.parametrize(
+    "arg, fragment",
+    [("--config.trainer.optim.lrr=1", "trainer.optim.lrr"), ("--config.orchestrator.group_size=abc", "group_size")],
+)
+def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, arg, fragment):
+    proc = subprocess.run(
+        [sys.executable, "-m", "primejax.train", "--config", "configs/debug.py", "--dry_run", arg,
+         f"--config.run.output_dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_cli_dry_run_prints_and_records_resolved_config(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "primejax.train", "--config", "configs/debug.py", "--dry_run",
+         f"--config.run.output_dir={tmp_path}", "--config.trainer.optim.lr=0.25"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)
+    assert printed["trainer"]["optim"]["lr"] == 0.25
+    recorded = json.loads((tmp_path / "debug" / "configs" / "train.json").read_text())
+    assert recorded == printed
