@@ -1,0 +1,380 @@
+"""The orchestrator -> trainer contract: training samples, packing, and the on-disk batch format.
+
+Alignment convention (every per-token stream)
+---------------------------------------------
+All per-token streams of a `TrainingSample` have the length of `token_ids` and describe token t *as a target*:
+`loss_mask[t]`, `inference_logprobs[t]`, `advantages[t]`, `ref_logprobs[t]` and the weight streams are about
+predicting `token_ids[t]` from the prefix `token_ids[:t]` (the logits at position t - 1). The first token of a
+sample has no predictor, so its `loss_mask` must be False. Prompt and environment tokens carry
+`loss_mask = False` and `inference_logprobs = 0.0`.
+
+Loss components and weight streams
+----------------------------------
+A token is a member of loss component c (rl, ce, ref_kl) when `loss_mask[t]` is True and the component's
+weight `w_c[t]` is non-zero; the weight scales its per-token loss. So `loss_mask` is the union of every
+trained token, and a weight of 0 removes a token from that component's mask and its token count. A sample
+that ships *no* weight stream at all is a plain rl sample: rl weight 1.0 on every loss-mask token, ce and
+ref_kl weight 0. A sample that ships any weight stream gets 0.0 for each stream it omits. Missing
+advantages / ref_logprobs are 0.0 (a token with a non-zero ref_kl weight needs ref_logprobs).
+
+Packing
+-------
+`pack_samples` places samples first-fit-decreasing into rows of `seq_len` tokens. Each sample keeps its own
+segment id (1, 2, ... within a row; 0 = padding) and positions restarting at 0, so attention (causal within
+a segment, never across) and the loss see exactly the per-sample computation. Rows are dealt to
+`num_shards` data-parallel shards with balanced token counts; every shard gets the same number of rows
+(empty padding rows if needed), rounded up to `pad_rows_to_multiple`. A sample longer than `seq_len` is an
+error unless `truncate=True`, which cuts it to `seq_len` tokens (its tail is lost; the cut is counted in
+`meta["num_truncated"]`).
+
+On disk
+-------
+`rollouts/step_N/rank_R.npz`: one uncompressed `.npz` per data-parallel rank (loaded with
+`allow_pickle=False`), written to a temp name and renamed, so its existence means it is complete. Besides the
+arrays it holds `__manifest__`, a JSON document (as uint8) with the format version, each field's dtype, shape
+and sha256, and the writer's metadata. `read_batch` checks all of it and raises `BatchFormatError` naming the
+file and the field; nothing malformed reaches the jitted step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from primejax.utils.io import atomic_write_bytes
+
+FORMAT_VERSION = 1
+MANIFEST_KEY = "__manifest__"
+
+# name -> dtype of every [rows, seq_len] array of a PackedBatch, in file order.
+FIELDS: dict[str, np.dtype] = {
+    "tokens": np.dtype(np.int32),
+    "positions": np.dtype(np.int32),
+    "segment_ids": np.dtype(np.int32),
+    "loss_mask": np.dtype(np.bool_),
+    "inference_logprobs": np.dtype(np.float32),
+    "advantages": np.dtype(np.float32),
+    "temperatures": np.dtype(np.float32),
+    "ref_logprobs": np.dtype(np.float32),
+    "rl_weights": np.dtype(np.float32),
+    "ce_weights": np.dtype(np.float32),
+    "ref_kl_weights": np.dtype(np.float32),
+}
+OPTIONAL_STREAMS = ("advantages", "ref_logprobs", "rl_weights", "ce_weights", "ref_kl_weights")
+WEIGHT_STREAMS = ("rl_weights", "ce_weights", "ref_kl_weights")
+
+
+class BatchFormatError(ValueError):
+    """A batch file or sample that violates the contract. Names the file (if any) and the field."""
+
+    def __init__(self, path: str | Path | None, field_name: str, message: str):
+        self.path = None if path is None else str(path)
+        self.field = field_name
+        where = f"{self.path}: " if self.path else ""
+        super().__init__(f"{where}field {field_name!r}: {message}")
+
+
+@dataclass
+class TrainingSample:
+    """One (possibly multi-turn merged) token sequence with its per-token training signal."""
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+    inference_logprobs: list[float]
+    advantages: list[float] | None = None  # None: no rl credit (opd / opsd / sft)
+    temperature: float = 1.0
+    ref_logprobs: list[float] | None = None
+    rl_weights: list[float] | None = None
+    ce_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
+    policy_version: int = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def validate(self, index: int | None = None) -> None:
+        """Raise BatchFormatError if a stream's length differs or the first token is trained."""
+        where = None if index is None else f"sample {index}"
+        n = len(self.token_ids)
+        if n == 0:
+            raise BatchFormatError(where, "token_ids", "empty sample")
+        for name in ("loss_mask", "inference_logprobs", *OPTIONAL_STREAMS):
+            stream = getattr(self, name)
+            if stream is not None and len(stream) != n:
+                raise BatchFormatError(where, name, f"length {len(stream)} != len(token_ids) {n}")
+        if self.loss_mask[0]:
+            raise BatchFormatError(where, "loss_mask", "the first token has no predictor and cannot be trained")
+        if not self.temperature > 0:
+            raise BatchFormatError(where, "temperature", f"must be > 0, got {self.temperature}")
+
+
+@dataclass
+class PackedBatch:
+    """[rows, seq_len] arrays of one data-parallel shard (see FIELDS for names and dtypes)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    loss_mask: np.ndarray
+    inference_logprobs: np.ndarray
+    advantages: np.ndarray
+    temperatures: np.ndarray
+    ref_logprobs: np.ndarray
+    rl_weights: np.ndarray
+    ce_weights: np.ndarray
+    ref_kl_weights: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in FIELDS}
+
+    @classmethod
+    def empty(cls, rows: int, seq_len: int, meta: dict[str, Any] | None = None) -> PackedBatch:
+        """All-padding rows: segment 0, no loss, temperature 1."""
+        arrays = {name: np.zeros((rows, seq_len), dtype) for name, dtype in FIELDS.items()}
+        arrays["temperatures"][:] = 1.0
+        return cls(**arrays, meta=dict(meta or {}))
+
+    def pad_rows(self, rows: int) -> PackedBatch:
+        """A copy with empty rows appended up to `rows` (no-op if already that many)."""
+        if rows < self.rows:
+            raise ValueError(f"cannot pad {self.rows} rows down to {rows}")
+        if rows == self.rows:
+            return self
+        pad = PackedBatch.empty(rows - self.rows, self.seq_len)
+        merged = {n: np.concatenate([getattr(self, n), getattr(pad, n)]) for n in FIELDS}
+        return PackedBatch(**merged, meta=dict(self.meta))
+
+
+def _weights(sample: TrainingSample) -> dict[str, np.ndarray]:
+    n = len(sample)
+    if all(getattr(sample, w) is None for w in WEIGHT_STREAMS):
+        # The plain-GRPO hot path: no stream shipped means rl on every trainable token.
+        return {"rl_weights": np.ones(n, np.float32), "ce_weights": np.zeros(n, np.float32),
+                "ref_kl_weights": np.zeros(n, np.float32)}
+    return {w: np.zeros(n, np.float32) if getattr(sample, w) is None else np.asarray(getattr(sample, w), np.float32)
+            for w in WEIGHT_STREAMS}
+
+
+def _first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Sample indices per row: longest first, each into the first row with room (ties keep input order)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - lengths[i])
+    return rows
+
+
+def pack_samples(
+    samples: Sequence[TrainingSample],
+    seq_len: int,
+    num_shards: int = 1,
+    pad_rows_to_multiple: int = 1,
+    truncate: bool = False,
+) -> list[PackedBatch]:
+    """Pack samples into rows of `seq_len`, one PackedBatch per data-parallel shard (see module docstring)."""
+    if seq_len <= 0 or num_shards <= 0 or pad_rows_to_multiple <= 0:
+        raise ValueError("seq_len, num_shards and pad_rows_to_multiple must be positive")
+    num_truncated = 0
+    lengths = []
+    for i, s in enumerate(samples):
+        s.validate(i)
+        if len(s) > seq_len:
+            if not truncate:
+                raise BatchFormatError(f"sample {i}", "token_ids",
+                                       f"length {len(s)} exceeds seq_len {seq_len} (pass truncate=True to cut it)")
+            num_truncated += 1
+        lengths.append(min(len(s), seq_len))
+
+    row_members = _first_fit_decreasing(lengths, seq_len)
+    # Deal rows to shards snake-wise in decreasing fill, so shards get similar token counts.
+    fill = [sum(lengths[i] for i in members) for members in row_members]
+    by_fill = sorted(range(len(row_members)), key=lambda r: (-fill[r], r))
+    shard_rows: list[list[int]] = [[] for _ in range(num_shards)]
+    for k, r in enumerate(by_fill):
+        lap, pos = divmod(k, num_shards)
+        shard_rows[pos if lap % 2 == 0 else num_shards - 1 - pos].append(r)
+    per_shard = max(1, max(len(rs) for rs in shard_rows))
+    per_shard = -(-per_shard // pad_rows_to_multiple) * pad_rows_to_multiple
+
+    out = []
+    for shard, rows in enumerate(shard_rows):
+        batch = PackedBatch.empty(per_shard, seq_len)
+        versions: list[int] = []
+        for row, r in enumerate(rows):
+            offset = 0
+            for seg, i in enumerate(row_members[r], start=1):
+                s, n = samples[i], lengths[i]
+                sl = slice(offset, offset + n)
+                batch.tokens[row, sl] = np.asarray(s.token_ids[:n], np.int32)
+                batch.positions[row, sl] = np.arange(n, dtype=np.int32)
+                batch.segment_ids[row, sl] = seg
+                batch.loss_mask[row, sl] = np.asarray(s.loss_mask[:n], bool)
+                batch.inference_logprobs[row, sl] = np.asarray(s.inference_logprobs[:n], np.float32)
+                batch.temperatures[row, sl] = s.temperature
+                if s.advantages is not None:
+                    batch.advantages[row, sl] = np.asarray(s.advantages[:n], np.float32)
+                if s.ref_logprobs is not None:
+                    batch.ref_logprobs[row, sl] = np.asarray(s.ref_logprobs[:n], np.float32)
+                for w, values in _weights(s).items():
+                    getattr(batch, w)[row, sl] = values[:n]
+                versions.append(s.policy_version)
+                offset += n
+        present = sorted({name for i in (m for r in rows for m in row_members[r])
+                          for name in OPTIONAL_STREAMS if getattr(samples[i], name) is not None})
+        batch.meta = {
+            "shard": shard,
+            "num_shards": num_shards,
+            "num_samples": len(versions),
+            "num_tokens": int((batch.segment_ids > 0).sum()),
+            "num_loss_tokens": int(batch.loss_mask.sum()),
+            "num_truncated": num_truncated,
+            "min_policy_version": min(versions, default=0),
+            "max_policy_version": max(versions, default=0),
+            "present_streams": present,
+        }
+        out.append(batch)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- files
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "rollouts" / f"step_{step}"
+
+
+def batch_path(run_dir: str | Path, step: int, rank: int) -> Path:
+    return step_dir(run_dir, step) / f"rank_{rank}.npz"
+
+
+def _sha256(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def write_batch(step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[str, Any] | None = None) -> Path:
+    """Write `batch` as `<step_dir>/rank_<rank>.npz` atomically. `meta` (JSON-serializable) joins batch.meta."""
+    arrays = batch.arrays()
+    for name, dtype in FIELDS.items():
+        if arrays[name].dtype != dtype or arrays[name].shape != arrays["tokens"].shape:
+            raise BatchFormatError(None, name, f"expected {dtype} {arrays['tokens'].shape}, "
+                                               f"got {arrays[name].dtype} {arrays[name].shape}")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "rows": batch.rows,
+        "seq_len": batch.seq_len,
+        "fields": {n: {"dtype": a.dtype.str, "shape": list(a.shape), "sha256": _sha256(a)} for n, a in arrays.items()},
+        "meta": {**batch.meta, **(meta or {})},
+    }
+    buf = io.BytesIO()
+    manifest_bytes = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
+    np.savez(buf, **arrays, **{MANIFEST_KEY: manifest_bytes})
+    path = Path(step_dir) / f"rank_{rank}.npz"
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def read_batch(path: str | Path, vocab_size: int | None = None) -> PackedBatch:
+    """Load and validate a batch file; raises BatchFormatError naming the file and the field."""
+    path = Path(path)
+    try:
+        data = np.load(path, allow_pickle=False)
+        names = set(data.files)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise BatchFormatError(path, "<file>", f"unreadable or truncated npz ({type(e).__name__}: {e})") from None
+    with data:
+        if MANIFEST_KEY not in names:
+            raise BatchFormatError(path, MANIFEST_KEY, "missing (not a primejax batch file)")
+        try:
+            manifest = json.loads(_load(data, path, MANIFEST_KEY).tobytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BatchFormatError(path, MANIFEST_KEY, f"not valid JSON ({e})") from None
+        version = manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise BatchFormatError(path, "format_version", f"expected {FORMAT_VERSION}, got {version!r}")
+        shape = (manifest.get("rows"), manifest.get("seq_len"))
+        arrays = {}
+        for name, dtype in FIELDS.items():
+            if name not in names:
+                raise BatchFormatError(path, name, "missing")
+            a = _load(data, path, name)
+            if a.dtype != dtype:
+                raise BatchFormatError(path, name, f"dtype {a.dtype}, expected {dtype}")
+            if a.shape != shape:
+                raise BatchFormatError(path, name, f"shape {a.shape}, expected {shape} (rows, seq_len)")
+            expected = manifest.get("fields", {}).get(name, {}).get("sha256")
+            if expected != _sha256(a):
+                raise BatchFormatError(path, name, "sha256 mismatch (corrupted file)")
+            arrays[name] = a
+    batch = PackedBatch(**arrays, meta=manifest.get("meta", {}))
+    _check_values(path, batch, vocab_size)
+    return batch
+
+
+def _load(data: Any, path: Path, name: str) -> np.ndarray:
+    try:
+        return data[name]
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise BatchFormatError(path, name, f"unreadable ({type(e).__name__}: {e})") from None
+
+
+def _check_values(path: Path, b: PackedBatch, vocab_size: int | None) -> None:
+    real = b.segment_ids > 0
+    if (b.segment_ids < 0).any():
+        raise BatchFormatError(path, "segment_ids", "negative segment id")
+    if (b.positions < 0).any():
+        raise BatchFormatError(path, "positions", "negative position")
+    if (b.tokens < 0).any() or (vocab_size is not None and (b.tokens >= vocab_size).any()):
+        raise BatchFormatError(path, "tokens", f"token id outside [0, {vocab_size if vocab_size else 'vocab'})")
+    if (b.loss_mask & ~real).any():
+        raise BatchFormatError(path, "loss_mask", "set on a padding token (segment 0)")
+    starts = real & (b.positions == 0)
+    if (b.loss_mask & starts).any():
+        raise BatchFormatError(path, "loss_mask", "set on the first token of a sample (it has no predictor)")
+    for name in ("inference_logprobs", "advantages", "ref_logprobs", *WEIGHT_STREAMS):
+        if not np.isfinite(getattr(b, name)).all():
+            raise BatchFormatError(path, name, "non-finite value")
+    if not (b.temperatures[real] > 0).all():
+        raise BatchFormatError(path, "temperatures", "must be > 0 on every real token")
+
+
+def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, poll_s: float = 0.5) -> Path:
+    """Block until `rollouts/step_<step>/rank_<rank>.npz` exists (complete, thanks to the atomic rename)."""
+    path = batch_path(run_dir, step, rank)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no batch at {path} after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+    return path
+
+
+__all__ = [
+    "FORMAT_VERSION", "FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
+    "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch",
+]

@@ -1,0 +1,145 @@
+"""The trainer -> inference contract: weight broadcasts on disk.
+
+After step N the trainer writes `broadcasts/step_N/` (HF safetensors shards, their index, config.json): the
+files go into a temp directory that is renamed into place, and only then a `STABLE` marker is written inside
+it. The marker is a JSON manifest (format version, step, each file's size and, unless disabled, sha256), so
+a reader that sees `STABLE` sees a complete directory and can verify it. Readers (the orchestrator, which
+tells vLLM to load the directory) only ever consider directories with a `STABLE` marker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from primejax.utils.io import atomic_dir, atomic_write_json
+
+FORMAT_VERSION = 1
+STABLE = "STABLE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class BroadcastError(RuntimeError):
+    """A broadcast directory that is incomplete or does not match its manifest."""
+
+
+def broadcasts_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "broadcasts"
+
+
+def broadcast_dir(run_dir: str | Path, step: int) -> Path:
+    return broadcasts_root(run_dir) / f"step_{step}"
+
+
+def _file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(directory: Path, step: int, hash_files: bool) -> dict[str, Any]:
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != STABLE:
+            entry: dict[str, Any] = {"size": p.stat().st_size}
+            if hash_files:
+                entry["sha256"] = _file_sha256(p)
+            files[str(p.relative_to(directory))] = entry
+    return {"format_version": FORMAT_VERSION, "step": step, "files": files}
+
+
+def write_broadcast(
+    run_dir: str | Path, step: int, write_fn: Callable[[Path], Any], hash_files: bool = True
+) -> tuple[Path, Any]:
+    """Call `write_fn(tmp_dir)` to fill a temp directory, rename it to `broadcasts/step_<step>`, mark it STABLE.
+
+    Returns (the final directory, write_fn's return value). An existing directory for the same step (a
+    re-export after a restart) is replaced.
+    """
+    final = broadcast_dir(run_dir, step)
+    with atomic_dir(final, overwrite=True) as tmp:
+        result = write_fn(tmp)
+        manifest = _manifest(tmp, step, hash_files)
+    atomic_write_json(final / STABLE, manifest)
+    return final, result
+
+
+def is_stable(directory: str | Path) -> bool:
+    return (Path(directory) / STABLE).is_file()
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / STABLE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BroadcastError(f"{directory}: no {STABLE} marker (incomplete broadcast)") from None
+    except json.JSONDecodeError as e:
+        raise BroadcastError(f"{path}: unreadable manifest ({e})") from None
+
+
+def verify_broadcast(directory: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+    """Check every file of the manifest exists with its size (and sha256); return the manifest."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise BroadcastError(f"{directory}: format_version {manifest.get('format_version')!r} != {FORMAT_VERSION}")
+    for name, entry in manifest["files"].items():
+        p = directory / name
+        if not p.is_file():
+            raise BroadcastError(f"{directory}: missing file {name}")
+        if p.stat().st_size != entry["size"]:
+            raise BroadcastError(f"{directory}: {name} has {p.stat().st_size} bytes, manifest says {entry['size']}")
+        if check_hashes and "sha256" in entry and _file_sha256(p) != entry["sha256"]:
+            raise BroadcastError(f"{directory}: {name} sha256 mismatch")
+    return manifest
+
+
+def stable_steps(run_dir: str | Path) -> list[int]:
+    root = broadcasts_root(run_dir)
+    if not root.is_dir():
+        return []
+    steps = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and is_stable(p):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest_stable_step(run_dir: str | Path) -> int | None:
+    steps = stable_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+def prune_broadcasts(run_dir: str | Path, keep_from_step: int) -> list[int]:
+    """Delete broadcasts of steps < keep_from_step (complete or not); return the deleted steps.
+
+    With async level k, inference may still be asked to load step n - k while the trainer finishes step n,
+    so the trainer calls this with keep_from_step = n - k.
+    """
+    root = broadcasts_root(run_dir)
+    if not root.is_dir():
+        return []
+    deleted = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and int(m.group(1)) < keep_from_step:
+            # Drop the marker first so no reader picks up a directory that is being deleted.
+            (p / STABLE).unlink(missing_ok=True)
+            shutil.rmtree(p, ignore_errors=True)
+            deleted.append(int(m.group(1)))
+    return sorted(deleted)
+
+
+__all__ = [
+    "STABLE", "BroadcastError", "broadcasts_root", "broadcast_dir", "write_broadcast", "is_stable",
+    "read_manifest", "verify_broadcast", "stable_steps", "latest_stable_step", "prune_broadcasts",
+]
