@@ -1,1 +1,1 @@
-"""Model families (Flax NNX), HF weight conversion, and tiny test-model builders."""
+"""Flax NNX decoders (Qwen3 / Qwen2 / Llama), HF checkpoint interop, sharding rules and Orbax checkpoints."""

@@ -1,0 +1,145 @@
+"""Causal self-attention over packed rows, behind one function with several kernels.
+
+A row packs several samples; `segment_ids` says which sample each token belongs to (0 = padding). A token
+attends to earlier-or-equal tokens of its own segment only. Causality is by index in the row: packing keeps
+each sample contiguous and in order, so index order equals position order within a segment.
+
+Implementations (`impl`):
+- "xla": plain einsums with a dense [T, T] mask; portable reference, O(T^2) memory.
+- "cudnn": cuDNN fused flash attention through `jax.nn.dot_product_attention(implementation="cudnn")`, GPU,
+  bf16/fp16 only. The public API has no segment-id argument, so the segment mask goes in as a boolean mask
+  (cuDNN turns it into an additive [B, 1, T, T] bias): the kernel stays fused, but that bias costs
+  O(T^2) memory per row (0.5 GiB in bf16 at T=16k).
+- "splash": Pallas splash attention for TPU, with native segment ids and a causal block-sparse mask.
+- "auto": cudnn on GPU, splash on TPU, xla elsewhere.
+An unsupported combination (cudnn on CPU, fp32 cudnn, splash off TPU) falls back to xla with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        logger.warning(msg)
+
+
+def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str:
+    """The implementation that will actually run for `impl` on this backend and dtype."""
+    backend = backend or jax.default_backend()
+    if impl == "auto":
+        impl = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}.get(backend, "xla")
+        if impl == "cudnn" and jnp.dtype(dtype) == jnp.float32:
+            return "xla"  # fp32 compute is a debugging/parity setting: the exact path is the right one
+    if impl == "cudnn":
+        if backend not in ("gpu", "cuda"):
+            _warn_once(f"attention_impl='cudnn' needs a GPU (backend is {backend!r}); using the xla path")
+            return "xla"
+        if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            _warn_once(f"attention_impl='cudnn' needs bf16/fp16 inputs (got {jnp.dtype(dtype)}); using xla")
+            return "xla"
+    elif impl == "splash" and backend != "tpu":
+        _warn_once(f"attention_impl='splash' needs a TPU (backend is {backend!r}); using the xla path")
+        return "xla"
+    elif impl not in ("xla", "cudnn", "splash"):
+        raise ValueError(f"unknown attention implementation {impl!r}")
+    return impl
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T, T] boolean: query t may attend key s (same segment and s <= t)."""
+    t = segment_ids.shape[-1]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return same & jnp.tril(jnp.ones((t, t), dtype=bool))[None]
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array | None = None,
+    *,
+    impl: str = "xla",
+    scale: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Packed causal GQA attention.
+
+    q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K; segment_ids: int32 [B, T].
+    Returns [B, T, H, Dh] in q's dtype. `positions` are not needed by any mask here (see module docstring)
+    and are accepted so every kernel shares one signature. `interpret` runs Pallas kernels in interpreter
+    mode (for tests off-TPU).
+    """
+    del positions
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    impl = "splash" if interpret and impl == "splash" else resolve_impl(impl, q.dtype)
+    if impl == "xla":
+        return _xla_attention(q, k, v, segment_ids, scale)
+    if impl == "cudnn":
+        return _cudnn_attention(q, k, v, segment_ids, scale)
+    return _splash_attention(q, k, v, segment_ids, scale, interpret)
+
+
+def _xla_attention(q, k, v, segment_ids, scale):
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q_btkgd = q.reshape(b, t, kv, h // kv, d)
+    # Scores and softmax in fp32 whatever the compute dtype, as flash kernels do.
+    s_bkgts = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k, preferred_element_type=jnp.float32) * scale
+    mask_b11ts = segment_causal_mask(segment_ids)[:, None, None]
+    # A finite floor instead of -inf: every row keeps its diagonal, and no NaN can appear even for padding.
+    s_bkgts = jnp.where(mask_b11ts, s_bkgts, jnp.finfo(jnp.float32).min)
+    p_bkgts = jax.nn.softmax(s_bkgts, axis=-1).astype(v.dtype)
+    o_btkgd = jnp.einsum("bkgts,bskd->btkgd", p_bkgts, v)
+    return o_btkgd.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _cudnn_attention(q, k, v, segment_ids, scale):
+    mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, T]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=True, implementation="cudnn"
+    ).astype(q.dtype)
+
+
+@functools.cache
+def _splash_kernel(t: int, group: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    block = min(512, t)
+    sizes = sk.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+        block_q_dq=block, block_kv_dq=block,
+    )
+    mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(group)])
+    # MQA kernel per kv head: the `group` query heads sharing it attend to one k/v, no repeat needed.
+    return sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+
+
+def _splash_attention(q, k, v, segment_ids, scale, interpret):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    kernel = _splash_kernel(t, h // kv, interpret)
+    q_bkgtd = (q * scale).reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)  # kernel takes unscaled logits
+    k_bktd = k.transpose(0, 2, 1, 3)
+    v_bktd = v.transpose(0, 2, 1, 3)
+
+    def per_row(q_kgtd, k_ktd, v_ktd, seg_t):
+        seg = sk.SegmentIds(q=seg_t, kv=seg_t)
+        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=seg))(q_kgtd, k_ktd, v_ktd)
+
+    o_bkgtd = jax.vmap(per_row)(q_bkgtd, k_bktd, v_bktd, segment_ids)
+    return o_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)

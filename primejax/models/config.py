@@ -1,0 +1,231 @@
+"""Model configuration: one frozen dataclass for the Qwen3 / Qwen2 / Llama decoder families.
+
+Built from (and written back to) a Hugging Face `config.json`, so a checkpoint directory alone describes the
+model. Training-side choices (dtypes, attention kernel, remat policy) are not part of the HF config and come
+in as overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
+ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
+# Remat policies, applied per decoder layer (see `transformer.remat_policy`):
+#   none           keep every activation (fastest, most memory)
+#   full           save only the layer input; recompute the whole layer in the backward pass
+#   dots           save the outputs of all matmuls (projections and attention scores), recompute elementwise ops
+#   dots_no_batch  save only matmuls without batch dimensions (the weight projections), recompute attention
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+_DTYPES = ("float32", "bfloat16", "float16")
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict | None
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qk_norm: bool
+    attention_bias: bool  # bias on the q/k/v projections (qwen2; llama/qwen3 with attention_bias=true)
+    max_position_embeddings: int
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    attention_impl: str = "xla"
+    remat_policy: str = "none"
+    # Llama/Qwen3 `attention_bias=true` also puts a bias on o_proj; Qwen2 never does.
+    attention_out_bias: bool = False
+    # Fields of the source config.json we do not model but must write back unchanged (token ids, etc.).
+    hf_extra: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {_DTYPES}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rope_type not in ("default", "llama3"):
+                raise NotImplementedError(
+                    f"rope scaling type {rope_type!r} is not implemented (supported: default, llama3)"
+                )
+
+    def __hash__(self) -> int:
+        # rope_scaling is a dict; hash a canonical JSON form so the config can be a static jit argument.
+        d = dataclasses.asdict(self)
+        d.pop("hf_extra")
+        return hash(json.dumps(d, sort_keys=True, default=str))
+
+    # ------------------------------------------------------------------ HF config.json
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, **overrides: Any) -> ModelConfig:
+        """Map an HF `config.json` dict to a ModelConfig; `overrides` set fields (dtypes, attention_impl, ...)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"HF model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is implemented")
+        if hf.get("mlp_bias", False):
+            raise NotImplementedError("mlp_bias=true is not implemented")
+        if hf.get("use_sliding_window", False):
+            raise NotImplementedError("sliding-window attention (use_sliding_window=true) is not implemented")
+
+        rope_theta, rope_scaling = _read_rope(hf)
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        if model_type == "qwen2":
+            qkv_bias, out_bias = True, False
+        else:
+            qkv_bias = out_bias = bool(hf.get("attention_bias", False))
+        known = {
+            "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+            "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "max_position_embeddings",
+            "architectures", "torch_dtype", "dtype", "transformers_version",
+        }
+        fields: dict[str, Any] = dict(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            attention_bias=qkv_bias,
+            attention_out_bias=out_bias,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            hf_extra={k: v for k, v in hf.items() if k not in known},
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
+        return cls.from_hf_config(json.loads(path.read_text()), **overrides)
+
+    def to_hf_config(self, dtype: str | None = None) -> dict:
+        """An HF `config.json` dict that transformers and vLLM load unchanged.
+
+        `dtype` is the dtype the weights are stored in (defaults to param_dtype). Rope settings are written in
+        both the transformers-5 form (`rope_parameters`) and the legacy one (`rope_theta` / `rope_scaling`)
+        so older readers agree with newer ones.
+        """
+        dtype = dtype or self.param_dtype
+        rope_params = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope_params.update({k: v for k, v in self.rope_scaling.items() if k != "type"})
+            rope_params["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        hf: dict[str, Any] = dict(self.hf_extra)
+        hf.update(
+            architectures=[_ARCHITECTURES[self.model_type]],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            rope_scaling=None if self.rope_scaling is None else dict(self.rope_scaling),
+            rope_parameters=rope_params,
+            torch_dtype=dtype,
+            dtype=dtype,
+        )
+        if self.model_type != "qwen2":
+            hf["attention_bias"] = self.attention_bias
+        return hf
+
+    # ------------------------------------------------------------------ accounting
+
+    def num_matmul_params(self) -> int:
+        """Weights that take part in matmuls: projections and MLP of every layer plus lm_head.
+
+        lm_head is counted even when tied to the embedding (it still costs a matmul); the embedding lookup,
+        norms and biases are not, as in prime-rl's MFU accounting.
+        """
+        d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = d * h * hd + 2 * d * k * hd + h * hd * d
+        mlp = 3 * d * self.intermediate_size
+        return self.num_layers * (attn + mlp) + d * self.vocab_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), prime-rl's formula.
+
+        6 * matmul params + 12 * layers * heads * (hidden / heads) * seq_len. The attention term uses
+        hidden/heads, not head_dim, exactly as prime-rl (and torchtitan) do, so MFU numbers are comparable.
+        """
+        per_head = self.hidden_size // self.num_heads
+        return float(6 * self.num_matmul_params() + 12 * self.num_layers * self.num_heads * per_head * seq_len)
+
+    def num_params(self) -> int:
+        """All parameters as stored (embedding once when tied, norms and biases included)."""
+        d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        per_layer = self.num_matmul_params_per_layer() + 2 * d
+        if self.qk_norm:
+            per_layer += 2 * hd
+        if self.attention_bias:
+            per_layer += (h + 2 * k) * hd
+        if self.attention_out_bias:
+            per_layer += d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.num_layers * per_layer + self.vocab_size * d + head + d
+
+    def num_matmul_params_per_layer(self) -> int:
+        return (self.num_matmul_params() - self.hidden_size * self.vocab_size) // self.num_layers
+
+
+def _read_rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the transformers-5 `rope_parameters` or the legacy keys."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        scaling = None
+        if rope_type != "default":
+            scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+            scaling["rope_type"] = rope_type
+        return float(theta), scaling
+    scaling = hf.get("rope_scaling")
+    if scaling:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(hf.get("rope_theta", 10000.0)), scaling or None

@@ -1,0 +1,200 @@
+"""Causal decoder for the Qwen3 / Qwen2 / Llama families (Flax NNX).
+
+Layer parameters are stacked on a leading `layers` axis and the forward pass is a `lax.scan` over a pure
+layer function: one layer is traced and compiled once however deep the model is, and the remat policy wraps
+exactly one layer. The HF name mapping (hf_io.py) stacks and unstacks at the boundary.
+
+Weights are stored in einsum-friendly layouts, shapes named by their axes:
+  embed        [V, D]           q_proj [L, D, H, Dh]   k_proj/v_proj [L, D, K, Dh]   o_proj [L, H, Dh, D]
+  gate/up_proj [L, D, F]        down_proj [L, F, D]    lm_head [D, V] (absent when tied)
+Letters: B batch, T sequence, D hidden, H query heads, K kv heads, Dh head dim, F MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from primejax.models.attention import attention
+from primejax.models.config import ModelConfig
+from primejax.models.sharding import constrain
+
+_INIT_STD = 0.02  # HF initializer_range default for these families
+
+_REMAT_POLICIES = {
+    "full": None,  # jax.checkpoint with no policy saves nothing but the inputs
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, ones=False):
+    assert len(shape) == len(axes), (shape, axes)
+    if ones:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF RMSNorm: normalize in fp32, cast back, then scale in the compute dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [Dh/2] (float32), with llama3 frequency-dependent scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    scaling = cfg.rope_scaling
+    if scaling is None or scaling.get("rope_type", "default") == "default":
+        return inv_freq
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, Dh] for the half-split (rotate_half) convention HF uses for these families."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x_btnh: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
+    half = x_btnh.shape[-1] // 2
+    rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
+    return x_btnh * cos_btd[:, :, None] + rotated * sin_btd[:, :, None]
+
+
+def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd, segment_ids, cos, sin) -> jax.Array:
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `p` holds one layer's (unstacked) weights."""
+    dt = x_btd.dtype
+    eps = cfg.rms_norm_eps
+
+    h_btd = rms_norm(x_btd, p["attn_norm"], eps)
+    q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt))
+    k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt))
+    v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt))
+    if cfg.attention_bias:
+        q_btnh = q_btnh + p["q_bias"].astype(dt)
+        k_btkh = k_btkh + p["k_bias"].astype(dt)
+        v_btkh = v_btkh + p["v_bias"].astype(dt)
+    if cfg.qk_norm:
+        q_btnh = rms_norm(q_btnh, p["q_norm"], eps)
+        k_btkh = rms_norm(k_btkh, p["k_norm"], eps)
+    q_btnh = constrain(apply_rope(q_btnh, cos, sin), ("batch", "seq", "act_heads", "head_dim"))
+    k_btkh = constrain(apply_rope(k_btkh, cos, sin), ("batch", "seq", "act_kv_heads", "head_dim"))
+    v_btkh = constrain(v_btkh, ("batch", "seq", "act_kv_heads", "head_dim"))
+
+    o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl)
+    o_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt))
+    if cfg.attention_out_bias:
+        o_btd = o_btd + p["o_bias"].astype(dt)
+    x_btd = constrain(x_btd + o_btd, ("batch", "seq", "act_embed"))
+
+    h_btd = rms_norm(x_btd, p["mlp_norm"], eps)
+    g_btf = jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt))
+    u_btf = jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt))
+    a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
+    y_btd = jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt))
+    return constrain(x_btd + y_btd, ("batch", "seq", "act_embed"))
+
+
+class DecoderStack(nnx.Module):
+    """All decoder layers, parameters stacked on a leading `layers` axis, applied with `lax.scan`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        n, d, h, k, hd, f = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size)
+        dt = jnp.dtype(cfg.param_dtype)
+        lay = "layers"
+        self.attn_norm = _param(rngs, (n, d), (lay, "norm"), dt, ones=True)
+        self.q_proj = _param(rngs, (n, d, h, hd), (lay, "embed", "q_heads", "head_dim"), dt)
+        self.k_proj = _param(rngs, (n, d, k, hd), (lay, "embed", "kv_heads", "head_dim"), dt)
+        self.v_proj = _param(rngs, (n, d, k, hd), (lay, "embed", "kv_heads", "head_dim"), dt)
+        self.o_proj = _param(rngs, (n, h, hd, d), (lay, "q_heads", "head_dim", "embed"), dt)
+        if cfg.attention_bias:
+            # HF zero-initializes biases; small random values make tests exercise them.
+            self.q_bias = _param(rngs, (n, h, hd), (lay, "q_heads", "head_dim"), dt)
+            self.k_bias = _param(rngs, (n, k, hd), (lay, "kv_heads", "head_dim"), dt)
+            self.v_bias = _param(rngs, (n, k, hd), (lay, "kv_heads", "head_dim"), dt)
+        if cfg.attention_out_bias:
+            self.o_bias = _param(rngs, (n, d), (lay, "norm"), dt)
+        if cfg.qk_norm:
+            self.q_norm = _param(rngs, (n, hd), (lay, "head_dim"), dt, ones=True)
+            self.k_norm = _param(rngs, (n, hd), (lay, "head_dim"), dt, ones=True)
+        self.mlp_norm = _param(rngs, (n, d), (lay, "norm"), dt, ones=True)
+        self.gate_proj = _param(rngs, (n, d, f), (lay, "embed", "mlp"), dt)
+        self.up_proj = _param(rngs, (n, d, f), (lay, "embed", "mlp"), dt)
+        self.down_proj = _param(rngs, (n, f, d), (lay, "mlp", "embed"), dt)
+
+    def stacked_params(self) -> dict[str, jax.Array]:
+        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+    def __call__(self, x_btd, segment_ids, cos, sin) -> jax.Array:
+        layer = functools.partial(decoder_layer, self.cfg)
+
+        def step(x, p):
+            return layer(p, x, segment_ids, cos, sin), None
+
+        if self.cfg.remat_policy != "none":
+            step = jax.checkpoint(step, policy=_REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=False)
+        x_btd, _ = jax.lax.scan(step, x_btd, self.stacked_params())
+        return x_btd
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. `__call__` returns final-normed hidden states; logits are left to the caller."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = jnp.dtype(cfg.param_dtype)
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+        self.layers = DecoderStack(cfg, rngs=rngs)
+        self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), dt, ones=True)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """tokens/positions/segment_ids int32 [B, T] -> hidden states [B, T, D] in the compute dtype.
+
+        Rows may pack several samples: attention is causal within a segment and never crosses segments;
+        segment 0 marks padding (its outputs are meaningless and must be masked by the caller).
+        """
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.compute_dtype)
+        x_btd = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
+        cos, sin = rope_tables(positions, cfg, dt)
+        x_btd = self.layers(x_btd, segment_ids, cos, sin)
+        return rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps)
+
+    def lm_head_weight(self) -> jax.Array:
+        """[D, V] output projection (the embedding transposed when tied), in the parameter dtype."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def logits(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """float32 [B, T, V]. Materializes full logits: for tests and small inputs only."""
+        h_btd = self(tokens, positions, segment_ids)
+        w_dv = self.lm_head_weight()
+        out = jnp.einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), preferred_element_type=jnp.float32)
+        return constrain(out, ("batch", "seq", "act_vocab"))
