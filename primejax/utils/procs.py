@@ -1,0 +1,115 @@
+"""Child processes that are always stopped: own process group, killed by PID group on stop, exit or signal.
+
+The launcher, the inference process wrapper and the tests all start children through `ChildProcess`, so no code
+path can leave an orphan behind: `stop()` sends SIGTERM to the whole group, waits, then SIGKILLs it, and an
+`atexit` hook stops whatever is still running when the parent exits normally.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+_LIVE: weakref.WeakSet[ChildProcess] = weakref.WeakSet()
+
+
+def _stop_all_at_exit() -> None:
+    for child in list(_LIVE):
+        child.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+def tail(path: str | Path, lines: int = 30) -> str:
+    """The last `lines` lines of a log file ("" if it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return ""
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 64 * 1024))
+        data = f.read().decode("utf-8", errors="replace")
+    return "\n".join(data.splitlines()[-lines:])
+
+
+class ChildProcess:
+    """A subprocess in its own process group whose output goes to a log file."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: str | Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,  # own process group: stop() reaches grandchildren (vLLM engine cores)
+        )
+        _LIVE.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return tail(self.log_path, lines)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the group, then SIGKILL it after `grace_s`. Safe to call more than once."""
+        if self.popen.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self.popen.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        # The leader may be gone while workers it forked linger in the group: always sweep it.
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=5)
+        with contextlib.suppress(Exception):
+            self._log.close()
+        _LIVE.discard(self)
+        return self.popen.returncode
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def __enter__(self) -> ChildProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
