@@ -1,0 +1,42 @@
+"""`python -m primejax.inference --config configs/x.py [--config.KEY=VALUE ...] [-- VLLM_ARGS...]`
+
+Starts the inference server of a run (stock vLLM OpenAI API server + primejax admin routes) in the
+foreground, serving `model.path` with the `inference` config section. Arguments after `--` go to vLLM.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from primejax.cli import parse_config, run_main
+from primejax.inference.server import ServerSpec, exec_server
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    vllm_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, vllm_args = argv[:i], argv[i + 1 :]
+    cfg, _ = parse_config(argv, prog="primejax.inference", doc=__doc__.split("\n\n")[1])
+    if not Path(cfg.model.path).is_dir():
+        if not cfg.model.build_tiny.enabled:
+            print(f"error: model.path {cfg.model.path!r} is not a directory", file=sys.stderr)
+            return 2
+        from primejax.models.tiny import build_tiny_model
+
+        bt = cfg.model.build_tiny
+        build_tiny_model(
+            cfg.model.path, family=bt.family, tied=bt.tied, hidden_size=bt.hidden_size, num_layers=bt.num_layers,
+            num_heads=bt.num_heads, num_kv_heads=bt.num_kv_heads, head_dim=bt.head_dim,
+            intermediate_size=bt.intermediate_size, seed=bt.seed,
+        )
+    spec = ServerSpec.from_config(cfg)
+    print(f"primejax.inference: serving {cfg.model.path} at {spec.base_url}", file=sys.stderr, flush=True)
+    exec_server(spec, vllm_args)
+    return 0  # not reached: exec replaced this process
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,292 @@
+"""Async client for one or more primejax inference servers (vLLM + primejax admin routes).
+
+Token-level throughout: prompts go in as token ids and every sample comes back with its exact prompt ids,
+completion ids and the sampling logprob of each completion token, taken after temperature (the server
+runs with `--logprobs-mode processed_logprobs`), which is what the trainer's importance ratio needs.
+
+Generation requests are spread over the servers (least in-flight first); admin calls go to all of them.
+Connection errors, timeouts and 5xx answers are retried with exponential backoff; 4xx answers are not
+(they describe a bad request, which retrying does not fix) and raise `InferenceError` with the server's
+message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    from primejax.inference.process import InferenceServerProcess
+
+logger = logging.getLogger("primejax.inference.client")
+
+
+class InferenceError(RuntimeError):
+    """A request the server rejected (4xx) or that kept failing after all retries."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Completion:
+    """One sample."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]  # log p(token) under the sampling distribution (after temperature)
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str
+
+
+class InferenceClient:
+    def __init__(
+        self,
+        base_urls: str | list[str] | tuple[str, ...],
+        *,
+        timeout_s: float = 600.0,
+        max_retries: int = 5,
+        model: str | None = None,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+    ):
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("InferenceClient needs at least one base URL")
+        self.base_urls = [u.rstrip("/") for u in urls]
+        self.max_retries = max_retries
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._model = model
+        self._in_flight = dict.fromkeys(self.base_urls, 0)
+        # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    # ---------------------------------------------------------------- transport
+    def _pick(self) -> str:
+        least = min(self._in_flight.values())
+        return random.choice([u for u, n in self._in_flight.items() if n == least])
+
+    async def _request(self, method: str, url: str, path: str, payload: dict | None = None) -> Any:
+        """One HTTP call with retries on connection errors, timeouts and 5xx. Returns the decoded JSON."""
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            try:
+                r = await self._http.request(method, url + path, json=payload)
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                last = e
+                logger.warning("%s %s%s: %s (attempt %d)", method, url, path, type(e).__name__, attempt + 1)
+                continue
+            if r.status_code >= 500:
+                last = InferenceError(f"{method} {url}{path}: {r.status_code} {_message(r)}", r.status_code)
+                logger.warning("%s (attempt %d)", last, attempt + 1)
+                continue
+            if r.status_code >= 400:
+                raise InferenceError(f"{method} {url}{path}: {r.status_code} {_message(r)}", r.status_code)
+            return r.json() if r.content else None
+        raise InferenceError(f"{method} {url}{path} failed after {self.max_retries + 1} attempts: {last}") from last
+
+    async def _balanced(self, path: str, payload: dict) -> Any:
+        url = self._pick()
+        self._in_flight[url] += 1
+        try:
+            if "model" not in payload:
+                payload = {"model": await self._model_name(url), **payload}
+            return await self._request("POST", url, path, payload)
+        finally:
+            self._in_flight[url] -= 1
+
+    async def _all(self, method: str, path: str, payload: dict | None = None) -> list[Any]:
+        return list(await asyncio.gather(*(self._request(method, u, path, payload) for u in self.base_urls)))
+
+    async def _model_name(self, url: str) -> str:
+        if self._model is None:
+            models = await self._request("GET", url, "/v1/models")
+            self._model = models["data"][0]["id"]
+        return self._model
+
+    # ---------------------------------------------------------------- generation
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[Completion]:
+        """`n` samples continuing `prompt_token_ids` (no template applied)."""
+        payload: dict[str, Any] = {
+            "prompt": list(prompt_token_ids),
+            **_sampling(n, max_tokens, temperature, top_p, stop, seed, stop_token_ids),
+            "logprobs": 0,  # the sampled token's logprob only
+        }
+        out = await self._balanced("/v1/completions", payload)
+        completions = []
+        for c in sorted(out["choices"], key=lambda c: c["index"]):
+            ids = c["token_ids"]
+            lps = c["logprobs"]["token_logprobs"] if c.get("logprobs") else []
+            completions.append(
+                Completion(c.get("prompt_token_ids") or list(prompt_token_ids), ids, _floats(lps, len(ids)),
+                           c["finish_reason"] or "stop", c["text"])
+            )
+        return completions
+
+    async def chat(
+        self,
+        messages: list[dict],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[Completion]:
+        """`n` samples answering `messages`, rendered with the model's chat template on the server."""
+        payload: dict[str, Any] = {
+            "messages": messages,
+            **_sampling(n, max_tokens, temperature, top_p, stop, seed, stop_token_ids),
+            "logprobs": True,
+            "top_logprobs": 0,
+        }
+        if tools:
+            payload["tools"] = tools
+        if chat_template_kwargs:
+            payload["chat_template_kwargs"] = chat_template_kwargs
+        out = await self._balanced("/v1/chat/completions", payload)
+        prompt_ids = out["prompt_token_ids"]
+        completions = []
+        for c in sorted(out["choices"], key=lambda c: c["index"]):
+            ids = c["token_ids"]
+            lps = [t["logprob"] for t in (c.get("logprobs") or {}).get("content") or []]
+            completions.append(
+                Completion(list(prompt_ids), ids, _floats(lps, len(ids)), c["finish_reason"] or "stop",
+                           c["message"].get("content") or "")
+            )
+        return completions
+
+    async def score(self, token_ids: list[int]) -> list[float | None]:
+        """log p(token_i | tokens_<i) for each token under the served model (temperature 1); first is None."""
+        payload = {
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+        }
+        out = await self._balanced("/v1/completions", payload)
+        entries = out["choices"][0]["prompt_logprobs"]
+        scores: list[float | None] = []
+        for tok, entry in zip(token_ids, entries, strict=True):
+            scores.append(None if entry is None else float(entry[str(tok)]["logprob"]))
+        return scores
+
+    # ---------------------------------------------------------------- admin
+    async def update_weights(self, weight_dir: str, version: int) -> None:
+        """Load `weight_dir` in place on every server and serve it as `version`."""
+        await self._all("POST", "/update_weights", {"weight_dir": str(weight_dir), "version": int(version)})
+
+    async def reload_weights(self) -> None:
+        """Go back to the base model on every server (version 0)."""
+        await self._all("POST", "/reload_weights")
+
+    async def pause(self) -> None:
+        await self._all("POST", "/pause")
+
+    async def resume(self) -> None:
+        await self._all("POST", "/resume")
+
+    async def weights_version(self) -> int:
+        """The weight version every server has reached (the minimum over servers)."""
+        return min(int(v["version"]) for v in await self._all("GET", "/weights_version"))
+
+    async def wait_ready(self, timeout_s: float, process: InferenceServerProcess | None = None) -> None:
+        """Wait until every server answers GET /liveness. Raises at once if `process` died (with its log)."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(self.base_urls)
+        while pending:
+            if process is not None:
+                process.raise_if_dead()
+            for url in list(pending):
+                try:
+                    r = await self._http.get(url + "/liveness", timeout=5.0)
+                    if r.status_code == 200:
+                        pending.discard(url)
+                    elif r.status_code == 404:
+                        raise InferenceError(f"{url} has no /liveness: not a primejax inference server?", 404)
+                except (httpx.TransportError, httpx.TimeoutException):
+                    pass
+            if pending:
+                if time.monotonic() > deadline:
+                    raise InferenceError(f"inference servers not ready after {timeout_s:.0f} s: {sorted(pending)}")
+                await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _sampling(
+    n: int, max_tokens: int, temperature: float, top_p: float, stop: list[str] | None, seed: int | None,
+    stop_token_ids: list[int] | None,
+) -> dict[str, Any]:
+    p: dict[str, Any] = {
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": -1,  # explicit: no model-dir default may narrow the sampling distribution
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    if stop:
+        p["stop"] = stop
+        p["include_stop_str_in_output"] = True  # the text must match the token ids
+    if stop_token_ids:
+        p["stop_token_ids"] = stop_token_ids
+    if seed is not None:
+        p["seed"] = seed
+    return p
+
+
+def _floats(values: list, n: int) -> list[float]:
+    if len(values) != n:
+        raise InferenceError(f"server returned {len(values)} logprobs for {n} tokens")
+    return [float(v) for v in values]
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:1000]
+    return str(body)[:1000]

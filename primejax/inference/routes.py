@@ -1,0 +1,182 @@
+"""primejax's admin routes on the inference server: weight updates, pause/resume, liveness, weight version.
+
+The routes speak to the engine only through `AdminEngine` (five coroutines), which `vllm_ext` implements on
+top of vLLM; nothing here imports vLLM, so the request handling (validation, locking, versioning, error
+codes) is the same whatever engine version sits underneath.
+
+Update protocol: validate the directory from file headers (4xx and nothing touched if bad) -> freeze
+scheduling with in-flight requests kept -> load in place -> drop cached KV computed with the old weights
+(running requests are recomputed, none is lost) -> resume -> publish the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any, Protocol
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from primejax.inference.weights import WeightDirError, version_from_dir
+
+logger = logging.getLogger("primejax.inference")
+
+BASE_VERSION = 0
+
+
+class AdminEngine(Protocol):
+    async def pause(self) -> None: ...  # stop scheduling; keep in-flight requests queued
+    async def resume(self) -> None: ...
+    async def load_weights(self, weight_dir: str) -> None: ...  # in place, from an HF safetensors dir
+    async def reset_cache(self) -> None: ...  # forget KV computed with previous weights
+    async def check_health(self) -> None: ...  # raises if the engine is dead
+
+
+@dataclass
+class AdminState:
+    engine: AdminEngine
+    base_dir: str
+    validate: Callable[[str], None]  # raises WeightDirError
+    version: int = BASE_VERSION
+    weight_dir: str = ""
+    user_paused: bool = False
+    last_load_s: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.weight_dir = self.weight_dir or self.base_dir
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s}
+
+
+router = APIRouter()
+
+
+def _state(request: Request) -> AdminState:
+    return request.app.state.primejax
+
+
+def _error(status: HTTPStatus, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status.value)
+
+
+async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+    if not isinstance(body, dict):
+        return _error(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+    return body
+
+
+async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONResponse:
+    """Load `weight_dir` in place under the state lock; on failure try to restore the previous weights."""
+    t0 = time.perf_counter()
+    await state.engine.pause()
+    try:
+        try:
+            await state.engine.load_weights(weight_dir)
+        except Exception as e:
+            # The load may have stopped half-way: put the previous weights back so the server stays coherent.
+            logger.exception("loading %s failed; restoring %s", weight_dir, state.weight_dir)
+            try:
+                await state.engine.load_weights(state.weight_dir)
+                restored = f"still serving version {state.version}"
+            except Exception:
+                logger.exception("restoring %s failed", state.weight_dir)
+                restored = "restoring the previous weights failed too: the served weights are undefined"
+            await state.engine.reset_cache()
+            return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"loading {weight_dir} failed ({e}); {restored}")
+        await state.engine.reset_cache()
+    finally:
+        if not state.user_paused:
+            await state.engine.resume()
+    state.version, state.weight_dir = version, weight_dir
+    state.last_load_s = time.perf_counter() - t0
+    logger.info("serving weights version %d from %s (%.3f s)", version, weight_dir, state.last_load_s)
+    return JSONResponse(state.describe())
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> JSONResponse:
+    """Body: {"weight_dir": str, "version": int (optional; default: N of a `.../step_N` dir)}."""
+    state = _state(request)
+    body = await _json_body(request)
+    if isinstance(body, JSONResponse):
+        return body
+    weight_dir = body.get("weight_dir")
+    if not isinstance(weight_dir, str) or not weight_dir:
+        return _error(HTTPStatus.BAD_REQUEST, "'weight_dir' (a directory path) is required")
+    version = body.get("version", version_from_dir(weight_dir))
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        return _error(
+            HTTPStatus.BAD_REQUEST,
+            f"cannot tell the weight version: pass 'version' (int >= 0) or name the dir step_N ({weight_dir})",
+        )
+    weight_dir = str(Path(weight_dir).resolve())
+    async with state.lock:
+        try:
+            await run_in_threadpool(state.validate, weight_dir)
+        except WeightDirError as e:
+            status = HTTPStatus.NOT_FOUND if not Path(weight_dir).exists() else HTTPStatus.UNPROCESSABLE_ENTITY
+            return _error(status, f"{e}; still serving version {state.version}")
+        return await _swap(state, weight_dir, version)
+
+
+@router.post("/reload_weights")
+async def reload_weights(request: Request) -> JSONResponse:
+    """Go back to the base model the server was started with (version 0)."""
+    state = _state(request)
+    async with state.lock:
+        return await _swap(state, state.base_dir, BASE_VERSION)
+
+
+@router.get("/weights_version")
+async def weights_version(request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).describe())
+
+
+@router.post("/pause")
+async def pause(request: Request) -> JSONResponse:
+    """Stop scheduling; in-flight and new requests wait (none is dropped) until /resume."""
+    state = _state(request)
+    async with state.lock:
+        state.user_paused = True
+        await state.engine.pause()
+    return JSONResponse({"status": "paused"})
+
+
+@router.post("/resume")
+async def resume(request: Request) -> JSONResponse:
+    state = _state(request)
+    async with state.lock:
+        state.user_paused = False
+        await state.engine.resume()
+    return JSONResponse({"status": "resumed"})
+
+
+@router.get("/liveness")
+async def liveness(request: Request) -> JSONResponse:
+    try:
+        await _state(request).engine.check_health()
+    except Exception as e:
+        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"engine unhealthy: {e}")
+    return JSONResponse({"status": "ok", **_state(request).describe()})
+
+
+@router.post("/init_broadcaster")
+async def init_broadcaster(request: Request) -> JSONResponse:
+    return _error(
+        HTTPStatus.NOT_IMPLEMENTED,
+        "/init_broadcaster (NCCL weight broadcast) is reserved and not implemented; use /update_weights with a "
+        "safetensors directory",
+    )

