@@ -111,6 +111,7 @@ def default_config() -> ConfigDict:
             "async_level": 1,  # k: step n samples from a policy no older than n - k
             "max_concurrent": 64,  # in-flight inference requests
             "max_prompt_tokens": 256,
+            "weights_poll_s": 0.5,  # how often the orchestrator looks for new STABLE broadcasts
             "sampling": ConfigDict(
                 {"temperature": 1.0, "top_p": 1.0, "max_tokens": 128, "max_turns": 4, "seed": -1}
             ),
@@ -203,7 +204,7 @@ _POSITIVE = (
     "run.max_steps", "trainer.micro_batch_size", "trainer.logprob_chunk_size", "orchestrator.batch_size",
     "orchestrator.group_size", "orchestrator.seq_len", "orchestrator.max_concurrent", "orchestrator.sampling.max_tokens",
     "orchestrator.max_prompt_tokens", "inference.max_model_len", "inference.port", "trainer.fake_data.seq_len",
-    "trainer.fake_data.rows",
+    "trainer.fake_data.rows", "orchestrator.weights_poll_s",
 )
 _NON_NEGATIVE = (
     "orchestrator.async_level", "trainer.optim.lr", "trainer.optim.weight_decay", "trainer.optim.max_norm",
