@@ -1,0 +1,273 @@
+"""Hugging Face safetensors <-> primejax parameters.
+
+Names and shapes on disk are exactly HF's (`model.layers.{i}.self_attn.q_proj.weight`, Linear weights as
+[out, in]); inside primejax, layer weights are stacked over layers and laid out for einsum (transformer.py).
+The conversion is one table, `_LAYER_TENSORS`, used in both directions.
+
+Memory: loading reads one parameter kind at a time (e.g. `q_proj` of all layers) into host memory and places
+it straight into its sharded device array, so the host never holds more than one stacked parameter and the
+model is never materialized whole on one device. Export streams tensors the same way and writes one
+safetensors shard at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from primejax.models.config import ModelConfig
+from primejax.models.sharding import param_spec
+from primejax.models.transformer import Transformer
+
+# Files copied next to exported weights so the directory is a complete model for transformers / vLLM.
+AUX_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+Converter = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def _to_out_in(w_in_out: np.ndarray, cfg: ModelConfig) -> np.ndarray:  # [D, ...] -> HF [prod(...), D]
+    return w_in_out.reshape(w_in_out.shape[0], -1).T
+
+
+def _heads_to_out_in(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:  # o_proj [H, Dh, D] -> HF [D, H*Dh]
+    return w.reshape(-1, w.shape[-1]).T
+
+
+def _flat(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w.reshape(-1)
+
+
+def _same(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w
+
+
+def _transpose(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w.T
+
+
+# ours (in DecoderStack) -> (HF suffix under model.layers.{i}., to_hf, from_hf)
+_LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
+    "attn_norm": ("input_layernorm.weight", _same, _same),
+    "q_proj": ("self_attn.q_proj.weight", _to_out_in,
+               lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, c.head_dim)),
+    "k_proj": ("self_attn.k_proj.weight", _to_out_in,
+               lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim)),
+    "v_proj": ("self_attn.v_proj.weight", _to_out_in,
+               lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim)),
+    "o_proj": ("self_attn.o_proj.weight", _heads_to_out_in,
+               lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.hidden_size)),
+    "q_bias": ("self_attn.q_proj.bias", _flat, lambda w, c: w.reshape(c.num_heads, c.head_dim)),
+    "k_bias": ("self_attn.k_proj.bias", _flat, lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+    "v_bias": ("self_attn.v_proj.bias", _flat, lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+    "o_bias": ("self_attn.o_proj.bias", _same, _same),
+    "q_norm": ("self_attn.q_norm.weight", _same, _same),
+    "k_norm": ("self_attn.k_norm.weight", _same, _same),
+    "mlp_norm": ("post_attention_layernorm.weight", _same, _same),
+    "gate_proj": ("mlp.gate_proj.weight", _transpose, _transpose),
+    "up_proj": ("mlp.up_proj.weight", _transpose, _transpose),
+    "down_proj": ("mlp.down_proj.weight", _transpose, _transpose),
+}
+_TOP_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
+    "embed": ("model.embed_tokens.weight", _same, _same),
+    "final_norm": ("model.norm.weight", _same, _same),
+    "lm_head": ("lm_head.weight", _transpose, _transpose),
+}
+
+
+def param_variables(model: Transformer) -> dict[str, nnx.Variable]:
+    """Our parameters by dotted name ("embed", "layers.q_proj", ...), in a fixed order."""
+    out = {name: getattr(model, name) for name in _TOP_TENSORS if hasattr(model, name)}
+    for name, var in vars(model.layers).items():
+        if isinstance(var, nnx.Param):
+            out[f"layers.{name}"] = var
+    return out
+
+
+def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
+    if our_name.startswith("layers."):
+        suffix = _LAYER_TENSORS[our_name.removeprefix("layers.")][0]
+        return [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)]
+    return [_TOP_TENSORS[our_name][0]]
+
+
+def _to_numpy(x: jax.Array, dtype) -> np.ndarray:
+    if dtype is not None and x.dtype != dtype:
+        x = x.astype(dtype)  # cast on device: halves the transfer for bf16 export
+    return np.asarray(jax.device_get(x))
+
+
+def state_to_hf_tensors(model: Transformer, cfg: ModelConfig, dtype: str | None = None) -> Iterator[
+    tuple[str, np.ndarray]
+]:
+    """Yield (HF name, host array) one tensor at a time; `dtype=None` keeps the parameters' dtype."""
+    jdtype = None if dtype is None else jnp.dtype(dtype)
+    for our_name, var in param_variables(model).items():
+        value = _to_numpy(var[...], jdtype)
+        if our_name.startswith("layers."):
+            to_hf = _LAYER_TENSORS[our_name.removeprefix("layers.")][1]
+            for hf_name, layer_value in zip(_hf_names(our_name, cfg), value, strict=True):
+                yield hf_name, np.ascontiguousarray(to_hf(layer_value, cfg))
+        else:
+            yield _TOP_TENSORS[our_name][0], np.ascontiguousarray(_TOP_TENSORS[our_name][1](value, cfg))
+
+
+def hf_tensors_to_state(
+    get_tensor: Callable[[str], np.ndarray],
+    model: Transformer,
+    cfg: ModelConfig,
+    mesh: Mesh | None = None,
+) -> Transformer:
+    """Fill every parameter of `model` (concrete or abstract, from `nnx.eval_shape`) from HF tensors.
+
+    Each parameter is assembled on the host from its HF tensors and placed directly with its rule-given
+    sharding (each device receives only its shard). Returns the same model object.
+    """
+    for our_name, var in param_variables(model).items():
+        dtype = np.dtype(var.dtype)
+        names = _hf_names(our_name, cfg)
+        if our_name.startswith("layers."):
+            from_hf = _LAYER_TENSORS[our_name.removeprefix("layers.")][2]
+            host = np.empty(var.shape, dtype)
+            for i, name in enumerate(names):
+                host[i] = from_hf(get_tensor(name), cfg)
+        else:
+            host = np.asarray(_TOP_TENSORS[our_name][2](get_tensor(names[0]), cfg), dtype)
+        if host.shape != tuple(var.shape):
+            raise ValueError(f"{names[0]}: shape {host.shape} after conversion, expected {tuple(var.shape)}")
+        if mesh is None:
+            var.set_value(jnp.asarray(host))
+        else:
+            sharding = NamedSharding(mesh, param_spec(var, mesh))
+            var.set_value(jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx]))
+        del host
+    return model
+
+
+class _SafetensorsReader:
+    """Tensors by name across the single-file or sharded (index json) layouts of an HF directory."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in model directory {str(model_dir)!r}")
+        self._handles = {f: safe_open(self.dir / f, framework="numpy") for f in files}
+        if weight_map is None:
+            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+        self.weight_map: dict[str, str] = weight_map
+
+    def __call__(self, name: str) -> np.ndarray:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} not found in the safetensors of {str(self.dir)!r}")
+        return self._handles[self.weight_map[name]].get_tensor(name)
+
+
+def load_model(
+    model_dir: str | os.PathLike, *, mesh: Mesh | None = None, **cfg_overrides
+) -> tuple[Transformer, ModelConfig]:
+    """Build the model described by `model_dir/config.json` and load its safetensors weights (sharded)."""
+    cfg = ModelConfig.from_model_dir(model_dir, **cfg_overrides)
+    reader = _SafetensorsReader(model_dir)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return hf_tensors_to_state(reader, model, cfg, mesh), cfg
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """A Transformer whose parameters are shape/dtype placeholders (no memory): a template to fill."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes:
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return shards
+
+
+def export_safetensors(
+    model: Transformer,
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | None = "bfloat16",
+    src_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> dict:
+    """Write the model as an HF directory into `out_dir` (created if needed; the caller makes it atomic).
+
+    Files: model-0000x-of-0000y.safetensors, model.safetensors.index.json, config.json, plus generation
+    config and tokenizer files copied from `src_dir` when present. `dtype=None` keeps the parameter dtype.
+    Returns {"bytes", "seconds", "files"}.
+    """
+    start = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    variables = param_variables(model)
+    itemsize = {k: (np.dtype(v.dtype) if dtype is None else np.dtype(_NP_DTYPES[dtype])).itemsize
+                for k, v in variables.items()}
+    sizes = []
+    for our_name, var in variables.items():
+        per_tensor = int(np.prod(var.shape)) * itemsize[our_name]
+        names = _hf_names(our_name, cfg)
+        sizes += [(n, per_tensor // len(names)) for n in names]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    file_of = {n: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards) for n in s}
+
+    pending: dict[str, np.ndarray] = {}
+    total = 0
+    shard_idx = 0
+    for name, array in state_to_hf_tensors(model, cfg, dtype):
+        pending[name] = array
+        total += array.nbytes
+        # Tensors arrive in plan order, so a shard is complete when its last planned tensor arrives.
+        if name == shards[shard_idx][-1]:
+            save_file(pending, str(out_dir / file_of[name]), metadata={"format": "pt"})
+            pending = {}
+            shard_idx += 1
+    assert not pending and shard_idx == len(shards)
+
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    stored = dtype or str(np.dtype(next(iter(variables.values())).dtype))
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_config(dtype=stored), indent=2) + "\n")
+    if src_dir is not None:
+        for fname in AUX_FILES:
+            if (Path(src_dir) / fname).is_file():
+                shutil.copy2(Path(src_dir) / fname, out_dir / fname)
+    return {"bytes": total, "seconds": time.perf_counter() - start, "files": len(shards)}

@@ -1,0 +1,65 @@
+"""Tiny random HF checkpoints (built locally with transformers, fp32) for the model tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+# name -> (config class, model class, config kwargs)
+VARIANTS = {
+    "qwen3_tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3_untied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=False)),
+    "llama_gqa": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500000.0),
+    ),
+    # original_max_position_embeddings=16 puts head_dim=32's wavelengths in all three llama3 bands
+    # (kept, interpolated, divided by factor) for the positions the tests use.
+    "llama_rope3": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "qwen2_bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+}
+
+
+def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Random-init HF model, with norms and biases perturbed away from HF's constant init so they matter."""
+    cfg_cls, model_cls, extra = VARIANTS[variant]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(**{**_COMMON, **extra})
+    model = model_cls(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return model
