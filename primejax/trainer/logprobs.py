@@ -1,0 +1,83 @@
+"""Target-token logprobs and entropies from hidden states, without materializing [tokens, vocab] fp32 logits.
+
+With a 150k vocabulary a 64k-token row has ~40 GB of fp32 logits, so the LM head is applied one chunk of
+positions at a time inside a `lax.scan`. Each chunk's body is wrapped in `jax.checkpoint`, so the backward
+pass keeps only the chunk's hidden states and recomputes its logits: peak memory is one chunk of logits in
+both directions. The batch dimension is never chunked, so data-parallel sharding of the rows is untouched.
+
+The matmul runs in the hidden states' dtype (the model's compute dtype) with fp32 accumulation; the
+temperature scaling, log-softmax and entropy run in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _chunk_stats(
+    h_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, temps_bt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    logits_btv = jnp.einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), preferred_element_type=jnp.float32)
+    logits_btv = logits_btv / temps_bt[..., None].astype(jnp.float32)
+    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    logprobs_bt = target_logit_bt - lse_bt
+    # H = lse - sum_v p_v z_v; computed from the same logits so it costs no extra matmul.
+    probs_btv = jnp.exp(logits_btv - lse_bt[..., None])
+    entropy_bt = lse_bt - jnp.sum(probs_btv * logits_btv, axis=-1)
+    return logprobs_bt, entropy_bt
+
+
+def token_logprobs(
+    hidden_btd: jax.Array,
+    lm_head_dv: jax.Array,
+    targets_bt: jax.Array,
+    temperatures_bt: jax.Array,
+    chunk_size: int = 1024,
+) -> tuple[jax.Array, jax.Array]:
+    """(logprobs, entropy), both fp32 [B, T]: log softmax(h @ W / temp)[target] and the entropy of that softmax.
+
+    `chunk_size` positions are processed at a time; T is padded up to a multiple of it (the padding is
+    computed and dropped).
+    """
+    b, t, d = hidden_btd.shape
+    chunk = max(1, min(chunk_size, t))
+    num_chunks = -(-t // chunk)
+    pad = num_chunks * chunk - t
+    if pad:
+        hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+        targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+        temperatures_bt = jnp.pad(temperatures_bt, ((0, 0), (0, pad)), constant_values=1.0)
+    if num_chunks == 1:
+        lp, ent = jax.checkpoint(_chunk_stats)(hidden_btd, lm_head_dv, targets_bt, temperatures_bt)
+        return lp[:, :t], ent[:, :t]
+
+    # [B, C*K, ...] -> [C, B, K, ...]: scan over chunks, keep the batch axis (and its sharding) inside.
+    def split(x: jax.Array) -> jax.Array:
+        return jnp.moveaxis(x.reshape(b, num_chunks, chunk, *x.shape[2:]), 1, 0)
+
+    body = jax.checkpoint(lambda h, y, tau: _chunk_stats(h, lm_head_dv, y, tau))
+
+    def step(carry: None, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
+        return carry, body(*xs)
+
+    _, (lp_cbk, ent_cbk) = jax.lax.scan(step, None, (split(hidden_btd), split(targets_bt), split(temperatures_bt)))
+
+    def merge(x: jax.Array) -> jax.Array:
+        return jnp.moveaxis(x, 0, 1).reshape(b, num_chunks * chunk)[:, :t]
+
+    return merge(lp_cbk), merge(ent_cbk)
+
+
+def token_logprobs_reference(
+    hidden_btd: jax.Array, lm_head_dv: jax.Array, targets_bt: jax.Array, temperatures_bt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The naive version (full [B, T, V] logits), for tests."""
+    logits = jnp.einsum(
+        "btd,dv->btv", hidden_btd, lm_head_dv.astype(hidden_btd.dtype), preferred_element_type=jnp.float32
+    ) / temperatures_bt[..., None]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    lp = jnp.take_along_axis(logp, targets_bt[..., None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return lp, ent

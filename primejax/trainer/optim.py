@@ -1,0 +1,65 @@
+"""Optimizer and learning-rate schedules: optax AdamW behind global-norm gradient clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import optax
+
+
+def make_schedule(
+    lr: float, kind: str = "constant", warmup_steps: int = 0, decay_steps: int = 0, min_lr_ratio: float = 0.0
+) -> optax.Schedule:
+    """lr as a function of the optimizer step (0-based: the first update uses schedule(0)).
+
+    constant: lr after an optional linear warm-up from 0. linear / cosine: warm-up, then decay to
+    lr * min_lr_ratio at `decay_steps` (counted from step 0, so the decay spans decay_steps - warmup_steps).
+    """
+    floor = lr * min_lr_ratio
+    if kind == "constant":
+        main = optax.constant_schedule(lr)
+    elif kind in ("linear", "cosine"):
+        if decay_steps <= warmup_steps:
+            raise ValueError(f"decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})")
+        span = decay_steps - warmup_steps
+        if kind == "linear":
+            main = optax.linear_schedule(lr, floor, span)
+        else:
+            main = optax.cosine_decay_schedule(lr, span, alpha=min_lr_ratio)
+    else:
+        raise ValueError(f"unknown schedule {kind!r}")
+    if warmup_steps <= 0:
+        return main
+    # Warm-up starts above 0 so the first update is not a wasted no-op.
+    warmup = optax.linear_schedule(lr / (warmup_steps + 1), lr, warmup_steps)
+    return optax.join_schedules([warmup, main], [warmup_steps])
+
+
+def _decay_mask(params: Any) -> Any:
+    # Norm scales and biases (rank < 2) are not decayed, the usual AdamW practice for transformers.
+    return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+
+
+def make_optimizer(optim: Mapping[str, Any], schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Global-norm clip (if max_norm > 0) then AdamW with the given schedule."""
+    parts = []
+    if optim["max_norm"] > 0:
+        parts.append(optax.clip_by_global_norm(optim["max_norm"]))
+    parts.append(
+        optax.adamw(
+            schedule, b1=optim["b1"], b2=optim["b2"], eps=optim["eps"], weight_decay=optim["weight_decay"],
+            mask=_decay_mask,
+        )
+    )
+    return optax.chain(*parts)
+
+
+def from_config(trainer_cfg: Mapping[str, Any], max_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(optimizer, schedule) from the `trainer` config section; decay_steps 0 means run.max_steps."""
+    s = trainer_cfg["scheduler"]
+    schedule = make_schedule(
+        trainer_cfg["optim"]["lr"], s["type"], s["warmup_steps"], s["decay_steps"] or max_steps, s["min_lr_ratio"]
+    )
+    return make_optimizer(trainer_cfg["optim"], schedule), schedule

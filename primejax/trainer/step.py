@@ -1,0 +1,160 @@
+"""One optimizer step over a step's micro-batches, as a single jitted function.
+
+The step's batch arrives as [M, R, T] arrays (M micro-batches of R packed rows). Before the micro-batch loop
+the step counts every loss component's member tokens over the whole step (N_c, see losses.py), then a
+`lax.scan` over the micro-batches accumulates fp32 gradients of each micro-batch's already-normalized loss
+share; the sum is therefore exactly the gradient of the step's loss, whatever M is. Then the global-norm
+clip + AdamW update, guarded against non-finite values (the update is skipped and `nonfinite` = 1).
+
+The state lives in fp32 (master weights, `model.param_dtype`), the model casts to its compute dtype inside
+(bf16 by default); the remat policy and the attention kernel are model config. Rows are sharded over
+("data", "fsdp"); parameters by the model's sharding rules. The state is donated, and everything returned
+is an array (metrics included), so the host never waits inside a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from primejax.contracts.batch import FIELDS, PackedBatch
+from primejax.trainer.logprobs import token_logprobs
+from primejax.trainer.losses import LossConfig, finalize_metrics, global_counts, make_loss_fn
+
+BATCH_AXES = ("data", "fsdp")
+
+
+@struct.dataclass
+class TrainState:
+    params: Any  # nested dict of arrays (nnx.to_pure_dict of the model state)
+    opt_state: Any
+    step: jax.Array  # int32: optimizer steps taken
+    rng: jax.Array  # uint32 key data; reserved for stochastic layers, carried and checkpointed
+
+
+def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int = 0) -> TrainState:
+    params = nnx.to_pure_dict(nnx.state(model))
+    opt_state = jax.jit(optimizer.init)(params)  # jit: moments take the parameters' sharding
+    return TrainState(params, opt_state, jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
+
+
+def shift_targets(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Align the streams with the hidden states: position t predicts token t + 1.
+
+    The batch stores streams per target token (contracts.batch); here every stream moves one step left, so
+    index t of the result is about the token predicted from hidden state t. The last position predicts
+    nothing (loss_mask False). A segment's first token is never trained, so no loss crosses segments.
+    """
+    def left(x: jax.Array, fill: Any) -> jax.Array:
+        return jnp.concatenate([x[:, 1:], jnp.full_like(x[:, :1], fill)], axis=1)
+
+    targets = left(mb["tokens"], 0)
+    streams = {k: left(mb[k], 1.0 if k == "temperatures" else 0) for k in FIELDS if k not in ("tokens", "positions")}
+    return targets, streams
+
+
+def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    loss_cfg: LossConfig,
+    *,
+    chunk_size: int = 1024,
+    max_segments: int = 0,
+) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
+    """The (unjitted) step function train_step(state, batch[M, R, T]) -> (state, metrics)."""
+    loss_fn = make_loss_fn(loss_cfg, max_segments)
+
+    def micro_loss(params, mb, counts):
+        model = nnx.merge(graphdef, params)
+        hidden_btd = model(mb["tokens"], mb["positions"], mb["segment_ids"])
+        targets, streams = shift_targets(mb)
+        lp, ent = token_logprobs(hidden_btd, model.lm_head_weight(), targets, streams["temperatures"], chunk_size)
+        return loss_fn(lp, ent, streams, counts)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        _, whole = shift_targets({k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()})
+        counts = global_counts(whole)
+
+        def body(carry, mb):
+            grads_acc, loss_acc, sums_acc = carry
+            (loss, sums), grads = grad_fn(state.params, mb, counts)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+            sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+            return (grads_acc, loss_acc + loss, sums_acc), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        first = jax.tree.map(lambda v: v[0], batch)
+        sums_shape = jax.eval_shape(lambda: micro_loss(state.params, first, counts)[1])
+        sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+        (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
+
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TrainState(
+            params=_tree_where(finite, params, state.params),
+            opt_state=_tree_where(finite, opt_state, state.opt_state),
+            step=state.step + finite.astype(jnp.int32),
+            rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]),
+        )
+        metrics = finalize_metrics(sums, counts)
+        metrics.update(loss=loss, grad_norm=grad_norm, lr=schedule(state.step), nonfinite=(~finite).astype(jnp.int32))
+        return new, metrics
+
+    return train_step
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[M, R, T] arrays: rows over the data-parallel axes, micro-batch and sequence axes whole."""
+    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))
+
+
+def jit_train_step(step_fn: Callable, state: TrainState, mesh: Mesh) -> Callable:
+    """jit with the state's current shardings pinned on input and output, and the state donated."""
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(
+        step_fn,
+        in_shardings=(state_sh, batch_sharding(mesh)),
+        out_shardings=(state_sh, replicated),
+        donate_argnums=(0,),
+    )
+
+
+def dp_size(mesh: Mesh) -> int:
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def to_micro_batches(batch: PackedBatch, micro_batch_rows: int) -> dict[str, np.ndarray]:
+    """[rows, T] -> [M, micro_batch_rows, T], padding with empty rows (no loss) to fill the last one."""
+    rows = -(-batch.rows // micro_batch_rows) * micro_batch_rows
+    batch = batch.pad_rows(rows)
+    return {k: v.reshape(rows // micro_batch_rows, micro_batch_rows, v.shape[-1]) for k, v in batch.arrays().items()}
+
+
+def max_segments_bucket(batch: PackedBatch) -> int:
+    """Static bound on packed sequences per row, rounded up to a power of two to limit recompilations."""
+    n = int(batch.segment_ids.max(initial=0))
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def device_batch(arrays: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Place this process's rows as the global [M, R, T] batch (every process passes its own rank file)."""
+    sh = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sh, v) for k, v in arrays.items()}
