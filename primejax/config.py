@@ -60,7 +60,8 @@ def default_config() -> ConfigDict:
             # Build a tiny random model + tokenizer at `path` when it is missing (offline demo and tests).
             "build_tiny": ConfigDict(
                 {"enabled": False, "family": "qwen3", "tied": True, "hidden_size": 64, "num_layers": 2,
-                 "num_heads": 2, "num_kv_heads": 1, "head_dim": 32, "intermediate_size": 128, "seed": 0}
+                 "num_heads": 2, "num_kv_heads": 1, "head_dim": 32, "intermediate_size": 128, "seed": 0,
+                 "vocab_size": 0}  # 0 = the builder's default BPE size; ~270 = character-level
             ),
             "param_dtype": "float32",  # master weights
             "compute_dtype": "bfloat16",
@@ -180,8 +181,17 @@ def default_config() -> ConfigDict:
 
     c.monitor = ConfigDict({"tensorboard": True, "jsonl": True})
 
+    # Supervised fine-tuning (`python -m primejax.sft`, or a warm-up the launcher runs before RL when steps > 0).
     c.sft = ConfigDict(
-        {"data_path": "", "steps": 0, "batch_size": 16, "lr": 1e-3, "seq_len": 256}
+        {
+            "data_path": "",  # chat JSONL ({"messages": [...]} or {"prompt", "completion"} per line)
+            "from_env": "",  # or: generate demonstrations from this orchestrator.envs entry's answers
+            "num_examples": 2048,  # how many to generate with from_env
+            "steps": 0,
+            "batch_size": 64,  # conversations per step
+            "lr": 1e-3,
+            "seq_len": 256,
+        }
     )
     return c
 
@@ -307,6 +317,10 @@ def validate(c: ConfigDict) -> ConfigDict:
         raise ConfigError("run.resume_step", f"must be '', 'latest' or a step number, got {c.run.resume_step!r}")
     if not c.run.name or "/" in c.run.name:
         raise ConfigError("run.name", f"must be a non-empty name without '/', got {c.run.name!r}")
+    if c.sft.steps > 0 and not (c.sft.data_path or c.sft.from_env):
+        raise ConfigError("sft.data_path", "SFT needs a data file (sft.data_path) or an env (sft.from_env)")
+    if c.sft.from_env and c.sft.from_env not in o.envs:
+        raise ConfigError("sft.from_env", f"{c.sft.from_env!r} is not an orchestrator.envs entry")
     if not c.model.path and not c.trainer.fake_data.enabled:
         raise ConfigError("model.path", "must name an HF model directory")
     return c

@@ -64,6 +64,8 @@ def test_defaults_validate():
         ({"orchestrator__buffer__oversampling_factor": 0.5}, "orchestrator.buffer.oversampling_factor"),
         ({"orchestrator__algo__sampling__source": "teacher"}, "orchestrator.algo.sampling.source"),
         ({"orchestrator__algo__length_penalty__type": "words"}, "orchestrator.algo.length_penalty.type"),
+        ({"sft__steps": 10}, "sft.data_path"),
+        ({"sft__steps": 10, "sft__from_env": "nope"}, "sft.from_env"),
     ],
 )
 def test_each_rule_rejects_with_the_key_named(changes, key):

@@ -1,0 +1,95 @@
+"""SFT data: chat JSONL -> training samples with the loss on assistant tokens only.
+
+Each JSONL line is either `{"messages": [{"role": ..., "content": ...}, ...]}` or
+`{"prompt": str | messages, "completion": str | messages}`. Token ids come from the tokenizer's chat template;
+an assistant message's tokens are found by rendering the conversation up to that message with
+`add_generation_prompt=True` (its prefix) and through it (its end), so whatever the template puts around a
+turn, exactly the tokens the model must produce (content + end-of-turn) carry the loss. Samples become
+`TrainingSample`s on the ce component only (`ce_weights` 1.0 on assistant tokens, rl weight 0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from primejax.contracts.batch import TrainingSample
+from primejax.utils.io import atomic_write_text
+
+Message = dict[str, Any]
+
+
+class SFTDataError(ValueError):
+    pass
+
+
+def _as_messages(value: Any, role: str) -> list[Message]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+        return value
+    raise SFTDataError(f"expected a string or a list of messages, got {type(value).__name__}")
+
+
+def read_jsonl(path: str | Path) -> Iterator[list[Message]]:
+    """Yield each line's conversation; a malformed line is an error naming the file and line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise SFTDataError(f"{path}: no such SFT data file")
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if "messages" in row:
+                    messages = _as_messages(row["messages"], "user")
+                else:
+                    messages = _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
+            except (json.JSONDecodeError, KeyError, TypeError, SFTDataError) as e:
+                raise SFTDataError(f"{path}:{lineno}: not an SFT example ({type(e).__name__}: {e})") from None
+            if not any(m["role"] == "assistant" for m in messages):
+                raise SFTDataError(f"{path}:{lineno}: no assistant message to train on")
+            yield messages
+
+
+def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    if hasattr(ids, "keys"):  # transformers >= 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def conversation_to_sample(tokenizer: Any, messages: list[Message], max_len: int | None = None) -> TrainingSample:
+    """Token ids of the whole conversation with loss on every assistant turn."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise SFTDataError("the tokenizer has no chat template")
+    full = _render(tokenizer, messages, generation_prompt=False)
+    mask = [False] * len(full)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(_render(tokenizer, messages[:i], generation_prompt=True))
+        end = len(_render(tokenizer, messages[: i + 1], generation_prompt=False))
+        # Trailing template whitespace after the end-of-turn token is not something the model must emit.
+        while end > start and tokenizer.decode([full[end - 1]]).strip() == "":
+            end -= 1
+        for t in range(max(start, 1), end):
+            mask[t] = True
+    if max_len is not None and len(full) > max_len:
+        raise SFTDataError(f"a conversation has {len(full)} tokens, more than sft.seq_len = {max_len}")
+    return TrainingSample(
+        token_ids=full,
+        loss_mask=mask,
+        inference_logprobs=[0.0] * len(full),
+        ce_weights=[1.0 if m else 0.0 for m in mask],
+    )
+
+
+def write_jsonl(path: str | Path, conversations: Iterable[list[Message]]) -> Path:
+    """Write conversations as `{"messages": ...}` lines, atomically."""
+    text = "".join(json.dumps({"messages": m}) + "\n" for m in conversations)
+    atomic_write_text(path, text)
+    return Path(path)
