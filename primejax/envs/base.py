@@ -1,0 +1,79 @@
+"""What the orchestrator needs from an environment: examples, follow-up turns, and a reward.
+
+An environment is addressed by example *index*: `example(i)` must return the same example for the same `i`
+on every call and in every process. That makes the prompt source's state (an RNG and, later, the difficulty
+pools) a handful of integers that checkpoint as JSON, and lets generated environments (reverse-text,
+arithmetic) be infinite without materializing anything.
+
+Messages are plain OpenAI-style dicts (`{"role": ..., "content": ...}`), rendered to token ids by the
+orchestrator with the policy's chat template.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of an environment. `key` identifies it across runs (difficulty pools, logs)."""
+
+    key: str
+    prompt: list[Message]
+    answer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(ABC):
+    """Base class of every environment the orchestrator can drive.
+
+    Single-turn environments implement `example` and `score`. Multi-turn ones also override `env_response`,
+    which the rollout loop calls after each model turn until it returns None or `max_turns` model calls were
+    made. `state` is a per-rollout dict the environment may use freely (it starts empty).
+    """
+
+    #: Number of distinct examples; None = unbounded (generated from the index).
+    num_examples: int | None = None
+    #: Model calls per rollout this environment wants at most; the orchestrator also caps it by
+    #: `orchestrator.sampling.max_turns`.
+    max_turns: int = 1
+
+    @abstractmethod
+    def example(self, index: int) -> Example:
+        """The example at `index` (deterministic)."""
+
+    async def env_response(self, example: Example, messages: list[Message], state: dict[str, Any]) -> list[Message] | None:
+        """New messages after the model's last turn (`messages[-1]`), or None when the episode is over."""
+        return None
+
+    @abstractmethod
+    async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
+        """The rollout's reward from the full conversation (prompt, model turns, environment turns)."""
+
+
+def index_rng(seed: int, index: int) -> random.Random:
+    """A private RNG per example, so example(i) depends on nothing but (seed, i)."""
+    return random.Random(seed * 1_000_003 + index)
+
+
+def completion_text(messages: list[Message]) -> str:
+    """The last assistant message's text ('' if there is none)."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return message.get("content") or ""
+    return ""
+
+
+def extract_tag(text: str, tag: str) -> str | None:
+    """The text inside the last `<tag>...</tag>` (an unclosed final tag counts up to the end), or None."""
+    start = text.rfind(f"<{tag}>")
+    if start < 0:
+        return None
+    body = text[start + len(tag) + 2 :]
+    end = body.find(f"</{tag}>")
+    return (body if end < 0 else body[:end]).strip()

@@ -1,0 +1,34 @@
+"""`python -m primejax.orchestrator --config configs/x.py [--config.KEY=VALUE ...]`
+
+Runs the orchestrator of one run for steps 1..run.max_steps (or from the checkpoint named by
+run.resume_step): samples rollouts from the inference server, scores them, writes rollouts/step_N/ for the
+trainer and keeps the server on the newest broadcast weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from primejax.cli import parse_config, run_main
+from primejax.rundir import log_path, run_dir, write_resolved_config
+
+
+def main() -> int:
+    cfg, _ = parse_config(sys.argv[1:], prog="primejax.orchestrator", doc=__doc__.split("\n\n")[1])
+    root = run_dir(cfg)
+    log_path(root, "orchestrator").parent.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[logging.StreamHandler(), logging.FileHandler(log_path(root, "orchestrator"))],
+    )
+    write_resolved_config(cfg, "orchestrator")
+    from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx
+
+    asyncio.run(run_orchestrator(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,55 @@
+"""Orchestrator checkpoints: `checkpoints/step_N/orchestrator/state.json` (progress, RNG, buffer), JSON only.
+
+The trainer owns `checkpoints/step_N/trainer/`; each side writes its own subdirectory atomically and prunes
+only its own, so either can be restarted alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from primejax.rundir import checkpoint_dir
+from primejax.utils.io import atomic_dir
+
+PROCESS = "orchestrator"
+STATE_FILE = "state.json"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def saved_steps(run_dir: str | Path) -> list[int]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir()
+                  if (m := _STEP.match(p.name)) and (p / PROCESS / STATE_FILE).is_file())
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write the state of the orchestrator after `step` and keep only the newest `keep` checkpoints."""
+    path = checkpoint_dir(run_dir, step, PROCESS)
+    with atomic_dir(path, overwrite=True) as tmp:
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}))
+    if keep > 0:
+        for old in saved_steps(run_dir)[:-keep]:
+            shutil.rmtree(checkpoint_dir(run_dir, old, PROCESS), ignore_errors=True)
+    return path
+
+
+def load_checkpoint(run_dir: str | Path, resume_step: str) -> dict[str, Any] | None:
+    """The state to resume from: `resume_step` is '' (fresh run: None), 'latest', or a step number."""
+    if not resume_step:
+        return None
+    steps = saved_steps(run_dir)
+    if resume_step == "latest":
+        if not steps:
+            return None
+        step = steps[-1]
+    else:
+        step = int(resume_step)
+        if step not in steps:
+            raise FileNotFoundError(f"no orchestrator checkpoint for step {step} in {run_dir} (have {steps})")
+    return json.loads((checkpoint_dir(run_dir, step, PROCESS) / STATE_FILE).read_text())

@@ -1,0 +1,169 @@
+"""Groups of rollouts: the environment <-> inference client loop, with bounded concurrency.
+
+A group's first turn is one request with `n = group_size` (the prompt is shared, so the server prefills it
+once); each rollout then continues alone through its later turns. A semaphore bounds the requests in flight.
+Each rollout is handed to `algorithm.finalize_rollout` as soon as it is scored, before its siblings finish.
+
+Failure isolation: an exception from the environment (follow-up turn or scoring) or from a later-turn request
+fails that rollout only (`rollout.error`, logged and counted). A failed first request fails its group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from primejax.orchestrator.buffer import EnvSlot
+from primejax.orchestrator.renderer import Renderer
+from primejax.orchestrator.rollout import Rollout, TrajectoryStep
+
+log = logging.getLogger(__name__)
+
+
+class Completion(Protocol):
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    finish_reason: str
+    text: str
+
+
+class SamplingClient(Protocol):
+    async def generate(self, prompt_token_ids: list[int], *, n: int, max_tokens: int, temperature: float,
+                       top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None) -> list[Any]: ...
+
+
+class VersionSource(Protocol):
+    @property
+    def version(self) -> int: ...
+
+
+@dataclass
+class GenerationStats:
+    """Per-step counters the metrics stage reads."""
+
+    requests: int = 0
+    server_seconds: float = 0.0  # summed request latency (overlapping requests add up)
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def count_error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+@dataclass
+class SamplingSettings:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    max_turns: int
+    seed: int  # -1 = unseeded
+    max_prompt_tokens: int
+
+
+class GroupGenerator:
+    def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingSettings,
+                 policy: VersionSource, max_concurrent: int):
+        self.client = client
+        self.renderer = renderer
+        self.settings = settings
+        self.policy = policy
+        self.semaphore = asyncio.Semaphore(max_concurrent)
+        self.stats = GenerationStats()
+
+    async def _request(self, prompt_ids: list[int], n: int, seed: int | None) -> tuple[list[Any], int]:
+        s = self.settings
+        async with self.semaphore:
+            # Read the version when the request starts: the gate guarantees it is fresh enough, and a weight
+            # update racing the request can only make the served policy newer than the tag.
+            version = self.policy.version
+            start = time.perf_counter()
+            completions = await self.client.generate(
+                prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=seed
+            )
+            self.stats.server_seconds += time.perf_counter() - start
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(prompt_ids)
+        self.stats.completion_tokens += sum(len(c.completion_token_ids) for c in completions)
+        if len(completions) != n:
+            raise RuntimeError(f"asked for {n} completions, got {len(completions)}")
+        return completions, version
+
+    def _step(self, prompt_ids: list[int], completion: Any, version: int) -> TrajectoryStep:
+        ids = list(completion.completion_token_ids)
+        logprobs = [float(x) for x in completion.completion_logprobs]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"server returned {len(logprobs)} logprobs for {len(ids)} tokens")
+        served = getattr(completion, "prompt_token_ids", None)
+        if served is not None and list(served) != prompt_ids:
+            raise RuntimeError("the server's prompt token ids differ from the ids sent")
+        return TrajectoryStep(prompt_ids=prompt_ids, completion_ids=ids, completion_logprobs=logprobs,
+                              finish_reason=str(completion.finish_reason), policy_version=version)
+
+    def _seed(self, step: int, group_id: int, turn: int, member: int) -> int | None:
+        if self.settings.seed < 0:
+            return None
+        return (self.settings.seed * 1_000_003 + step * 10_007 + group_id * 101 + turn * 7 + member) % (2**31)
+
+    async def group(self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int) -> list[Rollout]:
+        example = slot.env.example(index)
+        rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
+                            messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]
+        try:
+            prompt_ids = self.renderer.render_ids(example.prompt)
+            if len(prompt_ids) > self.settings.max_prompt_tokens:
+                raise ValueError(f"prompt has {len(prompt_ids)} tokens > max_prompt_tokens")
+            completions, version = await self._request(prompt_ids, group_size, self._seed(step, group_id, 0, 0))
+        except Exception as e:  # noqa: BLE001 - a failed group must not take the step down
+            log.warning("group %d (%s #%d) failed on its first request: %s", group_id, slot.name, index, e)
+            for r in rollouts:
+                r.error = f"request: {type(e).__name__}: {e}"
+                self.stats.count_error("request")
+            return rollouts
+        await asyncio.gather(*(
+            self._finish(slot, r, prompt_ids, c, version, step, member)
+            for member, (r, c) in enumerate(zip(rollouts, completions, strict=True))
+        ))
+        return rollouts
+
+    async def _finish(self, slot: EnvSlot, rollout: Rollout, prompt_ids: list[int], completion: Any,
+                      version: int, step: int, member: int) -> None:
+        stage = "request"
+        try:
+            max_turns = max(1, min(slot.env.max_turns, self.settings.max_turns))
+            while True:
+                rollout.steps.append(self._step(prompt_ids, completion, version))
+                rollout.messages.append({"role": "assistant",
+                                         "content": self.renderer.parse_response(rollout.steps[-1].completion_ids)})
+                if len(rollout.steps) >= max_turns:
+                    break
+                stage = "env"
+                new = await slot.env.env_response(rollout.example, rollout.messages, rollout.state)
+                if not new:
+                    break
+                rollout.messages.extend(new)
+                last = rollout.steps[-1]
+                prompt_ids = (self.renderer.bridge_to_next_turn(last.prompt_ids, last.completion_ids, new)
+                              or self.renderer.render_ids(rollout.messages))
+                if len(prompt_ids) > self.settings.max_prompt_tokens:
+                    rollout.truncated = True
+                    break
+                stage = "request"
+                seed = self._seed(step, rollout.group_id, len(rollout.steps), member)
+                (completion,), version = await self._request(prompt_ids, 1, seed)
+            rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
+            stage = "score"
+            rollout.reward = float(await slot.env.score(rollout.example, rollout.messages, rollout.state))
+            stage = "algorithm"
+            await slot.algorithm.finalize_rollout(rollout)
+        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
+            rollout.error = f"{stage}: {type(e).__name__}: {e}"
+            rollout.reward = None
+            self.stats.count_error(stage)
+            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage, slot.name, rollout.example_index, e,
+                        traceback.format_exc(limit=3))

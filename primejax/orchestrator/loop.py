@@ -1,0 +1,218 @@
+"""The orchestrator: one step is a pipeline of small stages, in the order a rollout travels.
+
+    gate (off-policy bound) -> prompts (buffer) -> groups (env <-> client; finalize_rollout on arrival)
+    -> finalize_group -> pre-batch filters -> batch cut -> post-batch filters -> samples -> pack -> write
+
+`Orchestrator.run()` repeats it for steps start..max_steps, checkpointing every `checkpoint.interval` steps,
+while a watcher task keeps the inference server on the newest broadcast weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from primejax.contracts.batch import TrainingSample, pack_samples, step_dir, write_batch
+from primejax.envs.registry import load_env
+from primejax.orchestrator import metrics as M
+from primejax.orchestrator.algorithms import build_algorithm
+from primejax.orchestrator.buffer import Buffer, EnvSlot
+from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
+from primejax.orchestrator.filters import build_slots
+from primejax.orchestrator.generate import GroupGenerator, SamplingSettings
+from primejax.orchestrator.policy import PolicyTracker, min_policy_version
+from primejax.orchestrator.renderer import build_renderer
+from primejax.orchestrator.rollout import Rollout
+from primejax.orchestrator.samples import rollout_to_samples
+from primejax.utils.io import atomic_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    step: int
+    rollouts: list[Rollout]  # every rollout generated this step
+    batch: list[Rollout]  # the rollouts shipped to the trainer
+    samples: list[TrainingSample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def build_env_slots(cfg: ConfigDict, **resources: Any) -> list[EnvSlot]:
+    """One slot per `orchestrator.envs` entry: the environment and its (possibly overridden) algorithm."""
+    o = cfg.orchestrator
+    slots = []
+    for name, entry in o.envs.items():
+        env = load_env(entry.id, entry.args.to_dict())
+        algorithm = build_algorithm(entry.algo or o.algo.type, o.algo, sampling=o.sampling, **resources)
+        slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm))
+    return slots
+
+
+def cut_batch(groups: list[list[Rollout]], batch_size: int) -> list[Rollout]:
+    """The first `batch_size` trainable rollouts in group order (whole groups first, the last may be split)."""
+    batch: list[Rollout] = []
+    for group in groups:
+        for rollout in group:
+            if len(batch) == batch_size:
+                return batch
+            if rollout.ok and not rollout.dropped:
+                batch.append(rollout)
+    return batch
+
+
+class Orchestrator:
+    def __init__(self, cfg: ConfigDict, *, client: Any, tokenizer: Any, run_dir: str | Path, monitor: Any = None,
+                 tracker: PolicyTracker | None = None):
+        o = cfg.orchestrator
+        self.cfg, self.o = cfg, o
+        self.client = client
+        self.run_dir = Path(run_dir)
+        self.monitor = monitor
+        self.slots = build_env_slots(cfg, policy_client=client, tokenizer=tokenizer)
+        self.buffer = Buffer(self.slots, seed=cfg.run.seed)
+        self.tracker = tracker or PolicyTracker(client, self.run_dir, poll_interval_s=o.weights_poll_s)
+        settings = SamplingSettings(max_tokens=o.sampling.max_tokens, temperature=o.sampling.temperature,
+                                    top_p=o.sampling.top_p, max_turns=o.sampling.max_turns, seed=o.sampling.seed,
+                                    max_prompt_tokens=o.max_prompt_tokens)
+        self.generator = GroupGenerator(client, build_renderer(o.renderer.name, tokenizer), settings, self.tracker,
+                                        o.max_concurrent)
+        self.pre_filters, self.post_filters = build_slots(o.filters)
+        self.num_shards = max(1, cfg.trainer.distributed.num_processes)
+        self.next_step = 1
+
+    # ------------------------------------------------------------------------------------------ stages
+
+    async def _group(self, env: str, index: int, group_id: int, step: int) -> list[Rollout]:
+        slot = self.buffer.envs[env]
+        group = await self.generator.group(slot, index, group_id, self.o.group_size, step)
+        slot.algorithm.finalize_group(group)
+        if not self.buffer.observe_group(env, index, [r.reward for r in group if r.ok]):
+            for r in group:
+                r.dropped = True
+        return group
+
+    async def generate(self, step: int) -> list[list[Rollout]]:
+        num_groups = math.ceil(self.o.batch_size / self.o.group_size * self.o.buffer.oversampling_factor)
+        prompts = self.buffer.sample(num_groups)
+        return list(await asyncio.gather(*(self._group(env, index, gid, step)
+                                           for gid, (env, index) in enumerate(prompts))))
+
+    def to_samples(self, batch: list[Rollout]) -> list[TrainingSample]:
+        samples = []
+        for rollout in batch:
+            loss_type = self.buffer.envs[rollout.env].algorithm.action_loss_type
+            samples += rollout_to_samples(rollout, loss_type, self.o.sampling.temperature, self.o.seq_len)
+        return samples
+
+    def write(self, step: int, samples: list[TrainingSample], meta: dict[str, Any]) -> Path:
+        batches = pack_samples(samples, self.o.seq_len, num_shards=self.num_shards,
+                               pad_rows_to_multiple=self.cfg.trainer.micro_batch_size)
+        target = step_dir(self.run_dir, step)
+        # The whole step directory appears at once, so the trainer never sees some ranks' files only.
+        with atomic_dir(target, overwrite=True) as tmp:
+            for rank, batch in enumerate(batches):
+                write_batch(tmp, rank, batch, meta)
+        return target
+
+    # ------------------------------------------------------------------------------------------ a step
+
+    async def step(self, step: int) -> StepResult:
+        t0 = time.perf_counter()
+        waited = await self.tracker.wait_for(min_policy_version(step, self.o.async_level))
+        t_gen = time.perf_counter()
+        server_before = self.generator.stats.server_seconds
+        tokens_before = self.generator.stats.completion_tokens
+        errors_before = Counter(self.generator.stats.errors)
+        groups = await self.generate(step)
+        gen_seconds = time.perf_counter() - t_gen
+        rollouts = [r for g in groups for r in g]
+
+        t_post = time.perf_counter()
+        _, pre_counts = self.pre_filters.apply(rollouts)
+        batch = cut_batch(groups, self.o.batch_size)
+        batch, post_counts = self.post_filters.apply(batch)
+        samples = self.to_samples(batch)
+        if not samples:
+            log.warning("step %d: no trainable rollout survived (writing an empty batch)", step)
+        self.write(step, samples, {"step": step, "policy_version": self.tracker.version})
+        post_seconds = time.perf_counter() - t_post
+
+        total = time.perf_counter() - t0
+        completion_tokens = self.generator.stats.completion_tokens - tokens_before
+        errors = Counter(self.generator.stats.errors) - errors_before
+        server_seconds = self.generator.stats.server_seconds - server_before
+        metrics = M.merge(
+            M.rollout_metrics(rollouts), M.sample_metrics(step, samples),
+            M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
+            M.count_metrics("errors", errors),
+            {
+                "batch/rollouts": len(batch),
+                "policy/version": self.tracker.version,
+                "time/wait_for_weights": waited,
+                "time/generate": gen_seconds,
+                "time/postprocess": post_seconds,
+                "time/step": total,
+                "time/server_request_sum": server_seconds,
+                "perf/rollouts_per_s": len(rollouts) / max(gen_seconds, 1e-9),
+                "perf/inference_tokens_per_s": completion_tokens / max(gen_seconds, 1e-9),
+            },
+        )
+        return StepResult(step=step, rollouts=rollouts, batch=batch, samples=samples, metrics=metrics)
+
+    # ------------------------------------------------------------------------------------------ the run
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_step": self.next_step, "buffer": self.buffer.state_dict(),
+                "policy_version": self.tracker.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_step = int(state["next_step"])
+        self.buffer.load_state_dict(state["buffer"])
+
+    def resume(self, resume_step: str) -> None:
+        state = load_checkpoint(self.run_dir, resume_step)
+        if state is not None:
+            self.load_state_dict(state)
+            log.info("resumed orchestrator after step %d", self.next_step - 1)
+
+    def _log(self, result: StepResult) -> None:
+        m = result.metrics
+        log.info("step %d | reward %.3f | rollouts %d (%d errored) | samples %d | wait %.2fs | step %.2fs | v%d",
+                 result.step, m.get("reward/mean", float("nan")), m["rollouts/total"], m["rollouts/errored"],
+                 m["samples/count"], m["time/wait_for_weights"], m["time/step"], m["policy/version"])
+        if self.monitor is not None:
+            self.monitor.scalars(result.step, m)
+            self.monitor.histogram(result.step, "reward", [r.reward for r in result.rollouts if r.ok])
+            self.monitor.histogram(result.step, "advantage",
+                                   [a for r in result.batch if r.advantages for a in r.advantages[:1]])
+            if result.batch:
+                example = result.batch[0]
+                self.monitor.text(result.step, "rollout", json.dumps(example.messages, indent=1)[:4000])
+
+    async def run(self, max_steps: int) -> list[dict[str, float]]:
+        """Run steps next_step..max_steps; return each step's metrics."""
+        watcher = asyncio.create_task(self.tracker.watch())
+        history = []
+        try:
+            while self.next_step <= max_steps:
+                result = await self.step(self.next_step)
+                self._log(result)
+                history.append(result.metrics)
+                self.next_step += 1
+                interval = self.o.checkpoint.interval
+                if interval and result.step % interval == 0:
+                    save_checkpoint(self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        return history

@@ -1,0 +1,105 @@
+"""The off-policy bound: which policy version the inference server serves, and the gate on it.
+
+Step semantics (ARCHITECTURE.md §Step semantics, seed 002): trainer step n turns θ_{n-1} into θ_n using the
+rollouts of step n, and `broadcasts/step_n` holds θ_n (θ_0 = the base model, version 0). When the trainer
+consumes step n's rollouts it holds θ_{n-1}, so a sample of version v is (n - 1) - v updates stale. With
+`async_level` k the orchestrator keeps that gap at most k: before sampling step n it waits until the server
+serves θ_{max(0, n-1-k)} or newer. k = 0 is fully synchronous on-policy training (step n samples θ_{n-1},
+the newest policy that can exist while step n's batch is being made); k = 1 overlaps one trainer step with
+one sampling step. (Reading the bound literally as θ_{n-k} would deadlock at k = 0: θ_n needs step n's
+rollouts.)
+
+A watcher task polls `broadcasts/` for STABLE steps and tells the server to load each newer one; the gate
+waits on the watcher's version. Time is injected (`sleep`, `clock`) so tests run on a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from primejax.contracts.broadcast import broadcast_dir, latest_stable_step, verify_broadcast
+
+log = logging.getLogger(__name__)
+
+
+def min_policy_version(step: int, async_level: int) -> int:
+    """The oldest policy version step `step` (1-based) may sample from."""
+    return max(0, step - 1 - async_level)
+
+
+def staleness(step: int, policy_version: int) -> int:
+    """Trainer updates between the sampling policy and the policy that trains on the sample."""
+    return (step - 1) - policy_version
+
+
+class PolicyTracker:
+    def __init__(self, client: Any, run_dir: str | Path, *, poll_interval_s: float = 0.5, initial_version: int = 0,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 clock: Callable[[], float] = time.monotonic,
+                 latest_step: Callable[[Path], int | None] = latest_stable_step):
+        self.client = client
+        self.run_dir = Path(run_dir)
+        self.poll_interval_s = poll_interval_s
+        self._version = initial_version
+        self._sleep, self._clock, self._latest_step = sleep, clock, latest_step
+        self._changed: asyncio.Condition | None = None
+        self._lock: asyncio.Lock | None = None
+        self.updates = 0
+        self.update_seconds = 0.0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _sync(self) -> tuple[asyncio.Condition, asyncio.Lock]:
+        # Created lazily so they bind to the running loop, not to whichever loop existed at construction.
+        if self._changed is None:
+            self._changed, self._lock = asyncio.Condition(), asyncio.Lock()
+        return self._changed, self._lock
+
+    async def sync_with_server(self) -> int:
+        """Adopt the server's own version when it is newer (an orchestrator restarted next to a live server)."""
+        self._version = max(self._version, int(await self.client.weights_version()))
+        return self._version
+
+    async def refresh(self) -> bool:
+        """Load the newest STABLE broadcast into the server if it is newer than what it serves."""
+        changed, lock = self._sync()
+        async with lock:
+            step = self._latest_step(self.run_dir)
+            if step is None or step <= self._version:
+                return False
+            directory = broadcast_dir(self.run_dir, step)
+            start = self._clock()
+            try:
+                verify_broadcast(directory, check_hashes=False)
+                await self.client.update_weights(str(directory), step)
+            except Exception as e:  # noqa: BLE001 - a bad or pruned broadcast is retried on the next poll
+                log.warning("loading weights of step %d failed: %s", step, e)
+                return False
+            self.update_seconds += self._clock() - start
+            self.updates += 1
+            self._version = step
+        async with changed:
+            changed.notify_all()
+        log.info("inference server now serves policy version %d", step)
+        return True
+
+    async def watch(self) -> None:
+        """Run forever: poll for new broadcasts (cancel the task to stop)."""
+        while True:
+            await self.refresh()
+            await self._sleep(self.poll_interval_s)
+
+    async def wait_for(self, min_version: int) -> float:
+        """Block until the server serves `min_version` or newer; return the (clock) seconds spent waiting."""
+        changed, _ = self._sync()
+        start = self._clock()
+        async with changed:
+            await changed.wait_for(lambda: self._version >= min_version)
+        return self._clock() - start

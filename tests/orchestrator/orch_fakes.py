@@ -1,0 +1,88 @@
+"""Test doubles: an inference client that answers instantly from a script, a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from primejax.config import default_config
+
+
+@dataclass
+class FakeCompletion:
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    finish_reason: str
+    text: str = ""
+
+
+class FakeClock:
+    """Virtual time: `sleep(dt)` advances it and yields to the loop in proportion to dt, so relative speeds
+    of simulated processes are fixed by their sleeps, not by the machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, dt: float) -> None:
+        self.now += dt
+        for _ in range(max(1, round(dt * 10))):
+            await asyncio.sleep(0)
+
+
+class FakeClient:
+    """Answers `generate` with `tokenizer.encode(reply)` + <|im_end|>, `reply` chosen by `replies(prompt_text,
+    member)`; records the served version of every request and each weight update."""
+
+    def __init__(self, tokenizer: Any, replies=None, clock: FakeClock | None = None, gen_time: float = 0.0):
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.replies = replies or (lambda prompt, member: "x" * (member + 1))
+        self.clock, self.gen_time = clock, gen_time
+        self.served_version = 0
+        self.served: list[int] = []  # version at each generate call
+        self.updates: list[tuple[str, int]] = []
+        self.requests: list[dict] = []
+
+    async def generate(self, prompt_token_ids, *, n, max_tokens, temperature, top_p=1.0, stop=None, seed=None):
+        self.served.append(self.served_version)
+        self.requests.append({"prompt": list(prompt_token_ids), "n": n, "seed": seed})
+        if self.clock is not None and self.gen_time:
+            await self.clock.sleep(self.gen_time)
+        prompt = self.tokenizer.decode(prompt_token_ids)
+        out = []
+        for member in range(n):
+            ids = self.tokenizer.encode(self.replies(prompt, member), add_special_tokens=False)[: max_tokens - 1]
+            ids = ids + [self.eos]
+            out.append(FakeCompletion(list(prompt_token_ids), ids, [-0.25] * len(ids), "stop"))
+        return out
+
+    async def update_weights(self, weight_dir: str, version: int) -> None:
+        self.updates.append((weight_dir, version))
+        self.served_version = version
+
+    async def weights_version(self) -> int:
+        return self.served_version
+
+
+def small_config(run_dir, *, env_id: str = "reverse-text", batch_size: int = 8, group_size: int = 4,
+                 **orchestrator: Any) -> ConfigDict:
+    cfg = default_config()
+    cfg.run.output_dir = str(run_dir.parent)
+    cfg.run.name = run_dir.name
+    cfg.model.path = "unused"
+    o = cfg.orchestrator
+    o.envs.reverse_text.id = env_id
+    o.batch_size, o.group_size = batch_size, group_size
+    o.seq_len, o.max_prompt_tokens = 256, 128
+    o.sampling.max_tokens = 32
+    o.weights_poll_s = 0.1
+    for key, value in orchestrator.items():
+        o[key] = value
+    return cfg
