@@ -56,6 +56,7 @@ class InferenceClient:
         model: str | None = None,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
@@ -69,6 +70,7 @@ class InferenceClient:
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            transport=transport,
         )
 
     # ---------------------------------------------------------------- transport

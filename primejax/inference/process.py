@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -32,6 +33,12 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 class ServerDiedError(RuntimeError):
     """The server process exited (or never became healthy); the message ends with its log tail."""
 
@@ -49,8 +56,17 @@ def tail(path: str | Path, lines: int = 40) -> str:
 class InferenceServerProcess:
     """`with InferenceServerProcess(spec, log_path) as server: server.wait_healthy(300); ...`"""
 
-    def __init__(self, spec: ServerSpec | object, log_path: str | Path, **overrides):
+    def __init__(
+        self, spec: ServerSpec | object, log_path: str | Path, *, die_with_parent: bool = True, **overrides
+    ):
+        """`spec`: a ServerSpec, or a full primejax config (`overrides` then go to `ServerSpec.from_config`).
+
+        `die_with_parent` makes the kernel stop the server when the thread that started it exits, which
+        covers a parent killed without running atexit hooks; pass False when starting it from a worker
+        thread that ends before the server should.
+        """
         self.spec = spec if isinstance(spec, ServerSpec) else ServerSpec.from_config(spec, **overrides)
+        self.die_with_parent = die_with_parent
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
@@ -75,6 +91,7 @@ class InferenceServerProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # own process group: stop() reaches the engine core and workers too
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         _LIVE.add(self)
         self.started_at = time.monotonic()

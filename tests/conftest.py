@@ -1,0 +1,79 @@
+"""Session-wide fixtures shared by every test area: tiny model directories and running vLLM servers.
+
+A vLLM server takes 25-40 s to start on our 2-core machines, so each variant starts at most once per test
+session (lazily, on first use) and is always stopped at the end, by PID, even when tests fail.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from primejax.inference.process import InferenceServerProcess
+from primejax.inference.server import ServerSpec
+from primejax.models.tiny import build_tiny_model
+
+SERVER_STARTUP_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 (tied embeddings, fp32) with its tokenizer. Treat as read-only."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-tied") / "model", tied=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like `tiny_model_dir` with a separate lm_head. Treat as read-only."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-untied") / "model", tied=False, seed=1)
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    model_dir: Path
+    process: InferenceServerProcess
+    startup_s: float
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
+
+def _serve(model_dir: Path, log_dir: Path) -> Iterator[RunningServer]:
+    # fp32 end to end so the server can be compared with transformers at tight tolerances.
+    spec = ServerSpec(model=str(model_dir), port=free_port(), dtype="float32", max_model_len=1024)
+    proc = InferenceServerProcess(spec, log_dir / "inference.log")
+    try:
+        proc.start()
+        startup_s = proc.wait_healthy(SERVER_STARTUP_TIMEOUT_S)
+        yield RunningServer(spec.base_url, Path(model_dir), proc, startup_s)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A vLLM server (with primejax's routes) serving `tiny_model_dir`, shared by the whole session.
+
+    Tests that change its weights must restore them (`POST /reload_weights`) before they finish.
+    """
+    yield from _serve(tiny_model_dir, tmp_path_factory.mktemp("vllm-tied"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server_untied(
+    tiny_untied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """Like `vllm_server`, serving `tiny_untied_model_dir`."""
+    yield from _serve(tiny_untied_model_dir, tmp_path_factory.mktemp("vllm-untied"))

@@ -1,0 +1,139 @@
+"""InferenceClient against scripted HTTP servers (httpx.MockTransport): parsing, retries, balancing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from primejax.inference.client import InferenceClient, InferenceError
+
+COMPLETION = {
+    "choices": [
+        {"index": 1, "text": "b", "token_ids": [7, 2], "finish_reason": "stop",
+         "logprobs": {"token_logprobs": [-0.5, -0.25]}, "prompt_token_ids": [1, 2, 3]},
+        {"index": 0, "text": "a", "token_ids": [5, 6], "finish_reason": "length",
+         "logprobs": {"token_logprobs": [-1.0, -2.0]}, "prompt_token_ids": [1, 2, 3]},
+    ]
+}
+MODELS = {"data": [{"id": "served-model"}]}
+
+
+def _client(handler, urls=("http://a",), **kw) -> InferenceClient:
+    return InferenceClient(list(urls), transport=httpx.MockTransport(handler), backoff_s=0.0, **kw)
+
+
+def test_generate_parses_samples_in_index_order_and_sends_token_prompt():
+    seen = {}
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        seen.update(json.loads(req.content))
+        return httpx.Response(200, json=COMPLETION)
+
+    async def go():
+        async with _client(handler) as c:
+            return await c.generate([1, 2, 3], n=2, max_tokens=2, temperature=0.7, seed=5)
+
+    out = asyncio.run(go())
+    assert [o.completion_token_ids for o in out] == [[5, 6], [7, 2]]
+    assert out[0].completion_logprobs == [-1.0, -2.0] and out[1].finish_reason == "stop"
+    assert seen["prompt"] == [1, 2, 3] and seen["model"] == "served-model" and seen["return_token_ids"] is True
+    assert seen["temperature"] == 0.7 and seen["n"] == 2 and seen["seed"] == 5 and seen["logprobs"] == 0
+
+
+def test_retries_connection_errors_and_5xx_then_succeeds():
+    attempts = []
+
+    def handler(req):
+        attempts.append(req.url.path)
+        if len(attempts) == 1:
+            raise httpx.ConnectError("refused")
+        if len(attempts) == 2:
+            return httpx.Response(503, json={"error": "busy"})
+        return httpx.Response(200, json={"version": 3, "weight_dir": "/x"})
+
+    async def go():
+        async with _client(handler, max_retries=3) as c:
+            return await c.weights_version()
+
+    assert asyncio.run(go()) == 3 and len(attempts) == 3
+
+
+def test_gives_up_after_max_retries():
+    def handler(req):
+        return httpx.Response(500, json={"error": "boom"})
+
+    async def go():
+        async with _client(handler, max_retries=2) as c:
+            await c.reload_weights()
+
+    with pytest.raises(InferenceError, match="after 3 attempts.*boom"):
+        asyncio.run(go())
+
+
+def test_4xx_is_not_retried_and_carries_the_server_message():
+    calls = []
+
+    def handler(req):
+        calls.append(1)
+        return httpx.Response(422, json={"error": "shape mismatch; still serving version 2"})
+
+    async def go():
+        async with _client(handler) as c:
+            await c.update_weights("/w/step_3", 3)
+
+    with pytest.raises(InferenceError) as e:
+        asyncio.run(go())
+    assert e.value.status == 422 and "still serving version 2" in str(e.value) and len(calls) == 1
+
+
+def test_admin_calls_reach_every_server_and_version_is_the_minimum():
+    hits = []
+
+    def handler(req):
+        hits.append((req.url.host, req.url.path))
+        if req.url.path == "/weights_version":
+            return httpx.Response(200, json={"version": {"a": 5, "b": 4}[req.url.host]})
+        return httpx.Response(200, json={"version": 6})
+
+    async def go():
+        async with _client(handler, urls=("http://a", "http://b")) as c:
+            await c.update_weights("/w/step_6", 6)
+            return await c.weights_version()
+
+    assert asyncio.run(go()) == 4
+    assert {("a", "/update_weights"), ("b", "/update_weights")} <= set(hits)
+
+
+def test_generation_is_spread_over_servers():
+    per_host = {"a": 0, "b": 0}
+
+    async def handler(req):
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        per_host[req.url.host] += 1
+        await asyncio.sleep(0.01)  # keep requests overlapping so in-flight counts matter
+        return httpx.Response(200, json=COMPLETION)
+
+    async def go():
+        async with _client(handler, urls=("http://a", "http://b"), model="m") as c:
+            await asyncio.gather(*(c.generate([1], n=2, max_tokens=2, temperature=1.0) for _ in range(20)))
+
+    asyncio.run(go())
+    assert per_host == {"a": 10, "b": 10}
+
+
+def test_score_maps_prompt_logprobs_by_token():
+    def handler(req):
+        return httpx.Response(200, json={"choices": [{"prompt_logprobs": [
+            None, {"9": {"logprob": -1.5}, "4": {"logprob": -0.1}}, {"3": {"logprob": -2.0}}]}]})
+
+    async def go():
+        async with _client(handler, model="m") as c:
+            return await c.score([1, 9, 3])
+
+    assert asyncio.run(go()) == [None, -1.5, -2.0]

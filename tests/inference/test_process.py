@@ -1,0 +1,96 @@
+"""The server process wrapper: dead servers are reported with their log, stop() ends the whole group."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from primejax.inference.process import InferenceServerProcess, ServerDiedError
+from primejax.inference.server import ServerSpec
+
+
+class ScriptSpec(ServerSpec):
+    """A ServerSpec whose 'server' is a Python snippet, to exercise the wrapper without vLLM."""
+
+    def __init__(self, code: str):
+        super().__init__(model="unused", port=1)
+        self.code = code
+
+    def argv(self):
+        return [sys.executable, "-c", self.code]
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (killed; only waiting for init to reap it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # SIGKILL delivery is asynchronous
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_dead_server_raises_with_log_tail(tmp_path):
+    proc = InferenceServerProcess(ScriptSpec("print('model config is broken'); raise SystemExit(3)"),
+                                  tmp_path / "server.log")
+    with pytest.raises(ServerDiedError) as e, proc:
+        proc.wait_healthy(timeout_s=60)
+    assert "exited with code 3" in str(e.value) and "model config is broken" in str(e.value)
+
+
+def test_stop_kills_the_whole_process_group(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    # The "server" forks a grandchild that ignores SIGTERM, as a stuck worker would.
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"
+        "time.sleep(600)\n"
+    )
+    proc = InferenceServerProcess(ScriptSpec(code), tmp_path / "server.log").start()
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline and proc.is_running()
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    leader = proc.pid
+    proc.stop(grace_s=1.0)
+    assert _gone(leader) and _gone(child)
+    proc.stop()  # idempotent
+
+
+def test_spec_builds_the_documented_command():
+    spec = ServerSpec(model="/m", port=8123, max_model_len=512, extra_args=("--max-num-seqs", "8"))
+    argv = spec.argv()
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(argv)
+    for part in ("--port 8123", "--host 127.0.0.1", "--max-model-len 512", "--logprobs-mode processed_logprobs",
+                 "--worker-extension-cls primejax.inference.vllm_ext.PrimejaxWorkerExtension", "--enforce-eager",
+                 "--max-num-seqs 8"):
+        assert part in joined
+    env = spec.environ({})
+    assert env["VLLM_PLUGINS"] == "primejax" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_spec_from_config():
+    from primejax.config import default_config
+
+    c = default_config()
+    c.model.path = "/models/x"
+    c.inference.port = 9001
+    c.inference.extra_args = ("--foo",)
+    spec = ServerSpec.from_config(c)
+    assert (spec.model, spec.port, spec.base_url, spec.extra_args) == ("/models/x", 9001, "http://127.0.0.1:9001",
+                                                                     ("--foo",))
