@@ -180,7 +180,10 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.compute_dtype)
-        x_btd = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        # Gather from a table all-gathered over fsdp (as FSDP does for every weight) but still split over
+        # vocab: GSPMD then does a local masked gather plus a reduction instead of replicating the table.
+        table_vd = constrain(self.embed[...], ("vocab", None))
+        x_btd = jnp.take(table_vd, tokens, axis=0).astype(dt)
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
         cos, sin = rope_tables(positions, cfg, dt)
         x_btd = self.layers(x_btd, segment_ids, cos, sin)
