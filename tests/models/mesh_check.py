@@ -8,12 +8,14 @@ sharded random init equals the single-device one.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
 import numpy as np
 from flax import nnx
 
+from primejax.models.checkpoint import restore_params, save_params
 from primejax.models.hf_io import load_model, param_variables
 from primejax.models.sharding import init_model, make_mesh
 
@@ -73,6 +75,18 @@ def main(hf_dir: str, out_path: str) -> None:
     )
     result["init_specs"] = {
         k: _spec_entries(v[...].sharding.spec, v[...].ndim) for k, v in param_variables(init_sharded).items()
+    }
+    # Orbax: parameters saved from the data2_fsdp2_tensor2 layout restore into the fsdp8 one.
+    ckpt = os.path.join(os.path.dirname(os.path.abspath(out_path)), "orbax_params")
+    save_params(ckpt, model)
+    fsdp8 = make_mesh(fsdp=8)
+    restored = restore_params(ckpt, cfg, mesh=fsdp8)
+    saved = {k: np.asarray(v[...]) for k, v in param_variables(model).items()}
+    result["orbax_reshard_equal"] = all(
+        np.array_equal(np.asarray(v[...]), saved[k]) for k, v in param_variables(restored).items()
+    )
+    result["orbax_reshard_specs"] = {
+        k: _spec_entries(v[...].sharding.spec, v[...].ndim) for k, v in param_variables(restored).items()
     }
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

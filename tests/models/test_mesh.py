@@ -76,6 +76,11 @@ def test_sharded_random_init_is_bit_identical_to_single_device(mesh_results):
     assert mesh_results["init_specs"] == _TP
 
 
+def test_orbax_restore_reshards_to_another_mesh(mesh_results):
+    assert mesh_results["orbax_reshard_equal"]
+    assert mesh_results["orbax_reshard_specs"] == _FSDP_ONLY
+
+
 def test_rules_refuse_two_logical_axes_on_one_mesh_axis():
     with pytest.raises(ValueError, match="both map to mesh axis 'tensor'"):
         logical_to_spec(("q_heads", "mlp"))
