@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import load_file, save_file
 
 # Files copied next to new weights: what a trainer broadcast carries besides the tensors.
 _SIDE_FILES = ("config.json", "generation_config.json")
@@ -37,23 +36,24 @@ class HFReference:
 
 
 def write_perturbed(base_dir: Path, out_dir: Path, seed: int, scale: float = 1.0) -> Path:
-    """Copy `base_dir`'s checkpoint to `out_dir` with every tensor visibly changed (norm weights included).
+    """Load `base_dir` into primejax, perturb every parameter in JAX, export it with primejax to `out_dir`.
 
-    Each weight gets noise of its own magnitude (at least 0.1), so greedy outputs and logprobs differ
-    clearly from the base model's; for a tied model that includes the embedding the LM head shares.
+    This is the trainer's path (JAX params -> `export_safetensors`), kept in fp32 so transformers on the
+    exported files is an exact reference. Each weight gets noise of its own magnitude (at least 0.1, so
+    norm weights change too), which moves greedy outputs and logprobs clearly away from the base model;
+    for a tied model that includes the embedding the LM head shares.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for f in sorted(base_dir.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        new = {}
-        for name, w in tensors.items():
-            sd = max(float(w.std()), 0.1)
-            new[name] = (w + scale * sd * rng.standard_normal(w.shape)).astype(w.dtype)
-        save_file(new, str(out_dir / f.name), metadata={"format": "pt"})
-    for name in _SIDE_FILES:
-        if (base_dir / name).exists():
-            shutil.copy(base_dir / name, out_dir / name)
+    import jax
+
+    from primejax.models.hf_io import export_safetensors, load_model, param_variables
+
+    model, cfg = load_model(base_dir, param_dtype="float32")
+    key = jax.random.key(seed)
+    for i, var in enumerate(param_variables(model).values()):
+        w = var[...]
+        sd = max(float(w.std()), 0.1)
+        var[...] = w + scale * sd * jax.random.normal(jax.random.fold_in(key, i), w.shape, w.dtype)
+    export_safetensors(model, cfg, out_dir, dtype="float32", src_dir=base_dir)
     return out_dir
 
 
