@@ -6,11 +6,18 @@ foreground, serving `model.path` with the `inference` config section. Arguments 
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
+from absl import flags
+
 from primejax.cli import parse_config, run_main
 from primejax.inference.server import ServerSpec, exec_server
+
+
+def _define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_bool("dry_run", False, "print the vLLM command and environment, then exit", flag_values=fv)
 
 
 def main() -> int:
@@ -19,7 +26,14 @@ def main() -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, vllm_args = argv[:i], argv[i + 1 :]
-    cfg, _ = parse_config(argv, prog="primejax.inference", doc=__doc__.split("\n\n")[1])
+    cfg, fv = parse_config(
+        argv, prog="primejax.inference", doc=__doc__.split("\n\n")[1], define_flags=_define_flags
+    )
+    spec = ServerSpec.from_config(cfg)
+    if fv["dry_run"].value:
+        env = spec.environ({})
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(spec.argv() + vllm_args))
+        return 0
     if not Path(cfg.model.path).is_dir():
         if not cfg.model.build_tiny.enabled:
             print(f"error: model.path {cfg.model.path!r} is not a directory", file=sys.stderr)
@@ -32,7 +46,6 @@ def main() -> int:
             num_heads=bt.num_heads, num_kv_heads=bt.num_kv_heads, head_dim=bt.head_dim,
             intermediate_size=bt.intermediate_size, seed=bt.seed,
         )
-    spec = ServerSpec.from_config(cfg)
     print(f"primejax.inference: serving {cfg.model.path} at {spec.base_url}", file=sys.stderr, flush=True)
     exec_server(spec, vllm_args)
     return 0  # not reached: exec replaced this process

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -33,10 +33,19 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux only)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+# Run as `python -c _TRAMPOLINE PARENT_PID CMD...`: ask the kernel for SIGTERM when the parent dies (Linux
+# PR_SET_PDEATHSIG, kept across exec), then exec the server. Done in a trampoline rather than a Popen
+# preexec_fn because preexec_fn runs Python after fork, which can deadlock in a multithreaded parent (JAX).
+_TRAMPOLINE = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "except Exception:\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 class ServerDiedError(RuntimeError):
@@ -84,14 +93,16 @@ class InferenceServerProcess:
             raise RuntimeError("server already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
+        argv = self.spec.argv()
+        if self.die_with_parent:
+            argv = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *argv]
         self.proc = subprocess.Popen(
-            self.spec.argv(),
+            argv,
             env=self.spec.environ(),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # own process group: stop() reaches the engine core and workers too
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         _LIVE.add(self)
         self.started_at = time.monotonic()

@@ -23,13 +23,13 @@ class ScriptSpec(ServerSpec):
         return [sys.executable, "-c", self.code]
 
 
-def _gone(pid: int) -> bool:
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
     """No such process, or a zombie (killed; only waiting for init to reap it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:  # SIGKILL delivery is asynchronous
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -94,3 +94,47 @@ def test_spec_from_config():
     spec = ServerSpec.from_config(c)
     assert (spec.model, spec.port, spec.base_url, spec.extra_args) == ("/models/x", 9001, "http://127.0.0.1:9001",
                                                                      ("--foo",))
+
+
+def test_module_entry_prints_the_server_command(tmp_path):
+    import subprocess
+
+    cfg = tmp_path / "c.py"
+    cfg.write_text(
+        "from primejax.config import default_config\n"
+        "def get_config():\n"
+        "    c = default_config()\n"
+        f"    c.model.path = {str(tmp_path / 'm')!r}\n"
+        "    return c\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "primejax.inference", "--config", str(cfg), "--config.inference.port=8123",
+         "--dry_run", "--", "--max-num-seqs", "4"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "VLLM_PLUGINS=primejax" in out.stdout and "--port 8123" in out.stdout
+    assert out.stdout.rstrip().endswith("--max-num-seqs 4")
+
+
+def test_server_dies_when_its_parent_is_killed(tmp_path):
+    import signal
+    import subprocess
+
+    parent_code = (
+        "import sys, time\n"
+        "from primejax.inference.process import InferenceServerProcess\n"
+        "from primejax.inference.server import ServerSpec\n"
+        "class S(ServerSpec):\n"
+        "    def argv(self):\n"
+        "        return [sys.executable, '-c', 'import time; time.sleep(600)']\n"
+        f"p = InferenceServerProcess(S(model='x'), {str(tmp_path / 'log')!r}).start()\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    server_pid = int(parent.stdout.readline())
+    assert not _gone(server_pid, wait_s=0.5)
+    parent.send_signal(signal.SIGKILL)  # no atexit, no cleanup: only the kernel's parent-death signal
+    parent.wait()
+    assert _gone(server_pid)
