@@ -222,6 +222,8 @@ def pack_samples(
     per_shard = max(1, max(len(rs) for rs in shard_rows))
     per_shard = -(-per_shard // pad_rows_to_multiple) * pad_rows_to_multiple
 
+    # One bound for every shard: a custom loss compiles per-row segment loops of this size on every rank.
+    max_segments = max((len(m) for m in row_members), default=0)
     out = []
     for shard, rows in enumerate(shard_rows):
         batch = PackedBatch.empty(per_shard, seq_len)
@@ -254,6 +256,7 @@ def pack_samples(
             "num_tokens": int((batch.segment_ids > 0).sum()),
             "num_loss_tokens": int(batch.loss_mask.sum()),
             "num_truncated": num_truncated,
+            "max_segments": max_segments,
             "min_policy_version": min(versions, default=0),
             "max_policy_version": max(versions, default=0),
             "present_streams": present,

@@ -15,11 +15,17 @@ import jax
 import jax.numpy as jnp
 
 
+def _acc_dtype(h: jax.Array) -> jnp.dtype:
+    # fp32 for bf16/fp32 compute; fp64 stays fp64 (gradient checks run in x64).
+    return jnp.promote_types(h.dtype, jnp.float32)
+
+
 def _chunk_stats(
     h_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, temps_bt: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    logits_btv = jnp.einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), preferred_element_type=jnp.float32)
-    logits_btv = logits_btv / temps_bt[..., None].astype(jnp.float32)
+    acc = _acc_dtype(h_btd)
+    logits_btv = jnp.einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), preferred_element_type=acc)
+    logits_btv = logits_btv / temps_bt[..., None].astype(acc)
     lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
     target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
     logprobs_bt = target_logit_bt - lse_bt
@@ -74,9 +80,10 @@ def token_logprobs_reference(
     hidden_btd: jax.Array, lm_head_dv: jax.Array, targets_bt: jax.Array, temperatures_bt: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The naive version (full [B, T, V] logits), for tests."""
+    acc = _acc_dtype(hidden_btd)
     logits = jnp.einsum(
-        "btd,dv->btv", hidden_btd, lm_head_dv.astype(hidden_btd.dtype), preferred_element_type=jnp.float32
-    ) / temperatures_bt[..., None]
+        "btd,dv->btv", hidden_btd, lm_head_dv.astype(hidden_btd.dtype), preferred_element_type=acc
+    ) / temperatures_bt[..., None].astype(acc)
     logp = jax.nn.log_softmax(logits, axis=-1)
     lp = jnp.take_along_axis(logp, targets_bt[..., None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)

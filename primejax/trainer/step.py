@@ -39,10 +39,18 @@ class TrainState:
     rng: jax.Array  # uint32 key data; reserved for stochastic layers, carried and checkpointed
 
 
-def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int = 0) -> TrainState:
+def init_state(
+    model: nnx.Module, optimizer: optax.GradientTransformation, seed: int = 0, mesh: Mesh | None = None
+) -> TrainState:
+    """Fresh state from the model's parameters. With a mesh (default: the parameters' own, if they have one)
+    every leaf gets a NamedSharding on it, the layout the jitted step returns (see shard_state)."""
     params = nnx.to_pure_dict(nnx.state(model))
     opt_state = jax.jit(optimizer.init)(params)  # jit: moments take the parameters' sharding
-    return TrainState(params, opt_state, jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
+    state = TrainState(params, opt_state, jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
+    if mesh is None:
+        meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding)]
+        mesh = meshes[0] if meshes else None
+    return state if mesh is None else shard_state(state, mesh)
 
 
 def shift_targets(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -64,6 +72,44 @@ def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
+def _micro_loss_fn(graphdef: nnx.GraphDef, loss_fn: Callable, chunk_size: int) -> Callable:
+    def micro_loss(params, mb, counts):
+        model = nnx.merge(graphdef, params)
+        hidden_btd = model(mb["tokens"], mb["positions"], mb["segment_ids"])
+        targets, streams = shift_targets(mb)
+        lp, ent = token_logprobs(hidden_btd, model.lm_head_weight(), targets, streams["temperatures"], chunk_size)
+        return loss_fn(lp, ent, streams, counts)
+
+    return micro_loss
+
+
+def make_grad_fn(
+    graphdef: nnx.GraphDef, loss_cfg: LossConfig, *, chunk_size: int = 1024, max_segments: int = 0
+) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any, dict[str, jax.Array], dict[str, jax.Array]]]:
+    """accumulate(params, batch[M, R, T]) -> (loss, fp32 grads, metric sums, component counts) of the whole step."""
+    micro_loss = _micro_loss_fn(graphdef, make_loss_fn(loss_cfg, max_segments), chunk_size)
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def accumulate(params, batch):
+        _, whole = shift_targets({k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()})
+        counts = global_counts(whole)
+
+        def body(carry, mb):
+            grads_acc, loss_acc, sums_acc = carry
+            (loss, sums), grads = grad_fn(params, mb, counts)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+            return (grads_acc, loss_acc + loss, jax.tree.map(jnp.add, sums_acc, sums)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        first = jax.tree.map(lambda v: v[0], batch)
+        sums_shape = jax.eval_shape(lambda: micro_loss(params, first, counts)[1])
+        sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+        (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
+        return loss, grads, sums, counts
+
+    return accumulate
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -74,35 +120,11 @@ def make_train_step(
     max_segments: int = 0,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) step function train_step(state, batch[M, R, T]) -> (state, metrics)."""
-    loss_fn = make_loss_fn(loss_cfg, max_segments)
-
-    def micro_loss(params, mb, counts):
-        model = nnx.merge(graphdef, params)
-        hidden_btd = model(mb["tokens"], mb["positions"], mb["segment_ids"])
-        targets, streams = shift_targets(mb)
-        lp, ent = token_logprobs(hidden_btd, model.lm_head_weight(), targets, streams["temperatures"], chunk_size)
-        return loss_fn(lp, ent, streams, counts)
-
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    accumulate = make_grad_fn(graphdef, loss_cfg, chunk_size=chunk_size, max_segments=max_segments)
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        _, whole = shift_targets({k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()})
-        counts = global_counts(whole)
-
-        def body(carry, mb):
-            grads_acc, loss_acc, sums_acc = carry
-            (loss, sums), grads = grad_fn(state.params, mb, counts)
-            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-            sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-            return (grads_acc, loss_acc + loss, sums_acc), None
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        first = jax.tree.map(lambda v: v[0], batch)
-        sums_shape = jax.eval_shape(lambda: micro_loss(state.params, first, counts)[1])
-        sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
-        (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
-
-        grad_norm = optax.global_norm(grads)
+        loss, grads, sums, counts = accumulate(state.params, batch)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -120,19 +142,48 @@ def make_train_step(
     return train_step
 
 
+def target_logprobs(model: nnx.Module, arrays: Mapping[str, jax.Array], chunk_size: int = 1024) -> jax.Array:
+    """[B, T] logprob of each token given its prefix, aligned with the tokens (index t = token t as a target).
+
+    Uses the batch temperatures; index 0 of each segment has no predictor and holds 0. This is the quantity
+    the inference server reports as sampling logprobs (for tests, reference scoring and mismatch checks).
+    """
+    hidden_btd = model(arrays["tokens"], arrays["positions"], arrays["segment_ids"])
+    targets, streams = shift_targets(arrays)
+    lp, _ = token_logprobs(hidden_btd, model.lm_head_weight(), targets, streams["temperatures"], chunk_size)
+    # back to "token t as target" alignment: the logprob computed at position t - 1
+    lp = jnp.concatenate([jnp.zeros_like(lp[:, :1]), lp[:, :-1]], axis=1)
+    starts = (arrays["positions"] == 0) | (arrays["segment_ids"] == 0)
+    return jnp.where(starts, 0.0, lp)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[M, R, T] arrays: rows over the data-parallel axes, micro-batch and sequence axes whole."""
     return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))
 
 
+def _named(x: jax.Array, mesh: Mesh) -> NamedSharding:
+    sh = x.sharding
+    if isinstance(sh, NamedSharding) and sh.mesh.shape_tuple == mesh.shape_tuple:
+        return sh
+    return NamedSharding(mesh, PartitionSpec())  # created outside the mesh (scalars, RNG): replicate
+
+
+def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
+    """Give every leaf a NamedSharding on `mesh` (unsharded leaves become replicated).
+
+    The jitted step returns mesh shardings; feeding it the same kind avoids a second compilation.
+    """
+    return jax.device_put(state, jax.tree.map(lambda x: _named(x, mesh), state))
+
+
 def jit_train_step(step_fn: Callable, state: TrainState, mesh: Mesh) -> Callable:
-    """jit with the state's current shardings pinned on input and output, and the state donated."""
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    """jit with the state's shardings (see shard_state) pinned on input and output, and the state donated."""
+    state_sh = jax.tree.map(lambda x: _named(x, mesh), state)
     return jax.jit(
         step_fn,
         in_shardings=(state_sh, batch_sharding(mesh)),
-        out_shardings=(state_sh, replicated),
+        out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,),
     )
 

@@ -51,3 +51,9 @@ def random_samples(seed: int, n: int, min_len: int = 6, max_len: int = 30, strea
 @pytest.fixture(scope="session")
 def tiny_cfg() -> ModelConfig:
     return tiny_config()
+
+
+@pytest.fixture(scope="session")
+def make_samples():
+    """`random_samples` as a fixture (test modules do not import conftest)."""
+    return random_samples

@@ -1,0 +1,32 @@
+"""`python -m primejax.trainer --config configs/x.py [--config.KEY=VALUE ...]`: the trainer process.
+
+Waits for rollouts/step_N, trains one step on them, exports the weights to broadcasts/step_N, checkpoints
+every trainer.checkpoint.interval steps; trainer.fake_data.enabled trains on random rows (benchmarks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from primejax.cli import parse_config, run_main
+from primejax.rundir import write_resolved_config
+
+
+def main() -> int:
+    cfg, _ = parse_config(sys.argv[1:], prog="primejax.trainer", doc=__doc__.split("\n\n")[1])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.trainer.devices and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        # Must happen before JAX initializes its backends (the imports below).
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.trainer.devices
+    from primejax.trainer.loop import maybe_init_distributed, train
+
+    maybe_init_distributed(cfg)
+    write_resolved_config(cfg, "trainer")
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,109 @@
+"""Full trainer checkpoints: `checkpoints/step_N/trainer/{state/, meta.json}` (Orbax + a JSON completion marker).
+
+`state/` is the whole TrainState (fp32 params, optimizer state, step, RNG) saved by Orbax, asynchronously
+when `trainer.checkpoint.async_save` is on: the save of step N runs in the background while training goes
+on, and is finalized (waited for, then `meta.json` written, then old checkpoints pruned) at the next save or
+at `close()`. `meta.json` is the completion marker and holds the data position (the next rollout step to
+read) and the config fingerprint; a directory without it is an interrupted save and is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from primejax.utils.io import atomic_write_json
+
+log = logging.getLogger("primejax.trainer")
+META = "meta.json"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def trainer_ckpt_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}" / "trainer"
+
+
+def complete_steps(run_dir: str | Path) -> list[int]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and (p / "trainer" / META).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def resolve_resume_step(run_dir: str | Path, resume_step: str) -> int | None:
+    """'' -> None (fresh run); 'latest' -> newest complete checkpoint (None if there is none); 'N' -> N."""
+    if resume_step == "":
+        return None
+    steps = complete_steps(run_dir)
+    if resume_step == "latest":
+        return steps[-1] if steps else None
+    step = int(resume_step)
+    if step not in steps:
+        raise FileNotFoundError(f"run.resume_step={step}: no complete trainer checkpoint (have {steps})")
+    return step
+
+
+class TrainerCheckpointer:
+    def __init__(self, run_dir: str | Path, keep: int = 2, async_save: bool = True):
+        self.run_dir = Path(run_dir)
+        self.keep = keep
+        self._ckptr = ocp.StandardCheckpointer() if async_save else ocp.Checkpointer(ocp.StandardCheckpointHandler())
+        self._pending: tuple[int, dict[str, Any]] | None = None
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        """Start saving `state` as step `step` (returns before the write ends when async)."""
+        self.finalize()
+        path = trainer_ckpt_dir(self.run_dir, step)
+        if path.exists():  # a re-run of this step after a restart: replace it
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        self._ckptr.save(path / "state", state)
+        self._pending = (step, meta)
+
+    def finalize(self) -> None:
+        """Wait for the pending save, mark it complete, prune old checkpoints."""
+        if self._pending is None:
+            return
+        self._ckptr.wait_until_finished()
+        step, meta = self._pending
+        self._pending = None
+        if jax.process_index() == 0:
+            atomic_write_json(trainer_ckpt_dir(self.run_dir, step) / META, {"step": step, **meta})
+            self._prune()
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        for step in complete_steps(self.run_dir)[: -self.keep]:
+            path = trainer_ckpt_dir(self.run_dir, step)
+            (path / META).unlink(missing_ok=True)  # first, so a crash mid-delete leaves an ignored dir
+            shutil.rmtree(path, ignore_errors=True)
+            parent = path.parent
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+            log.info("pruned trainer checkpoint step %d", step)
+
+    def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
+        """Restore step `step` into the structure, dtypes and shardings of `like` (a state or abstract one)."""
+        path = trainer_ckpt_dir(self.run_dir, step)
+        meta = json.loads((path / META).read_text())
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), like
+        )
+        return self._ckptr.restore(path / "state", abstract), meta
+
+    def close(self) -> None:
+        self.finalize()
+        self._ckptr.close()

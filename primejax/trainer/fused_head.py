@@ -1,0 +1,123 @@
+"""LM head + target logprob + entropy with a hand-written backward: one fp32 pass per chunk each way.
+
+Same function as `logprobs.token_logprobs` (chunked over positions, never a full [T, V] fp32 logits array),
+but where autodiff of the chunked log-softmax keeps several fp32 [chunk, V] temporaries alive and runs the two
+backward matmuls on fp32 cotangents, the custom VJP here:
+
+- forward: per chunk, logits = h @ W (bf16 operands, fp32 accumulation), then lse, the target logit and
+  sum(p * z) from that one logits block; only lse and the entropy ([T] each) are kept for the backward;
+- backward: per chunk, recompute the logits once, form d logits in fp32 in one elementwise pass,
+      d z_j = g_lp * (1[j = y] - p_j) - g_ent * p_j * (log p_j + H),   z = logits / temperature,
+  cast it to the compute dtype and feed both matmuls (dh = dlogits @ W^T, dW += h^T @ dlogits) in bf16 with
+  fp32 accumulation; dW accumulates in fp32 across chunks.
+
+The matmuls therefore run at bf16 tensor-core rate and each [chunk, V] block is written and read about three
+times in total instead of many. The gradient matches the autodiff path to bf16 rounding of d logits
+(tests/perf/test_fast_paths.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _acc(dtype) -> jnp.dtype:
+    # fp32 for bf16/fp32 compute; fp64 stays fp64 (gradient checks run in x64).
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _logits(h_bkd, w_dv, tau_bk):
+    acc = _acc(h_bkd.dtype)
+    z = jnp.einsum("bkd,dv->bkv", h_bkd, w_dv, preferred_element_type=acc)
+    return z / tau_bk[..., None].astype(acc)
+
+
+def _forward(h_cbkd, w_dv, y_cbk, tau_cbk):
+    w_c = w_dv.astype(h_cbkd.dtype)  # cast once, outside the chunk loop
+
+    def chunk(_, xs):
+        h, y, tau = xs
+        z = _logits(h, w_c, tau)
+        lse = jax.nn.logsumexp(z, axis=-1)
+        z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
+        ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+        return None, (z_y - lse, ent, lse)
+
+    _, (lp, ent, lse) = jax.lax.scan(chunk, None, (h_cbkd, y_cbk, tau_cbk))
+    return lp, ent, lse
+
+
+@jax.custom_vjp
+def _head(h_cbkd, w_dv, y_cbk, tau_cbk):
+    lp, ent, _ = _forward(h_cbkd, w_dv, y_cbk, tau_cbk)
+    return lp, ent
+
+
+def _head_fwd(h_cbkd, w_dv, y_cbk, tau_cbk):
+    lp, ent, lse = _forward(h_cbkd, w_dv, y_cbk, tau_cbk)
+    return (lp, ent), (h_cbkd, w_dv, y_cbk, tau_cbk, lse, ent)
+
+
+def _head_bwd(res, cts):
+    h_cbkd, w_dv, y_cbk, tau_cbk, lse_cbk, ent_cbk = res
+    g_lp_cbk, g_ent_cbk = cts
+    cdt = h_cbkd.dtype
+    acc = _acc(cdt)
+    w_c = w_dv.astype(cdt)
+
+    def chunk(dw_dv, xs):
+        h, y, tau, lse, ent, g_lp, g_ent = xs
+        z = _logits(h, w_c, tau)
+        logp = z - lse[..., None]
+        p = jnp.exp(logp)
+        onehot = jnp.arange(z.shape[-1], dtype=y.dtype) == y[..., None]
+        dz = g_lp[..., None] * (onehot.astype(acc) - p) - g_ent[..., None] * p * (logp + ent[..., None])
+        dlogits = (dz / tau[..., None].astype(acc)).astype(cdt)
+        dh = jnp.einsum("bkv,dv->bkd", dlogits, w_c, preferred_element_type=acc).astype(cdt)
+        dw_dv = dw_dv + jnp.einsum("bkd,bkv->dv", h, dlogits, preferred_element_type=acc)
+        return dw_dv, dh
+
+    dw0 = jnp.zeros(w_dv.shape, acc)
+    dw_dv, dh_cbkd = jax.lax.scan(
+        chunk, dw0, (h_cbkd, y_cbk, tau_cbk, lse_cbk, ent_cbk, g_lp_cbk.astype(acc), g_ent_cbk.astype(acc))
+    )
+    return dh_cbkd, dw_dv.astype(w_dv.dtype), None, None
+
+
+_head.defvjp(_head_fwd, _head_bwd)
+
+
+def fused_token_logprobs(
+    hidden_btd: jax.Array,
+    lm_head_dv: jax.Array,
+    targets_bt: jax.Array,
+    temperatures_bt: jax.Array,
+    chunk_size: int = 1024,
+) -> tuple[jax.Array, jax.Array]:
+    """(logprobs, entropy), fp32 [B, T]; drop-in for `logprobs.token_logprobs` with a fused backward.
+
+    Temperatures get no gradient (they are data). T is padded up to a multiple of the chunk; the padding is
+    computed and dropped.
+    """
+    b, t, d = hidden_btd.shape
+    chunk = max(1, min(chunk_size, t))
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    if pad:
+        hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+        targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+        temperatures_bt = jnp.pad(temperatures_bt, ((0, 0), (0, pad)), constant_values=1.0)
+
+    # [B, n*K, ...] -> [n, B, K, ...]: loop over chunks, keep the batch axis (and its sharding) inside.
+    def split(x):
+        return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+    def merge(x):
+        return jnp.moveaxis(x, 0, 1).reshape(b, n * chunk)[:, :t]
+
+    lp, ent = _head(split(hidden_btd), lm_head_dv, split(targets_bt), split(temperatures_bt))
+    return merge(lp), merge(ent)
+
+
+__all__ = ["fused_token_logprobs"]

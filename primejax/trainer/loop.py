@@ -1,0 +1,223 @@
+"""The trainer process: for n = start+1 .. max_steps, wait for rollouts/step_n, train, export, checkpoint, log.
+
+Step n turns θ_{n-1} into θ_n from the rollouts of step n and writes θ_n to `broadcasts/step_n/`; the
+broadcasts older than n - async_level are deleted (inference may still be asked for those). With
+`trainer.fake_data.enabled` the rollouts are replaced by random full rows (benchmark mode: throughput and
+MFU, prime-rl's formula; no export unless `fake_data.export`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from ml_collections import ConfigDict
+
+from primejax.contracts.batch import PackedBatch, read_batch, wait_for_batch
+from primejax.contracts.broadcast import prune_broadcasts, write_broadcast
+from primejax.models.config import ModelConfig
+from primejax.models.hf_io import export_safetensors, load_model
+from primejax.models.sharding import init_model, make_mesh
+from primejax.models.tiny import DEFAULT_VOCAB_SIZE
+from primejax.monitor import Monitor
+from primejax.rundir import run_dir
+from primejax.trainer import optim
+from primejax.trainer.checkpoint import TrainerCheckpointer, resolve_resume_step
+from primejax.trainer.losses import LossConfig
+from primejax.trainer.step import (
+    TrainState,
+    device_batch,
+    dp_size,
+    init_state,
+    jit_train_step,
+    make_train_step,
+    max_segments_bucket,
+    to_micro_batches,
+)
+
+log = logging.getLogger("primejax.trainer")
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN/inf loss or gradient and `trainer.on_nonfinite` is "stop"."""
+
+
+def build_model(cfg: ConfigDict, mesh: jax.sharding.Mesh) -> tuple[nnx.Module, ModelConfig]:
+    """Load `model.path` (HF safetensors); a directory with only config.json gets random weights (benchmarks)."""
+    m = cfg.model
+    overrides = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, attention_impl=m.attention_impl,
+                     remat_policy=m.remat_policy)
+    if not m.path:  # fake-data mode without a model: the build_tiny shape, random weights
+        tiny = m.build_tiny
+        model_cfg = ModelConfig(
+            model_type=tiny.family, vocab_size=DEFAULT_VOCAB_SIZE, hidden_size=tiny.hidden_size,
+            intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+            num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, rope_theta=10000.0, rope_scaling=None,
+            rms_norm_eps=1e-6, tie_word_embeddings=tiny.tied, qk_norm=tiny.family == "qwen3", attention_bias=False,
+            max_position_embeddings=max(4096, cfg.trainer.fake_data.seq_len), **overrides,
+        )
+        return init_model(model_cfg, mesh, cfg.run.seed), model_cfg
+    path = Path(m.path)
+    if any(path.glob("*.safetensors")):
+        return load_model(path, mesh=mesh, **overrides)
+    if (path / "config.json").is_file():
+        model_cfg = ModelConfig.from_model_dir(path, **overrides)
+        log.info("no safetensors in %s: random init (benchmark use)", path)
+        return init_model(model_cfg, mesh, cfg.run.seed), model_cfg
+    raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
+
+
+def fake_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) -> PackedBatch:
+    """Random full rows, one sample each, every token but the first trained with the rl loss."""
+    b = PackedBatch.empty(rows, seq_len)
+    b.tokens[:] = rng.integers(0, vocab, (rows, seq_len), dtype=np.int32)
+    b.positions[:] = np.arange(seq_len, dtype=np.int32)
+    b.segment_ids[:] = 1
+    b.loss_mask[:, 1:] = True
+    b.inference_logprobs[:, 1:] = -rng.uniform(0.05, 5.0, (rows, seq_len - 1)).astype(np.float32)
+    b.advantages[:] = rng.standard_normal((rows, 1)).astype(np.float32)
+    b.rl_weights[:] = 1.0
+    b.meta = {"max_segments": 1}
+    return b
+
+
+class Trainer:
+    """Holds the model, state, jitted steps and writers of one trainer process."""
+
+    def __init__(self, cfg: ConfigDict):
+        self.cfg = cfg
+        t = cfg.trainer
+        self.root = run_dir(cfg)
+        self.rank = jax.process_index()
+        self.mesh = make_mesh(**t.mesh.to_dict())
+        self.model, self.model_cfg = build_model(cfg, self.mesh)
+        self.graphdef = nnx.graphdef(self.model)
+        self.optimizer, self.schedule = optim.from_config(t, cfg.run.max_steps)
+        self.loss_cfg = LossConfig.from_config(t.loss)
+        self.state: TrainState = init_state(self.model, self.optimizer, cfg.run.seed, mesh=self.mesh)
+        del self.model  # the state owns the parameters from here on
+        self.micro_rows = t.micro_batch_size * dp_size(self.mesh) // jax.process_count()
+        self._steps: dict[int, Callable] = {}
+        self.checkpointer = TrainerCheckpointer(self.root, keep=t.checkpoint.keep, async_save=t.checkpoint.async_save)
+        self.start_step = 0
+        resume = resolve_resume_step(self.root, cfg.run.resume_step)
+        if resume is not None:
+            self.state, meta = self.checkpointer.restore(resume, self.state)
+            self.start_step = int(meta["step"])
+            log.info("resumed from checkpoint step %d", self.start_step)
+        self.export_enabled = not t.fake_data.enabled or t.fake_data.export
+
+    def step_fn(self, max_segments: int) -> Callable:
+        key = max_segments if self.loss_cfg.type == "custom" else 0
+        if key not in self._steps:
+            fn = make_train_step(self.graphdef, self.optimizer, self.schedule, self.loss_cfg,
+                                 chunk_size=self.cfg.trainer.logprob_chunk_size, max_segments=key)
+            self._steps[key] = jit_train_step(fn, self.state, self.mesh)
+        return self._steps[key]
+
+    def next_batch(self, step: int, rng: np.random.Generator) -> PackedBatch:
+        t = self.cfg.trainer
+        if t.fake_data.enabled:
+            return fake_batch(rng, t.fake_data.rows // jax.process_count(), t.fake_data.seq_len,
+                              self.model_cfg.vocab_size)
+        path = wait_for_batch(self.root, step, self.rank, timeout_s=t.batch_timeout_s, poll_s=0.2)
+        return read_batch(path, vocab_size=self.model_cfg.vocab_size)
+
+    def train_step(self, batch: PackedBatch) -> dict[str, float]:
+        arrays = to_micro_batches(batch, self.micro_rows)
+        max_segments = int(batch.meta.get("max_segments") or max_segments_bucket(batch))
+        fn = self.step_fn(1 << max(0, (max_segments - 1).bit_length()))
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            self.state, metrics = fn(self.state, device_batch(arrays, self.mesh))
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        seconds = time.perf_counter() - start
+        # prime-rl's throughput: every token of the step's micro-batches, padding included.
+        tokens = arrays["tokens"].size * jax.process_count()
+        seq_len = batch.seq_len
+        flops = self.model_cfg.flops_per_token(seq_len) * tokens / seconds
+        metrics.update({
+            "perf/step_s": seconds,
+            "perf/tokens_per_s": tokens / seconds,
+            "perf/mfu": flops / (self.cfg.trainer.peak_flops * jax.device_count()),
+            "perf/tokens": float(tokens),
+            "batch/num_samples": float(batch.meta.get("num_samples", 0)),
+            "batch/padding_frac": float(1.0 - (batch.segment_ids > 0).mean()),
+        })
+        if "max_policy_version" in batch.meta:
+            metrics["batch/min_policy_version"] = float(batch.meta["min_policy_version"])
+        return metrics
+
+    def export(self, step: int) -> dict[str, float]:
+        """Write θ_step to broadcasts/step_<step>/ (process 0) and prune what inference can no longer ask for."""
+        if not self.export_enabled or self.rank != 0:
+            return {}
+        b = self.cfg.trainer.broadcast
+        model = nnx.merge(self.graphdef, self.state.params)
+        src = self.cfg.model.path or None
+        start = time.perf_counter()
+        _, info = write_broadcast(
+            self.root, step, lambda d: export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src),
+            hash_files=b.hash,
+        )
+        seconds = time.perf_counter() - start
+        prune_broadcasts(self.root, step - self.cfg.orchestrator.async_level)
+        return {"export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
+                "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
+
+    def maybe_checkpoint(self, step: int, final: bool = False) -> None:
+        interval = self.cfg.trainer.checkpoint.interval
+        if interval > 0 and (step % interval == 0 or final):
+            self.checkpointer.save(step, self.state, {"data_step": step + 1, "model_path": self.cfg.model.path})
+
+    def run(self, monitor: Monitor | None = None) -> TrainState:
+        cfg = self.cfg
+        rng = np.random.default_rng(cfg.run.seed + self.start_step)
+        last = self.start_step
+        try:
+            for step in range(self.start_step + 1, cfg.run.max_steps + 1):
+                wait_start = time.perf_counter()
+                batch = self.next_batch(step, rng)
+                waited = time.perf_counter() - wait_start
+                metrics = self.train_step(batch)
+                metrics["perf/wait_s"] = waited
+                if metrics["nonfinite"]:
+                    if cfg.trainer.on_nonfinite == "stop":
+                        raise NonFiniteError(f"step {step}: non-finite loss or gradient (loss={metrics['loss']})")
+                    log.warning("step %d: non-finite loss or gradient; update skipped", step)
+                metrics.update(self.export(step))
+                self.maybe_checkpoint(step, final=step == cfg.run.max_steps)
+                last = step
+                if monitor is not None:
+                    monitor.scalars(step, metrics)
+                log.info("step %d/%d loss %.4g grad_norm %.3g tok/s %.0f mfu %.2f%% mismatch_kl %.2e",
+                         step, cfg.run.max_steps, metrics["loss"], metrics["grad_norm"],
+                         metrics["perf/tokens_per_s"], 100 * metrics["perf/mfu"], metrics["mismatch_kl"])
+        finally:
+            self.checkpointer.close()
+        log.info("trainer done at step %d", last)
+        return self.state
+
+
+def train(cfg: ConfigDict) -> TrainState:
+    """Run the trainer loop of `cfg` in this process; returns the final state."""
+    root = run_dir(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg)
+    with Monitor(root, "trainer", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl) as monitor:
+        return trainer.run(monitor)
+
+
+def maybe_init_distributed(cfg: ConfigDict) -> None:
+    d = cfg.trainer.distributed
+    if d.num_processes > 1:
+        jax.distributed.initialize(d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
+
+
+__all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "NonFiniteError", "maybe_init_distributed"]
