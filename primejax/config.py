@@ -97,7 +97,11 @@ def default_config() -> ConfigDict:
             "checkpoint": ConfigDict({"interval": 0, "keep": 2, "async_save": True}),  # interval 0 = never
             "on_nonfinite": "skip",  # skip | stop: what a NaN/inf loss or gradient does
             "batch_timeout_s": 3600.0,  # how long to wait for rollouts/step_N before failing
-            "fake_data": ConfigDict({"enabled": False, "seq_len": 2048, "rows": 8}),
+            # Benchmark mode: random full rows instead of rollouts; `export` also times the weight broadcast.
+            "fake_data": ConfigDict({"enabled": False, "seq_len": 2048, "rows": 8, "export": False}),
+            # Weight export after every step (broadcasts/step_N): stored dtype, and whether STABLE lists sha256s.
+            "broadcast": ConfigDict({"dtype": "bfloat16", "hash": True}),
+            "peak_flops": 989e12,  # per-device peak for MFU (H100/H200 SXM dense bf16)
             "distributed": ConfigDict({"coordinator_address": "", "num_processes": 1, "process_id": 0}),
             "devices": "",  # accelerator ids for the trainer, e.g. "0,1" (CUDA_VISIBLE_DEVICES); "" = all
         }
@@ -202,6 +206,7 @@ _CHOICES = {
     "model.attention_impl": ("auto", "xla", "cudnn", "splash"),
     "model.remat_policy": ("none", "full", "dots", "dots_no_batch"),
     "model.build_tiny.family": ("qwen3", "llama"),
+    "trainer.broadcast.dtype": ("bfloat16", "float32"),
     "trainer.optim.type": ("adamw",),
     "trainer.scheduler.type": ("constant", "linear", "cosine"),
     "trainer.loss.type": ("default", "custom"),
