@@ -105,12 +105,14 @@ async def measure(base_url: str, update_dir: Path, repeats: int, prompts: int, n
     }
 
 
-def bench_model(name: str, model_dir: Path, update_dir: Path, log_dir: Path, port: int, args) -> dict:
-    spec = ServerSpec(model=str(model_dir), port=port, max_model_len=1024, dtype="auto")
+def bench_model(name: str, model_dir: Path, update_dir: Path, log_dir: Path, port: int, args,
+                dtype: str = "auto") -> dict:
+    spec = ServerSpec(model=str(model_dir), port=port, max_model_len=1024, dtype=dtype)
     with InferenceServerProcess(spec, log_dir / f"{name}.log") as proc:
         startup = proc.wait_healthy(600)
         res = asyncio.run(measure(spec.base_url, update_dir, args.repeats, args.prompts, args.new_tokens))
     res["startup_s"] = startup
+    res["served_dtype"] = spec.resolved_dtype()
     return res
 
 
@@ -127,6 +129,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--json", default="")
+    p.add_argument("--dtype-06b", default="auto", help="served dtype of the 0.6B-shaped model (auto = bf16)")
     args = p.parse_args()
 
     from primejax.models.tiny import build_tiny_model
@@ -150,15 +153,16 @@ def main() -> None:
         big_update = out / "broadcasts-0.6b" / "step_1"
         export = export_with_primejax(big, big_update, "bfloat16") if not big_update.exists() else {}
         results["qwen3-0.6b-shaped"] = {"build_s": build_s, **export,
-                                        **bench_model("qwen3-0.6b", big, big_update, out, args.port + 1, args)}
+                                        **bench_model("qwen3-0.6b", big, big_update, out, args.port + 1, args,
+                                                                    args.dtype_06b)}
         print(json.dumps({"qwen3-0.6b-shaped": results["qwen3-0.6b-shaped"]}, indent=1), flush=True)
 
     print(f"\nmachine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end\n")
-    print("| model | server start (s) | /update_weights (s, median) | server-side load (s) | /reload_weights (s) "
+    print("| model | dtype | server start (s) | /update_weights (s, median) | server-side load (s) | /reload_weights (s) "
           f"| tokens/s ({args.prompts}x{args.new_tokens}) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {_fmt(r['startup_s'])} | {_fmt(r['update_weights_s_median'])} | "
+        print(f"| {name} | {r['served_dtype']} | {_fmt(r['startup_s'])} | {_fmt(r['update_weights_s_median'])} | "
               f"{_fmt(r['server_load_s_median'])} | {_fmt(r['reload_weights_s'])} | {r['tokens_per_s']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

