@@ -126,7 +126,22 @@ def test_rl_loss_gradients_match_finite_differences_fp64():
     assert out.stdout.startswith("ok")
 
 
-def _contrastive_batch(model, adv_sign: float):
+@pytest.fixture(scope="module")
+def rl_setup(tiny_cfg):
+    """One jitted rl train step and logprob function, shared (one compilation each) by the tests below."""
+    graphdef = nnx.graphdef(init_model(tiny_cfg, None, seed=1))
+    sched = optim.make_schedule(3e-3)
+    opt = optim.make_optimizer(
+        {"lr": 3e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "max_norm": 1.0}, sched
+    )
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    like = init_state(init_model(tiny_cfg, None, seed=1), opt, mesh=mesh)
+    step = jit_train_step(make_train_step(graphdef, opt, sched, LossConfig()), like, mesh)
+    logprobs = jax.jit(lambda params, arrays: target_logprobs(nnx.merge(graphdef, params), arrays))
+    return graphdef, opt, mesh, step, logprobs
+
+
+def _contrastive_batch(params, logprobs, adv_sign: float):
     """One prompt, two continuations; the first gets advantage +adv_sign, the second -adv_sign. On-policy lq."""
     prompt = [5, 9, 13, 2]
     good, bad = [7, 7, 3, 1], [8, 4, 11, 6]
@@ -136,52 +151,37 @@ def _contrastive_batch(model, adv_sign: float):
         mask = [False] * len(prompt) + [True] * len(cont)
         samples.append(TrainingSample(toks, mask, [0.0] * len(toks), advantages=[a] * len(toks)))
     (batch,) = pack_samples(samples, seq_len=16)
-    arrays = {k: jnp.asarray(v) for k, v in batch.arrays().items()}
-    lq = np.asarray(target_logprobs(model, arrays))
+    lq = np.asarray(logprobs(params, batch.arrays()))
     batch.inference_logprobs = np.where(batch.loss_mask, lq, 0.0).astype(np.float32)
     return batch
 
 
-def _continuation_logprob(model, batch, seg):
-    arrays = {k: jnp.asarray(v) for k, v in batch.arrays().items()}
-    lp = np.asarray(target_logprobs(model, arrays))
+def _continuation_logprob(params, logprobs, batch, seg):
+    lp = np.asarray(logprobs(params, batch.arrays()))
     return float(lp[(batch.segment_ids == seg) & batch.loss_mask].sum())
 
 
-def test_rl_training_raises_the_positive_advantage_continuation(tiny_cfg):
-    model = init_model(tiny_cfg, None, seed=1)
-    graphdef, _ = nnx.split(model)
-    opt, sched = optim.make_optimizer(
-        {"lr": 3e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "max_norm": 1.0},
-        optim.make_schedule(3e-3),
-    ), optim.make_schedule(3e-3)
-    state = init_state(model, opt)
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    step = jit_train_step(make_train_step(graphdef, opt, sched, LossConfig()), state, mesh)
-    batch = _contrastive_batch(model, 1.0)
-    # which segment holds the good continuation: both have equal length, so input order is kept
-    good_before, bad_before = _continuation_logprob(model, batch, 1), _continuation_logprob(model, batch, 2)
+def test_rl_training_raises_the_positive_advantage_continuation(tiny_cfg, rl_setup):
+    graphdef, opt, mesh, step, logprobs = rl_setup
+    state = init_state(init_model(tiny_cfg, None, seed=1), opt, mesh=mesh)
+    p0 = jax.tree.map(np.asarray, state.params)
+    batch = _contrastive_batch(p0, logprobs, 1.0)
+    # equal lengths keep input order: segment 1 is the good continuation
+    good_before, bad_before = (_continuation_logprob(p0, logprobs, batch, s) for s in (1, 2))
     with jax.set_mesh(mesh):
         for _ in range(10):
             state, metrics = step(state, device_batch(to_micro_batches(batch, 1), mesh))
     assert int(metrics["nonfinite"]) == 0 and int(state.step) == 10
-    trained = nnx.merge(graphdef, state.params)
-    good_after, bad_after = _continuation_logprob(trained, batch, 1), _continuation_logprob(trained, batch, 2)
+    good_after, bad_after = (_continuation_logprob(state.params, logprobs, batch, s) for s in (1, 2))
     assert good_after > good_before + 1.0
     assert bad_after < bad_before - 1.0
 
 
-def test_nonfinite_step_is_skipped(tiny_cfg):
-    model = init_model(tiny_cfg, None, seed=2)
-    graphdef, _ = nnx.split(model)
-    sched = optim.make_schedule(1e-3)
-    opt = optim.make_optimizer({"lr": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
-                                "max_norm": 1.0}, sched)
-    state = init_state(model, opt)
+def test_nonfinite_step_is_skipped(tiny_cfg, rl_setup):
+    graphdef, opt, mesh, step, logprobs = rl_setup
+    state = init_state(init_model(tiny_cfg, None, seed=2), opt, mesh=mesh)
     before = jax.tree.map(np.asarray, state.params)
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    step = jit_train_step(make_train_step(graphdef, opt, sched, LossConfig()), state, mesh)
-    batch = _contrastive_batch(model, 1.0)
+    batch = _contrastive_batch(before, logprobs, 1.0)
     batch.advantages[batch.loss_mask] = np.inf  # the file contract forbids this; the guard still holds
     with jax.set_mesh(mesh):
         state, metrics = step(state, device_batch(to_micro_batches(batch, 1), mesh))
