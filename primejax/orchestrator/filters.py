@@ -43,10 +43,13 @@ def repetition_fraction(tokens: list[int], n: int) -> float:
 
 
 def make_repetition(threshold: float, ngram: int) -> FilterFn:
-    """Flags rollouts whose sampled tokens repeat n-grams more than `threshold` of the time (looping)."""
+    """Flags rollouts whose sampled tokens repeat n-grams more than `threshold` of the time (looping).
+
+    Measured per model turn (worst turn counts): across turns, restating earlier content is often the task
+    (alphabet-sort re-sorts the names it already listed), not degeneration."""
 
     def repetition(rollout: Rollout) -> bool:
-        return repetition_fraction(rollout.completion_ids, ngram) > threshold
+        return any(repetition_fraction(s.completion_ids, ngram) > threshold for s in rollout.steps)
 
     return repetition
 

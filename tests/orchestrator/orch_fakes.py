@@ -20,6 +20,17 @@ class FakeCompletion:
     text: str = ""
 
 
+def last_user_text(prompt: str) -> str:
+    start = prompt.rfind("<|im_start|>user\n") + len("<|im_start|>user\n")
+    return prompt[start : prompt.find("<|im_end|>", start)]
+
+
+def reverse_reply(prompt: str, member: int) -> str:
+    """Member 0 reverses the text exactly, member i drops i characters: distinct rewards in every group."""
+    target = last_user_text(prompt)[::-1]
+    return target[: max(0, len(target) - member)] or "?"
+
+
 class FakeClock:
     """Virtual time: `sleep(dt)` advances it and yields to the loop in proportion to dt, so relative speeds
     of simulated processes are fixed by their sleeps, not by the machine."""
@@ -43,7 +54,7 @@ class FakeClient:
     def __init__(self, tokenizer: Any, replies=None, clock: FakeClock | None = None, gen_time: float = 0.0):
         self.tokenizer = tokenizer
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.replies = replies or (lambda prompt, member: "x" * (member + 1))
+        self.replies = replies or reverse_reply
         self.clock, self.gen_time = clock, gen_time
         self.served_version = 0
         self.served: list[int] = []  # version at each generate call
@@ -83,6 +94,7 @@ def small_config(run_dir, *, env_id: str = "reverse-text", batch_size: int = 8, 
     o.seq_len, o.max_prompt_tokens = 256, 128
     o.sampling.max_tokens = 32
     o.weights_poll_s = 0.1
+    o.async_level = 8  # no trainer in most tests: never wait for weights unless a test sets it
     for key, value in orchestrator.items():
         o[key] = value
     return cfg
