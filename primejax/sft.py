@@ -1,0 +1,136 @@
+"""`python -m primejax.sft --config configs/x.py`: supervised fine-tuning on chat data, the same trainer code.
+
+Reads `sft.data_path` (chat JSONL) or generates demonstrations from an environment's answers (`sft.from_env`),
+trains `sft.steps` steps of the ce loss on assistant tokens with the trainer's jitted step, mesh, optimizer and
+HF export, and writes the result as an HF directory to `<run>/sft/final` (fp32, so RL continues from exact
+master weights). The launcher runs it as a warm-up before RL when `sft.steps > 0`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+
+from ml_collections import ConfigDict
+
+from primejax.cli import parse_config, run_main
+from primejax.rundir import run_dir, write_resolved_config
+
+log = logging.getLogger("primejax.sft")
+
+
+def sft_output_dir(cfg: ConfigDict) -> Path:
+    return run_dir(cfg) / "sft" / "final"
+
+
+def demonstrations_from_env(cfg: ConfigDict, name: str, n: int) -> list[list[dict]]:
+    """Conversations (prompt + the env's reference answer) from an environment whose examples carry answers."""
+    from primejax.envs.registry import load_env
+
+    env_cfg = cfg.orchestrator.envs[name]
+    env = load_env(env_cfg.id, env_cfg.args.to_dict())
+    conversations = []
+    for i in range(n):
+        example = env.example(i)
+        if example.answer is None:
+            raise ValueError(f"sft.from_env: environment {env_cfg.id!r} has no reference answers to imitate")
+        conversations.append([*example.prompt, {"role": "assistant", "content": str(example.answer)}])
+    return conversations
+
+
+def load_conversations(cfg: ConfigDict) -> list[list[dict]]:
+    from primejax.sft_data import read_jsonl
+
+    if cfg.sft.data_path:
+        return list(read_jsonl(cfg.sft.data_path))
+    return demonstrations_from_env(cfg, cfg.sft.from_env, cfg.sft.num_examples)
+
+
+def train_sft(cfg: ConfigDict) -> Path:
+    """Run SFT; returns the exported HF directory."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from primejax.contracts.batch import pack_samples
+    from primejax.models.hf_io import export_safetensors, load_model
+    from primejax.models.sharding import make_mesh
+    from primejax.monitor import Monitor
+    from primejax.sft_data import conversation_to_sample
+    from primejax.trainer.losses import LossConfig
+    from primejax.trainer.optim import make_optimizer, make_schedule
+    from primejax.trainer.step import (
+        device_batch,
+        dp_size,
+        init_state,
+        jit_train_step,
+        make_train_step,
+        to_micro_batches,
+    )
+    from primejax.utils.io import atomic_dir
+
+    s, m = cfg.sft, cfg.model
+    tokenizer = AutoTokenizer.from_pretrained(m.path)
+    samples = [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(cfg)]
+    log.info("SFT on %d conversations, %d steps of %d", len(samples), s.steps, s.batch_size)
+
+    mesh = make_mesh(**cfg.trainer.mesh.to_dict())
+    model, model_cfg = load_model(
+        m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
+        attention_impl=m.attention_impl, remat_policy=m.remat_policy,
+    )
+    schedule = make_schedule(s.lr, "constant")
+    optimizer = make_optimizer(cfg.trainer.optim, schedule)
+    graphdef, _ = nnx.split(model)
+    state = init_state(model, optimizer, cfg.run.seed)
+    step_fn = jit_train_step(
+        make_train_step(graphdef, optimizer, schedule, LossConfig(), chunk_size=cfg.trainer.logprob_chunk_size),
+        state, mesh,
+    )
+    rng = random.Random(cfg.run.seed)
+    order: list[int] = []
+    root = run_dir(cfg)
+    with Monitor(root, "sft", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl) as monitor:
+        for step in range(1, s.steps + 1):
+            if len(order) < s.batch_size:  # epochs of a fresh shuffle
+                more = list(range(len(samples)))
+                rng.shuffle(more)
+                order += more
+            chosen, order = order[: s.batch_size], order[s.batch_size :]
+            shards = pack_samples([samples[i] for i in chosen], s.seq_len, num_shards=dp_size(mesh))
+            arrays = [to_micro_batches(b, cfg.trainer.micro_batch_size) for b in shards]
+            local = {k: np.concatenate([a[k] for a in arrays], axis=1) for k in arrays[0]}
+            t0 = time.perf_counter()
+            state, metrics = step_fn(state, device_batch(local, mesh))
+            metrics = jax.device_get(metrics)
+            tokens = int(local["tokens"].size)
+            dt = time.perf_counter() - t0
+            monitor.scalars(step, {**metrics, "perf/tokens_per_s": tokens / dt, "time/step_s": dt})
+            if step == 1 or step % 10 == 0 or step == s.steps:
+                log.info("sft step %d/%d loss %.4f", step, s.steps, float(metrics["loss"]))
+
+    out = sft_output_dir(cfg)
+    trained = nnx.merge(graphdef, state.params)
+    with atomic_dir(out, overwrite=True) as tmp:
+        export_safetensors(trained, model_cfg, tmp, dtype=None, src_dir=m.path)
+    log.info("SFT model written to %s", out)
+    return out
+
+
+def main() -> int:
+    cfg, _ = parse_config(sys.argv[1:], prog="primejax.sft", doc=__doc__.split("\n\n")[1])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.sft.steps <= 0:
+        print("error: sft.steps must be > 0 for primejax.sft", file=sys.stderr)
+        return 2
+    write_resolved_config(cfg, "sft")
+    train_sft(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
