@@ -357,9 +357,13 @@ def _merge(dst: ConfigDict, src: ConfigDict, prefix: str) -> None:
     for key, value in src.items():
         path = f"{prefix}{key}"
         if key not in dst:
-            # Open sub-trees (envs, eval envs) take whole entries; everything else is fixed.
-            if prefix.rstrip(".").endswith("envs"):
-                dst[key] = _env("") if isinstance(value, ConfigDict) else value
+            # Open sub-trees take new keys: env tables (whole entries) and each env's loader args.
+            parent = prefix.rstrip(".").rsplit(".", 1)[-1]
+            if parent == "envs" and isinstance(value, ConfigDict):
+                dst[key] = _env("")
+            elif parent == "args":
+                dst[key] = value
+                continue
             else:
                 raise ConfigError(path, "unknown key")
         if isinstance(value, ConfigDict):

@@ -95,8 +95,15 @@ def test_locked_tree_rejects_unknown_keys_and_wrong_types():
 
 def test_json_round_trip_keeps_every_value():
     c = _cfg(trainer__optim__lr=3e-4, orchestrator__filters__post_batch=("zero_advantage",))
+    c.orchestrator.envs.reverse_text.args = {"min_len": 2, "system_prompt": ""}
+    with c.unlocked():
+        c.orchestrator.envs["extra"] = default_config().orchestrator.envs.reverse_text
+    c.orchestrator.envs.extra.id = "arithmetic"
     c2 = from_json(to_json(c))
     assert json.loads(to_json(c2)) == json.loads(to_json(c))
+    assert c2.orchestrator.envs.reverse_text.args.min_len == 2 and c2.orchestrator.envs.extra.id == "arithmetic"
+    with pytest.raises(ConfigError, match="trainer.optim.lrr"):
+        from_json(to_json(c).replace('"lr":', '"lrr":'))
     assert c2.orchestrator.filters.post_batch == ("zero_advantage",)
 
 
