@@ -23,6 +23,7 @@ def main() -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         handlers=[logging.StreamHandler(), logging.FileHandler(log_path(root, "orchestrator"))],
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
     write_resolved_config(cfg, "orchestrator")
     from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx
 

@@ -194,7 +194,7 @@ class Orchestrator:
             self.monitor.scalars(result.step, m)
             self.monitor.histogram(result.step, "reward", [r.reward for r in result.rollouts if r.ok])
             self.monitor.histogram(result.step, "advantage",
-                                   [a for r in result.batch if r.advantages for a in r.advantages[:1]])
+                                   [sum(r.advantages) / len(r.advantages) for r in result.batch if r.advantages])
             if result.batch:
                 example = result.batch[0]
                 self.monitor.text(result.step, "rollout", json.dumps(example.messages, indent=1)[:4000])
