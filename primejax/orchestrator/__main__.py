@@ -12,17 +12,13 @@ import logging
 import sys
 
 from primejax.cli import parse_config, run_main
-from primejax.rundir import log_path, run_dir, write_resolved_config
+from primejax.rundir import write_resolved_config
 
 
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.orchestrator", doc=__doc__.split("\n\n")[1])
-    root = run_dir(cfg)
-    log_path(root, "orchestrator").parent.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=[logging.StreamHandler(), logging.FileHandler(log_path(root, "orchestrator"))],
-    )
+    # Logs go to stderr: the launcher already sends a child's output to logs/orchestrator.log.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
     write_resolved_config(cfg, "orchestrator")
     from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx

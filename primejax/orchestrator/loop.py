@@ -36,6 +36,7 @@ from primejax.orchestrator.samples import rollout_to_samples
 from primejax.utils.io import atomic_dir
 
 log = logging.getLogger(__name__)
+MAX_EMPTY_BATCHES = 5
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Orchestrator:
         self.pre_filters, self.post_filters = build_slots(o.filters)
         self.num_shards = max(1, cfg.trainer.distributed.num_processes)
         self.next_step = 1
+        self.empty_batches = 0
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -142,8 +144,16 @@ class Orchestrator:
         batch = cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
         samples = self.to_samples(batch)
-        if not samples:
+        if samples:
+            self.empty_batches = 0
+        else:
+            # An empty batch keeps the trainer in step, but a run that only makes them learns nothing
+            # (e.g. group_size 1 under a group-relative algorithm): stop after a few in a row.
+            self.empty_batches += 1
             log.warning("step %d: no trainable rollout survived (writing an empty batch)", step)
+            if self.empty_batches > MAX_EMPTY_BATCHES:
+                raise RuntimeError(f"{self.empty_batches} empty batches in a row: nothing to train on "
+                                   "(check group_size, rewards and filters)")
         self.write(step, samples, {"step": step, "policy_version": self.tracker.version})
         post_seconds = time.perf_counter() - t_post
 
@@ -163,6 +173,7 @@ class Orchestrator:
                 "time/postprocess": post_seconds,
                 "time/step": total,
                 "time/server_request_sum": server_seconds,
+                "time/weight_updates_total": self.tracker.update_seconds,
                 "perf/rollouts_per_s": len(rollouts) / max(gen_seconds, 1e-9),
                 "perf/inference_tokens_per_s": completion_tokens / max(gen_seconds, 1e-9),
             },

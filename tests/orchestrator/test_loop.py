@@ -128,3 +128,16 @@ def test_algorithm_per_env_override_and_weights(tmp_path, tokenizer):
     cfg.orchestrator.filters.post_batch = ()
     _, (metrics,) = run(cfg, FakeClient(tokenizer), tokenizer, 1)
     assert metrics["advantage/mean"] == 2.0
+
+
+def test_repeated_empty_batches_abort_the_run(tmp_path, tokenizer):
+    import pytest
+
+    from primejax.orchestrator.loop import MAX_EMPTY_BATCHES
+
+    # group_size 1 under grpo: every advantage is 0, the post-batch zero_advantage filter drops everything.
+    cfg = small_config(tmp_path / "run", batch_size=4, group_size=1)
+    with pytest.raises(RuntimeError, match="empty batches in a row"):
+        run(cfg, FakeClient(tokenizer), tokenizer, MAX_EMPTY_BATCHES + 3)
+    assert step_dir(tmp_path / "run", MAX_EMPTY_BATCHES).exists()  # the trainer got the empty batches meanwhile
+    assert not step_dir(tmp_path / "run", MAX_EMPTY_BATCHES + 1).exists()
