@@ -9,11 +9,7 @@ from __future__ import annotations
 import inspect
 from importlib.metadata import entry_points
 
-import pytest
-
-pytest.importorskip("vllm", reason="vllm is part of the inference install")
-
-from primejax.inference import vllm_ext  # noqa: E402
+from primejax.inference import vllm_ext
 
 
 def test_endpoint_plugin_is_registered_and_satisfies_vllms_protocol():
