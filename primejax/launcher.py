@@ -72,11 +72,11 @@ def _progress_line(step: int, max_steps: int, trainer: dict, orch: dict, started
     return (
         f"[{bar}] step {step}/{max_steps}"
         f" | reward {fmt(orch, 'reward/mean')}"
-        f" | loss {fmt(trainer, 'loss/total', 'loss')}"
+        f" | loss {fmt(trainer, 'loss')}"
         f" | mismatch_kl {fmt(trainer, 'mismatch_kl', spec='.2e')}"
-        f" | tok/s {fmt(trainer, 'perf/tokens_per_s', 'throughput/tokens_per_s', spec='.0f')}"
-        f" | wait batch {fmt(trainer, 'time/wait_batch_s', spec='.1f')}s"
-        f" weights {fmt(orch, 'time/wait_weights_s', spec='.1f')}s"
+        f" | tok/s {fmt(trainer, 'perf/tokens_per_s', spec='.0f')}"
+        f" | wait: trainer {fmt(trainer, 'perf/wait_s', spec='.1f')}s"
+        f" orch {fmt(orch, 'time/wait_for_weights', spec='.1f')}s"
         f" | {time.monotonic() - started:.0f}s"
     )
 

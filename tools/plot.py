@@ -12,7 +12,7 @@ from primejax.monitor import read_jsonl
 
 PANELS = (
     ("orchestrator", "reward/mean", "reward (mean)"),
-    ("trainer", "loss/total", "loss"),
+    ("trainer", "loss", "loss"),
     ("trainer", "entropy", "entropy"),
     ("trainer", "mismatch_kl", "trainer-vLLM mismatch KL"),
 )
