@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import pytest
 from ml_collections import ConfigDict
 from orch_fakes import FakeClient, small_config
 
@@ -16,7 +17,7 @@ from primejax.envs.base import Environment, Example
 from primejax.envs.registry import register_env
 from primejax.envs.reverse_text import ReverseText
 from primejax.orchestrator.checkpoint import saved_steps
-from primejax.orchestrator.loop import Orchestrator
+from primejax.orchestrator.loop import MAX_EMPTY_BATCHES, Orchestrator
 
 
 def run(cfg, client, tokenizer, steps: int) -> tuple[Orchestrator, list[dict[str, float]]]:
@@ -131,10 +132,6 @@ def test_algorithm_per_env_override_and_weights(tmp_path, tokenizer):
 
 
 def test_repeated_empty_batches_abort_the_run(tmp_path, tokenizer):
-    import pytest
-
-    from primejax.orchestrator.loop import MAX_EMPTY_BATCHES
-
     # group_size 1 under grpo: every advantage is 0, the post-batch zero_advantage filter drops everything.
     cfg = small_config(tmp_path / "run", batch_size=4, group_size=1)
     with pytest.raises(RuntimeError, match="empty batches in a row"):
