@@ -81,7 +81,7 @@ class ServerSpec:
     def argv(self) -> list[str]:
         args = [
             sys.executable, "-m", VLLM_MODULE,
-            "--model", str(Path(self.model).resolve()),
+            "--model", str(Path(self.model).resolve()) if Path(self.model).exists() else self.model,
             "--host", self.host,
             "--port", str(self.port),
             "--max-model-len", str(self.max_model_len),
@@ -105,11 +105,12 @@ class ServerSpec:
             {
                 "VLLM_PLUGINS": PLUGIN_NAME,  # endpoint plugins load only when allowlisted
                 "VLLM_SERVER_DEV_MODE": "0",  # its /pause (abort mode) would shadow ours
-                "HF_HUB_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_space_gb),
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if Path(self.model).is_dir():
+            env["HF_HUB_OFFLINE"] = "1"  # a local model needs no hub; never stall on one we cannot reach
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         env.update(self.env)

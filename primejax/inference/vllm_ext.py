@@ -87,6 +87,17 @@ class VllmAdminEngine:
         await self.client.check_health()
 
 
+def _local_model_dir(model: str) -> str:
+    """The served model as a local directory: itself, or the hub cache snapshot vLLM loaded it from."""
+    from pathlib import Path
+
+    if Path(model).is_dir():
+        return str(Path(model).resolve())
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, local_files_only=True)
+
+
 class PrimejaxEndpointPlugin:
     """vLLM endpoint plugin (`vllm.plugins.endpoint_plugins.interface.EndpointPlugin` protocol)."""
 
@@ -104,7 +115,7 @@ class PrimejaxEndpointPlugin:
 
         if engine_client is None:  # a render-only server has no engine to update
             return
-        base_dir = str(args.model)
+        base_dir = _local_model_dir(str(args.model))
         state.primejax = AdminState(
             engine=VllmAdminEngine(engine_client), base_dir=base_dir, validate=WeightDirValidator(base_dir)
         )

@@ -71,8 +71,8 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     proc.stop()  # idempotent
 
 
-def test_spec_builds_the_documented_command():
-    spec = ServerSpec(model="/m", port=8123, max_model_len=512, extra_args=("--max-num-seqs", "8"))
+def test_spec_builds_the_documented_command(tmp_path):
+    spec = ServerSpec(model=str(tmp_path), port=8123, max_model_len=512, extra_args=("--max-num-seqs", "8"))
     argv = spec.argv()
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(argv)
