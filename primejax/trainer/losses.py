@@ -187,7 +187,8 @@ def make_loss_fn(cfg: LossConfig, max_segments: int = 0) -> Callable[..., tuple[
         lp_sg = jax.lax.stop_gradient(lp)
         sampled = members["rl"] | members["ref_kl"]
         log_r = jnp.where(sampled, lp_sg - lq, 0.0)
-        sums["mismatch_kl"] = jnp.sum(jnp.where(sampled, jnp.exp(log_r) - log_r - 1.0, 0.0))
+        # expm1: exp(x) - 1 - x cancels catastrophically in fp32 for the tiny |x| of a well-synced policy.
+        sums["mismatch_kl"] = jnp.sum(jnp.where(sampled, jnp.expm1(log_r) - log_r, 0.0))
         sums["num_sampled"] = jnp.sum(sampled, dtype=jnp.float32)
         sums["entropy"] = jnp.sum(jnp.where(mb["loss_mask"], jax.lax.stop_gradient(entropy), 0.0))
         sums["num_loss_tokens"] = jnp.sum(mb["loss_mask"], dtype=jnp.float32)
