@@ -6,10 +6,14 @@ each sample contiguous and in order, so index order equals position order within
 
 Implementations (`impl`):
 - "xla": plain einsums with a dense [T, T] mask; portable reference, O(T^2) memory.
-- "cudnn": cuDNN fused flash attention through `jax.nn.dot_product_attention(implementation="cudnn")`, GPU,
-  bf16/fp16 only. The public API has no segment-id argument, so the segment mask goes in as a boolean mask
-  (cuDNN turns it into an additive [B, 1, T, T] bias): the kernel stays fused, but that bias costs
-  O(T^2) memory per row (0.5 GiB in bf16 at T=16k).
+- "cudnn": cuDNN fused flash attention, GPU (Hopper or newer), bf16/fp16 only, in cuDNN's packed (THD,
+  "ragged") mode: each row's segments become (offset, length) pairs and the kernel runs causal attention
+  inside each one, skipping every cross-segment block. The public `jax.nn.dot_product_attention` has no
+  segment argument (only per-row lengths, or a dense mask that cuDNN turns into an O(T^2) bias: 8 GiB per
+  row at T=64k), so this goes through jax's cuDNN wrapper `jax._src.cudnn.fused_attention_stablehlo`
+  (q_offsets / q_seqlen), checked against the xla path by tests/perf and tools/bench_trainer.py.
+  Segments are maximal runs of equal ids (packing keeps samples contiguous), padding included; a row may
+  hold at most `max_segments` runs, and a row with more gets NaN outputs rather than silently wrong ones.
 - "splash": Pallas splash attention for TPU, with native segment ids and a causal block-sparse mask.
 - "auto": cudnn on GPU, splash on TPU, xla elsewhere.
 An unsupported combination (cudnn on CPU, fp32 cudnn, splash off TPU) falls back to xla with one warning.
@@ -24,6 +28,9 @@ import jax
 import jax.numpy as jnp
 
 logger = logging.getLogger(__name__)
+# Runs of equal segment ids (samples, plus trailing padding) a packed row may hold on the cudnn path. cuDNN
+# launches work for every slot, so this is a cost knob, not just a bound (see docs/benchmarks.md).
+DEFAULT_MAX_SEGMENTS = 64
 _warned: set[str] = set()
 
 
@@ -71,6 +78,7 @@ def attention(
     *,
     impl: str = "xla",
     scale: float | None = None,
+    max_segments: int = DEFAULT_MAX_SEGMENTS,
     interpret: bool = False,
 ) -> jax.Array:
     """Packed causal GQA attention.
@@ -78,7 +86,7 @@ def attention(
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K; segment_ids: int32 [B, T].
     Returns [B, T, H, Dh] in q's dtype. `positions` are not needed by any mask here (see module docstring)
     and are accepted so every kernel shares one signature. `interpret` runs Pallas kernels in interpreter
-    mode (for tests off-TPU).
+    mode (for tests off-TPU). `max_segments` bounds the runs of equal segment ids per row (cudnn only).
     """
     del positions
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -86,7 +94,7 @@ def attention(
     if impl == "xla":
         return _xla_attention(q, k, v, segment_ids, scale)
     if impl == "cudnn":
-        return _cudnn_attention(q, k, v, segment_ids, scale)
+        return _cudnn_attention(q, k, v, segment_ids, scale, max_segments)
     return _splash_attention(q, k, v, segment_ids, scale, interpret)
 
 
@@ -104,11 +112,37 @@ def _xla_attention(q, k, v, segment_ids, scale):
     return o_btkgd.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _cudnn_attention(q, k, v, segment_ids, scale):
-    mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, T]
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, is_causal=True, implementation="cudnn"
-    ).astype(q.dtype)
+def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(offsets [B, M+1], lengths [B, M], overflow [B]) of each row's runs of equal segment ids.
+
+    In the layout jax's cuDNN wrapper takes: a row's run starts, then -1 for unused slots (offsets has one
+    spare slot, as the wrapper expects); lengths -1 for unused slots. `overflow` flags rows with more than
+    M = max_segments runs, whose extra runs are not described.
+    """
+    b, t = segment_ids.shape
+    starts_bt = jnp.concatenate(
+        [jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    num_runs_b = jnp.sum(starts_bt, axis=1, dtype=jnp.int32)
+    # Start indices of the first M+1 runs, padded with t: consecutive differences are the run lengths.
+    idx_bm = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments + 1, fill_value=t)[0])(starts_bt)
+    idx_bm = idx_bm.astype(jnp.int32)
+    slot = jnp.arange(max_segments + 1, dtype=jnp.int32)[None]
+    offsets = jnp.where(slot < num_runs_b[:, None], idx_bm, -1)
+    lengths = jnp.where(slot[:, :-1] < num_runs_b[:, None], idx_bm[:, 1:] - idx_bm[:, :-1], -1)
+    return offsets, lengths, num_runs_b > max_segments
+
+
+def _cudnn_attention(q, k, v, segment_ids, scale, max_segments):
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+    # The wrapper treats M == 1 as "not packed"; 2 keeps the packed (segment-aware) kernel.
+    offsets, lengths, overflow_b = segment_runs(segment_ids, max(2, max_segments))
+    out = cudnn_fa.dot_product_attention(
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        scale=scale, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+    )
+    return jnp.where(overflow_b[:, None, None, None], jnp.nan, out).astype(q.dtype)
 
 
 @functools.cache
