@@ -20,7 +20,9 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #   full           save only the layer input; recompute the whole layer in the backward pass
 #   dots           save the outputs of all matmuls (projections and attention scores), recompute elementwise ops
 #   dots_no_batch  save only matmuls without batch dimensions (the weight projections), recompute attention
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+#   attn           save only the attention kernel's output (+ softmax stats); recompute the rest of the layer
+#   dots_no_batch_attn  dots_no_batch plus the attention output: only elementwise ops are recomputed
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn")
 _DTYPES = ("float32", "bfloat16", "float16")
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from primejax.models.attention import attention
 from primejax.models.config import ModelConfig
@@ -25,10 +26,34 @@ from primejax.models.sharding import constrain
 
 _INIT_STD = 0.02  # HF initializer_range default for these families
 
+ATTN_OUT = "attn_out"  # checkpoint name of the attention output (the xla path's saveable result)
+
+
+def _saves_attention(prim, *args, **params) -> bool:
+    """Keep the attention kernel's results for the backward pass instead of re-running it.
+
+    Under remat the policy sees the primitives inside a custom_vjp's forward rule, so cuDNN's fused forward
+    (output + softmax statistics, the residuals its backward kernel needs) is saved by primitive name; the
+    xla path's output by its checkpoint name. Attention is the one part of a layer whose recompute costs
+    O(T^2), so at long context this removes most of full remat's extra work for a few [T, H, Dh] per layer.
+    """
+    if prim.name.startswith("dot_product_attention_fwd"):
+        return True
+    return jax.checkpoint_policies.save_only_these_names(ATTN_OUT)(prim, *args, **params)
+
+
+def _saves_attention_and_weight_dots(prim, *args, **params) -> bool:
+    return _saves_attention(prim, *args, **params) or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(
+        prim, *args, **params
+    )
+
+
 _REMAT_POLICIES = {
     "full": None,  # jax.checkpoint with no policy saves nothing but the inputs
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "attn": _saves_attention,
+    "dots_no_batch_attn": _saves_attention_and_weight_dots,
 }
 
 
@@ -102,7 +127,7 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd, segment_ids,
     k_btkh = constrain(apply_rope(k_btkh, cos, sin), ("batch", "seq", "act_kv_heads", "head_dim"))
     v_btkh = constrain(v_btkh, ("batch", "seq", "act_kv_heads", "head_dim"))
 
-    o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl)
+    o_btnh = checkpoint_name(attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl), ATTN_OUT)
     o_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt))
     if cfg.attention_out_bias:
         o_btd = o_btd + p["o_bias"].astype(dt)
