@@ -1,0 +1,155 @@
+"""Each GPU fast path's CPU-runnable part matches its reference, values and gradients.
+
+The kernels themselves (cuDNN attention) only run on a GPU; tools/bench_trainer.py checks them there against
+the xla path in the same run as the timings. Here: the fused LM-head backward, the packed-segment run
+description the cuDNN path feeds the kernel, the remat policies that keep attention, and the cudnn request's
+CPU fallback.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from primejax.models.attention import attention, segment_runs
+from primejax.models.config import ModelConfig
+from primejax.models.transformer import Transformer
+from primejax.trainer.fused_head import fused_token_logprobs
+from primejax.trainer.logprobs import token_logprobs_autodiff, token_logprobs_reference
+
+
+def _head_inputs(dtype, b=2, t=45, d=24, v=97, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    h = jax.random.normal(k[0], (b, t, d)).astype(dtype)
+    w = 0.5 * jax.random.normal(k[1], (d, v))
+    y = jax.random.randint(k[2], (b, t), 0, v)
+    tau = jax.random.uniform(k[3], (b, t), minval=0.6, maxval=1.4)
+    coef = jax.random.normal(k[4], (b, t))
+    return h, w, y, tau, coef
+
+
+def _value_and_grads(fn, h, w, y, tau, coef):
+    def objective(h, w):
+        lp, ent = fn(h, w, y, tau)
+        # Both outputs carry gradient, as in the loss (entropy only enters metrics there, but the head
+        # must be right for any use).
+        return jnp.sum(coef * lp) + 0.3 * jnp.sum(ent), (lp, ent)
+
+    return jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(h, w)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("chunk", [7, 45, 1024])
+def test_fused_head_matches_reference_fp32(chunk):
+    h, w, y, tau, coef = _head_inputs(jnp.float32)
+    (loss, (lp, ent)), (dh, dw) = _value_and_grads(
+        lambda *a: fused_token_logprobs(*a, chunk_size=chunk), h, w, y, tau, coef
+    )
+    (loss_r, (lp_r, ent_r)), (dh_r, dw_r) = _value_and_grads(token_logprobs_reference, h, w, y, tau, coef)
+    np.testing.assert_allclose(loss, loss_r, rtol=1e-5)
+    np.testing.assert_allclose(lp, lp_r, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, ent_r, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dh, dh_r, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dw, dw_r, rtol=1e-4, atol=1e-5)
+    assert dw.dtype == w.dtype
+
+
+def test_fused_head_matches_autodiff_chunked_in_bf16():
+    """bf16 compute: the fused backward rounds d logits to bf16 once; stays within bf16 tolerance."""
+    h, w, y, tau, coef = _head_inputs(jnp.bfloat16, t=64, d=32, v=300)
+    (loss, _), (dh, dw) = _value_and_grads(lambda *a: fused_token_logprobs(*a, chunk_size=16), h, w, y, tau, coef)
+    (loss_r, _), (dh_r, dw_r) = _value_and_grads(
+        lambda *a: token_logprobs_autodiff(*a, chunk_size=16), h, w, y, tau, coef
+    )
+    assert _rel(loss, loss_r) < 1e-6
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    assert _rel(dh, dh_r) < 1e-2, _rel(dh, dh_r)
+    assert _rel(dw, dw_r) < 1e-2, _rel(dw, dw_r)
+
+
+def test_segment_runs_describes_each_row():
+    seg = jnp.array([[1, 1, 1, 2, 2, 0, 0, 0], [1] * 8, [1, 2, 3, 4, 5, 6, 0, 0]], jnp.int32)
+    offsets, lengths, overflow = segment_runs(seg, 4)
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1], [0, 1, 2, 3, 4]])
+    np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(overflow, [False, False, True])
+    # every token of a row that fits is covered exactly once
+    for r in range(2):
+        n = int((lengths[r] > 0).sum())
+        assert int(lengths[r, :n].sum()) == seg.shape[1]
+
+
+def test_cudnn_request_falls_back_to_xla_off_gpu():
+    k = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(k[0], (1, 32, 4, 16))
+    kv = jax.random.normal(k[1], (1, 32, 2, 16))
+    seg = jnp.array([[1] * 10 + [2] * 15 + [0] * 7], jnp.int32)
+    out = attention(q, kv, kv, seg, impl="cudnn")
+    np.testing.assert_allclose(out, attention(q, kv, kv, seg, impl="xla"), rtol=0, atol=0)
+
+
+def _tiny(remat: str) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, qk_norm=True, attention_bias=False, max_position_embeddings=64,
+        compute_dtype="float32", remat_policy=remat,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference_grads():
+    return _model_grads("none")
+
+
+def _model_grads(remat: str):
+    model = Transformer(_tiny(remat), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 64)
+    seg = jnp.array([[1] * 10 + [2] * 14, [1] * 20 + [0] * 4], jnp.int32)
+    pos = jnp.array([list(range(10)) + list(range(14)), list(range(24))], jnp.int32)
+
+    def loss(state):
+        h = nnx.merge(graphdef, state)(tokens, pos, seg)
+        return jnp.sum(jnp.sin(h))
+
+    return jax.jit(jax.value_and_grad(loss))(state)
+
+
+@pytest.mark.parametrize("remat", ["attn", "dots_no_batch_attn"])
+def test_attention_saving_remat_policies_give_the_same_gradients(remat, reference_grads):
+    loss, grads = _model_grads(remat)
+    loss_r, grads_r = reference_grads
+    np.testing.assert_allclose(loss, loss_r, rtol=1e-6)
+    # Recomputation fuses differently, so fp32 rounding differs slightly: compare each gradient as a whole.
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_r), strict=True):
+        assert _rel(a, b) < 1e-5, _rel(a, b)
+
+
+def test_attention_policy_saves_the_attention_output():
+    """The "attn" policy keeps the attention result as a residual (so the backward need not re-run it)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    model = Transformer(_tiny("attn"), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    pos = jnp.arange(8, dtype=jnp.int32)[None]
+    seg = jnp.ones((1, 8), jnp.int32)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_saved_residuals(lambda s: jnp.sum(nnx.merge(graphdef, s)(tokens, pos, seg)), state)
+    # Per layer (stacked by the scan over 2 layers): the layer input [L, B, T, D] and the attention output
+    # [L, B, T, H, Dh], nothing else of the layer's activations.
+    # (The scan's final carry [B, T, D] is saved too: it feeds the final norm outside the scan.)
+    saved = sorted(ln.split()[0] for ln in buf.getvalue().splitlines() if "output of scan" in ln)
+    assert saved == ["f32[1,8,32]", "f32[2,1,8,32]", "f32[2,1,8,4,16]"], saved
