@@ -36,6 +36,8 @@ def _env(env_id: str, **args: Any) -> ConfigDict:
             "args": ConfigDict(args),  # keyword arguments for the environment's loader
             "weight": 1.0,  # share of each step's prompts drawn from this env
             "algo": "",  # per-env algorithm override (an `orchestrator.algo.type`); "" = the global one
+            # per-env custom advantage (overrides orchestrator.algo.advantage when import_path is set)
+            "advantage": ConfigDict({"import_path": "", "kwargs_json": "{}"}),
         }
     )
 
@@ -113,7 +115,7 @@ def default_config() -> ConfigDict:
             "batch_size": 32,  # rollouts per step
             "group_size": 8,  # rollouts per prompt
             "seq_len": 1024,  # packed row length
-            "async_level": 1,  # k: step n samples from a policy no older than n - k
+            "async_level": 1,  # k: step n (1-based) samples from θ_{n-1-k} or newer; 0 = fully synchronous
             "max_concurrent": 64,  # in-flight inference requests
             "max_prompt_tokens": 256,
             "weights_poll_s": 0.5,  # how often the orchestrator looks for new STABLE broadcasts
@@ -125,7 +127,7 @@ def default_config() -> ConfigDict:
                     "type": "grpo",  # grpo | max_rl | opd | opsd | sft | echo | a registered name
                     "sampling": ConfigDict({"source": "policy", "frozen": _frozen_model()}),  # policy | frozen
                     "teacher": _frozen_model(),  # opd
-                    "length_penalty": ConfigDict({"type": "none", "coef": 0.0}),  # none | tokens | turns
+                    "length_penalty": ConfigDict({"type": "none", "coef": 0.0, "target": 0}),  # none | tokens | turns
                     "advantage": ConfigDict({"import_path": "", "kwargs_json": "{}"}),  # custom advantage
                     "demo_key": "demonstration",  # opsd
                     "template": "Here is an expert demonstration:\n{demonstration}",  # opsd
@@ -146,9 +148,11 @@ def default_config() -> ConfigDict:
             ),
             "buffer": ConfigDict(
                 {
-                    "easy_threshold": 1.0,  # mean group reward >= this moves the example to the easy pool
-                    "hard_threshold": 0.0,  # mean group reward <= this moves it to the hard pool
-                    "easy_fraction": 0.0,  # share of prompts re-drawn from the easy pool
+                    # mean group reward >= easy_threshold retires the example to the easy pool, <= hard_threshold
+                    # to the hard pool (None = that pool is off); pools persist in orchestrator checkpoints
+                    "easy_threshold": ml_collections.config_dict.placeholder(float),
+                    "hard_threshold": ml_collections.config_dict.placeholder(float),
+                    "easy_fraction": 0.0,  # on resume, share of the easy pool lifted back into rotation
                     "hard_fraction": 0.0,
                     "online_difficulty_filtering": False,
                     "oversampling_factor": 1.0,
@@ -156,7 +160,8 @@ def default_config() -> ConfigDict:
             ),
             "renderer": ConfigDict({"name": "auto"}),
             "eval": ConfigDict(
-                {"interval": 0, "envs": ConfigDict(), "num_examples": 32, "group_size": 1}
+                {"interval": 0, "envs": ConfigDict(), "num_examples": 32, "group_size": 1,
+                 "pass_threshold": 1.0}  # envs {} = the training envs; a rollout passes at reward >= threshold
             ),
             "checkpoint": ConfigDict({"interval": 0, "keep": 2}),
             "client": ConfigDict(
@@ -233,6 +238,60 @@ _JSON_OBJECTS = (
     "orchestrator.algo.filter.kwargs_json",
 )
 KNOWN_FILTERS = ("gibberish", "repetition", "zero_advantage")
+# The loss component each built-in algorithm's sampled tokens feed (seed 001 §The Algorithms).
+ALGORITHM_LOSS = {"grpo": "rl", "max_rl": "rl", "echo": "rl", "opd": "ref_kl", "opsd": "ref_kl", "sft": "ce"}
+GRPO_FAMILY = ("grpo", "max_rl", "echo")
+
+
+def _validate_algorithms(c: ConfigDict) -> None:
+    """Component compatibility of every env's resolved algorithm (seed 001 §Customizing Components)."""
+    o = c.orchestrator
+    algo = o.algo
+    types = {"orchestrator.algo.type": algo.type}
+    types.update({f"orchestrator.envs.{n}.algo": e.algo for n, e in o.envs.items() if e.algo})
+    frozen = algo.sampling.source == "frozen"
+    if frozen and not algo.sampling.frozen.base_url:
+        raise ConfigError("orchestrator.algo.sampling.frozen.base_url", "frozen sampling needs an endpoint")
+    for key, name in types.items():
+        loss = ALGORITHM_LOSS.get(name)
+        if loss is None:
+            continue  # a user-registered algorithm: checked when it is built
+        if frozen and loss != "ce":
+            raise ConfigError(key, f"{name!r} trains with {loss}: frozen-model sampling can only feed the ce loss "
+                                   "(rl and ref_kl need the live policy's sampling logprobs)")
+        if name == "sft" and not frozen:
+            raise ConfigError("orchestrator.algo.sampling.source",
+                              "sft needs a frozen source (CE on the policy's own tokens is no distillation target)")
+        if name == "opd":
+            if algo.teacher.name == "policy":
+                raise ConfigError("orchestrator.algo.teacher", "opd against the live policy is degenerate (zero KL)")
+            if not algo.teacher.base_url:
+                raise ConfigError("orchestrator.algo.teacher.base_url", "opd needs a frozen teacher endpoint")
+        if algo.length_penalty.type != "none" and name not in GRPO_FAMILY:
+            raise ConfigError("orchestrator.algo.length_penalty.type",
+                              f"length penalties apply to the grpo family ({', '.join(GRPO_FAMILY)}), not {name!r}")
+    for key, path in [("orchestrator.algo.advantage.import_path", algo.advantage.import_path),
+                      ("orchestrator.algo.filter.import_path", algo.filter.import_path)] + [
+            (f"orchestrator.envs.{n}.advantage.import_path", e.advantage.import_path) for n, e in o.envs.items()]:
+        if path and "." not in path and ":" not in path:
+            raise ConfigError(key, f"must be an import path 'module.function', got {path!r}")
+    for n, e in o.envs.items():
+        try:
+            if not isinstance(json.loads(e.advantage.kwargs_json), dict):
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"orchestrator.envs.{n}.advantage.kwargs_json", "must be a JSON object") from None
+    roles = json.loads(algo.roles_json)
+    for role, alpha in roles.items():
+        if not isinstance(alpha, (int, float)) or alpha < 0:
+            raise ConfigError("orchestrator.algo.roles_json", f"role {role!r}: alpha must be a number >= 0")
+    if algo.length_penalty.coef < 0 or algo.length_penalty.target < 0:
+        raise ConfigError("orchestrator.algo.length_penalty", "coef and target must be >= 0")
+    b = o.buffer
+    if b.easy_threshold is not None and b.hard_threshold is not None and b.hard_threshold >= b.easy_threshold:
+        raise ConfigError("orchestrator.buffer.hard_threshold", "must be below easy_threshold")
+    if o.eval.interval > 0 and (o.eval.num_examples <= 0 or o.eval.group_size <= 0):
+        raise ConfigError("orchestrator.eval", "num_examples and group_size must be > 0")
 
 
 def get(c: ConfigDict, key: str) -> Any:
@@ -302,6 +361,7 @@ def validate(c: ConfigDict) -> ConfigDict:
         raise ConfigError("orchestrator.buffer.easy_fraction", "easy_fraction + hard_fraction must be <= 1")
     if o.buffer.oversampling_factor < 1.0:
         raise ConfigError("orchestrator.buffer.oversampling_factor", f"must be >= 1, got {o.buffer.oversampling_factor}")
+    _validate_algorithms(c)
 
     loss = c.trainer.loss
     if loss.type == "custom" and "." not in loss.import_path:

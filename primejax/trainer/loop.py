@@ -9,8 +9,9 @@ MFU, prime-rl's formula; no export unless `fake_data.export`).
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from primejax.contracts.batch import PackedBatch, read_batch, wait_for_batch
-from primejax.contracts.broadcast import prune_broadcasts, write_broadcast
+from primejax.contracts.broadcast import broadcast_dir, is_stable, prune_broadcasts, write_broadcast
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, load_model
 from primejax.models.sharding import init_model, make_mesh
@@ -40,6 +41,7 @@ from primejax.trainer.step import (
     max_segments_bucket,
     to_micro_batches,
 )
+from primejax.utils.faults import fault_point
 
 log = logging.getLogger("primejax.trainer")
 
@@ -112,6 +114,10 @@ class Trainer:
             self.start_step = int(meta["step"])
             log.info("resumed from checkpoint step %d", self.start_step)
         self.export_enabled = not t.fake_data.enabled or t.fake_data.export
+        if resume is not None and self.export_enabled and not is_stable(broadcast_dir(self.root, self.start_step)):
+            # The orchestrator must serve θ_start before it samples the next step; the broadcast of it was
+            # likely pruned (or set aside by the launcher) in the run that died, so write it again.
+            self.export(self.start_step)
 
     def step_fn(self, max_segments: int) -> Callable:
         key = max_segments if self.loss_cfg.type == "custom" else 0
@@ -187,6 +193,7 @@ class Trainer:
                 waited = time.perf_counter() - wait_start
                 metrics = self.train_step(batch)
                 metrics["perf/wait_s"] = waited
+                fault_point("trainer.after_update", step)
                 if metrics["nonfinite"]:
                     if cfg.trainer.on_nonfinite == "stop":
                         raise NonFiniteError(f"step {step}: non-finite loss or gradient (loss={metrics['loss']})")
@@ -214,10 +221,25 @@ def train(cfg: ConfigDict) -> TrainState:
         return trainer.run(monitor)
 
 
-def maybe_init_distributed(cfg: ConfigDict) -> None:
+def distributed_settings(cfg: ConfigDict, environ: Mapping[str, str] | None = None) -> tuple[str, int, int]:
+    """(coordinator address, process count, process id): the config, overridden per host by the environment.
+
+    One resolved config serves every host of a multi-node run; each host sets its own `PRIMEJAX_PROCESS_ID`
+    (and may set `PRIMEJAX_COORDINATOR_ADDRESS` / `PRIMEJAX_NUM_PROCESSES`) instead of editing it.
+    """
+    env = os.environ if environ is None else environ
     d = cfg.trainer.distributed
-    if d.num_processes > 1:
-        jax.distributed.initialize(d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
+    return (
+        env.get("PRIMEJAX_COORDINATOR_ADDRESS", d.coordinator_address),
+        int(env.get("PRIMEJAX_NUM_PROCESSES", d.num_processes)),
+        int(env.get("PRIMEJAX_PROCESS_ID", d.process_id)),
+    )
+
+
+def maybe_init_distributed(cfg: ConfigDict) -> None:
+    address, num_processes, process_id = distributed_settings(cfg)
+    if num_processes > 1:
+        jax.distributed.initialize(address or None, num_processes=num_processes, process_id=process_id)
 
 
 __all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "NonFiniteError", "maybe_init_distributed"]
