@@ -6,7 +6,9 @@ codes) is the same whatever engine version sits underneath.
 
 Update protocol: validate the directory from file headers (4xx and nothing touched if bad) -> freeze
 scheduling with in-flight requests kept -> load in place -> drop cached KV computed with the old weights
-(running requests are recomputed, none is lost) -> resume -> publish the new version.
+(running requests are recomputed, none is lost) -> resume -> publish the new version. A request that
+straddles an update has its earlier tokens (and their logprobs) from the old weights and the rest from the
+new ones; callers that track policy versions should stamp a sample with the version at its start.
 """
 
 from __future__ import annotations
