@@ -23,20 +23,49 @@ from ml_collections import ConfigDict
 
 from primejax.contracts.batch import TrainingSample, pack_samples, step_dir, write_batch
 from primejax.envs.registry import load_env
+from primejax.inference.client import InferenceError
 from primejax.orchestrator import metrics as M
 from primejax.orchestrator.algorithms import build_algorithm
-from primejax.orchestrator.buffer import Buffer, EnvSlot
+from primejax.orchestrator.algorithms.base import env_algo_config
+from primejax.orchestrator.buffer import POOLS, Buffer, BufferSettings, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
+from primejax.orchestrator.eval import build_evaluator
 from primejax.orchestrator.filters import build_slots
 from primejax.orchestrator.generate import GroupGenerator, SamplingSettings
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version
 from primejax.orchestrator.renderer import build_renderer
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.utils.faults import fault_point
 from primejax.utils.io import atomic_dir
 
 log = logging.getLogger(__name__)
 MAX_EMPTY_BATCHES = 5
+MAX_TOPUP_ROUNDS = 3  # extra generation rounds per step when online difficulty filtering left the batch short
+MAX_STEP_ATTEMPTS = 4  # generation attempts of one step across inference outages before the run gives up
+
+
+class OutageCounter:
+    """Wraps the sampling client and counts requests lost to the server (unreachable, 5xx, after retries).
+
+    A request the server rejected (4xx) is the rollout's problem and fails it alone; a lost one says nothing
+    about the rollout, so the step is generated again once the server is back (see `Orchestrator.generate_step`).
+    """
+
+    def __init__(self, client: Any):
+        self._client = client
+        self.count = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await self._client.generate(*args, **kwargs)
+        except InferenceError as e:
+            if e.status is None or e.status >= 500:
+                self.count += 1
+            raise
 
 
 @dataclass
@@ -54,7 +83,8 @@ def build_env_slots(cfg: ConfigDict, **resources: Any) -> list[EnvSlot]:
     slots = []
     for name, entry in o.envs.items():
         env = load_env(entry.id, entry.args.to_dict())
-        algorithm = build_algorithm(entry.algo or o.algo.type, o.algo, sampling=o.sampling, **resources)
+        algorithm = build_algorithm(entry.algo or o.algo.type, env_algo_config(o.algo, entry), sampling=o.sampling,
+                                    **resources)
         slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm))
     return slots
 
@@ -80,23 +110,29 @@ class Orchestrator:
         self.run_dir = Path(run_dir)
         self.monitor = monitor
         self.slots = build_env_slots(cfg, policy_client=client, tokenizer=tokenizer)
-        self.buffer = Buffer(self.slots, seed=cfg.run.seed)
+        self.buffer = Buffer(self.slots, seed=cfg.run.seed, settings=BufferSettings.from_config(o.buffer))
         self.tracker = tracker or PolicyTracker(client, self.run_dir, poll_interval_s=o.weights_poll_s)
         settings = SamplingSettings(max_tokens=o.sampling.max_tokens, temperature=o.sampling.temperature,
                                     top_p=o.sampling.top_p, max_turns=o.sampling.max_turns, seed=o.sampling.seed,
                                     max_prompt_tokens=o.max_prompt_tokens)
-        self.generator = GroupGenerator(client, build_renderer(o.renderer.name, tokenizer), settings, self.tracker,
-                                        o.max_concurrent)
+        self.outages = OutageCounter(client)
+        self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), settings,
+                                        self.tracker, o.max_concurrent)
         self.pre_filters, self.post_filters = build_slots(o.filters)
+        self.evaluator = build_evaluator(cfg, client, self.generator.renderer, self.tracker) if o.eval.interval else None
         self.num_shards = max(1, cfg.trainer.distributed.num_processes)
         self.next_step = 1
         self.empty_batches = 0
+        # An outage may include a server restart (up to its start-up time) after the client's own retries.
+        self.recovery_timeout_s = 2 * cfg.inference.startup_timeout_s
 
     # ------------------------------------------------------------------------------------------ stages
 
     async def _group(self, env: str, index: int, group_id: int, step: int) -> list[Rollout]:
         slot = self.buffer.envs[env]
         group = await self.generator.group(slot, index, group_id, self.o.group_size, step)
+        if group_id == 0:  # the other groups' requests are still in flight
+            fault_point("orchestrator.generate", step, run_dir=self.run_dir)
         slot.algorithm.finalize_group(group)
         if not self.buffer.observe_group(env, index, [r.reward for r in group if r.ok]):
             for r in group:
@@ -104,10 +140,20 @@ class Orchestrator:
         return group
 
     async def generate(self, step: int) -> list[list[Rollout]]:
-        num_groups = math.ceil(self.o.batch_size / self.o.group_size * self.o.buffer.oversampling_factor)
-        prompts = self.buffer.sample(num_groups)
-        return list(await asyncio.gather(*(self._group(env, index, gid, step)
-                                           for gid, (env, index) in enumerate(prompts))))
+        """`batch_size / group_size * oversampling_factor` groups; with online difficulty filtering, more
+        rounds (sized the same way) while the dropped groups leave fewer than `batch_size` trainable rollouts."""
+        o = self.o
+        rounds = 1 + (MAX_TOPUP_ROUNDS if o.buffer.online_difficulty_filtering else 0)
+        groups: list[list[Rollout]] = []
+        missing = o.batch_size
+        for _ in range(rounds):
+            prompts = self.buffer.sample(math.ceil(missing / o.group_size * o.buffer.oversampling_factor))
+            groups += await asyncio.gather(*(self._group(env, index, len(groups) + i, step)
+                                             for i, (env, index) in enumerate(prompts)))
+            missing = o.batch_size - sum(r.ok and not r.dropped for g in groups for r in g)
+            if missing <= 0:
+                break
+        return groups
 
     def to_samples(self, batch: list[Rollout]) -> list[TrainingSample]:
         samples = []
@@ -124,7 +170,36 @@ class Orchestrator:
         with atomic_dir(target, overwrite=True) as tmp:
             for rank, batch in enumerate(batches):
                 write_batch(tmp, rank, batch, meta)
+            fault_point("orchestrator.before_batch_rename", step)
+        fault_point("orchestrator.batch_written", step, path=target / "rank_0.npz")
         return target
+
+    async def generate_step(self, step: int) -> list[list[Rollout]]:
+        """`generate(step)` on a server known to serve the tracked policy; redone after an inference outage.
+
+        A server that died or restarted mid-step has lost requests or serves the base model, so the step's
+        groups are thrown away and generated again from the same prompts (the buffer is rewound) and seeds,
+        once the server answers and has been set back to the tracked weights: no step is lost or skewed.
+        """
+        for attempt in range(1, MAX_STEP_ATTEMPTS + 1):
+            buffer_state = self.buffer.state_dict()
+            lost_before = self.outages.count
+            try:
+                await self.tracker.resync()
+                groups = await self.generate(step)
+                if self.outages.count == lost_before and await self.tracker.server_matches():
+                    return groups
+                reason = (f"{self.outages.count - lost_before} requests lost" if self.outages.count > lost_before
+                          else "the server restarted (it no longer serves the tracked weights)")
+            except InferenceError as e:
+                reason = str(e)
+            if attempt == MAX_STEP_ATTEMPTS:
+                raise RuntimeError(f"step {step}: inference failed in {attempt} attempts in a row ({reason})")
+            log.warning("step %d: inference outage (%s); generating the step again once the server is back",
+                        step, reason)
+            self.buffer.load_state_dict(buffer_state)
+            await self.client.wait_ready(self.recovery_timeout_s)
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------------------------------ a step
 
@@ -135,7 +210,7 @@ class Orchestrator:
         server_before = self.generator.stats.server_seconds
         tokens_before = self.generator.stats.completion_tokens
         errors_before = Counter(self.generator.stats.errors)
-        groups = await self.generate(step)
+        groups = await self.generate_step(step)
         gen_seconds = time.perf_counter() - t_gen
         rollouts = [r for g in groups for r in g]
 
@@ -164,7 +239,7 @@ class Orchestrator:
         metrics = M.merge(
             M.rollout_metrics(rollouts), M.sample_metrics(step, samples),
             M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
-            M.count_metrics("errors", errors),
+            M.count_metrics("errors", errors), self.buffer.step_metrics(),
             {
                 "batch/rollouts": len(batch),
                 "policy/version": self.tracker.version,
@@ -183,12 +258,16 @@ class Orchestrator:
     # ------------------------------------------------------------------------------------------ the run
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_step": self.next_step, "buffer": self.buffer.state_dict(),
+        return {"next_step": self.next_step, "buffer": self.buffer.state_dict(include_pools=False),
                 "policy_version": self.tracker.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_step = int(state["next_step"])
-        self.buffer.load_state_dict(state["buffer"])
+        records = state.get("records", {})
+        self.buffer.load_state_dict(state["buffer"], {p: records.get(f"{p}_examples", []) for p in POOLS})
+        lifted = self.buffer.lift()  # easy_fraction / hard_fraction re-enter rotation on resume
+        if any(lifted.values()):
+            log.info("lifted back into rotation: %s", lifted)
 
     def resume(self, resume_step: str) -> None:
         state = load_checkpoint(self.run_dir, resume_step)
@@ -210,6 +289,11 @@ class Orchestrator:
                 example = result.batch[0]
                 self.monitor.text(result.step, "rollout", json.dumps(example.messages, indent=1)[:4000])
 
+    async def close(self) -> None:
+        """Close the algorithms' own model clients (frozen teachers / samplers); the policy client is the caller's."""
+        for slot in self.slots:
+            await slot.algorithm.close()
+
     async def run(self, max_steps: int) -> list[dict[str, float]]:
         """Run steps next_step..max_steps; return each step's metrics."""
         watcher = asyncio.create_task(self.tracker.watch())
@@ -217,12 +301,15 @@ class Orchestrator:
         try:
             while self.next_step <= max_steps:
                 result = await self.step(self.next_step)
+                if self.evaluator is not None and result.step % self.o.eval.interval == 0:
+                    result.metrics.update(await self.evaluator.run(result.step))
                 self._log(result)
                 history.append(result.metrics)
                 self.next_step += 1
                 interval = self.o.checkpoint.interval
                 if interval and result.step % interval == 0:
-                    save_checkpoint(self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep)
+                    records = {f"{p}_examples": self.buffer.pool_records(p) for p in POOLS}
+                    save_checkpoint(self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep, records)
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)

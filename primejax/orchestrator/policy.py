@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from primejax.contracts.broadcast import broadcast_dir, latest_stable_step, verify_broadcast
+from primejax.contracts.broadcast import broadcast_dir, is_stable, latest_stable_step, verify_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,42 @@ class PolicyTracker:
     async def sync_with_server(self) -> int:
         """Adopt the server's own version when it is newer (an orchestrator restarted next to a live server)."""
         self._version = max(self._version, int(await self.client.weights_version()))
+        return self._version
+
+    async def server_matches(self) -> bool:
+        """Whether the server serves the tracked version now (False after it restarted on the base model)."""
+        _, lock = self._sync()
+        async with lock:  # not mid-update, when the server is legitimately one version ahead of the tracker
+            return int(await self.client.weights_version()) == self._version
+
+    async def resync(self) -> int:
+        """Make the server serve the weights this tracker says it serves; return that version.
+
+        Needed whenever the server may have lost them: a restarted server serves the base model, and a server
+        shared with an earlier (killed) run may serve that run's newer weights, which a resumed run must not
+        sample from. Version 0 reloads the base model; version v reloads `broadcasts/step_v`, or the newest
+        STABLE broadcast if that one was pruned (newer weights never break the off-policy bound).
+        """
+        changed, lock = self._sync()
+        async with lock:
+            served = int(await self.client.weights_version())
+            if served == self._version:
+                return served
+            if self._version == 0:
+                await self.client.reload_weights()
+            else:
+                step = self._version if is_stable(broadcast_dir(self.run_dir, self._version)) else None
+                step = step or self._latest_step(self.run_dir)
+                if step is None or step < self._version:
+                    raise RuntimeError(f"the server lost policy version {self._version} and no broadcast of it or "
+                                       f"a newer one is left in {self.run_dir / 'broadcasts'}")
+                directory = broadcast_dir(self.run_dir, step)
+                verify_broadcast(directory, check_hashes=False)
+                await self.client.update_weights(str(directory), step)
+                self._version = step
+            log.warning("inference server served version %d: set it back to version %d", served, self._version)
+        async with changed:
+            changed.notify_all()
         return self._version
 
     async def refresh(self) -> bool:

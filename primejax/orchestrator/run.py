@@ -27,7 +27,9 @@ async def run_orchestrator(cfg: ConfigDict) -> list[dict[str, float]]:
         orchestrator = Orchestrator(cfg, client=client, tokenizer=load_tokenizer(cfg.model.path), run_dir=root,
                                     monitor=monitor)
         orchestrator.resume(cfg.run.resume_step)
-        await orchestrator.tracker.sync_with_server()
+        # Start from a known policy: the base model. A server left serving another (or a killed) run's weights
+        # is reset; the watcher then loads the newest broadcast of this run, which a resumed trainer re-exports.
+        await orchestrator.tracker.resync()
         return await orchestrator.run(cfg.run.max_steps)
     finally:
         monitor.close()

@@ -20,11 +20,18 @@ def main() -> int:
     if cfg.trainer.devices and "CUDA_VISIBLE_DEVICES" not in os.environ:
         # Must happen before JAX initializes its backends (the imports below).
         os.environ["CUDA_VISIBLE_DEVICES"] = cfg.trainer.devices
-    from primejax.trainer.loop import maybe_init_distributed, train
+    from primejax.contracts.batch import BatchFormatError
+    from primejax.trainer.loop import NonFiniteError, maybe_init_distributed, train
 
     maybe_init_distributed(cfg)
     write_resolved_config(cfg, "trainer")
-    train(cfg)
+    try:
+        train(cfg)
+    except (BatchFormatError, NonFiniteError, FileNotFoundError, TimeoutError) as e:
+        # Bad data or a stopped run, not a bug: one line the launcher can show, no traceback. Nothing was
+        # consumed or written for the failing step, so a resume starts from the last checkpoint.
+        print(f"error: trainer: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

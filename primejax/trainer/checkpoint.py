@@ -4,7 +4,9 @@
 when `trainer.checkpoint.async_save` is on: the save of step N runs in the background while training goes
 on, and is finalized (waited for, then `meta.json` written, then old checkpoints pruned) at the next save or
 at `close()`. `meta.json` is the completion marker and holds the data position (the next rollout step to
-read) and the config fingerprint; a directory without it is an interrupted save and is ignored.
+read), the config fingerprint and the size of every file under `state/`; a directory without it is an
+interrupted save and is ignored, and one whose files no longer match it (a truncated or lost file) is
+skipped by `run.resume_step=latest`, which falls back to the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def trainer_ckpt_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step}" / "trainer"
 
 
-def complete_steps(run_dir: str | Path) -> list[int]:
+def complete_steps(run_dir: str | Path, verified: bool = False) -> list[int]:
+    """Steps with a completion marker; with `verified`, only those whose files still match it."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
@@ -39,19 +42,54 @@ def complete_steps(run_dir: str | Path) -> list[int]:
         m = _STEP.match(p.name)
         if m and (p / "trainer" / META).is_file():
             steps.append(int(m.group(1)))
+    if verified:
+        steps = [s for s in steps if checkpoint_problem(run_dir, s) is None]
     return sorted(steps)
 
 
+def _state_files(state_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(state_dir)): p.stat().st_size for p in sorted(state_dir.rglob("*")) if p.is_file()}
+
+
+def checkpoint_problem(run_dir: str | Path, step: int) -> str | None:
+    """Why checkpoint `step` cannot be restored (missing marker, unreadable, a file lost or resized), or None."""
+    path = trainer_ckpt_dir(run_dir, step)
+    try:
+        meta = json.loads((path / META).read_text())
+    except FileNotFoundError:
+        return "incomplete (no meta.json)"
+    except json.JSONDecodeError as e:
+        return f"unreadable meta.json ({e.msg})"
+    expected = meta.get("files")
+    if expected is None:  # written before sizes were recorded: nothing to compare
+        return None
+    actual = _state_files(path / "state")
+    for name, size in expected.items():
+        if name not in actual:
+            return f"state/{name} is missing"
+        if actual[name] != size:
+            return f"state/{name} has {actual[name]} bytes, meta.json says {size}"
+    return None
+
+
 def resolve_resume_step(run_dir: str | Path, resume_step: str) -> int | None:
-    """'' -> None (fresh run); 'latest' -> newest complete checkpoint (None if there is none); 'N' -> N."""
+    """'' -> None (fresh run); 'latest' -> newest intact checkpoint (None if there is none); 'N' -> N."""
     if resume_step == "":
         return None
-    steps = complete_steps(run_dir)
     if resume_step == "latest":
-        return steps[-1] if steps else None
+        for step in reversed(complete_steps(run_dir)):
+            problem = checkpoint_problem(run_dir, step)
+            if problem is None:
+                return step
+            log.warning("trainer checkpoint step %d is damaged (%s): falling back to an older one", step, problem)
+        return None
     step = int(resume_step)
-    if step not in steps:
-        raise FileNotFoundError(f"run.resume_step={step}: no complete trainer checkpoint (have {steps})")
+    if step not in complete_steps(run_dir):
+        raise FileNotFoundError(f"run.resume_step={step}: no complete trainer checkpoint (have "
+                                f"{complete_steps(run_dir)})")
+    problem = checkpoint_problem(run_dir, step)
+    if problem is not None:
+        raise FileNotFoundError(f"run.resume_step={step}: trainer checkpoint damaged: {problem}")
     return step
 
 
@@ -80,7 +118,9 @@ class TrainerCheckpointer:
         step, meta = self._pending
         self._pending = None
         if jax.process_index() == 0:
-            atomic_write_json(trainer_ckpt_dir(self.run_dir, step) / META, {"step": step, **meta})
+            path = trainer_ckpt_dir(self.run_dir, step)
+            files = _state_files(path / "state")
+            atomic_write_json(path / META, {"step": step, **meta, "files": files})
             self._prune()
 
     def _prune(self) -> None:
