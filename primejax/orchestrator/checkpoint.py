@@ -1,4 +1,5 @@
-"""Orchestrator checkpoints: `checkpoints/step_N/orchestrator/state.json` (progress, RNG, buffer), JSON only.
+"""Orchestrator checkpoints: `checkpoints/step_N/orchestrator/state.json` (progress, RNG, buffer), JSON only,
+plus `<name>.jsonl` record files next to it (the difficulty pools: `easy_examples.jsonl`, `hard_examples.jsonl`).
 
 The trainer owns `checkpoints/step_N/trainer/`; each side writes its own subdirectory atomically and prunes
 only its own, so either can be restarted alone.
@@ -28,11 +29,15 @@ def saved_steps(run_dir: str | Path) -> list[int]:
                   if (m := _STEP.match(p.name)) and (p / PROCESS / STATE_FILE).is_file())
 
 
-def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write the state of the orchestrator after `step` and keep only the newest `keep` checkpoints."""
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep: int,
+                    records: dict[str, list[dict[str, Any]]] | None = None) -> Path:
+    """Write the state of the orchestrator after `step` (and each `records[name]` as `name.jsonl`, one JSON
+    object a line) and keep only the newest `keep` checkpoints."""
     path = checkpoint_dir(run_dir, step, PROCESS)
     with atomic_dir(path, overwrite=True) as tmp:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}))
+        for name, rows in (records or {}).items():
+            (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if keep > 0:
         for old in saved_steps(run_dir)[:-keep]:
             shutil.rmtree(checkpoint_dir(run_dir, old, PROCESS), ignore_errors=True)
@@ -52,4 +57,8 @@ def load_checkpoint(run_dir: str | Path, resume_step: str) -> dict[str, Any] | N
         step = int(resume_step)
         if step not in steps:
             raise FileNotFoundError(f"no orchestrator checkpoint for step {step} in {run_dir} (have {steps})")
-    return json.loads((checkpoint_dir(run_dir, step, PROCESS) / STATE_FILE).read_text())
+    path = checkpoint_dir(run_dir, step, PROCESS)
+    state = json.loads((path / STATE_FILE).read_text())
+    state["records"] = {f.stem: [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+                        for f in sorted(path.glob("*.jsonl"))}
+    return state

@@ -4,6 +4,9 @@ A group's first turn is one request with `n = group_size` (the prompt is shared,
 once); each rollout then continues alone through its later turns. A semaphore bounds the requests in flight.
 Each rollout is handed to `algorithm.finalize_rollout` as soon as it is scored, before its siblings finish.
 
+The policy's client serves every request unless the env's algorithm samples from a frozen model
+(`algorithm.sampling_client`, e.g. sft's teacher).
+
 Failure isolation: an exception from the environment (follow-up turn or scoring) or from a later-turn request
 fails that rollout only (`rollout.error`, logged and counted). A failed first request fails its group.
 """
@@ -66,6 +69,10 @@ class SamplingSettings:
     max_prompt_tokens: int
 
 
+def _sampler(slot: EnvSlot) -> SamplingClient | None:
+    return getattr(slot.algorithm, "sampling_client", None)
+
+
 class GroupGenerator:
     def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingSettings,
                  policy: VersionSource, max_concurrent: int):
@@ -76,14 +83,16 @@ class GroupGenerator:
         self.semaphore = asyncio.Semaphore(max_concurrent)
         self.stats = GenerationStats()
 
-    async def _request(self, prompt_ids: list[int], n: int, seed: int | None) -> tuple[list[Any], int]:
+    async def _request(self, prompt_ids: list[int], n: int, seed: int | None,
+                       client: SamplingClient | None = None) -> tuple[list[Any], int]:
         s = self.settings
+        client = client or self.client
         async with self.semaphore:
             # Read the version when the request starts: the gate guarantees it is fresh enough, and a weight
             # update racing the request can only make the served policy newer than the tag.
             version = self.policy.version
             start = time.perf_counter()
-            completions = await self.client.generate(
+            completions = await client.generate(
                 prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=seed
             )
             self.stats.server_seconds += time.perf_counter() - start
@@ -118,7 +127,8 @@ class GroupGenerator:
             prompt_ids = self.renderer.render_ids(example.prompt)
             if len(prompt_ids) > self.settings.max_prompt_tokens:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens > max_prompt_tokens")
-            completions, version = await self._request(prompt_ids, group_size, self._seed(step, group_id, 0, 0))
+            completions, version = await self._request(prompt_ids, group_size, self._seed(step, group_id, 0, 0),
+                                                       _sampler(slot))
         except Exception as e:  # noqa: BLE001 - a failed group must not take the step down
             log.warning("group %d (%s #%d) failed on its first request: %s", group_id, slot.name, index, e)
             for r in rollouts:
@@ -155,7 +165,7 @@ class GroupGenerator:
                     break
                 stage = "request"
                 seed = self._seed(step, rollout.group_id, len(rollout.steps), member)
-                (completion,), version = await self._request(prompt_ids, 1, seed)
+                (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
             stage = "score"
             rollout.reward = float(await slot.env.score(rollout.example, rollout.messages, rollout.state))

@@ -3,8 +3,12 @@
 `ChatTemplateRenderer` wraps the tokenizer's chat template. Its `bridge_to_next_turn` returns None: a generic
 template gives no proof that re-rendering keeps earlier turns byte-identical, so the rollout loop re-renders
 the whole conversation and the sample builder checks the extension property token by token (a broken prefix
-starts a new training sample). Hand-written renderers that extend the previous ids verbatim (qwen3, which
-keeps past `<think>` blocks) plug in through `register_renderer`.
+starts a new training sample). Hand-written renderers that extend the previous ids verbatim (`qwen3`, which
+keeps past `<think>` blocks, see qwen3_renderer.py) plug in through `register_renderer`.
+
+`orchestrator.renderer.name = "auto"` picks a hand-written renderer whose name appears in the tokenizer's
+`name_or_path`, else `qwen3` for a ChatML tokenizer with `<think>` tokens (the Qwen3 family and fine-tunes of
+it), else the chat-template renderer. Name one explicitly for anything auto gets wrong.
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ class ChatTemplateRenderer:
         return None
 
 
-_RENDERERS: dict[str, Callable[[Any], Renderer]] = {"default": ChatTemplateRenderer}
+def _qwen3(tokenizer: Any) -> Renderer:
+    from primejax.orchestrator.qwen3_renderer import Qwen3Renderer
+
+    return Qwen3Renderer(tokenizer)
+
+
+_RENDERERS: dict[str, Callable[[Any], Renderer]] = {"default": ChatTemplateRenderer, "qwen3": _qwen3}
 
 
 def register_renderer(name: str, factory: Callable[[Any], Renderer]) -> None:
@@ -52,11 +62,22 @@ def register_renderer(name: str, factory: Callable[[Any], Renderer]) -> None:
 def build_renderer(name: str, tokenizer: Any) -> Renderer:
     """`auto` picks a hand-written renderer named after the model family when one is registered."""
     if name == "auto":
-        family = str(getattr(tokenizer, "name_or_path", "")).lower()
-        name = next((n for n in _RENDERERS if n != "default" and n in family), "default")
+        name = detect_renderer(tokenizer)
     if name not in _RENDERERS:
         raise KeyError(f"unknown renderer {name!r} (registered: {sorted(_RENDERERS)})")
     return _RENDERERS[name](tokenizer)
+
+
+def detect_renderer(tokenizer: Any) -> str:
+    family = str(getattr(tokenizer, "name_or_path", "")).lower()
+    named = next((n for n in _RENDERERS if n != "default" and n in family), None)
+    if named is not None:
+        return named
+    vocab = tokenizer.get_vocab()
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if all(t in vocab for t in ("<|im_start|>", "<|im_end|>", "<think>", "</think>")) and "<|im_start|>" in template:
+        return "qwen3"
+    return "default"
 
 
 def load_tokenizer(model_path: str) -> Any:

@@ -1,6 +1,10 @@
-"""Algorithms: the base class, the registry, and the built-in algorithms (one module each)."""
+"""Algorithms: the base class, the registry, and the built-in algorithms (one module each).
 
-from primejax.orchestrator.algorithms import grpo  # noqa: F401  (registers "grpo")
+Importing this package registers the built-ins: grpo, max_rl, echo, opd, opsd, sft.
+"""
+
+from primejax.orchestrator.algorithms import echo, grpo, max_rl, opd, opsd, sft  # noqa: F401  (registration)
+from primejax.orchestrator.algorithms.advantage import AdvantageInputs, AdvantageOutputs
 from primejax.orchestrator.algorithms.base import (
     LOSS_TYPES,
     Algorithm,
@@ -10,5 +14,5 @@ from primejax.orchestrator.algorithms.base import (
     registered_algorithms,
 )
 
-__all__ = ["LOSS_TYPES", "Algorithm", "algorithm_class", "build_algorithm", "register_algorithm",
-           "registered_algorithms"]
+__all__ = ["LOSS_TYPES", "Algorithm", "AdvantageInputs", "AdvantageOutputs", "algorithm_class", "build_algorithm",
+           "register_algorithm", "registered_algorithms"]

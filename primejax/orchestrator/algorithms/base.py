@@ -9,6 +9,11 @@ The pipeline calls exactly two non-virtual methods: `finalize_rollout(rollout)` 
 
 `action_loss_type` says which loss component the sampled tokens feed (rl / ce / ref_kl); the sample builder
 turns it into weight streams. Errored rollouts never reach the hooks: they carry no reward to learn from.
+
+Model references (seed 001 §Model References): the live policy's client is handed in (`policy_client`);
+every other model is a frozen OpenAI-compatible endpoint the algorithm connects itself in `setup()` with
+`connect(ref)`. With `algo.sampling.source = "frozen"` rollouts are sampled from that endpoint
+(`sampling_client`, which the generator prefers over the policy's).
 """
 
 from __future__ import annotations
@@ -34,9 +39,32 @@ class Algorithm:
         self.policy_client = policy_client  # the live policy's inference client (host-owned resource)
         self.tokenizer = tokenizer
         self.sampling = sampling  # orchestrator.sampling (max_tokens, temperature, ...)
+        self.sampling_client: Any = None  # None = sample from the live policy
+        self._connected: list[Any] = []
 
     def setup(self) -> None:
-        """Build what the algorithm needs from its own config (reference clients, renderers)."""
+        """Build what the algorithm needs from its own config (reference clients, renderers).
+        Subclasses call super().setup() first."""
+        source = self.config.get("sampling")
+        if source is not None and source.source == "frozen":
+            self.sampling_client = self.connect(source.frozen)
+
+    def connect(self, ref: ConfigDict) -> Any:
+        """A client for a frozen model reference (`name` + `base_url`); closed by `close()`."""
+        # deferred: httpx is only needed with references
+        from primejax.inference.client import InferenceClient
+
+        urls = [u.rstrip("/").removesuffix("/v1") for u in ref.base_url]
+        if not urls:
+            raise ValueError(f"{type(self).__name__}: a frozen model reference needs a base_url")
+        client = InferenceClient(urls, model=ref.name or None)
+        self._connected.append(client)
+        return client
+
+    async def close(self) -> None:
+        for client in self._connected:
+            await client.close()
+        self._connected.clear()
 
     async def score_rollout(self, rollout: Rollout) -> None:
         """Rollout-local credit or reference I/O, on arrival."""
@@ -85,3 +113,14 @@ def build_algorithm(name: str, config: ConfigDict, **resources: Any) -> Algorith
     algorithm = algorithm_class(name)(config, **resources)
     algorithm.setup()
     return algorithm
+
+
+def env_algo_config(algo: ConfigDict, env_entry: ConfigDict) -> ConfigDict:
+    """The `orchestrator.algo` section as one env resolves it: its own custom advantage, when it names one,
+    replaces the global one (seed 000 §Per-Env Advantage)."""
+    advantage = env_entry.get("advantage")
+    if advantage is None or not advantage.import_path:
+        return algo
+    resolved = ConfigDict(algo.to_dict())
+    resolved.advantage = ConfigDict(advantage.to_dict())
+    return resolved
