@@ -184,7 +184,9 @@ def default_config() -> ConfigDict:
             "devices": "",
             "extra_args": (),
             "startup_timeout_s": 300.0,
-            "restart_on_failure": True,
+            "restart_on_failure": True,  # the launcher restarts a server that died or hung ...
+            "max_restarts": 3,  # ... at most this many times per run
+            "hang_timeout_s": 120.0,  # a server that answered /liveness and then stops answering for this long hung
         }
     )
 
@@ -224,14 +226,14 @@ _POSITIVE = (
     "run.max_steps", "trainer.micro_batch_size", "trainer.logprob_chunk_size", "orchestrator.batch_size",
     "orchestrator.group_size", "orchestrator.seq_len", "orchestrator.max_concurrent", "orchestrator.sampling.max_tokens",
     "orchestrator.max_prompt_tokens", "inference.max_model_len", "inference.port", "trainer.fake_data.seq_len",
-    "trainer.fake_data.rows", "orchestrator.weights_poll_s",
+    "trainer.fake_data.rows", "orchestrator.weights_poll_s", "inference.hang_timeout_s",
 )
 _NON_NEGATIVE = (
     "orchestrator.async_level", "trainer.optim.lr", "trainer.optim.weight_decay", "trainer.optim.max_norm",
     "trainer.scheduler.warmup_steps", "trainer.scheduler.decay_steps", "trainer.loss.dppo_mask_low",
     "trainer.loss.dppo_mask_high", "trainer.loss.adv_tau", "trainer.loss.kl_tau", "trainer.checkpoint.interval",
     "orchestrator.checkpoint.interval", "orchestrator.sampling.temperature", "orchestrator.eval.interval",
-    "run.seed",
+    "run.seed", "inference.max_restarts",
 )
 _JSON_OBJECTS = (
     "trainer.loss.kwargs_json", "orchestrator.algo.advantage.kwargs_json", "orchestrator.algo.roles_json",
