@@ -1,0 +1,103 @@
+"""`python -m primejax.eval --config configs/x.py [--weights DIR] [--out metrics.json] [--config.KEY=VALUE ...]`
+
+Offline evaluation: samples `orchestrator.eval.group_size` completions for the first `eval.num_examples`
+examples of each eval env (`orchestrator.eval.envs`, or the training envs) and prints pass@1, pass@k and
+reward metrics as JSON. `--weights` is a broadcast directory (`broadcasts/step_N`) or any HF safetensors
+directory of the same architecture: it is loaded into the server in place (POST /update_weights) on top of
+`model.path`, which supplies the tokenizer. With `inference.enabled` a server is started for the run and
+stopped at the end; otherwise `orchestrator.client.base_urls` is used (and its weights are reset after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from absl import flags
+from ml_collections import ConfigDict
+
+from primejax.cli import UsageError, parse_config, run_main
+from primejax.utils.io import atomic_write_json
+
+log = logging.getLogger("primejax.eval")
+
+
+class _Version:
+    """The evaluator's version source: the weights loaded for this evaluation."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+
+def weights_version(weights: str) -> int:
+    """`.../step_N` -> N (so samples are tagged with the trainer step they evaluate), else 1."""
+    m = re.search(r"step_(\d+)/?$", str(weights))
+    return int(m.group(1)) if m else 1
+
+
+async def evaluate(cfg: ConfigDict, client: Any, weights: str | None = None) -> dict[str, float]:
+    """Load `weights` (if any) into the server behind `client` and run the eval envs once."""
+    from primejax.orchestrator.eval import build_evaluator
+    from primejax.orchestrator.renderer import build_renderer, load_tokenizer
+
+    version = 0
+    if weights:
+        path = Path(weights)
+        if not any(path.glob("*.safetensors")):
+            raise UsageError(f"--weights: {weights} holds no .safetensors (a broadcast or HF directory)")
+        version = weights_version(weights)
+        await client.update_weights(str(path.resolve()), version)
+    tokenizer = load_tokenizer(cfg.model.path)
+    renderer = build_renderer(cfg.orchestrator.renderer.name, tokenizer)
+    metrics = await build_evaluator(cfg, client, renderer, _Version(version)).run(version)
+    return {"eval/weights_version": float(version), **metrics}
+
+
+async def run_eval(cfg: ConfigDict, weights: str | None) -> dict[str, float]:
+    from primejax.inference.client import InferenceClient
+    from primejax.inference.process import InferenceServerProcess
+    from primejax.orchestrator.run import base_urls
+    from primejax.rundir import log_path, run_dir
+
+    server = None
+    if cfg.inference.enabled:
+        server = InferenceServerProcess(cfg, log_path(run_dir(cfg), "eval-inference"))
+        server.start()
+    c = cfg.orchestrator.client
+    client = InferenceClient(base_urls(cfg), timeout_s=c.timeout_s, max_retries=c.max_retries)
+    try:
+        await client.wait_ready(cfg.inference.startup_timeout_s, server)
+        return await evaluate(cfg, client, weights)
+    finally:
+        if server is None and weights:
+            await client.reload_weights()  # a shared server goes back to the base model
+        await client.close()
+        if server is not None:
+            server.stop()
+
+
+def _flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("weights", "", "broadcast or HF safetensors directory to evaluate ('' = model.path)",
+                        flag_values=fv)
+    flags.DEFINE_string("out", "", "also write the metrics to this JSON file", flag_values=fv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, fv = parse_config(sys.argv[1:] if argv is None else argv, prog="primejax.eval",
+                           doc=__doc__.split("\n\n")[1], define_flags=_flags)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    metrics = asyncio.run(run_eval(cfg, fv["weights"].value or None))
+    print(json.dumps(metrics, indent=1, sort_keys=True))
+    if fv["out"].value:
+        atomic_write_json(fv["out"].value, metrics)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,57 @@
+"""Evals: pass@1 / pass@k / reward per eval env from hand-made groups, online evals every `eval.interval`
+steps, and the offline entrypoint's command line."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from orch_fakes import FakeClient, small_config
+
+from primejax.config import _env
+from primejax.envs.base import Example
+from primejax.orchestrator.eval import env_metrics
+from primejax.orchestrator.loop import Orchestrator
+from primejax.orchestrator.rollout import Rollout, TrajectoryStep
+
+
+def r(reward: float | None) -> Rollout:
+    return Rollout(env="e", example_index=0, example=Example("k", []), group_id=0, reward=reward,
+                   steps=[TrajectoryStep([1], [2, 3], [0.0, 0.0], "stop", 0)],
+                   error=None if reward is not None else "request: x")
+
+
+def test_pass_at_k_counts_examples_with_any_pass_and_pass_at_1_the_mean_rate():
+    groups = [[r(1.0), r(0.0), r(0.0), r(0.0)], [r(0.0)] * 4, [r(1.0), r(1.0), r(None), r(0.5)]]
+    m = env_metrics("e", groups, threshold=1.0)
+    assert m["eval/e/pass@1"] == pytest.approx((0.25 + 0 + 2 / 3) / 3, abs=1e-12)
+    assert m["eval/e/pass@4"] == pytest.approx(2 / 3, abs=1e-12)
+    assert m["eval/e/errored"] == 1 and m["eval/e/num_rollouts"] == 12
+    assert m["eval/e/reward/mean"] == pytest.approx(3.5 / 11, abs=1e-12)
+    single = env_metrics("e", [[r(0.9)]], threshold=0.9)
+    assert single["eval/e/pass@1"] == 1.0 and not any(k.startswith("eval/e/pass@") and k != "eval/e/pass@1"
+                                                      for k in single)
+
+
+def test_online_eval_runs_every_interval_on_the_eval_envs(tmp_path, tokenizer):
+    cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
+    cfg.orchestrator.eval.update({"interval": 2, "num_examples": 3, "group_size": 4})
+    cfg.orchestrator.eval.envs = {"held_out": _env("reverse-text", seed=123)}
+    client = FakeClient(tokenizer)
+    orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run")
+    history = asyncio.run(orch.run(4))
+    assert [("eval/held_out/pass@4" in m) for m in history] == [False, True, False, True]
+    # FakeClient: member 0 answers exactly, members 1-3 drop characters
+    assert history[1]["eval/held_out/pass@4"] == 1.0 and history[1]["eval/held_out/pass@1"] == 0.25
+    assert "eval/reverse_text/pass@4" not in history[1]
+    # eval requests stay out of the training throughput counters
+    assert orch.generator.stats.requests == 4 * 2
+
+
+def test_offline_eval_rejects_a_weights_directory_without_safetensors(tmp_path):
+    from primejax.cli import UsageError
+    from primejax.eval import evaluate, weights_version
+
+    assert weights_version("/x/broadcasts/step_12") == 12 and weights_version("/x/hf") == 1
+    with pytest.raises(UsageError, match="no .safetensors"):
+        asyncio.run(evaluate(small_config(tmp_path / "run"), client=None, weights=str(tmp_path)))
