@@ -2,9 +2,15 @@
 
 Each process is a child in its own process group with its log in `<run>/logs/<process>.log`, and receives the
 resolved config as JSON (`<run>/configs/<process>.json`), so a child can also be started by hand on another host
-with the same file. The launcher only watches: it prints one progress line per finished trainer step (read from
-the children's metrics JSONL), and on any child failure, Ctrl-C or SIGTERM it stops every child by process group,
-names the one that failed with the tail of its log, and exits non-zero.
+with the same file; `<run>/pids.json` names the live children. The launcher watches: it prints one progress line
+per finished trainer step (read from the children's metrics JSONL); it restarts an inference server that died or
+stopped answering (`inference.restart_on_failure`, at most `inference.max_restarts` times; the orchestrator
+redoes the step it was generating and puts the weights back); on any other child failure, Ctrl-C or SIGTERM
+it stops every child by process group, names the one that failed with the tail of its log, and exits non-zero.
+
+Bad input (a model directory without weights or chat template, an environment that does not import, a resume
+step with no checkpoint) is caught before anything starts: one line, exit status 2, earlier outputs untouched.
+`run.resume_step=latest` resumes both processes from the newest step they both checkpointed (primejax.resume).
 """
 
 from __future__ import annotations
@@ -12,25 +18,33 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from ml_collections import ConfigDict
 
 from primejax.config import to_json
 from primejax.monitor import read_jsonl
+from primejax.preflight import PreflightError, preflight
+from primejax.resume import common_resume_step, keep_previous_run, set_aside_after
 from primejax.rundir import log_path, run_dir
-from primejax.utils.io import atomic_write_text
-from primejax.utils.procs import ChildProcess
+from primejax.utils.faults import PIDS_FILE
+from primejax.utils.io import atomic_write_json, atomic_write_text
+from primejax.utils.procs import ChildProcess, stop_all
 
 POLL_S = 0.5
+LIVENESS_POLL_S = 2.0
 
 
 class ChildFailed(RuntimeError):
-    def __init__(self, child: ChildProcess, code: int | None):
+    def __init__(self, child: ChildProcess, code: int | None, reason: str = ""):
         self.child = child
         self.code = code
-        super().__init__(f"{child.name} exited with status {code}")
+        self.reason = reason or f"exit status {code}"
+        super().__init__(f"{child.name} failed ({self.reason})")
 
 
 def _write_child_config(cfg: ConfigDict, process: str) -> Path:
@@ -89,19 +103,98 @@ class _Progress:
         self.max_steps = max_steps
         self.printed = 0
         self.started = time.monotonic()
+        self.started_wall = time.time()  # rows a killed run wrote before a resume are not this run's progress
 
     def update(self) -> None:
-        trainer_rows = {r["step"]: r for r in read_jsonl(self.root / "metrics" / "trainer.jsonl")}
-        orch_rows = {r["step"]: r for r in read_jsonl(self.root / "metrics" / "orchestrator.jsonl")}
+        def rows(name: str) -> dict[int, dict]:
+            return {r["step"]: r for r in read_jsonl(self.root / "metrics" / name)
+                    if r.get("time", self.started_wall) >= self.started_wall}
+
+        trainer_rows, orch_rows = rows("trainer.jsonl"), rows("orchestrator.jsonl")
         for step in sorted(s for s in trainer_rows if s > self.printed):
             print(_progress_line(step, self.max_steps, trainer_rows[step], orch_rows.get(step, {}), self.started),
                   flush=True)
             self.printed = step
 
 
-def _watch(children: list[ChildProcess], until_done: list[ChildProcess], progress: _Progress | None) -> None:
+class _Liveness(threading.Thread):
+    """Polls GET /liveness in the background; `last_ok` is when the server last answered 200."""
+
+    def __init__(self, base_url: str):
+        super().__init__(name="primejax-liveness", daemon=True)
+        self.url = base_url + "/liveness"
+        self.last_ok: float | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    if r.status == 200:
+                        self.last_ok = time.monotonic()
+            except OSError:  # URLError, HTTPError (503: engine dead), refused, timed out
+                pass
+            self._stop_event.wait(LIVENESS_POLL_S)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+class _InferenceSupervisor:
+    """Keeps the run's inference server up: restarts it when it exits or hangs, a bounded number of times."""
+
+    def __init__(self, cfg: ConfigDict, on_restart: Callable[[ChildProcess], None]):
+        self.cfg = cfg
+        self.on_restart = on_restart
+        self.restarts = 0
+        self.child = self._start()
+
+    def _start(self) -> ChildProcess:
+        self.child = _start(self.cfg, "inference", "primejax.inference", devices=self.cfg.inference.devices)
+        self.started = time.monotonic()
+        self.liveness = _Liveness(f"http://{self.cfg.inference.host}:{self.cfg.inference.port}")
+        self.liveness.start()
+        return self.child
+
+    def _problem(self) -> str | None:
+        inf = self.cfg.inference
+        code = self.child.poll()
+        if code is not None:
+            return f"exit status {code}"
+        last_ok, now = self.liveness.last_ok, time.monotonic()
+        if last_ok is None and now - self.started > inf.startup_timeout_s:
+            return f"not healthy {inf.startup_timeout_s:.0f} s after start"
+        if last_ok is not None and now - last_ok > inf.hang_timeout_s:
+            return f"hung: no answer on /liveness for {now - last_ok:.0f} s"
+        return None
+
+    def check(self) -> None:
+        """Restart the server if it failed (raise ChildFailed when that is not allowed or too many times)."""
+        problem = self._problem()
+        if problem is None:
+            return
+        inf = self.cfg.inference
+        if not inf.restart_on_failure or self.restarts >= inf.max_restarts:
+            limit = "" if not inf.restart_on_failure else f"; {self.restarts} restarts already"
+            raise ChildFailed(self.child, self.child.poll(), problem + limit)
+        self.restarts += 1
+        print(f"primejax: inference server failed ({problem}); restarting it "
+              f"({self.restarts}/{inf.max_restarts}), log {self.child.log_path}", file=sys.stderr, flush=True)
+        self.stop()
+        self._start()
+        self.on_restart(self.child)
+
+    def stop(self) -> None:
+        self.liveness.stop()
+        self.child.stop()
+
+
+def _watch(children: list[ChildProcess], until_done: list[ChildProcess], progress: _Progress | None,
+           supervisor: _InferenceSupervisor | None = None) -> None:
     """Block until every child in `until_done` exits 0; raise ChildFailed as soon as any child fails."""
     while True:
+        if supervisor is not None:
+            supervisor.check()
         for child in children:
             code = child.poll()
             if code is not None and (code != 0 or child not in until_done):
@@ -113,25 +206,49 @@ def _watch(children: list[ChildProcess], until_done: list[ChildProcess], progres
         time.sleep(POLL_S)
 
 
+def _error_line(log_text: str) -> str:
+    """The line of a log that says what went wrong: our `error: ...` line, else a traceback's last line."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error:"):
+            return ln
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Interrupt")) and " " not in head:
+            return ln
+    return ""
+
+
 def _report_failure(err: ChildFailed) -> None:
-    print(f"\nprimejax: {err.child.name} failed (exit status {err.code}); stopping the run.", file=sys.stderr)
+    tail = err.child.log_tail(40)
+    cause = _error_line(tail)
+    print(f"\nprimejax: {err.child.name} failed ({err.reason}){': ' + cause if cause else ''}; stopping the run.",
+          file=sys.stderr)
     print(f"--- last lines of {err.child.log_path} ---", file=sys.stderr)
-    print(err.child.log_tail(40), file=sys.stderr)
+    print(tail, file=sys.stderr)
 
 
-def _run_sft_warmup(cfg: ConfigDict) -> ConfigDict:
-    """Run `primejax.sft` to completion and return the RL config pointed at its exported model."""
+def _with(cfg: ConfigDict, **changes: object) -> ConfigDict:
+    """A locked copy of `cfg` with dotted keys changed (`_with(cfg, **{"model.path": p})`)."""
+    out = ConfigDict(cfg.to_dict())
+    for key, value in changes.items():
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    out.lock()
+    return out
+
+
+def _run_sft_warmup(cfg: ConfigDict) -> None:
+    """Run `primejax.sft` to completion (its model lands in `<run>/sft/final`)."""
     child = _start(cfg, "sft", "primejax.sft", devices=cfg.trainer.devices)
     print(f"primejax: SFT warm-up ({cfg.sft.steps} steps), log {child.log_path}", flush=True)
     try:
         _watch([child], [child], None)
     finally:
         child.stop()
-    rl = ConfigDict(cfg.to_dict())  # unlocked copy: only model.path changes
-    rl.model.path = str(run_dir(cfg) / "sft" / "final")
-    rl.model.build_tiny.enabled = False
-    rl.lock()
-    return rl
 
 
 def _ensure_model(cfg: ConfigDict) -> None:
@@ -149,35 +266,78 @@ def _ensure_model(cfg: ConfigDict) -> None:
     )
 
 
+def _write_pids(root: Path, children: list[ChildProcess]) -> None:
+    atomic_write_json(root / PIDS_FILE, {"launcher": os.getpid(), **{c.name: c.pid for c in children}})
+
+
+def _prepare(cfg: ConfigDict) -> tuple[ConfigDict, int]:
+    """Check the input, settle what to resume from, run the SFT warm-up; return the RL config and its start step.
+
+    Everything that can reject the run happens before anything in the run directory is moved or written.
+    """
+    root = run_dir(cfg)
+    resume = common_resume_step(root, cfg.run.resume_step)
+    _ensure_model(cfg)
+    sft_final = root / "sft" / "final"
+    use_sft = cfg.sft.steps > 0
+    reuse_sft = use_sft and resume is not None
+    preflight(cfg, sft_final if reuse_sft else cfg.model.path)
+    if resume is None:
+        if cfg.run.resume_step:
+            print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
+        kept = keep_previous_run(root)
+        if kept is not None:
+            print(f"primejax: {root} held an earlier run: kept under {kept}", flush=True)
+    else:
+        moved = set_aside_after(root, resume)
+        print(f"primejax: resuming from step {resume}"
+              + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else ""),
+              flush=True)
+    changes: dict[str, object] = {"run.resume_step": "" if resume is None else str(resume)}
+    if use_sft:
+        if not reuse_sft:  # SFT on resume would redo work and change the policy the checkpoints continue
+            _run_sft_warmup(cfg)
+        changes.update({"model.path": str(sft_final), "model.build_tiny.enabled": False})
+    return _with(cfg, **changes), resume or 0
+
+
 def launch(cfg: ConfigDict) -> int:
     """Run the whole job; returns the process exit status."""
     root = run_dir(cfg)
-    root.mkdir(parents=True, exist_ok=True)
     children: list[ChildProcess] = []
+    supervisor: _InferenceSupervisor | None = None
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
-        _ensure_model(cfg)
-        if cfg.sft.steps > 0 and cfg.run.resume_step == "":
-            cfg = _run_sft_warmup(cfg)
-        elif cfg.sft.steps > 0:
-            cfg = ConfigDict(cfg.to_dict())
-            cfg.model.path = str(root / "sft" / "final")
-            cfg.lock()
-        if cfg.inference.enabled:
-            children.append(_start(cfg, "inference", "primejax.inference", devices=cfg.inference.devices))
+        cfg, start_step = _prepare(cfg)
+        root.mkdir(parents=True, exist_ok=True)
         trainer = _start(cfg, "trainer", "primejax.trainer", devices=cfg.trainer.devices)
         orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator")
         children += [trainer, orchestrator]
+        if cfg.inference.enabled:
+
+            def on_restart(new: ChildProcess) -> None:
+                children[:] = [c for c in children if c.name != "inference"] + [new]
+                _write_pids(root, children)
+
+            supervisor = _InferenceSupervisor(cfg, on_restart)
+            children.insert(0, supervisor.child)
+        _write_pids(root, children)
         print(f"primejax: run {root} started (logs in {root / 'logs'})", flush=True)
         for child in children:
             print(f"  {child.name:<13} pid {child.pid}  log {child.log_path}", flush=True)
-        _watch(children, [trainer, orchestrator], _Progress(root, cfg.run.max_steps))
+        progress = _Progress(root, cfg.run.max_steps)
+        progress.printed = start_step
+        watched = [c for c in children if c.name != "inference"]  # the supervisor owns the server
+        _watch(watched, [trainer, orchestrator], progress, supervisor)
         print(f"primejax: run finished: {cfg.run.max_steps} steps, outputs in {root}", flush=True)
         return 0
+    except PreflightError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except ChildFailed as err:
         _report_failure(err)
         return 1
@@ -185,6 +345,7 @@ def launch(cfg: ConfigDict) -> int:
         print(f"\nprimejax: interrupted ({err or 'SIGINT'}); stopping all processes.", file=sys.stderr)
         return 130
     finally:
-        for child in reversed(children):
-            child.stop()
+        if supervisor is not None:
+            supervisor.liveness.stop()
+        stop_all(children)
         signal.signal(signal.SIGTERM, previous)

@@ -1,8 +1,9 @@
 """Child processes that are always stopped: own process group, killed by PID group on stop, exit or signal.
 
 The launcher, the inference process wrapper and the tests all start children through `ChildProcess`, so no code
-path can leave an orphan behind: `stop()` sends SIGTERM to the whole group, waits, then SIGKILLs it, and an
-`atexit` hook stops whatever is still running when the parent exits normally.
+path can leave an orphan behind: `stop()` sends SIGTERM to the whole group, waits, then SIGKILLs it, an `atexit`
+hook stops whatever is still running when the parent exits normally, and a parent that is killed outright
+(kill -9, OOM) takes its children with it: each child asks the kernel for SIGTERM when its parent dies.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -26,6 +28,33 @@ def _stop_all_at_exit() -> None:
 
 
 atexit.register(_stop_all_at_exit)
+
+
+# Run as `python -c _TRAMPOLINE PARENT_PID CMD...`: ask the kernel for SIGTERM when the parent dies (Linux
+# PR_SET_PDEATHSIG, kept across exec), then exec the command. A trampoline rather than a Popen preexec_fn:
+# preexec_fn runs Python between fork and exec, which can deadlock in a multithreaded parent (JAX, httpx).
+_TRAMPOLINE = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "except Exception:\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def stop_all(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
+    """Stop several children at once: SIGTERM every group first, so their shutdowns overlap, then sweep each."""
+    for child in children:
+        if child.alive():
+            child._signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(c.alive() for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for child in children:
+        child.stop(grace_s=0.0)
 
 
 def tail(path: str | Path, lines: int = 30) -> str:
@@ -52,7 +81,10 @@ class ChildProcess:
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
+        die_with_parent: bool = True,
     ):
+        """`die_with_parent`: the kernel SIGTERMs the child when the thread that started it exits; pass False
+        when a worker thread that ends first starts it."""
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path)
@@ -61,8 +93,11 @@ class ChildProcess:
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = self.log_path.open("ab")
+        argv = self.argv
+        if die_with_parent:
+            argv = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *argv]
         self.popen = subprocess.Popen(
-            self.argv,
+            argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

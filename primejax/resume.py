@@ -1,0 +1,87 @@
+"""What a restarted run resumes from, and what of the dead run's outputs must step out of its way.
+
+The trainer and the orchestrator checkpoint independently (`checkpoints/step_N/{trainer,orchestrator}/`), and a
+kill leaves them at different steps, plus rollouts, broadcasts and checkpoints past the point both reached.
+The launcher resumes both from the newest step S that both have intact, and moves every output of a step
+after S into `stale/<time>/` (moved, never deleted): the orchestrator then writes the batches of S+1.. again,
+the trainer never reads a batch from the dead run's lineage, and the orchestrator never loads weights newer
+than the policy it resumes with. A fresh start in a directory that already holds a run keeps that run the
+same way, under `previous/<time>/`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+from primejax.preflight import PreflightError
+
+_STEP = re.compile(r"^step_(\d+)$")
+STEP_DIRS = ("rollouts", "broadcasts", "checkpoints")
+_KEEP_ON_FRESH = {"previous", "configs"}  # configs/: this run's own resolved configs are written there already
+
+
+def common_resume_step(root: str | Path, resume_step: str) -> int | None:
+    """The step both processes resume from: None = a fresh run ('' or 'latest' with nothing to resume)."""
+    if resume_step == "":
+        return None
+    from primejax.orchestrator.checkpoint import saved_steps  # deferred: these pull in JAX/Orbax
+    from primejax.trainer.checkpoint import checkpoint_problem, complete_steps
+
+    trainer = set(complete_steps(root, verified=True))
+    orchestrator = set(saved_steps(root))
+    common = sorted(trainer & orchestrator)
+    if resume_step == "latest":
+        for step in sorted(set(complete_steps(root)) - trainer):
+            print(f"primejax: trainer checkpoint step {step} is damaged ({checkpoint_problem(root, step)}); "
+                  "not resuming from it", flush=True)
+        return common[-1] if common else None
+    step = int(resume_step)
+    if step not in common:
+        raise PreflightError("run.resume_step", f"step {step} has no intact trainer and orchestrator checkpoint "
+                                                f"in {root} (both have: {common or 'none'})")
+    return step
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def set_aside_after(root: str | Path, step: int) -> list[Path]:
+    """Move the outputs of steps > `step` to `stale/<time>/`, drop interrupted temp writes; return what moved."""
+    root = Path(root)
+    dest = root / "stale" / _stamp()
+    moved = []
+    for kind in STEP_DIRS:
+        directory = root / kind
+        if not directory.is_dir():
+            continue
+        for p in sorted(directory.iterdir()):
+            if p.name.startswith(".") and (p.name.endswith(".tmp") or p.name.endswith(".old")):
+                # Garbage of a writer killed inside atomic_dir / atomic_write: never a complete output.
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                continue
+            m = _STEP.match(p.name)
+            if m and int(m.group(1)) > step:
+                target = dest / kind / p.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                p.rename(target)
+                moved.append(target)
+    return moved
+
+
+def keep_previous_run(root: str | Path) -> Path | None:
+    """A fresh run in a used directory: move the earlier run's outputs to `previous/<time>/`, return it."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    entries = [p for p in root.iterdir() if p.name not in _KEEP_ON_FRESH]
+    if not entries:
+        return None
+    dest = root / "previous" / _stamp()
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in entries:
+        p.rename(dest / p.name)
+    return dest
