@@ -1,0 +1,146 @@
+"""Each built-in algorithm end to end on CPU: one orchestrator step against real vLLM servers writes a batch the
+trainer's `read_batch` accepts, and one jitted trainer step on it has the intended loss components non-empty.
+
+The policy is `vllm_server` (tiny tied Qwen3); opd's teacher and sft's frozen source are `vllm_server_untied`
+(a different tiny model with the same tokenizer), shared with the inference tests. Every batch is padded to
+one shape so the trainer step compiles once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import jax
+import pytest
+from ml_collections import ConfigDict
+from orch_fakes import small_config
+
+from primejax.contracts.batch import read_batch, step_dir
+from primejax.inference.client import InferenceClient
+from primejax.orchestrator.loop import Orchestrator
+from primejax.orchestrator.renderer import load_tokenizer
+
+pytestmark = pytest.mark.vllm
+ROWS, SEQ_LEN = 8, 512
+
+
+@pytest.fixture(scope="module")
+def trainer_step(tiny_model_dir):
+    """(jitted train step, initial state): a random-init trainer model of the served architecture."""
+    from primejax.models.config import ModelConfig
+    from primejax.models.sharding import init_model, make_mesh
+    from primejax.trainer import optim
+    from primejax.trainer.losses import LossConfig
+    from primejax.trainer.step import init_state, jit_train_step, make_train_step
+
+    cfg = ModelConfig.from_model_dir(tiny_model_dir, param_dtype="float32", compute_dtype="float32",
+                                     attention_impl="xla")
+    from flax import nnx
+
+    model = init_model(cfg, None, seed=0)
+    sched = optim.make_schedule(1e-3)
+    opt = optim.make_optimizer({"lr": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
+                                "max_norm": 1.0}, sched)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = init_state(model, opt, mesh=mesh)
+    step = jit_train_step(make_train_step(nnx.graphdef(model), opt, sched, LossConfig(), chunk_size=256), state, mesh)
+    return step, [state], cfg.vocab_size  # the step donates its state: the holder keeps the newest
+
+
+def orchestrate(run_dir: Path, model_dir: Path, policy_url: str, **setup) -> dict[str, float]:
+    cfg = small_config(run_dir, batch_size=4, group_size=2, async_level=1)
+    cfg.model.path = str(model_dir)
+    o = cfg.orchestrator
+    o.update({"seq_len": SEQ_LEN, "max_prompt_tokens": 256})
+    o.sampling.update({"max_tokens": 24, "seed": 7})
+    o.filters.post_batch = ()  # a random tiny model's rewards may tie: ship everything
+    if "env_id" in setup:
+        o.envs.reverse_text.id = setup.pop("env_id")
+        o.envs.reverse_text.args = ConfigDict(setup.pop("env_args"))
+    for key, value in setup.items():
+        if isinstance(value, dict):
+            o.algo[key].update(value)
+        else:
+            o.algo[key] = value
+    tokenizer = load_tokenizer(str(model_dir))
+
+    async def main():
+        client = InferenceClient(policy_url, timeout_s=120, max_retries=2)
+        orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
+        try:
+            return (await orch.run(1))[0]
+        finally:
+            await orch.close()
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def train_on(run_dir: Path, trainer_step) -> dict[str, float]:
+    from primejax.trainer.step import to_micro_batches
+
+    step, holder, vocab = trainer_step
+    batch = read_batch(step_dir(run_dir, 1) / "rank_0.npz", vocab_size=vocab)
+    assert batch.rows <= ROWS and batch.seq_len == SEQ_LEN
+    holder[0], metrics = step(holder[0], to_micro_batches(batch.pad_rows(ROWS), ROWS))
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    assert out["nonfinite"] == 0
+    return out
+
+
+CASES = {
+    "grpo": ({}, {"rl"}),
+    "max_rl": ({"type": "max_rl"}, {"rl"}),
+    "echo": ({"type": "echo", "roles_json": '{"user": 0.1}', "env_id": "alphabet-sort",
+              "env_args": {"num_turns": 2, "initial_names": 2, "names_per_turn": 1}}, {"rl", "ce"}),
+    "opd": ({"type": "opd", "teacher": "untied"}, {"ref_kl"}),
+    "sft": ({"type": "sft", "sampling": "untied"}, {"ce"}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_algorithm_step_feeds_the_trainer_its_loss_components(name, tmp_path, request, vllm_server, tiny_model_dir,
+                                                               trainer_step):
+    setup, components = CASES[name]
+    setup = dict(setup)
+    if setup.get("teacher") == "untied" or setup.get("sampling") == "untied":
+        frozen = request.getfixturevalue("vllm_server_untied")
+        ref = {"name": "", "base_url": (frozen.base_url + "/v1",)}
+        if setup.get("teacher"):
+            setup["teacher"] = ref
+        else:
+            setup["sampling"] = {"source": "frozen", "frozen": ConfigDict(ref)}
+    m = orchestrate(tmp_path / "run", tiny_model_dir, vllm_server.base_url, **setup)
+    assert m["rollouts/errored"] == 0 and m["batch/rollouts"] == 4
+    if name == "echo":
+        assert m["turns/mean"] == 2.0
+    metrics = train_on(tmp_path / "run", trainer_step)
+    for c in ("rl", "ce", "ref_kl"):
+        assert (metrics[f"tokens/{c}"] > 0) == (c in components), (c, metrics[f"tokens/{c}"])
+        assert metrics[f"loss/{c}"] == 0.0 or c in components
+
+
+def test_offline_eval_of_a_weights_dir_against_the_server(tmp_path, vllm_server, tiny_model_dir):
+    from test_vllm_integration import write_perturbed
+
+    from primejax.eval import run_eval
+
+    weights = tmp_path / "broadcasts" / "step_3"
+    weights.mkdir(parents=True)
+    write_perturbed(tiny_model_dir, weights, seed=3)
+    cfg = small_config(tmp_path / "run")
+    cfg.model.path = str(tiny_model_dir)
+    cfg.inference.enabled = False
+    cfg.orchestrator.client.base_urls = (vllm_server.base_url,)
+    cfg.orchestrator.eval.update({"num_examples": 3, "group_size": 2})
+    cfg.orchestrator.sampling.max_tokens = 16
+    m = asyncio.run(run_eval(cfg, str(weights)))
+    assert m["eval/weights_version"] == 3.0 and m["eval/reverse_text/num_rollouts"] == 6
+    assert 0.0 <= m["eval/reverse_text/pass@2"] <= 1.0 and "eval/reverse_text/reward/mean" in m
+
+    async def version():
+        async with InferenceClient(vllm_server.base_url) as c:
+            return await c.weights_version()
+
+    assert asyncio.run(version()) == 0  # the shared server is back on the base model
