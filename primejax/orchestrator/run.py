@@ -30,7 +30,10 @@ async def run_orchestrator(cfg: ConfigDict) -> list[dict[str, float]]:
         # Start from a known policy: the base model. A server left serving another (or a killed) run's weights
         # is reset; the watcher then loads the newest broadcast of this run, which a resumed trainer re-exports.
         await orchestrator.tracker.resync()
-        return await orchestrator.run(cfg.run.max_steps)
+        try:
+            return await orchestrator.run(cfg.run.max_steps)
+        finally:
+            await orchestrator.close()  # the algorithms' frozen-model clients (teacher, frozen sampler)
     finally:
         monitor.close()
         await client.close()
