@@ -170,8 +170,7 @@ class Orchestrator:
         with atomic_dir(target, overwrite=True) as tmp:
             for rank, batch in enumerate(batches):
                 write_batch(tmp, rank, batch, meta)
-            fault_point("orchestrator.before_batch_rename", step)
-        fault_point("orchestrator.batch_written", step, path=target / "rank_0.npz")
+            fault_point("orchestrator.before_batch_rename", step, path=tmp / "rank_0.npz")
         return target
 
     async def generate_step(self, step: int) -> list[list[Rollout]]:

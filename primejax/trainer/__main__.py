@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from primejax.cli import parse_config, run_main
@@ -25,6 +26,9 @@ def main() -> int:
 
     maybe_init_distributed(cfg)
     write_resolved_config(cfg, "trainer")
+    # SIGTERM (the launcher stopping the run) unwinds like an exception, so the loop's `finally` completes the
+    # checkpoint still being saved in the background instead of losing it.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         train(cfg)
     except (BatchFormatError, NonFiniteError, FileNotFoundError, TimeoutError) as e:

@@ -1,6 +1,6 @@
 """Fault injection at named points, for the reliability tests (`tests/faults/`). Inert unless asked for.
 
-`PRIMEJAX_FAULTS="trainer.after_update@3=kill:self,orchestrator.batch_written@2=corrupt"` arms faults: when the
+`PRIMEJAX_FAULTS="trainer.after_update@3=kill:self,orchestrator.before_batch_rename@2=corrupt"` arms: when the
 code passes `fault_point("trainer.after_update", 3, ...)` the matching action runs, once per process:
 
 - `kill:self`: SIGKILL this process (a crash that runs no cleanup, like the OOM killer or kill -9);
