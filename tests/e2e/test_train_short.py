@@ -64,7 +64,10 @@ def test_every_step_trained_once_on_its_batch(short_run):
     _, run = short_run
     rows = read_jsonl(run / "metrics" / "trainer.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["tokens/rl"] > 0 for r in rows)
+    # The trainer read exactly the samples the orchestrator wrote for each step (zero-advantage groups of a
+    # barely trained model may leave few, so the count, not its size, is the check).
+    written = {r["step"]: r["samples/count"] for r in read_jsonl(run / "metrics" / "orchestrator.jsonl")}
+    assert {r["step"]: r["batch/num_samples"] for r in rows} == written
     assert (run / "sft" / "final" / "config.json").exists()
 
 
@@ -72,13 +75,14 @@ def test_server_followed_the_broadcasts(short_run):
     _, run = short_run
     log = (run / "logs" / "orchestrator.log").read_text()
     served = [int(v) for v in re.findall(r"now serves policy version (\d+)", log)]
-    # async_level 1: sampling step n needs version >= n - 2, so versions 1 .. STEPS-2 at least were loaded.
-    assert served == sorted(served) and set(range(1, STEPS - 1)) <= set(served), served
+    # The watcher loads the newest STABLE broadcast it sees (it may skip one that a newer one superseded);
+    # with async_level k, the last sampling step needed version STEPS - 1 - k or newer.
+    k = json.loads((run / "configs" / "orchestrator.json").read_text())["orchestrator"]["async_level"]
+    assert served and served == sorted(set(served)) and served[-1] >= STEPS - 1 - k, served
     orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
     assert [r["step"] for r in orch] == list(range(1, STEPS + 1))
-    config = json.loads((run / "configs" / "orchestrator.json").read_text())
     for r in orch:
-        assert r["step"] - 1 - r["policy/min_version"] <= config["orchestrator"]["async_level"]
+        assert r["step"] - 1 - r["policy/min_version"] <= k, r
 
 
 def test_first_step_trainer_and_vllm_agree(short_run):
