@@ -36,11 +36,13 @@ GIB = 2.0**30
 
 # ----------------------------------------------------------------------------------------------- configurations
 
-def _jax(seq, rows=1, loss="rl", remat="none", attn="cudnn", chunk=2048, steps=5, warmup=2, profile=False,
-         trace=False, head="default", tag=""):
+def _jax(seq, rows=1, loss="rl", remat="auto", attn="cudnn", chunk=2048, steps=5, warmup=2, profile=False,
+         trace=False, head="default", tag="", segs=1):
+    """segs: the step's static bound on samples per row (the fake rows hold one); 0 = unknown, i.e. the
+    attention kernel's default of 64 run slots (the behaviour before the bound was passed down)."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
     return dict(kind="jax", name=name, seq=seq, rows=rows, loss=loss, remat=remat, attn=attn, chunk=chunk,
-                steps=steps, warmup=warmup, profile=profile, trace=trace, head=head)
+                steps=steps, warmup=warmup, profile=profile, trace=trace, head=head, segs=segs)
 
 
 def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
@@ -50,17 +52,31 @@ def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
 
 CONFIGS = {
     "main": [
-        dict(kind="check", name="check", kernels=True),
-        _jax(4096, rows=4, remat="dots_no_batch_attn"),
-        _jax(16384, remat="dots_no_batch_attn", trace=True),
-        _jax(32768, remat="dots_no_batch_attn"),
-        _jax(65536, remat="attn", steps=2, trace=True),
-        _jax(8192, rows=2, loss="ce", remat="dots_no_batch_attn"),
+        dict(kind="check", name="check"),
+        _jax(4096, rows=4),
+        _jax(16384, trace=True),
+        _jax(32768),
+        _jax(65536, steps=2, trace=True),
+        _jax(8192, rows=2, loss="ce"),
         _torch(4096, rows=4, ckpt=False),
         _torch(16384, ckpt=True), _torch(16384, ckpt=False),
         _torch(32768, ckpt=True), _torch(32768, ckpt=False),
         _torch(65536, ckpt=True),
         _torch(8192, rows=2, ckpt=True), _torch(8192, rows=2, ckpt=False),
+    ],
+    # Exploration after the segment bound reached the kernel: before/after at 16k, remat choices at 16k and
+    # 64k (memory: does 64k fit an 80 GB card), the attention kernel sweep (cuDNN modes, Pallas Triton).
+    "explore3": [
+        dict(kind="check", name="check", kernels=True),
+        _jax(16384, remat="dots_no_batch_attn", trace=True, tag="dnba"),
+        _jax(16384, remat="dots_no_batch_attn", segs=0, tag="dnba_64slots"),
+        _jax(16384, remat="none", tag="none"),
+        _jax(16384, remat="attn", tag="attn"),
+        _jax(32768, remat="dots_no_batch_attn", tag="dnba"),
+        _jax(65536, remat="attn", steps=2, trace=True, tag="attn"),
+        _jax(65536, remat="dots_no_batch_attn", steps=2, tag="dnba"),
+        _jax(65536, remat="attn", steps=2, chunk=1024, tag="attn_c1024"),
+        _torch(16384, ckpt=False), _torch(32768, ckpt=True),
     ],
     "explore2": [
         dict(kind="check", name="check"),
@@ -143,6 +159,7 @@ def jax_worker(c: dict) -> dict:
     import optax
 
     from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.transformer import resolve_remat_policy
     from primejax.trainer import optim
     from primejax.trainer import step as step_mod
     from primejax.trainer.losses import LossConfig
@@ -164,11 +181,14 @@ def jax_worker(c: dict) -> dict:
         state = step_mod.init_state(model, opt)
         del model
         fn = step_mod.make_train_step(graphdef, opt, optax.constant_schedule(1e-6), LossConfig(),
-                                      chunk_size=c["chunk"], max_segments=1)
-        step = step_mod.jit_train_step(fn, state, mesh)
+                                      chunk_size=c["chunk"], max_segments=c.get("segs", 1))
         host = {k: np.asarray(v)[None] for k, v in _fake_batch(rows, seq, cfg.vocab_size, c["loss"]).items()
                 if k != "targets"}
         batch = step_mod.device_batch(host, mesh)
+        t0 = time.perf_counter()
+        step = step_mod.jit_train_step(fn, state, mesh).lower(state, batch).compile()
+        compile_only_s = time.perf_counter() - t0
+        mem = _memory_analysis(step)
         box = {"s": state}
 
         def run(batch):
@@ -178,8 +198,9 @@ def jax_worker(c: dict) -> dict:
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
         loss = float(run(batch))
         tokens = rows * seq
-        res = dict(tok_s=tokens / dt, step_ms=dt * 1e3, compile_s=first, loss=loss,
-                   mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS, peak_gib=_jax_peak_gib())
+        res = dict(tok_s=tokens / dt, step_ms=dt * 1e3, compile_s=compile_only_s, first_step_s=first, loss=loss,
+                   mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS, peak_gib=_jax_peak_gib(), memory=mem,
+                   remat_resolved=resolve_remat_policy(c["remat"], rows * seq))
         if c.get("trace"):
             res["trace"] = _trace_summary(run, batch, os.environ.get("BENCH_TRACE_DIR"))
         if c.get("profile"):
@@ -239,6 +260,16 @@ def _trace_summary(run, batch, out_dir: str | None, steps: int = 2, top: int = 3
     return dict(ms_per_step_by_category={k: round(v, 1) for k, v in cats.items()},
                 kernel_ms_total=round(sum(kernels.values()), 1), top_kernels=best(kernels), top_xla_ops=best(ops),
                 lines=sorted(set(lines_seen))[:20])
+
+
+def _memory_analysis(compiled) -> dict:
+    """XLA's buffer assignment for the compiled step, GiB: what the peak is made of."""
+    try:
+        m = compiled.memory_analysis()
+        names = ("argument", "output", "alias", "temp", "generated_code")
+        return {n: round(getattr(m, f"{n}_size_in_bytes") / GIB, 2) for n in names}
+    except Exception as e:  # noqa: BLE001 - informational only
+        return {"error": repr(e)[:200]}
 
 
 def _jax_peak_gib() -> float:
@@ -321,7 +352,7 @@ def check_worker(c: dict) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from primejax.models.attention import attention
+    from primejax.models.attention import attention, prepare_segments
     from primejax.trainer.fused_head import fused_token_logprobs
     from primejax.trainer.logprobs import token_logprobs, token_logprobs_reference
 
@@ -359,6 +390,12 @@ def check_worker(c: dict) -> dict:
     o_fast, g_fast = fwd_bwd("cudnn")
     errs = {"attn_out": _rel(o_fast, o_ref)}
     errs.update({f"attn_d{n}": _rel(a, b) for n, a, b in zip("qkv", g_fast, g_ref, strict=True)})
+    # As the model runs it: the runs described once, with the step's bound (4 samples -> 5 run slots).
+    runs = prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=4)
+    o_runs = jax.jit(lambda q, kk, v: attention(q, kk, v, seg, impl="cudnn", runs=runs))(q, kk, v)
+    errs["attn_out_bound4"] = _rel(o_runs, o_ref)
+    tight = prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=2)  # row 0 has 4: must flag
+    out["overflow_flagged"] = [bool(x) for x in np.asarray(tight.overflow)]
     # LM head + logprobs: chunked (recomputed per chunk) vs full fp32 logits.
     b, t, d, vocab = 1, 4096, 1024, 151936
     k = jax.random.split(jax.random.key(1), 5)
@@ -383,7 +420,7 @@ def check_worker(c: dict) -> dict:
     errs.update(fused_head_loss=_rel(l_f, l_r), fused_head_logprobs=_rel(lp_f, lp_r),
                 fused_head_entropy=_rel(ent_f, ent_r), fused_head_dh=_rel(gh_f, gh_r), fused_head_dw=_rel(gw_f, gw_r))
     out["errors"] = errs
-    out["ok"] = all(np.isfinite(e) and e < tol for e in errs.values())
+    out["ok"] = all(np.isfinite(e) and e < tol for e in errs.values()) and out["overflow_flagged"] == [True, False]
     if c.get("kernels"):
         out["kernels"] = _kernel_sweep()
     return out
@@ -403,12 +440,18 @@ def _kernel_sweep() -> dict:
         kk = jax.random.normal(k[1], (1, t, 8, 128), jnp.bfloat16)
         v = jax.random.normal(k[2], (1, t, 8, 128), jnp.bfloat16)
         seg = jnp.ones((1, t), jnp.int32)
+        lens = jnp.full((1,), t, jnp.int32)
         flops = 2 * 2 * t * t / 2 * 16 * 128 * 3.5
         variants = {f"packed_m{m}": (lambda q, kk, v, m=m, seg=seg: attention(q, kk, v, seg, impl="cudnn",
-                                                                             max_segments=m))
+                                                                             max_runs=m))
                     for m in (2, 64)}
         variants["plain_causal"] = lambda q, kk, v: jax.nn.dot_product_attention(
             q, kk, v, is_causal=True, implementation="cudnn")
+        variants["padded_causal"] = lambda q, kk, v, lens=lens: jax.nn.dot_product_attention(
+            q, kk, v, is_causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens, implementation="cudnn")
+        if t <= 16384:  # Triton kernels: slow enough at 64k to eat the sweep's time
+            variants["pallas_mha"] = lambda q, kk, v, seg=seg: _pallas_mha(q, kk, v, seg)
+            variants["pallas_mha_b64"] = lambda q, kk, v, seg=seg: _pallas_mha(q, kk, v, seg, big=True)
         for name, fn in variants.items():
             g = jax.jit(jax.grad(lambda q, kk, v, fn=fn: jnp.sum(fn(q, kk, v).astype(jnp.float32) * 1e-3),
                                  argnums=(0, 1, 2)))
@@ -422,6 +465,19 @@ def _kernel_sweep() -> dict:
             except Exception as e:  # noqa: BLE001 - report and keep sweeping
                 res[f"{t}:{name}"] = dict(error=repr(e)[:300])
     return res
+
+
+def _pallas_mha(q, k, v, seg, big=False):
+    """jax's Pallas (Triton) flash attention with segment ids; GQA by repeating k/v (the kernel has none)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import attention as pa
+
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    blocks = pa.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+                           block_kv_dq=64) if big else pa.BlockSizes.get_default()
+    return pa.mha(q, k, v, seg, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=blocks,
+                  num_warps=8 if big else None)
 
 
 # ----------------------------------------------------------------------------------------------- torch worker
@@ -509,7 +565,12 @@ def _table(results: list[dict]) -> str:
     for r in results:
         if r["kind"] == "check":
             continue
-        label = f"remat={r['remat']} attn={r['attn']} head={r['head']} chunk={r['chunk']}" if r["kind"] == "jax" else ""
+        label = ""
+        if r["kind"] == "jax":
+            remat = r.get("remat_resolved") or r["remat"]
+            label = f"remat={remat} attn={r['attn']} segs={r.get('segs', 1)} chunk={r['chunk']}"
+            if r.get("memory", {}).get("temp") is not None:
+                label += f" temp={r['memory']['temp']:.1f}G"
         if r.get("tok_s"):
             best = torch_best.get((r["seq"], r["rows"]))
             ratio = f"{r['tok_s'] / best:.2f}x" if best and r["kind"] == "jax" else ""
@@ -527,6 +588,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated configuration names from the suite")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds for the whole suite (0 = none): configurations that would start later are skipped")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -540,8 +603,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    start = time.perf_counter()
     for c in configs:
-        r = _run_child(c, args.timeout)
+        left = args.budget - (time.perf_counter() - start) if args.budget else args.timeout
+        if left < 20:
+            results.append(dict(c, error="skipped: suite budget spent"))
+            continue
+        r = _run_child(c, min(args.timeout, left))
         results.append(r)
         print(json.dumps(r), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -13,7 +13,12 @@ Implementations (`impl`):
   row at T=64k), so this goes through jax's cuDNN wrapper `jax._src.cudnn.fused_attention_stablehlo`
   (q_offsets / q_seqlen), checked against the xla path by tests/perf and tools/bench_trainer.py.
   Segments are maximal runs of equal ids (packing keeps samples contiguous), padding included; a row may
-  hold at most `max_segments` runs, and a row with more gets NaN outputs rather than silently wrong ones.
+  hold at most `max_runs` runs, and a row with more gets NaN outputs rather than silently wrong ones.
+  The run slots are a cost, not just a bound: cuDNN sizes its softmax statistics as [B * max_runs, H, T]
+  and its backward pre-pass (dO.O, plus the fp32 dQ accumulator) works per slot over the whole row, so 64
+  slots cost 36 ms per 16k step on an H200 where 2 cost ~1 (docs/benchmarks.md). Callers that know how many
+  samples a row packs say so (`runs_for_segments`), and a model describes the runs once per forward pass
+  (`prepare_segments`) instead of once per layer.
 - "splash": Pallas splash attention for TPU, with native segment ids and a causal block-sparse mask.
 - "auto": cudnn on GPU, splash on TPU, xla elsewhere.
 An unsupported combination (cudnn on CPU, fp32 cudnn, splash off TPU) falls back to xla with one warning.
@@ -23,14 +28,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 logger = logging.getLogger(__name__)
-# Runs of equal segment ids (samples, plus trailing padding) a packed row may hold on the cudnn path. cuDNN
-# launches work for every slot, so this is a cost knob, not just a bound (see docs/benchmarks.md).
-DEFAULT_MAX_SEGMENTS = 64
+# Runs of equal segment ids (samples, plus trailing padding) a packed row may hold on the cudnn path when the
+# caller gives no bound. cuDNN does work for every slot, so this is a cost knob, not just a bound.
+DEFAULT_MAX_RUNS = 64
 _warned: set[str] = set()
 
 
@@ -78,7 +84,8 @@ def attention(
     *,
     impl: str = "xla",
     scale: float | None = None,
-    max_segments: int = DEFAULT_MAX_SEGMENTS,
+    max_runs: int = DEFAULT_MAX_RUNS,
+    runs: SegmentRuns | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Packed causal GQA attention.
@@ -86,7 +93,10 @@ def attention(
     q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K; segment_ids: int32 [B, T].
     Returns [B, T, H, Dh] in q's dtype. `positions` are not needed by any mask here (see module docstring)
     and are accepted so every kernel shares one signature. `interpret` runs Pallas kernels in interpreter
-    mode (for tests off-TPU). `max_segments` bounds the runs of equal segment ids per row (cudnn only).
+    mode (for tests off-TPU). cudnn only: `max_runs` bounds the runs of equal segment ids per row, and
+    `runs` (from `prepare_segments`, computed once for all layers) replaces both that bound and the per-call
+    run computation; with `runs` the caller owns the overflow flag (`SegmentRuns.overflow`), no NaN is
+    written here.
     """
     del positions
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -94,7 +104,11 @@ def attention(
     if impl == "xla":
         return _xla_attention(q, k, v, segment_ids, scale)
     if impl == "cudnn":
-        return _cudnn_attention(q, k, v, segment_ids, scale, max_segments)
+        if runs is not None:
+            return _cudnn_attention(q, k, v, runs, scale)
+        runs = segment_runs(segment_ids, max(2, max_runs))
+        out = _cudnn_attention(q, k, v, runs, scale)
+        return jnp.where(runs.overflow[:, None, None, None], jnp.nan, out).astype(q.dtype)
     return _splash_attention(q, k, v, segment_ids, scale, interpret)
 
 
@@ -112,12 +126,44 @@ def _xla_attention(q, k, v, segment_ids, scale):
     return o_btkgd.reshape(b, t, h, d).astype(q.dtype)
 
 
-def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+class SegmentRuns(NamedTuple):
+    """Each row's runs of equal segment ids, in the layout jax's cuDNN wrapper takes (see `segment_runs`)."""
+
+    offsets: jax.Array  # int32 [B, M+1]
+    lengths: jax.Array  # int32 [B, M]
+    overflow: jax.Array  # bool [B]: the row has more than M runs; its extra runs are not described
+
+
+def runs_for_segments(max_segments: int | None) -> int:
+    """Run slots for rows of at most `max_segments` samples (None: unknown).
+
+    Packing keeps each sample contiguous and puts the padding last, so a row of n samples has at most n + 1
+    runs. Never fewer than 2: jax's wrapper treats one slot as "not packed".
+    """
+    if not max_segments:
+        return DEFAULT_MAX_RUNS
+    return max(2, int(max_segments) + 1)
+
+
+def prepare_segments(
+    segment_ids: jax.Array, *, impl: str, dtype: jnp.dtype, max_segments: int | None = None
+) -> SegmentRuns | None:
+    """The per-forward part of attention over these rows, computed once and shared by every layer.
+
+    The run description on the cudnn path (None on the others, which work from `segment_ids` directly).
+    `max_segments` bounds the samples (distinct non-zero ids) per row; see `runs_for_segments`.
+    """
+    if resolve_impl(impl, dtype) != "cudnn":
+        return None
+    return segment_runs(segment_ids, runs_for_segments(max_segments))
+
+
+def segment_runs(segment_ids: jax.Array, max_runs: int) -> SegmentRuns:
     """(offsets [B, M+1], lengths [B, M], overflow [B]) of each row's runs of equal segment ids.
 
     In the layout jax's cuDNN wrapper takes: a row's run starts, then -1 for unused slots (offsets has one
     spare slot, as the wrapper expects); lengths -1 for unused slots. `overflow` flags rows with more than
-    M = max_segments runs, whose extra runs are not described.
+    M = max_runs runs, whose extra runs are not described.
     """
     b, t = segment_ids.shape
     starts_bt = jnp.concatenate(
@@ -125,24 +171,24 @@ def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, 
     )
     num_runs_b = jnp.sum(starts_bt, axis=1, dtype=jnp.int32)
     # Start indices of the first M+1 runs, padded with t: consecutive differences are the run lengths.
-    idx_bm = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments + 1, fill_value=t)[0])(starts_bt)
+    idx_bm = jax.vmap(lambda s: jnp.nonzero(s, size=max_runs + 1, fill_value=t)[0])(starts_bt)
     idx_bm = idx_bm.astype(jnp.int32)
-    slot = jnp.arange(max_segments + 1, dtype=jnp.int32)[None]
+    slot = jnp.arange(max_runs + 1, dtype=jnp.int32)[None]
     offsets = jnp.where(slot < num_runs_b[:, None], idx_bm, -1)
     lengths = jnp.where(slot[:, :-1] < num_runs_b[:, None], idx_bm[:, 1:] - idx_bm[:, :-1], -1)
-    return offsets, lengths, num_runs_b > max_segments
+    return SegmentRuns(offsets, lengths, num_runs_b > max_runs)
 
 
-def _cudnn_attention(q, k, v, segment_ids, scale, max_segments):
+def _cudnn_attention(q, k, v, runs: SegmentRuns, scale):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-    # The wrapper treats M == 1 as "not packed"; 2 keeps the packed (segment-aware) kernel.
-    offsets, lengths, overflow_b = segment_runs(segment_ids, max(2, max_segments))
+    if runs.lengths.shape[1] < 2:
+        raise ValueError("cudnn packed attention needs at least 2 run slots (1 means 'not packed' to jax)")
     out = cudnn_fa.dot_product_attention(
-        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        q, k, v, q_seqlen=runs.lengths, kv_seqlen=runs.lengths, q_offsets=runs.offsets, kv_offsets=runs.offsets,
         scale=scale, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
     )
-    return jnp.where(overflow_b[:, None, None, None], jnp.nan, out).astype(q.dtype)
+    return out.astype(q.dtype)
 
 
 @functools.cache

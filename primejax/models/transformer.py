@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from primejax.models.attention import attention
+from primejax.models.attention import SegmentRuns, attention, prepare_segments
 from primejax.models.config import ModelConfig
 from primejax.models.sharding import constrain
 
@@ -55,6 +55,18 @@ _REMAT_POLICIES = {
     "attn": _saves_attention,
     "dots_no_batch_attn": _saves_attention_and_weight_dots,
 }
+# "auto": the fastest policy measured per micro-batch size (Qwen3-0.6B shape, H200, docs/benchmarks.md).
+# Saving the weight matmuls' outputs as well as attention's is faster than no remat at all up to 32k tokens
+# (fewer fp32 temporaries written than plain autodiff keeps), but costs ~1 GiB per 1k tokens; beyond that
+# only attention's outputs are kept and the cheap matmuls are re-run.
+AUTO_REMAT_MAX_TOKENS_FOR_DOTS = 32768
+
+
+def resolve_remat_policy(policy: str, tokens: int) -> str:
+    """The policy that runs for `policy` on a micro-batch of `tokens` tokens ("auto" picks by size)."""
+    if policy != "auto":
+        return policy
+    return "dots_no_batch_attn" if tokens <= AUTO_REMAT_MAX_TOKENS_FOR_DOTS else "attn"
 
 
 def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, ones=False):
@@ -107,8 +119,13 @@ def apply_rope(x_btnh: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax
     return x_btnh * cos_btd[:, :, None] + rotated * sin_btd[:, :, None]
 
 
-def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd, segment_ids, cos, sin) -> jax.Array:
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `p` holds one layer's (unstacked) weights."""
+def decoder_layer(
+    cfg: ModelConfig, p: dict[str, jax.Array], x_btd, segment_ids, cos, sin, runs: SegmentRuns | None = None
+) -> jax.Array:
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `p` holds one layer's (unstacked) weights.
+
+    `runs`: the attention kernel's per-forward description of the rows (`attention.prepare_segments`).
+    """
     dt = x_btd.dtype
     eps = cfg.rms_norm_eps
 
@@ -127,7 +144,8 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd, segment_ids,
     k_btkh = constrain(apply_rope(k_btkh, cos, sin), ("batch", "seq", "act_kv_heads", "head_dim"))
     v_btkh = constrain(v_btkh, ("batch", "seq", "act_kv_heads", "head_dim"))
 
-    o_btnh = checkpoint_name(attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl), ATTN_OUT)
+    o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl, runs=runs)
+    o_btnh = checkpoint_name(o_btnh, ATTN_OUT)
     o_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt))
     if cfg.attention_out_bias:
         o_btd = o_btd + p["o_bias"].astype(dt)
@@ -173,14 +191,15 @@ class DecoderStack(nnx.Module):
     def stacked_params(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
-    def __call__(self, x_btd, segment_ids, cos, sin) -> jax.Array:
+    def __call__(self, x_btd, segment_ids, cos, sin, runs: SegmentRuns | None = None) -> jax.Array:
         layer = functools.partial(decoder_layer, self.cfg)
 
         def step(x, p):
-            return layer(p, x, segment_ids, cos, sin), None
+            return layer(p, x, segment_ids, cos, sin, runs), None
 
-        if self.cfg.remat_policy != "none":
-            step = jax.checkpoint(step, policy=_REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=False)
+        policy = resolve_remat_policy(self.cfg.remat_policy, x_btd.shape[0] * x_btd.shape[1])
+        if policy != "none":
+            step = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=False)
         x_btd, _ = jax.lax.scan(step, x_btd, self.stacked_params())
         return x_btd
 
@@ -197,11 +216,15 @@ class Transformer(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, max_segments: int | None = None
+    ) -> jax.Array:
         """tokens/positions/segment_ids int32 [B, T] -> hidden states [B, T, D] in the compute dtype.
 
         Rows may pack several samples: attention is causal within a segment and never crosses segments;
-        segment 0 marks padding (its outputs are meaningless and must be masked by the caller).
+        segment 0 marks padding (its outputs are meaningless and must be masked by the caller), packed last.
+        `max_segments` (static) bounds the samples per row; the cudnn kernel's cost grows with it (see
+        `attention.runs_for_segments`). A row that breaks the bound comes out all NaN, never silently wrong.
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.compute_dtype)
@@ -211,8 +234,12 @@ class Transformer(nnx.Module):
         x_btd = jnp.take(table_vd, tokens, axis=0).astype(dt)
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
         cos, sin = rope_tables(positions, cfg, dt)
-        x_btd = self.layers(x_btd, segment_ids, cos, sin)
-        return rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps)
+        runs = prepare_segments(segment_ids, impl=cfg.attention_impl, dtype=dt, max_segments=max_segments)
+        x_btd = self.layers(x_btd, segment_ids, cos, sin, runs)
+        h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps)
+        if runs is not None:  # once here rather than per layer: rows the kernel could not describe
+            h_btd = jnp.where(runs.overflow[:, None, None], jnp.nan, h_btd)
+        return h_btd
 
     def lm_head_weight(self) -> jax.Array:
         """[D, V] output projection (the embedding transposed when tied), in the parameter dtype."""

@@ -123,7 +123,7 @@ def _model_grads(remat: str):
     return jax.jit(jax.value_and_grad(loss))(state)
 
 
-@pytest.mark.parametrize("remat", ["attn", "dots_no_batch_attn"])
+@pytest.mark.parametrize("remat", ["attn", "dots_no_batch_attn", "auto"])
 def test_attention_saving_remat_policies_give_the_same_gradients(remat, reference_grads):
     loss, grads = _model_grads(remat)
     loss_r, grads_r = reference_grads
@@ -153,3 +153,57 @@ def test_attention_policy_saves_the_attention_output():
     # (The scan's final carry [B, T, D] is saved too: it feeds the final norm outside the scan.)
     saved = sorted(ln.split()[0] for ln in buf.getvalue().splitlines() if "output of scan" in ln)
     assert saved == ["f32[1,8,32]", "f32[2,1,8,32]", "f32[2,1,8,4,16]"], saved
+
+
+def test_run_slots_follow_the_samples_per_row_bound():
+    from primejax.models.attention import DEFAULT_MAX_RUNS, runs_for_segments
+
+    # n samples + the trailing padding run; never fewer than 2 (one slot is "not packed" to jax's wrapper).
+    assert [runs_for_segments(n) for n in (1, 2, 4, 64)] == [2, 3, 5, 65]
+    assert runs_for_segments(None) == runs_for_segments(0) == DEFAULT_MAX_RUNS
+
+
+def test_prepared_runs_are_the_kernels_description_and_only_on_the_cudnn_path():
+    from primejax.models.attention import prepare_segments
+
+    seg = jnp.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]], jnp.int32)
+    # Off GPU every request resolves to the xla path, which needs no description.
+    assert prepare_segments(seg, impl="cudnn", dtype=jnp.bfloat16, max_segments=2) is None
+    assert prepare_segments(seg, impl="auto", dtype=jnp.bfloat16) is None
+    # What the cudnn path is given: 2 samples per row -> 3 run slots, padding its own run.
+    offsets, lengths, overflow = segment_runs(seg, 3)
+    np.testing.assert_array_equal(offsets, [[0, 2, 5, -1], [0, -1, -1, -1]])
+    np.testing.assert_array_equal(lengths, [[2, 3, 1], [6, -1, -1]])
+    np.testing.assert_array_equal(overflow, [False, False])
+
+
+def test_rows_over_the_segment_bound_come_out_nan_once_per_forward(monkeypatch):
+    """The model checks the bound once (not per layer): an over-full row is all NaN, the others untouched."""
+    from primejax.models import transformer as tr
+
+    cfg = _tiny("none")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+    seg = jnp.array([[1] * 4 + [2] * 4 + [3] * 4, [1] * 12], jnp.int32)
+    pos = jnp.array([list(range(4)) * 3, list(range(12))], jnp.int32)
+    ref = model(tokens, pos, seg, max_segments=4)
+    seen = {}
+
+    def prepare(segment_ids, *, impl, dtype, max_segments=None):
+        seen["max_segments"] = max_segments
+        return segment_runs(segment_ids, max_segments)  # as the cudnn path would, without padding slack
+
+    monkeypatch.setattr(tr, "prepare_segments", prepare)
+    out = model(tokens, pos, seg, max_segments=2)  # row 0 packs 3 samples: over the bound
+    assert seen["max_segments"] == 2
+    assert bool(jnp.all(jnp.isnan(out[0])))
+    np.testing.assert_array_equal(out[1], ref[1])
+
+
+def test_auto_remat_policy_picks_by_micro_batch_tokens():
+    from primejax.models.transformer import AUTO_REMAT_MAX_TOKENS_FOR_DOTS, resolve_remat_policy
+
+    assert resolve_remat_policy("auto", 16384) == "dots_no_batch_attn"
+    assert resolve_remat_policy("auto", AUTO_REMAT_MAX_TOKENS_FOR_DOTS) == "dots_no_batch_attn"
+    assert resolve_remat_policy("auto", 65536) == "attn"
+    assert resolve_remat_policy("none", 65536) == "none"
