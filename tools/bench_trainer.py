@@ -55,6 +55,7 @@ CONFIGS = {
         dict(kind="check", name="check"),
         _jax(4096, rows=4),
         _jax(16384, trace=True),
+        _jax(16384, segs=0, tag="64slots"),  # before: no bound passed, the kernel's default 64 run slots
         _jax(32768),
         _jax(65536, steps=2, trace=True),
         _jax(8192, rows=2, loss="ce"),
