@@ -13,7 +13,7 @@ def get_config():
     c.orchestrator.batch_size = 16
     c.orchestrator.group_size = 4
     c.orchestrator.seq_len = 256
-    c.orchestrator.max_prompt_tokens = 64
+    c.orchestrator.max_prompt_tokens = 128
     c.orchestrator.sampling.max_tokens = 32
     c.inference.max_model_len = 256
     return c
