@@ -68,7 +68,7 @@ def default_config() -> ConfigDict:
             "param_dtype": "float32",  # master weights
             "compute_dtype": "bfloat16",
             "attention_impl": "auto",  # auto | xla | cudnn | splash
-            "remat_policy": "none",  # none | full | dots | dots_no_batch
+            "remat_policy": "auto",  # auto | none | full | dots | dots_no_batch | attn | dots_no_batch_attn
         }
     )
 
@@ -211,7 +211,7 @@ _CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.compute_dtype": ("float32", "bfloat16"),
     "model.attention_impl": ("auto", "xla", "cudnn", "splash"),
-    "model.remat_policy": ("none", "full", "dots", "dots_no_batch"),
+    "model.remat_policy": ("auto", "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn"),
     "model.build_tiny.family": ("qwen3", "llama"),
     "trainer.broadcast.dtype": ("bfloat16", "float32"),
     "trainer.optim.type": ("adamw",),
