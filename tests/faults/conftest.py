@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_harness import MAX_STEPS, Result, final_params, launch, write_config
-
-from primejax.inference.client import InferenceClient
+from fault_harness import MAX_STEPS, Result, final_params, launch, reload_base_weights, write_config
 
 
 @dataclass
@@ -21,15 +18,16 @@ class Reference:
 
 
 @pytest.fixture(scope="session")
-def shared_server(vllm_server) -> Iterator:
-    """The session's vLLM server, put back on its base weights after the fault runs used it."""
-    yield vllm_server
+def shared_server(vllm_server):
+    """The session's vLLM server; every fault test leaves it on its base weights (see `_restore_base_weights`)."""
+    return vllm_server
 
-    async def reload() -> None:
-        async with InferenceClient(vllm_server.base_url) as client:
-            await client.reload_weights()
 
-    asyncio.run(reload())
+@pytest.fixture(autouse=True)
+def _restore_base_weights(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "shared_server" in request.fixturenames:
+        reload_base_weights(request.getfixturevalue("shared_server").base_url)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +41,7 @@ def reference(shared_server, fault_dir: Path) -> Reference:
     config = write_config(fault_dir, "reference", shared_server.model_dir, base_url=shared_server.base_url,
                           max_steps=MAX_STEPS)
     result = launch(config)
+    reload_base_weights(shared_server.base_url)
     assert result.returncode == 0, result.output[-3000:]
     assert [r["step"] for r in result.metrics("trainer")] == list(range(1, MAX_STEPS + 1))
     return Reference(result, final_params(result.run_dir, MAX_STEPS))

@@ -65,6 +65,15 @@ def get_config():
 '''
 
 
+def reload_base_weights(base_url: str) -> None:
+    """Put a shared server back on its base model (other test areas expect it, see tests/conftest.py)."""
+    import urllib.request
+
+    request = urllib.request.Request(base_url + "/reload_weights", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=120) as r:
+        assert r.status == 200
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_harness import REPO, assert_no_survivors, run_dir_of, write_config
+from fault_harness import REPO, assert_no_survivors, reload_base_weights, run_dir_of, write_config
 
 from primejax.contracts.batch import PackedBatch, write_batch
 
@@ -45,6 +45,7 @@ def test_orchestrator_killed_mid_run_stops_everything(vllm_server, tmp_path):
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+        reload_base_weights(vllm_server.base_url)
     assert launcher.returncode == 1, output[-3000:]
     assert took < 30.0, f"launcher took {took:.1f} s to exit"
     assert "primejax: orchestrator failed (exit status -9)" in output
