@@ -36,6 +36,10 @@ def get_config():
     c.trainer.optim.weight_decay = 0.0
     c.trainer.micro_batch_size = 8
 
+    # Resumable: `--config.run.resume_step=latest` continues from the last pair of checkpoints.
+    c.trainer.checkpoint.interval = 10
+    c.orchestrator.checkpoint.interval = 10
+
     c.sft.from_env = "reverse_text"
     c.sft.steps = 65  # leaves the sampled reward near 0.4: room to climb (100 steps start at ~0.87)
     c.sft.batch_size = 64

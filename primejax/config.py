@@ -163,7 +163,8 @@ def default_config() -> ConfigDict:
                 {"interval": 0, "envs": ConfigDict(), "num_examples": 32, "group_size": 1,
                  "pass_threshold": 1.0}  # envs {} = the training envs; a rollout passes at reward >= threshold
             ),
-            "checkpoint": ConfigDict({"interval": 0, "keep": 2}),
+            # keep 0 = all: a few kB each, and resume must find one paired with any intact trainer checkpoint.
+            "checkpoint": ConfigDict({"interval": 0, "keep": 0}),
             "client": ConfigDict(
                 {"base_urls": (), "timeout_s": 600.0, "max_retries": 5}
             ),  # base_urls () = the local inference server
