@@ -37,12 +37,16 @@ GIB = 2.0**30
 # ----------------------------------------------------------------------------------------------- configurations
 
 def _jax(seq, rows=1, loss="rl", remat="auto", attn="cudnn", chunk=2048, steps=5, warmup=2, profile=False,
-         trace=False, head="default", tag="", segs=1):
+         trace=False, head="default", tag="", segs=1, patch=(), xla_flags="", scan=None, hlo=False):
     """segs: the step's static bound on samples per row (the fake rows hold one); 0 = unknown, i.e. the
-    attention kernel's default of 64 run slots (the behaviour before the bound was passed down)."""
+    attention kernel's default of 64 run slots (the behaviour before the bound was passed down).
+    patch: names from PATCHES (earlier code paths, for before/after in one run); xla_flags: added to
+    XLA_FLAGS for this configuration's process; scan: ModelConfig.scan_layers (None: its default); hlo: save
+    the optimized HLO to $BENCH_TRACE_DIR."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
     return dict(kind="jax", name=name, seq=seq, rows=rows, loss=loss, remat=remat, attn=attn, chunk=chunk,
-                steps=steps, warmup=warmup, profile=profile, trace=trace, head=head, segs=segs)
+                steps=steps, warmup=warmup, profile=profile, trace=trace, head=head, segs=segs, patch=list(patch),
+                xla_flags=xla_flags, scan=scan, hlo=hlo)
 
 
 def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
@@ -50,14 +54,44 @@ def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
                 seq=seq, rows=rows, ckpt=ckpt, loss="ce", steps=steps, warmup=warmup)
 
 
+# The code paths before explore4 (commit 858e44c); with scan=True, that commit's step.
+_OLD = ("packed_one_sample", "head_three_pass")
+_FLAGS = {
+    "lhs": "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "nocmdbuf": "--xla_gpu_enable_command_buffer=",
+    "notriton": "--xla_gpu_enable_triton_gemm=false",
+    "cublaslt": "--xla_gpu_enable_cublaslt=true",
+    "dbuf": "--xla_gpu_enable_while_loop_double_buffering=true",
+}
+
 CONFIGS = {
+    # One device call: before/after of each change at 16k (plain causal cuDNN for one-sample rows, the
+    # two-read head statistics, unrolled layers), XLA flags one at a time, then the other sizes.
+    "explore4": [
+        dict(kind="check", name="check"),
+        _jax(16384, patch=_OLD, scan=True, trace=True, hlo=True, tag="old"),
+        _jax(16384, scan=True, trace=True, tag="new"),
+        _jax(16384, patch=("packed_one_sample",), scan=True, tag="new_packed"),
+        _jax(16384, patch=("head_three_pass",), scan=True, tag="new_head3"),
+        _jax(16384, scan=False, trace=True, hlo=True, tag="unroll"),
+        _jax(32768, scan=True, tag="new"),
+        _jax(32768, scan=False, tag="unroll"),
+        _jax(65536, steps=2, scan=True, tag="new"),
+        _jax(65536, steps=2, scan=False, tag="unroll"),
+        *[_jax(16384, xla_flags=f, scan=True, tag=k) for k, f in _FLAGS.items()],
+        _jax(32768, patch=_OLD, scan=True, tag="old"),
+        _jax(4096, rows=4, tag="new"),
+        _jax(8192, rows=2, loss="ce", tag="new"),
+    ],
     "main": [
         dict(kind="check", name="check"),
         _jax(4096, rows=4),
         _jax(16384, trace=True),
-        _jax(16384, segs=0, tag="64slots"),  # before: no bound passed, the kernel's default 64 run slots
+        _jax(16384, patch=_OLD, scan=True, tag="before"),  # the step at commit 858e44c
         _jax(32768),
+        _jax(32768, patch=_OLD, scan=True, tag="before"),
         _jax(65536, steps=2, trace=True),
+        _jax(65536, steps=2, patch=_OLD, scan=True, tag="before"),
         _jax(8192, rows=2, loss="ce"),
         _torch(4096, rows=4, ckpt=False),
         _torch(16384, ckpt=True), _torch(16384, ckpt=False),
@@ -104,11 +138,42 @@ CONFIGS = {
 
 # ----------------------------------------------------------------------------------------------- jax worker
 
-def _model_config(attn: str, remat: str):
+def _model_config(attn: str, remat: str, scan: bool | None = None):
     from primejax.models.config import ModelConfig
 
+    extra = {} if scan is None else {"scan_layers": scan}
     return ModelConfig.from_hf_config(QWEN3_06B, param_dtype="float32", compute_dtype="bfloat16",
-                                      attention_impl=attn, remat_policy=remat)
+                                      attention_impl=attn, remat_policy=remat, **extra)
+
+
+def _patch_packed_one_sample() -> None:
+    """Rows of one sample through cuDNN's packed mode (2 run slots), as before the plain causal path."""
+    from primejax.models import attention as at
+    from primejax.models import transformer as tr
+
+    def prepare(segment_ids, *, impl, dtype, max_segments=None):
+        if at.resolve_impl(impl, dtype) != "cudnn":
+            return None
+        return at.segment_runs(segment_ids, at.runs_for_segments(max_segments))
+
+    tr.prepare_segments = prepare
+
+
+def _patch_head_three_pass() -> None:
+    """The LM head's forward statistics as before: lse, then sum(p z) in a third read of the logits."""
+    import jax
+    import jax.numpy as jnp
+
+    from primejax.trainer import fused_head
+
+    def stats(z):
+        lse = jax.nn.logsumexp(z, axis=-1)
+        return lse, lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+
+    fused_head._lse_and_entropy = stats
+
+
+PATCHES = {"packed_one_sample": _patch_packed_one_sample, "head_three_pass": _patch_head_three_pass}
 
 
 def _fake_batch(rows: int, seq: int, vocab: int, loss: str, seed: int = 0) -> dict:
@@ -169,7 +234,9 @@ def jax_worker(c: dict) -> dict:
         from primejax.trainer.fused_head import fused_token_logprobs
 
         step_mod.token_logprobs = fused_token_logprobs
-    cfg = _model_config(c["attn"], c["remat"])
+    for name in c.get("patch", ()):
+        PATCHES[name]()
+    cfg = _model_config(c["attn"], c["remat"], c.get("scan"))
     rows, seq = c["rows"], c["seq"]
     mesh = make_mesh()
     with jax.set_mesh(mesh):
@@ -190,6 +257,11 @@ def jax_worker(c: dict) -> dict:
         step = step_mod.jit_train_step(fn, state, mesh).lower(state, batch).compile()
         compile_only_s = time.perf_counter() - t0
         mem = _memory_analysis(step)
+        if c.get("hlo") and os.environ.get("BENCH_TRACE_DIR"):
+            import gzip
+
+            path = Path(os.environ["BENCH_TRACE_DIR"]) / f"hlo_{c['name'].replace(':', '_')}.txt.gz"
+            path.write_bytes(gzip.compress(step.as_text().encode()))
         box = {"s": state}
 
         def run(batch):
@@ -203,14 +275,14 @@ def jax_worker(c: dict) -> dict:
                    mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS, peak_gib=_jax_peak_gib(), memory=mem,
                    remat_resolved=resolve_remat_policy(c["remat"], rows * seq))
         if c.get("trace"):
-            res["trace"] = _trace_summary(run, batch, os.environ.get("BENCH_TRACE_DIR"))
+            res["trace"] = _trace_summary(run, batch)
         if c.get("profile"):
             res["parts"] = _jax_parts(cfg, graphdef, box["s"].params, _fake_batch(rows, seq, cfg.vocab_size, c["loss"]),
                                       c["chunk"], opt, box["s"].opt_state)
     return res
 
 
-def _trace_summary(run, batch, out_dir: str | None, steps: int = 2, top: int = 30) -> dict:
+def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
     """GPU time per step from a jax.profiler trace: by category and the top kernels / XLA ops."""
     import collections
     import glob
@@ -226,10 +298,6 @@ def _trace_summary(run, batch, out_dir: str | None, steps: int = 2, top: int = 3
             out = run(batch)
         jax.block_until_ready(out)
     pb = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
-    if out_dir:
-        import shutil
-
-        shutil.copy(pb, Path(out_dir) / f"trace_{os.getpid()}.xplane.pb")
     kernels: dict[str, float] = collections.defaultdict(float)
     ops: dict[str, float] = collections.defaultdict(float)
     lines_seen = []
@@ -397,6 +465,25 @@ def check_worker(c: dict) -> dict:
     errs["attn_out_bound4"] = _rel(o_runs, o_ref)
     tight = prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=2)  # row 0 has 4: must flag
     out["overflow_flagged"] = [bool(x) for x in np.asarray(tight.overflow)]
+    # One sample per row, padding last: the plain causal kernel, compared on the sample's tokens (values
+    # and gradients; the padding gets no cotangent, as in the trainer where it carries no loss).
+    seg1 = jnp.asarray(np.repeat([[1] * 3000 + [0] * (t - 3000)], 2, axis=0), jnp.int32)
+    one = prepare_segments(seg1, impl="cudnn", dtype=q.dtype, max_segments=1)
+    real = (seg1 > 0)[:, :, None, None]
+    cot1 = jnp.where(real, cot, 0)
+
+    def one_sample(impl, runs):
+        def f(q, kk, v):
+            return jnp.sum((attention(q, kk, v, seg1, impl=impl, runs=runs) * cot1).astype(jnp.float32))
+
+        o = jax.jit(lambda q, kk, v: attention(q, kk, v, seg1, impl=impl, runs=runs))(q, kk, v)
+        return jnp.where(real, o, 0), jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, kk, v)
+
+    (o1_ref, g1_ref), (o1, g1) = one_sample("xla", None), one_sample("cudnn", one)
+    errs["causal_out"] = _rel(o1, o1_ref)
+    errs.update({f"causal_d{n}": _rel(a, b) for n, a, b in zip("qkv", g1, g1_ref, strict=True)})
+    out["causal_overflow_flagged"] = [bool(x) for x in np.asarray(
+        prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=1).overflow)]
     # LM head + logprobs: chunked (recomputed per chunk) vs full fp32 logits.
     b, t, d, vocab = 1, 4096, 1024, 151936
     k = jax.random.split(jax.random.key(1), 5)
@@ -421,7 +508,8 @@ def check_worker(c: dict) -> dict:
     errs.update(fused_head_loss=_rel(l_f, l_r), fused_head_logprobs=_rel(lp_f, lp_r),
                 fused_head_entropy=_rel(ent_f, ent_r), fused_head_dh=_rel(gh_f, gh_r), fused_head_dw=_rel(gw_f, gw_r))
     out["errors"] = errs
-    out["ok"] = all(np.isfinite(e) and e < tol for e in errs.values()) and out["overflow_flagged"] == [True, False]
+    out["ok"] = (all(np.isfinite(e) and e < tol for e in errs.values()) and out["overflow_flagged"] == [True, False]
+                 and out["causal_overflow_flagged"] == [True, False])
     if c.get("kernels"):
         out["kernels"] = _kernel_sweep()
     return out
@@ -541,6 +629,8 @@ WORKERS = {"jax": jax_worker, "torch": torch_worker, "check": check_worker}
 
 def _run_child(c: dict, timeout: float) -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.94", PYTHONUNBUFFERED="1")
+    if c.get("xla_flags"):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + c["xla_flags"]).strip()
     cmd = [sys.executable, __file__, "--worker", json.dumps(c)]
     t0 = time.perf_counter()
     try:
@@ -570,6 +660,7 @@ def _table(results: list[dict]) -> str:
         if r["kind"] == "jax":
             remat = r.get("remat_resolved") or r["remat"]
             label = f"remat={remat} attn={r['attn']} segs={r.get('segs', 1)} chunk={r['chunk']}"
+            label += " scan" if r.get("scan") else ""
             if r.get("memory", {}).get("temp") is not None:
                 label += f" temp={r['memory']['temp']:.1f}G"
         if r.get("tok_s"):

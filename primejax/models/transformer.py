@@ -198,9 +198,19 @@ class DecoderStack(nnx.Module):
             return layer(p, x, segment_ids, cos, sin, runs), None
 
         policy = resolve_remat_policy(self.cfg.remat_policy, x_btd.shape[0] * x_btd.shape[1])
+        stacked = self.stacked_params()
         if policy != "none":
-            step = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=False)
-        x_btd, _ = jax.lax.scan(step, x_btd, self.stacked_params())
+            # Inside a scan CSE cannot merge the recomputation with the forward pass; unrolled it can.
+            step = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=not self.cfg.scan_layers)
+        if self.cfg.scan_layers:
+            x_btd, _ = jax.lax.scan(step, x_btd, stacked)
+            return x_btd
+        # One split per weight (its transpose is one concatenate of the layers' gradients), not L slices
+        # (each of whose transposes pads a full-size zero array).
+        n = self.cfg.num_layers
+        per_layer = {k: [a[0] for a in jax.lax.split(v, [1] * n, axis=0)] for k, v in stacked.items()}
+        for i in range(n):
+            x_btd, _ = step(x_btd, {k: v[i] for k, v in per_layer.items()})
         return x_btd
 
 

@@ -95,12 +95,12 @@ def test_cudnn_request_falls_back_to_xla_off_gpu():
     np.testing.assert_allclose(out, attention(q, kv, kv, seg, impl="xla"), rtol=0, atol=0)
 
 
-def _tiny(remat: str) -> ModelConfig:
+def _tiny(remat: str, scan_layers: bool = False) -> ModelConfig:
     return ModelConfig(
         model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
         tie_word_embeddings=True, qk_norm=True, attention_bias=False, max_position_embeddings=64,
-        compute_dtype="float32", remat_policy=remat,
+        compute_dtype="float32", remat_policy=remat, scan_layers=scan_layers,
     )
 
 
@@ -140,7 +140,7 @@ def test_attention_policy_saves_the_attention_output():
 
     from jax.ad_checkpoint import print_saved_residuals
 
-    model = Transformer(_tiny("attn"), rngs=nnx.Rngs(0))
+    model = Transformer(_tiny("attn", scan_layers=True), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros((1, 8), jnp.int32)
     pos = jnp.arange(8, dtype=jnp.int32)[None]
@@ -207,3 +207,36 @@ def test_auto_remat_policy_picks_by_micro_batch_tokens():
     assert resolve_remat_policy("auto", AUTO_REMAT_MAX_TOKENS_FOR_DOTS) == "dots_no_batch_attn"
     assert resolve_remat_policy("auto", 65536) == "attn"
     assert resolve_remat_policy("none", 65536) == "none"
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_no_batch_attn"])
+def test_unrolled_layers_match_the_scan(remat):
+    """scan_layers only changes how the layers are compiled: same loss and gradients (fp32)."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+    pos = jnp.tile(jnp.arange(12, dtype=jnp.int32), (2, 1))
+    seg = jnp.array([[1] * 5 + [2] * 7, [1] * 10 + [0] * 2], jnp.int32)
+    results = []
+    for scan in (True, False):
+        graphdef, state = nnx.split(Transformer(_tiny(remat, scan_layers=scan), rngs=nnx.Rngs(0)))
+
+        def loss(s, graphdef=graphdef):
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, s)(tokens, pos, seg)))
+
+        results.append(jax.jit(jax.value_and_grad(loss))(state))
+    (l_scan, g_scan), (l_unrolled, g_unrolled) = results
+    np.testing.assert_allclose(l_unrolled, l_scan, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_unrolled), jax.tree.leaves(g_scan), strict=True):
+        assert _rel(a, b) < 1e-5, _rel(a, b)
+
+
+def test_single_sample_rows_flag_what_plain_causal_attention_would_get_wrong():
+    from primejax.models.attention import prepare_segments, single_sample_rows
+
+    seg = jnp.array([[1, 1, 1, 0], [1, 1, 2, 0], [0, 0, 1, 1], [0, 0, 0, 0], [3, 3, 3, 3]], jnp.int32)
+    # One sample then padding, or an empty row: exact under plain causal attention. Two samples, or
+    # padding before the sample: flagged (the model turns such rows into NaN).
+    runs = single_sample_rows(seg)
+    assert runs.offsets is None and runs.lengths is None
+    np.testing.assert_array_equal(runs.overflow, [False, True, True, False, False])
+    # Off GPU the request resolves to the xla path, which needs no description.
+    assert prepare_segments(seg, impl="cudnn", dtype=jnp.bfloat16, max_segments=1) is None
