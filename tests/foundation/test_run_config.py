@@ -65,6 +65,7 @@ def test_defaults_validate():
         ({"orchestrator__algo__sampling__source": "teacher"}, "orchestrator.algo.sampling.source"),
         ({"orchestrator__algo__length_penalty__type": "words"}, "orchestrator.algo.length_penalty.type"),
         ({"sft__steps": 10}, "sft.data_path"),
+        ({"orchestrator__sampling__seed": 7}, "orchestrator.sampling.seed"),
         ({"sft__steps": 10, "sft__from_env": "nope"}, "sft.from_env"),
     ],
 )
