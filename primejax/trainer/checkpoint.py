@@ -95,7 +95,7 @@ def resolve_resume_step(run_dir: str | Path, resume_step: str) -> int | None:
 
 class TrainerCheckpointer:
     def __init__(self, run_dir: str | Path, keep: int = 2, async_save: bool = True):
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).absolute()  # Orbax refuses relative paths (run.output_dir usually is one)
         self.keep = keep
         self._ckptr = ocp.StandardCheckpointer() if async_save else ocp.Checkpointer(ocp.StandardCheckpointHandler())
         self._pending: tuple[int, dict[str, Any]] | None = None
