@@ -19,6 +19,8 @@ times in total instead of many. The gradient matches the autodiff path to bf16 r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -116,7 +118,20 @@ def fused_token_logprobs(
     Temperatures get no gradient (they are data). T is padded up to a multiple of the chunk; the padding is
     computed and dropped.
     """
-    b, t, d = hidden_btd.shape
+    (h_cbkd, y_cbk, tau_cbk), merge = split_into_chunks(hidden_btd, targets_bt, temperatures_bt, chunk_size)
+    lp, ent = _head(h_cbkd, lm_head_dv, y_cbk, tau_cbk)
+    return merge(lp), merge(ent)
+
+
+def split_into_chunks(
+    hidden_btd: jax.Array, targets_bt: jax.Array, temperatures_bt: jax.Array, chunk_size: int
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], Callable[[jax.Array], jax.Array]]:
+    """[B, T, ...] -> [C, B, K, ...] chunks of K positions (T padded up to C*K), and `merge` back to [B, T].
+
+    The batch axis stays inside each chunk, so data-parallel sharding of the rows is untouched. Padding has
+    temperature 1 and target 0; it is computed and dropped by `merge`.
+    """
+    b, t, _ = hidden_btd.shape
     chunk = max(1, min(chunk_size, t))
     n = -(-t // chunk)
     pad = n * chunk - t
@@ -125,15 +140,13 @@ def fused_token_logprobs(
         targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
         temperatures_bt = jnp.pad(temperatures_bt, ((0, 0), (0, pad)), constant_values=1.0)
 
-    # [B, n*K, ...] -> [n, B, K, ...]: loop over chunks, keep the batch axis (and its sharding) inside.
-    def split(x):
+    def split(x: jax.Array) -> jax.Array:
         return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
 
-    def merge(x):
+    def merge(x: jax.Array) -> jax.Array:
         return jnp.moveaxis(x, 0, 1).reshape(b, n * chunk)[:, :t]
 
-    lp, ent = _head(split(hidden_btd), lm_head_dv, split(targets_bt), split(temperatures_bt))
-    return merge(lp), merge(ent)
+    return (split(hidden_btd), split(targets_bt), split(temperatures_bt)), merge
 
 
-__all__ = ["fused_token_logprobs"]
+__all__ = ["fused_token_logprobs", "split_into_chunks"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from primejax.trainer.fused_head import fused_token_logprobs
+from primejax.trainer.fused_head import fused_token_logprobs, split_into_chunks
 
 
 def _acc_dtype(h: jax.Array) -> jnp.dtype:
@@ -65,32 +65,16 @@ def token_logprobs_autodiff(
     `chunk_size` positions are processed at a time; T is padded up to a multiple of it (the padding is
     computed and dropped).
     """
-    b, t, d = hidden_btd.shape
-    chunk = max(1, min(chunk_size, t))
-    num_chunks = -(-t // chunk)
-    pad = num_chunks * chunk - t
-    if pad:
-        hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
-        targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-        temperatures_bt = jnp.pad(temperatures_bt, ((0, 0), (0, pad)), constant_values=1.0)
-    if num_chunks == 1:
-        lp, ent = jax.checkpoint(_chunk_stats)(hidden_btd, lm_head_dv, targets_bt, temperatures_bt)
-        return lp[:, :t], ent[:, :t]
-
-    # [B, C*K, ...] -> [C, B, K, ...]: scan over chunks, keep the batch axis (and its sharding) inside.
-    def split(x: jax.Array) -> jax.Array:
-        return jnp.moveaxis(x.reshape(b, num_chunks, chunk, *x.shape[2:]), 1, 0)
-
+    (h_cbkd, y_cbk, tau_cbk), merge = split_into_chunks(hidden_btd, targets_bt, temperatures_bt, chunk_size)
     body = jax.checkpoint(lambda h, y, tau: _chunk_stats(h, lm_head_dv, y, tau))
+    if h_cbkd.shape[0] == 1:
+        lp, ent = body(h_cbkd[0], y_cbk[0], tau_cbk[0])
+        return merge(lp[None]), merge(ent[None])
 
     def step(carry: None, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
         return carry, body(*xs)
 
-    _, (lp_cbk, ent_cbk) = jax.lax.scan(step, None, (split(hidden_btd), split(targets_bt), split(temperatures_bt)))
-
-    def merge(x: jax.Array) -> jax.Array:
-        return jnp.moveaxis(x, 0, 1).reshape(b, num_chunks * chunk)[:, :t]
-
+    _, (lp_cbk, ent_cbk) = jax.lax.scan(step, None, (h_cbkd, y_cbk, tau_cbk))
     return merge(lp_cbk), merge(ent_cbk)
 
 
