@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 
 
-def _acc(dtype) -> jnp.dtype:
+def accumulation_dtype(dtype) -> jnp.dtype:
     # fp32 for bf16/fp32 compute; fp64 stays fp64 (gradient checks run in x64).
     return jnp.promote_types(dtype, jnp.float32)
 
 
 def _logits(h_bkd, w_dv, tau_bk):
-    acc = _acc(h_bkd.dtype)
+    acc = accumulation_dtype(h_bkd.dtype)
     z = jnp.einsum("bkd,dv->bkv", h_bkd, w_dv, preferred_element_type=acc)
     return z / tau_bk[..., None].astype(acc)
 
@@ -81,7 +81,7 @@ def _head_bwd(res, cts):
     h_cbkd, w_dv, y_cbk, tau_cbk, lse_cbk, ent_cbk = res
     g_lp_cbk, g_ent_cbk = cts
     cdt = h_cbkd.dtype
-    acc = _acc(cdt)
+    acc = accumulation_dtype(cdt)
     w_c = w_dv.astype(cdt)
 
     def chunk(dw_dv, xs):

@@ -14,18 +14,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from primejax.trainer.fused_head import fused_token_logprobs, split_into_chunks
-
-
-def _acc_dtype(h: jax.Array) -> jnp.dtype:
-    # fp32 for bf16/fp32 compute; fp64 stays fp64 (gradient checks run in x64).
-    return jnp.promote_types(h.dtype, jnp.float32)
+from primejax.trainer.fused_head import accumulation_dtype, fused_token_logprobs, split_into_chunks
 
 
 def _chunk_stats(
     h_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, temps_bt: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    acc = _acc_dtype(h_btd)
+    acc = accumulation_dtype(h_btd.dtype)
     logits_btv = jnp.einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), preferred_element_type=acc)
     logits_btv = logits_btv / temps_bt[..., None].astype(acc)
     lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
@@ -82,7 +77,7 @@ def token_logprobs_reference(
     hidden_btd: jax.Array, lm_head_dv: jax.Array, targets_bt: jax.Array, temperatures_bt: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The naive version (full [B, T, V] logits), for tests."""
-    acc = _acc_dtype(hidden_btd)
+    acc = accumulation_dtype(hidden_btd.dtype)
     logits = jnp.einsum(
         "btd,dv->btv", hidden_btd, lm_head_dv.astype(hidden_btd.dtype), preferred_element_type=acc
     ) / temperatures_bt[..., None].astype(acc)
