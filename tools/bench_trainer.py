@@ -37,16 +37,18 @@ GIB = 2.0**30
 # ----------------------------------------------------------------------------------------------- configurations
 
 def _jax(seq, rows=1, loss="rl", remat="auto", attn="cudnn", chunk=2048, steps=5, warmup=2, profile=False,
-         trace=False, head="default", tag="", segs=1, patch=(), xla_flags="", scan=None, hlo=False):
+         trace=False, head="default", tag="", segs=1, patch=(), xla_flags="", scan=None, hlo=False, save_gib=None,
+         fused=None):
     """segs: the step's static bound on samples per row (the fake rows hold one); 0 = unknown, i.e. the
     attention kernel's default of 64 run slots (the behaviour before the bound was passed down).
     patch: names from PATCHES (earlier code paths, for before/after in one run); xla_flags: added to
     XLA_FLAGS for this configuration's process; scan: ModelConfig.scan_layers (None: its default); hlo: save
-    the optimized HLO to $BENCH_TRACE_DIR."""
+    the optimized HLO to $BENCH_TRACE_DIR; save_gib: the LM head keeps fp32 logits up to this many GiB
+    (None: the trainer's default); fused: ModelConfig.fused_projections (None: its default)."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
     return dict(kind="jax", name=name, seq=seq, rows=rows, loss=loss, remat=remat, attn=attn, chunk=chunk,
                 steps=steps, warmup=warmup, profile=profile, trace=trace, head=head, segs=segs, patch=list(patch),
-                xla_flags=xla_flags, scan=scan, hlo=hlo)
+                xla_flags=xla_flags, scan=scan, hlo=hlo, save_gib=save_gib, fused=fused)
 
 
 def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
@@ -65,6 +67,24 @@ _FLAGS = {
 }
 
 CONFIGS = {
+    # One device call: the LM head keeping its fp32 logits (no recompute in the backward), fused q/k/v and
+    # gate/up projections, each alone and together, at every size.
+    "explore5": [
+        dict(kind="check", name="check"),
+        _jax(16384, save_gib=0, fused=False, trace=True, tag="base"),
+        _jax(16384, save_gib=64, fused=False, tag="save"),
+        _jax(16384, save_gib=0, fused=True, tag="fused"),
+        _jax(16384, save_gib=64, fused=True, trace=True, tag="save_fused"),
+        _jax(16384, save_gib=64, fused=True, chunk=16384, tag="save_fused_c16k"),
+        _jax(32768, save_gib=0, fused=False, tag="base"),
+        _jax(32768, save_gib=64, fused=True, tag="save_fused"),
+        _jax(65536, steps=2, save_gib=0, fused=False, tag="base"),
+        _jax(65536, steps=2, save_gib=64, fused=True, tag="save_fused"),
+        _jax(4096, rows=4, save_gib=0, fused=False, tag="base"),
+        _jax(4096, rows=4, save_gib=64, fused=True, tag="save_fused"),
+        _jax(8192, rows=2, loss="ce", save_gib=0, fused=False, tag="base"),
+        _jax(8192, rows=2, loss="ce", save_gib=64, fused=True, tag="save_fused"),
+    ],
     # One device call: before/after of each change at 16k (plain causal cuDNN for one-sample rows, the
     # two-read head statistics, unrolled layers), XLA flags one at a time, then the other sizes.
     "explore4": [
@@ -138,10 +158,11 @@ CONFIGS = {
 
 # ----------------------------------------------------------------------------------------------- jax worker
 
-def _model_config(attn: str, remat: str, scan: bool | None = None):
+def _model_config(attn: str, remat: str, scan: bool | None = None, fused: bool | None = None):
     from primejax.models.config import ModelConfig
 
     extra = {} if scan is None else {"scan_layers": scan}
+    extra.update({} if fused is None else {"fused_projections": fused})
     return ModelConfig.from_hf_config(QWEN3_06B, param_dtype="float32", compute_dtype="bfloat16",
                                       attention_impl=attn, remat_policy=remat, **extra)
 
@@ -236,7 +257,7 @@ def jax_worker(c: dict) -> dict:
         step_mod.token_logprobs = fused_token_logprobs
     for name in c.get("patch", ()):
         PATCHES[name]()
-    cfg = _model_config(c["attn"], c["remat"], c.get("scan"))
+    cfg = _model_config(c["attn"], c["remat"], c.get("scan"), c.get("fused"))
     rows, seq = c["rows"], c["seq"]
     mesh = make_mesh()
     with jax.set_mesh(mesh):
@@ -248,8 +269,9 @@ def jax_worker(c: dict) -> dict:
         graphdef = nnx.graphdef(model)
         state = step_mod.init_state(model, opt)
         del model
+        save = {} if c.get("save_gib") is None else {"saved_logits_max_bytes": int(c["save_gib"] * GIB)}
         fn = step_mod.make_train_step(graphdef, opt, optax.constant_schedule(1e-6), LossConfig(),
-                                      chunk_size=c["chunk"], max_segments=c.get("segs", 1))
+                                      chunk_size=c["chunk"], max_segments=c.get("segs", 1), **save)
         host = {k: np.asarray(v)[None] for k, v in _fake_batch(rows, seq, cfg.vocab_size, c["loss"]).items()
                 if k != "targets"}
         batch = step_mod.device_batch(host, mesh)
@@ -507,6 +529,10 @@ def check_worker(c: dict) -> dict:
     (l_f, (lp_f, ent_f)), (gh_f, gw_f) = head(lambda h, w: fused_token_logprobs(h, w, y, tau, 1024))
     errs.update(fused_head_loss=_rel(l_f, l_r), fused_head_logprobs=_rel(lp_f, lp_r),
                 fused_head_entropy=_rel(ent_f, ent_r), fused_head_dh=_rel(gh_f, gh_r), fused_head_dw=_rel(gw_f, gw_r))
+    # The same head keeping its fp32 logits for the backward instead of recomputing them.
+    (l_f, (lp_f, ent_f)), (gh_f, gw_f) = head(lambda h, w: fused_token_logprobs(h, w, y, tau, 1024, 1 << 40))
+    errs.update(saved_head_loss=_rel(l_f, l_r), saved_head_logprobs=_rel(lp_f, lp_r),
+                saved_head_entropy=_rel(ent_f, ent_r), saved_head_dh=_rel(gh_f, gh_r), saved_head_dw=_rel(gw_f, gw_r))
     out["errors"] = errs
     out["ok"] = (all(np.isfinite(e) and e < tol for e in errs.values()) and out["overflow_flagged"] == [True, False]
                  and out["causal_overflow_flagged"] == [True, False])
@@ -661,6 +687,8 @@ def _table(results: list[dict]) -> str:
             remat = r.get("remat_resolved") or r["remat"]
             label = f"remat={remat} attn={r['attn']} segs={r.get('segs', 1)} chunk={r['chunk']}"
             label += " scan" if r.get("scan") else ""
+            label += " fused" if r.get("fused") else ""
+            label += f" save<={r['save_gib']}G" if r.get("save_gib") else ""
             if r.get("memory", {}).get("temp") is not None:
                 label += f" temp={r['memory']['temp']:.1f}G"
         if r.get("tok_s"):

@@ -38,14 +38,17 @@ def token_logprobs(
     targets_bt: jax.Array,
     temperatures_bt: jax.Array,
     chunk_size: int = 1024,
+    saved_logits_max_bytes: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """(logprobs, entropy), both fp32 [B, T]: log softmax(h @ W / temp)[target] and the entropy of that softmax.
 
     The trainer's head: the same chunking with a hand-written backward (`fused_head`), which keeps the
     backward matmuls in the compute dtype; on an H200 at 16k tokens it cut the step by 8% (docs/benchmarks.md).
+    `saved_logits_max_bytes`: keep the fp32 logits for the backward instead of recomputing them when they
+    fit (see `fused_head.fused_token_logprobs`).
     `token_logprobs_autodiff` is the autodiff version it is tested against.
     """
-    return fused_token_logprobs(hidden_btd, lm_head_dv, targets_bt, temperatures_bt, chunk_size)
+    return fused_token_logprobs(hidden_btd, lm_head_dv, targets_bt, temperatures_bt, chunk_size, saved_logits_max_bytes)
 
 
 def token_logprobs_autodiff(

@@ -72,26 +72,37 @@ def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def _micro_loss_fn(graphdef: nnx.GraphDef, loss_fn: Callable, chunk_size: int, max_segments: int) -> Callable:
+def _micro_loss_fn(
+    graphdef: nnx.GraphDef, loss_fn: Callable, chunk_size: int, max_segments: int, saved_logits_max_bytes: int
+) -> Callable:
     def micro_loss(params, mb, counts):
         model = nnx.merge(graphdef, params)
         hidden_btd = model(mb["tokens"], mb["positions"], mb["segment_ids"], max_segments=max_segments or None)
         targets, streams = shift_targets(mb)
-        lp, ent = token_logprobs(hidden_btd, model.lm_head_weight(), targets, streams["temperatures"], chunk_size)
+        lp, ent = token_logprobs(hidden_btd, model.lm_head_weight(), targets, streams["temperatures"], chunk_size,
+                                 saved_logits_max_bytes)
         return loss_fn(lp, ent, streams, counts)
 
     return micro_loss
 
 
 def make_grad_fn(
-    graphdef: nnx.GraphDef, loss_cfg: LossConfig, *, chunk_size: int = 1024, max_segments: int = 0
+    graphdef: nnx.GraphDef,
+    loss_cfg: LossConfig,
+    *,
+    chunk_size: int = 1024,
+    max_segments: int = 0,
+    saved_logits_max_bytes: int = 0,
 ) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any, dict[str, jax.Array], dict[str, jax.Array]]]:
     """accumulate(params, batch[M, R, T]) -> (loss, fp32 grads, metric sums, component counts) of the whole step.
 
     `max_segments` (static, 0 = unknown) bounds the samples packed in one row: the custom loss iterates over
     them and the attention kernel sizes its per-row work by it (see `max_segments_bucket`).
+    `saved_logits_max_bytes`: the LM head keeps a micro-batch's fp32 logits for the backward pass when they
+    fit in this many bytes, instead of recomputing them (`logprobs.token_logprobs`).
     """
-    micro_loss = _micro_loss_fn(graphdef, make_loss_fn(loss_cfg, max_segments), chunk_size, max_segments)
+    micro_loss = _micro_loss_fn(graphdef, make_loss_fn(loss_cfg, max_segments), chunk_size, max_segments,
+                                saved_logits_max_bytes)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def accumulate(params, batch):
@@ -127,9 +138,11 @@ def make_train_step(
     *,
     chunk_size: int = 1024,
     max_segments: int = 0,
+    saved_logits_max_bytes: int = 0,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) step function train_step(state, batch[M, R, T]) -> (state, metrics)."""
-    accumulate = make_grad_fn(graphdef, loss_cfg, chunk_size=chunk_size, max_segments=max_segments)
+    accumulate = make_grad_fn(graphdef, loss_cfg, chunk_size=chunk_size, max_segments=max_segments,
+                              saved_logits_max_bytes=saved_logits_max_bytes)
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads, sums, counts = accumulate(state.params, batch)
