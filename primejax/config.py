@@ -77,6 +77,9 @@ def default_config() -> ConfigDict:
             "mesh": ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}),  # -1 = all remaining devices
             "micro_batch_size": 1,  # packed rows per micro-batch (gradient accumulation over the rest)
             "logprob_chunk_size": 1024,  # tokens per chunk of the LM head (never full [T, V] fp32 logits)
+            # The LM head keeps a micro-batch's fp32 logits for its backward (no recompute) when they and their
+            # gradient fit in this many GiB per device; -1 = auto (a quarter of JAX's device memory, 0 on CPU).
+            "lm_head_saved_logits_gib": -1.0,
             "optim": ConfigDict(
                 {"type": "adamw", "lr": 1e-6, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.01,
                  "max_norm": 1.0}
@@ -320,6 +323,8 @@ def validate(c: ConfigDict) -> ConfigDict:
     for key in _NON_NEGATIVE:
         if get(c, key) < 0:
             raise ConfigError(key, f"must be >= 0, got {get(c, key)}")
+    if c.trainer.lm_head_saved_logits_gib < 0 and c.trainer.lm_head_saved_logits_gib != -1:
+        raise ConfigError("trainer.lm_head_saved_logits_gib", "must be >= 0 (GiB) or -1 (auto)")
     for key in _JSON_OBJECTS:
         try:
             value = json.loads(get(c, key))

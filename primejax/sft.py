@@ -66,6 +66,7 @@ def train_sft(cfg: ConfigDict) -> Path:
     from primejax.trainer.step import (
         device_batch,
         dp_size,
+        head_saved_logits_bytes,
         init_state,
         jit_train_step,
         make_train_step,
@@ -88,7 +89,8 @@ def train_sft(cfg: ConfigDict) -> Path:
     graphdef, _ = nnx.split(model)
     state = init_state(model, optimizer, cfg.run.seed)
     step_fn = jit_train_step(
-        make_train_step(graphdef, optimizer, schedule, LossConfig(), chunk_size=cfg.trainer.logprob_chunk_size),
+        make_train_step(graphdef, optimizer, schedule, LossConfig(), chunk_size=cfg.trainer.logprob_chunk_size,
+                        saved_logits_max_bytes=head_saved_logits_bytes(cfg.trainer, mesh)),
         state, mesh,
     )
     rng = random.Random(cfg.run.seed)

@@ -37,18 +37,17 @@ GIB = 2.0**30
 # ----------------------------------------------------------------------------------------------- configurations
 
 def _jax(seq, rows=1, loss="rl", remat="auto", attn="cudnn", chunk=2048, steps=5, warmup=2, profile=False,
-         trace=False, head="default", tag="", segs=1, patch=(), xla_flags="", scan=None, hlo=False, save_gib=None,
-         fused=None):
+         trace=False, head="default", tag="", segs=1, patch=(), xla_flags="", scan=None, hlo=False, save_gib=None):
     """segs: the step's static bound on samples per row (the fake rows hold one); 0 = unknown, i.e. the
     attention kernel's default of 64 run slots (the behaviour before the bound was passed down).
     patch: names from PATCHES (earlier code paths, for before/after in one run); xla_flags: added to
     XLA_FLAGS for this configuration's process; scan: ModelConfig.scan_layers (None: its default); hlo: save
-    the optimized HLO to $BENCH_TRACE_DIR; save_gib: the LM head keeps fp32 logits up to this many GiB
-    (None: the trainer's default); fused: ModelConfig.fused_projections (None: its default)."""
+    the optimized HLO to $BENCH_TRACE_DIR; save_gib: the trainer's `lm_head_saved_logits_gib` (None: its
+    default, auto; 0: the head always recomputes its logits, the step before they could be kept)."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
     return dict(kind="jax", name=name, seq=seq, rows=rows, loss=loss, remat=remat, attn=attn, chunk=chunk,
                 steps=steps, warmup=warmup, profile=profile, trace=trace, head=head, segs=segs, patch=list(patch),
-                xla_flags=xla_flags, scan=scan, hlo=hlo, save_gib=save_gib, fused=fused)
+                xla_flags=xla_flags, scan=scan, hlo=hlo, save_gib=save_gib)
 
 
 def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
@@ -67,26 +66,6 @@ _FLAGS = {
 }
 
 CONFIGS = {
-    # One device call: the LM head keeping its fp32 logits (no recompute in the backward), fused q/k/v and
-    # gate/up projections, each alone and together, at every size.
-    "explore5": [
-        dict(kind="check", name="check"),
-        _jax(16384, save_gib=0, fused=False, trace=True, tag="base"),
-        _jax(16384, save_gib=64, fused=False, tag="save"),
-        _jax(16384, save_gib=0, fused=True, tag="fused"),
-        _jax(16384, save_gib=64, fused=True, trace=True, tag="save_fused"),
-        _jax(16384, save_gib=64, fused=True, chunk=16384, tag="save_fused_c16k"),
-        _jax(32768, save_gib=0, fused=False, tag="base"),
-        _jax(32768, save_gib=64, fused=True, tag="save_fused"),
-        _jax(65536, steps=2, save_gib=0, fused=False, tag="base"),
-        _jax(65536, steps=2, save_gib=64, fused=True, tag="save_fused"),
-        _jax(4096, rows=4, save_gib=0, fused=False, tag="base"),
-        _jax(4096, rows=4, save_gib=64, fused=True, tag="save_fused"),
-        _jax(8192, rows=2, loss="ce", save_gib=0, fused=False, tag="base"),
-        _jax(8192, rows=2, loss="ce", save_gib=64, fused=True, tag="save_fused"),
-    ],
-    # One device call: before/after of each change at 16k (plain causal cuDNN for one-sample rows, the
-    # two-read head statistics, unrolled layers), XLA flags one at a time, then the other sizes.
     "explore4": [
         dict(kind="check", name="check"),
         _jax(16384, patch=_OLD, scan=True, trace=True, hlo=True, tag="old"),
@@ -103,16 +82,18 @@ CONFIGS = {
         _jax(4096, rows=4, tag="new"),
         _jax(8192, rows=2, loss="ce", tag="new"),
     ],
+    # The table of docs/benchmarks.md. "before": the step of 97003a3 (the head recomputes its logits in the
+    # backward at every size), same process setup, same run.
     "main": [
         dict(kind="check", name="check"),
         _jax(4096, rows=4),
         _jax(16384, trace=True),
-        _jax(16384, patch=_OLD, scan=True, tag="before"),  # the step at commit 858e44c
+        _jax(16384, save_gib=0, tag="before"),
         _jax(32768),
-        _jax(32768, patch=_OLD, scan=True, tag="before"),
+        _jax(32768, save_gib=40, tag="saved"),  # beyond auto's share: what keeping the logits buys at 32k
         _jax(65536, steps=2, trace=True),
-        _jax(65536, steps=2, patch=_OLD, scan=True, tag="before"),
         _jax(8192, rows=2, loss="ce"),
+        _jax(8192, rows=2, loss="ce", save_gib=0, tag="before"),
         _torch(4096, rows=4, ckpt=False),
         _torch(16384, ckpt=True), _torch(16384, ckpt=False),
         _torch(32768, ckpt=True), _torch(32768, ckpt=False),
@@ -158,11 +139,10 @@ CONFIGS = {
 
 # ----------------------------------------------------------------------------------------------- jax worker
 
-def _model_config(attn: str, remat: str, scan: bool | None = None, fused: bool | None = None):
+def _model_config(attn: str, remat: str, scan: bool | None = None):
     from primejax.models.config import ModelConfig
 
     extra = {} if scan is None else {"scan_layers": scan}
-    extra.update({} if fused is None else {"fused_projections": fused})
     return ModelConfig.from_hf_config(QWEN3_06B, param_dtype="float32", compute_dtype="bfloat16",
                                       attention_impl=attn, remat_policy=remat, **extra)
 
@@ -249,6 +229,8 @@ def jax_worker(c: dict) -> dict:
     from primejax.models.transformer import resolve_remat_policy
     from primejax.trainer import optim
     from primejax.trainer import step as step_mod
+    from primejax.trainer.fused_head import saved_logits_bytes
+    from primejax.trainer.logprobs import saved_logits_max_bytes
     from primejax.trainer.losses import LossConfig
 
     if c.get("head") == "fused":  # exploration only: the fused head before it became the default
@@ -257,7 +239,7 @@ def jax_worker(c: dict) -> dict:
         step_mod.token_logprobs = fused_token_logprobs
     for name in c.get("patch", ()):
         PATCHES[name]()
-    cfg = _model_config(c["attn"], c["remat"], c.get("scan"), c.get("fused"))
+    cfg = _model_config(c["attn"], c["remat"], c.get("scan"))
     rows, seq = c["rows"], c["seq"]
     mesh = make_mesh()
     with jax.set_mesh(mesh):
@@ -269,9 +251,11 @@ def jax_worker(c: dict) -> dict:
         graphdef = nnx.graphdef(model)
         state = step_mod.init_state(model, opt)
         del model
-        save = {} if c.get("save_gib") is None else {"saved_logits_max_bytes": int(c["save_gib"] * GIB)}
+        # The trainer's setting: -1 = auto (a share of this device's memory), as `lm_head_saved_logits_gib`.
+        save_bytes = saved_logits_max_bytes(-1 if c.get("save_gib") is None else c["save_gib"])
         fn = step_mod.make_train_step(graphdef, opt, optax.constant_schedule(1e-6), LossConfig(),
-                                      chunk_size=c["chunk"], max_segments=c.get("segs", 1), **save)
+                                      chunk_size=c["chunk"], max_segments=c.get("segs", 1),
+                                      saved_logits_max_bytes=save_bytes)
         host = {k: np.asarray(v)[None] for k, v in _fake_batch(rows, seq, cfg.vocab_size, c["loss"]).items()
                 if k != "targets"}
         batch = step_mod.device_batch(host, mesh)
@@ -295,7 +279,8 @@ def jax_worker(c: dict) -> dict:
         tokens = rows * seq
         res = dict(tok_s=tokens / dt, step_ms=dt * 1e3, compile_s=compile_only_s, first_step_s=first, loss=loss,
                    mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS, peak_gib=_jax_peak_gib(), memory=mem,
-                   remat_resolved=resolve_remat_policy(c["remat"], rows * seq))
+                   remat_resolved=resolve_remat_policy(c["remat"], rows * seq),
+                   head_saves_logits=0 < saved_logits_bytes(rows * seq, cfg.vocab_size, "bfloat16") <= save_bytes)
         if c.get("trace"):
             res["trace"] = _trace_summary(run, batch)
         if c.get("profile"):
@@ -687,8 +672,7 @@ def _table(results: list[dict]) -> str:
             remat = r.get("remat_resolved") or r["remat"]
             label = f"remat={remat} attn={r['attn']} segs={r.get('segs', 1)} chunk={r['chunk']}"
             label += " scan" if r.get("scan") else ""
-            label += " fused" if r.get("fused") else ""
-            label += f" save<={r['save_gib']}G" if r.get("save_gib") else ""
+            label += " head=saved" if r.get("head_saves_logits") else " head=recompute"
             if r.get("memory", {}).get("temp") is not None:
                 label += f" temp={r['memory']['temp']:.1f}G"
         if r.get("tok_s"):

@@ -36,6 +36,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from primejax.models.precision import accumulating_einsum
+
 logger = logging.getLogger(__name__)
 # Runs of equal segment ids (samples, plus trailing padding) a packed row may hold on the cudnn path when the
 # caller gives no bound. cuDNN does work for every slot, so this is a cost knob, not just a bound.
@@ -120,7 +122,7 @@ def _xla_attention(q, k, v, segment_ids, scale):
     kv = k.shape[2]
     q_btkgd = q.reshape(b, t, kv, h // kv, d)
     # Scores and softmax in fp32 whatever the compute dtype, as flash kernels do.
-    s_bkgts = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k, preferred_element_type=jnp.float32) * scale
+    s_bkgts = accumulating_einsum("btkgd,bskd->bkgts", q_btkgd, k, jnp.float32) * scale
     mask_b11ts = segment_causal_mask(segment_ids)[:, None, None]
     # A finite floor instead of -inf: every row keeps its diagonal, and no NaN can appear even for padding.
     s_bkgts = jnp.where(mask_b11ts, s_bkgts, jnp.finfo(jnp.float32).min)

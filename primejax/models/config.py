@@ -55,10 +55,6 @@ class ModelConfig:
     # memcpy per 16k step) and schedules each layer alone; unrolled, a Qwen3-0.6B step at 16k tokens runs
     # 361 -> 348 ms and 64k peaks at 23 instead of 31 GiB (H200), for ~3x the compile time (7 -> 20 s).
     scan_layers: bool = False
-    # One matmul for q/k/v and one for gate/up (weights concatenated per step; stored and exported apart).
-    # Fewer, wider GEMMs and no adds of their input gradients. Single-device/FSDP meshes only: with tensor
-    # parallelism the concatenated head axis would be resharded every layer.
-    fused_projections: bool = False
     # Llama/Qwen3 `attention_bias=true` also puts a bias on o_proj; Qwen2 never does.
     attention_out_bias: bool = False
     # Fields of the source config.json we do not model but must write back unchanged (token ids, etc.).

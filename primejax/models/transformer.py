@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from primejax.models.attention import SegmentRuns, attention, prepare_segments
 from primejax.models.config import ModelConfig
+from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
 
 _INIT_STD = 0.02  # HF initializer_range default for these families
@@ -119,15 +120,6 @@ def apply_rope(x_btnh: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax
     return x_btnh * cos_btd[:, :, None] + rotated * sin_btd[:, :, None]
 
 
-def _fused_matmul(x_btd: jax.Array, weights: list[jax.Array], dt) -> list[jax.Array]:
-    """x @ [W1 | W2 | ...] as one matmul, split back into each weight's output shape ([D, *out] weights)."""
-    d = x_btd.shape[-1]
-    flat = [w.reshape(d, -1) for w in weights]
-    y_bto = jnp.einsum("btd,do->bto", x_btd, jnp.concatenate(flat, axis=1).astype(dt))
-    ends = np.cumsum([f.shape[1] for f in flat])[:-1].tolist()
-    return [y.reshape(*y.shape[:2], *w.shape[1:]) for y, w in zip(jnp.split(y_bto, ends, axis=-1), weights, strict=True)]
-
-
 def decoder_layer(
     cfg: ModelConfig, p: dict[str, jax.Array], x_btd, segment_ids, cos, sin, runs: SegmentRuns | None = None
 ) -> jax.Array:
@@ -139,12 +131,9 @@ def decoder_layer(
     eps = cfg.rms_norm_eps
 
     h_btd = rms_norm(x_btd, p["attn_norm"], eps)
-    if cfg.fused_projections:
-        q_btnh, k_btkh, v_btkh = _fused_matmul(h_btd, [p["q_proj"], p["k_proj"], p["v_proj"]], dt)
-    else:
-        q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt))
-        k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt))
-        v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt))
+    q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt))
+    k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt))
+    v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt))
     if cfg.attention_bias:
         q_btnh = q_btnh + p["q_bias"].astype(dt)
         k_btkh = k_btkh + p["k_bias"].astype(dt)
@@ -164,11 +153,8 @@ def decoder_layer(
     x_btd = constrain(x_btd + o_btd, ("batch", "seq", "act_embed"))
 
     h_btd = rms_norm(x_btd, p["mlp_norm"], eps)
-    if cfg.fused_projections:
-        g_btf, u_btf = _fused_matmul(h_btd, [p["gate_proj"], p["up_proj"]], dt)
-    else:
-        g_btf = jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt))
-        u_btf = jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt))
+    g_btf = jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt))
+    u_btf = jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt))
     a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
     y_btd = jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt))
     return constrain(x_btd + y_btd, ("batch", "seq", "act_embed"))
@@ -276,5 +262,5 @@ class Transformer(nnx.Module):
         """float32 [B, T, V]. Materializes full logits: for tests and small inputs only."""
         h_btd = self(tokens, positions, segment_ids)
         w_dv = self.lm_head_weight()
-        out = jnp.einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), preferred_element_type=jnp.float32)
+        out = accumulating_einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), jnp.float32)
         return constrain(out, ("batch", "seq", "act_vocab"))

@@ -15,6 +15,12 @@ backward matmuls on fp32 cotangents, the custom VJP here:
 The matmuls therefore run at bf16 tensor-core rate and each [chunk, V] block is written and read about three
 times in total instead of many. The gradient matches the autodiff path to bf16 rounding of d logits
 (tests/perf/test_fast_paths.py).
+
+When memory allows (`saved_logits_max_bytes`), the head runs as one block and the forward keeps its fp32
+logits for the backward: the recompute matmul goes (2·T·D·V FLOPs, 7 ms of a 346 ms Qwen3-0.6B step at 16k
+tokens on an H200) for the fp32 logits plus their bf16 gradient held at once, 6 bytes per logit
+(15 GB at 16k tokens and a 152k vocabulary). The saved logits are the ones the recompute would produce, so
+values and gradients are those of the recomputing head.
 """
 
 from __future__ import annotations
@@ -25,15 +31,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-
-def accumulation_dtype(dtype) -> jnp.dtype:
-    # fp32 for bf16/fp32 compute; fp64 stays fp64 (gradient checks run in x64).
-    return jnp.promote_types(dtype, jnp.float32)
+from primejax.models.precision import accumulating_einsum, accumulation_dtype
 
 
 def _logits(h_bkd, w_dv, tau_bk):
     acc = accumulation_dtype(h_bkd.dtype)
-    z = jnp.einsum("bkd,dv->bkv", h_bkd, w_dv, preferred_element_type=acc)
+    z = accumulating_einsum("bkd,dv->bkv", h_bkd, w_dv, acc)
     return z / tau_bk[..., None].astype(acc)
 
 
@@ -87,18 +90,13 @@ def _head_fwd(h_cbkd, w_dv, y_cbk, tau_cbk, save_logits):
     if not save_logits:
         lp, ent, lse = _forward(h_cbkd, w_dv, y_cbk, tau_cbk)
         return (lp, ent), (h_cbkd, w_dv, y_cbk, tau_cbk, lse, ent, None)
-    # Unrolled over chunks so each chunk's logits stay their own buffer: a scan would copy every block
-    # into its stacked output, an extra write and read of the largest array of the step.
-    w_c = w_dv.astype(h_cbkd.dtype)
-    zs, outs = [], []
-    for c in range(h_cbkd.shape[0]):
-        z = _logits(h_cbkd[c], w_c, tau_cbk[c])
-        lse, ent = _lse_and_entropy(z)
-        z_y = jnp.take_along_axis(z, y_cbk[c][..., None], axis=-1)[..., 0]
-        zs.append(z)
-        outs.append((z_y - lse, ent, lse))
-    lp, ent, lse = (jnp.stack(x) for x in zip(*outs, strict=True))
-    return (lp, ent), (h_cbkd, w_dv, y_cbk, tau_cbk, lse, ent, tuple(zs))
+    # One block (the caller made a single chunk): a chunk loop would copy each block's logits into a
+    # stacked residual, an extra write and read of the largest array of the step.
+    h, y, tau = h_cbkd[0], y_cbk[0], tau_cbk[0]
+    z = _logits(h, w_dv.astype(h.dtype), tau)
+    lse, ent = _lse_and_entropy(z)
+    lp = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - lse
+    return (lp[None], ent[None]), (h_cbkd, w_dv, y_cbk, tau_cbk, lse[None], ent[None], z)
 
 
 def _head_bwd(save_logits, res, cts):
@@ -107,25 +105,21 @@ def _head_bwd(save_logits, res, cts):
     cdt = h_cbkd.dtype
     acc = accumulation_dtype(cdt)
     w_c = w_dv.astype(cdt)
-    g_lp_cbk, g_ent_cbk = g_lp_cbk.astype(acc), g_ent_cbk.astype(acc)
-
-    if saved_z is not None:
-        dw_dv, dhs = jnp.zeros(w_dv.shape, acc), []
-        for c, z in enumerate(saved_z):
-            dlogits = _dlogits(z, y_cbk[c], tau_cbk[c], lse_cbk[c], ent_cbk[c], g_lp_cbk[c], g_ent_cbk[c], cdt)
-            dhs.append(jnp.einsum("bkv,dv->bkd", dlogits, w_c, preferred_element_type=acc).astype(cdt))
-            dw_dv = dw_dv + jnp.einsum("bkd,bkv->dv", h_cbkd[c], dlogits, preferred_element_type=acc)
-        return jnp.stack(dhs), dw_dv.astype(w_dv.dtype), None, None
 
     def chunk(dw_dv, xs):
-        h, y, tau, lse, ent, g_lp, g_ent = xs
-        dlogits = _dlogits(_logits(h, w_c, tau), y, tau, lse, ent, g_lp, g_ent, cdt)
-        dh = jnp.einsum("bkv,dv->bkd", dlogits, w_c, preferred_element_type=acc).astype(cdt)
-        dw_dv = dw_dv + jnp.einsum("bkd,bkv->dv", h, dlogits, preferred_element_type=acc)
+        h, y, tau, lse, ent, g_lp, g_ent, z = xs
+        z = _logits(h, w_c, tau) if z is None else z
+        dlogits = _dlogits(z, y, tau, lse, ent, g_lp.astype(acc), g_ent.astype(acc), cdt)
+        dh = accumulating_einsum("bkv,dv->bkd", dlogits, w_c, acc).astype(cdt)
+        dw_dv = dw_dv + accumulating_einsum("bkd,bkv->dv", h, dlogits, acc)
         return dw_dv, dh
 
     dw0 = jnp.zeros(w_dv.shape, acc)
-    dw_dv, dh_cbkd = jax.lax.scan(chunk, dw0, (h_cbkd, y_cbk, tau_cbk, lse_cbk, ent_cbk, g_lp_cbk, g_ent_cbk))
+    xs = (h_cbkd, y_cbk, tau_cbk, lse_cbk, ent_cbk, g_lp_cbk, g_ent_cbk)
+    if saved_z is not None:
+        dw_dv, dh = chunk(dw0, (*(x[0] for x in xs), saved_z))
+        return dh[None], dw_dv.astype(w_dv.dtype), None, None
+    dw_dv, dh_cbkd = jax.lax.scan(lambda c, x: chunk(c, (*x, None)), dw0, xs)
     return dh_cbkd, dw_dv.astype(w_dv.dtype), None, None
 
 
@@ -143,15 +137,23 @@ def fused_token_logprobs(
     """(logprobs, entropy), fp32 [B, T]; drop-in for `logprobs.token_logprobs` with a fused backward.
 
     Temperatures get no gradient (they are data). T is padded up to a multiple of the chunk; the padding is
-    computed and dropped. When all of the fp32 logits fit in `saved_logits_max_bytes`, the forward keeps them
-    for the backward instead of recomputing them there: one [T, D] x [D, V] matmul less per step for memory
-    equal to the full fp32 logits (10 GB per 16k tokens at a 152k vocabulary).
+    computed and dropped. When the whole head fits in `saved_logits_max_bytes` (fp32 logits and their bf16
+    gradient, `saved_logits_bytes`), it runs as one block that keeps its logits for the backward instead
+    of recomputing them.
     """
-    (h_cbkd, y_cbk, tau_cbk), merge = split_into_chunks(hidden_btd, targets_bt, temperatures_bt, chunk_size)
-    c, b, k, _ = h_cbkd.shape
-    save = c * b * k * lm_head_dv.shape[-1] * 4 <= saved_logits_max_bytes
+    b, t, _ = hidden_btd.shape
+    save = 0 < saved_logits_bytes(b * t, lm_head_dv.shape[-1], hidden_btd.dtype) <= saved_logits_max_bytes
+    (h_cbkd, y_cbk, tau_cbk), merge = split_into_chunks(
+        hidden_btd, targets_bt, temperatures_bt, t if save else chunk_size
+    )
     lp, ent = _head(h_cbkd, lm_head_dv, y_cbk, tau_cbk, save)
     return merge(lp), merge(ent)
+
+
+def saved_logits_bytes(tokens: int, vocab: int, compute_dtype) -> int:
+    """Memory the head holds at once when it keeps its logits: fp32 logits plus their gradient."""
+    acc = accumulation_dtype(compute_dtype)
+    return tokens * vocab * (jnp.dtype(acc).itemsize + jnp.dtype(compute_dtype).itemsize)
 
 
 def split_into_chunks(
@@ -180,4 +182,4 @@ def split_into_chunks(
     return (split(hidden_btd), split(targets_bt), split(temperatures_bt)), merge
 
 
-__all__ = ["fused_token_logprobs", "split_into_chunks"]
+__all__ = ["fused_token_logprobs", "saved_logits_bytes", "split_into_chunks"]

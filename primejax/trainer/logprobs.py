@@ -14,14 +14,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from primejax.trainer.fused_head import accumulation_dtype, fused_token_logprobs, split_into_chunks
+from primejax.models.precision import accumulating_einsum, accumulation_dtype
+from primejax.trainer.fused_head import fused_token_logprobs, split_into_chunks
+
+# "auto" budget for the head's saved logits: a quarter of the memory JAX's allocator may use on the device
+# (`bytes_limit`, 75% of the card by default). On an 80 GB H100 that is 15 GiB: micro-batches up to ~17k
+# tokens at Qwen3's 152k vocabulary keep their logits (13.9 GiB at 16k, where the Qwen3-0.6B step peaks at
+# 23 GiB without them); longer micro-batches recompute, as before.
+AUTO_SAVED_LOGITS_FRACTION = 0.25
+
+
+def saved_logits_max_bytes(gib: float, device: jax.Device | None = None) -> int:
+    """Per-device byte budget for the head's saved logits from `trainer.lm_head_saved_logits_gib`.
+
+    -1 = auto: `AUTO_SAVED_LOGITS_FRACTION` of the device's allocator limit where the runtime reports it (GPU, TPU),
+    0 (always recompute) where it does not (CPU, whose memory the host's other processes share).
+    """
+    if gib >= 0:
+        return int(gib * 2**30)
+    stats = (device or jax.local_devices()[0]).memory_stats() or {}
+    return int(AUTO_SAVED_LOGITS_FRACTION * stats.get("bytes_limit", 0))
 
 
 def _chunk_stats(
     h_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, temps_bt: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     acc = accumulation_dtype(h_btd.dtype)
-    logits_btv = jnp.einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), preferred_element_type=acc)
+    logits_btv = accumulating_einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), acc)
     logits_btv = logits_btv / temps_bt[..., None].astype(acc)
     lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
     target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
@@ -81,9 +100,8 @@ def token_logprobs_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """The naive version (full [B, T, V] logits), for tests."""
     acc = accumulation_dtype(hidden_btd.dtype)
-    logits = jnp.einsum(
-        "btd,dv->btv", hidden_btd, lm_head_dv.astype(hidden_btd.dtype), preferred_element_type=acc
-    ) / temperatures_bt[..., None].astype(acc)
+    logits = accumulating_einsum("btd,dv->btv", hidden_btd, lm_head_dv.astype(hidden_btd.dtype), acc)
+    logits = logits / temperatures_bt[..., None].astype(acc)
     logp = jax.nn.log_softmax(logits, axis=-1)
     lp = jnp.take_along_axis(logp, targets_bt[..., None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)

@@ -37,6 +37,7 @@ from primejax.trainer.step import (
     TrainState,
     device_batch,
     dp_size,
+    head_saved_logits_bytes,
     init_state,
     jit_train_step,
     make_train_step,
@@ -130,7 +131,8 @@ class Trainer:
         key = max_segments if self.loss_cfg.type == "custom" or uses_segments else 0
         if key not in self._steps:
             fn = make_train_step(self.graphdef, self.optimizer, self.schedule, self.loss_cfg,
-                                 chunk_size=self.cfg.trainer.logprob_chunk_size, max_segments=key)
+                                 chunk_size=self.cfg.trainer.logprob_chunk_size, max_segments=key,
+                                 saved_logits_max_bytes=head_saved_logits_bytes(self.cfg.trainer, self.mesh))
             self._steps[key] = jit_train_step(fn, self.state, self.mesh)
         return self._steps[key]
 

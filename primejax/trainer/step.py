@@ -25,7 +25,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS, PackedBatch
-from primejax.trainer.logprobs import token_logprobs
+from primejax.trainer.logprobs import saved_logits_max_bytes, token_logprobs
 from primejax.trainer.losses import LossConfig, finalize_metrics, global_counts, make_loss_fn
 
 BATCH_AXES = ("data", "fsdp")
@@ -208,6 +208,15 @@ def jit_train_step(step_fn: Callable, state: TrainState, mesh: Mesh) -> Callable
         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,),
     )
+
+
+def head_saved_logits_bytes(trainer_cfg: Any, mesh: Mesh) -> int:
+    """The step's `saved_logits_max_bytes` for the whole micro-batch from the per-device setting.
+
+    The head sees the global micro-batch, whose rows are split over the data-parallel axes, so the budget
+    scales with their size.
+    """
+    return saved_logits_max_bytes(trainer_cfg.lm_head_saved_logits_gib) * dp_size(mesh)
 
 
 def dp_size(mesh: Mesh) -> int:

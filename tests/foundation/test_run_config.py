@@ -51,6 +51,7 @@ def test_defaults_validate():
         ({"trainer__mesh__fsdp": 0}, "trainer.mesh.fsdp"),
         ({"trainer__mesh__data": -1}, "trainer.mesh"),
         ({"trainer__on_nonfinite": "ignore"}, "trainer.on_nonfinite"),
+        ({"trainer__lm_head_saved_logits_gib": -0.5}, "trainer.lm_head_saved_logits_gib"),
         ({"model__param_dtype": "float16"}, "model.param_dtype"),
         ({"model__attention_impl": "flash"}, "model.attention_impl"),
         ({"model__path": ""}, "model.path"),

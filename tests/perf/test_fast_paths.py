@@ -17,8 +17,12 @@ from flax import nnx
 from primejax.models.attention import attention, segment_runs
 from primejax.models.config import ModelConfig
 from primejax.models.transformer import Transformer
-from primejax.trainer.fused_head import fused_token_logprobs
-from primejax.trainer.logprobs import token_logprobs_autodiff, token_logprobs_reference
+from primejax.trainer.fused_head import fused_token_logprobs, saved_logits_bytes
+from primejax.trainer.logprobs import (
+    saved_logits_max_bytes,
+    token_logprobs_autodiff,
+    token_logprobs_reference,
+)
 
 
 def _head_inputs(dtype, b=2, t=45, d=24, v=97, seed=0):
@@ -72,6 +76,50 @@ def test_fused_head_matches_autodiff_chunked_in_bf16():
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
     assert _rel(dh, dh_r) < 1e-2, _rel(dh, dh_r)
     assert _rel(dw, dw_r) < 1e-2, _rel(dw, dw_r)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_keeping_its_logits_matches_the_recomputing_head(dtype):
+    """Saved logits are the ones the backward would recompute: the same values and gradients as the
+    recomputing head over one chunk of the same shape, to float rounding (XLA fuses the two programs
+    differently, so the last bit may differ)."""
+    h, w, y, tau, coef = _head_inputs(dtype, t=40, d=32, v=300)
+    budget = saved_logits_bytes(h.shape[0] * h.shape[1], w.shape[1], dtype)
+    (loss_s, (lp_s, ent_s)), (dh_s, dw_s) = _value_and_grads(
+        lambda *a: fused_token_logprobs(*a, chunk_size=16, saved_logits_max_bytes=budget), h, w, y, tau, coef
+    )
+    (loss_r, (lp_r, ent_r)), (dh_r, dw_r) = _value_and_grads(
+        lambda *a: fused_token_logprobs(*a, chunk_size=40), h, w, y, tau, coef
+    )
+    np.testing.assert_allclose(lp_s, lp_r, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(ent_s, ent_r, rtol=1e-5, atol=1e-5)
+    assert dh_s.dtype == dh_r.dtype and dw_s.dtype == dw_r.dtype == jnp.float32
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: d logits rounded to bf16 either way
+    assert _rel(dh_s, dh_r) < tol and _rel(dw_s, dw_r) < tol, (_rel(dh_s, dh_r), _rel(dw_s, dw_r))
+    if dtype == jnp.float32:
+        (_, (lp_ref, _)), (dh_ref, dw_ref) = _value_and_grads(token_logprobs_reference, h, w, y, tau, coef)
+        np.testing.assert_allclose(lp_s, lp_ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dh_s, dh_ref, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(dw_s, dw_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("over_budget", [False, True])
+def test_head_keeps_its_logits_only_within_the_budget(over_budget):
+    """The residuals of the head's VJP hold the full [B, T, V] fp32 logits exactly when they fit."""
+    h, w, y, tau, _ = _head_inputs(jnp.bfloat16, t=40, d=32, v=300)
+    need = saved_logits_bytes(2 * 40, 300, jnp.bfloat16)
+    assert need == 2 * 40 * 300 * (4 + 2)
+    budget = need - 1 if over_budget else need
+    _, vjp_fn = jax.vjp(lambda h, w: fused_token_logprobs(h, w, y, tau, 16, budget), h, w)
+    shapes = {(x.shape, str(x.dtype)) for x in jax.tree.leaves(vjp_fn)}
+    assert (((2, 40, 300), "float32") in shapes) is not over_budget
+
+
+def test_saved_logits_budget_from_the_setting():
+    assert saved_logits_max_bytes(0) == 0
+    assert saved_logits_max_bytes(1.5) == 3 * 2**29
+    # auto: a share of the device memory the runtime reports; the CPU reports none, so nothing is kept
+    assert saved_logits_max_bytes(-1, jax.devices("cpu")[0]) == 0
 
 
 def test_segment_runs_describes_each_row():

@@ -188,3 +188,38 @@ def test_nonfinite_step_is_skipped(tiny_cfg, rl_setup):
     assert int(metrics["nonfinite"]) == 1 and int(state.step) == 0
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+
+
+
+def test_bf16_step_matches_fp32_on_cpu(tiny_cfg):
+    """The default compute dtype (bf16) trains on CPU too, and tracks the fp32 step to bf16 precision.
+
+    XLA:CPU has no bf16 x bf16 -> f32 dot inside fusions; `models.precision.accumulating_einsum` upcasts there
+    (before it, this whole step failed with "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+    """
+    import dataclasses
+
+    import optax
+
+    from primejax.trainer.loop import fake_batch
+
+    batch = fake_batch(np.random.default_rng(0), 1, 128, 512)
+    mesh = make_mesh()
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(tiny_cfg, compute_dtype=dtype, vocab_size=512, hidden_size=64, head_dim=32,
+                                  intermediate_size=128, num_layers=1, tie_word_embeddings=True)
+        opt = optim.make_optimizer(dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_norm=1.0),
+                                   optax.constant_schedule(1e-3))
+        with jax.set_mesh(mesh):
+            state = init_state(init_model(cfg, mesh, seed=0), opt, mesh=mesh)
+            graphdef = nnx.graphdef(init_model(cfg, mesh, seed=0))
+            step = jit_train_step(make_train_step(graphdef, opt, optax.constant_schedule(1e-3), LossConfig(),
+                                                  chunk_size=2048, max_segments=1), state, mesh)
+            _, metrics = step(state, device_batch(to_micro_batches(batch, 1), mesh))
+        out[dtype] = {k: float(metrics[k]) for k in ("loss", "grad_norm", "nonfinite")}
+    assert out["bfloat16"]["nonfinite"] == 0
+    np.testing.assert_allclose(out["bfloat16"]["loss"], out["float32"]["loss"], rtol=2e-2, atol=2e-3)
+    np.testing.assert_allclose(out["bfloat16"]["grad_norm"], out["float32"]["grad_norm"], rtol=5e-2)
