@@ -86,19 +86,19 @@ CONFIGS = {
     # backward at every size), same process setup, same run.
     "main": [
         dict(kind="check", name="check"),
-        _jax(4096, rows=4),
         _jax(16384, trace=True),
         _jax(16384, save_gib=0, tag="before"),
+        _torch(16384, ckpt=True), _torch(16384, ckpt=False),
         _jax(32768),
-        _jax(32768, save_gib=40, tag="saved"),  # beyond auto's share: what keeping the logits buys at 32k
+        _torch(32768, ckpt=True), _torch(32768, ckpt=False),
         _jax(65536, steps=2, trace=True),
+        _torch(65536, ckpt=True),
+        _jax(4096, rows=4),
+        _torch(4096, rows=4, ckpt=False),
         _jax(8192, rows=2, loss="ce"),
         _jax(8192, rows=2, loss="ce", save_gib=0, tag="before"),
-        _torch(4096, rows=4, ckpt=False),
-        _torch(16384, ckpt=True), _torch(16384, ckpt=False),
-        _torch(32768, ckpt=True), _torch(32768, ckpt=False),
-        _torch(65536, ckpt=True),
         _torch(8192, rows=2, ckpt=True), _torch(8192, rows=2, ckpt=False),
+        _jax(32768, save_gib=40, tag="saved"),  # beyond auto's share: what keeping the logits buys at 32k
     ],
     # Exploration after the segment bound reached the kernel: before/after at 16k, remat choices at 16k and
     # 64k (memory: does 64k fit an 80 GB card), the attention kernel sweep (cuDNN modes, Pallas Triton).
