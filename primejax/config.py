@@ -102,6 +102,9 @@ def default_config() -> ConfigDict:
             "checkpoint": ConfigDict({"interval": 0, "keep": 2, "async_save": True}),  # interval 0 = never
             "on_nonfinite": "skip",  # skip | stop: what a NaN/inf loss or gradient does
             "batch_timeout_s": 3600.0,  # how long to wait for rollouts/step_N before failing
+            # Consumed rollouts/step_N kept on disk: the newest N, plus every one after the newest trainer
+            # checkpoint (a resume of the trainer reads those again); -1 = keep all.
+            "keep_rollouts": 4,
             # Benchmark mode: random full rows instead of rollouts; `export` also times the weight broadcast.
             "fake_data": ConfigDict({"enabled": False, "seq_len": 2048, "rows": 8, "export": False}),
             # Weight export after every step (broadcasts/step_N): stored dtype, and whether STABLE lists sha256s.
@@ -323,6 +326,8 @@ def validate(c: ConfigDict) -> ConfigDict:
     for key in _NON_NEGATIVE:
         if get(c, key) < 0:
             raise ConfigError(key, f"must be >= 0, got {get(c, key)}")
+    if c.trainer.keep_rollouts < -1:
+        raise ConfigError("trainer.keep_rollouts", f"must be >= 0 or -1 (keep all), got {c.trainer.keep_rollouts}")
     if c.trainer.lm_head_saved_logits_gib < 0 and c.trainer.lm_head_saved_logits_gib != -1:
         raise ConfigError("trainer.lm_head_saved_logits_gib", "must be >= 0 (GiB) or -1 (auto)")
     for key in _JSON_OBJECTS:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import time
 import zipfile
 from collections.abc import Sequence
@@ -268,6 +269,9 @@ def pack_samples(
 # ----------------------------------------------------------------------------------------------- files
 
 
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "rollouts" / f"step_{step}"
 
@@ -366,6 +370,30 @@ def _check_values(path: Path, b: PackedBatch, vocab_size: int | None) -> None:
         raise BatchFormatError(path, "temperatures", "must be > 0 on every real token")
 
 
+def prune_rollouts(run_dir: str | Path, rank: int, through_step: int) -> list[int]:
+    """Delete this rank's batch files of steps <= `through_step`, and each such step directory once empty.
+
+    Every rank deletes its own file (the rollouts directory need not be shared); whichever rank removes the
+    last file removes the directory. Temp directories of unfinished writes are not touched. Returns the
+    steps whose directory is gone.
+    """
+    root = Path(run_dir) / "rollouts"
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if not m or int(m.group(1)) > through_step:
+            continue
+        (p / f"rank_{rank}.npz").unlink(missing_ok=True)
+        try:
+            p.rmdir()
+            removed.append(int(m.group(1)))
+        except OSError:  # another rank's file is still there (or it was already removed)
+            pass
+    return sorted(removed)
+
+
 def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, poll_s: float = 0.5) -> Path:
     """Block until `rollouts/step_<step>/rank_<rank>.npz` exists (complete, thanks to the atomic rename)."""
     path = batch_path(run_dir, step, rank)
@@ -379,5 +407,5 @@ def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, 
 
 __all__ = [
     "FORMAT_VERSION", "FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
-    "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch",
+    "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch", "prune_rollouts",
 ]

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
-from primejax.contracts.batch import PackedBatch, read_batch, wait_for_batch
+from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wait_for_batch
 from primejax.contracts.broadcast import broadcast_dir, is_stable, prune_broadcasts, write_broadcast
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
@@ -31,7 +31,7 @@ from primejax.models.tiny import DEFAULT_VOCAB_SIZE
 from primejax.monitor import Monitor
 from primejax.rundir import run_dir
 from primejax.trainer import optim
-from primejax.trainer.checkpoint import TrainerCheckpointer, resolve_resume_step
+from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.losses import LossConfig
 from primejax.trainer.step import (
     TrainState,
@@ -186,6 +186,21 @@ class Trainer:
         return {"export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
                 "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
 
+    def prune_consumed(self, step: int) -> None:
+        """Delete consumed batches nothing will read again (after step `step`, which every rank has read).
+
+        A launcher resume regenerates every batch after its checkpoint, but a trainer resumed on its own reads
+        the batches after its newest finished checkpoint again, so those stay, as do the newest `keep_rollouts`.
+        """
+        t = self.cfg.trainer
+        if t.keep_rollouts < 0 or t.fake_data.enabled:
+            return
+        through = step - t.keep_rollouts
+        if t.checkpoint.interval > 0:
+            through = min(through, max(complete_steps(self.root), default=0))
+        if through > 0:
+            prune_rollouts(self.root, self.rank, through)
+
     def maybe_checkpoint(self, step: int, final: bool = False) -> None:
         interval = self.cfg.trainer.checkpoint.interval
         if interval > 0 and (step % interval == 0 or final):
@@ -209,6 +224,7 @@ class Trainer:
                     log.warning("step %d: non-finite loss or gradient; update skipped", step)
                 metrics.update(self.export(step))
                 self.maybe_checkpoint(step, final=step == cfg.run.max_steps)
+                self.prune_consumed(step)
                 last = step
                 if monitor is not None:
                     monitor.scalars(step, metrics)
@@ -217,6 +233,8 @@ class Trainer:
                          metrics["perf/tokens_per_s"], 100 * metrics["perf/mfu"], metrics["mismatch_kl"])
         finally:
             self.checkpointer.close()
+        if last > self.start_step:
+            self.prune_consumed(last)  # again, now that the final (async) checkpoint has finished
         log.info("trainer done at step %d", last)
         return self.state
 

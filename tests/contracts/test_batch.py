@@ -161,3 +161,19 @@ def test_read_rejects_out_of_vocab_tokens(written):
 def test_wait_for_batch_times_out(tmp_path):
     with pytest.raises(TimeoutError, match="rank_1.npz"):
         wait_for_batch(tmp_path, 1, 1, timeout_s=0.0, poll_s=0.0)
+
+
+def test_prune_rollouts_removes_each_ranks_file_then_the_step(tmp_path):
+    """Each rank deletes its own files; the step directory goes with the last one; later steps and
+    unfinished writes stay."""
+    from primejax.contracts.batch import prune_rollouts
+
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            write_batch(step_dir(tmp_path, step), rank, PackedBatch.empty(2, 8))
+    (tmp_path / "rollouts" / ".step_4.abc.tmp").mkdir()
+    assert prune_rollouts(tmp_path, 0, 2) == []  # rank 1's files keep steps 1 and 2
+    assert not (step_dir(tmp_path, 1) / "rank_0.npz").exists() and (step_dir(tmp_path, 1) / "rank_1.npz").exists()
+    assert prune_rollouts(tmp_path, 1, 2) == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [".step_4.abc.tmp", "step_3"]
+    assert prune_rollouts(tmp_path / "nothing", 0, 9) == []

@@ -66,7 +66,7 @@ def straight_run(tmp_path_factory, model_dir, make_samples):
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     write_rollouts(root / "a", range(1, 7), vocab, make_samples)
     write_rollouts(root / "b", range(1, 7), vocab, make_samples)
-    cfg = make_cfg(root, model_dir, "a", 6, **{"checkpoint.interval": 3, "checkpoint.keep": 1})
+    cfg = make_cfg(root, model_dir, "a", 6, **{"checkpoint.interval": 3, "checkpoint.keep": 1, "keep_rollouts": 1})
     state = train(cfg)
     return root, cfg, state
 
@@ -83,6 +83,30 @@ def test_loop_writes_metrics_broadcasts_and_checkpoints(straight_run):
     assert stable_steps(run) == [5, 6]
     verify_broadcast(broadcast_dir(run, 6))
     assert complete_steps(run) == [6]  # keep=1 pruned step 3
+    # keep_rollouts 1: consumed batches up to the newest checkpoint (6) except the newest one are gone
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step_6"]
+
+
+def test_consumed_rollouts_after_the_newest_checkpoint_stay(tmp_path, model_dir, make_samples):
+    """A trainer resumed on its own reads the batches after its newest checkpoint again: those are kept,
+    whatever keep_rollouts says; without checkpoints only keep_rollouts counts; -1 keeps everything."""
+    from primejax.trainer.checkpoint import META
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    run = tmp_path / "e"
+    write_rollouts(run, range(1, 7), vocab, make_samples)
+    (run / "rollouts" / ".step_7.x.tmp").mkdir()  # an unfinished write is never touched
+    left = lambda: sorted(p.name for p in (run / "rollouts").iterdir())  # noqa: E731
+
+    Trainer(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=-1)).prune_consumed(5)
+    assert len(left()) == 7
+    trainer = Trainer(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=0, **{"checkpoint.interval": 2}))
+    (run / "checkpoints" / "step_2" / "trainer").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "trainer" / META).write_text("{}")  # newest finished checkpoint: 2
+    trainer.prune_consumed(5)
+    assert left() == [".step_7.x.tmp", "step_3", "step_4", "step_5", "step_6"]
+    Trainer(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=2)).prune_consumed(5)  # no checkpoints
+    assert left() == [".step_7.x.tmp", "step_4", "step_5", "step_6"]
 
 
 def test_broadcast_loads_in_transformers_with_the_trainers_logits(straight_run, model_dir):
