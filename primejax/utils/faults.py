@@ -5,6 +5,7 @@ code passes `fault_point("trainer.after_update", 3, ...)` the matching action ru
 
 - `kill:self`: SIGKILL this process (a crash that runs no cleanup, like the OOM killer or kill -9);
 - `kill:<child>`: SIGKILL the process group of a launcher child named in `<run>/pids.json` (e.g. the server);
+- `stop:<child>`: SIGSTOP that process group: a hang (alive, sockets open, nothing answered);
 - `corrupt`: flip bytes in the middle of the file passed as `path` (a silently damaged batch).
 
 Real faults do not announce themselves; named points only make the tests hit the exact windows that matter
@@ -47,9 +48,10 @@ def fault_point(name: str, step: int, *, run_dir: str | Path | None = None, path
     log.warning("fault injection: %s -> %s", key, action)
     if action == "kill:self":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif action.startswith("kill:"):
+    elif action.startswith(("kill:", "stop:")):
         pids = json.loads((Path(run_dir or ".") / PIDS_FILE).read_text())
-        os.killpg(int(pids[action.split(":", 1)[1]]), signal.SIGKILL)
+        verb, child = action.split(":", 1)
+        os.killpg(int(pids[child]), signal.SIGKILL if verb == "kill" else signal.SIGSTOP)
     elif action == "corrupt":
         target = Path(path or "")
         with target.open("r+b") as f:

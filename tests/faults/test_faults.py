@@ -94,6 +94,22 @@ def test_orchestrator_killed_before_batch_rename_then_corrupted_batch(shared_ser
     assert_params_equal(final_params(root, MAX_STEPS), reference.params)
 
 
+def test_inference_hung_mid_generation(shared_server, fault_dir, reference):
+    """The launcher's own vLLM server hangs (SIGSTOP of its whole process group: alive, sockets open, no
+    answers) while step 2's requests are in flight. The launcher sees /liveness go silent for
+    `hang_timeout_s`, kills and restarts it; the orchestrator's stuck requests fail with the dead sockets and
+    it redoes step 2 on the new server: the run finishes in one go with the reference's final parameters."""
+    config = write_config(fault_dir, "inference_hang", shared_server.model_dir, port=free_port(),
+                          max_steps=MAX_STEPS)
+    result = launch(config, "--config.inference.hang_timeout_s=15", faults="orchestrator.generate@2=stop:inference")
+    assert result.returncode == 0, result.output[-3000:]
+    assert re.search(r"inference server failed \(hung: no answer on /liveness for \d+ s\); restarting it \(1/3\)",
+                     result.output), result.output[-3000:]
+    assert "step 2: inference outage" in result.log("orchestrator")
+    assert [r["step"] for r in result.metrics("trainer")] == list(range(1, MAX_STEPS + 1))
+    assert_params_equal(final_params(result.run_dir, MAX_STEPS), reference.params)
+
+
 def test_inference_killed_mid_generation(shared_server, fault_dir, reference):
     """The launcher's own vLLM server is killed (SIGKILL, whole process group) while step 2's requests are in
     flight. The launcher restarts it, the orchestrator redoes step 2 once the server is back (after putting θ_1
