@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -118,13 +119,21 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
 def _to_numpy(x: jax.Array, dtype) -> np.ndarray:
     if dtype is not None and x.dtype != dtype:
         x = x.astype(dtype)  # cast on device: halves the transfer for bf16 export
+    if not x.is_fully_addressable:
+        # Sharded over several processes (multi-host): a collective, so every process must iterate the
+        # tensors in the same order (`state_to_hf_tensors`), though only one writes them.
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
 
 
 def state_to_hf_tensors(model: Transformer, cfg: ModelConfig, dtype: str | None = None) -> Iterator[
     tuple[str, np.ndarray]
 ]:
-    """Yield (HF name, host array) one tensor at a time; `dtype=None` keeps the parameters' dtype."""
+    """Yield (HF name, host array) one tensor at a time; `dtype=None` keeps the parameters' dtype.
+
+    With parameters sharded over several processes each tensor is gathered collectively: every process must
+    exhaust this iterator (`gather_for_export` on the ones that do not write).
+    """
     jdtype = None if dtype is None else jnp.dtype(dtype)
     for our_name, var in param_variables(model).items():
         value = _to_numpy(var[...], jdtype)
@@ -134,6 +143,12 @@ def state_to_hf_tensors(model: Transformer, cfg: ModelConfig, dtype: str | None 
                 yield hf_name, np.ascontiguousarray(to_hf(layer_value, cfg))
         else:
             yield _TOP_TENSORS[our_name][0], np.ascontiguousarray(_TOP_TENSORS[our_name][1](value, cfg))
+
+
+def gather_for_export(model: Transformer, cfg: ModelConfig, dtype: str | None = None) -> None:
+    """A non-writing process's part of a multi-host `export_safetensors`: join every tensor's gather."""
+    for _ in state_to_hf_tensors(model, cfg, dtype):
+        pass
 
 
 def hf_tensors_to_state(

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from primejax.utils.io import atomic_write_json
 
@@ -97,6 +98,7 @@ class TrainerCheckpointer:
     def __init__(self, run_dir: str | Path, keep: int = 2, async_save: bool = True):
         self.run_dir = Path(run_dir).absolute()  # Orbax refuses relative paths (run.output_dir usually is one)
         self.keep = keep
+        self.async_save = async_save
         self._ckptr = ocp.StandardCheckpointer() if async_save else ocp.Checkpointer(ocp.StandardCheckpointHandler())
         self._pending: tuple[int, dict[str, Any]] | None = None
 
@@ -104,17 +106,23 @@ class TrainerCheckpointer:
         """Start saving `state` as step `step` (returns before the write ends when async)."""
         self.finalize()
         path = trainer_ckpt_dir(self.run_dir, step)
-        if path.exists():  # a re-run of this step after a restart: replace it
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        if jax.process_index() == 0:
+            if path.exists():  # a re-run of this step after a restart: replace it
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        if jax.process_count() > 1:  # the other processes write their shards under it too
+            multihost_utils.sync_global_devices(f"primejax checkpoint dir {step}")
         self._ckptr.save(path / "state", state)
         self._pending = (step, meta)
+        if not self.async_save:
+            self.finalize()
 
     def finalize(self) -> None:
         """Wait for the pending save, mark it complete, prune old checkpoints."""
         if self._pending is None:
             return
-        self._ckptr.wait_until_finished()
+        if self.async_save:
+            self._ckptr.wait_until_finished()
         step, meta = self._pending
         self._pending = None
         if jax.process_index() == 0:

@@ -25,7 +25,7 @@ from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wa
 from primejax.contracts.broadcast import broadcast_dir, is_stable, prune_broadcasts, write_broadcast
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, load_model
+from primejax.models.hf_io import export_safetensors, gather_for_export, load_model
 from primejax.models.sharding import init_model, make_mesh
 from primejax.models.tiny import DEFAULT_VOCAB_SIZE
 from primejax.monitor import Monitor
@@ -170,11 +170,15 @@ class Trainer:
         return metrics
 
     def export(self, step: int) -> dict[str, float]:
-        """Write θ_step to broadcasts/step_<step>/ (process 0) and prune what inference can no longer ask for."""
-        if not self.export_enabled or self.rank != 0:
+        """Write θ_step to broadcasts/step_<step>/ (process 0; every process joins the gathers) and prune what
+        inference can no longer ask for."""
+        if not self.export_enabled:
             return {}
         b = self.cfg.trainer.broadcast
         model = nnx.merge(self.graphdef, self.state.params)
+        if self.rank != 0:  # parameters sharded over the hosts are gathered collectively for process 0
+            gather_for_export(model, self.model_cfg, b.dtype)
+            return {}
         src = self.cfg.model.path or None
         start = time.perf_counter()
         _, info = write_broadcast(
@@ -244,6 +248,8 @@ def train(cfg: ConfigDict) -> TrainState:
     root = run_dir(cfg)
     root.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg)
+    if trainer.rank != 0:  # one writer of the run's metrics
+        return trainer.run(None)
     with Monitor(root, "trainer", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl) as monitor:
         return trainer.run(monitor)
 
@@ -266,6 +272,8 @@ def distributed_settings(cfg: ConfigDict, environ: Mapping[str, str] | None = No
 def maybe_init_distributed(cfg: ConfigDict) -> None:
     address, num_processes, process_id = distributed_settings(cfg)
     if num_processes > 1:
+        # CPU processes need a cross-process collectives backend (GPUs use NCCL, TPUs their ICI either way).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(address or None, num_processes=num_processes, process_id=process_id)
 
 
