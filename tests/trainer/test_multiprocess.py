@@ -82,7 +82,7 @@ def _write_rollouts(run: Path, make_samples, vocab: int, num_shards: int) -> Non
             write_batch(step_dir(run, step), rank, part)
 
 
-def _trainers(config: Path, processes: int) -> list[subprocess.CompletedProcess]:
+def _trainers(config: Path, processes: int, *overrides: str) -> list[subprocess.CompletedProcess]:
     devices = 4 // processes
     port = _free_port()
     procs = []
@@ -91,8 +91,9 @@ def _trainers(config: Path, processes: int) -> list[subprocess.CompletedProcess]
         if processes > 1:
             env.update(PRIMEJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", PRIMEJAX_NUM_PROCESSES=str(processes),
                        PRIMEJAX_PROCESS_ID=str(pid))
-        procs.append(subprocess.Popen([sys.executable, "-m", "primejax.trainer", "--config", str(config)], cwd=REPO,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        cmd = [sys.executable, "-m", "primejax.trainer", "--config", str(config), *overrides]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     out = []
     for p in procs:
         try:
@@ -151,3 +152,17 @@ def test_metrics_once_and_checkpoints_from_both(runs):
         np.testing.assert_allclose(r2["loss"], r1["loss"], rtol=1e-5, atol=1e-7)
         assert r2["perf/tokens"] == r1["perf/tokens"]
     assert complete_steps(two) == complete_steps(one) == [2, 3]
+
+
+def test_two_processes_resume_from_their_checkpoint(runs, tmp_path):
+    """Both processes restore their shards of checkpoint 2 and retrain step 3 to the same weights."""
+    two, _ = runs["two"]
+    before = _tensors(broadcast_dir(two, STEPS))
+    config = two.parent.parent / "two.json"
+    procs = _trainers(config, 2, "--config.run.resume_step=2")
+    for p in procs:
+        assert p.returncode == 0, p.stdout[-3000:]
+    assert "resumed from checkpoint step 2" in procs[0].stdout
+    after = _tensors(broadcast_dir(two, STEPS))
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
