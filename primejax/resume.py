@@ -11,14 +11,13 @@ same way, under `previous/<time>/`.
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 from pathlib import Path
 
 from primejax.preflight import PreflightError
+from primejax.utils.io import step_dirs
 
-_STEP = re.compile(r"^step_(\d+)$")
 STEP_DIRS = ("rollouts", "broadcasts", "checkpoints")
 _KEEP_ON_FRESH = {"previous", "configs"}  # configs/: this run's own resolved configs are written there already
 
@@ -62,9 +61,8 @@ def set_aside_after(root: str | Path, step: int) -> list[Path]:
             if p.name.startswith(".") and (p.name.endswith(".tmp") or p.name.endswith(".old")):
                 # Garbage of a writer killed inside atomic_dir / atomic_write: never a complete output.
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-                continue
-            m = _STEP.match(p.name)
-            if m and int(m.group(1)) > step:
+        for s, p in step_dirs(directory):
+            if s > step:
                 target = dest / kind / p.name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 p.rename(target)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import re
 import time
 import zipfile
 from collections.abc import Sequence
@@ -51,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from primejax.utils.io import atomic_write_bytes
+from primejax.utils.io import atomic_write_bytes, step_dirs
 
 FORMAT_VERSION = 1
 MANIFEST_KEY = "__manifest__"
@@ -269,9 +268,6 @@ def pack_samples(
 # ----------------------------------------------------------------------------------------------- files
 
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "rollouts" / f"step_{step}"
 
@@ -377,21 +373,17 @@ def prune_rollouts(run_dir: str | Path, rank: int, through_step: int) -> list[in
     last file removes the directory. Temp directories of unfinished writes are not touched. Returns the
     steps whose directory is gone.
     """
-    root = Path(run_dir) / "rollouts"
-    if not root.is_dir():
-        return []
     removed = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if not m or int(m.group(1)) > through_step:
-            continue
+    for step, p in step_dirs(Path(run_dir) / "rollouts"):
+        if step > through_step:
+            break
         (p / f"rank_{rank}.npz").unlink(missing_ok=True)
         try:
             p.rmdir()
-            removed.append(int(m.group(1)))
+            removed.append(step)
         except OSError:  # another rank's file is still there (or it was already removed)
             pass
-    return sorted(removed)
+    return removed
 
 
 def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, poll_s: float = 0.5) -> Path:

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from primejax.utils.io import atomic_dir, atomic_write_json
+from primejax.utils.io import atomic_dir, atomic_write_json, step_dirs
 
 FORMAT_VERSION = 1
 STABLE = "STABLE"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class BroadcastError(RuntimeError):
@@ -103,15 +101,7 @@ def verify_broadcast(directory: str | Path, check_hashes: bool = True) -> dict[s
 
 
 def stable_steps(run_dir: str | Path) -> list[int]:
-    root = broadcasts_root(run_dir)
-    if not root.is_dir():
-        return []
-    steps = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and is_stable(p):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return [s for s, p in step_dirs(broadcasts_root(run_dir)) if is_stable(p)]
 
 
 def latest_stable_step(run_dir: str | Path) -> int | None:
@@ -125,18 +115,15 @@ def prune_broadcasts(run_dir: str | Path, keep_from_step: int) -> list[int]:
     With async level k, inference may still be asked to load step n - k while the trainer finishes step n,
     so the trainer calls this with keep_from_step = n - k.
     """
-    root = broadcasts_root(run_dir)
-    if not root.is_dir():
-        return []
     deleted = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and int(m.group(1)) < keep_from_step:
-            # Drop the marker first so no reader picks up a directory that is being deleted.
-            (p / STABLE).unlink(missing_ok=True)
-            shutil.rmtree(p, ignore_errors=True)
-            deleted.append(int(m.group(1)))
-    return sorted(deleted)
+    for step, p in step_dirs(broadcasts_root(run_dir)):
+        if step >= keep_from_step:
+            break
+        # Drop the marker first so no reader picks up a directory that is being deleted.
+        (p / STABLE).unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True)
+        deleted.append(step)
+    return deleted
 
 
 __all__ = [

@@ -8,25 +8,19 @@ only its own, so either can be restarted alone.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from primejax.rundir import checkpoint_dir
-from primejax.utils.io import atomic_dir
+from primejax.utils.io import atomic_dir, step_dirs
 
 PROCESS = "orchestrator"
 STATE_FILE = "state.json"
-_STEP = re.compile(r"^step_(\d+)$")
 
 
 def saved_steps(run_dir: str | Path) -> list[int]:
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir()
-                  if (m := _STEP.match(p.name)) and (p / PROCESS / STATE_FILE).is_file())
+    return [s for s, p in step_dirs(Path(run_dir) / "checkpoints") if (p / PROCESS / STATE_FILE).is_file()]
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep: int,

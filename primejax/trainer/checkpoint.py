@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,10 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from primejax.utils.io import atomic_write_json
+from primejax.utils.io import atomic_write_json, step_dirs
 
 log = logging.getLogger("primejax.trainer")
 META = "meta.json"
-_STEP = re.compile(r"^step_(\d+)$")
 
 
 def trainer_ckpt_dir(run_dir: str | Path, step: int) -> Path:
@@ -35,17 +33,10 @@ def trainer_ckpt_dir(run_dir: str | Path, step: int) -> Path:
 
 def complete_steps(run_dir: str | Path, verified: bool = False) -> list[int]:
     """Steps with a completion marker; with `verified`, only those whose files still match it."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    steps = []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
-        if m and (p / "trainer" / META).is_file():
-            steps.append(int(m.group(1)))
+    steps = [s for s, p in step_dirs(Path(run_dir) / "checkpoints") if (p / "trainer" / META).is_file()]
     if verified:
         steps = [s for s in steps if checkpoint_problem(run_dir, s) is None]
-    return sorted(steps)
+    return steps
 
 
 def _state_files(state_dir: Path) -> dict[str, int]:

@@ -56,15 +56,20 @@ def _lse_and_entropy(z):
     return lse, lse - u / s
 
 
+def _chunk_forward(h_bkd, w_c, y_bk, tau_bk):
+    """((logprob, entropy, lse), fp32 logits) of one chunk; `w_c` already in the compute dtype."""
+    z = _logits(h_bkd, w_c, tau_bk)
+    lse, ent = _lse_and_entropy(z)
+    z_y = jnp.take_along_axis(z, y_bk[..., None], axis=-1)[..., 0]
+    return (z_y - lse, ent, lse), z
+
+
 def _forward(h_cbkd, w_dv, y_cbk, tau_cbk):
     w_c = w_dv.astype(h_cbkd.dtype)  # cast once, outside the chunk loop
 
     def chunk(_, xs):
         h, y, tau = xs
-        z = _logits(h, w_c, tau)
-        lse, ent = _lse_and_entropy(z)
-        z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
-        return None, (z_y - lse, ent, lse)
+        return None, _chunk_forward(h, w_c, y, tau)[0]  # the logits stay inside the loop body
 
     _, (lp, ent, lse) = jax.lax.scan(chunk, None, (h_cbkd, y_cbk, tau_cbk))
     return lp, ent, lse
@@ -92,10 +97,7 @@ def _head_fwd(h_cbkd, w_dv, y_cbk, tau_cbk, save_logits):
         return (lp, ent), (h_cbkd, w_dv, y_cbk, tau_cbk, lse, ent, None)
     # One block (the caller made a single chunk): a chunk loop would copy each block's logits into a
     # stacked residual, an extra write and read of the largest array of the step.
-    h, y, tau = h_cbkd[0], y_cbk[0], tau_cbk[0]
-    z = _logits(h, w_dv.astype(h.dtype), tau)
-    lse, ent = _lse_and_entropy(z)
-    lp = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - lse
+    (lp, ent, lse), z = _chunk_forward(h_cbkd[0], w_dv.astype(h_cbkd.dtype), y_cbk[0], tau_cbk[0])
     return (lp[None], ent[None]), (h_cbkd, w_dv, y_cbk, tau_cbk, lse[None], ent[None], z)
 
 
