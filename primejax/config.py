@@ -107,8 +107,14 @@ def default_config() -> ConfigDict:
             "keep_rollouts": 4,
             # Benchmark mode: random full rows instead of rollouts; `export` also times the weight broadcast.
             "fake_data": ConfigDict({"enabled": False, "seq_len": 2048, "rows": 8, "export": False}),
-            # Weight export after every step (broadcasts/step_N): stored dtype, and whether STABLE lists sha256s.
-            "broadcast": ConfigDict({"dtype": "bfloat16", "hash": True}),
+            # Weights to inference after every step: stored/sent dtype, whether STABLE lists sha256s, and how.
+            # mode filesystem: broadcasts/step_N on disk; collective: sent through vLLM's weight-transfer engine
+            # (docs/weight_transfer.md), on disk only at checkpoint steps, the last step, and when a transfer
+            # fails (the fallback). transfer_host/port: where the trainer's rendezvous listens (port 0 = any);
+            # transfer_timeout_s bounds each phase of a round; bucket_mb is the packed bucket size.
+            "broadcast": ConfigDict({"dtype": "bfloat16", "hash": True, "mode": "filesystem",
+                                     "transfer_host": "127.0.0.1", "transfer_port": 0, "transfer_timeout_s": 60.0,
+                                     "bucket_mb": 256}),
             "peak_flops": 989e12,  # per-device peak for MFU (H100/H200 SXM dense bf16)
             "distributed": ConfigDict({"coordinator_address": "", "num_processes": 1, "process_id": 0}),
             "devices": "",  # accelerator ids for the trainer, e.g. "0,1" (CUDA_VISIBLE_DEVICES); "" = all
@@ -221,6 +227,7 @@ _CHOICES = {
     "model.remat_policy": ("auto", "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn"),
     "model.build_tiny.family": ("qwen3", "llama"),
     "trainer.broadcast.dtype": ("bfloat16", "float32"),
+    "trainer.broadcast.mode": ("filesystem", "collective"),
     "trainer.optim.type": ("adamw",),
     "trainer.scheduler.type": ("constant", "linear", "cosine"),
     "trainer.loss.type": ("default", "custom"),
@@ -234,6 +241,7 @@ _POSITIVE = (
     "orchestrator.group_size", "orchestrator.seq_len", "orchestrator.max_concurrent", "orchestrator.sampling.max_tokens",
     "orchestrator.max_prompt_tokens", "inference.max_model_len", "inference.port", "trainer.fake_data.seq_len",
     "trainer.fake_data.rows", "orchestrator.weights_poll_s", "inference.hang_timeout_s",
+    "trainer.broadcast.transfer_timeout_s", "trainer.broadcast.bucket_mb",
 )
 _NON_NEGATIVE = (
     "orchestrator.async_level", "trainer.optim.lr", "trainer.optim.weight_decay", "trainer.optim.max_norm",
@@ -326,6 +334,9 @@ def validate(c: ConfigDict) -> ConfigDict:
     for key in _NON_NEGATIVE:
         if get(c, key) < 0:
             raise ConfigError(key, f"must be >= 0, got {get(c, key)}")
+    if not 0 <= c.trainer.broadcast.transfer_port < 65536:
+        raise ConfigError("trainer.broadcast.transfer_port", f"must be a TCP port or 0 (any), got "
+                          f"{c.trainer.broadcast.transfer_port}")
     if c.trainer.keep_rollouts < -1:
         raise ConfigError("trainer.keep_rollouts", f"must be >= 0 or -1 (keep all), got {c.trainer.keep_rollouts}")
     if c.trainer.lm_head_saved_logits_gib < 0 and c.trainer.lm_head_saved_logits_gib != -1:

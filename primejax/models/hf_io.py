@@ -243,11 +243,13 @@ def export_safetensors(
     dtype: str | None = "bfloat16",
     src_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    tensors: list[tuple[str, np.ndarray]] | None = None,
 ) -> dict:
     """Write the model as an HF directory into `out_dir` (created if needed; the caller makes it atomic).
 
     Files: model-0000x-of-0000y.safetensors, model.safetensors.index.json, config.json, plus generation
     config and tokenizer files copied from `src_dir` when present. `dtype=None` keeps the parameter dtype.
+    `tensors`: the `state_to_hf_tensors(model, cfg, dtype)` output when the caller already materialized it.
     Returns {"bytes", "seconds", "files"}.
     """
     start = time.perf_counter()
@@ -267,7 +269,7 @@ def export_safetensors(
     pending: dict[str, np.ndarray] = {}
     total = 0
     shard_idx = 0
-    for name, array in state_to_hf_tensors(model, cfg, dtype):
+    for name, array in tensors if tensors is not None else state_to_hf_tensors(model, cfg, dtype):
         pending[name] = array
         total += array.nbytes
         # Tensors arrive in plan order, so a shard is complete when its last planned tensor arrives.

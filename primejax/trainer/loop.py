@@ -25,7 +25,7 @@ from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wa
 from primejax.contracts.broadcast import broadcast_dir, is_stable, prune_broadcasts, write_broadcast
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, gather_for_export, load_model
+from primejax.models.hf_io import export_safetensors, gather_for_export, load_model, state_to_hf_tensors
 from primejax.models.sharding import init_model, make_mesh
 from primejax.models.tiny import DEFAULT_VOCAB_SIZE
 from primejax.monitor import Monitor
@@ -44,6 +44,7 @@ from primejax.trainer.step import (
     max_segments_bucket,
     to_micro_batches,
 )
+from primejax.transfer.sender import CollectiveSender, to_torch
 from primejax.utils.faults import fault_point
 
 log = logging.getLogger("primejax.trainer")
@@ -117,10 +118,11 @@ class Trainer:
             self.start_step = int(meta["step"])
             log.info("resumed from checkpoint step %d", self.start_step)
         self.export_enabled = not t.fake_data.enabled or t.fake_data.export
+        self._sender: CollectiveSender | None = None
         if resume is not None and self.export_enabled and not is_stable(broadcast_dir(self.root, self.start_step)):
             # The orchestrator must serve θ_start before it samples the next step; the broadcast of it was
             # likely pruned (or set aside by the launcher) in the run that died, so write it again.
-            self.export(self.start_step)
+            self.export(self.start_step, disk_only=True)
 
     def step_fn(self, max_segments: int) -> Callable:
         # The bound on samples per row is static: the custom loss loops over them and cuDNN attention sizes
@@ -169,9 +171,10 @@ class Trainer:
             metrics["batch/min_policy_version"] = float(batch.meta["min_policy_version"])
         return metrics
 
-    def export(self, step: int) -> dict[str, float]:
-        """Write θ_step to broadcasts/step_<step>/ (process 0; every process joins the gathers) and prune what
-        inference can no longer ask for."""
+    def export(self, step: int, disk_only: bool = False) -> dict[str, float]:
+        """Hand θ_step to inference: write broadcasts/step_<step>/, or in collective mode send it (and write it
+        too at checkpoint steps, the last step, and when the transfer failed); prune what inference can no
+        longer ask for. Process 0 writes and sends; every process joins the gathers."""
         if not self.export_enabled:
             return {}
         b = self.cfg.trainer.broadcast
@@ -179,16 +182,37 @@ class Trainer:
         if self.rank != 0:  # parameters sharded over the hosts are gathered collectively for process 0
             gather_for_export(model, self.model_cfg, b.dtype)
             return {}
+        metrics: dict[str, float] = {}
+        tensors = None
+        if b.mode == "collective":
+            tensors = list(state_to_hf_tensors(model, self.model_cfg, b.dtype))  # the one gather of this step
+            if step < self.cfg.run.max_steps and not disk_only:  # after the last step nobody samples
+                sent = self.collective_sender().send(step, [(n, to_torch(a)) for n, a in tensors])
+                metrics.update(self._sender.last if sent else {"transfer/failed": 1.0})
+                interval = self.cfg.trainer.checkpoint.interval
+                if sent and not (interval > 0 and step % interval == 0):
+                    prune_broadcasts(self.root, step - self.cfg.orchestrator.async_level)
+                    return metrics
         src = self.cfg.model.path or None
         start = time.perf_counter()
         _, info = write_broadcast(
-            self.root, step, lambda d: export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src),
+            self.root, step,
+            lambda d: export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src, tensors=tensors),
             hash_files=b.hash,
         )
         seconds = time.perf_counter() - start
         prune_broadcasts(self.root, step - self.cfg.orchestrator.async_level)
-        return {"export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
+        return {**metrics, "export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
                 "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
+
+    def collective_sender(self) -> CollectiveSender:
+        if self._sender is None:
+            b = self.cfg.trainer.broadcast
+            self._sender = CollectiveSender(
+                self.root, host=b.transfer_host, port=b.transfer_port, timeout_s=b.transfer_timeout_s,
+                bucket_bytes=b.bucket_mb * 2**20, num_receivers=max(1, len(self.cfg.orchestrator.client.base_urls)),
+            )
+        return self._sender
 
     def prune_consumed(self, step: int) -> None:
         """Delete consumed batches nothing will read again (after step `step`, which every rank has read).
