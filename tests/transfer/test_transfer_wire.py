@@ -1,0 +1,134 @@
+"""The collective wire protocol without a server: bucket cuts, a gloo round trip, the sender's timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from primejax.config import ConfigError, default_config, validate
+from primejax.contracts.transfer import latest_offer
+from primejax.transfer import wire
+from primejax.transfer.sender import CollectiveSender, tensor_metas, to_torch
+
+
+def _named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (300,), (16, 16, 3), (1,), (64, 33)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16]
+    return [
+        (f"t{i}", torch.randn(s, generator=g).to(d))
+        for i, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 1000, 10**9])
+def test_buckets_cut_where_vllm_packs(bucket_bytes):
+    """Same cut rule as vLLM's packed NCCL broadcast (`pack_tensors`): both sides split identically."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    named = _named()
+    it = iter(named)
+    vllm_cuts = []
+    while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
+        vllm_cuts.append(chunk.names)
+    ours = [[named[i][0] for i in idx] for idx in wire.buckets(tensor_metas(named), bucket_bytes)]
+    assert ours == vllm_cuts
+
+
+def test_gloo_round_trip_is_bit_exact_and_acknowledged(tmp_path):
+    named = _named(1)
+    metas = tensor_metas(named)
+    store = wire.host_store("127.0.0.1", 0, 10)
+    got: list[tuple[str, torch.Tensor]] = []
+
+    def receiver():
+        client = wire.client_store("127.0.0.1", store.port, 10)
+        group = wire.open_group(client, "r1", 1, 2, 10)
+        wire.receive(group, metas, 256, "cpu", lambda pairs: got.extend((n, t.clone()) for n, t in pairs))
+        group.store.set(wire.ack_key(1), "1")
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    group = wire.open_group(store, "r1", 0, 2, 10)
+    sent = wire.send(group, (x for _, x in named), metas, 256)
+    group.store.wait([wire.ack_key(1)])
+    t.join(10)
+    assert sent == sum(m.nbytes for m in metas)
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(got, named, strict=True):
+        assert (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        )
+
+
+def test_send_refuses_a_tensor_that_disagrees_with_its_metadata():
+    named = _named()
+    metas = tensor_metas(named)
+    bad = [x for _, x in named]
+    bad[2] = bad[2].float()
+
+    class NoGroup:
+        def broadcast(self, tensor, src=0):
+            pass
+
+    with pytest.raises(ValueError, match="t2: got torch.float32"):
+        wire.send(NoGroup(), bad, metas, 10**9)
+
+
+def test_to_torch_keeps_bf16_bits():
+    import ml_dtypes
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
+    t = to_torch(a)
+    assert t.dtype == torch.bfloat16 and t.shape == (3, 4)
+    np.testing.assert_array_equal(t.float().numpy(), a.astype(np.float32))
+
+
+def test_sender_without_receivers_gives_up_after_its_timeout_and_removes_the_offer(tmp_path):
+    sender = CollectiveSender(tmp_path, timeout_s=1.5, bucket_bytes=1024)
+    seen = {}
+
+    def watch():
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and "offer" not in seen:
+            if (o := latest_offer(tmp_path)) is not None:
+                seen["offer"] = o
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    t0 = time.monotonic()
+    assert sender.send(3, _named()) is False
+    assert time.monotonic() - t0 < 10
+    t.join()
+    offer = seen["offer"]
+    assert (
+        offer.step == 3
+        and offer.init_info["master_port"] == sender.port
+        and offer.init_info["world_size"] == 2
+    )
+    assert offer.update_info["names"] == [n for n, _ in _named()]
+    assert latest_offer(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("mode", "nccl", "trainer.broadcast.mode"),
+        ("transfer_port", 70000, "trainer.broadcast.transfer_port"),
+        ("transfer_timeout_s", 0.0, "trainer.broadcast.transfer_timeout_s"),
+    ],
+)
+def test_config_rejects_bad_transfer_settings(key, value, match):
+    c = default_config()
+    c.model.path = "x"
+    c.trainer.broadcast[key] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(c)
