@@ -126,6 +126,7 @@ def _transfer_engine_cls() -> type:
     class InitInfo(WeightTransferInitInfo):
         master_address: str
         master_port: int
+        group_id: str
         rank_offset: int
         world_size: int
         timeout_s: float = 60.0
@@ -140,8 +141,9 @@ def _transfer_engine_cls() -> type:
         shapes: list
 
     class PrimejaxWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
-        """Receives one round of HF tensors from the primejax trainer and loads them with vLLM's layerwise
-        reload (the lifecycle vLLM's NCCL engine uses: start -> load_weights per bucket -> finalize)."""
+        """Receives one round of HF tensors from the primejax trainer (`primejax.transfer.wire.Receiver`) and
+        loads them with vLLM's layerwise reload (the lifecycle of vLLM's NCCL engine: start -> load_weights per
+        bucket -> finalize)."""
 
         init_info_cls = InitInfo
         update_info_cls = UpdateInfo
@@ -149,10 +151,11 @@ def _transfer_engine_cls() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.info: InitInfo | None = None
+            self.receiver = wire.Receiver()
             self.reloading = False
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
-            # Only recorded: every round opens its own group, so a failed round leaves nothing stale.
+            # Recorded only; the receiver joins (or keeps) the trainer's group in the round itself.
             self.info = init_info
 
         def start_weight_update(self) -> None:
@@ -169,15 +172,10 @@ def _transfer_engine_cls() -> type:
             info = self.info
             if info is None:
                 raise RuntimeError("primejax weight transfer: init_weight_transfer_engine was not called")
-            metas = wire.metas_from_update_info(vars(update_info))
             p = self.parallel_config
             rank = info.rank_offset + p.data_parallel_index * p.world_size + p.rank
             try:
-                store = wire.client_store(info.master_address, info.master_port, info.timeout_s)
-                group = wire.open_group(store, update_info.round_id, rank, info.world_size, info.timeout_s,
-                                        info.backend, self.device)
-                wire.receive(group, metas, info.bucket_bytes, self.device, self.model.load_weights)
-                group.store.set(wire.ack_key(rank), "1")
+                self.receiver.receive(vars(info), vars(update_info), rank, self.device, self.model.load_weights)
             except BaseException:
                 # Leave the layerwise-reload state (layers that got nothing get their previous tensors back)
                 # so the model is usable by the next full load; the caller decides what the weights are now.

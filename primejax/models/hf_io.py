@@ -116,6 +116,18 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
     return [_TOP_TENSORS[our_name][0]]
 
 
+def hf_tensor_plan(model: Transformer, cfg: ModelConfig) -> list[tuple[nnx.Variable, list[str], Converter]]:
+    """(our parameter, its HF names, to-HF converter of one layer's slice) in export order. A layer parameter
+    is stacked over layers ([L, ...]) and has one HF name per layer; a top-level one has one name."""
+    plan = []
+    for our_name, var in param_variables(model).items():
+        if our_name.startswith("layers."):
+            plan.append((var, _hf_names(our_name, cfg), _LAYER_TENSORS[our_name.removeprefix("layers.")][1]))
+        else:
+            plan.append((var, _hf_names(our_name, cfg), _TOP_TENSORS[our_name][1]))
+    return plan
+
+
 def _to_numpy(x: jax.Array, dtype) -> np.ndarray:
     if dtype is not None and x.dtype != dtype:
         x = x.astype(dtype)  # cast on device: halves the transfer for bf16 export

@@ -44,6 +44,7 @@ from primejax.trainer.step import (
     max_segments_bucket,
     to_micro_batches,
 )
+from primejax.transfer.device import hf_device_tensors
 from primejax.transfer.sender import CollectiveSender, to_torch
 from primejax.utils.faults import fault_point
 
@@ -184,15 +185,21 @@ class Trainer:
             return {}
         metrics: dict[str, float] = {}
         tensors = None
-        if b.mode == "collective":
-            tensors = list(state_to_hf_tensors(model, self.model_cfg, b.dtype))  # the one gather of this step
-            if step < self.cfg.run.max_steps and not disk_only:  # after the last step nobody samples
-                sent = self.collective_sender().send(step, [(n, to_torch(a)) for n, a in tensors])
-                metrics.update(self._sender.last if sent else {"transfer/failed": 1.0})
-                interval = self.cfg.trainer.checkpoint.interval
-                if sent and not (interval > 0 and step % interval == 0):
-                    prune_broadcasts(self.root, step - self.cfg.orchestrator.async_level)
-                    return metrics
+        # The orchestrator's last step samples from θ_{max_steps-1-async_level} or newer and then stops
+        # listening: sending a newer step would wait out the whole transfer timeout for nobody.
+        last_sampled = self.cfg.run.max_steps - 1 - self.cfg.orchestrator.async_level
+        if b.mode == "collective" and step <= last_sampled and not disk_only:
+            sender = self.collective_sender()
+            if sender.backend == "nccl":  # accelerator arrays straight into NCCL, no host copy
+                sent = sender.send_lazy(step, *hf_device_tensors(model, self.model_cfg, b.dtype))
+            else:
+                tensors = list(state_to_hf_tensors(model, self.model_cfg, b.dtype))  # the step's one gather
+                sent = sender.send(step, [(n, to_torch(a)) for n, a in tensors])
+            metrics.update(sender.last if sent else {"transfer/failed": 1.0})
+            interval = self.cfg.trainer.checkpoint.interval
+            if sent and not (interval > 0 and step % interval == 0):
+                prune_broadcasts(self.root, step - self.cfg.orchestrator.async_level)
+                return metrics
         src = self.cfg.model.path or None
         start = time.perf_counter()
         _, info = write_broadcast(
@@ -206,11 +213,20 @@ class Trainer:
                 "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
 
     def collective_sender(self) -> CollectiveSender:
+        """The run's sender (process 0): NCCL from the accelerator on a single-process GPU trainer, else gloo
+        from host memory (CPU, and multi-process trainers, whose export gathers through the host)."""
         if self._sender is None:
             b = self.cfg.trainer.broadcast
+            gpu = jax.default_backend() == "gpu" and jax.process_count() == 1
+            device = None
+            if gpu:
+                import torch
+
+                device = torch.device("cuda", 0)  # JAX's first local device under the same CUDA_VISIBLE_DEVICES
             self._sender = CollectiveSender(
                 self.root, host=b.transfer_host, port=b.transfer_port, timeout_s=b.transfer_timeout_s,
                 bucket_bytes=b.bucket_mb * 2**20, num_receivers=max(1, len(self.cfg.orchestrator.client.base_urls)),
+                backend="nccl" if gpu else "gloo", device=device,
             )
         return self._sender
 

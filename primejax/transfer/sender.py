@@ -1,8 +1,9 @@
 """The trainer's side of a collective weight update (`trainer.broadcast.mode = "collective"`).
 
 One `CollectiveSender` per trainer process 0 hosts the rendezvous store for the whole run. `send(step, ...)`
-runs one round: write the offer (primejax.contracts.transfer) -> wait for every inference server to join ->
-broadcast the HF tensors in packed buckets -> wait for every server's acknowledgement -> delete the offer.
+runs one round: write the offer (primejax.contracts.transfer) -> (first round, or after a failure: wait for
+every inference server to join the group) -> broadcast the HF tensors in packed buckets -> wait for every
+server's acknowledgement -> delete the offer.
 Any failure or timeout returns False (the caller then writes the filesystem broadcast instead); nothing here
 blocks longer than `timeout_s` per phase.
 
@@ -17,7 +18,7 @@ import logging
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +71,14 @@ class CollectiveSender:
         self.store = wire.host_store(host, port, timeout_s)
         self.port = self.store.port
         self.last: dict[str, float] = {}
+        self.group: wire.TorchGroup | None = None
+        self.group_id = ""
 
     def init_info(self) -> dict[str, Any]:
         return {
             "master_address": self.host,
             "master_port": self.port,
+            "group_id": self.group_id,
             "world_size": 1 + self.num_receivers,
             "timeout_s": self.timeout_s,
             "bucket_bytes": self.bucket_bytes,
@@ -83,22 +87,35 @@ class CollectiveSender:
 
     def send(self, step: int, named: Sequence[tuple[str, Any]]) -> bool:
         """One round for `step` with `named` = [(HF name, torch tensor)]; True when every server acknowledged."""
-        metas = tensor_metas(named)
+        return self.send_lazy(step, tensor_metas(named), (t for _, t in named))
+
+    def send_lazy(self, step: int, metas: Sequence[wire.TensorMeta], tensors: Iterable[Any]) -> bool:
+        """Like `send`, with the tensors produced one by one (e.g. converted on device as they are sent)."""
         round_id = f"{step}-{uuid.uuid4().hex[:12]}"
+        if self.group is None:
+            self.group_id = uuid.uuid4().hex[:12]
         offer = Offer(step, self.init_info(), wire.update_info(round_id, metas))
         t0 = time.perf_counter()
         write_offer(self.run_dir, offer)
         try:
-            group = wire.open_group(
-                self.store, round_id, 0, 1 + self.num_receivers, self.timeout_s, self.backend, self.device
-            )
+            if self.group is None:
+                self.group = wire.open_group(
+                    self.store,
+                    self.group_id,
+                    0,
+                    1 + self.num_receivers,
+                    self.timeout_s,
+                    self.backend,
+                    self.device,
+                )
             t_join = time.perf_counter()
-            nbytes = wire.send(group, (t for _, t in named), metas, self.bucket_bytes)
-            group.store.wait(
-                [wire.ack_key(r) for r in range(1, 1 + self.num_receivers)],
+            nbytes = wire.send(self.group, tensors, metas, self.bucket_bytes)
+            self.group.store.wait(
+                [wire.ack_key(round_id, r) for r in range(1, 1 + self.num_receivers)],
                 datetime.timedelta(seconds=self.timeout_s),
             )
         except Exception as e:  # noqa: BLE001 - any failure means: fall back to the filesystem for this step
+            self.group = None
             log.warning(
                 "step %d: collective weight transfer failed after %.1f s (%s: %s); falling back to the "
                 "filesystem broadcast",

@@ -7,11 +7,13 @@ the bound still goes in), the same cut rule as vLLM's packed NCCL broadcast
 (`vllm/distributed/weight_transfer/packed_tensor.py`), so both sides cut identical buckets from the metadata
 alone. Each bucket is one `broadcast` from rank 0 (the trainer) to every inference worker.
 
-Rendezvous: the trainer hosts a torch `TCPStore` for the whole run; each round is a fresh process group
-under the store prefix `round/<id>/` (gloo on CPU, NCCL on GPU), so a round that failed leaves nothing
-behind for the next one. Every collective has a timeout, so a dead or stalled peer turns into an exception
-on both sides, never a hang. After loading, each receiver sets `received/<rank>` in the round's store; the
-trainer treats a round without every acknowledgement as failed (and falls back to the filesystem).
+Rendezvous: the trainer hosts a torch `TCPStore` for the whole run. A process group (gloo on CPU, NCCL on
+GPU) lives under the store prefix `group/<group_id>/` and serves round after round (creating an NCCL
+communicator costs far more than moving a small model); after any failure both sides drop it and the next
+round opens a new one under a new id, so a failed round leaves nothing behind. Every collective has a
+timeout, so a dead or stalled peer turns into an exception on both sides, never a hang. After loading, each
+receiver sets `received/<round_id>/<rank>` in the group's store; the trainer treats a round without every
+acknowledgement as failed (and falls back to the filesystem).
 
 torch is imported inside the functions: the trainer's other code paths never need it.
 """
@@ -108,18 +110,18 @@ def client_store(host: str, port: int, timeout_s: float) -> Any:
 
 def open_group(
     store: Any,
-    round_id: str,
+    group_id: str,
     rank: int,
     world_size: int,
     timeout_s: float,
     backend: str = "gloo",
     device: Any = None,
 ) -> TorchGroup:
-    """Join round `round_id`'s group (blocks until all `world_size` ranks joined, at most `timeout_s`)."""
+    """Join group `group_id` (blocks until all `world_size` ranks joined, at most `timeout_s`)."""
     import torch
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"round/{round_id}/", store)
+    prefixed = dist.PrefixStore(f"group/{group_id}/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -194,5 +196,54 @@ def receive(
     return received
 
 
-def ack_key(rank: int) -> str:
-    return f"received/{rank}"
+def ack_key(round_id: str, rank: int) -> str:
+    return f"received/{round_id}/{rank}"
+
+
+class Receiver:
+    """An inference worker's side of the rounds: joins (and keeps) the trainer's group, receives, acknowledges.
+
+    Shared by primejax's vLLM engine (`primejax.inference.vllm_ext`) and the GPU benchmark's receiver, so the
+    benchmark measures the code the server runs.
+    """
+
+    def __init__(self) -> None:
+        self.group: TorchGroup | None = None
+        self.key: tuple | None = None
+
+    def receive(
+        self,
+        init_info: dict[str, Any],
+        update_info: dict[str, Any],
+        rank: int,
+        device: Any,
+        load: Callable[[list[tuple[str, Any]]], Any],
+    ) -> int:
+        metas = metas_from_update_info(update_info)
+        timeout_s = float(init_info.get("timeout_s", 60.0))
+        key = (
+            init_info["master_address"],
+            int(init_info["master_port"]),
+            init_info["group_id"],
+            rank,
+            int(init_info["world_size"]),
+            init_info.get("backend", "gloo"),
+        )
+        try:
+            if self.group is None or self.key != key:
+                self.group = None
+                store = client_store(key[0], key[1], timeout_s)
+                self.group = open_group(store, key[2], rank, key[4], timeout_s, key[5], device)
+                self.key = key
+            n = receive(
+                self.group, metas, int(init_info.get("bucket_bytes", DEFAULT_BUCKET_BYTES)), device, load
+            )
+            if key[5] == "nccl":
+                import torch
+
+                torch.cuda.synchronize(device)
+            self.group.store.set(ack_key(update_info["round_id"], rank), "1")
+            return n
+        except BaseException:
+            self.group = None  # a failed round poisons the group: the next one opens a new group
+            raise

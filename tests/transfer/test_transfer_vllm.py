@@ -32,6 +32,16 @@ HERE = Path(__file__).parent
 PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _plugin_installed():
+    from primejax.inference.vllm_ext import transfer_plugin_installed
+
+    assert transfer_plugin_installed(), (
+        "primejax's vLLM general plugin (entry point vllm.general_plugins: primejax) is not installed: the "
+        "servers start without the weight-transfer engine. Reinstall: pip install -e . --no-deps"
+    )
+
+
 @pytest.fixture(params=["tied", "untied"])
 def server(request):
     """(variant, server): the tied model is sent in fp32, the untied one in the default bf16."""

@@ -40,32 +40,45 @@ def test_buckets_cut_where_vllm_packs(bucket_bytes):
     assert ours == vllm_cuts
 
 
-def test_gloo_round_trip_is_bit_exact_and_acknowledged(tmp_path):
-    named = _named(1)
-    metas = tensor_metas(named)
-    store = wire.host_store("127.0.0.1", 0, 10)
-    got: list[tuple[str, torch.Tensor]] = []
+def test_gloo_rounds_are_bit_exact_acknowledged_and_reuse_the_group(tmp_path):
+    """Two rounds through CollectiveSender -> wire.Receiver (the engine's receive path): every byte arrives,
+    both rounds are acknowledged, and the second round reuses the first round's group (no new rendezvous)."""
+    from primejax.contracts.transfer import latest_offer
 
-    def receiver():
-        client = wire.client_store("127.0.0.1", store.port, 10)
-        group = wire.open_group(client, "r1", 1, 2, 10)
-        wire.receive(group, metas, 256, "cpu", lambda pairs: got.extend((n, t.clone()) for n, t in pairs))
-        group.store.set(wire.ack_key(1), "1")
+    rounds = [_named(1), _named(2)]
+    sender = CollectiveSender(tmp_path, timeout_s=10, bucket_bytes=256)
+    receiver = wire.Receiver()
+    got: list[list[tuple[str, torch.Tensor]]] = []
+    groups = []
 
-    t = threading.Thread(target=receiver)
+    def serve():
+        for step in (1, 2):
+            deadline = time.monotonic() + 10
+            while (offer := latest_offer(tmp_path)) is None or offer.step != step:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            out: list[tuple[str, torch.Tensor]] = []
+            receiver.receive(
+                offer.init_info,
+                offer.update_info,
+                1,
+                "cpu",
+                lambda pairs, out=out: out.extend((n, t.clone()) for n, t in pairs),
+            )
+            got.append(out)
+            groups.append(receiver.group)
+
+    t = threading.Thread(target=serve)
     t.start()
-    group = wire.open_group(store, "r1", 0, 2, 10)
-    sent = wire.send(group, (x for _, x in named), metas, 256)
-    group.store.wait([wire.ack_key(1)])
-    t.join(10)
-    assert sent == sum(m.nbytes for m in metas)
-    assert [n for n, _ in got] == [n for n, _ in named]
-    for (_, a), (_, b) in zip(got, named, strict=True):
-        assert (
-            a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        )
+    assert sender.send(1, rounds[0]) and sender.send(2, rounds[1])
+    t.join(20)
+    assert groups[0] is groups[1] is not None
+    for named, out in zip(rounds, got, strict=True):
+        assert [n for n, _ in out] == [n for n, _ in named]
+        for (_, a), (_, b) in zip(out, named, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert sender.last["transfer/gb"] == sum(m.nbytes for m in tensor_metas(rounds[1])) / 1e9
 
 
 def test_send_refuses_a_tensor_that_disagrees_with_its_metadata():
@@ -132,3 +145,23 @@ def test_config_rejects_bad_transfer_settings(key, value, match):
     c.trainer.broadcast[key] = value
     with pytest.raises(ConfigError, match=match):
         validate(c)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_device_tensors_equal_the_safetensors_export(tied, tmp_path):
+    """The no-host-copy path (jitted HF conversion + DLPack) yields exactly the tensors the export writes."""
+    from primejax.models.hf_io import load_model, state_to_hf_tensors
+    from primejax.models.tiny import build_tiny_model
+    from primejax.transfer.device import hf_device_tensors
+
+    model_dir = build_tiny_model(tmp_path / "m", tied=tied, seed=3)
+    model, cfg = load_model(model_dir, param_dtype="float32")
+    for dtype in ("float32", "bfloat16"):
+        expected = list(state_to_hf_tensors(model, cfg, dtype))
+        metas, tensors = hf_device_tensors(model, cfg, dtype)
+        got = list(tensors)
+        assert [m.name for m in metas] == [n for n, _ in expected]
+        assert [m.shape for m in metas] == [a.shape for _, a in expected]
+        for (name, a), t in zip(expected, got, strict=True):
+            assert t.is_contiguous(), name
+            assert torch.equal(t, to_torch(a)), name
