@@ -9,15 +9,30 @@ from primejax.config import ConfigError, default_config, validate
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("trainer.optim.lr", NAN), ("trainer.optim.lr", INF), ("sft.lr", NAN), ("trainer.loss.is_clip", NAN),
-    ("orchestrator.sampling.temperature", INF), ("orchestrator.client.timeout_s", NAN),
-    ("inference.startup_timeout_s", INF), ("trainer.loss.kl_tau", NAN), ("trainer.optim.max_norm", NAN),
-    ("orchestrator.filters.gibberish_threshold", -INF), ("trainer.batch_timeout_s", NAN),
-    ("orchestrator.seq_len", 10**12), ("inference.port", 70000), ("inference.port", -1),
-    ("inference.max_model_len", 10**12), ("sft.batch_size", 0), ("sft.batch_size", -4), ("sft.seq_len", 0),
-    ("sft.steps", -1),
-])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("trainer.optim.lr", NAN),
+        ("trainer.optim.lr", INF),
+        ("sft.lr", NAN),
+        ("trainer.loss.is_clip", NAN),
+        ("orchestrator.sampling.temperature", INF),
+        ("orchestrator.client.timeout_s", NAN),
+        ("inference.startup_timeout_s", INF),
+        ("trainer.loss.kl_tau", NAN),
+        ("trainer.optim.max_norm", NAN),
+        ("orchestrator.filters.gibberish_threshold", -INF),
+        ("trainer.batch_timeout_s", NAN),
+        ("orchestrator.seq_len", 10**12),
+        ("inference.port", 70000),
+        ("inference.port", -1),
+        ("inference.max_model_len", 10**12),
+        ("sft.batch_size", 0),
+        ("sft.batch_size", -4),
+        ("sft.seq_len", 0),
+        ("sft.steps", -1),
+    ],
+)
 def test_bad_values_fail_at_start_up_naming_the_key(key, value):
     c = default_config()
     c.model.path = "m"
