@@ -72,8 +72,8 @@ def _answer(token_ids, logprobs):
         return httpx.Response(
             200,
             content=(
-                '{"choices": [{"index": 0, "token_ids": %s, "text": "x", "finish_reason": "stop", '
-                '"logprobs": {"token_logprobs": [%s]}}]}' % (token_ids, ", ".join(logprobs))
+                '{{"choices": [{{"index": 0, "token_ids": {}, "text": "x", "finish_reason": "stop", '
+                '"logprobs": {{"token_logprobs": [{}]}}}}]}}'.format(token_ids, ", ".join(logprobs))
             ).encode(),
         )
 
