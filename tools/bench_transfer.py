@@ -2,11 +2,12 @@
 
     CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py          # GPU, 0.6B / 4B / 8B
     python tools/bench_transfer.py --smoke                                               # CPU (gloo), tiny shapes
+    python tools/bench_transfer.py --cpu --sizes 0.6b                                    # CPU (gloo), real shapes
 
 Two processes per model size. The sender is a primejax trainer stand-in: a Qwen3-shaped model (random bf16
-weights) in JAX on the first device, sent each round with `primejax.transfer.sender.CollectiveSender` from
+weights) in JAX on GPU 0, sent each round with `primejax.transfer.sender.CollectiveSender` from
 `primejax.transfer.device.hf_device_tensors` (jitted HF-layout conversion, DLPack into torch, packed buckets).
-The receiver is an inference-worker stand-in on the second device: it reads the offer file and runs
+The receiver is an inference-worker stand-in on GPU 1: it reads the offer file and runs
 `primejax.transfer.wire.Receiver` -- the code primejax's vLLM engine runs in the worker -- loading into a
 Qwen3-shaped torch parameter set in vLLM's layout (fused qkv_proj and gate_up_proj, filled by slice copies
 as vLLM's Qwen3 `load_weights` does). What differs from a live vLLM GPU server: torch.distributed's
@@ -184,10 +185,10 @@ def receiver(args: argparse.Namespace) -> None:
     from primejax.transfer import wire
 
     run = Path(args.run_dir)
-    gpu = not args.smoke
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    gpu = not (args.smoke or args.cpu)
+    device = torch.device("cuda", 1) if gpu else torch.device("cpu")
     if gpu:
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(device)
     params = VllmLayoutParams(shape(args.size, args.smoke), device, torch.bfloat16)
     rx = wire.Receiver()
     for r in range(args.rounds + 1):
@@ -214,16 +215,19 @@ def receiver(args: argparse.Namespace) -> None:
 def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-transfer-{size}-", dir=args.tmp) as run:
         common = [sys.executable, __file__, "--size", size, "--run-dir", run, "--rounds", str(args.rounds),
-                  "--bucket-mb", str(args.bucket_mb)] + (["--smoke"] if args.smoke else [])
+                  "--bucket-mb", str(args.bucket_mb)] + (["--smoke"] if args.smoke else []) + (
+                      ["--cpu"] if args.cpu else [])
         env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                               os.environ.get("PYTHONPATH", "")])}
-        if args.smoke:
+        if args.smoke or args.cpu:
             env["JAX_PLATFORMS"] = "cpu"
-        rx = subprocess.Popen(common + ["--role", "receiver"], env={**env, "CUDA_VISIBLE_DEVICES": devices[-1]})
+        # Both processes see both GPUs (as vLLM's workers do), so NCCL can use direct peer access (NVLink);
+        # the sender works on device 0, the receiver on device 1.
+        rx = subprocess.Popen(common + ["--role", "receiver"], env=env)
         try:
-            out = subprocess.run(common + ["--role", "sender"], env={**env, "CUDA_VISIBLE_DEVICES": devices[0]},
-                                 stdout=subprocess.PIPE, text=True, timeout=args.timeout)
+            out = subprocess.run(common + ["--role", "sender"], env=env, stdout=subprocess.PIPE, text=True,
+                                 timeout=args.timeout)
             if out.returncode != 0:
                 raise RuntimeError(f"{size}: sender exited with {out.returncode}")
             rx.wait(120)
@@ -237,6 +241,7 @@ def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (proves the script)")
+    ap.add_argument("--cpu", action="store_true", help="CPU, gloo, the real shapes")
     ap.add_argument("--sizes", default="0.6b,4b,8b")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=0, help="packed bucket size (default 1024 GPU, 1 smoke)")
@@ -246,7 +251,7 @@ def main() -> int:
     ap.add_argument("--size", default="")
     ap.add_argument("--run-dir", default="")
     args = ap.parse_args()
-    args.bucket_mb = args.bucket_mb or (1 if args.smoke else 1024)
+    args.bucket_mb = args.bucket_mb or (1 if args.smoke else 256 if args.cpu else 1024)
     if args.role == "sender":
         sender(args)
         return 0
@@ -254,7 +259,7 @@ def main() -> int:
         receiver(args)
         return 0
     devices = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")
-    if not args.smoke and len(devices) < 2:
+    if not (args.smoke or args.cpu) and len(devices) < 2:
         print("error: needs two GPUs (CUDA_VISIBLE_DEVICES=0,1)", file=sys.stderr)
         return 2
     start = time.perf_counter()
@@ -262,7 +267,8 @@ def main() -> int:
     for size in args.sizes.split(","):
         rows.append(run_size(size, args, devices))
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'smoke (CPU, gloo, tiny shapes)' if args.smoke else rows[0]['device']}; bucket {args.bucket_mb} MiB; "
+    where = "smoke (CPU, gloo, tiny shapes)" if args.smoke else "CPU, gloo" if args.cpu else rows[0]["device"]
+    print(f"\n{where}; bucket {args.bucket_mb} MiB; "
           f"median of {args.rounds} rounds after a warm-up; total {time.perf_counter() - start:.0f} s\n")
     print("| model shape | GB (bf16) | collective s/update | GB/s | filesystem export s | load s | export+load s | "
           "same params |")

@@ -43,12 +43,19 @@ def _converter(
     return _CONVERTERS[key][1:]
 
 
+def _to_torch(x: Any) -> Any:
+    import torch
+
+    try:
+        return torch.from_dlpack(x)
+    except (TypeError, BufferError):  # an exporter that refuses torch's stream argument: the plain capsule
+        return torch.from_dlpack(x.__dlpack__())
+
+
 def hf_device_tensors(
     model: Any, cfg: ModelConfig, dtype: str, device: Any = None
 ) -> tuple[list[TensorMeta], Iterator[Any]]:
     """(metadata of every HF tensor, a one-pass iterator of torch views of them on `device`), export order."""
-    import torch
-
     device = device or jax.local_devices()[0]
     steps = []
     metas: list[TensorMeta] = []
@@ -62,8 +69,8 @@ def hf_device_tensors(
     def tensors() -> Iterator[Any]:
         for fn, var, names, stacked in steps:
             out = fn(var[...])
-            out.block_until_ready()
-            t = torch.from_dlpack(out)
+            out.block_until_ready()  # ready before torch's stream reads it
+            t = _to_torch(out)
             if stacked:
                 yield from (t[i] for i in range(len(names)))
             else:

@@ -164,6 +164,10 @@ def send(group: TorchGroup, tensors: Iterable[Any], metas: Sequence[TensorMeta],
             parts.append(_as_bytes(t))
         buf = parts[0] if len(parts) == 1 else torch.cat(parts)
         group.broadcast(buf, src=0)
+        if buf.is_cuda:
+            # The bucket's sources may be DLPack views of JAX buffers: once released here JAX may reuse their
+            # memory on its own stream, so every queued read of them (cat, broadcast) must be done first.
+            torch.cuda.current_stream(buf.device).synchronize()
         sent += buf.numel()
     return sent
 
