@@ -84,9 +84,10 @@ def _load_env(env_id: str, taskset_id: str, taskset_args: dict[str, Any], env_ar
     else:
         cls = vf.environment_class(taskset_id, env_id)
     config_cls = concrete_type(cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
-    config = config_cls.model_validate({**env_args, "taskset": {**taskset_args, "id": taskset_id}})
-    # Env.__init__ would load the taskset again by verifiers' loader and every agent's harness; the stand-in
-    # needs only the config that `run` reads.
+    # The taskset is loaded by primejax (module paths included), so the config validates the env's own fields
+    # only; Env.__init__ would load the taskset again by verifiers' loader and every agent's harness, and
+    # the stand-in needs only the config that `setup`/`run` read.
+    config = config_cls.model_validate(env_args)
     env = cls.__new__(cls)
     env.config = config
     return env

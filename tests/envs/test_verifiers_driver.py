@@ -166,3 +166,26 @@ def test_token_cap_stops_before_the_next_call(tool_tokenizer):
     script = [call("calc_add", a=1, b=1)] * 5
     rollout, _, _, _ = run_group(tool_tokenizer, script, max_output_tokens=1)
     assert rollout.state["stop_condition"] == "max_output_tokens" and rollout.num_turns == 1
+
+
+def test_env_run_drives_the_conversation_through_the_stand_in(tool_tokenizer):
+    env = load_env(
+        "tests.envs.vf_local_taskset", {"env": "tests.envs.vf_guess_env", "env_args": {"rounds": 3}}
+    )
+    assert env.example(0).prompt == []  # the Env's run opens the conversation
+    client = ScriptedClient(tool_tokenizer, ["pear", "plum", "apple"])
+    settings = SamplingSettings(
+        max_tokens=64, temperature=1.0, top_p=1.0, max_turns=8, seed=-1, max_prompt_tokens=4096
+    )
+    gen = GroupGenerator(
+        client, build_renderer("auto", tool_tokenizer), settings, Version(), max_concurrent=4
+    )
+    slot = EnvSlot(name="guess", env=env, weight=1.0, algorithm=Scorer())
+    (rollout,) = asyncio.run(gen.group(slot, 0, 0, 1, step=1))
+    assert rollout.error is None, rollout.error
+    users = [m["content"] for m in rollout.messages if m["role"] == "user"]
+    assert users == ["Say apple", "Guess my word.", "No. It starts with 'a'.", "No. It starts with 'ap'."]
+    assert [m["content"] for m in rollout.messages if m["role"] == "assistant"] == ["pear", "plum", "apple"]
+    assert rollout.reward == 1.5 and rollout.num_turns == 3
+    (sample,) = rollout_to_samples(rollout, "rl", 1.0, seq_len=4096)  # user turns bridged: one sample
+    assert [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m] == rollout.completion_ids
