@@ -43,7 +43,8 @@ def _config(family: str, thinking_retention: str | None) -> Any:
     from renderers.configs import config_from_name
 
     config = config_from_name(family)
-    if thinking_retention is not None and "thinking_retention" in type(config).model_fields:
+    # The package's template-driven `default` cannot bridge at all, so no retention policy applies to it.
+    if family != "default" and thinking_retention is not None and "thinking_retention" in type(config).model_fields:
         config = type(config)(thinking_retention=thinking_retention)
     return config
 
