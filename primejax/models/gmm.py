@@ -25,7 +25,7 @@ IMPLS = ("xla", "mgpu", "auto")
 
 
 def resolve_impl(impl: str) -> str:
-    """"auto": mgpu on a Hopper GPU (compute capability 9.0), xla elsewhere."""
+    """ "auto": mgpu on a Hopper GPU (compute capability 9.0), xla elsewhere."""
     if impl != "auto":
         return impl
     dev = jax.devices()[0]
@@ -34,17 +34,28 @@ def resolve_impl(impl: str) -> str:
     return "xla"
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "xla") -> jax.Array:
-    """[M, K] x [G, K, N] by row groups -> [M, N] in lhs.dtype (fp32 accumulation)."""
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    impl: str = "xla",
+    *,
+    all_rows_grouped: bool = False,
+) -> jax.Array:
+    """[M, K] x [G, K, N] by row groups -> [M, N] in lhs.dtype (fp32 accumulation).
+
+    `all_rows_grouped` (static): the caller guarantees sum(group_sizes) == M, so the mgpu path needs no
+    padding group (whose weights it would otherwise concatenate, a copy of rhs per call).
+    """
     if impl not in IMPLS:
         raise ValueError(f"grouped matmul impl {impl!r} is not one of {IMPLS}")
     impl = resolve_impl(impl)
     group_sizes = group_sizes.astype(jnp.int32)
     if impl == "xla":
-        return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes, preferred_element_type=jnp.float32).astype(
-            lhs.dtype
-        )
-    return _mgpu_gmm(lhs, rhs.astype(lhs.dtype), group_sizes)
+        return jax.lax.ragged_dot(
+            lhs, rhs.astype(lhs.dtype), group_sizes, preferred_element_type=jnp.float32
+        ).astype(lhs.dtype)
+    return _mgpu_gmm(lhs, rhs.astype(lhs.dtype), group_sizes, not all_rows_grouped)
 
 
 # ---------------------------------------------------------------------- Mosaic GPU (Hopper)
@@ -73,23 +84,29 @@ def _wgrad_kernel(lhs_mk, dout_mn, group_sizes):
     """Per-group lhs^T @ dout: [G, K, N]."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs_mk, dout_mn, group_sizes=group_sizes, **_WGRAD)
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        lhs_mk, dout_mn, group_sizes=group_sizes, **_WGRAD
+    )
 
 
-@jax.custom_vjp
-def _mgpu_gmm(lhs, rhs, group_sizes):
-    rhs_p, sizes = _with_padding_group(lhs, rhs, group_sizes)
+def _maybe_pad(lhs, rhs, group_sizes, pad: bool):
+    return _with_padding_group(lhs, rhs, group_sizes) if pad else (rhs, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mgpu_gmm(lhs, rhs, group_sizes, pad: bool):
+    rhs_p, sizes = _maybe_pad(lhs, rhs, group_sizes, pad)
     return _fwd_kernel(lhs, rhs_p, sizes, transpose_rhs=False)
 
 
-def _mgpu_fwd(lhs, rhs, group_sizes):
-    return _mgpu_gmm(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+def _mgpu_fwd(lhs, rhs, group_sizes, pad):
+    return _mgpu_gmm(lhs, rhs, group_sizes, pad), (lhs, rhs, group_sizes)
 
 
-def _mgpu_bwd(res, dout):
+def _mgpu_bwd(pad, res, dout):
     lhs, rhs, group_sizes = res
     dout = dout.astype(lhs.dtype)
-    rhs_p, sizes = _with_padding_group(lhs, rhs, group_sizes)
+    rhs_p, sizes = _maybe_pad(lhs, rhs, group_sizes, pad)
     # d lhs = dout @ rhs[g]^T: the forward kernel with the weights read transposed ([G, K, N] as N x K tiles).
     dlhs = _fwd_kernel(dout, rhs_p, sizes, transpose_rhs=True)
     drhs = _wgrad_kernel(lhs, dout, sizes)[: rhs.shape[0]]

@@ -68,7 +68,49 @@ def route(
     return RouterOut(logits, probs, top_i.astype(jnp.int32), top_p)
 
 
-def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x_nd, order, inv, k):
+    """Rows of x for the (token, expert) pairs in expert order: x[order // k] -> [N*k, D].
+
+    A gather forward and backward: the gradient of each token sums its k pairs' rows, read through the
+    inverse permutation (XLA's transpose of the gather would be a scatter-add, atomics on GPU).
+    """
+    return jnp.take(x_nd, order // k, axis=0)
+
+
+def _dispatch_fwd(x_nd, order, inv, k):
+    return _dispatch(x_nd, order, inv, k), (order, inv)
+
+
+def _dispatch_bwd(k, res, g):
+    order, inv = res
+    n = inv.shape[0] // k
+    dx = jnp.take(g, inv, axis=0).reshape(n, k, g.shape[-1]).astype(jnp.float32).sum(axis=1)
+    return dx.astype(g.dtype), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _permute(x, perm, inv):
+    """x[perm] whose gradient is the gather g[inv] (perm a permutation, inv its inverse)."""
+    return jnp.take(x, perm, axis=0)
+
+
+def _permute_fwd(x, perm, inv):
+    return _permute(x, perm, inv), (perm, inv)
+
+
+def _permute_bwd(res, g):
+    perm, inv = res
+    return jnp.take(g, inv, axis=0), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0, all_local=True):
     """Dropless expert MLP of N tokens on the experts [expert_offset, expert_offset + E_local) held here.
 
     Pairs routed to other experts are sorted past the local groups: the grouped matmul leaves them zero.
@@ -79,15 +121,20 @@ def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0)
     local = topk_idx - expert_offset  # [N, k]
     in_range = (local >= 0) & (local < e_local)
     key = jnp.where(in_range, local, e_local).reshape(-1)  # non-local pairs sort last
-    order = jnp.argsort(key, stable=True)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inv = (
+        jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
+    )
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
-    xs = jnp.take(x_nd, order // k, axis=0)  # [N*k, D], sorted by expert
-    h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl)
+    xs = _dispatch(x_nd, order, inv, k)  # [N*k, D], sorted by expert
+    full = all_local  # every pair has a local expert: the groups cover all rows
+    h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
     a = jax.nn.silu(h[:, :i]) * h[:, i:]
-    ys = grouped_matmul(a, down, group_sizes, impl)  # [N*k, D]
-    w = jnp.take(scores.reshape(-1), order).astype(ys.dtype)
-    # Unsort by scatter-add into the tokens: each pair adds its weighted output to its token's row.
-    return jnp.zeros((n, d), ys.dtype).at[order // k].add(ys * w[:, None])
+    ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [N*k, D]
+    y_nkd = _permute(ys, inv, order).reshape(n, k, d)  # back to (token, slot) order
+    return jnp.einsum(
+        "nkd,nk->nd", y_nkd, scores.astype(ys.dtype), preferred_element_type=jnp.float32
+    ).astype(ys.dtype)
 
 
 def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: str) -> jax.Array:
@@ -100,9 +147,9 @@ def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: 
     tok = P(batch_spec[0], None)
     if mode == "fsdp":
         fn = functools.partial(_experts_local, impl=impl)
-        return jax.shard_map(
-            fn, in_specs=(tok, tok, tok, P(), P()), out_specs=tok, check_vma=False
-        )(x_nd, route_out.topk_idx, route_out.scores, gate_up, down)
+        return jax.shard_map(fn, in_specs=(tok, tok, tok, P(), P()), out_specs=tok, check_vma=False)(
+            x_nd, route_out.topk_idx, route_out.scores, gate_up, down
+        )
     if gate_up.shape[0] % n_ep:
         raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over fsdp={n_ep}")
     e_local = gate_up.shape[0] // n_ep
@@ -116,7 +163,7 @@ def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: 
         ig = jax.lax.all_gather(idx, EP_AXIS, tiled=True)
         sg = jax.lax.all_gather(sc, EP_AXIS, tiled=True)
         off = jax.lax.axis_index(EP_AXIS) * e_local
-        y = _experts_local(xg, ig, sg, gu, dn, impl, expert_offset=off)
+        y = _experts_local(xg, ig, sg, gu, dn, impl, expert_offset=off, all_local=False)
         return jax.lax.psum_scatter(y, EP_AXIS, scatter_dimension=0, tiled=True)
 
     ex = P(EP_AXIS)
@@ -166,12 +213,11 @@ def max_violation(load: jax.Array) -> jax.Array:
 
 
 def load_balance_loss(r: RouterOut, valid: jax.Array, num_experts: int) -> jax.Array:
-    """Switch-style auxiliary loss E * sum_e f_e * P_e over valid tokens (transformers' load_balancing_loss_func
-    per layer): f_e = fraction of routed pairs on expert e, P_e = mean router probability of e."""
+    """Switch-style auxiliary loss over valid tokens, as transformers' load_balancing_loss_func for one layer:
+    E * sum_e f_e * P_e, f_e = fraction of tokens with e among their top-k, P_e = mean router probability."""
     v = valid.reshape(-1).astype(jnp.float32)
     n = jnp.maximum(jnp.sum(v), 1.0)
-    k = r.topk_idx.shape[-1]
-    f = expert_load(r.topk_idx, v, num_experts) / (n * k)
+    f = expert_load(r.topk_idx, v, num_experts) / n
     p_mean = jnp.sum(r.probs * v[:, None], axis=0) / n
     return num_experts * jnp.sum(f * p_mean)
 
