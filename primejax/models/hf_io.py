@@ -155,15 +155,26 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
     return [_TOP_TENSORS[our_name][0]]
 
 
-def hf_tensor_plan(model: Transformer, cfg: ModelConfig) -> list[tuple[nnx.Variable, list[str], Converter]]:
-    """(our parameter, its HF names, to-HF converter of one layer's slice) in export order. A layer parameter
-    is stacked over layers ([L, ...]) and has one HF name per layer; a top-level one has one name."""
+def hf_tensor_plan(model: Transformer, cfg: ModelConfig) -> list[tuple[nnx.Variable, list[str], Callable, int]]:
+    """(our parameter, its HF names, converter, tensors per slice) in export order, the order of
+    `state_to_hf_tensors`. A layer parameter is stacked over layers and its converter maps one layer's slice
+    to that layer's HF tensors, stacked when there are several (MoE experts: expert-major, then gate/up);
+    a top-level parameter has one name and its converter maps it whole."""
     plan = []
     for our_name, var in param_variables(model).items():
-        if our_name.startswith("layers."):
-            plan.append((var, _hf_names(our_name, cfg), _LAYER_TENSORS[our_name.removeprefix("layers.")][1]))
+        short = our_name.removeprefix("layers.")
+        names = _hf_names(our_name, cfg)
+        if short in _EXPERT_TENSORS:
+            pairs = _EXPERT_TENSORS[short]
+
+            def experts(w, c, pairs=pairs):
+                return jnp.stack([to_hf(w, e) for e in range(c.num_experts) for _, to_hf in pairs])
+
+            plan.append((var, names, experts, cfg.num_experts * len(pairs)))
+        elif our_name.startswith("layers."):
+            plan.append((var, names, _LAYER_TENSORS[short][1], 1))
         else:
-            plan.append((var, _hf_names(our_name, cfg), _TOP_TENSORS[our_name][1]))
+            plan.append((var, names, _TOP_TENSORS[our_name][1], 1))
     return plan
 
 

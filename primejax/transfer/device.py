@@ -59,22 +59,19 @@ def hf_device_tensors(
     device = device or jax.local_devices()[0]
     steps = []
     metas: list[TensorMeta] = []
-    for var, names, to_hf in hf_tensor_plan(model, cfg):
+    for var, names, to_hf, per_slice in hf_tensor_plan(model, cfg):
         stacked = names[0].startswith("model.layers.")
         fn, shape = _converter(to_hf, cfg, dtype, stacked, device, var[...])
-        per = shape[1:] if stacked else shape
+        per = shape[(1 if stacked else 0) + (1 if per_slice > 1 else 0) :]
         metas += [TensorMeta(n, dtype, tuple(int(d) for d in per)) for n in names]
-        steps.append((fn, var, names, stacked))
+        steps.append((fn, var, names, per))
 
     def tensors() -> Iterator[Any]:
-        for fn, var, names, stacked in steps:
+        for fn, var, names, per in steps:
             out = fn(var[...])
             out.block_until_ready()  # ready before torch's stream reads it
-            t = _to_torch(out)
-            if stacked:
-                yield from (t[i] for i in range(len(names)))
-            else:
-                yield t
+            t = _to_torch(out).reshape(len(names), *per)  # a view: layers (x experts) are contiguous slices
+            yield from (t[i] for i in range(len(names)))
             del out, t
 
     return metas, tensors()

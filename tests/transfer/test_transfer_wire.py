@@ -147,15 +147,44 @@ def test_config_rejects_bad_transfer_settings(key, value, match):
         validate(c)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_device_tensors_equal_the_safetensors_export(tied, tmp_path):
-    """The no-host-copy path (jitted HF conversion + DLPack) yields exactly the tensors the export writes."""
+@pytest.mark.parametrize("variant", ["tied", "untied", "moe"])
+def test_device_tensors_equal_the_safetensors_export(variant, tmp_path):
+    """The no-host-copy path (jitted HF conversion + DLPack) yields exactly the tensors the export writes, in
+    its order (dense tied/untied, and Qwen3-MoE with a dense layer: per-expert tensors)."""
+    from primejax.models.config import ModelConfig
     from primejax.models.hf_io import load_model, state_to_hf_tensors
+    from primejax.models.sharding import init_model
     from primejax.models.tiny import build_tiny_model
     from primejax.transfer.device import hf_device_tensors
 
-    model_dir = build_tiny_model(tmp_path / "m", tied=tied, seed=3)
-    model, cfg = load_model(model_dir, param_dtype="float32")
+    if variant == "moe":
+        cfg = ModelConfig(
+            model_type="qwen3_moe",
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=3,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=32,
+            rope_theta=1e4,
+            rope_scaling=None,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            qk_norm=True,
+            attention_bias=False,
+            max_position_embeddings=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            mlp_only_layers=(1,),
+            param_dtype="float32",
+        )
+        model = init_model(cfg, None, seed=5)
+    else:
+        model, cfg = load_model(
+            build_tiny_model(tmp_path / "m", tied=variant == "tied", seed=3), param_dtype="float32"
+        )
     for dtype in ("float32", "bfloat16"):
         expected = list(state_to_hf_tensors(model, cfg, dtype))
         metas, tensors = hf_device_tensors(model, cfg, dtype)
