@@ -141,21 +141,21 @@ class VllmLayoutParams:
 
         d, i, h, kv, hd, v = (s["hidden_size"], s["intermediate_size"], s["num_heads"], s["num_kv_heads"],
                               s["head_dim"], s["vocab_size"])
-        self.p: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.empty(v, d), "model.norm.weight":
-                                           torch.empty(d)}
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, device=device, dtype=dtype)
+
+        self.p: dict[str, torch.Tensor] = {"model.embed_tokens.weight": empty(v, d), "model.norm.weight": empty(d)}
         if not s["tie_word_embeddings"]:
-            self.p["lm_head.weight"] = torch.empty(v, d)
+            self.p["lm_head.weight"] = empty(v, d)
         for layer in range(s["num_layers"]):
             pre = f"model.layers.{layer}."
             self.p.update({
-                pre + "self_attn.qkv_proj.weight": torch.empty((h + 2 * kv) * hd, d),
-                pre + "self_attn.o_proj.weight": torch.empty(d, h * hd),
-                pre + "self_attn.q_norm.weight": torch.empty(hd), pre + "self_attn.k_norm.weight": torch.empty(hd),
-                pre + "input_layernorm.weight": torch.empty(d), pre + "post_attention_layernorm.weight":
-                torch.empty(d), pre + "mlp.gate_up_proj.weight": torch.empty(2 * i, d),
-                pre + "mlp.down_proj.weight": torch.empty(d, i),
+                pre + "self_attn.qkv_proj.weight": empty((h + 2 * kv) * hd, d),
+                pre + "self_attn.o_proj.weight": empty(d, h * hd),
+                pre + "self_attn.q_norm.weight": empty(hd), pre + "self_attn.k_norm.weight": empty(hd),
+                pre + "input_layernorm.weight": empty(d), pre + "post_attention_layernorm.weight": empty(d),
+                pre + "mlp.gate_up_proj.weight": empty(2 * i, d), pre + "mlp.down_proj.weight": empty(d, i),
             })
-        self.p = {k: t.to(device=device, dtype=dtype) for k, t in self.p.items()}
         q, k = h * hd, kv * hd
         # vLLM Qwen3's stacked_params_mapping: (fused name, HF name, row offset)
         self.stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + k),
