@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from primejax.inference.weights import WeightDirError, version_from_dir
+from primejax.inference.admin_auth import confine
+from primejax.inference.weights import WeightDirError, check_stable, version_from_dir
 
 logger = logging.getLogger("primejax.inference")
 
@@ -54,15 +56,21 @@ class AdminState:
     # Collective updates: checks an update info's tensor names/shapes (raises WeightDirError); None = disabled.
     check_transfer: Callable[[dict], None] | None = None
     transport: str = "filesystem"  # how the served weights arrived: filesystem | collective
-    dirty: bool = False  # a failed load left undefined weights: stay paused, report unhealthy
     last_load_s: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    admin_token: str | None = None  # required on the POST routes (admin_auth.protect); None = open (tests)
+    weights_root: str = ""  # loads must resolve inside it; "" = anywhere
+    require_stable: bool = False  # only directories with a STABLE manifest (checked file by file) load
+    # Why the served weights are undefined (a failed load that could not restore): /liveness answers 503, the
+    # server stays paused (nothing is sampled from them) until a full load succeeds or the launcher restarts it.
+    unhealthy: str = ""
 
     def __post_init__(self) -> None:
         self.weight_dir = self.weight_dir or self.base_dir
 
     def describe(self) -> dict[str, Any]:
-        return {"version": self.version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s,
+        version = -1 if self.unhealthy else self.version
+        return {"version": version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s,
                 "transport": self.transport}
 
 
@@ -87,9 +95,10 @@ async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
     return body
 
 
-async def _after_failed_load(state: AdminState) -> str:
-    """A load stopped half-way: put back the previous weights when they live in a directory; otherwise the
-    served weights are undefined, so keep the server paused and report unhealthy until a full update."""
+async def _after_failed_load(state: AdminState, what: str) -> str:
+    """A load stopped half-way: put back the previous weights when they live in a directory; otherwise (they
+    came collectively, or restoring failed too) the served weights are undefined: the server stays paused and
+    reports unhealthy until a full load succeeds (or the launcher restarts it)."""
     if state.weight_dir:
         try:
             await state.engine.load_weights(state.weight_dir)
@@ -97,7 +106,7 @@ async def _after_failed_load(state: AdminState) -> str:
             return f"still serving version {state.version}"
         except Exception:
             logger.exception("restoring %s failed", state.weight_dir)
-    state.dirty = True
+    state.unhealthy = f"{what} and the previous weights could not be restored"
     return ("the served weights are undefined: the server stays paused and reports unhealthy until a full "
             "weight update (/update_weights) succeeds")
 
@@ -111,12 +120,12 @@ async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONRespons
             await state.engine.load_weights(weight_dir)
         except Exception as e:
             logger.exception("loading %s failed; restoring %s", weight_dir, state.weight_dir or "(none on disk)")
-            restored = await _after_failed_load(state)
+            restored = await _after_failed_load(state, f"loading {weight_dir} failed")
             return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"loading {weight_dir} failed ({e}); {restored}")
         await state.engine.reset_cache()
-        state.dirty = False
+        state.unhealthy = ""
     finally:
-        if not state.user_paused and not state.dirty:
+        if not state.user_paused and not state.unhealthy:
             await state.engine.resume()
     state.version, state.weight_dir, state.transport = version, weight_dir, "filesystem"
     state.last_load_s = time.perf_counter() - t0
@@ -140,9 +149,13 @@ async def update_weights(request: Request) -> JSONResponse:
             HTTPStatus.BAD_REQUEST,
             f"cannot tell the weight version: pass 'version' (int >= 0) or name the dir step_N ({weight_dir})",
         )
+    refused = confine(weight_dir, state.weights_root)
+    if refused:  # before any look at the disk: a caller learns nothing about paths outside the root
+        return _error(HTTPStatus.FORBIDDEN if os.path.isabs(weight_dir) else HTTPStatus.BAD_REQUEST, refused)
     weight_dir = str(Path(weight_dir).resolve())
     async with state.lock:
         try:
+            await run_in_threadpool(check_stable, weight_dir, state.require_stable)
             await run_in_threadpool(state.validate, weight_dir)
         except WeightDirError as e:
             status = HTTPStatus.NOT_FOUND if not Path(weight_dir).exists() else HTTPStatus.UNPROCESSABLE_ENTITY
@@ -184,13 +197,12 @@ async def resume(request: Request) -> JSONResponse:
 
 @router.get("/liveness")
 async def liveness(request: Request) -> JSONResponse:
+    if _state(request).unhealthy:
+        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"unhealthy: {_state(request).unhealthy}")
     try:
         await _state(request).engine.check_health()
     except Exception as e:
         return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"engine unhealthy: {e}")
-    if _state(request).dirty:
-        return _error(HTTPStatus.SERVICE_UNAVAILABLE, "weights undefined after a failed update (paused until a "
-                      "full /update_weights succeeds)")
     return JSONResponse({"status": "ok", **_state(request).describe()})
 
 
@@ -208,13 +220,13 @@ async def _transfer(state: AdminState, init_info: dict, update_info: dict, versi
                                    timeout_s + TRANSFER_GRACE_S)
         except Exception as e:
             logger.exception("collective weight transfer of version %d failed", version)
-            restored = await _after_failed_load(state)
+            restored = await _after_failed_load(state, f"the collective transfer of version {version} failed")
             return _error(HTTPStatus.BAD_GATEWAY, f"collective transfer of version {version} failed "
                           f"({type(e).__name__}: {str(e)[:300]}); {restored}")
         await state.engine.reset_cache()
-        state.dirty = False
+        state.unhealthy = ""
     finally:
-        if not state.user_paused and not state.dirty:
+        if not state.user_paused and not state.unhealthy:
             await state.engine.resume()
     state.version, state.weight_dir, state.transport = version, "", "collective"
     state.last_load_s = time.perf_counter() - t0

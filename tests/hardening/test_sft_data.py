@@ -84,7 +84,7 @@ def test_cli_prints_one_line_and_exits_2(tiny_model_dir, tmp_path):
             "--config.sft.seq_len=128",
             f"--config.run.output_dir={tmp_path / 'runs'}",
         ],
-        cwd=REPO,
+        cwd=tmp_path,  # the code under test comes from the install or PYTHONPATH, not the cwd
         capture_output=True,
         text=True,
         timeout=300,

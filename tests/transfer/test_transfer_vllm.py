@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from primejax.contracts.broadcast import write_broadcast
 from primejax.contracts.transfer import latest_offer
 from primejax.inference import InferenceClient
+from primejax.inference.admin_auth import HEADER, read_token
 from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
 from primejax.orchestrator.policy import PolicyTracker
 from primejax.transfer.sender import CollectiveSender, to_torch
@@ -100,8 +101,13 @@ def _get(url: str, path: str) -> httpx.Response:
     return httpx.get(url + path, timeout=30)
 
 
+def _post(url: str, path: str, body: dict | None = None, timeout: float = 120) -> httpx.Response:
+    """An admin call, with the servers' secret (tests/conftest.py starts them with this process's)."""
+    return httpx.post(url + path, json=body, headers={HEADER: read_token()}, timeout=timeout)
+
+
 def _reload_base(url: str) -> None:
-    assert httpx.post(url + "/reload_weights", timeout=120).status_code == 200
+    assert _post(url, "/reload_weights").status_code == 200
 
 
 def test_collective_update_equals_filesystem_update(server, tmp_path):
@@ -114,9 +120,7 @@ def test_collective_update_equals_filesystem_update(server, tmp_path):
     export_safetensors(model, cfg, tmp_path / "step_3", dtype=dtype, src_dir=server.model_dir, tensors=named)
     try:
         base = asyncio.run(_greedy(server.base_url, prompts))
-        r = httpx.post(
-            server.base_url + "/update_weights", json={"weight_dir": str(tmp_path / "step_3")}, timeout=120
-        )
+        r = _post(server.base_url, "/update_weights", {"weight_dir": str(tmp_path / "step_3")})
         assert r.status_code == 200, r.text
         from_disk = asyncio.run(_greedy(server.base_url, prompts))
         _reload_base(server.base_url)
@@ -180,7 +184,7 @@ def _post_transfer(url: str, offer) -> httpx.Response:
         "init_info": {**offer.init_info, "rank_offset": 1},
         "update_info": offer.update_info,
     }
-    return httpx.post(url + "/transfer_weights", json=body, timeout=300)
+    return _post(url, "/transfer_weights", body, timeout=300)
 
 
 def test_sender_killed_mid_transfer_server_restores_previous_weights(vllm_server, tmp_path):
@@ -222,7 +226,7 @@ def test_sender_stalled_after_collective_update_server_unhealthy_until_full_upda
     )
     proc = None
     try:
-        r = httpx.post(url + "/update_weights", json={"weight_dir": str(tmp_path / "step_2")}, timeout=120)
+        r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_2")})
         expected = asyncio.run(_greedy(url, prompts))
         asyncio.run(_collective(url, tmp_path / "run", 1, first))
         proc = _faulty_sender(tmp_path / "run", tmp_path / "step_2", 2, "stop", timeout_s=4)
@@ -234,7 +238,7 @@ def test_sender_stalled_after_collective_update_server_unhealthy_until_full_upda
         assert time.monotonic() - t0 < 4 + 30, "the round must end with the transfer timeout"
         live = _get(url, "/liveness")
         assert live.status_code == 503 and "failed update" in live.text
-        r = httpx.post(url + "/update_weights", json={"weight_dir": str(tmp_path / "step_2")}, timeout=120)
+        r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_2")})
         assert r.status_code == 200, r.text
         assert _get(url, "/liveness").status_code == 200
         assert asyncio.run(_greedy(url, prompts)) == expected
@@ -287,9 +291,10 @@ def test_transfer_rejects_wrong_tensors_before_touching_the_engine(vllm_server, 
         "dtype_names": ["float32"] * (len(names) - 1),
         "shapes": [[1]] * (len(names) - 1),
     }
-    r = httpx.post(
-        url + "/transfer_weights",
-        json={
+    r = _post(
+        url,
+        "/transfer_weights",
+        {
             "version": 1,
             "init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2},
             "update_info": info,
