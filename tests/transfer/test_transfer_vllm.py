@@ -237,7 +237,7 @@ def test_sender_stalled_after_collective_update_server_unhealthy_until_full_upda
         assert "undefined" in r.json()["error"]
         assert time.monotonic() - t0 < 4 + 30, "the round must end with the transfer timeout"
         live = _get(url, "/liveness")
-        assert live.status_code == 503 and "failed update" in live.text
+        assert live.status_code == 503 and "could not be restored" in live.text
         r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_2")})
         assert r.status_code == 200, r.text
         assert _get(url, "/liveness").status_code == 200
