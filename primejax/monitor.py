@@ -16,12 +16,26 @@ from typing import Any
 
 import numpy as np
 
+from primejax.utils.sections import Section, option, section
+
+
+@section
+class MonitorConfig(Section):
+    """`monitor`: where each process's metrics go."""
+
+    tensorboard: bool = option(True, "TensorBoard event files under <run>/tensorboard/<process>")
+    jsonl: bool = option(True, "scalars appended to <run>/metrics/<process>.jsonl")
+
 
 def _to_float(value: Any) -> float:
     return float(np.asarray(value).item())
 
 
 class Monitor:
+    @classmethod
+    def from_config(cls, run_dir: str | Path, process: str, cfg: MonitorConfig) -> Monitor:
+        return cls(run_dir, process, tensorboard=cfg.tensorboard, jsonl=cfg.jsonl)
+
     def __init__(self, run_dir: str | Path, process: str, *, tensorboard: bool = True, jsonl: bool = True):
         self.run_dir = Path(run_dir)
         self.process = process

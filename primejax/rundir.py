@@ -1,4 +1,4 @@
-"""The run directory: one per run, shared by every process through files only (ARCHITECTURE.md §Run directory).
+"""The run directory: one per run, shared by every process through files only (docs/configuration.md).
 
     <output_dir>/<name>/
       configs/<process>.json        resolved config of each process
@@ -12,14 +12,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ml_collections import ConfigDict
-
-from primejax.config import to_json
 from primejax.utils.io import atomic_write_text
+from primejax.utils.sections import ConfigError, Section, option, section
 
 
-def run_dir(cfg: ConfigDict) -> Path:
-    return Path(cfg.run.output_dir) / cfg.run.name
+@section
+class RunConfig(Section):
+    """`run`: the run's name, where it writes, how long it runs, and what it resumes from."""
+
+    name: str = option("default", "the run directory is <output_dir>/<name>")
+    output_dir: str = option("outputs", "parent of run directories")
+    max_steps: int = option(20, "training steps", gt=0)
+    seed: int = option(0, "seed of initialization, sampling order and the server", ge=0)
+    resume_step: str = option("", "'' = fresh run, 'latest', or a step number")
+
+    def check(self) -> None:
+        if self.resume_step not in ("", "latest") and not self.resume_step.isdigit():
+            raise ConfigError("resume_step", f"must be '', 'latest' or a step number, got {self.resume_step!r}")
+        if not self.name or "/" in self.name:
+            raise ConfigError("name", f"must be a non-empty name without '/', got {self.name!r}")
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def run_dir(run: RunConfig) -> Path:
+    return run.dir
 
 
 def checkpoint_dir(root: str | Path, step: int, process: str) -> Path:
@@ -30,8 +49,12 @@ def log_path(root: str | Path, process: str) -> Path:
     return Path(root) / "logs" / f"{process}.log"
 
 
-def write_resolved_config(cfg: ConfigDict, process: str) -> Path:
+def config_path(root: str | Path, process: str) -> Path:
+    return Path(root) / "configs" / f"{process}.json"
+
+
+def write_resolved_config(root: str | Path, process: str, text: str) -> Path:
     """Record the exact config a process ran with, for reproducibility (and for the launcher's children)."""
-    path = run_dir(cfg) / "configs" / f"{process}.json"
-    atomic_write_text(path, to_json(cfg))
+    path = config_path(root, process)
+    atomic_write_text(path, text)
     return path

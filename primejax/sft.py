@@ -13,25 +13,28 @@ import random
 import sys
 import time
 from pathlib import Path
-
-from ml_collections import ConfigDict
+from typing import TYPE_CHECKING
 
 from primejax.cli import parse_config, run_main
-from primejax.rundir import run_dir, write_resolved_config
+from primejax.orchestrator.config import EnvConfig
+from primejax.rundir import write_resolved_config
+from primejax.sft_data import SftConfig
+
+if TYPE_CHECKING:
+    from primejax.config import Config
 
 log = logging.getLogger("primejax.sft")
 
 
-def sft_output_dir(cfg: ConfigDict) -> Path:
-    return run_dir(cfg) / "sft" / "final"
+def sft_output_dir(root: str | Path) -> Path:
+    return Path(root) / "sft" / "final"
 
 
-def demonstrations_from_env(cfg: ConfigDict, name: str, n: int) -> list[list[dict]]:
+def demonstrations_from_env(env_cfg: EnvConfig, n: int) -> list[list[dict]]:
     """Conversations (prompt + the env's reference answer) from an environment whose examples carry answers."""
     from primejax.envs.registry import load_env
 
-    env_cfg = cfg.orchestrator.envs[name]
-    env = load_env(env_cfg.id, env_cfg.args.to_dict())
+    env = load_env(env_cfg.id, dict(env_cfg.args))
     conversations = []
     for i in range(n):
         example = env.example(i)
@@ -41,16 +44,16 @@ def demonstrations_from_env(cfg: ConfigDict, name: str, n: int) -> list[list[dic
     return conversations
 
 
-def load_conversations(cfg: ConfigDict) -> list[list[dict]]:
+def load_conversations(s: SftConfig, envs: dict[str, EnvConfig]) -> list[list[dict]]:
     from primejax.sft_data import read_jsonl
 
-    if cfg.sft.data_path:
-        return list(read_jsonl(cfg.sft.data_path))
-    return demonstrations_from_env(cfg, cfg.sft.from_env, cfg.sft.num_examples)
+    if s.data_path:
+        return list(read_jsonl(s.data_path))
+    return demonstrations_from_env(envs[s.from_env], s.num_examples)
 
 
-def train_sft(cfg: ConfigDict) -> Path:
-    """Run SFT; returns the exported HF directory."""
+def train_sft(cfg: Config) -> Path:
+    """The SFT process's work (entry: `python -m primejax.sft`); returns the exported HF directory."""
     import jax
     import numpy as np
     from flax import nnx
@@ -61,7 +64,7 @@ def train_sft(cfg: ConfigDict) -> Path:
     from primejax.models.sharding import make_mesh
     from primejax.monitor import Monitor
     from primejax.sft_data import conversation_to_sample
-    from primejax.trainer.losses import LossConfig
+    from primejax.trainer.config import LossConfig
     from primejax.trainer.optim import make_optimizer, make_schedule
     from primejax.trainer.step import (
         device_batch,
@@ -76,14 +79,12 @@ def train_sft(cfg: ConfigDict) -> Path:
 
     s, m = cfg.sft, cfg.model
     tokenizer = AutoTokenizer.from_pretrained(m.path)
-    samples = [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(cfg)]
+    conversations = load_conversations(s, cfg.orchestrator.envs)
+    samples = [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in conversations]
     log.info("SFT on %d conversations, %d steps of %d", len(samples), s.steps, s.batch_size)
 
     mesh = make_mesh(**cfg.trainer.mesh.to_dict())
-    model, model_cfg = load_model(
-        m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
-        attention_impl=m.attention_impl, remat_policy=m.remat_policy,
-    )
+    model, model_cfg = load_model(m.path, mesh=mesh, **m.overrides())
     schedule = make_schedule(s.lr, "constant")
     optimizer = make_optimizer(cfg.trainer.optim, schedule)
     graphdef, _ = nnx.split(model)
@@ -95,8 +96,8 @@ def train_sft(cfg: ConfigDict) -> Path:
     )
     rng = random.Random(cfg.run.seed)
     order: list[int] = []
-    root = run_dir(cfg)
-    with Monitor(root, "sft", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl) as monitor:
+    root = cfg.run_dir
+    with Monitor.from_config(root, "sft", cfg.monitor) as monitor:
         for step in range(1, s.steps + 1):
             if len(order) < s.batch_size:  # epochs of a fresh shuffle
                 more = list(range(len(samples)))
@@ -115,7 +116,7 @@ def train_sft(cfg: ConfigDict) -> Path:
             if step == 1 or step % 10 == 0 or step == s.steps:
                 log.info("sft step %d/%d loss %.4f", step, s.steps, float(metrics["loss"]))
 
-    out = sft_output_dir(cfg)
+    out = sft_output_dir(root)
     trained = nnx.merge(graphdef, state.params)
     with atomic_dir(out, overwrite=True) as tmp:
         export_safetensors(trained, model_cfg, tmp, dtype=None, src_dir=m.path)
@@ -129,7 +130,7 @@ def main() -> int:
     if cfg.sft.steps <= 0:
         print("error: sft.steps must be > 0 for primejax.sft", file=sys.stderr)
         return 2
-    write_resolved_config(cfg, "sft")
+    write_resolved_config(cfg.run_dir, "sft", cfg.to_json())
     train_sft(cfg)
     return 0
 

@@ -20,7 +20,7 @@ def main() -> int:
     # Logs go to stderr: the launcher already sends a child's output to logs/orchestrator.log.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
-    write_resolved_config(cfg, "orchestrator")
+    write_resolved_config(cfg.run_dir, "orchestrator", cfg.to_json())
     from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx
 
     asyncio.run(run_orchestrator(cfg))

@@ -1,4 +1,4 @@
-"""Config-time validation of algorithm components (seed 001 §Customizing Components): one failing case per rule."""
+"""Config-time validation of algorithm components (docs/algorithms.md): one failing case per rule."""
 
 from __future__ import annotations
 
@@ -50,12 +50,12 @@ def test_valid_settings_of_each_algorithm_pass(algo):
          "orchestrator.algo.type", "only feed the ce"),
         (lambda: config(type="opsd", length_penalty={"type": "tokens", "coef": 0.1}),
          "orchestrator.algo.length_penalty.type", "grpo family"),
-        (lambda: config(length_penalty={"type": "turns", "coef": -1.0}), "orchestrator.algo.length_penalty",
+        (lambda: config(length_penalty={"type": "turns", "coef": -1.0}), "orchestrator.algo.length_penalty.coef",
          ">= 0"),
         (lambda: config(advantage={"import_path": "nodots"}), "orchestrator.algo.advantage.import_path",
          "import path"),
         (lambda: config(filter={"import_path": "nodots"}), "orchestrator.algo.filter.import_path", "import path"),
-        (lambda: config(roles_json='{"tool": -0.1}'), "orchestrator.algo.roles_json", "alpha"),
+        (lambda: config(roles={"tool": -0.1}), "orchestrator.algo.roles", "alpha"),
     ],
 )
 def test_each_rule_rejects_its_case(make, key, message):

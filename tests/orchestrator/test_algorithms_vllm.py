@@ -14,11 +14,10 @@ from pathlib import Path
 import jax
 import pytest
 from ml_collections import ConfigDict
-from orch_fakes import small_config
+from orch_fakes import make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.inference.client import InferenceClient
-from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.renderer import load_tokenizer
 
 pytestmark = pytest.mark.vllm
@@ -49,7 +48,7 @@ def trainer_step(tiny_model_dir):
 
 
 def orchestrate(run_dir: Path, model_dir: Path, policy_url: str, **setup) -> dict[str, float]:
-    cfg = small_config(run_dir, batch_size=4, group_size=2, async_level=1)
+    cfg = small_config(run_dir, batch_size=4, group_size=2, async_level=0)  # seeded sampling: one step, no trainer
     cfg.model.path = str(model_dir)
     o = cfg.orchestrator
     o.update({"seq_len": SEQ_LEN, "max_prompt_tokens": 256})
@@ -67,7 +66,7 @@ def orchestrate(run_dir: Path, model_dir: Path, policy_url: str, **setup) -> dic
 
     async def main():
         client = InferenceClient(policy_url, timeout_s=120, max_retries=2)
-        orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
+        orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
         try:
             return (await orch.run(1))[0]
         finally:
@@ -92,7 +91,7 @@ def train_on(run_dir: Path, trainer_step) -> dict[str, float]:
 CASES = {
     "grpo": ({}, {"rl"}),
     "max_rl": ({"type": "max_rl"}, {"rl"}),
-    "echo": ({"type": "echo", "roles_json": '{"user": 0.1}', "env_id": "alphabet-sort",
+    "echo": ({"type": "echo", "roles": {"user": 0.1}, "env_id": "alphabet-sort",
               "env_args": {"num_turns": 2, "initial_names": 2, "names_per_turn": 1}}, {"rl", "ce"}),
     "opd": ({"type": "opd", "teacher": "untied"}, {"ref_kl"}),
     "sft": ({"type": "sft", "sampling": "untied"}, {"ce"}),

@@ -1,4 +1,4 @@
-"""The Algorithm abstraction (seed 001 §The Algorithm Classes).
+"""The Algorithm abstraction (docs/algorithms.md).
 
 The pipeline calls exactly two non-virtual methods: `finalize_rollout(rollout)` on arrival and
 `finalize_group(group)` once the group is complete. They drive the two override points:
@@ -10,7 +10,7 @@ The pipeline calls exactly two non-virtual methods: `finalize_rollout(rollout)` 
 `action_loss_type` says which loss component the sampled tokens feed (rl / ce / ref_kl); the sample builder
 turns it into weight streams. Errored rollouts never reach the hooks: they carry no reward to learn from.
 
-Model references (seed 001 §Model References): the live policy's client is handed in (`policy_client`);
+Model references: the live policy's client is handed in (`policy_client`);
 every other model is a frozen OpenAI-compatible endpoint the algorithm connects itself in `setup()` with
 `connect(ref)`. With `algo.sampling.source = "frozen"` rollouts are sampled from that endpoint
 (`sampling_client`, which the generator prefers over the policy's).
@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ml_collections import ConfigDict
-
+from primejax.orchestrator.config import AlgoConfig, EnvConfig, ModelRefConfig, SamplingConfig
 from primejax.orchestrator.rollout import Rollout
 
 LOSS_TYPES = ("rl", "ce", "ref_kl")
@@ -33,8 +32,8 @@ class Algorithm:
 
     action_loss_type: ClassVar[str] = "rl"
 
-    def __init__(self, config: ConfigDict, *, policy_client: Any = None, tokenizer: Any = None,
-                 sampling: ConfigDict | None = None):
+    def __init__(self, config: AlgoConfig, *, policy_client: Any = None, tokenizer: Any = None,
+                 sampling: SamplingConfig | None = None):
         self.config = config  # the resolved orchestrator.algo section
         self.policy_client = policy_client  # the live policy's inference client (host-owned resource)
         self.tokenizer = tokenizer
@@ -45,11 +44,11 @@ class Algorithm:
     def setup(self) -> None:
         """Build what the algorithm needs from its own config (reference clients, renderers).
         Subclasses call super().setup() first."""
-        source = self.config.get("sampling")
-        if source is not None and source.source == "frozen":
+        source = self.config.sampling
+        if source.source == "frozen":
             self.sampling_client = self.connect(source.frozen)
 
-    def connect(self, ref: ConfigDict) -> Any:
+    def connect(self, ref: ModelRefConfig) -> Any:
         """A client for a frozen model reference (`name` + `base_url`); closed by `close()`."""
         # deferred: httpx is only needed with references
         from primejax.inference.client import InferenceClient
@@ -109,18 +108,15 @@ def registered_algorithms() -> list[str]:
     return sorted(_ALGORITHMS)
 
 
-def build_algorithm(name: str, config: ConfigDict, **resources: Any) -> Algorithm:
+def build_algorithm(name: str, config: AlgoConfig, **resources: Any) -> Algorithm:
     algorithm = algorithm_class(name)(config, **resources)
     algorithm.setup()
     return algorithm
 
 
-def env_algo_config(algo: ConfigDict, env_entry: ConfigDict) -> ConfigDict:
+def env_algo_config(algo: AlgoConfig, env_entry: EnvConfig) -> AlgoConfig:
     """The `orchestrator.algo` section as one env resolves it: its own custom advantage, when it names one,
-    replaces the global one (seed 000 §Per-Env Advantage)."""
-    advantage = env_entry.get("advantage")
-    if advantage is None or not advantage.import_path:
+    replaces the global one."""
+    if not env_entry.advantage.import_path:
         return algo
-    resolved = ConfigDict(algo.to_dict())
-    resolved.advantage = ConfigDict(advantage.to_dict())
-    return resolved
+    return algo.replace(advantage=env_entry.advantage)

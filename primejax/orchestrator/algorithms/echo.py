@@ -1,23 +1,22 @@
 """echo: GRPO on the sampled tokens plus weighted cross-entropy on environment-provided observation tokens.
 
 ECHO trains the policy to also predict what the environment said back (tool output, user feedback), each
-role at its own weight: `algo.roles_json` maps role -> alpha (ECHO's lambda; default `{"tool": 0.1}`; setting
+role at its own weight: `algo.roles` maps role -> alpha (ECHO's lambda; default `{"tool": 0.1}`; setting
 it replaces the whole table). Observation tokens are attributed structurally in `score_rollout`: the
 messages the environment added before model call k (k >= 1) are located, by their content tokens, in call k's
 prompt ids, searching back from its end (so only the newly arrived observation is weighted: earlier ones
 were weighted in the step that introduced them, and the dataset prompt of the first call is never an
 observation). Chat-template framing tokens (role headers, end markers) are not content and get no weight.
 
-Optional user filter (`algo.filter.import_path` + `kwargs_json`): `fn(rollout, **kwargs)` returns one
+Optional user filter (`algo.filter.import_path` + `kwargs`): `fn(rollout, **kwargs)` returns one
 keep-mask per model call spanning that call's `prompt_ids`; False means never echo-trained.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from primejax.orchestrator.algorithms.advantage import import_object, load_kwargs
+from primejax.orchestrator.algorithms.advantage import import_object
 from primejax.orchestrator.algorithms.base import register_algorithm
 from primejax.orchestrator.algorithms.grpo import GRPOAlgorithm
 from primejax.orchestrator.rollout import Rollout
@@ -55,11 +54,11 @@ class EchoAlgorithm(GRPOAlgorithm):
         super().setup()
         if self.tokenizer is None:
             raise ValueError("echo attributes observation tokens by role: it needs the policy tokenizer")
-        self.roles = {str(k): float(v) for k, v in json.loads(self.config.roles_json).items()}
+        self.roles = {str(k): float(v) for k, v in self.config.roles.items()}
         flt = self.config.filter
         self.user_filter = None
         if flt.import_path:
-            fn, kwargs = import_object(flt.import_path), load_kwargs(flt.kwargs_json)
+            fn, kwargs = import_object(flt.import_path), dict(flt.kwargs)
             self.user_filter = lambda rollout: fn(rollout, **kwargs)
 
     def observation_weights(self, rollout: Rollout) -> list[list[float] | None]:

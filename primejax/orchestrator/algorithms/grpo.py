@@ -26,14 +26,14 @@ class GRPOAlgorithm(Algorithm):
     def setup(self) -> None:
         super().setup()
         adv = self.config.advantage
-        self.custom_advantage = load_advantage_fn(adv.import_path, adv.kwargs_json) if adv.import_path else None
+        self.custom_advantage = load_advantage_fn(adv.import_path, adv.kwargs) if adv.import_path else None
 
     def length_penalty(self, rollout: Rollout) -> float:
         """Subtracted from the reward before the baseline (`algo.length_penalty`, coef c, target t):
         `tokens`: c * max(0, sampled tokens - t) / max_tokens (the per-turn budget, so c is "reward per full
         turn of tokens"); `turns`: c * max(0, model turns - t); `none`: 0."""
         penalty = self.config.length_penalty
-        target = penalty.get("target", 0)
+        target = penalty.target
         if penalty.type == "tokens":
             max_tokens = self.sampling.max_tokens if self.sampling is not None else 1
             return penalty.coef * max(0, rollout.num_completion_tokens - target) / max(1, max_tokens)
