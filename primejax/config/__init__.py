@@ -32,11 +32,11 @@ from primejax.utils.sections import (
     build,
     describe,
     field_kind,
-    field_types,
     option,
     section,
     sub,
     to_configdict,
+    union_types,
 )
 
 
@@ -120,7 +120,7 @@ def from_json(text: str) -> ConfigDict:
         tree = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError("", f"not a JSON config ({e.msg})") from None
-    tree = compat.migrate(tree)
+    tree = compat.migrate_env_algorithms(compat.migrate(tree))
     merged = default_config()
     _merge(merged, tree, Config, "")
     return lock(merged)
@@ -128,7 +128,7 @@ def from_json(text: str) -> ConfigDict:
 
 def _merge(dst: ConfigDict, src: dict, cls: type, prefix: str) -> None:
     """Overlay a saved tree onto the defaults, checking every key against section `cls`."""
-    types = field_types(cls)
+    types = union_types(cls)
     for key, value in src.items():
         path = f"{prefix}{key}"
         if key not in types:

@@ -2,6 +2,7 @@
 
 Each entry of `RENAMED` maps an old leaf name to its new name and a converter; `migrate()` applies them
 anywhere in the tree. A value that cannot be converted fails with one line naming the old key and the new one.
+`migrate_env_algorithms()` turns an env's old algorithm name (and custom advantage) into its own block.
 """
 
 from __future__ import annotations
@@ -43,3 +44,35 @@ def migrate(tree: dict[str, Any], path: str = "") -> dict[str, Any]:
             key = new
         out[key] = migrate(value, where) if isinstance(value, dict) else value
     return out
+
+
+def _algorithm_keys(name: str) -> set[str]:
+    import dataclasses
+
+    from primejax.orchestrator.algorithms.base import AlgorithmConfig, registered_config_class
+
+    return {f.name for f in dataclasses.fields(registered_config_class(name) or AlgorithmConfig)}
+
+
+def migrate_env_algorithms(tree: dict[str, Any]) -> dict[str, Any]:
+    """Before per-env algorithm blocks, an env named an algorithm type (`algo: "opd"`) that took the global
+    block's options, plus its own custom advantage (`advantage: {...}`): both become the env's own block."""
+    orch = tree.get("orchestrator")
+    if not isinstance(orch, dict):
+        return tree
+    default = orch.get("algo", {})
+    for table in (orch.get("envs"), (orch.get("eval") or {}).get("envs")):
+        for entry in (table or {}).values():
+            if not isinstance(entry, dict) or not isinstance(entry.get("algo", {}), str):
+                continue
+            name, advantage = entry.pop("algo"), entry.pop("advantage", {}) or {}
+            if not name and not advantage.get("import_path"):
+                entry["algo"] = {"type": ""}
+                continue
+            block = json.loads(json.dumps(default))
+            block["type"] = name or default.get("type", "grpo")
+            if advantage.get("import_path"):
+                block["advantage"] = advantage
+            own = _algorithm_keys(block["type"])  # the global block's options of other algorithms stay behind
+            entry["algo"] = {k: v for k, v in block.items() if k in own}
+    return tree

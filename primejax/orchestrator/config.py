@@ -5,75 +5,9 @@ Light on purpose (no httpx, transformers or verifiers import): the launcher and 
 
 from __future__ import annotations
 
+from primejax.orchestrator.algorithms import AlgorithmConfig, GRPOConfig
 from primejax.orchestrator.filters import FILTERS
 from primejax.utils.sections import ConfigError, Section, option, section, sub
-
-
-@section
-class ImportConfig(Section):
-    """A user function named by import path, with its keyword arguments."""
-
-    import_path: str = option("", "'module.function' (or 'module:function'); '' = none")
-    kwargs: dict = option(doc="keyword arguments passed to it", factory=dict)
-
-    def check(self) -> None:
-        if self.import_path and "." not in self.import_path and ":" not in self.import_path:
-            raise ConfigError(
-                "import_path", f"must be an import path 'module.function', got {self.import_path!r}"
-            )
-
-
-@section
-class ModelRefConfig(Section):
-    """A model that is not the live policy: an external OpenAI-compatible (vLLM) endpoint."""
-
-    name: str = option("", "served model name ('' = the server's only model)")
-    base_url: tuple = option((), "endpoint URLs, e.g. ('http://127.0.0.1:8001',)")
-
-
-@section
-class SamplingSourceConfig(Section):
-    """Where rollouts are sampled: the live policy, or a frozen model (only the ce loss can learn from it)."""
-
-    source: str = option("policy", "policy | frozen", choices=("policy", "frozen"))
-    frozen: ModelRefConfig = sub(ModelRefConfig, "the frozen sampler (source = frozen)")
-
-    def check(self) -> None:
-        if self.source == "frozen" and not self.frozen.base_url:
-            raise ConfigError("frozen.base_url", "frozen sampling needs an endpoint")
-
-
-@section
-class LengthPenaltyConfig(Section):
-    """A reward penalty on length (grpo family)."""
-
-    type: str = option("none", "none | tokens | turns", choices=("none", "tokens", "turns"))
-    coef: float = option(0.0, "penalty per unit over target", ge=0)
-    target: int = option(0, "free length", ge=0)
-
-
-@section
-class AlgoConfig(Section):
-    """The algorithm that assigns credit (docs/algorithms.md); each env may override the type."""
-
-    type: str = option("grpo", "grpo | max_rl | opd | opsd | sft | echo | a registered name")
-    sampling: SamplingSourceConfig = sub(SamplingSourceConfig, "the sampling source")
-    teacher: ModelRefConfig = sub(ModelRefConfig, "opd: the frozen teacher")
-    length_penalty: LengthPenaltyConfig = sub(LengthPenaltyConfig, "grpo family: length penalty")
-    advantage: ImportConfig = sub(ImportConfig, "grpo family: a custom advantage function")
-    demo_key: str = option("demonstration", "opsd: the example field holding the demonstration")
-    template: str = option(
-        "Here is an expert demonstration:\n{demonstration}", "opsd: the hint's system prompt"
-    )
-    roles: dict = option(
-        doc="echo: role -> ce weight alpha of observation tokens", factory=lambda: {"tool": 0.1}
-    )
-    filter: ImportConfig = sub(ImportConfig, "echo: a user filter of observation tokens")
-
-    def check(self) -> None:
-        for role, alpha in self.roles.items():
-            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
-                raise ConfigError("roles", f"role {role!r}: alpha must be a number >= 0")
 
 
 @section
@@ -85,9 +19,9 @@ class EnvConfig(Section):
     )
     args: dict = option(doc="keyword arguments for the environment's loader", factory=dict)
     weight: float = option(1.0, "share of each step's prompts drawn from this env", gt=0)
-    algo: str = option("", "algorithm type for this env; '' = orchestrator.algo.type")
-    advantage: ImportConfig = sub(
-        ImportConfig, "custom advantage for this env (replaces orchestrator.algo's)"
+    algo: AlgorithmConfig = option(
+        doc="this env's own algorithm block; type '' = inherit orchestrator.algo whole",
+        factory=lambda: AlgorithmConfig(type=""),
     )
 
     def check(self) -> None:
@@ -211,7 +145,7 @@ class OrchestratorConfig(Section):
     max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0)
     weights_poll_s: float = option(0.5, "how often to look for new STABLE broadcasts", gt=0)
     sampling: SamplingConfig = sub(SamplingConfig, "sampling parameters")
-    algo: AlgoConfig = sub(AlgoConfig, "the algorithm")
+    algo: AlgorithmConfig = option(doc="the algorithm block every env uses unless it sets its own", factory=GRPOConfig)
     filters: FiltersConfig = sub(FiltersConfig, "rollout filters")
     buffer: BufferConfig = sub(BufferConfig, "difficulty pools")
     renderer: RendererConfig = sub(RendererConfig, "chat rendering")
@@ -237,21 +171,14 @@ class OrchestratorConfig(Section):
             raise ConfigError("sampling.seed", "per-request sampling seeds need orchestrator.async_level = 0")
         if not self.envs:
             raise ConfigError("envs", "needs at least one environment")
+        if not self.algo.type:
+            raise ConfigError("algo.type", "must name an algorithm")
+
+    def env_algo(self, name: str) -> AlgorithmConfig:
+        """The algorithm block env `name` runs: its own, or orchestrator.algo when it sets none."""
+        own = self.envs[name].algo
+        return own if own.type else self.algo
 
 
-__all__ = [
-    "ImportConfig",
-    "ModelRefConfig",
-    "SamplingSourceConfig",
-    "LengthPenaltyConfig",
-    "AlgoConfig",
-    "EnvConfig",
-    "SamplingConfig",
-    "FiltersConfig",
-    "BufferConfig",
-    "RendererConfig",
-    "EvalConfig",
-    "OrchestratorCheckpointConfig",
-    "ClientConfig",
-    "OrchestratorConfig",
-]
+__all__ = ["EnvConfig", "SamplingConfig", "FiltersConfig", "BufferConfig", "RendererConfig", "EvalConfig",
+           "OrchestratorCheckpointConfig", "ClientConfig", "OrchestratorConfig"]

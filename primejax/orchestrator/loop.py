@@ -24,7 +24,6 @@ from primejax.envs.registry import load_env
 from primejax.inference.client import InferenceError
 from primejax.orchestrator import metrics as M
 from primejax.orchestrator.algorithms import build_algorithm
-from primejax.orchestrator.algorithms.base import env_algo_config
 from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from primejax.orchestrator.config import OrchestratorConfig
@@ -81,8 +80,8 @@ def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
     slots = []
     for name, entry in o.envs.items():
         env = load_env(entry.id, dict(entry.args))
-        algorithm = build_algorithm(entry.algo or o.algo.type, env_algo_config(o.algo, entry), sampling=o.sampling,
-                                    **resources)
+        algo = o.env_algo(name)
+        algorithm = build_algorithm(algo.type, algo, sampling=o.sampling, **resources)
         slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm))
     return slots
 

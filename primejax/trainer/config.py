@@ -55,7 +55,7 @@ class SchedulerConfig(Section):
 class LossConfig(Section):
     """The rl loss (DPPO + KL, or a custom per-sequence function); ce and ref_kl tokens have fixed losses."""
 
-    type: str = option("default", "default (DPPO + KL) | custom", choices=("default", "custom"))
+    type: str = option("default", "default: DPPO + KL; custom: import_path", choices=("default", "custom"))
     dppo_mask_low: float = option(0.2, "DPPO trust region below the sampling probability", ge=0)
     dppo_mask_high: float = option(0.2, "DPPO trust region above the sampling probability", ge=0)
     adv_tau: float = option(1.0, "advantage scale", ge=0)

@@ -12,6 +12,11 @@ in the section that owns it (docs/configuration.md).
 
 Field types understood: bool, int, float, str, `float | None`, `tuple[str, ...]`, a nested section, `dict`
 (free-form keyword arguments) and `dict[str, Section]` (named entries such as `orchestrator.envs`).
+
+A section class may be polymorphic (an algorithm's config, chosen by its `type`): it defines `variants()` (every
+concrete class) and `variant(node)` (the one a tree node selects). Its ConfigDict holds the union of the
+variants' keys; the typed view is the selected variant, and a key of another variant set away from its default
+is an error naming the variants that own it.
 """
 
 from __future__ import annotations
@@ -76,6 +81,16 @@ class Section:
     def check(self) -> None:
         """The section's own rules across its fields; raise `ConfigError(field, message)`."""
 
+    @classmethod
+    def variants(cls) -> list[type[Section]]:
+        """Polymorphic base sections return their concrete classes (see the module doc); others [cls]."""
+        return [cls]
+
+    @classmethod
+    def variant(cls, node: Mapping[str, Any]) -> type[Section]:
+        """The concrete class tree `node` selects (polymorphic bases only)."""
+        return cls
+
     def replace(self: T, **changes: Any) -> T:
         return dataclasses.replace(self, **changes)
 
@@ -117,7 +132,8 @@ def _plain(value: Any) -> Any:
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def field_kind(tp: Any) -> tuple[str, Any]:
@@ -142,6 +158,44 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is _MISSING else f.default  # type: ignore[misc]
 
 
+def polymorphic(cls: type) -> bool:
+    return "variants" in cls.__dict__
+
+
+def union_types(cls: type) -> dict[str, Any]:
+    """Field types of a section, or of every variant of a polymorphic one (first declaration wins)."""
+    out: dict[str, Any] = {}
+    for v in cls.variants() if polymorphic(cls) else [cls]:
+        for name, tp in field_types(v).items():
+            out.setdefault(name, tp)
+    return out
+
+
+def _owners(cls: type, key: str) -> list[str]:
+    return [getattr(v, "name", v.__name__) for v in cls.variants() if key in field_types(v)]
+
+
+def _merge_into(dst: Any, src: Any) -> None:
+    """Add the keys of ConfigDict `src` missing from `dst`, recursively (the union of variants' trees)."""
+    for key, value in src.items():
+        if key not in dst:
+            dst[key] = value
+        elif _is_configdict(value) and _is_configdict(dst[key]):
+            _merge_into(dst[key], value)
+
+
+def _section_tree(cls: type, value: Any) -> ConfigDict:
+    if not polymorphic(cls):
+        return to_configdict(value)
+    from ml_collections import ConfigDict
+
+    tree = ConfigDict()
+    _merge_into(tree, to_configdict(value))  # the value's own keys and values first
+    for v in cls.variants():
+        _merge_into(tree, to_configdict(v))
+    return tree
+
+
 def to_configdict(value: Section | type[Section]) -> ConfigDict:
     """A section (and its sub-sections) as a ConfigDict: the tree config files edit. Given a class, its
     defaults (without checking them: an entry's defaults may need filling in, like an env's id)."""
@@ -155,9 +209,9 @@ def to_configdict(value: Section | type[Section]) -> ConfigDict:
         kind, arg = field_kind(types[f.name])
         v = _default(f) if isinstance(value, type) else getattr(value, f.name)
         if kind == "section":
-            out[f.name] = to_configdict(v)
+            out[f.name] = _section_tree(arg, v)
         elif kind == "entries":
-            out[f.name] = ConfigDict({k: to_configdict(e) for k, e in v.items()})
+            out[f.name] = ConfigDict({k: _section_tree(arg, e) for k, e in v.items()})
         elif kind == "dict":
             out[f.name] = ConfigDict(dict(v))
         elif kind == "optional":
@@ -192,6 +246,12 @@ def build(cls: type[T], node: Any, path: str = "") -> T:
         node = dict(node.items())
     if not isinstance(node, Mapping):
         raise ConfigError(path, f"must be a section, got {node!r}")
+    if polymorphic(cls):
+        return _build_variant(cls, node, path)
+    return _build_fields(cls, node, path)
+
+
+def _build_fields(cls: type[T], node: Mapping[str, Any], path: str) -> T:
     types = field_types(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in node:
@@ -224,6 +284,26 @@ def build(cls: type[T], node: Any, path: str = "") -> T:
         raise ConfigError(_join(path, e.key), e.message) from None
 
 
+def _build_variant(cls: type[T], node: Mapping[str, Any], path: str) -> T:
+    try:
+        concrete = cls.variant(node)
+    except ConfigError as e:
+        raise ConfigError(_join(path, e.key), e.message) from None
+    own = {f.name for f in dataclasses.fields(concrete)}
+    union = dict(_section_tree(cls, concrete).items())
+    kept = {}
+    for key, value in node.items():
+        if key in own:
+            kept[key] = value
+            continue
+        if key not in union:
+            raise ConfigError(_join(path, key), "unknown key")
+        if _plain(_to_plain(value)) != _plain(_to_plain(union[key])):
+            owners = ", ".join(_owners(cls, key))
+            raise ConfigError(_join(path, key), f"{node.get('type')!r} has no {key!r} (a key of {owners})")
+    return _build_fields(concrete, kept, path)
+
+
 def _items(key: str, value: Any) -> Iterator[tuple[Any, Any]]:
     if _is_configdict(value) or isinstance(value, Mapping):
         return iter(value.items())
@@ -253,13 +333,42 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
         if kind == "section":
             if doc:
                 rows.append((key, "{...}", doc))
-            rows += describe(arg, f"{key}.")
+            rows += _describe_section(arg, f"{key}.", _default(f))
         elif kind == "entries":
             rows.append((key, "{" + ", ".join(_default(f)) + "}", doc))
-            rows += describe(arg, f"{key}.<name>.")
+            rows += _describe_section(arg, f"{key}.<name>.")
         else:
             rows.append((key, _plain(_default(f)), doc))
     return rows
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, dict) and v and key not in ("args", "kwargs", "roles"):
+            out.update(_flat(v, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = v
+    return out
+
+
+def _describe_section(cls: type, prefix: str, default: Any = None) -> list[tuple[str, Any, str]]:
+    if not polymorphic(cls):
+        return describe(cls, prefix)
+    actual = _flat(default.to_dict(), prefix) if isinstance(default, Section) else {}
+    variants = cls.variants()
+    rows: dict[str, tuple[Any, str]] = {}
+    owners: dict[str, list[str]] = {}
+    for v in variants:
+        for key, default, doc in describe(v, prefix):
+            rows.setdefault(key, (default, doc))
+            owners.setdefault(key, []).append(getattr(v, "name", v.__name__))
+    out = []
+    for key, (value, doc) in rows.items():
+        if len(owners[key]) < len(variants):
+            doc = f"{doc} ({', '.join(owners[key])})"
+        out.append((key, actual.get(key, value), doc))
+    return out
 
 
 def replace_key(value: T, key: str, new: Any) -> T:

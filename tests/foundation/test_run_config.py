@@ -184,24 +184,23 @@ def test_help_keys_lists_every_key_with_its_doc():
 
 
 def test_configs_saved_before_the_typed_sections_still_load(tmp_path):
-    """A resolved config from before kwargs/roles became mappings loads; an unconvertible value fails in one line."""
-    old = json.loads(to_json(_cfg()))
-    loss = old["trainer"]["loss"]
-    del loss["kwargs"]
-    loss["kwargs_json"] = '{"clip_eps": 0.3}'
-    algo = old["orchestrator"]["algo"]
-    del algo["roles"], algo["advantage"]["kwargs"]
-    algo["roles_json"] = '{"tool": 0.5}'
-    algo["advantage"]["kwargs_json"] = "{}"
+    """A resolved config written by primejax before this change (commit 5df0e45's `--dry_run`: JSON strings for
+    kwargs and roles, an env naming its algorithm type plus its own custom advantage) loads; one that cannot be
+    converted fails in one line naming the key."""
+    saved = ROOT / "tests" / "foundation" / "data" / "config_before_typed_sections.json"
+    cfg, _ = parse_config(["--config", str(saved)], prog="t")
+    assert cfg.trainer.loss.kwargs == {"clip_eps": 0.3}
+    assert cfg.orchestrator.algo.type == "echo" and cfg.orchestrator.algo.roles == {"tool": 0.5}
+    env_algo = cfg.orchestrator.env_algo("reverse_text")
+    assert env_algo.type == "max_rl" and env_algo.advantage.kwargs == {"value": 2.0}
+    assert env_algo.advantage.import_path == "custom_advantage_fns.constant"
+    old = json.loads(saved.read_text())
+    old["trainer"]["loss"]["kwargs_json"] = "[1]"
     path = tmp_path / "trainer.json"
-    path.write_text(json.dumps(old))
-    cfg, _ = parse_config(["--config", str(path)], prog="t")
-    assert cfg.trainer.loss.kwargs == {"clip_eps": 0.3} and cfg.orchestrator.algo.roles == {"tool": 0.5}
-    loss["kwargs_json"] = "[1]"
     path.write_text(json.dumps(old))
     with pytest.raises(UsageError, match=r"trainer\.loss\.kwargs_json: was renamed to 'kwargs'"):
         parse_config(["--config", str(path)], prog="t")
-    loss["kwargs_json"] = "{}"
+    old["trainer"]["loss"]["kwargs_json"] = "{}"
     old["trainer"]["gone"] = 1
     path.write_text(json.dumps(old))
     with pytest.raises(UsageError, match=r"trainer\.gone: unknown key"):

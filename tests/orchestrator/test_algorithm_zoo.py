@@ -7,12 +7,11 @@ import asyncio
 
 import pytest
 
-from primejax.config import default_config
+from primejax.config import ConfigError, default_config, env
 from primejax.envs.base import Example
 from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.algorithms.advantage import extension_runs, mean_normalized
-from primejax.orchestrator.algorithms.base import env_algo_config
-from primejax.orchestrator.config import EnvConfig, ImportConfig, OrchestratorConfig
+from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.qwen3_renderer import Qwen3Renderer
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 from primejax.orchestrator.samples import rollout_to_samples
@@ -94,13 +93,16 @@ def test_custom_advantage_must_return_one_value_per_rollout():
 
 
 def test_per_env_advantage_overrides_the_global_one():
-    cfg = algo_config(advantage={"import_path": "custom_advantage_fns.constant", "kwargs": {"value": 2.0}})
-    plain = EnvConfig(id="reverse-text")
-    custom = EnvConfig(id="reverse-text", advantage=ImportConfig(import_path="custom_advantage_fns.constant",
-                                                                 kwargs={"value": -3.0}))
-    for entry, expected in ((plain, 2.0), (custom, -3.0)):
+    tree = default_config().orchestrator
+    tree.algo.advantage.update({"import_path": "custom_advantage_fns.constant", "kwargs": {"value": 2.0}})
+    tree.envs["custom"] = env("reverse-text")
+    tree.envs.custom.algo.type = "grpo"
+    tree.envs.custom.algo.advantage.update({"import_path": "custom_advantage_fns.constant", "kwargs": {"value": -3.0}})
+    cfg = build(OrchestratorConfig, tree)
+    for name, expected in (("reverse_text", 2.0), ("custom", -3.0)):
         group = [rollout(1.0), rollout(0.0)]
-        finalize(build_algorithm("grpo", env_algo_config(cfg.algo, entry), sampling=cfg.sampling), group)
+        algo = cfg.env_algo(name)
+        finalize(build_algorithm(algo.type, algo, sampling=cfg.sampling), group)
         assert [r.advantages[0] for r in group] == [expected, expected]
     assert cfg.algo.advantage.kwargs == {"value": 2.0}  # the shared section is not mutated
 
@@ -168,9 +170,8 @@ def test_opsd_scores_the_policy_under_the_demonstration_hint(tokenizer):
 
 
 def test_sft_needs_a_frozen_source_and_ships_ce_on_every_sampled_token():
-    cfg = algo_config(type="sft")
-    with pytest.raises(ValueError, match="frozen sampling source"):
-        build_algorithm("sft", cfg.algo, sampling=cfg.sampling)
+    with pytest.raises(ConfigError, match="sft needs a frozen source"):  # rejected with the config
+        algo_config(type="sft")
     cfg = algo_config(type="sft", sampling={"source": "frozen",
                                             "frozen": {"name": "big", "base_url": ("http://127.0.0.1:9",)}})
     algo = build_algorithm("sft", cfg.algo, sampling=cfg.sampling)

@@ -125,7 +125,7 @@ def test_algorithm_per_env_override_and_weights(tmp_path, tokenizer):
                 r.assign_advantages(2.0)
 
     cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
-    cfg.orchestrator.envs.reverse_text.algo = "test-const"
+    cfg.orchestrator.envs.reverse_text.algo.type = "test-const"
     cfg.orchestrator.filters.post_batch = ()
     _, (metrics,) = run(cfg, FakeClient(tokenizer), tokenizer, 1)
     assert metrics["advantage/mean"] == 2.0

@@ -17,9 +17,25 @@ from __future__ import annotations
 from typing import Any
 
 from primejax.orchestrator.algorithms.advantage import import_object
-from primejax.orchestrator.algorithms.base import register_algorithm
-from primejax.orchestrator.algorithms.grpo import GRPOAlgorithm
+from primejax.orchestrator.algorithms.base import ImportConfig, register_algorithm
+from primejax.orchestrator.algorithms.grpo import GRPOAlgorithm, GRPOConfig
 from primejax.orchestrator.rollout import Rollout
+from primejax.utils.sections import ConfigError, option, section, sub
+
+
+@section
+class EchoConfig(GRPOConfig):
+    """ECHO: grpo plus weighted ce on environment-provided observation tokens."""
+
+    roles: dict = option(doc="role -> ce weight alpha of its observation tokens (replaces the whole table)",
+                         factory=lambda: {"tool": 0.1})
+    filter: ImportConfig = sub(ImportConfig, "a user keep-mask over observation tokens")
+
+    def check(self) -> None:
+        super().check()
+        for role, alpha in self.roles.items():
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+                raise ConfigError("roles", f"role {role!r}: alpha must be a number >= 0")
 
 
 def find_last(haystack: list[int], needle: list[int], end: int) -> int:
@@ -50,6 +66,9 @@ def _text(content: Any) -> str:
 
 @register_algorithm("echo")
 class EchoAlgorithm(GRPOAlgorithm):
+    config_class = EchoConfig
+    config: EchoConfig
+
     def setup(self) -> None:
         super().setup()
         if self.tokenizer is None:
