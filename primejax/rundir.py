@@ -10,10 +10,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from primejax.utils.io import atomic_write_text
-from primejax.utils.sections import ConfigError, Section, option, section
+from primejax.utils.sections import MAX_STEPS, ConfigError, Section, option, section
+
+# A run name is one plain directory name: no separators, no '.'/'..', no '~' or leading '-' or '.'.
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@-]*$")
 
 
 @section
@@ -22,15 +26,19 @@ class RunConfig(Section):
 
     name: str = option("default", "the run directory is <output_dir>/<name>")
     output_dir: str = option("outputs", "parent of run directories")
-    max_steps: int = option(20, "training steps", gt=0)
+    max_steps: int = option(20, "training steps", gt=0, le=MAX_STEPS)
     seed: int = option(0, "seed of initialization, sampling order and the server", ge=0)
     resume_step: str = option("", "'' = fresh run, 'latest', or a step number")
 
     def check(self) -> None:
         if self.resume_step not in ("", "latest") and not self.resume_step.isdigit():
             raise ConfigError("resume_step", f"must be '', 'latest' or a step number, got {self.resume_step!r}")
-        if not self.name or "/" in self.name:
-            raise ConfigError("name", f"must be a non-empty name without '/', got {self.name!r}")
+        if not _NAME.match(self.name):
+            raise ConfigError("name", "must be a plain directory name (letters, digits, '_', '-', '.', not starting "
+                                      f"with '.' or '-', no '/' or '~'), got {self.name!r}")
+        out = self.output_dir
+        if not out or out.startswith("~") or Path(out).resolve() == Path(Path(out).resolve().anchor):
+            raise ConfigError("output_dir", f"must be a directory below the filesystem root (no '~'), got {out!r}")
 
     @property
     def dir(self) -> Path:

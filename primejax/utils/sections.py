@@ -22,6 +22,7 @@ is an error naming the variants that own it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -32,6 +33,10 @@ if TYPE_CHECKING:  # ml_collections is imported where a ConfigDict is made or re
 
 T = TypeVar("T", bound="Section")
 _MISSING = dataclasses.MISSING
+# Largest sizes accepted at start-up (beyond these a run fails later, e.g. allocating a 1e12-token row).
+MAX_TOKENS = 1 << 22  # 4M tokens in one sequence
+MAX_ROWS = 1 << 20
+MAX_STEPS = 1 << 30
 
 
 class ConfigError(ValueError):
@@ -108,6 +113,8 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
                         f.name, f"unknown value {v!r} (one of {', '.join(map(str, m['choices']))})"
                     )
         return
+    if isinstance(value, float) and not math.isfinite(value):  # every float key, whatever its bounds
+        raise ConfigError(f.name, f"must be a finite number, got {value}")
     if m.get("choices") is not None and value not in m["choices"]:
         raise ConfigError(f.name, f"must be one of {', '.join(map(str, m['choices']))}; got {value!r}")
     if m.get("gt") is not None and not value > m["gt"]:
