@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,8 +38,10 @@ class _Version:
 
 def weights_version(weights: str) -> int:
     """`.../step_N` -> N (so samples are tagged with the trainer step they evaluate), else 1."""
-    m = re.search(r"step_(\d+)/?$", str(weights))
-    return int(m.group(1)) if m else 1
+    from primejax.rundir import parse_step
+
+    step = parse_step(weights)
+    return 1 if step is None else step
 
 
 async def evaluate(o: OrchestratorConfig, model_path: str, client: Any, weights: str | None = None

@@ -30,9 +30,8 @@ from primejax.models.settings import ModelSettings
 from primejax.monitor import read_jsonl
 from primejax.preflight import PreflightError, preflight
 from primejax.resume import common_resume_step, keep_previous_run, set_aside_after
-from primejax.rundir import log_path, write_resolved_config
+from primejax.rundir import RunDir, log_path, write_resolved_config
 from primejax.runlock import RunLock, check_port
-from primejax.utils.faults import PIDS_FILE
 from primejax.utils.io import atomic_write_json
 from primejax.utils.procs import ChildProcess, stop_all
 from primejax.utils.sections import replace_key
@@ -106,10 +105,10 @@ class _Progress:
 
     def update(self) -> None:
         def rows(name: str) -> dict[int, dict]:
-            return {r["step"]: r for r in read_jsonl(self.root / "metrics" / name)
+            return {r["step"]: r for r in read_jsonl(RunDir(self.root).metrics(name))
                     if r.get("time", self.started_wall) >= self.started_wall}
 
-        trainer_rows, orch_rows = rows("trainer.jsonl"), rows("orchestrator.jsonl")
+        trainer_rows, orch_rows = rows("trainer"), rows("orchestrator")
         for step in sorted(s for s in trainer_rows if s > self.printed):
             print(_progress_line(step, self.max_steps, trainer_rows[step], orch_rows.get(step, {}), self.started),
                   flush=True)
@@ -257,7 +256,7 @@ def _ensure_model(m: ModelSettings) -> None:
 
 
 def _write_pids(root: Path, children: list[ChildProcess]) -> None:
-    atomic_write_json(root / PIDS_FILE, {"launcher": os.getpid(), **{c.name: c.pid for c in children}})
+    atomic_write_json(RunDir(root).pids_file, {"launcher": os.getpid(), **{c.name: c.pid for c in children}})
 
 
 def _prepare(cfg: Config) -> tuple[Config, int]:
@@ -268,7 +267,7 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     root = cfg.run_dir
     resume = common_resume_step(root, cfg.run.resume_step)
     _ensure_model(cfg.model)
-    sft_final = root / "sft" / "final"
+    sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
     reuse_sft = use_sft and resume is not None
     preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path)

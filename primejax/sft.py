@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from primejax.cli import parse_config, run_main
 from primejax.orchestrator.config import EnvConfig
-from primejax.rundir import write_resolved_config
+from primejax.rundir import RunDir, write_resolved_config
 from primejax.sft_data import SftConfig
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ log = logging.getLogger("primejax.sft")
 
 
 def sft_output_dir(root: str | Path) -> Path:
-    return Path(root) / "sft" / "final"
+    return RunDir(root).sft_final
 
 
 def demonstrations_from_env(env_cfg: EnvConfig, n: int) -> list[list[dict]]:

@@ -1,5 +1,5 @@
 """The prompt source: which (environment, example index) pairs each step samples, and what it learns from
-each finished group (seed 000 §Difficulty Pools, §Online Difficulty Filtering).
+each finished group (docs/architecture.md#difficulty-pools-and-online-difficulty-filtering).
 
 Environments are drawn in proportion to their `weight`, examples uniformly among the env's indices still in
 rotation. After each group, its mean reward is compared with `easy_threshold` / `hard_threshold`: at or

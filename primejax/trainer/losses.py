@@ -1,7 +1,7 @@
 """The training loss: three components (rl, ce, ref_kl), each normalized by its own global token count.
 
 Per token, with lp = trainer logprob, lq = inference logprob, A = advantage, log_r = lp - lq, r = exp(log_r),
-d = exp(lp) - exp(lq) (docs/algorithms.md):
+d = exp(lp) - exp(lq) (docs/architecture.md#losses):
 
 - rl (DPPO + KL): masked = (A > 0 and d > dppo_mask_high) or (A <= 0 and d < -dppo_mask_low);
   loss_t = -keep * adv_tau * A * min(r, is_clip) + kl_tau * member * log_r^2, keep = member and not masked.

@@ -57,7 +57,7 @@ def test_reverse_text_steps_against_vllm_with_weight_updates(tmp_path, vllm_serv
     cfg = small_config(run_dir, batch_size=8, group_size=4, async_level=1)
     cfg.model.path = str(tiny_model_dir)
     cfg.orchestrator.update({"seq_len": 512, "max_prompt_tokens": 256})
-    cfg.orchestrator.sampling.update({"max_tokens": 24, "seed": 7})
+    cfg.orchestrator.sampling.max_tokens = 24  # unseeded: seeds need async_level 0 (config rule)
     cfg.orchestrator.filters.post_batch = ()  # a random tiny model's rewards may tie; ship everything
     tokenizer = load_tokenizer(str(tiny_model_dir))
 

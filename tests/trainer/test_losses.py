@@ -1,4 +1,4 @@
-"""The loss components against a NumPy re-implementation of ARCHITECTURE.md §Losses."""
+"""The loss components against a NumPy re-implementation of docs/architecture.md#losses."""
 
 from __future__ import annotations
 

@@ -91,7 +91,8 @@ def load_advantage_fn(import_path: str, kwargs: Mapping[str, Any] | None = None
 # ------------------------------------------------------------------------------------ reference scoring
 
 def extension_runs(steps: list[TrajectoryStep]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """Group a trajectory's steps the way interleaving merges them (extension property, seed 001).
+    """Group a trajectory's steps the way interleaving merges them (the extension property,
+    docs/architecture.md#multi-turn-trajectories).
 
     Returns, per run, the run's full token context (last prompt + its completion) and, for each step of the
     run, (start, length) of that step's sampled tokens inside the context. Causality makes one forward pass
