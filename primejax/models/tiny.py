@@ -225,6 +225,18 @@ class TinyModelConfig(Section):
     def resolved_vocab_size(self) -> int:
         return self.vocab_size or (DEFAULT_VOCAB_SIZE if self.tokenizer == "bpe" else BYTES_VOCAB_SIZE)
 
+    def architecture(self, *, max_positions: int = 4096, **overrides: str):
+        """The `ModelConfig` this section describes, without building anything (benchmarks with no model dir)."""
+        from primejax.models.config import ModelConfig
+
+        return ModelConfig(
+            model_type=self.family, vocab_size=self.resolved_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=10000.0, rope_scaling=None,
+            rms_norm_eps=1e-6, tie_word_embeddings=self.tied, qk_norm=self.family == "qwen3", attention_bias=False,
+            max_position_embeddings=max_positions, **overrides,
+        )
+
     def build(self, out_dir: str | Path) -> Path:
         """Write the model to `out_dir` (the one place this section becomes `build_tiny_model` arguments)."""
         args = {k: v for k, v in self.to_dict().items() if k != "enabled"}

@@ -61,14 +61,7 @@ def build_model(m: ModelSettings, mesh: jax.sharding.Mesh, *, seed: int = 0,
     """Load `model.path` (HF safetensors); a directory with only config.json gets random weights (benchmarks)."""
     overrides = m.overrides()
     if not m.path:  # fake-data mode without a model: the build_tiny shape, random weights
-        tiny = m.build_tiny
-        model_cfg = ModelConfig(
-            model_type=tiny.family, vocab_size=tiny.resolved_vocab_size, hidden_size=tiny.hidden_size,
-            intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
-            num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, rope_theta=10000.0, rope_scaling=None,
-            rms_norm_eps=1e-6, tie_word_embeddings=tiny.tied, qk_norm=tiny.family == "qwen3", attention_bias=False,
-            max_position_embeddings=max(4096, max_positions), **overrides,
-        )
+        model_cfg = m.build_tiny.architecture(max_positions=max(4096, max_positions), **overrides)
         return init_model(model_cfg, mesh, seed), model_cfg
     path = Path(m.path)
     if any(path.glob("*.safetensors")):
