@@ -28,6 +28,9 @@ THINK_END = "</think>"
 # added tokens, as in Qwen3, so they survive into the decoded text that reasoning parsers read.
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 THINK_TOKENS = [THINK_START, THINK_END]
+# Qwen3's tool-call markers, plain added tokens as in Qwen3; opt-in (`tool_tokens=True`) so the default
+# tokenizer, and every model built from it, stays what it was. The renderers package's Qwen3 renderer needs them.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 DEFAULT_VOCAB_SIZE = 384
 TOKENIZERS = ("bpe", "bytes")
@@ -73,10 +76,13 @@ def _builtin_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: Path, *, vocab_size: int = 0, corpus: list[str] | None = None, kind: str = "bpe"):
+def build_tokenizer(out_dir: Path, *, vocab_size: int = 0, corpus: list[str] | None = None, kind: str = "bpe",
+                    tool_tokens: bool = False):
     """Save an HF fast tokenizer in out_dir: a byte-level BPE trained on `corpus` (built-in if None) to
     `vocab_size` tokens (0 = 384), or `kind="bytes"`: one token per byte (so per ASCII character), no merges,
-    padded with reserved special tokens up to `vocab_size` (0 = no padding, 261 tokens)."""
+    padded with reserved special tokens up to `vocab_size` (0 = no padding, 261 tokens).
+
+    `tool_tokens` adds Qwen3's tool-call markers after the vocabulary (the merges are unchanged)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -101,7 +107,8 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = 0, corpus: list[str] | N
     tok.decoder = decoders.ByteLevel()
     if kind == "bpe":
         tok.train_from_iterator(corpus if corpus is not None else _builtin_corpus(), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    added = THINK_TOKENS + (TOOL_TOKENS if tool_tokens else [])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if kind == "bytes" and vocab_size > tok.get_vocab_size():
         # Reserved ids fill the embedding up to vocab_size; special, so they never appear in decoded text.
         reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - tok.get_vocab_size())]
@@ -136,13 +143,14 @@ def build_tiny_model(
     corpus: list[str] | None = None,
     init_std: float = 0.02,
     max_position_embeddings: int = 4096,
+    tool_tokens: bool = False,
 ) -> Path:
     """Write a random-init tiny Qwen3 or Llama model (fp32 safetensors) plus tokenizer to `out_dir`.
 
     `tokenizer` "bpe" trains a byte-level BPE of `vocab_size` tokens (default 384); "bytes" is character-level
     (one token per byte) padded to `vocab_size`. The model's vocab equals the tokenizer's size, so every id the
     model can sample decodes. head_dim must be >= 32 (vLLM's CPU attention kernels).
-    Deterministic given `seed` and `corpus`.
+    Deterministic given `seed` and `corpus`. `tool_tokens` adds Qwen3's `<tool_call>`/`<tool_response>` markers.
     """
     import torch
     import transformers
@@ -154,7 +162,7 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tok = build_tokenizer(out, vocab_size=vocab_size or 0, corpus=corpus, kind=tokenizer)
+    tok = build_tokenizer(out, vocab_size=vocab_size or 0, corpus=corpus, kind=tokenizer, tool_tokens=tool_tokens)
     n_vocab = len(tok)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + THINK_TOKENS}
 
@@ -194,7 +202,8 @@ def build_tiny_model(
     model.save_pretrained(str(out))
     # Written last: its presence marks a complete build (fixtures that cache model dirs check it).
     atomic_write_json(out / "primejax_tiny.json", {"family": family, "tied": tied, "seed": seed,
-                                                   "tokenizer": tokenizer, "vocab_size": n_vocab})
+                                                   "tokenizer": tokenizer, "vocab_size": n_vocab,
+                                                   "tool_tokens": tool_tokens})
     return out
 
 
