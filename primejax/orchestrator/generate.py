@@ -222,7 +222,7 @@ class GroupGenerator:
                 prompt_ids = self.renderer.bridge_to_next_turn(last.prompt_ids, last.completion_ids,
                                                                messages[known:], tools)
             prompt_ids = prompt_ids or self.renderer.render_ids(messages, tools)
-            if len(prompt_ids) > s.max_prompt_tokens:
+            if len(prompt_ids) > self.max_prompt_tokens:
                 rollout.truncated = True
                 return None
             stage = "request"
