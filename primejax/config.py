@@ -14,6 +14,8 @@ from typing import Any
 import ml_collections
 from ml_collections import ConfigDict, FieldReference
 
+from primejax.utils.devices import check_layout
+
 
 class ConfigError(ValueError):
     """A bad configuration value. `key` is the dotted path, e.g. `orchestrator.group_size`."""
@@ -68,13 +70,15 @@ def default_config() -> ConfigDict:
             "param_dtype": "float32",  # master weights
             "compute_dtype": "bfloat16",
             "attention_impl": "auto",  # auto | xla | cudnn | splash
-            "remat_policy": "auto",  # auto | none | full | dots | dots_no_batch | attn | dots_no_batch_attn
+            "remat_policy": "auto",  # auto | none | full | dots | dots_no_batch | attn | dots_no_batch_attn |
+            # attn_offload
         }
     )
 
     c.trainer = ConfigDict(
         {
-            "mesh": ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}),  # -1 = all remaining devices
+            # -1 = all remaining devices; context > 1 splits each row's tokens (context parallelism, docs/scaling.md)
+            "mesh": ConfigDict({"data": 1, "fsdp": -1, "context": 1, "tensor": 1}),
             "micro_batch_size": 1,  # packed rows per micro-batch (gradient accumulation over the rest)
             "logprob_chunk_size": 1024,  # tokens per chunk of the LM head (never full [T, V] fp32 logits)
             # The LM head keeps a micro-batch's fp32 logits for its backward (no recompute) when they and their
@@ -112,6 +116,9 @@ def default_config() -> ConfigDict:
             "peak_flops": 989e12,  # per-device peak for MFU (H100/H200 SXM dense bf16)
             "distributed": ConfigDict({"coordinator_address": "", "num_processes": 1, "process_id": 0}),
             "devices": "",  # accelerator ids for the trainer, e.g. "0,1" (CUDA_VISIBLE_DEVICES); "" = all
+            # Share of each of its GPUs JAX may preallocate (XLA_PYTHON_CLIENT_MEM_FRACTION); 0 = JAX's default
+            # (75%). The trainer never sees the server's GPUs when both `devices` keys are set (docs/scaling.md).
+            "memory_fraction": 0.0,
         }
     )
 
@@ -218,7 +225,8 @@ _CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.compute_dtype": ("float32", "bfloat16"),
     "model.attention_impl": ("auto", "xla", "cudnn", "splash"),
-    "model.remat_policy": ("auto", "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn"),
+    "model.remat_policy": ("auto", "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn",
+                           "attn_offload"),
     "model.build_tiny.family": ("qwen3", "llama"),
     "trainer.broadcast.dtype": ("bfloat16", "float32"),
     "trainer.optim.type": ("adamw",),
@@ -388,12 +396,20 @@ def validate(c: ConfigDict) -> ConfigDict:
     if c.trainer.scheduler.type != "constant" and c.trainer.scheduler.warmup_steps >= _decay_steps(c):
         raise ConfigError("trainer.scheduler.warmup_steps", "must be smaller than the decay steps")
 
-    for axis in ("data", "fsdp", "tensor"):
+    for axis in ("data", "fsdp", "context", "tensor"):
         size = c.trainer.mesh[axis]
         if size == 0 or size < -1:
             raise ConfigError(f"trainer.mesh.{axis}", f"must be a positive size or -1 (the rest), got {size}")
-    if sum(c.trainer.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) > 1:
+    if sum(c.trainer.mesh[a] == -1 for a in ("data", "fsdp", "context", "tensor")) > 1:
         raise ConfigError("trainer.mesh", "at most one axis may be -1")
+
+    if not 0.0 <= c.trainer.memory_fraction <= 1.0:
+        raise ConfigError("trainer.memory_fraction", f"must be in [0, 1], got {c.trainer.memory_fraction}")
+    try:
+        check_layout(c.trainer.devices, c.inference.devices, c.inference.enabled)
+    except ValueError as e:
+        key, _, msg = str(e).partition(": ")
+        raise ConfigError(key, msg) from None
 
     if c.run.resume_step not in ("", "latest") and not c.run.resume_step.isdigit():
         raise ConfigError("run.resume_step", f"must be '', 'latest' or a step number, got {c.run.resume_step!r}")

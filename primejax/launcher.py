@@ -31,6 +31,7 @@ from primejax.monitor import read_jsonl
 from primejax.preflight import PreflightError, preflight
 from primejax.resume import common_resume_step, keep_previous_run, set_aside_after
 from primejax.rundir import log_path, run_dir
+from primejax.utils.devices import accelerator_env
 from primejax.utils.faults import PIDS_FILE
 from primejax.utils.io import atomic_write_json, atomic_write_text
 from primejax.utils.procs import ChildProcess, stop_all
@@ -53,22 +54,23 @@ def _write_child_config(cfg: ConfigDict, process: str) -> Path:
     return path
 
 
-def _child_env(devices: str, platform_cpu: bool) -> dict[str, str]:
+def _child_env(devices: str, platform_cpu: bool, memory_fraction: float = 0.0) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    if devices:
-        env["CUDA_VISIBLE_DEVICES"] = devices
+    env.update(accelerator_env(devices, memory_fraction))  # a node's layout (utils/devices.py): config wins
     if platform_cpu:
         env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
-def _start(cfg: ConfigDict, process: str, module: str, devices: str = "") -> ChildProcess:
+def _start(
+    cfg: ConfigDict, process: str, module: str, devices: str = "", memory_fraction: float = 0.0
+) -> ChildProcess:
     config_path = _write_child_config(cfg, process)
     return ChildProcess(
         process,
         [sys.executable, "-m", module, "--config", str(config_path)],
         log_path(run_dir(cfg), process),
-        env=_child_env(devices, platform_cpu=os.environ.get("JAX_PLATFORMS") == "cpu"),
+        env=_child_env(devices, os.environ.get("JAX_PLATFORMS") == "cpu", memory_fraction),
     )
 
 
@@ -243,7 +245,7 @@ def _with(cfg: ConfigDict, **changes: object) -> ConfigDict:
 
 def _run_sft_warmup(cfg: ConfigDict) -> None:
     """Run `primejax.sft` to completion (its model lands in `<run>/sft/final`)."""
-    child = _start(cfg, "sft", "primejax.sft", devices=cfg.trainer.devices)
+    child = _start(cfg, "sft", "primejax.sft", cfg.trainer.devices, cfg.trainer.memory_fraction)
     print(f"primejax: SFT warm-up ({cfg.sft.steps} steps), log {child.log_path}", flush=True)
     try:
         _watch([child], [child], None)
@@ -314,7 +316,7 @@ def launch(cfg: ConfigDict) -> int:
     try:
         cfg, start_step = _prepare(cfg)
         root.mkdir(parents=True, exist_ok=True)
-        trainer = _start(cfg, "trainer", "primejax.trainer", devices=cfg.trainer.devices)
+        trainer = _start(cfg, "trainer", "primejax.trainer", cfg.trainer.devices, cfg.trainer.memory_fraction)
         orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator")
         children += [trainer, orchestrator]
         if cfg.inference.enabled:

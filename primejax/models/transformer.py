@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import Offloadable, checkpoint_name
 
 from primejax.models.attention import SegmentRuns, attention, prepare_segments
 from primejax.models.config import ModelConfig
+from primejax.models.context_parallel import to_heads, to_tokens
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
 
@@ -49,12 +50,26 @@ def _saves_attention_and_weight_dots(prim, *args, **params) -> bool:
     )
 
 
+def _offloads_attention(prim, *args, **params):
+    """`attn`, but the attention results go to pinned host memory instead of staying on the device.
+
+    At 64k+ tokens per device the saved attention outputs are half of all residuals (Qwen3-8B: 8 kB per token
+    per layer, 19 GB at 64k); offloaded, the device keeps only each layer's input, at `full` remat's memory
+    without its recompute of the attention forward. The copies (one out and back per layer) ride PCIe
+    alongside the layer's compute.
+    """
+    if prim.name.startswith("dot_product_attention_fwd") or (prim.name == "name" and params.get("name") == ATTN_OUT):
+        return Offloadable(src="device", dst="pinned_host")
+    return False
+
+
 _REMAT_POLICIES = {
     "full": None,  # jax.checkpoint with no policy saves nothing but the inputs
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "attn": _saves_attention,
     "dots_no_batch_attn": _saves_attention_and_weight_dots,
+    "attn_offload": _offloads_attention,
 }
 # "auto": the fastest policy measured per micro-batch size (Qwen3-0.6B shape, H200, docs/benchmarks.md).
 # Saving the weight matmuls' outputs as well as attention's is faster than no remat at all up to 32k tokens
@@ -141,12 +156,11 @@ def decoder_layer(
     if cfg.qk_norm:
         q_btnh = rms_norm(q_btnh, p["q_norm"], eps)
         k_btkh = rms_norm(k_btkh, p["k_norm"], eps)
-    q_btnh = constrain(apply_rope(q_btnh, cos, sin), ("batch", "seq", "act_heads", "head_dim"))
-    k_btkh = constrain(apply_rope(k_btkh, cos, sin), ("batch", "seq", "act_kv_heads", "head_dim"))
-    v_btkh = constrain(v_btkh, ("batch", "seq", "act_kv_heads", "head_dim"))
+    # Whole rows, heads split, for the kernel: under context parallelism an all-to-all (context_parallel.py).
+    q_btnh, k_btkh, v_btkh = to_heads(apply_rope(q_btnh, cos, sin), apply_rope(k_btkh, cos, sin), v_btkh)
 
     o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl, runs=runs)
-    o_btnh = checkpoint_name(o_btnh, ATTN_OUT)
+    o_btnh = to_tokens(checkpoint_name(o_btnh, ATTN_OUT))
     o_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt))
     if cfg.attention_out_bias:
         o_btd = o_btd + p["o_bias"].astype(dt)
