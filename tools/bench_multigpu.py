@@ -37,13 +37,50 @@ REPO = Path(__file__).resolve().parents[1]
 K = 1024
 
 
-def _train(name, model, gpus, seq, *, rows=None, layers=None, fsdp=-1, context=1, tensor=1, remat="attn",
-           save_gib=0.0, steps=2, warmup=1, io=None, alts=(), baseline=None, scan=False):
+def _train(
+    name,
+    model,
+    gpus,
+    seq,
+    *,
+    rows=None,
+    layers=None,
+    fsdp=-1,
+    context=1,
+    tensor=1,
+    remat="attn",
+    save_gib=0.0,
+    steps=2,
+    warmup=1,
+    io=None,
+    alts=(),
+    baseline=None,
+    scan=False,
+    timeout=None,
+):
     """A training row: `seq` tokens per row, `rows` rows per step (default one row per data-parallel GPU)."""
     rows = rows or max(1, gpus // (context * tensor))
-    return dict(kind="train", name=name, model=model, gpus=gpus, seq=seq, rows=rows, layers=layers, fsdp=fsdp,
-                context=context, tensor=tensor, remat=remat, save_gib=save_gib, steps=steps, warmup=warmup, io=io,
-                alts=list(alts), baseline=baseline, scan=scan)
+    return dict(
+        kind="train",
+        name=name,
+        model=model,
+        gpus=gpus,
+        seq=seq,
+        rows=rows,
+        layers=layers,
+        fsdp=fsdp,
+        context=context,
+        tensor=tensor,
+        remat=remat,
+        save_gib=save_gib,
+        steps=steps,
+        warmup=warmup,
+        io=io,
+        alts=list(alts),
+        baseline=baseline,
+        scan=scan,
+        timeout=timeout,
+    )
 
 
 # Memory plan (80 GB H100; docs/scaling.md): fp32 params + AdamW moments + fp32 grads are 16 B/param, so
@@ -54,24 +91,87 @@ def _train(name, model, gpus, seq, *, rows=None, layers=None, fsdp=-1, context=1
 # falls back to "full" remat (layer inputs only, 8 kB per token). The head recomputes its logits (save_gib 0):
 # keeping 15 GB of logits per 16k tokens would not fit next to the state.
 SUITE = [
-    dict(kind="layout", name="node-layout", model="qwen3-0.6b", gpus=2, seq=8 * K, rows=1, steps=3, warmup=1,
-         layers=8, remat="attn", save_gib=0.0),
-    _train("weak:4b:2", "qwen3-4b", 2, 16 * K),
+    # 1-2 GPUs each, side by side on disjoint GPUs
+    dict(
+        kind="layout",
+        name="node-layout",
+        model="qwen3-0.6b",
+        gpus=2,
+        seq=8 * K,
+        rows=1,
+        steps=3,
+        warmup=1,
+        layers=8,
+        remat="attn",
+        save_gib=0.0,
+    ),
+    _train("weak:4b:2", "qwen3-4b", 2, 16 * K, baseline="weak:4b:1"),
     _train("weak:4b:1", "qwen3-4b", 1, 16 * K, alts=[dict(layers=18, name="weak:4b@L18:1")]),
     _train("1gpu:8b@L8:16k", "qwen3-8b", 1, 16 * K, layers=8),
     _train("1gpu:4b@L18:64k", "qwen3-4b", 1, 64 * K, layers=18, steps=1, warmup=0),
     _train("1gpu:8b@L8:64k", "qwen3-8b", 1, 64 * K, layers=8, steps=1, warmup=0, alts=[dict(remat="full")]),
+    # all 4 GPUs, in order of priority (a --budget skips from the end)
     _train("weak:4b:4", "qwen3-4b", 4, 16 * K, baseline="weak:4b:1"),
-    _train("8b:16k:fsdp4", "qwen3-8b", 4, 16 * K, io="params", baseline="1gpu:8b@L8:16k"),
-    _train("4b:64k:fsdp4", "qwen3-4b", 4, 64 * K, steps=1, warmup=0, baseline="1gpu:4b@L18:64k",
-           alts=[dict(remat="full")]),
-    _train("8b:64k:fsdp4", "qwen3-8b", 4, 64 * K, steps=1, warmup=0, baseline="1gpu:8b@L8:64k",
-           alts=[dict(remat="full")]),
-    _train("cp:4b:128k", "qwen3-4b", 4, 128 * K, rows=1, fsdp=1, context=4, steps=1, warmup=0,
-           baseline="1gpu:4b@L18:64k"),
-    _train("cp:4b:256k", "qwen3-4b", 4, 256 * K, rows=1, fsdp=1, context=4, steps=1, warmup=0,
-           baseline="1gpu:4b@L18:64k", alts=[dict(remat="full")]),
-    dict(kind="multiproc", name="2proc-vs-1proc", model="qwen3-0.6b", gpus=4, seq=4 * K, rows=8, layers=4, steps=3),
+    _train("8b:16k:fsdp4", "qwen3-8b", 4, 16 * K, baseline="1gpu:8b@L8:16k"),
+    _train(
+        "4b:64k:fsdp4",
+        "qwen3-4b",
+        4,
+        64 * K,
+        steps=1,
+        warmup=0,
+        baseline="1gpu:4b@L18:64k",
+        alts=[dict(remat="attn_offload"), dict(remat="full")],
+    ),
+    _train(
+        "8b:64k:fsdp4",
+        "qwen3-8b",
+        4,
+        64 * K,
+        remat="attn_offload",
+        steps=1,
+        warmup=0,
+        baseline="1gpu:8b@L8:64k",
+        alts=[dict(remat="full")],
+    ),
+    _train(
+        "cp:4b:128k",
+        "qwen3-4b",
+        4,
+        128 * K,
+        rows=1,
+        fsdp=1,
+        context=4,
+        steps=1,
+        warmup=0,
+        baseline="1gpu:4b@L18:64k",
+        alts=[dict(remat="attn_offload")],
+    ),
+    _train(
+        "cp:4b:256k",
+        "qwen3-4b",
+        4,
+        256 * K,
+        rows=1,
+        fsdp=1,
+        context=4,
+        steps=1,
+        warmup=0,
+        baseline="1gpu:4b@L18:64k",
+        alts=[dict(remat="attn_offload"), dict(remat="full")],
+        timeout=300,
+    ),
+    dict(
+        kind="multiproc",
+        name="2proc-vs-1proc",
+        model="qwen3-0.6b",
+        gpus=4,
+        seq=4 * K,
+        rows=8,
+        layers=4,
+        steps=3,
+    ),
+    dict(kind="io", name="io:8b", model="qwen3-8b", gpus=4, seq=0, rows=0, io="params", timeout=300),
     _train("4b:16k:fsdp2-tensor2", "qwen3-4b", 4, 16 * K, rows=2, fsdp=2, tensor=2, baseline="weak:4b:1"),
 ]
 SMOKE_SEQ = 64  # --smoke divides every length by this (16k -> 256 tokens) and runs tiny shapes on CPU
@@ -91,7 +191,7 @@ def _parse(stdout: str) -> dict | None:
     for tag in ("RESULT ", "PARTIAL "):
         lines = [ln for ln in stdout.splitlines() if ln.startswith(tag)]
         if lines:
-            return dict(json.loads(lines[-1][len(tag):]), **({} if tag == "RESULT " else {"partial": True}))
+            return dict(json.loads(lines[-1][len(tag) :]), **({} if tag == "RESULT " else {"partial": True}))
     return None
 
 
@@ -100,11 +200,19 @@ class Job:
 
     def __init__(self, spec: dict, gpu_ids: list[int], args, extra_env: dict | None = None, argv=None):
         self.spec, self.gpu_ids, self.t0 = spec, gpu_ids, time.perf_counter()
-        self.timeout = args.timeout
+        self.timeout = spec.get("timeout") or args.timeout
+        if args.budget:  # never past the suite's budget: what finished is written, the rest reported as cut
+            self.timeout = max(10.0, min(self.timeout, args.budget - (self.t0 - args.start)))
         cmd = argv or [sys.executable, __file__, "--worker", json.dumps(spec)]
         self.log = open(Path(args.out) / f"log_{spec['name'].replace(':', '_')}.txt", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(gpu_ids, args.smoke, extra_env), stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=_env(gpu_ids, args.smoke, extra_env),
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
 
     def result(self) -> dict:
         try:
@@ -150,12 +258,19 @@ def _run_row(spec: dict, gpu_ids: list[int], args) -> dict:
         return run_multiproc(spec, gpu_ids, args, Job, _free_port)
     tries = [spec] + [dict(spec, **alt, alts=[], tried=spec["name"]) for alt in spec.get("alts", [])]
     res: dict = {}
+    failed: list[str] = []
     for attempt in tries:
         attempt = dict(attempt, scratch=args.scratch)
         res = Job(attempt, gpu_ids, args).result()
-        if not res.get("oom"):
+        # The next fallback after an OOM or a failure (an offload policy the compiler refuses); not after a
+        # timeout: the budget is spent.
+        if "tok_s" in res or "timeout" in str(res.get("error")):
             break
-    return res
+        what = "OOM" if res.get("oom") else "error: " + str(res.get("error"))[-300:]
+        failed.append(
+            f"{attempt['name']} remat={attempt.get('remat')} layers={attempt.get('layers')}: {what}"
+        )
+    return dict(res, failed_attempts=failed) if failed else res
 
 
 def _schedule(suite: list[dict], args) -> list[dict]:
@@ -165,7 +280,7 @@ def _schedule(suite: list[dict], args) -> list[dict]:
     free = list(range(args.gpus))
     results: dict[str, dict] = {}
     running: dict[cf.Future, tuple[dict, list[int]]] = {}
-    start = time.perf_counter()
+    start = args.start
     with cf.ThreadPoolExecutor(max_workers=args.gpus) as pool:
         for spec in suite:
             if spec["gpus"] > args.gpus:
@@ -181,7 +296,7 @@ def _schedule(suite: list[dict], args) -> list[dict]:
             if args.budget and time.perf_counter() - start > args.budget - 20:
                 results[spec["name"]] = dict(spec, error="skipped: suite budget spent")
                 continue
-            ids, free = sorted(free)[: spec["gpus"]], sorted(free)[spec["gpus"]:]
+            ids, free = sorted(free)[: spec["gpus"]], sorted(free)[spec["gpus"] :]
             running[pool.submit(_run_row, spec, ids, args)] = (spec, ids)
         for f in cf.as_completed(list(running)):
             s, _ = running[f]
@@ -203,11 +318,15 @@ def _write(args, suite: list[dict], results: dict[str, dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on emulated CPU devices (proves the suite)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on emulated CPU devices (proves the suite)"
+    )
     ap.add_argument("--only", default="", help="comma-separated row names")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_multigpu_out"))
-    ap.add_argument("--scratch", default="/tmp/bench_multigpu", help="where checkpoints and exports are written")
+    ap.add_argument(
+        "--scratch", default="/tmp/bench_multigpu", help="where checkpoints and exports are written"
+    )
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per process")
     ap.add_argument("--budget", type=float, default=0.0, help="seconds for the suite: later rows are skipped")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -220,7 +339,7 @@ def main() -> None:
         wanted = set(args.only.split(","))
         suite = [s for s in suite if s["name"] in wanted]
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    t0 = args.start = time.perf_counter()
     results = _schedule(suite, args)
     from tools.bench_multigpu_checks import table
 

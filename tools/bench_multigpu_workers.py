@@ -24,19 +24,59 @@ PEAK_FLOPS = 989e12  # H100 / H200 SXM dense bf16, prime-rl's MFU denominator
 
 # Hugging Face config shapes (random init): Qwen/Qwen3-4B and Qwen/Qwen3-8B config.json.
 MODELS = {
-    "qwen3-4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=262144),
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=262144),
-    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=65536),
+    "qwen3-4b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=65536,
+    ),
 }
 # --smoke: the same code on emulated CPU devices with these shapes (heads divisible by context * tensor).
-SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=4, head_dim=16)
+SMOKE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+)
 
 
 def model_config(c: dict):
@@ -48,8 +88,12 @@ def model_config(c: dict):
     if c.get("layers"):
         hf["num_hidden_layers"] = c["layers"]
     return ModelConfig.from_hf_config(
-        hf, param_dtype="float32", compute_dtype="float32" if c.get("smoke") else "bfloat16",
-        attention_impl=c.get("attn", "auto"), remat_policy=c.get("remat", "auto"), scan_layers=c.get("scan", False),
+        hf,
+        param_dtype="float32",
+        compute_dtype="float32" if c.get("smoke") else "bfloat16",
+        attention_impl=c.get("attn", "auto"),
+        remat_policy=c.get("remat", "auto"),
+        scan_layers=c.get("scan", False),
     )
 
 
@@ -76,7 +120,10 @@ def peak_gib() -> float:
     """Highest peak of JAX's allocator over this process's devices (0 where the runtime keeps none: CPU)."""
     import jax
 
-    return max(((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()), default=0) / GIB
+    return (
+        max(((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()), default=0)
+        / GIB
+    )
 
 
 def _dir_bytes(path: Path) -> int:
@@ -100,7 +147,9 @@ def _build(c: dict):
     mesh = make_mesh(data=1, fsdp=c.get("fsdp", -1), context=c.get("context", 1), tensor=c.get("tensor", 1))
     check_divisible(cfg.num_heads, mesh.shape["tensor"], mesh.shape["context"], c["seq"])
     sched = optax.constant_schedule(1e-6)
-    opt = optim.make_optimizer(dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0), sched)
+    opt = optim.make_optimizer(
+        dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0), sched
+    )
     with jax.set_mesh(mesh):
         model = init_model(cfg, mesh, seed=0)
         graphdef = nnx.graphdef(model)
@@ -109,15 +158,25 @@ def _build(c: dict):
         save_gib = c.get("save_gib", -1.0)
         per_dev = saved_logits_max_bytes(save_gib)
         budget = per_dev * step_mod.dp_size(mesh) * mesh.shape["context"]
-        fn = step_mod.make_train_step(graphdef, opt, sched, LossConfig(), chunk_size=c.get("chunk", 2048),
-                                      max_segments=1, saved_logits_max_bytes=budget)
+        fn = step_mod.make_train_step(
+            graphdef,
+            opt,
+            sched,
+            LossConfig(),
+            chunk_size=c.get("chunk", 2048),
+            max_segments=1,
+            saved_logits_max_bytes=budget,
+        )
         batch = step_mod.device_batch(fake_rows(c["rows"], c["seq"], cfg.vocab_size), mesh)
         t0 = time.perf_counter()
         compiled = step_mod.jit_train_step(fn, state, mesh).lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
     try:
         m = compiled.memory_analysis()
-        mem = {n: round(getattr(m, f"{n}_size_in_bytes") / GIB, 2) for n in ("argument", "output", "alias", "temp")}
+        mem = {
+            n: round(getattr(m, f"{n}_size_in_bytes") / GIB, 2)
+            for n in ("argument", "output", "alias", "temp")
+        }
     except Exception as e:  # noqa: BLE001 - informational only
         mem = {"error": repr(e)[:200]}
     return mesh, cfg, graphdef, state, compiled, batch, compile_s, mem
@@ -148,11 +207,22 @@ def train_worker(c: dict, emit) -> dict:
         state, dt, losses = _steps(compiled, state, batch, c.get("warmup", 1), c.get("steps", 2))
     n = jax.device_count()
     tokens = c["rows"] * c["seq"]
-    res = dict(devices=n, mesh={k: int(v) for k, v in mesh.shape.items()}, tok_s=tokens / dt,
-               tok_s_gpu=tokens / dt / n, step_s=dt, compile_s=compile_s, loss=losses[-1],
-               mfu=tokens * cfg.flops_per_token(c["seq"]) / dt / (PEAK_FLOPS * n), peak_gib=peak_gib(), memory=mem,
-               params_b=cfg.num_params() / 1e9, layers=cfg.num_layers, platform=jax.devices()[0].platform,
-               device_kind=jax.devices()[0].device_kind)
+    res = dict(
+        devices=n,
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        tok_s=tokens / dt,
+        tok_s_gpu=tokens / dt / n,
+        step_s=dt,
+        compile_s=compile_s,
+        loss=losses[-1],
+        mfu=tokens * cfg.flops_per_token(c["seq"]) / dt / (PEAK_FLOPS * n),
+        peak_gib=peak_gib(),
+        memory=mem,
+        params_b=cfg.num_params() / 1e9,
+        layers=cfg.num_layers,
+        platform=jax.devices()[0].platform,
+        device_kind=jax.devices()[0].device_kind,
+    )
     if c.get("io"):
         emit(res)  # the step's figures survive a timeout in the (slower) checkpoint and export below
         res.update(_io(c, cfg, graphdef, state, mesh))
@@ -187,8 +257,9 @@ def _io(c: dict, cfg, graphdef, state, mesh) -> dict:
         out["ckpt_restore_s"] = time.perf_counter() - t0
         out["ckpt_restore_gb_s"] = nbytes / 1e9 / out["ckpt_restore_s"]
         a, b = jax.tree.leaves(what)[0], jax.tree.leaves(restored)[0]
-        out["ckpt_restore_equal"] = bool(np.array_equal(np.asarray(a.addressable_shards[0].data),
-                                                        np.asarray(b.addressable_shards[0].data)))
+        out["ckpt_restore_equal"] = bool(
+            np.array_equal(np.asarray(a.addressable_shards[0].data), np.asarray(b.addressable_shards[0].data))
+        )
         out["ckpt_restore_sharding_kept"] = b.sharding == a.sharding
         del restored
     finally:
@@ -205,13 +276,58 @@ def _io(c: dict, cfg, graphdef, state, mesh) -> dict:
     return out
 
 
+def io_worker(c: dict, emit) -> dict:
+    """Orbax save/restore and safetensors export of a freshly initialized sharded state (no step compiled:
+    the I/O cost does not depend on the values, and this keeps the row to init + I/O)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from primejax.models.sharding import init_model, make_mesh
+    from primejax.trainer import optim
+    from primejax.trainer import step as step_mod
+
+    cfg = model_config(c)
+    mesh = make_mesh(fsdp=-1)
+    opt = optim.make_optimizer(
+        dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0),
+        optax.constant_schedule(1e-6),
+    )
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        model = init_model(cfg, mesh, seed=0)
+        graphdef = nnx.graphdef(model)
+        state = step_mod.init_state(model, opt, mesh=mesh)
+        del model
+        jax.block_until_ready(state)
+    res = dict(
+        devices=jax.device_count(),
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        init_s=time.perf_counter() - t0,
+        params_b=cfg.num_params() / 1e9,
+        layers=cfg.num_layers,
+        device_kind=jax.devices()[0].device_kind,
+    )
+    emit(res)
+    res.update(_io(c, cfg, graphdef, state, mesh))
+    return res
+
+
 def _nvidia_smi() -> dict:
     """Per-GPU memory used (MiB) and the compute processes nvidia-smi lists, or why it could not say."""
     try:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30).stdout
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+        gpus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        apps = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": repr(e)[:200]}
     by_uuid = {}
@@ -251,7 +367,6 @@ def multiproc_worker(c: dict, emit) -> dict:
         if c.get("smoke"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(c["coordinator"], num_processes=c["procs"], process_id=c["pid"])
-    import numpy as np
     import optax
     from flax import nnx
 
@@ -264,18 +379,23 @@ def multiproc_worker(c: dict, emit) -> dict:
     cfg = model_config(c)
     mesh = make_mesh(fsdp=-1)
     sched = optax.constant_schedule(1e-4)
-    opt = optim.make_optimizer(dict(lr=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0), sched)
+    opt = optim.make_optimizer(
+        dict(lr=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0), sched
+    )
     whole = fake_rows(c["rows"], c["seq"], cfg.vocab_size, seed=7)
     share = c["rows"] // c["procs"]
-    mine = {k: v[:, c["pid"] * share:(c["pid"] + 1) * share] for k, v in whole.items()}
+    mine = {k: v[:, c["pid"] * share : (c["pid"] + 1) * share] for k, v in whole.items()}
     losses = []
     with jax.set_mesh(mesh):
         model = init_model(cfg, mesh, seed=0)
         graphdef = nnx.graphdef(model)
         state = step_mod.init_state(model, opt, mesh=mesh)
         del model
-        fn = step_mod.jit_train_step(step_mod.make_train_step(graphdef, opt, sched, LossConfig(), chunk_size=1024,
-                                                              max_segments=1), state, mesh)
+        fn = step_mod.jit_train_step(
+            step_mod.make_train_step(graphdef, opt, sched, LossConfig(), chunk_size=1024, max_segments=1),
+            state,
+            mesh,
+        )
         batch = step_mod.device_batch(mine, mesh)
         for _ in range(c["steps"]):
             state, metrics = fn(state, batch)
@@ -285,11 +405,16 @@ def multiproc_worker(c: dict, emit) -> dict:
             export_safetensors(model, cfg, Path(c["export_dir"]), dtype="float32")
         else:
             gather_for_export(model, cfg, "float32")
-    return dict(losses=losses, process_index=jax.process_index(), process_count=jax.process_count(),
-                devices=jax.device_count(), local_devices=jax.local_device_count())
+    return dict(
+        losses=losses,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        devices=jax.device_count(),
+        local_devices=jax.local_device_count(),
+    )
 
 
-WORKERS = {"train": train_worker, "layout": layout_worker, "multiproc": multiproc_worker}
+WORKERS = {"train": train_worker, "io": io_worker, "layout": layout_worker, "multiproc": multiproc_worker}
 
 
 def main(spec: str) -> None:
