@@ -112,7 +112,8 @@ def default_config() -> ConfigDict:
             # Benchmark mode: random full rows instead of rollouts; `export` also times the weight broadcast.
             "fake_data": ConfigDict({"enabled": False, "seq_len": 2048, "rows": 8, "export": False}),
             # Weight export after every step (broadcasts/step_N): stored dtype, and whether STABLE lists sha256s.
-            "broadcast": ConfigDict({"dtype": "bfloat16", "hash": True}),
+            # max_shard_mb: safetensors file size; with several trainer processes each writes its share of files
+            "broadcast": ConfigDict({"dtype": "bfloat16", "hash": True, "max_shard_mb": 5120.0}),
             "peak_flops": 989e12,  # per-device peak for MFU (H100/H200 SXM dense bf16)
             "distributed": ConfigDict({"coordinator_address": "", "num_processes": 1, "process_id": 0}),
             "devices": "",  # accelerator ids for the trainer, e.g. "0,1" (CUDA_VISIBLE_DEVICES); "" = all
@@ -242,6 +243,7 @@ _POSITIVE = (
     "orchestrator.group_size", "orchestrator.seq_len", "orchestrator.max_concurrent", "orchestrator.sampling.max_tokens",
     "orchestrator.max_prompt_tokens", "inference.max_model_len", "inference.port", "trainer.fake_data.seq_len",
     "trainer.fake_data.rows", "orchestrator.weights_poll_s", "inference.hang_timeout_s",
+    "trainer.broadcast.max_shard_mb",
 )
 _NON_NEGATIVE = (
     "orchestrator.async_level", "trainer.optim.lr", "trainer.optim.weight_decay", "trainer.optim.max_norm",

@@ -236,7 +236,11 @@ class Job:
 
 def _smoke(spec: dict) -> dict:
     s = dict(spec, smoke=True, seq=max(64, spec["seq"] // SMOKE_SEQ), steps=min(spec.get("steps", 2), 2))
-    s["alts"] = [dict(a) for a in spec.get("alts", [])]
+    s["alts"] = [
+        dict(a, layers=min(a["layers"], 2)) if a.get("layers") else dict(a) for a in spec.get("alts", [])
+    ]
+    if s.get("layers"):
+        s["layers"] = min(s["layers"], 2)  # the code path, not the depth, is what a smoke run proves
     return s
 
 

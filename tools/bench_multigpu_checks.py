@@ -132,11 +132,13 @@ def run_multiproc(spec: dict, gpu_ids: list[int], args, job_cls, free_port) -> d
         float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(a[k]), 1e-12)) for k in a
     )
     res["processes"] = [t["process_count"] for t in two]
+    res["export_bytes_written"] = [t["export_bytes_written"] for t in two]  # each process its share of files
     res["multiproc_ok"] = bool(
         res["loss_max_rel_diff"] < 1e-4
         and res["weights_same_names"]
         and res["weights_max_rel_norm"] < 1e-4
         and res["processes"] == [2, 2]
+        and min(res["export_bytes_written"]) > 0
     )
     shutil.rmtree(root, ignore_errors=True)
     return res
@@ -198,6 +200,7 @@ def table(rows: list[dict]) -> str:
             extra.append(
                 f"2 processes x 2 GPUs vs 1 x 4: ok={r.get('multiproc_ok')} loss max rel diff "
                 f"{r.get('loss_max_rel_diff')} weights max abs diff {r.get('weights_max_abs_diff')} "
-                f"rel-norm {r.get('weights_max_rel_norm')} {r.get('error') or ''}"
+                f"rel-norm {r.get('weights_max_rel_norm')} export bytes per process {r.get('export_bytes_written')} "
+                f"{r.get('error') or ''}"
             )
     return "\n".join(lines + [""] + extra)

@@ -370,7 +370,7 @@ def multiproc_worker(c: dict, emit) -> dict:
     import optax
     from flax import nnx
 
-    from primejax.models.hf_io import export_safetensors, gather_for_export
+    from primejax.models.hf_io import export_safetensors
     from primejax.models.sharding import init_model, make_mesh
     from primejax.trainer import optim
     from primejax.trainer import step as step_mod
@@ -401,16 +401,23 @@ def multiproc_worker(c: dict, emit) -> dict:
             state, metrics = fn(state, batch)
             losses.append(float(metrics["loss"]))
         model = nnx.merge(graphdef, state.params)
-        if jax.process_index() == 0:
-            export_safetensors(model, cfg, Path(c["export_dir"]), dtype="float32")
-        else:
-            gather_for_export(model, cfg, "float32")
+        # Each process writes its share of the files (as the trainer's multi-host export does).
+        info = export_safetensors(
+            model,
+            cfg,
+            Path(c["export_dir"]),
+            dtype="float32",
+            max_shard_bytes=2**12 if c.get("smoke") else 2**26,  # several files: both processes write
+            writer=(jax.process_index(), jax.process_count()),
+        )
     return dict(
         losses=losses,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         devices=jax.device_count(),
         local_devices=jax.local_device_count(),
+        export_bytes_written=info["bytes_written"],
+        export_bytes=info["bytes"],
     )
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import Offloadable, checkpoint_name
 
-from primejax.models.attention import SegmentRuns, attention, prepare_segments
+from primejax.models.attention import SegmentRuns, attention, prepare_segments, resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import to_heads, to_tokens
 from primejax.models.precision import accumulating_einsum
@@ -50,17 +50,24 @@ def _saves_attention_and_weight_dots(prim, *args, **params) -> bool:
     )
 
 
-def _offloads_attention(prim, *args, **params):
+def _offloads_attention(cudnn: bool):
     """`attn`, but the attention results go to pinned host memory instead of staying on the device.
 
     At 64k+ tokens per device the saved attention outputs are half of all residuals (Qwen3-8B: 8 kB per token
     per layer, 19 GB at 64k); offloaded, the device keeps only each layer's input, at `full` remat's memory
     without its recompute of the attention forward. The copies (one out and back per layer) ride PCIe
-    alongside the layer's compute.
+    alongside the layer's compute. On the cudnn path the kernel's results (output + softmax statistics) are
+    offloaded, elsewhere the named output; not both, which would copy the output twice.
     """
-    if prim.name.startswith("dot_product_attention_fwd") or (prim.name == "name" and params.get("name") == ATTN_OUT):
-        return Offloadable(src="device", dst="pinned_host")
-    return False
+
+    def policy(prim, *args, **params):
+        if prim.name.startswith("dot_product_attention_fwd") if cudnn else (
+            prim.name == "name" and params.get("name") == ATTN_OUT
+        ):
+            return Offloadable(src="device", dst="pinned_host")
+        return False
+
+    return policy
 
 
 _REMAT_POLICIES = {
@@ -69,7 +76,6 @@ _REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "attn": _saves_attention,
     "dots_no_batch_attn": _saves_attention_and_weight_dots,
-    "attn_offload": _offloads_attention,
 }
 # "auto": the fastest policy measured per micro-batch size (Qwen3-0.6B shape, H200, docs/benchmarks.md).
 # Saving the weight matmuls' outputs as well as attention's is faster than no remat at all up to 32k tokens
@@ -215,8 +221,12 @@ class DecoderStack(nnx.Module):
         policy = resolve_remat_policy(self.cfg.remat_policy, x_btd.shape[0] * x_btd.shape[1])
         stacked = self.stacked_params()
         if policy != "none":
+            if policy == "attn_offload":
+                fn = _offloads_attention(resolve_impl(self.cfg.attention_impl, x_btd.dtype) == "cudnn")
+            else:
+                fn = _REMAT_POLICIES[policy]
             # Inside a scan CSE cannot merge the recomputation with the forward pass; unrolled it can.
-            step = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=not self.cfg.scan_layers)
+            step = jax.checkpoint(step, policy=fn, prevent_cse=not self.cfg.scan_layers)
         if self.cfg.scan_layers:
             x_btd, _ = jax.lax.scan(step, x_btd, stacked)
             return x_btd
