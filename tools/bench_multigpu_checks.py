@@ -187,8 +187,6 @@ def table(rows: list[dict]) -> str:
                 f"{r['export_gb']:.1f} GB in {r['export_s']:.1f} s ({r['export_gb_s']:.2f} GB/s, "
                 f"{r['export_files']} files)"
             )
-        elif r["kind"] == "io":
-            extra.append(f"{r['name']}: {r.get('error') or 'no result'}"[:400])
         if r["kind"] == "layout":
             extra.append(
                 f"node layout: ok={r.get('layout_ok')} server GPU {r.get('server_gpu')} delta while the "

@@ -276,43 +276,6 @@ def _io(c: dict, cfg, graphdef, state, mesh) -> dict:
     return out
 
 
-def io_worker(c: dict, emit) -> dict:
-    """Orbax save/restore and safetensors export of a freshly initialized sharded state (no step compiled:
-    the I/O cost does not depend on the values, and this keeps the row to init + I/O)."""
-    import jax
-    import optax
-    from flax import nnx
-
-    from primejax.models.sharding import init_model, make_mesh
-    from primejax.trainer import optim
-    from primejax.trainer import step as step_mod
-
-    cfg = model_config(c)
-    mesh = make_mesh(fsdp=-1)
-    opt = optim.make_optimizer(
-        dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0),
-        optax.constant_schedule(1e-6),
-    )
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        model = init_model(cfg, mesh, seed=0)
-        graphdef = nnx.graphdef(model)
-        state = step_mod.init_state(model, opt, mesh=mesh)
-        del model
-        jax.block_until_ready(state)
-    res = dict(
-        devices=jax.device_count(),
-        mesh={k: int(v) for k, v in mesh.shape.items()},
-        init_s=time.perf_counter() - t0,
-        params_b=cfg.num_params() / 1e9,
-        layers=cfg.num_layers,
-        device_kind=jax.devices()[0].device_kind,
-    )
-    emit(res)
-    res.update(_io(c, cfg, graphdef, state, mesh))
-    return res
-
-
 def _nvidia_smi() -> dict:
     """Per-GPU memory used (MiB) and the compute processes nvidia-smi lists, or why it could not say."""
     try:
@@ -421,7 +384,7 @@ def multiproc_worker(c: dict, emit) -> dict:
     )
 
 
-WORKERS = {"train": train_worker, "io": io_worker, "layout": layout_worker, "multiproc": multiproc_worker}
+WORKERS = {"train": train_worker, "layout": layout_worker, "multiproc": multiproc_worker}
 
 
 def main(spec: str) -> None:
