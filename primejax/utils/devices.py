@@ -37,13 +37,19 @@ def check_layout(trainer_devices: str, inference_devices: str, inference_enabled
     if not inference_enabled:
         return
     if bool(t) != bool(i):
-        named, other = ("trainer.devices", "inference.devices") if t else ("inference.devices", "trainer.devices")
-        raise ValueError(f"{other}: must be set too when {named} is (each process must see only its own GPUs)")
+        named, other = (
+            ("trainer.devices", "inference.devices") if t else ("inference.devices", "trainer.devices")
+        )
+        raise ValueError(
+            f"{other}: must be set too when {named} is (each process must see only its own GPUs)"
+        )
     if set(t) & set(i):
         raise ValueError(f"trainer.devices: {sorted(set(t) & set(i))} also in inference.devices")
 
 
-def accelerator_env(devices: str, memory_fraction: float = 0.0, base: Mapping[str, str] | None = None) -> dict:
+def accelerator_env(
+    devices: str, memory_fraction: float = 0.0, base: Mapping[str, str] | None = None
+) -> dict:
     """Environment variables that give a child process only `devices`, with JAX's allocation bounded.
 
     `memory_fraction` > 0 sets XLA_PYTHON_CLIENT_MEM_FRACTION (JAX then preallocates that share of each

@@ -49,4 +49,6 @@ def test_child_env_gives_only_its_devices_and_bounds_jax():
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in _child_env("1", platform_cpu=False)  # 0: JAX's default
     # The trainer process started by hand: the user's environment wins over the config.
-    assert accelerator_env("1", 0.3, {"CUDA_VISIBLE_DEVICES": "2"}) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"}
+    assert accelerator_env("1", 0.3, {"CUDA_VISIBLE_DEVICES": "2"}) == {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"
+    }
