@@ -231,7 +231,8 @@ def head_saved_logits_bytes(trainer_cfg: Any, mesh: Mesh) -> int:
     The head sees the global micro-batch, whose rows are split over the data-parallel axes (and their tokens
     over `context`), so the budget scales with their sizes.
     """
-    return saved_logits_max_bytes(trainer_cfg.lm_head_saved_logits_gib) * dp_size(mesh) * mesh.shape.get("context", 1)
+    per_device = saved_logits_max_bytes(trainer_cfg.lm_head_saved_logits_gib)
+    return per_device * dp_size(mesh) * mesh.shape.get("context", 1)
 
 
 def dp_size(mesh: Mesh) -> int:

@@ -32,12 +32,14 @@ def test_layout_both_or_neither_and_disjoint():
 
 def test_config_validation_names_the_key():
     c = default_config()
+    c.model.path = "/models/m"
     c.trainer.devices = "0,1"
     c.inference.devices = "1"
     with pytest.raises(ConfigError, match="trainer.devices") as e:
         validate(c)
     assert e.value.key == "trainer.devices"
     c = default_config()
+    c.model.path = "/models/m"
     c.trainer.memory_fraction = 1.5
     with pytest.raises(ConfigError, match="trainer.memory_fraction"):
         validate(c)
