@@ -14,10 +14,11 @@ class MeshConfig(Section):
 
     data: int = option(1, "data-parallel replicas")
     fsdp: int = option(-1, "fully-sharded data-parallel size")
+    context: int = option(1, "context-parallel size: a row's tokens split over this many devices")
     tensor: int = option(1, "tensor-parallel size")
 
     def check(self) -> None:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
         for axis, size in sizes.items():
             if size == 0 or size < -1:
                 raise ConfigError(axis, f"must be a positive size or -1 (the rest), got {size}")
@@ -101,6 +102,9 @@ class BroadcastConfig(Section):
     transfer_port: int = option(0, "collective: rendezvous port; 0 = any free port", ge=0, le=65535)
     transfer_timeout_s: float = option(60.0, "collective: bound on each phase of a transfer before the fallback", gt=0)
     bucket_mb: int = option(256, "collective: packed bucket size (MiB)", gt=0)
+    max_shard_mb: float = option(
+        5120.0, "safetensors file size; with several trainer processes each writes its share of files", gt=0
+    )
 
 
 @section
@@ -142,6 +146,9 @@ class TrainerConfig(Section):
     peak_flops: float = option(989e12, "per-device peak FLOP/s for MFU (H100/H200 SXM dense bf16)", gt=0)
     distributed: DistributedConfig = sub(DistributedConfig, "multi-process JAX")
     devices: str = option("", "accelerator ids, e.g. '0,1' (CUDA_VISIBLE_DEVICES); '' = all")
+    memory_fraction: float = option(
+        0.0, "share of each of its GPUs JAX may preallocate; 0 = JAX's default (75%)", ge=0, le=1
+    )
 
     def check(self) -> None:
         if self.lm_head_saved_logits_gib < 0 and self.lm_head_saved_logits_gib != -1:

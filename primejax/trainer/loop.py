@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,12 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wait_for_batch
-from primejax.contracts.broadcast import broadcast_dir, is_stable, prune_broadcasts, write_broadcast
+from primejax.contracts.broadcast import (
+    broadcast_dir,
+    is_stable,
+    prune_broadcasts,
+    publish_broadcast,
+    write_broadcast,
+)
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, gather_for_export, load_model, state_to_hf_tensors
+from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
 from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model, make_mesh
 from primejax.monitor import Monitor
@@ -174,22 +182,24 @@ class Trainer:
 
     def export(self, step: int, disk_only: bool = False) -> dict[str, float]:
         """Hand θ_step to inference: write broadcasts/step_<step>/, or in collective mode send it (and write it
-        too at checkpoint steps, the last step, and when the transfer failed); prune what inference can no
-        longer ask for. Process 0 writes and sends; every process joins the gathers."""
+        too at checkpoint steps, after the orchestrator's last step, and when the transfer failed); prune what
+        inference can no longer ask for.
+
+        With several processes each writes its share of the safetensors files into one shared temp directory
+        (every process joins each tensor's gather), and process 0 publishes it once all have written; such
+        trainers always use the filesystem (a collective send would need every process to agree on its outcome).
+        """
         if not self.export_enabled:
             return {}
         self.check_finite_params(step, "exporting")
         b = self.t.broadcast
         model = nnx.merge(self.graphdef, self.state.params)
-        if self.rank != 0:  # parameters sharded over the hosts are gathered collectively for process 0
-            gather_for_export(model, self.model_cfg, b.dtype)
-            return {}
         metrics: dict[str, float] = {}
         tensors = None
         # The orchestrator's last step samples from θ_{max_steps-1-async_level} or newer and then stops
         # listening: sending a newer step would wait out the whole transfer timeout for nobody.
         last_sampled = self.run_cfg.max_steps - 1 - self.async_level
-        if b.mode == "collective" and step <= last_sampled and not disk_only:
+        if b.mode == "collective" and jax.process_count() == 1 and step <= last_sampled and not disk_only:
             sender = self.collective_sender()
             if sender.backend == "nccl":  # accelerator arrays straight into NCCL, no host copy
                 sent = sender.send_lazy(step, *hf_device_tensors(model, self.model_cfg, b.dtype))
@@ -203,22 +213,39 @@ class Trainer:
                 return metrics
         src = self.model_settings.path or None
         start = time.perf_counter()
-        _, info = write_broadcast(
-            self.root, step,
-            lambda d: export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src, tensors=tensors),
-            hash_files=b.hash,
-        )
+
+        def write(d: Path) -> dict:
+            return export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src,
+                                      max_shard_bytes=int(b.max_shard_mb * 2**20),
+                                      writer=(self.rank, jax.process_count()), tensors=tensors)
+
+        if jax.process_count() == 1:
+            _, info = write_broadcast(self.root, step, write, hash_files=b.hash)
+        else:
+            final = broadcast_dir(self.root, step)
+            tmp = final.with_name(f".{final.name}.export.tmp")
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            multihost_utils.sync_global_devices(f"primejax export dir {step}")
+            info = write(tmp)
+            log.info("export step %d: process %d wrote %.3g of %.3g GB", step, self.rank,
+                     info["bytes_written"] / 1e9, info["bytes"] / 1e9)
+            multihost_utils.sync_global_devices(f"primejax export written {step}")
+            if self.rank != 0:
+                return {}
+            publish_broadcast(self.root, step, tmp, hash_files=b.hash)
         seconds = time.perf_counter() - start
         prune_broadcasts(self.root, step - self.async_level)
         return {**metrics, "export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
                 "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
 
     def collective_sender(self) -> CollectiveSender:
-        """The run's sender (process 0): NCCL from the accelerator on a single-process GPU trainer, else gloo
-        from host memory (CPU, and multi-process trainers, whose export gathers through the host)."""
+        """The run's sender (single-process trainers): NCCL from the accelerator on GPU, else gloo from host
+        memory."""
         if self._sender is None:
             b = self.t.broadcast
-            gpu = jax.default_backend() == "gpu" and jax.process_count() == 1
+            gpu = jax.default_backend() == "gpu"
             device = None
             if gpu:
                 import torch
