@@ -245,6 +245,8 @@ class Orchestrator:
                 "time/step": total,
                 "time/server_request_sum": server_seconds,
                 "time/weight_updates_total": self.tracker.update_seconds,
+                "weights/collective_updates": self.tracker.collective_updates,
+                "weights/failed_transfers": len(self.tracker.failed_offers),
                 "perf/rollouts_per_s": len(rollouts) / max(gen_seconds, 1e-9),
                 "perf/inference_tokens_per_s": completion_tokens / max(gen_seconds, 1e-9),
             },

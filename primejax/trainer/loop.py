@@ -32,7 +32,7 @@ from primejax.contracts.broadcast import (
 )
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, load_model
+from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
 from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model, make_mesh
 from primejax.monitor import Monitor
@@ -52,6 +52,8 @@ from primejax.trainer.step import (
     to_micro_batches,
     tree_all_finite,
 )
+from primejax.transfer.device import hf_device_tensors
+from primejax.transfer.sender import CollectiveSender, to_torch
 from primejax.utils.faults import fault_point
 
 if TYPE_CHECKING:
@@ -98,9 +100,12 @@ def fake_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) ->
 class Trainer:
     """Holds the model, state, jitted steps and writers of one trainer process."""
 
-    def __init__(self, t: TrainerConfig, model: ModelSettings, run: RunConfig, *, async_level: int = 1):
-        """`async_level` (orchestrator.async_level): how many older broadcasts inference may still be asked for."""
+    def __init__(self, t: TrainerConfig, model: ModelSettings, run: RunConfig, *, async_level: int = 1,
+                 num_receivers: int = 1):
+        """`async_level` (orchestrator.async_level): how many older broadcasts inference may still be asked for;
+        `num_receivers`: inference servers a collective transfer goes to (orchestrator.client.base_urls)."""
         self.t, self.model_settings, self.run_cfg, self.async_level = t, model, run, async_level
+        self.num_receivers = num_receivers
         self.root = run.dir
         self.rank = jax.process_index()
         self.mesh = make_mesh(**t.mesh.to_dict())
@@ -122,10 +127,11 @@ class Trainer:
         self.skipped_steps = 0
         self._all_finite = jax.jit(tree_all_finite)
         self.export_enabled = not t.fake_data.enabled or t.fake_data.export
+        self._sender: CollectiveSender | None = None
         if resume is not None and self.export_enabled and not is_stable(broadcast_dir(self.root, self.start_step)):
             # The orchestrator must serve θ_start before it samples the next step; the broadcast of it was
             # likely pruned (or set aside by the launcher) in the run that died, so write it again.
-            self.export(self.start_step)
+            self.export(self.start_step, disk_only=True)
 
     def step_fn(self, max_segments: int) -> Callable:
         # The bound on samples per row is static: the custom loss loops over them and cuDNN attention sizes
@@ -174,24 +180,44 @@ class Trainer:
             metrics["batch/min_policy_version"] = float(batch.meta["min_policy_version"])
         return metrics
 
-    def export(self, step: int) -> dict[str, float]:
-        """Write θ_step to broadcasts/step_<step>/ and prune what inference can no longer ask for.
+    def export(self, step: int, disk_only: bool = False) -> dict[str, float]:
+        """Hand θ_step to inference: write broadcasts/step_<step>/, or in collective mode send it (and write it
+        too at checkpoint steps, after the orchestrator's last step, and when the transfer failed); prune what
+        inference can no longer ask for.
 
         With several processes each writes its share of the safetensors files into one shared temp directory
-        (every process joins each tensor's gather), and process 0 publishes it once all have written.
+        (every process joins each tensor's gather), and process 0 publishes it once all have written; such
+        trainers always use the filesystem (a collective send would need every process to agree on its outcome).
         """
         if not self.export_enabled:
             return {}
         self.check_finite_params(step, "exporting")
         b = self.t.broadcast
         model = nnx.merge(self.graphdef, self.state.params)
+        metrics: dict[str, float] = {}
+        tensors = None
+        # The orchestrator's last step samples from θ_{max_steps-1-async_level} or newer and then stops
+        # listening: sending a newer step would wait out the whole transfer timeout for nobody.
+        last_sampled = self.run_cfg.max_steps - 1 - self.async_level
+        if b.mode == "collective" and jax.process_count() == 1 and step <= last_sampled and not disk_only:
+            sender = self.collective_sender()
+            if sender.backend == "nccl":  # accelerator arrays straight into NCCL, no host copy
+                sent = sender.send_lazy(step, *hf_device_tensors(model, self.model_cfg, b.dtype))
+            else:
+                tensors = list(state_to_hf_tensors(model, self.model_cfg, b.dtype))  # the step's one gather
+                sent = sender.send(step, [(n, to_torch(a)) for n, a in tensors])
+            metrics.update(sender.last if sent else {"transfer/failed": 1.0})
+            interval = self.t.checkpoint.interval
+            if sent and not (interval > 0 and step % interval == 0):
+                prune_broadcasts(self.root, step - self.async_level)
+                return metrics
         src = self.model_settings.path or None
         start = time.perf_counter()
 
         def write(d: Path) -> dict:
             return export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src,
                                       max_shard_bytes=int(b.max_shard_mb * 2**20),
-                                      writer=(self.rank, jax.process_count()))
+                                      writer=(self.rank, jax.process_count()), tensors=tensors)
 
         if jax.process_count() == 1:
             _, info = write_broadcast(self.root, step, write, hash_files=b.hash)
@@ -211,8 +237,26 @@ class Trainer:
             publish_broadcast(self.root, step, tmp, hash_files=b.hash)
         seconds = time.perf_counter() - start
         prune_broadcasts(self.root, step - self.async_level)
-        return {"export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
+        return {**metrics, "export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
                 "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
+
+    def collective_sender(self) -> CollectiveSender:
+        """The run's sender (single-process trainers): NCCL from the accelerator on GPU, else gloo from host
+        memory."""
+        if self._sender is None:
+            b = self.t.broadcast
+            gpu = jax.default_backend() == "gpu"
+            device = None
+            if gpu:
+                import torch
+
+                device = torch.device("cuda", 0)  # JAX's first local device under the same CUDA_VISIBLE_DEVICES
+            self._sender = CollectiveSender(
+                self.root, host=b.transfer_host, port=b.transfer_port, timeout_s=b.transfer_timeout_s,
+                bucket_bytes=b.bucket_mb * 2**20, num_receivers=self.num_receivers,
+                backend="nccl" if gpu else "gloo", device=device,
+            )
+        return self._sender
 
     def prune_consumed(self, step: int) -> None:
         """Delete consumed batches nothing will read again (after step `step`, which every rank has read).
@@ -285,7 +329,8 @@ def train(cfg: Config) -> TrainState:
     """The trainer process's work (entry: `python -m primejax.trainer`); returns the final state."""
     root = cfg.run_dir
     root.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg.trainer, cfg.model, cfg.run, async_level=cfg.orchestrator.async_level)
+    trainer = Trainer(cfg.trainer, cfg.model, cfg.run, async_level=cfg.orchestrator.async_level,
+                      num_receivers=max(1, len(cfg.orchestrator.client.base_urls)))
     if trainer.rank != 0:  # one writer of the run's metrics
         return trainer.run(None)
     with Monitor.from_config(root, "trainer", cfg.monitor) as monitor:
