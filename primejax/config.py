@@ -97,6 +97,10 @@ def default_config() -> ConfigDict:
                     "is_clip": 8.0,
                     "import_path": "",  # custom: "module.function"
                     "kwargs_json": "{}",  # custom: keyword arguments, a JSON object
+                    # MoE models only (models/moe.py), off by default as in prime-rl's RL runs: weight of the
+                    # Switch load-balancing loss and of the router z-loss, each averaged over sparse layers.
+                    "moe_aux_coef": 0.0,
+                    "moe_z_coef": 0.0,
                 }
             ),
             "checkpoint": ConfigDict({"interval": 0, "keep": 2, "async_save": True}),  # interval 0 = never
@@ -239,6 +243,7 @@ _NON_NEGATIVE = (
     "orchestrator.async_level", "trainer.optim.lr", "trainer.optim.weight_decay", "trainer.optim.max_norm",
     "trainer.scheduler.warmup_steps", "trainer.scheduler.decay_steps", "trainer.loss.dppo_mask_low",
     "trainer.loss.dppo_mask_high", "trainer.loss.adv_tau", "trainer.loss.kl_tau", "trainer.checkpoint.interval",
+    "trainer.loss.moe_aux_coef", "trainer.loss.moe_z_coef",
     "orchestrator.checkpoint.interval", "orchestrator.sampling.temperature", "orchestrator.eval.interval",
     "run.seed", "inference.max_restarts",
 )

@@ -16,7 +16,7 @@ from typing import Literal
 
 from primejax.utils.io import atomic_write_json
 
-Family = Literal["qwen3", "llama"]
+Family = Literal["qwen3", "llama", "qwen3_moe"]
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -114,8 +114,15 @@ def build_tiny_model(
     corpus: list[str] | None = None,
     init_std: float = 0.02,
     max_position_embeddings: int = 4096,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    mlp_only_layers: tuple[int, ...] = (),
 ) -> Path:
-    """Write a random-init tiny Qwen3 or Llama model (fp32 safetensors) plus tokenizer to `out_dir`.
+    """Write a random-init tiny Qwen3, Llama or Qwen3-MoE model (fp32 safetensors) plus tokenizer to `out_dir`.
+
+    The MoE arguments apply to family "qwen3_moe" (norm_topk_prob on, as in Qwen3-30B-A3B); its router is
+    drawn wider (std 0.5) than the rest so routing is decided clearly, not by near-ties.
 
     `vocab_size` is the BPE target size (default 384); the model's vocab equals the trained tokenizer's
     size so every id the model can sample decodes. head_dim must be >= 32 (vLLM's CPU attention kernels).
@@ -155,14 +162,25 @@ def build_tiny_model(
     if family == "qwen3":
         config = transformers.Qwen3Config(**common)
         model_cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **common, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers),
+        )
+        model_cls = transformers.Qwen3MoeForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
     else:
-        raise ValueError(f"unknown family {family!r} (expected 'qwen3' or 'llama')")
+        raise ValueError(f"unknown family {family!r} (expected 'qwen3', 'llama' or 'qwen3_moe')")
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    if family == "qwen3_moe":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.5)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=ids[ENDOFTEXT],
         eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],

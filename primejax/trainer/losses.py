@@ -47,6 +47,8 @@ class LossConfig:
     is_clip: float = 8.0
     import_path: str = ""
     kwargs_json: str = "{}"
+    moe_aux_coef: float = 0.0  # MoE load-balancing loss weight (models/moe.py), 0 = off
+    moe_z_coef: float = 0.0  # MoE router z-loss weight, 0 = off
 
     @classmethod
     def from_config(cls, loss_cfg: Mapping[str, Any]) -> LossConfig:
