@@ -63,7 +63,9 @@ def default_config() -> ConfigDict:
             "build_tiny": ConfigDict(
                 {"enabled": False, "family": "qwen3", "tied": True, "hidden_size": 64, "num_layers": 2,
                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 32, "intermediate_size": 128, "seed": 0,
-                 "vocab_size": 0}  # 0 = the builder's default BPE size; ~270 = character-level
+                 "vocab_size": 0,  # 0 = the builder's default BPE size; ~270 = character-level
+                 # family qwen3_moe only (docs/moe.md)
+                 "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
             ),
             "param_dtype": "float32",  # master weights
             "compute_dtype": "bfloat16",
@@ -223,7 +225,7 @@ _CHOICES = {
     "model.compute_dtype": ("float32", "bfloat16"),
     "model.attention_impl": ("auto", "xla", "cudnn", "splash"),
     "model.remat_policy": ("auto", "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn"),
-    "model.build_tiny.family": ("qwen3", "llama"),
+    "model.build_tiny.family": ("qwen3", "llama", "qwen3_moe"),
     "trainer.broadcast.dtype": ("bfloat16", "float32"),
     "trainer.optim.type": ("adamw",),
     "trainer.scheduler.type": ("constant", "linear", "cosine"),

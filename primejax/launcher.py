@@ -255,14 +255,14 @@ def _ensure_model(cfg: ConfigDict) -> None:
     path = Path(cfg.model.path)
     if (path / "config.json").exists() or not cfg.model.build_tiny.enabled:
         return
-    from primejax.models.tiny import build_tiny_model
+    from primejax.models.tiny import build_tiny_model, moe_kwargs
 
     t = cfg.model.build_tiny
     print(f"primejax: building a tiny {t.family} model at {path}", flush=True)
     build_tiny_model(
         path, family=t.family, tied=t.tied, hidden_size=t.hidden_size, num_layers=t.num_layers,
         num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-        intermediate_size=t.intermediate_size, seed=t.seed,
+        intermediate_size=t.intermediate_size, seed=t.seed, **moe_kwargs(t),
     )
 
 

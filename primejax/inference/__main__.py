@@ -38,13 +38,13 @@ def main() -> int:
         if not cfg.model.build_tiny.enabled:
             print(f"error: model.path {cfg.model.path!r} is not a directory", file=sys.stderr)
             return 2
-        from primejax.models.tiny import build_tiny_model
+        from primejax.models.tiny import build_tiny_model, moe_kwargs
 
         bt = cfg.model.build_tiny
         build_tiny_model(
             cfg.model.path, family=bt.family, tied=bt.tied, hidden_size=bt.hidden_size, num_layers=bt.num_layers,
             num_heads=bt.num_heads, num_kv_heads=bt.num_kv_heads, head_dim=bt.head_dim,
-            intermediate_size=bt.intermediate_size, seed=bt.seed,
+            intermediate_size=bt.intermediate_size, seed=bt.seed, **moe_kwargs(bt),
         )
     print(f"primejax.inference: serving {cfg.model.path} at {spec.base_url}", file=sys.stderr, flush=True)
     exec_server(spec, vllm_args)

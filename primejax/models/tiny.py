@@ -192,6 +192,13 @@ def build_tiny_model(
     return out
 
 
+def moe_kwargs(build_tiny_cfg) -> dict:
+    """The MoE arguments of `build_tiny_model` from a `model.build_tiny` config section (empty unless qwen3_moe)."""
+    if build_tiny_cfg.family != "qwen3_moe":
+        return {}
+    return {k: build_tiny_cfg[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+
+
 def describe(model_dir: str | Path) -> dict:
     """The parameters a tiny model was built with (for test ids and logs)."""
     return json.loads((Path(model_dir) / "primejax_tiny.json").read_text())
