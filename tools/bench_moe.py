@@ -132,6 +132,7 @@ CONFIGS = {
             steps=2,
             warmup=1,
         ),
+        # fallback if 48 layers do not fit 80 GB cards
         _step(
             "moe24:16k:ep=fsdp",
             16384,
