@@ -208,18 +208,22 @@ def gmm_worker(c: dict) -> dict:
     checks = []
     # xla's ragged_dot is a dense masked matmul on GPU (G x the work): checks stay small enough for it
     m, k, n, g = (256, 128, 128, 8) if smoke else (4096, 512, 256, 16)
-    for kind in ("uniform", "skewed", "empty"):
-        sizes = jnp.asarray(_sizes(kind, m, g, rng))
+    # "partial": groups cover 3/4 of the rows (the ep mode's case; the rest must come out zero), the others
+    # cover all rows and run with all_rows_grouped=True (no padding group)
+    for kind in ("uniform", "skewed", "empty", "partial"):
+        full = kind != "partial"
+        sizes = jnp.asarray(_sizes("uniform" if not full else kind, m * 3 // 4 if not full else m, g, rng))
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
 
         def loss(x, w, impl):
-            return jnp.sum(grouped_matmul(x, w, sizes, impl).astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: B023
+            y = grouped_matmul(x, w, sizes, impl, all_rows_grouped=full)  # noqa: B023
+            return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: B023
 
         outs = {}
         for impl in ("xla", fast):
-            y = jax.jit(lambda x, w, i=impl: grouped_matmul(x, w, sizes, i))(x, w)  # noqa: B023
+            y = jax.jit(lambda x, w, i=impl: grouped_matmul(x, w, sizes, i, all_rows_grouped=full))(x, w)  # noqa: B023
             gx, gw = jax.jit(jax.grad(lambda x, w, i=impl: loss(x, w, i), argnums=(0, 1)))(x, w)
             outs[impl] = (y, gx, gw)
         # fp32 reference on upcast inputs
