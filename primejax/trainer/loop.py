@@ -28,11 +28,11 @@ from primejax.models.hf_io import export_safetensors, gather_for_export, load_mo
 from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model, make_mesh
 from primejax.monitor import Monitor
-from primejax.trainer.moe_metrics import flatten_moe_metrics
 from primejax.rundir import RunConfig
 from primejax.trainer import optim
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
+from primejax.trainer.moe_metrics import flatten_moe_metrics
 from primejax.trainer.step import (
     TrainState,
     device_batch,

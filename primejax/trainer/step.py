@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from primejax.contracts.batch import FIELDS, PackedBatch
 from primejax.models.moe import max_violation
 from primejax.trainer.logprobs import saved_logits_max_bytes, token_logprobs
-
 from primejax.trainer.losses import LossConfig, finalize_metrics, global_counts, make_loss_fn
 
 BATCH_AXES = ("data", "fsdp")
