@@ -85,6 +85,7 @@ def train_sft(cfg: Config) -> Path:
     from primejax.monitor import Monitor
     from primejax.sft_data import SFTDataError
     from primejax.trainer.config import LossConfig
+    from primejax.trainer.moe_metrics import flatten_moe_metrics
     from primejax.trainer.optim import make_optimizer, make_schedule
     from primejax.trainer.step import (
         device_batch,
@@ -132,7 +133,9 @@ def train_sft(cfg: Config) -> Path:
             local = {k: np.concatenate([a[k] for a in arrays], axis=1) for k in arrays[0]}
             t0 = time.perf_counter()
             state, metrics = step_fn(state, device_batch(local, mesh))
-            metrics = jax.device_get(metrics)
+            metrics, hists = flatten_moe_metrics(jax.device_get(metrics), model_cfg.sparse_layers())
+            for name, values in hists.items():
+                monitor.histogram(step, name, values)
             if int(metrics["nonfinite"]):
                 skipped += 1
                 log.warning("sft step %d: non-finite loss, gradient or update; skipped (%d so far)", step, skipped)

@@ -64,6 +64,9 @@ class LossConfig(Section):
     is_clip: float = option(8.0, "importance-ratio clip", gt=0)
     import_path: str = option("", "custom: 'module.function' computing one sequence's loss")
     kwargs: dict = option(doc="custom: keyword arguments of that function", factory=dict)
+    # MoE models only (models/moe.py); off by default, as in prime-rl's RL runs.
+    moe_aux_coef: float = option(0.0, "MoE: weight of the load-balancing loss (mean over sparse layers)", ge=0)
+    moe_z_coef: float = option(0.0, "MoE: weight of the router z-loss (mean over sparse layers)", ge=0)
 
     def check(self) -> None:
         if self.type == "custom" and "." not in self.import_path:

@@ -40,6 +40,7 @@ from primejax.rundir import RunConfig
 from primejax.trainer import optim
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
+from primejax.trainer.moe_metrics import flatten_moe_metrics
 from primejax.trainer.step import (
     TrainState,
     device_batch,
@@ -162,7 +163,7 @@ class Trainer:
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
             self.state, metrics = fn(self.state, device_batch(arrays, self.mesh))
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            metrics, self.histograms = flatten_moe_metrics(jax.device_get(metrics), self.model_cfg.sparse_layers())
         seconds = time.perf_counter() - start
         # prime-rl's throughput: every token of the step's micro-batches, padding included.
         tokens = arrays["tokens"].size * jax.process_count()
@@ -314,6 +315,8 @@ class Trainer:
                 last = step
                 if monitor is not None:
                     monitor.scalars(step, metrics)
+                    for name, values in getattr(self, "histograms", {}).items():
+                        monitor.histogram(step, name, values)
                 log.info("step %d/%d loss %.4g grad_norm %.3g tok/s %.0f mfu %.2f%% mismatch_kl %.2e",
                          step, max_steps, metrics["loss"], metrics["grad_norm"],
                          metrics["perf/tokens_per_s"], 100 * metrics["perf/mfu"], metrics["mismatch_kl"])
