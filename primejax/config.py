@@ -63,7 +63,8 @@ def default_config() -> ConfigDict:
             "build_tiny": ConfigDict(
                 {"enabled": False, "family": "qwen3", "tied": True, "hidden_size": 64, "num_layers": 2,
                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 32, "intermediate_size": 128, "seed": 0,
-                 "vocab_size": 0}  # 0 = the builder's default BPE size; ~270 = character-level
+                 "vocab_size": 0,  # 0 = the builder's default BPE size; ~270 = character-level
+                 "tool_tokens": False}  # add Qwen3's <tool_call>/<tool_response> tokens (tool-using envs)
             ),
             "param_dtype": "float32",  # master weights
             "compute_dtype": "bfloat16",

@@ -262,7 +262,7 @@ def _ensure_model(cfg: ConfigDict) -> None:
     build_tiny_model(
         path, family=t.family, tied=t.tied, hidden_size=t.hidden_size, num_layers=t.num_layers,
         num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-        intermediate_size=t.intermediate_size, seed=t.seed,
+        intermediate_size=t.intermediate_size, seed=t.seed, tool_tokens=t.get("tool_tokens", False),
     )
 
 

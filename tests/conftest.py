@@ -28,8 +28,9 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen3 (tied embeddings, fp32) with its tokenizer. Treat as read-only."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-tied") / "model", tied=True, seed=0)
+    """A tiny random Qwen3 (tied embeddings, fp32) with its tokenizer, Qwen3's tool-call tokens included (so the
+    renderers package's qwen3 renders for it). Treat as read-only."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-tied") / "model", tied=True, seed=0, tool_tokens=True)
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +53,7 @@ class RunningServer:
 
 def _serve(model_dir: Path, log_dir: Path) -> Iterator[RunningServer]:
     # fp32 end to end so the server can be compared with transformers at tight tolerances.
-    spec = ServerSpec(model=str(model_dir), port=free_port(), dtype="float32", max_model_len=1024)
+    spec = ServerSpec(model=str(model_dir), port=free_port(), dtype="float32", max_model_len=2048)
     proc = InferenceServerProcess(spec, log_dir / "inference.log")
     try:
         proc.start()
