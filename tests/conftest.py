@@ -35,8 +35,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Like `tiny_model_dir` with a separate lm_head. Treat as read-only."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-untied") / "model", tied=False, seed=1)
+    """Like `tiny_model_dir` (same tokenizer) with a separate lm_head. Treat as read-only."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-untied") / "model", tied=False, seed=1,
+                            tool_tokens=True)
 
 
 @dataclass
