@@ -42,11 +42,16 @@ def demonstrations_from_env(cfg: ConfigDict, name: str, n: int) -> list[list[dic
 
 
 def load_conversations(cfg: ConfigDict) -> list[list[dict]]:
-    from primejax.sft_data import read_jsonl
+    return [messages for messages, _ in load_rows(cfg)]
+
+
+def load_rows(cfg: ConfigDict) -> list[tuple[list[dict], list[dict] | None]]:
+    """(conversation, tool schemas or None) per demonstration."""
+    from primejax.sft_data import read_jsonl_rows
 
     if cfg.sft.data_path:
-        return list(read_jsonl(cfg.sft.data_path))
-    return demonstrations_from_env(cfg, cfg.sft.from_env, cfg.sft.num_examples)
+        return list(read_jsonl_rows(cfg.sft.data_path))
+    return [(c, None) for c in demonstrations_from_env(cfg, cfg.sft.from_env, cfg.sft.num_examples)]
 
 
 def train_sft(cfg: ConfigDict) -> Path:
@@ -76,7 +81,14 @@ def train_sft(cfg: ConfigDict) -> Path:
 
     s, m = cfg.sft, cfg.model
     tokenizer = AutoTokenizer.from_pretrained(m.path)
-    samples = [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(cfg)]
+    rows = load_rows(cfg)
+    renderer = None
+    if any(tools for _, tools in rows):  # tool demonstrations: render them as rollouts will be rendered
+        from primejax.orchestrator.renderer import build_renderer
+
+        renderer = build_renderer(cfg.orchestrator.renderer.name, tokenizer)
+    samples = [conversation_to_sample(tokenizer, c, max_len=s.seq_len, renderer=renderer, tools=tools)
+               for c, tools in rows]
     log.info("SFT on %d conversations, %d steps of %d", len(samples), s.steps, s.batch_size)
 
     mesh = make_mesh(**cfg.trainer.mesh.to_dict())

@@ -35,6 +35,12 @@ def _as_messages(value: Any, role: str) -> list[Message]:
 
 def read_jsonl(path: str | Path) -> Iterator[list[Message]]:
     """Yield each line's conversation; a malformed line is an error naming the file and line number."""
+    for messages, _ in read_jsonl_rows(path):
+        yield messages
+
+
+def read_jsonl_rows(path: str | Path) -> Iterator[tuple[list[Message], list[dict] | None]]:
+    """Like `read_jsonl`, with each line's optional `tools` (schemas the conversation was rendered with)."""
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"{path}: no such SFT data file")
@@ -47,12 +53,17 @@ def read_jsonl(path: str | Path) -> Iterator[list[Message]]:
                 if "messages" in row:
                     messages = _as_messages(row["messages"], "user")
                 else:
-                    messages = _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
+                    messages = _as_messages(row["prompt"], "user") + _as_messages(
+                        row["completion"], "assistant"
+                    )
             except (json.JSONDecodeError, KeyError, TypeError, SFTDataError) as e:
                 raise SFTDataError(f"{path}:{lineno}: not an SFT example ({type(e).__name__}: {e})") from None
             if not any(m["role"] == "assistant" for m in messages):
                 raise SFTDataError(f"{path}:{lineno}: no assistant message to train on")
-            yield messages
+            tools = row.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise SFTDataError(f"{path}:{lineno}: `tools` must be a list of tool schemas")
+            yield messages, tools
 
 
 def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> list[int]:
@@ -62,17 +73,33 @@ def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) ->
     return list(ids)
 
 
-def conversation_to_sample(tokenizer: Any, messages: list[Message], max_len: int | None = None) -> TrainingSample:
-    """Token ids of the whole conversation with loss on every assistant turn."""
+def conversation_to_sample(
+    tokenizer: Any,
+    messages: list[Message],
+    max_len: int | None = None,
+    *,
+    renderer: Any = None,
+    tools: list[dict] | None = None,
+) -> TrainingSample:
+    """Token ids of the whole conversation with loss on every assistant turn.
+
+    With a renderers-package `renderer` (orchestrator/renderers_adapter.py), the conversation and its `tools`
+    are built exactly as a rollout of it would be (see `_rendered_like_a_rollout`)."""
+    if renderer is not None:
+        return _rendered_like_a_rollout(tokenizer, renderer, messages, tools, max_len)
     if getattr(tokenizer, "chat_template", None) is None:
         raise SFTDataError("the tokenizer has no chat template")
-    full = _render(tokenizer, messages, generation_prompt=False)
+
+    def render(msgs: list[Message], generation_prompt: bool) -> list[int]:
+        return _render(tokenizer, msgs, generation_prompt=generation_prompt)
+
+    full = render(messages, False)
     mask = [False] * len(full)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:i], generation_prompt=True))
-        end = len(_render(tokenizer, messages[: i + 1], generation_prompt=False))
+        start = len(render(messages[:i], True))
+        end = len(render(messages[: i + 1], False))
         # Trailing template whitespace after the end-of-turn token is not something the model must emit.
         while end > start and tokenizer.decode([full[end - 1]]).strip() == "":
             end -= 1
@@ -84,6 +111,48 @@ def conversation_to_sample(tokenizer: Any, messages: list[Message], max_len: int
         token_ids=full,
         loss_mask=mask,
         inference_logprobs=[0.0] * len(full),
+        ce_weights=[1.0 if m else 0.0 for m in mask],
+    )
+
+
+def _rendered_like_a_rollout(
+    tokenizer: Any, renderer: Any, messages: list[Message], tools: list[dict] | None, max_len: int | None
+) -> TrainingSample:
+    """Each assistant turn is the completion the model would sample (the renderer's rendering of that message
+    after the generation prompt, e.g. Qwen3's empty `<think></think>` included), and each later prompt extends
+    the previous prompt + completion with the new messages (`bridge_to_next_turn`), as the rollout loop does:
+    the model learns exactly the ids it will later be asked to produce."""
+    tokens: list[int] = []
+    mask: list[bool] = []
+    last, prev_prompt, prev_completion = -1, [], []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        history = renderer.render_ids(messages[:i], tools)
+        full = renderer.render_conversation_ids(messages[: i + 1], tools)
+        if full[: len(history)] != history:
+            raise SFTDataError(f"assistant message {i}: the renderer re-renders history when it is appended")
+        completion = full[len(history) :]
+        while completion and tokenizer.decode([completion[-1]]).strip() == "":
+            completion = completion[:-1]  # template whitespace after the end-of-turn token is not sampled
+        if not tokens:
+            prompt = history
+        else:
+            prompt = renderer.bridge_to_next_turn(prev_prompt, prev_completion, messages[last + 1 : i], tools)
+            if prompt is None:
+                raise SFTDataError(f"assistant message {i}: the renderer cannot extend the previous turn")
+        new = prompt[len(tokens) :]
+        tokens += new + completion
+        mask += [False] * len(new) + [True] * len(completion)
+        prev_prompt, prev_completion, last = prompt, completion, i
+    if mask:
+        mask[0] = False
+    if max_len is not None and len(tokens) > max_len:
+        raise SFTDataError(f"a conversation has {len(tokens)} tokens, more than sft.seq_len = {max_len}")
+    return TrainingSample(
+        token_ids=tokens,
+        loss_mask=mask,
+        inference_logprobs=[0.0] * len(tokens),
         ce_weights=[1.0 if m else 0.0 for m in mask],
     )
 

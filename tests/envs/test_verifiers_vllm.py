@@ -152,3 +152,39 @@ def test_tool_rollouts_on_vllm_match_the_server_turn_by_turn_with_tool_results_m
             f"<tool_response>\n{expected}\n</tool_response>" in context
         )  # the tool result: context, no loss
         assert r.reward == float(r.messages[4]["content"] == r.example.answer)
+
+
+def test_opsd_on_a_verifiers_taskset_scores_every_turn_with_the_answer_as_hint(vllm_server, tiny_model_dir):
+    import math
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    cfg = default_config().orchestrator
+    cfg.algo.type = "opsd"  # demonstration: the task's `answer` field
+    env = load_env("tests.envs.vf_calc_taskset", {"size": 4})
+    settings = SamplingSettings(
+        max_tokens=128, temperature=1.0, top_p=1.0, max_turns=4, seed=-1, max_prompt_tokens=1900
+    )
+
+    async def main():
+        client = ToolForcingClient(tokenizer, vllm_server.base_url, timeout_s=120, max_retries=2)
+        try:
+            opsd = build_algorithm(
+                "opsd", cfg.algo, sampling=cfg.sampling, tokenizer=tokenizer, policy_client=client
+            )
+            gen = GroupGenerator(
+                client, build_renderer("auto", tokenizer), settings, Version(), max_concurrent=4
+            )
+            slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=opsd)
+            return await gen.group(slot, 0, 0, 2, step=1)
+        finally:
+            await client.close()
+
+    for r in asyncio.run(main()):
+        assert r.error is None, r.error
+        assert r.num_turns == 2 and r.example.answer == env.tasks[0].data.answer
+        assert len(r.ref_logprobs) == r.num_completion_tokens
+        assert all(math.isfinite(x) and x <= 0 for x in r.ref_logprobs)
+        (sample,) = rollout_to_samples(r, "ref_kl", 1.0, seq_len=2048)
+        assert [
+            t for t, w in zip(sample.token_ids, sample.ref_kl_weights, strict=True) if w
+        ] == r.completion_ids
