@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     sft_steps, rl_steps = (2, 2) if a.smoke else (a.sft_steps, a.rl_steps)
     run = Path(a.out) / a.name
-    run.mkdir(parents=True, exist_ok=True)
-    data = run / "tool_demos.jsonl"
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    data = Path(a.out) / f"{a.name}_demos.jsonl"  # outside the run dir, which a fresh run archives
     rows = demonstrations(256, seed=1)  # RL uses seed 0: the demonstrations are other problems
     atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in rows))
     cmd = [sys.executable, "-m", "primejax.train", "--config", "configs/verifiers_tools.py",
