@@ -27,10 +27,12 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 from primejax.config import to_json
+from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.monitor import read_jsonl
 from primejax.preflight import PreflightError, preflight
 from primejax.resume import common_resume_step, keep_previous_run, set_aside_after
 from primejax.rundir import log_path, run_dir
+from primejax.runlock import RunLock, check_port
 from primejax.utils.faults import PIDS_FILE
 from primejax.utils.io import atomic_write_json, atomic_write_text
 from primejax.utils.procs import ChildProcess, stop_all
@@ -55,6 +57,8 @@ def _write_child_config(cfg: ConfigDict, process: str) -> Path:
 
 def _child_env(devices: str, platform_cpu: bool) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if os.environ.get(TOKEN_ENV):  # the run's admin secret (launch() sets it): server and orchestrator share it
+        env[TOKEN_ENV] = os.environ[TOKEN_ENV]
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = devices
     if platform_cpu:
@@ -311,9 +315,19 @@ def launch(cfg: ConfigDict) -> int:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, on_signal)
+    lock = RunLock(root)
     try:
+        # Before anything is moved or started: no other live run in this directory, a port the server can have.
+        lock.acquire()
+        if cfg.inference.enabled:
+            port = check_port(cfg.inference.host, cfg.inference.port)
+            if port != cfg.inference.port:
+                cfg = _with(cfg, **{"inference.port": port})
         cfg, start_step = _prepare(cfg)
         root.mkdir(parents=True, exist_ok=True)
+        # A fresh admin secret per run ($PRIMEJAX_ADMIN_TOKEN when set: multi-node), in the environment of the
+        # children only, never in a config or a log.
+        os.environ[TOKEN_ENV] = write_run_token(root)
         trainer = _start(cfg, "trainer", "primejax.trainer", devices=cfg.trainer.devices)
         orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator")
         children += [trainer, orchestrator]
@@ -348,4 +362,5 @@ def launch(cfg: ConfigDict) -> int:
         if supervisor is not None:
             supervisor.liveness.stop()
         stop_all(children)
+        lock.release()
         signal.signal(signal.SIGTERM, previous)

@@ -28,42 +28,69 @@ class SFTDataError(ValueError):
 def _as_messages(value: Any, role: str) -> list[Message]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        for i, m in enumerate(value):
+            if not isinstance(m.get("role"), str):
+                raise SFTDataError(f"message {i} has no string 'role'")
+            if not isinstance(m.get("content"), str):
+                raise SFTDataError(f"message {i} ({m['role']}): 'content' must be a string, got "
+                                   f"{type(m.get('content')).__name__}")
         return value
-    raise SFTDataError(f"expected a string or a list of messages, got {type(value).__name__}")
+    raise SFTDataError(f"expected a string or a non-empty list of messages, got {type(value).__name__}")
 
 
-def read_jsonl(path: str | Path) -> Iterator[list[Message]]:
-    """Yield each line's conversation; a malformed line is an error naming the file and line number."""
-    for messages, _ in read_jsonl_rows(path):
-        yield messages
+def _conversation(row: Any) -> list[Message]:
+    if not isinstance(row, dict):
+        raise SFTDataError(f"a line must be a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        return _as_messages(row["messages"], "user")
+    if "prompt" not in row or "completion" not in row:
+        raise SFTDataError("needs 'messages', or 'prompt' and 'completion'")
+    return _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
 
 
-def read_jsonl_rows(path: str | Path) -> Iterator[tuple[list[Message], list[dict] | None]]:
-    """Like `read_jsonl`, with each line's optional `tools` (schemas the conversation was rendered with)."""
+def read_jsonl_lines(path: str | Path) -> Iterator[tuple[int, list[Message]]]:
+    """Yield (line number, conversation) of each line; a malformed line is an error naming `file:line`."""
+    for lineno, messages, _ in read_jsonl_tool_lines(path):
+        yield lineno, messages
+
+
+def read_jsonl_tool_lines(path: str | Path) -> Iterator[tuple[int, list[Message], list[dict] | None]]:
+    """Like `read_jsonl_lines`, with each line's optional `tools` (the schemas its conversation uses)."""
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"{path}: no such SFT data file")
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    found = False
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SFTDataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                if "messages" in row:
-                    messages = _as_messages(row["messages"], "user")
-                else:
-                    messages = _as_messages(row["prompt"], "user") + _as_messages(
-                        row["completion"], "assistant"
-                    )
-            except (json.JSONDecodeError, KeyError, TypeError, SFTDataError) as e:
-                raise SFTDataError(f"{path}:{lineno}: not an SFT example ({type(e).__name__}: {e})") from None
+                messages = _conversation(row)
+                tools = row.get("tools")
+                if tools is not None and not isinstance(tools, list):
+                    raise SFTDataError("'tools' must be a list of tool schemas")
+            except json.JSONDecodeError as e:
+                raise SFTDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except SFTDataError as e:
+                raise SFTDataError(f"{path}:{lineno}: not an SFT example ({e})") from None
             if not any(m["role"] == "assistant" for m in messages):
                 raise SFTDataError(f"{path}:{lineno}: no assistant message to train on")
-            tools = row.get("tools")
-            if tools is not None and not isinstance(tools, list):
-                raise SFTDataError(f"{path}:{lineno}: `tools` must be a list of tool schemas")
-            yield messages, tools
+            found = True
+            yield lineno, messages, tools
+    if not found:
+        raise SFTDataError(f"{path}: no SFT examples (the file is empty)")
+
+
+def read_jsonl(path: str | Path) -> Iterator[list[Message]]:
+    """Yield each line's conversation; a malformed line is an error naming the file and line number."""
+    for _, messages in read_jsonl_lines(path):
+        yield messages
 
 
 def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> list[int]:
@@ -89,17 +116,13 @@ def conversation_to_sample(
         return _rendered_like_a_rollout(tokenizer, renderer, messages, tools, max_len)
     if getattr(tokenizer, "chat_template", None) is None:
         raise SFTDataError("the tokenizer has no chat template")
-
-    def render(msgs: list[Message], generation_prompt: bool) -> list[int]:
-        return _render(tokenizer, msgs, generation_prompt=generation_prompt)
-
-    full = render(messages, False)
+    full = _render(tokenizer, messages, generation_prompt=False)
     mask = [False] * len(full)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(render(messages[:i], True))
-        end = len(render(messages[: i + 1], False))
+        start = len(_render(tokenizer, messages[:i], generation_prompt=True))
+        end = len(_render(tokenizer, messages[: i + 1], generation_prompt=False))
         # Trailing template whitespace after the end-of-turn token is not something the model must emit.
         while end > start and tokenizer.decode([full[end - 1]]).strip() == "":
             end -= 1

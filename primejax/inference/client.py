@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from primejax.inference.admin_auth import HEADER, read_token
 
 if TYPE_CHECKING:
     from primejax.inference.process import InferenceServerProcess
@@ -57,7 +61,11 @@ class InferenceClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        vocab_size: int | None = None,
+        admin_token: str | None = None,
     ):
+        """`vocab_size`: sampled token ids must lie below it (the model's embedding rows), checked per answer.
+        `admin_token`: the servers' admin secret (default $PRIMEJAX_ADMIN_TOKEN), sent on admin calls only."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
@@ -65,6 +73,9 @@ class InferenceClient:
         self.max_retries = max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._model = model
+        self.vocab_size = vocab_size
+        token = admin_token or read_token()
+        self._admin_headers = {HEADER: token} if token else {}
         self._in_flight = dict.fromkeys(self.base_urls, 0)
         # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
         self._http = httpx.AsyncClient(
@@ -78,7 +89,8 @@ class InferenceClient:
         least = min(self._in_flight.values())
         return random.choice([u for u, n in self._in_flight.items() if n == least])
 
-    async def _request(self, method: str, url: str, path: str, payload: dict | None = None) -> Any:
+    async def _request(self, method: str, url: str, path: str, payload: dict | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
         """One HTTP call with retries on connection errors, timeouts and 5xx. Returns the decoded JSON."""
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
@@ -86,7 +98,7 @@ class InferenceClient:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
             try:
-                r = await self._http.request(method, url + path, json=payload)
+                r = await self._http.request(method, url + path, json=payload, headers=headers)
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 last = e
                 logger.warning("%s %s%s: %s (attempt %d)", method, url, path, type(e).__name__, attempt + 1)
@@ -100,18 +112,39 @@ class InferenceClient:
             return r.json() if r.content else None
         raise InferenceError(f"{method} {url}{path} failed after {self.max_retries + 1} attempts: {last}") from last
 
-    async def _balanced(self, path: str, payload: dict) -> Any:
+    async def _balanced(self, path: str, payload: dict, check: bool = False) -> Any:
         url = self._pick()
         self._in_flight[url] += 1
         try:
             if "model" not in payload:
                 payload = {"model": await self._model_name(url), **payload}
-            return await self._request("POST", url, path, payload)
+            out = await self._request("POST", url, path, payload)
+            if check:
+                self._check_samples(url, out)
+            return out
         finally:
             self._in_flight[url] -= 1
 
+    def _check_samples(self, url: str, out: Any) -> None:
+        """Reject an answer whose token ids lie outside the vocabulary or whose logprobs are not finite log
+        probabilities here, naming the server, rather than as a bad batch deep in the trainer."""
+        for c in out.get("choices") or []:
+            ids = c.get("token_ids") or []
+            bad = [t for t in ids if not isinstance(t, int) or t < 0 or (self.vocab_size and t >= self.vocab_size)]
+            if bad:
+                raise InferenceError(f"server {url} returned token id {bad[0]!r} outside the vocabulary "
+                                     f"[0, {self.vocab_size or 'vocab'})")
+            lp = c.get("logprobs") or {}
+            values = lp.get("token_logprobs") or [t.get("logprob") for t in lp.get("content") or []]
+            for v in values:
+                if not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-3:
+                    raise InferenceError(f"server {url} returned sampling logprob {v!r} (not a finite log "
+                                         "probability)")
+
     async def _all(self, method: str, path: str, payload: dict | None = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._request(method, u, path, payload) for u in self.base_urls)))
+        # Admin calls (and only these) carry the secret: generation may go to endpoints that are not ours.
+        return list(await asyncio.gather(*(self._request(method, u, path, payload, self._admin_headers)
+                                           for u in self.base_urls)))
 
     async def _model_name(self, url: str) -> str:
         if self._model is None:
@@ -138,7 +171,7 @@ class InferenceClient:
             **_sampling(n, max_tokens, temperature, top_p, stop, seed, stop_token_ids),
             "logprobs": 0,  # the sampled token's logprob only
         }
-        out = await self._balanced("/v1/completions", payload)
+        out = await self._balanced("/v1/completions", payload, check=True)
         completions = []
         for c in sorted(out["choices"], key=lambda c: c["index"]):
             ids = c["token_ids"]
@@ -174,7 +207,7 @@ class InferenceClient:
             payload["tools"] = tools
         if chat_template_kwargs:
             payload["chat_template_kwargs"] = chat_template_kwargs
-        out = await self._balanced("/v1/chat/completions", payload)
+        out = await self._balanced("/v1/chat/completions", payload, check=True)
         prompt_ids = out["prompt_token_ids"]
         completions = []
         for c in sorted(out["choices"], key=lambda c: c["index"]):
@@ -205,7 +238,8 @@ class InferenceClient:
     # ---------------------------------------------------------------- admin
     async def update_weights(self, weight_dir: str, version: int) -> None:
         """Load `weight_dir` in place on every server and serve it as `version`."""
-        await self._all("POST", "/update_weights", {"weight_dir": str(weight_dir), "version": int(version)})
+        # Absolute on the wire: a server on another host (or another cwd) must not resolve our relative path.
+        await self._all("POST", "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)})
 
     async def reload_weights(self) -> None:
         """Go back to the base model on every server (version 0)."""
