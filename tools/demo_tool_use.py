@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
            f"--config.run.output_dir={a.out}", f"--config.run.name={a.name}",
            f"--config.run.max_steps={rl_steps}", f"--config.sft.data_path={data}",
            f"--config.sft.steps={sft_steps}"]
+    if a.smoke:  # small batches: the path end to end in a few minutes
+        cmd += ["--config.orchestrator.batch_size=8", "--config.orchestrator.group_size=4", "--config.sft.batch_size=4"]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     points = [{"step": m["step"], "reward": m["reward/mean"],
