@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="tool-demo")
     p.add_argument("--sft-steps", type=int, default=60)
     p.add_argument("--rl-steps", type=int, default=20)
+    p.add_argument("--sft-batch", type=int, default=16, help="demonstrations per SFT step")
     p.add_argument("--port", type=int, default=8731, help="the inference server's port (8000 is often taken)")
     p.add_argument("--smoke", action="store_true", help="2 SFT + 2 RL steps: proves the path, learns nothing")
     a = p.parse_args(argv)
@@ -81,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "primejax.train", "--config", "configs/verifiers_tools.py",
            f"--config.run.output_dir={a.out}", f"--config.run.name={a.name}",
            f"--config.run.max_steps={rl_steps}", f"--config.sft.data_path={data}",
-           f"--config.sft.steps={sft_steps}", f"--config.inference.port={a.port}"]
+           f"--config.sft.steps={sft_steps}", f"--config.inference.port={a.port}",
+           f"--config.sft.batch_size={4 if a.smoke else a.sft_batch}"]
     if a.smoke:  # small batches: the path end to end in a few minutes
-        cmd += ["--config.orchestrator.batch_size=8", "--config.orchestrator.group_size=4", "--config.sft.batch_size=4"]
+        cmd += ["--config.orchestrator.batch_size=8", "--config.orchestrator.group_size=4"]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     points = [{"step": m["step"], "reward": m["reward/mean"],

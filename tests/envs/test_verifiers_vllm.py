@@ -96,12 +96,12 @@ class ToolForcingClient(RecordingClient):
         super().__init__(*a, **kw)
         self.tokenizer = tokenizer
 
-    async def _balanced(self, path, payload):
+    async def _balanced(self, path, payload, **kw):
         if path == "/v1/completions":
             answered = "<tool_response>" in self.tokenizer.decode(payload["prompt"])
             regex = r"[1-9][0-9]?" if answered else self.CALL
             payload = {**payload, "structured_outputs": {"regex": regex}}
-        return await super()._balanced(path, payload)
+        return await super()._balanced(path, payload, **kw)
 
 
 def test_tool_rollouts_on_vllm_match_the_server_turn_by_turn_with_tool_results_masked(
@@ -159,7 +159,7 @@ def test_opsd_on_a_verifiers_taskset_scores_every_turn_with_the_answer_as_hint(v
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     cfg = default_config().orchestrator
-    cfg.algo.type = "opsd"  # demonstration: the task's `answer` field
+    cfg.algo.type, cfg.algo.demo_key = "opsd", "answer"  # demonstration: the task's `answer` field
     env = load_env("tests.envs.vf_calc_taskset", {"size": 4})
     settings = SamplingSettings(
         max_tokens=128, temperature=1.0, top_p=1.0, max_turns=4, seed=-1, max_prompt_tokens=1900
