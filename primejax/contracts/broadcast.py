@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from primejax.utils.io import atomic_dir, atomic_write_json, step_dirs
+from primejax.rundir import RunDir, step_dirs
+from primejax.utils.io import atomic_dir, atomic_write_json
 
 FORMAT_VERSION = 1
 STABLE = "STABLE"
@@ -27,11 +28,11 @@ class BroadcastError(RuntimeError):
 
 
 def broadcasts_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "broadcasts"
+    return RunDir(run_dir).broadcasts()
 
 
 def broadcast_dir(run_dir: str | Path, step: int) -> Path:
-    return broadcasts_root(run_dir) / f"step_{step}"
+    return RunDir(run_dir).broadcasts(step)
 
 
 def _file_sha256(path: Path, chunk: int = 1 << 24) -> str:
@@ -67,6 +68,23 @@ def write_broadcast(
         manifest = _manifest(tmp, step, hash_files)
     atomic_write_json(final / STABLE, manifest)
     return final, result
+
+
+def publish_broadcast(run_dir: str | Path, step: int, filled: Path, hash_files: bool = True) -> Path:
+    """`write_broadcast` for a directory several processes filled (multi-host export, a shared filesystem):
+    rename `filled` to `broadcasts/step_<step>` (replacing an older one) and mark it STABLE."""
+    final = broadcast_dir(run_dir, step)
+    manifest = _manifest(filled, step, hash_files)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        filled.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        filled.rename(final)
+    atomic_write_json(final / STABLE, manifest)
+    return final
 
 
 def is_stable(directory: str | Path) -> bool:

@@ -13,21 +13,21 @@ import sys
 
 from primejax.cli import parse_config, run_main
 from primejax.rundir import write_resolved_config
+from primejax.utils.devices import accelerator_env
 
 
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.trainer", doc=__doc__.split("\n\n")[1])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.trainer.devices and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        # Must happen before JAX initializes its backends (the imports below).
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.trainer.devices
+    # Only the trainer's GPUs, JAX's share of them bounded: before JAX initializes its backends (imports below).
+    os.environ.update(accelerator_env(cfg.trainer.devices, cfg.trainer.memory_fraction, os.environ))
     from primejax.contracts.batch import BatchFormatError
     from primejax.trainer.checkpoint import CheckpointError
     from primejax.trainer.loop import NonFiniteError, maybe_init_distributed, train
     from primejax.utils.disk import disk_full_line, is_disk_full
 
-    maybe_init_distributed(cfg)
-    write_resolved_config(cfg, "trainer")
+    maybe_init_distributed(cfg.trainer.distributed)
+    write_resolved_config(cfg.run_dir, "trainer", cfg.to_json())
     # SIGTERM (the launcher stopping the run) unwinds like an exception, so the loop's `finally` completes the
     # checkpoint still being saved in the background instead of losing it.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
