@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 
 from ml_collections import ConfigDict
-from orch_fakes import FakeClient, small_config
+from orch_fakes import FakeClient, make_orchestrator, small_config
 
 from primejax.config import _env
 from primejax.envs.base import Environment, Example
 from primejax.envs.registry import register_env
 from primejax.envs.reverse_text import ReverseText
-from primejax.orchestrator.buffer import Buffer, BufferSettings, EnvSlot
-from primejax.orchestrator.loop import Orchestrator
+from primejax.orchestrator.buffer import Buffer, EnvSlot
 
 
 class HalfGibberish(FakeClient):
@@ -33,7 +32,7 @@ def test_enforced_pre_batch_filter_drops_are_replaced_and_the_batch_stays_full(t
     cfg.orchestrator.filters.update(
         {"pre_batch": ("gibberish",), "pre_batch_enforce": True, "post_batch": ()}
     )
-    orch = Orchestrator(cfg, client=HalfGibberish(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    orch = make_orchestrator(cfg, client=HalfGibberish(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
     (m,) = asyncio.run(orch.run(1))
     assert m["filters/pre_batch/dropped"] >= 8  # half of the first round's 16 rollouts
     assert m["batch/rollouts"] == 16 and m["samples/count"] == 16  # replaced: a full batch (was 8 of 16)
@@ -69,7 +68,7 @@ def test_online_evals_interleave_with_training_instead_of_holding_up_the_step(tm
         cfg.orchestrator.eval.update({"interval": eval_interval, "num_examples": 2, "group_size": 2})
         cfg.orchestrator.eval.envs = {"slow": _env("test-slow-eval")}
         client = SlowClient(tokenizer)
-        orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / f"run{eval_interval}")
+        orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / f"run{eval_interval}")
         return asyncio.run(orch.run(6))
 
     plain, with_eval = steps(0), steps(3)
@@ -85,13 +84,7 @@ def test_mixture_weights_set_each_envs_share_of_prompts(tmp_path, tokenizer):
     slots = [
         EnvSlot(name=n, env=ReverseText(), weight=w, algorithm=None) for n, w in (("a", 3.0), ("b", 1.0))
     ]
-    buffer = Buffer(
-        slots,
-        seed=0,
-        settings=BufferSettings.from_config(
-            ConfigDict(small_config(tmp_path / "r").orchestrator.buffer.to_dict())
-        ),
-    )
+    buffer = Buffer(slots, seed=0)  # default settings: no pools, no filtering
     picks = [env for env, _ in buffer.sample(8000)]
     assert abs(picks.count("a") / len(picks) - 0.75) < 0.02
     # Through the orchestrator: rollouts per env over ten steps follow the same 3:1 split (4 sigma: +-0.07).
@@ -100,7 +93,7 @@ def test_mixture_weights_set_each_envs_share_of_prompts(tmp_path, tokenizer):
     cfg.orchestrator.envs.a.weight, cfg.orchestrator.envs.b.weight = 3.0, 1.0
     cfg.orchestrator.filters.post_batch = ()
     cfg.orchestrator.async_level = 64  # no trainer here: never wait for weights
-    orch = Orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
     counts = {"a": 0, "b": 0}
 
     async def go():
