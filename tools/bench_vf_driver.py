@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from primejax.envs.registry import load_env
 from primejax.orchestrator.buffer import EnvSlot
-from primejax.orchestrator.generate import GroupGenerator, SamplingSettings
+from primejax.orchestrator.config import SamplingConfig
+from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.renderer import build_renderer
 
 
@@ -75,10 +76,9 @@ def main(argv: list[str] | None = None) -> None:
         build_tokenizer(d, tool_tokens=True)
         tok = AutoTokenizer.from_pretrained(d)
     env = load_env("tests.envs.vf_calc_taskset", {"size": a.rollouts})
-    settings = SamplingSettings(
-        max_tokens=128, temperature=1.0, top_p=1.0, max_turns=4, seed=-1, max_prompt_tokens=8192
-    )
-    gen = GroupGenerator(InstantModel(tok, env), build_renderer("auto", tok), settings, Version(), 64)
+    settings = SamplingConfig(max_tokens=128, max_turns=4)
+    gen = GroupGenerator(InstantModel(tok, env), build_renderer("auto", tok), settings, Version(),
+                         max_concurrent=64, max_prompt_tokens=8192)
     slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=Scorer())
 
     async def one(i):

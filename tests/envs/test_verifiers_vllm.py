@@ -117,15 +117,13 @@ def test_tool_rollouts_on_vllm_match_the_server_turn_by_turn_with_tool_results_m
     cfg = default_config().orchestrator
     grpo = build_algorithm("grpo", cfg.algo, sampling=cfg.sampling, tokenizer=tokenizer)
     env = load_env("tests.envs.vf_calc_taskset", {"size": 4})
-    settings = SamplingSettings(
-        max_tokens=128, temperature=1.0, top_p=1.0, max_turns=4, seed=-1, max_prompt_tokens=1900
-    )
+    settings = SamplingConfig(max_tokens=128, max_turns=4)
     renderer = build_renderer("auto", tokenizer)
 
     async def main():
         client = ToolForcingClient(tokenizer, vllm_server.base_url, timeout_s=120, max_retries=2)
         try:
-            gen = GroupGenerator(client, renderer, settings, Version(), max_concurrent=4)
+            gen = GroupGenerator(client, renderer, settings, Version(), max_concurrent=4, max_prompt_tokens=1900)
             slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=grpo)
             groups = await asyncio.gather(*(gen.group(slot, i, i, 2, step=1) for i in range(2)))
             return [r for g in groups for r in g], client.completions
@@ -167,9 +165,7 @@ def test_opsd_on_a_verifiers_taskset_scores_every_turn_with_the_answer_as_hint(v
     cfg = default_config().orchestrator
     cfg.algo.type, cfg.algo.demo_key = "opsd", "answer"  # demonstration: the task's `answer` field
     env = load_env("tests.envs.vf_calc_taskset", {"size": 4})
-    settings = SamplingSettings(
-        max_tokens=128, temperature=1.0, top_p=1.0, max_turns=4, seed=-1, max_prompt_tokens=1900
-    )
+    settings = SamplingConfig(max_tokens=128, max_turns=4)
 
     async def main():
         client = ToolForcingClient(tokenizer, vllm_server.base_url, timeout_s=120, max_retries=2)
@@ -178,7 +174,8 @@ def test_opsd_on_a_verifiers_taskset_scores_every_turn_with_the_answer_as_hint(v
                 "opsd", cfg.algo, sampling=cfg.sampling, tokenizer=tokenizer, policy_client=client
             )
             gen = GroupGenerator(
-                client, build_renderer("auto", tokenizer), settings, Version(), max_concurrent=4
+                client, build_renderer("auto", tokenizer), settings, Version(), max_concurrent=4,
+                max_prompt_tokens=1900,
             )
             slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=opsd)
             return await gen.group(slot, 0, 0, 2, step=1)
