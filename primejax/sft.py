@@ -58,14 +58,21 @@ def load_conversations(s: SftConfig, envs: dict[str, EnvConfig]) -> list[list[di
 
 def load_samples(s: SftConfig, envs: dict[str, EnvConfig], tokenizer) -> list:
     """Training samples of the SFT data; SFTDataError names `file:line` of a conversation that cannot train."""
-    from primejax.sft_data import SFTDataError, conversation_to_sample, read_jsonl_lines
+    from primejax.sft_data import SFTDataError, conversation_to_sample, read_jsonl_tool_lines
 
     if not s.data_path:
         return [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(s, envs)]
+    lines = list(read_jsonl_tool_lines(s.data_path))
+    renderer = None
+    if any(tools for _, _, tools in lines):  # tool demonstrations: render them as rollouts will be ("auto")
+        from primejax.orchestrator.renderer import build_renderer
+
+        renderer = build_renderer("auto", tokenizer)
     samples = []
-    for lineno, conversation in read_jsonl_lines(s.data_path):
+    for lineno, conversation, tools in lines:
         try:
-            samples.append(conversation_to_sample(tokenizer, conversation, max_len=s.seq_len))
+            samples.append(conversation_to_sample(tokenizer, conversation, max_len=s.seq_len, renderer=renderer,
+                                                  tools=tools))
         except Exception as e:  # noqa: BLE001 - the template rejecting a conversation is bad data too
             detail = str(e) if isinstance(e, SFTDataError) else f"{type(e).__name__}: {e}"
             raise SFTDataError(f"{s.data_path}:{lineno}: {detail}") from None

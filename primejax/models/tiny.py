@@ -244,6 +244,7 @@ class TinyModelConfig(Section):
     num_experts: int = option(8, "qwen3_moe: experts per sparse layer (docs/moe.md)", gt=0, le=256)
     num_experts_per_tok: int = option(2, "qwen3_moe: experts each token is routed to", gt=0)
     moe_intermediate_size: int = option(64, "qwen3_moe: expert MLP width", gt=0)
+    tool_tokens: bool = option(False, "add Qwen3's <tool_call>/<tool_response> tokens (tool-using envs)")
 
     def check(self) -> None:
         if self.num_experts_per_tok > self.num_experts:
