@@ -34,10 +34,10 @@ def _block(t: int) -> int:
     return next(b for b in (512, 256, _ALIGN) if t % b == 0)
 
 
-@functools.cache
-def _kernel(t: int, group: int, interpret: bool, mesh):
-    """The kernel for rows of `t` tokens; `mesh` (the context's abstract mesh) is only a cache key: the
-    kernel's tables are typed on the mesh they were made under."""
+def _kernel(t: int, group: int, interpret: bool):
+    """The kernel for rows of `t` tokens, made per call: its block-mask tables are arrays, so a kernel kept
+    across traces would carry one trace's values into the next (and is typed on the mesh it was made under).
+    The costly part, the mask analysis, is cached inside jax's splash module."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -53,12 +53,9 @@ def _kernel(t: int, group: int, interpret: bool, mesh):
         block_kv_dq=b,
     )
     mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(group)])
-    # The kernel holds its block-mask tables as arrays; built under a trace they would be that trace's
-    # tracers, and this cache would leak them into the next one.
-    with jax.ensure_compile_time_eval():
-        return sk.make_splash_mqa_single_device(
-            mask, block_sizes=sizes, residual_checkpoint_name=RESIDUALS, interpret=interpret
-        )
+    return sk.make_splash_mqa_single_device(
+        mask, block_sizes=sizes, residual_checkpoint_name=RESIDUALS, interpret=interpret
+    )
 
 
 def _local(q, k, v, segment_ids, scale: float, interpret: bool):
@@ -72,7 +69,7 @@ def _local(q, k, v, segment_ids, scale: float, interpret: bool):
         pad = [(0, 0), (0, tp - t), (0, 0), (0, 0)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
         segment_ids = jnp.pad(segment_ids, [(0, 0), (0, tp - t)], constant_values=-1)
-    kernel = _kernel(tp, h // kv, interpret, jax.sharding.get_abstract_mesh())
+    kernel = _kernel(tp, h // kv, interpret)
     # The kernel takes pre-scaled queries; [B, K, G, T, Dh] puts each kv head's query group together.
     q_bkgtd = (q * jnp.asarray(scale, q.dtype)).reshape(b, tp, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
     k_bktd = k.transpose(0, 2, 1, 3)

@@ -53,29 +53,38 @@ class NonFiniteError(RuntimeError):
     """A step produced a NaN/inf loss or gradient and `trainer.on_nonfinite` is "stop"."""
 
 
-def build_model(cfg: ConfigDict, mesh: jax.sharding.Mesh) -> tuple[nnx.Module, ModelConfig]:
-    """Load `model.path` (HF safetensors); a directory with only config.json gets random weights (benchmarks)."""
+def model_config(cfg: ConfigDict) -> ModelConfig:
+    """The trainer's model shape and training choices from the config, without touching any weights.
+
+    `model.path`'s config.json, or (no path: fake-data mode) the `model.build_tiny` shape.
+    """
     m = cfg.model
     overrides = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, attention_impl=m.attention_impl,
                      remat_policy=m.remat_policy)
-    if not m.path:  # fake-data mode without a model: the build_tiny shape, random weights
+    if not m.path:
         tiny = m.build_tiny
-        model_cfg = ModelConfig(
+        return ModelConfig(
             model_type=tiny.family, vocab_size=DEFAULT_VOCAB_SIZE, hidden_size=tiny.hidden_size,
             intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
             num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, rope_theta=10000.0, rope_scaling=None,
             rms_norm_eps=1e-6, tie_word_embeddings=tiny.tied, qk_norm=tiny.family == "qwen3", attention_bias=False,
             max_position_embeddings=max(4096, cfg.trainer.fake_data.seq_len), **overrides,
         )
-        return init_model(model_cfg, mesh, cfg.run.seed), model_cfg
-    path = Path(m.path)
-    if any(path.glob("*.safetensors")):
-        return load_model(path, mesh=mesh, **overrides)
-    if (path / "config.json").is_file():
-        model_cfg = ModelConfig.from_model_dir(path, **overrides)
-        log.info("no safetensors in %s: random init (benchmark use)", path)
-        return init_model(model_cfg, mesh, cfg.run.seed), model_cfg
-    raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
+    if not (Path(m.path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
+    return ModelConfig.from_model_dir(m.path, **overrides)
+
+
+def build_model(cfg: ConfigDict, mesh: jax.sharding.Mesh) -> tuple[nnx.Module, ModelConfig]:
+    """Load `model.path` (HF safetensors); a directory with only config.json gets random weights (benchmarks)."""
+    m = cfg.model
+    if m.path and any(Path(m.path).glob("*.safetensors")):
+        return load_model(m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
+                          attention_impl=m.attention_impl, remat_policy=m.remat_policy)
+    model_cfg = model_config(cfg)  # fake-data mode without a model, or config.json only: random weights
+    if m.path:
+        log.info("no safetensors in %s: random init (benchmark use)", m.path)
+    return init_model(model_cfg, mesh, cfg.run.seed), model_cfg
 
 
 def fake_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) -> PackedBatch:
@@ -277,4 +286,4 @@ def maybe_init_distributed(cfg: ConfigDict) -> None:
         jax.distributed.initialize(address or None, num_processes=num_processes, process_id=process_id)
 
 
-__all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "NonFiniteError", "maybe_init_distributed"]
+__all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "model_config", "NonFiniteError", "maybe_init_distributed"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 from importlib.metadata import entry_points
 
+import pytest
+
 from primejax.inference import vllm_ext
 
 
@@ -44,3 +46,13 @@ def test_cpu_gemm_redispatch_helper_exists():
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     assert list(inspect.signature(dispatch_cpu_unquantized_gemm).parameters) == ["layer", "remove_weight"]
+
+
+def test_worker_without_reload_weights_refuses_the_load_with_a_pointer_to_the_docs(tmp_path):
+    """vLLM TPU's worker has no reload_weights: the load must fail loudly, never leave stale weights serving."""
+
+    class TpuLikeWorker(vllm_ext.PrimejaxWorkerExtension):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"TpuLikeWorker has no reload_weights.*docs/tpu\.md"):
+        TpuLikeWorker().primejax_load_weights(str(tmp_path))
