@@ -14,6 +14,8 @@ from typing import Any
 import ml_collections
 from ml_collections import ConfigDict, FieldReference
 
+from primejax.config_limits import check_limits
+
 
 class ConfigError(ValueError):
     """A bad configuration value. `key` is the dotted path, e.g. `orchestrator.group_size`."""
@@ -232,7 +234,7 @@ _CHOICES = {
 _POSITIVE = (
     "run.max_steps", "trainer.micro_batch_size", "trainer.logprob_chunk_size", "orchestrator.batch_size",
     "orchestrator.group_size", "orchestrator.seq_len", "orchestrator.max_concurrent", "orchestrator.sampling.max_tokens",
-    "orchestrator.max_prompt_tokens", "inference.max_model_len", "inference.port", "trainer.fake_data.seq_len",
+    "orchestrator.max_prompt_tokens", "inference.max_model_len", "trainer.fake_data.seq_len",
     "trainer.fake_data.rows", "orchestrator.weights_poll_s", "inference.hang_timeout_s",
 )
 _NON_NEGATIVE = (
@@ -397,8 +399,7 @@ def validate(c: ConfigDict) -> ConfigDict:
 
     if c.run.resume_step not in ("", "latest") and not c.run.resume_step.isdigit():
         raise ConfigError("run.resume_step", f"must be '', 'latest' or a step number, got {c.run.resume_step!r}")
-    if not c.run.name or "/" in c.run.name:
-        raise ConfigError("run.name", f"must be a non-empty name without '/', got {c.run.name!r}")
+    check_limits(c, ConfigError)  # finite floats, sizes, inference.port 0..65535 (0 = free), run.name/output_dir
     if c.sft.steps > 0 and not (c.sft.data_path or c.sft.from_env):
         raise ConfigError("sft.data_path", "SFT needs a data file (sft.data_path) or an env (sft.from_env)")
     if c.sft.from_env and c.sft.from_env not in o.envs:

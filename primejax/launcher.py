@@ -31,6 +31,7 @@ from primejax.monitor import read_jsonl
 from primejax.preflight import PreflightError, preflight
 from primejax.resume import common_resume_step, keep_previous_run, set_aside_after
 from primejax.rundir import log_path, run_dir
+from primejax.runlock import RunLock, check_port
 from primejax.utils.faults import PIDS_FILE
 from primejax.utils.io import atomic_write_json, atomic_write_text
 from primejax.utils.procs import ChildProcess, stop_all
@@ -311,7 +312,14 @@ def launch(cfg: ConfigDict) -> int:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, on_signal)
+    lock = RunLock(root)
     try:
+        # Before anything is moved or started: no other live run in this directory, a port the server can have.
+        lock.acquire()
+        if cfg.inference.enabled:
+            port = check_port(cfg.inference.host, cfg.inference.port)
+            if port != cfg.inference.port:
+                cfg = _with(cfg, **{"inference.port": port})
         cfg, start_step = _prepare(cfg)
         root.mkdir(parents=True, exist_ok=True)
         trainer = _start(cfg, "trainer", "primejax.trainer", devices=cfg.trainer.devices)
@@ -348,4 +356,5 @@ def launch(cfg: ConfigDict) -> int:
         if supervisor is not None:
             supervisor.liveness.stop()
         stop_all(children)
+        lock.release()
         signal.signal(signal.SIGTERM, previous)

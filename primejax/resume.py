@@ -19,7 +19,9 @@ from primejax.preflight import PreflightError
 from primejax.utils.io import step_dirs
 
 STEP_DIRS = ("rollouts", "broadcasts", "checkpoints")
-_KEEP_ON_FRESH = {"previous", "configs"}  # configs/: this run's own resolved configs are written there already
+# What primejax itself writes at the top of a run directory. A fresh start moves only these: anything else
+# (a user's files, a project checked out where a run directory was pointed by mistake) is never touched.
+RUN_ENTRIES = frozenset({*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", "pids.json", "admin_token"})
 
 
 def common_resume_step(root: str | Path, resume_step: str) -> int | None:
@@ -71,11 +73,13 @@ def set_aside_after(root: str | Path, step: int) -> list[Path]:
 
 
 def keep_previous_run(root: str | Path) -> Path | None:
-    """A fresh run in a used directory: move the earlier run's outputs to `previous/<time>/`, return it."""
+    """A fresh run in a used directory: move the earlier run's outputs (only entries primejax creates, see
+    RUN_ENTRIES) to `previous/<time>/`, return it."""
     root = Path(root)
     if not root.is_dir():
         return None
-    entries = [p for p in root.iterdir() if p.name not in _KEEP_ON_FRESH]
+    # configs/ holds this run's own resolved configs already; previous/ is where the move goes.
+    entries = [p for p in root.iterdir() if p.name in RUN_ENTRIES]
     if not entries:
         return None
     dest = root / "previous" / _stamp()

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from primejax.contracts.batch_checks import check_headers, check_manifest, check_values, segment_count
 from primejax.utils.io import atomic_write_bytes, step_dirs
 
 FORMAT_VERSION = 1
@@ -287,6 +288,9 @@ def write_batch(step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[
         if arrays[name].dtype != dtype or arrays[name].shape != arrays["tokens"].shape:
             raise BatchFormatError(None, name, f"expected {dtype} {arrays['tokens'].shape}, "
                                                f"got {arrays[name].dtype} {arrays[name].shape}")
+    path = Path(step_dir) / f"rank_{rank}.npz"
+    # The checks the trainer runs on reading, run before writing: a bad value fails here, naming its step.
+    check_values(path, batch, None, BatchFormatError)
     manifest = {
         "format_version": FORMAT_VERSION,
         "rows": batch.rows,
@@ -297,7 +301,6 @@ def write_batch(step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[
     buf = io.BytesIO()
     manifest_bytes = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
     np.savez(buf, **arrays, **{MANIFEST_KEY: manifest_bytes})
-    path = Path(step_dir) / f"rank_{rank}.npz"
     atomic_write_bytes(path, buf.getvalue())
     return path
 
@@ -313,29 +316,36 @@ def read_batch(path: str | Path, vocab_size: int | None = None) -> PackedBatch:
     with data:
         if MANIFEST_KEY not in names:
             raise BatchFormatError(path, MANIFEST_KEY, "missing (not a primejax batch file)")
+        check_headers(path, data.zip, {MANIFEST_KEY: (np.dtype(np.uint8), None)}, BatchFormatError)
         try:
             manifest = json.loads(_load(data, path, MANIFEST_KEY).tobytes().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise BatchFormatError(path, MANIFEST_KEY, f"not valid JSON ({e})") from None
+        if not isinstance(manifest, dict):
+            raise BatchFormatError(path, MANIFEST_KEY, f"must be a JSON object, got {type(manifest).__name__}")
         version = manifest.get("format_version")
         if version != FORMAT_VERSION:
             raise BatchFormatError(path, "format_version", f"expected {FORMAT_VERSION}, got {version!r}")
-        shape = (manifest.get("rows"), manifest.get("seq_len"))
+        shape = check_manifest(path, manifest, BatchFormatError)
+        # Shapes and dtypes from the .npy headers first: nothing is decompressed for a file that lies.
+        check_headers(path, data.zip, {name: (dtype, shape) for name, dtype in FIELDS.items()}, BatchFormatError)
         arrays = {}
-        for name, dtype in FIELDS.items():
-            if name not in names:
-                raise BatchFormatError(path, name, "missing")
+        for name in FIELDS:
             a = _load(data, path, name)
-            if a.dtype != dtype:
-                raise BatchFormatError(path, name, f"dtype {a.dtype}, expected {dtype}")
-            if a.shape != shape:
-                raise BatchFormatError(path, name, f"shape {a.shape}, expected {shape} (rows, seq_len)")
-            expected = manifest.get("fields", {}).get(name, {}).get("sha256")
+            expected = manifest["fields"].get(name, {}).get("sha256")
             if expected != _sha256(a):
                 raise BatchFormatError(path, name, "sha256 mismatch (corrupted file)")
             arrays[name] = a
-    batch = PackedBatch(**arrays, meta=manifest.get("meta", {}))
-    _check_values(path, batch, vocab_size)
+    batch = PackedBatch(**arrays, meta=dict(manifest.get("meta", {})))
+    check_values(path, batch, vocab_size, BatchFormatError)
+    # Computed, never trusted below the data: an understated count made a custom loss skip whole samples. A
+    # larger claim (every rank's files carry the largest count over all ranks, so all compile one step) is
+    # kept, up to one sample per token.
+    claimed = batch.meta.get("max_segments") or 0
+    if claimed > batch.seq_len:
+        raise BatchFormatError(path, "meta.max_segments", f"{claimed} is more than a row of {batch.seq_len} "
+                                                          "tokens can hold")
+    batch.meta["max_segments"] = max(claimed, segment_count(batch.segment_ids))
     return batch
 
 
@@ -344,26 +354,6 @@ def _load(data: Any, path: Path, name: str) -> np.ndarray:
         return data[name]
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise BatchFormatError(path, name, f"unreadable ({type(e).__name__}: {e})") from None
-
-
-def _check_values(path: Path, b: PackedBatch, vocab_size: int | None) -> None:
-    real = b.segment_ids > 0
-    if (b.segment_ids < 0).any():
-        raise BatchFormatError(path, "segment_ids", "negative segment id")
-    if (b.positions < 0).any():
-        raise BatchFormatError(path, "positions", "negative position")
-    if (b.tokens < 0).any() or (vocab_size is not None and (b.tokens >= vocab_size).any()):
-        raise BatchFormatError(path, "tokens", f"token id outside [0, {vocab_size if vocab_size else 'vocab'})")
-    if (b.loss_mask & ~real).any():
-        raise BatchFormatError(path, "loss_mask", "set on a padding token (segment 0)")
-    starts = real & (b.positions == 0)
-    if (b.loss_mask & starts).any():
-        raise BatchFormatError(path, "loss_mask", "set on the first token of a sample (it has no predictor)")
-    for name in ("inference_logprobs", "advantages", "ref_logprobs", *WEIGHT_STREAMS):
-        if not np.isfinite(getattr(b, name)).all():
-            raise BatchFormatError(path, name, "non-finite value")
-    if not (b.temperatures[real] > 0).all():
-        raise BatchFormatError(path, "temperatures", "must be > 0 on every real token")
 
 
 def prune_rollouts(run_dir: str | Path, rank: int, through_step: int) -> list[int]:

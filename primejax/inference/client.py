@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -57,7 +58,9 @@ class InferenceClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        vocab_size: int | None = None,
     ):
+        """`vocab_size`: sampled token ids must lie below it (the model's embedding rows), checked per answer."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
@@ -65,6 +68,7 @@ class InferenceClient:
         self.max_retries = max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._model = model
+        self.vocab_size = vocab_size
         self._in_flight = dict.fromkeys(self.base_urls, 0)
         # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
         self._http = httpx.AsyncClient(
@@ -100,15 +104,34 @@ class InferenceClient:
             return r.json() if r.content else None
         raise InferenceError(f"{method} {url}{path} failed after {self.max_retries + 1} attempts: {last}") from last
 
-    async def _balanced(self, path: str, payload: dict) -> Any:
+    async def _balanced(self, path: str, payload: dict, check: bool = False) -> Any:
         url = self._pick()
         self._in_flight[url] += 1
         try:
             if "model" not in payload:
                 payload = {"model": await self._model_name(url), **payload}
-            return await self._request("POST", url, path, payload)
+            out = await self._request("POST", url, path, payload)
+            if check:
+                self._check_samples(url, out)
+            return out
         finally:
             self._in_flight[url] -= 1
+
+    def _check_samples(self, url: str, out: Any) -> None:
+        """Reject an answer whose token ids lie outside the vocabulary or whose logprobs are not finite log
+        probabilities here, naming the server, rather than as a bad batch deep in the trainer."""
+        for c in out.get("choices") or []:
+            ids = c.get("token_ids") or []
+            bad = [t for t in ids if not isinstance(t, int) or t < 0 or (self.vocab_size and t >= self.vocab_size)]
+            if bad:
+                raise InferenceError(f"server {url} returned token id {bad[0]!r} outside the vocabulary "
+                                     f"[0, {self.vocab_size or 'vocab'})")
+            lp = c.get("logprobs") or {}
+            values = lp.get("token_logprobs") or [t.get("logprob") for t in lp.get("content") or []]
+            for v in values:
+                if not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-3:
+                    raise InferenceError(f"server {url} returned sampling logprob {v!r} (not a finite log "
+                                         "probability)")
 
     async def _all(self, method: str, path: str, payload: dict | None = None) -> list[Any]:
         return list(await asyncio.gather(*(self._request(method, u, path, payload) for u in self.base_urls)))
@@ -138,7 +161,7 @@ class InferenceClient:
             **_sampling(n, max_tokens, temperature, top_p, stop, seed, stop_token_ids),
             "logprobs": 0,  # the sampled token's logprob only
         }
-        out = await self._balanced("/v1/completions", payload)
+        out = await self._balanced("/v1/completions", payload, check=True)
         completions = []
         for c in sorted(out["choices"], key=lambda c: c["index"]):
             ids = c["token_ids"]
@@ -174,7 +197,7 @@ class InferenceClient:
             payload["tools"] = tools
         if chat_template_kwargs:
             payload["chat_template_kwargs"] = chat_template_kwargs
-        out = await self._balanced("/v1/chat/completions", payload)
+        out = await self._balanced("/v1/chat/completions", payload, check=True)
         prompt_ids = out["prompt_token_ids"]
         completions = []
         for c in sorted(out["choices"], key=lambda c: c["index"]):

@@ -22,8 +22,18 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
     write_resolved_config(cfg, "orchestrator")
     from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx
+    from primejax.rundir import run_dir
+    from primejax.utils.disk import disk_full_line, is_disk_full
 
-    asyncio.run(run_orchestrator(cfg))
+    try:
+        asyncio.run(run_orchestrator(cfg))
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        # A batch or checkpoint write that ran out of space: its temp file was removed, nothing half-written.
+        print(f"error: orchestrator: {disk_full_line(run_dir(cfg), 'a batch or checkpoint')}", file=sys.stderr,
+              flush=True)
+        return 1
     return 0
 
 

@@ -32,6 +32,8 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}))
         for name, rows in (records or {}).items():
             (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Prune only once the new checkpoint reads back (a write that failed raised above and pruned nothing).
+    json.loads((path / STATE_FILE).read_text())
     if keep > 0:
         for old in saved_steps(run_dir)[:-keep]:
             shutil.rmtree(checkpoint_dir(run_dir, old, PROCESS), ignore_errors=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -67,6 +69,17 @@ class SamplingSettings:
     max_turns: int
     seed: int  # -1 = unseeded
     max_prompt_tokens: int
+
+
+def checked_reward(value: Any) -> float:
+    """An environment's reward as a float; ValueError for a non-numeric (a string, a bool) or non-finite one, so
+    that rollout is errored instead of turning its group's advantages into NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"reward must be a real number, got {type(value).__name__} {value!r}")
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"reward must be finite, got {reward}")
+    return reward
 
 
 def _sampler(slot: EnvSlot) -> SamplingClient | None:
@@ -168,7 +181,7 @@ class GroupGenerator:
                 (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
             stage = "score"
-            rollout.reward = float(await slot.env.score(rollout.example, rollout.messages, rollout.state))
+            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
             stage = "algorithm"
             await slot.algorithm.finalize_rollout(rollout)
         except Exception as e:  # noqa: BLE001 - one bad rollout fails alone

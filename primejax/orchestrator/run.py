@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ml_collections import ConfigDict
 
 from primejax.inference.client import InferenceClient
@@ -17,10 +20,20 @@ def base_urls(cfg: ConfigDict) -> list[str]:
     return urls or [f"http://{cfg.inference.host}:{cfg.inference.port}"]
 
 
+def model_vocab_size(model_path: str) -> int | None:
+    """The policy's vocabulary size from its config.json (None when it cannot be read)."""
+    try:
+        vocab = json.loads((Path(model_path) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
+
+
 async def run_orchestrator(cfg: ConfigDict) -> list[dict[str, float]]:
     root = run_dir(cfg)
     c = cfg.orchestrator.client
-    client = InferenceClient(base_urls(cfg), timeout_s=c.timeout_s, max_retries=c.max_retries)
+    client = InferenceClient(base_urls(cfg), timeout_s=c.timeout_s, max_retries=c.max_retries,
+                             vocab_size=model_vocab_size(cfg.model.path))
     monitor = Monitor(root, "orchestrator", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl)
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s)

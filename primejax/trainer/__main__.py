@@ -22,7 +22,9 @@ def main() -> int:
         # Must happen before JAX initializes its backends (the imports below).
         os.environ["CUDA_VISIBLE_DEVICES"] = cfg.trainer.devices
     from primejax.contracts.batch import BatchFormatError
+    from primejax.trainer.checkpoint import CheckpointError
     from primejax.trainer.loop import NonFiniteError, maybe_init_distributed, train
+    from primejax.utils.disk import disk_full_line, is_disk_full
 
     maybe_init_distributed(cfg)
     write_resolved_config(cfg, "trainer")
@@ -31,10 +33,17 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         train(cfg)
-    except (BatchFormatError, NonFiniteError, FileNotFoundError, TimeoutError) as e:
+    except (BatchFormatError, NonFiniteError, CheckpointError, FileNotFoundError, TimeoutError) as e:
         # Bad data or a stopped run, not a bug: one line the launcher can show, no traceback. Nothing was
         # consumed or written for the failing step, so a resume starts from the last checkpoint.
         print(f"error: trainer: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        # A broadcast or batch write that ran out of space: its temp files were removed, nothing half-written.
+        print(f"error: trainer: {disk_full_line(getattr(e, 'filename', None) or '.', 'its outputs')}",
+              file=sys.stderr, flush=True)
         return 1
     return 0
 

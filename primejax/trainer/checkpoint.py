@@ -7,6 +7,10 @@ at `close()`. `meta.json` is the completion marker and holds the data position (
 read), the config fingerprint and the size of every file under `state/`; a directory without it is an
 interrupted save and is ignored, and one whose files no longer match it (a truncated or lost file) is
 skipped by `run.resume_step=latest`, which falls back to the previous complete checkpoint.
+
+A save counts only once Orbax committed it (`state/` renamed from its temp name) and `meta.json` lists its
+files; a save that failed (a full disk) is removed and raises `CheckpointError` with one line naming the disk,
+and older checkpoints are pruned only after a newer one verified.
 """
 
 from __future__ import annotations
@@ -21,10 +25,16 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from primejax.utils.disk import disk_full_line, is_disk_full
+from primejax.utils.faults import fault_point
 from primejax.utils.io import atomic_write_json, step_dirs
 
 log = logging.getLogger("primejax.trainer")
 META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    """A trainer checkpoint could not be saved (it was removed; the older ones are untouched)."""
 
 
 def trainer_ckpt_dir(run_dir: str | Path, step: int) -> Path:
@@ -52,9 +62,15 @@ def checkpoint_problem(run_dir: str | Path, step: int) -> str | None:
         return "incomplete (no meta.json)"
     except json.JSONDecodeError as e:
         return f"unreadable meta.json ({e.msg})"
+    if not isinstance(meta, dict):
+        return "meta.json is not an object"
     expected = meta.get("files")
     if expected is None:  # written before sizes were recorded: nothing to compare
         return None
+    if not (path / "state").is_dir():
+        return "state/ is missing (the save was never committed)"
+    if not isinstance(expected, dict) or not expected:
+        return "meta.json lists no state files (the save was never committed)"
     actual = _state_files(path / "state")
     for name, size in expected.items():
         if name not in actual:
@@ -103,29 +119,67 @@ class TrainerCheckpointer:
             path.mkdir(parents=True)
         if jax.process_count() > 1:  # the other processes write their shards under it too
             multihost_utils.sync_global_devices(f"primejax checkpoint dir {step}")
-        self._ckptr.save(path / "state", state)
+        try:
+            self._ckptr.save(path / "state", state)
+        except Exception as e:  # a synchronous save (or the start of an async one) failed
+            self._discard(step)
+            raise self._failure(step, e) from e
         self._pending = (step, meta)
         if not self.async_save:
             self.finalize()
 
     def finalize(self) -> None:
-        """Wait for the pending save, mark it complete, prune old checkpoints."""
+        """Wait for the pending save, verify and mark it complete, then prune old checkpoints.
+
+        Raises CheckpointError (after removing the failed save) when the save did not complete."""
         if self._pending is None:
             return
-        if self.async_save:
-            self._ckptr.wait_until_finished()
         step, meta = self._pending
-        self._pending = None
+        self._pending = None  # taken before waiting: a failed save is never finalized a second time
+        path = trainer_ckpt_dir(self.run_dir, step)
+        try:
+            if self.async_save:
+                self._ckptr.wait_until_finished()
+            fault_point("trainer.checkpoint_written", step, path=path)
+            if jax.process_index() == 0:
+                files = _state_files(path / "state") if (path / "state").is_dir() else {}
+                if files:
+                    atomic_write_json(path / META, {"step": step, **meta, "files": files})
+                problem = checkpoint_problem(self.run_dir, step)
+                if problem is not None:
+                    raise CheckpointError(f"trainer checkpoint step {step} did not verify: {problem}")
+        except Exception as e:
+            self._discard(step)
+            raise self._failure(step, e) from e
         if jax.process_index() == 0:
-            path = trainer_ckpt_dir(self.run_dir, step)
-            files = _state_files(path / "state")
-            atomic_write_json(path / META, {"step": step, **meta, "files": files})
             self._prune()
+
+    def _discard(self, step: int) -> None:
+        if jax.process_index() != 0:
+            return
+        path = trainer_ckpt_dir(self.run_dir, step)
+        (path / META).unlink(missing_ok=True)  # first, so a crash mid-delete leaves an ignored dir
+        shutil.rmtree(path, ignore_errors=True)
+        if path.parent.is_dir() and not any(path.parent.iterdir()):
+            path.parent.rmdir()
+
+    def _failure(self, step: int, e: Exception) -> CheckpointError:
+        kept = complete_steps(self.run_dir, verified=True)
+        older = f"step {kept[-1]} is still the newest checkpoint" if kept else "no older checkpoint exists"
+        if is_disk_full(e):
+            cause = disk_full_line(self.run_dir / "checkpoints", f"trainer checkpoint step {step}")
+        else:
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return CheckpointError(f"{cause}; the incomplete save was removed, {older}")
 
     def _prune(self) -> None:
         if self.keep <= 0:
             return
-        for step in complete_steps(self.run_dir)[: -self.keep]:
+        verified = complete_steps(self.run_dir, verified=True)
+        if not verified:
+            return
+        # Only checkpoints older than the newest verified one go; a damaged newer one never displaces them.
+        for step in [s for s in complete_steps(self.run_dir) if s < verified[-1]][: -self.keep + 1 or None]:
             path = trainer_ckpt_dir(self.run_dir, step)
             (path / META).unlink(missing_ok=True)  # first, so a crash mid-delete leaves an ignored dir
             shutil.rmtree(path, ignore_errors=True)

@@ -43,6 +43,7 @@ from primejax.trainer.step import (
     make_train_step,
     max_segments_bucket,
     to_micro_batches,
+    tree_all_finite,
 )
 from primejax.utils.faults import fault_point
 
@@ -125,6 +126,8 @@ class Trainer:
             self.state, meta = self.checkpointer.restore(resume, self.state)
             self.start_step = int(meta["step"])
             log.info("resumed from checkpoint step %d", self.start_step)
+        self.skipped_steps = 0
+        self._all_finite = jax.jit(tree_all_finite)
         self.export_enabled = not t.fake_data.enabled or t.fake_data.export
         if resume is not None and self.export_enabled and not is_stable(broadcast_dir(self.root, self.start_step)):
             # The orchestrator must serve θ_start before it samples the next step; the broadcast of it was
@@ -183,6 +186,7 @@ class Trainer:
         inference can no longer ask for."""
         if not self.export_enabled:
             return {}
+        self.check_finite_params(step, "exporting")
         b = self.cfg.trainer.broadcast
         model = nnx.merge(self.graphdef, self.state.params)
         if self.rank != 0:  # parameters sharded over the hosts are gathered collectively for process 0
@@ -214,9 +218,18 @@ class Trainer:
         if through > 0:
             prune_rollouts(self.root, self.rank, through)
 
+    def check_finite_params(self, step: int, doing: str) -> None:
+        """Raise NonFiniteError rather than write non-finite parameters anywhere (the step guard skips updates
+        that would make them; this holds whatever the cause, e.g. a restored checkpoint)."""
+        with jax.set_mesh(self.mesh):
+            ok = bool(self._all_finite(self.state.params))
+        if not ok:
+            raise NonFiniteError(f"step {step}: the parameters are non-finite (NaN/inf); not {doing} them")
+
     def maybe_checkpoint(self, step: int, final: bool = False) -> None:
         interval = self.cfg.trainer.checkpoint.interval
         if interval > 0 and (step % interval == 0 or final):
+            self.check_finite_params(step, "checkpointing")
             self.checkpointer.save(step, self.state, {"data_step": step + 1, "model_path": self.cfg.model.path})
 
     def run(self, monitor: Monitor | None = None) -> TrainState:
@@ -233,8 +246,13 @@ class Trainer:
                 fault_point("trainer.after_update", step)
                 if metrics["nonfinite"]:
                     if cfg.trainer.on_nonfinite == "stop":
-                        raise NonFiniteError(f"step {step}: non-finite loss or gradient (loss={metrics['loss']})")
-                    log.warning("step %d: non-finite loss or gradient; update skipped", step)
+                        raise NonFiniteError(f"step {step}: non-finite loss, gradient or update "
+                                             f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']})")
+                    self.skipped_steps += 1
+                    log.warning("step %d: non-finite loss, gradient or update (loss=%s, grad_norm=%s); update "
+                                "skipped (%d skipped so far)", step, metrics["loss"], metrics["grad_norm"],
+                                self.skipped_steps)
+                metrics["skipped_steps"] = float(self.skipped_steps)
                 metrics.update(self.export(step))
                 self.maybe_checkpoint(step, final=step == cfg.run.max_steps)
                 self.prune_consumed(step)

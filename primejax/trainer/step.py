@@ -68,6 +68,13 @@ def shift_targets(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax
     return targets, streams
 
 
+def tree_all_finite(tree: Any) -> jax.Array:
+    """One scalar: whether every floating-point leaf of `tree` is finite everywhere."""
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
+
+
 def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
@@ -151,6 +158,9 @@ def make_train_step(
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # The update itself must be finite too: a finite loss and gradient can still give NaN parameters (a
+        # NaN learning rate, an overflowing optimizer moment), and those must never reach an export.
+        finite = finite & tree_all_finite(params) & tree_all_finite(opt_state)
         new = TrainState(
             params=_tree_where(finite, params, state.params),
             opt_state=_tree_where(finite, opt_state, state.opt_state),

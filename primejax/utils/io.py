@@ -41,6 +41,25 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory bottom-up, so a rename of `root` publishes only
+    data that is on disk (a power loss after the rename must not leave a renamed directory of empty files)."""
+    dirs = []
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            continue
+        if p.is_dir():
+            dirs.append(p)
+        elif p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in reversed([root, *dirs]):
+        _fsync_dir(d)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` through a temp file in the same directory and an atomic rename."""
     path = Path(path)
@@ -71,7 +90,8 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2)
 def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temp directory next to `path`; on success rename it to `path`, on failure remove it.
 
-    Readers never see a half-written directory. With `overwrite`, an existing `path` is replaced (the old one
+    Readers never see a half-written directory: every file inside is fsynced before the rename, the parent
+    directory after it. With `overwrite`, an existing `path` is replaced (the old one
     is moved aside first, then removed, so there is no window where neither exists for long).
     """
     path = Path(path)
@@ -79,6 +99,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        _fsync_tree(tmp)
         if path.exists():
             if not overwrite:
                 raise FileExistsError(f"{path} already exists")

@@ -1,0 +1,134 @@
+"""Checks of a batch file that run before anything in it is trusted: the manifest's types, every array's
+shape and dtype from its `.npy` header (before a byte of it is decompressed), and the values both sides
+agree on (`check_values`: the orchestrator runs it before writing, the trainer after reading).
+
+A hostile or damaged file gets a `BatchFormatError` naming the file and the field, never an AttributeError,
+an IndexError or a 391 MB allocation for a 0.39 MB file.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_CELLS = 1 << 32  # rows * seq_len of one batch file
+
+
+def check_manifest(path: Path | None, manifest: Any, error: type[Exception]) -> tuple[int, int]:
+    """The (rows, seq_len) the manifest declares, after checking its structure."""
+    if not isinstance(manifest, dict):
+        raise error(path, "__manifest__", f"must be a JSON object, got {type(manifest).__name__}")
+    for key in ("fields", "meta"):
+        if not isinstance(manifest.get(key, {}), dict):
+            raise error(path, key, f"must be a JSON object, got {type(manifest[key]).__name__}")
+    for name, entry in manifest.get("fields", {}).items():
+        if not isinstance(entry, dict):
+            raise error(path, f"fields.{name}", f"must be a JSON object, got {type(entry).__name__}")
+    rows, seq_len = manifest.get("rows"), manifest.get("seq_len")
+    for key, value in (("rows", rows), ("seq_len", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise error(path, key, f"must be an integer > 0, got {value!r}")
+    if rows * seq_len > MAX_CELLS:
+        raise error(
+            path, "rows", f"{rows} x {seq_len} tokens is more than a batch file may hold ({MAX_CELLS})"
+        )
+    max_segments = manifest.get("meta", {}).get("max_segments")
+    if max_segments is not None and (not isinstance(max_segments, int) or isinstance(max_segments, bool)):
+        raise error(path, "meta.max_segments", f"must be an integer, got {max_segments!r}")
+    return rows, seq_len
+
+
+def check_headers(
+    path: Path,
+    zf: zipfile.ZipFile,
+    expected: dict[str, tuple[np.dtype, tuple[int, ...]]],
+    error: type[Exception],
+) -> None:
+    """Every member's dtype and shape from its `.npy` header, and its stored size, before loading any array."""
+    members = {info.filename: info for info in zf.infolist()}
+    for name, (dtype, shape) in expected.items():
+        info = members.get(f"{name}.npy")
+        if info is None:
+            raise error(path, name, "missing")
+        if info.compress_type != zipfile.ZIP_STORED:  # nothing is inflated: no decompression bomb
+            raise error(path, name, "compressed (batch files are written uncompressed)")
+        try:
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                read = (
+                    np.lib.format.read_array_header_1_0
+                    if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0
+                )
+                got_shape, fortran, got_dtype = read(f)
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+            raise error(path, name, f"unreadable .npy header ({type(e).__name__}: {e})") from None
+        if got_dtype.hasobject:
+            raise error(path, name, "object arrays are not allowed")
+        if dtype is not None and got_dtype != dtype:
+            raise error(path, name, f"dtype {got_dtype}, expected {dtype}")
+        if shape is not None and tuple(got_shape) != shape:
+            raise error(path, name, f"shape {tuple(got_shape)}, expected {shape} (rows, seq_len)")
+        n_bytes = int(np.prod(got_shape, dtype=np.int64)) * got_dtype.itemsize
+        limit = MAX_MANIFEST_BYTES if shape is None else n_bytes + 4096
+        if info.file_size > limit or (shape is None and n_bytes > MAX_MANIFEST_BYTES):
+            raise error(path, name, f"{info.file_size} bytes stored, more than its header allows ({limit})")
+
+
+def segment_count(segment_ids: np.ndarray) -> int:
+    """The largest number of samples in one row (computed from the data; a file's own claim is not trusted)."""
+    return int(segment_ids.max()) if segment_ids.size else 0
+
+
+def check_values(path: Path | None, b: Any, vocab_size: int | None, error: type[Exception]) -> None:
+    """Values both sides of the batch contract agree on; raises `error(path, field, message)`."""
+    if b.rows == 0 or b.seq_len == 0:
+        raise error(path, "tokens", f"no tokens (shape {b.tokens.shape})")
+    real = b.segment_ids > 0
+    if (b.segment_ids < 0).any():
+        raise error(path, "segment_ids", "negative segment id")
+    if (b.positions < 0).any():
+        raise error(path, "positions", "negative position")
+    if (b.tokens < 0).any() or (vocab_size is not None and (b.tokens >= vocab_size).any()):
+        raise error(path, "tokens", f"token id outside [0, {vocab_size if vocab_size else 'vocab'})")
+    if (b.loss_mask & ~real).any():
+        raise error(path, "loss_mask", "set on a padding token (segment 0)")
+    _check_segments(path, b.segment_ids, b.positions, error)
+    starts = real & (b.positions == 0)
+    if (b.loss_mask & starts).any():
+        raise error(path, "loss_mask", "set on the first token of a sample (it has no predictor)")
+    for name in (
+        "inference_logprobs",
+        "advantages",
+        "ref_logprobs",
+        "rl_weights",
+        "ce_weights",
+        "ref_kl_weights",
+    ):
+        if not np.isfinite(getattr(b, name)).all():
+            raise error(path, name, "non-finite value")
+    if not (b.temperatures[real] > 0).all() or not np.isfinite(b.temperatures[real]).all():
+        raise error(path, "temperatures", "must be finite and > 0 on every real token")
+
+
+def _check_segments(path: Path | None, seg: np.ndarray, pos: np.ndarray, error: type[Exception]) -> None:
+    """Within a row, sample k+1 follows sample k (ids 1, 2, ... contiguous, each one block) and its positions
+    count 0, 1, 2, ... from its first token."""
+    prev_seg = np.concatenate([np.zeros_like(seg[:, :1]), seg[:, :-1]], axis=1)
+    prev_pos = np.concatenate([np.full_like(pos[:, :1], -1), pos[:, :-1]], axis=1)
+    real = seg > 0
+    new = real & (seg != prev_seg)
+    if (new & (seg != prev_seg + 1)).any():  # after padding (0) only sample 1 may start: padding ends a row
+        raise error(
+            path,
+            "segment_ids",
+            "samples of a row must be numbered 1, 2, ... in order, each one block (padding only at the end)",
+        )
+    if (new & (pos != 0)).any():
+        raise error(path, "positions", "a sample's positions must start at 0")
+    if (real & ~new & (pos != prev_pos + 1)).any():
+        raise error(path, "positions", "a sample's positions must count up by 1")

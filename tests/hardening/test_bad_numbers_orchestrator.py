@@ -1,0 +1,106 @@
+"""Non-finite or non-numeric rewards error their rollout only (the group goes on, partial); a server answer
+with out-of-vocabulary token ids or non-finite logprobs is rejected at the orchestrator, naming the server."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "orchestrator"))
+from orch_fakes import FakeClient, small_config  # noqa: E402
+
+from primejax.contracts.batch import read_batch, step_dir  # noqa: E402
+from primejax.envs.base import Environment, Example  # noqa: E402
+from primejax.envs.registry import register_env  # noqa: E402
+from primejax.envs.reverse_text import ReverseText  # noqa: E402
+from primejax.inference.client import InferenceClient, InferenceError  # noqa: E402
+from primejax.orchestrator.loop import Orchestrator  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from primejax.models.tiny import build_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    build_tokenizer(out)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+class BadReward(Environment):
+    """reverse-text whose member-1 rollouts (reply length 5) score `bad`."""
+
+    def __init__(self, bad):
+        self.inner = ReverseText(min_len=6, max_len=6)
+        self.num_examples = self.inner.num_examples
+        self.bad = bad
+
+    def example(self, index: int) -> Example:
+        return self.inner.example(index)
+
+    async def score(self, example, messages, state):
+        if len(messages[-1]["content"]) == 5:
+            return self.bad
+        return await self.inner.score(example, messages, state)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "0.7", True, None])
+def test_a_bad_reward_errors_its_rollout_and_the_group_goes_on(tmp_path, tokenizer, caplog, bad):
+    name = f"test-bad-reward-{bad!r}"
+    register_env(name, lambda: BadReward(bad))
+    cfg = small_config(tmp_path / "run", env_id=name, batch_size=8, group_size=4)
+    orch = Orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    orch.resume("")
+    (metrics,) = asyncio.run(orch.run(1))
+    assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2
+    batch = read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz")
+    assert batch.meta["num_samples"] == 6
+    assert any(
+        "reward must be" in r.getMessage() and "reverse_text" in r.getMessage() for r in caplog.records
+    )
+
+
+def _answer(token_ids, logprobs):
+    def handler(req):
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(
+            200,
+            content=(
+                '{{"choices": [{{"index": 0, "token_ids": {}, "text": "x", "finish_reason": "stop", '
+                '"logprobs": {{"token_logprobs": [{}]}}}}]}}'.format(token_ids, ", ".join(logprobs))
+            ).encode(),
+        )
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("ids", "lps", "expected"),
+    [
+        ([5, 100000], ["-0.1", "-0.2"], "token id 100000 outside the vocabulary"),
+        ([5, -1], ["-0.1", "-0.2"], "token id -1 outside the vocabulary"),
+        ([5, 6], ["-0.1", "NaN"], "sampling logprob nan"),
+        ([5, 6], ["-0.1", "Infinity"], "sampling logprob inf"),
+    ],
+)
+def test_server_answers_outside_the_vocabulary_or_non_finite_are_rejected_naming_the_server(
+    ids, lps, expected
+):
+    async def go():
+        client = InferenceClient(
+            "http://srv-a:9", transport=httpx.MockTransport(_answer(ids, lps)), vocab_size=64, max_retries=0
+        )
+        try:
+            await client.generate([1, 2], n=1, max_tokens=2, temperature=1.0)
+        finally:
+            await client.close()
+
+    with pytest.raises(InferenceError) as err:
+        asyncio.run(go())
+    assert "server http://srv-a:9" in str(err.value) and expected in str(err.value)

@@ -1,0 +1,108 @@
+"""A full disk during a save loses nothing: the failed save is removed, older checkpoints stay until a newer
+one verifies, and the error is one line naming the disk. Runs on a real 2 MB tmpfs where mounting is allowed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from primejax.orchestrator.checkpoint import save_checkpoint, saved_steps
+from primejax.trainer import checkpoint as trainer_checkpoint
+from primejax.trainer.checkpoint import (
+    TrainerCheckpointer,
+    checkpoint_problem,
+    complete_steps,
+    resolve_resume_step,
+    trainer_ckpt_dir,
+)
+from primejax.utils import io as io_mod
+
+SMALL = {"w": jnp.arange(1000, dtype=jnp.float32)}
+# Random values do not compress: 2.4 MB of them cannot fit a 2 MB disk.
+BIG = {"w": jnp.arange(1000, dtype=jnp.float32), "v": jax.random.normal(jax.random.key(0), (600_000,))}
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_trainer_checkpoint_on_full_disk_keeps_the_previous_one(small_disk, keep):
+    disk, mode = small_disk
+    root = disk / "run"
+    ckpt = TrainerCheckpointer(root, keep=keep, async_save=True)
+    ckpt.save(1, SMALL, {"data_step": 2})
+    ckpt.finalize()
+    with pytest.raises(trainer_checkpoint.CheckpointError) as err:
+        ckpt.save(2, BIG if mode == "tmpfs" else SMALL, {"data_step": 3})
+        ckpt.finalize()
+    ckpt.close()  # closing again must not "finalize" the failed save a second time
+    line = str(err.value)
+    assert "\n" not in line and "disk full" in line and str(disk) in line, line
+    assert "step 1 is still the newest checkpoint" in line
+    assert not trainer_ckpt_dir(root, 2).exists()  # the failed save was removed
+    assert complete_steps(root) == [1] and checkpoint_problem(root, 1) is None
+    assert resolve_resume_step(root, "latest") == 1
+    restored, meta = TrainerCheckpointer(root, keep=keep).restore(1, SMALL)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(SMALL["w"]))
+    assert meta["data_step"] == 2
+
+
+def test_a_manifest_that_lists_no_files_is_not_a_checkpoint(tmp_path):
+    path = trainer_ckpt_dir(tmp_path, 3)
+    (path / "state.orbax-checkpoint-tmp").mkdir(parents=True)
+    (path / "meta.json").write_text(json.dumps({"step": 3, "files": {}}))
+    assert checkpoint_problem(tmp_path, 3) is not None
+    assert resolve_resume_step(tmp_path, "latest") is None
+
+
+def test_prune_waits_for_a_newer_checkpoint_that_verifies(tmp_path):
+    ckpt = TrainerCheckpointer(tmp_path, keep=2, async_save=False)
+    ckpt.save(1, SMALL, {})
+    ckpt.save(2, SMALL, {})
+    meta_path = trainer_ckpt_dir(tmp_path, 2) / "meta.json"  # step 2 damaged: a file no longer matches
+    meta = json.loads(meta_path.read_text())
+    first = next(iter(meta["files"]))
+    meta["files"][first] += 1
+    meta_path.write_text(json.dumps(meta))
+    ckpt.keep = 1
+    ckpt._prune()
+    ckpt.close()
+    assert checkpoint_problem(tmp_path, 1) is None  # the only usable checkpoint is never pruned
+    assert resolve_resume_step(tmp_path, "latest") == 1
+
+
+def test_orchestrator_checkpoint_on_full_disk_keeps_the_previous_one(small_disk):
+    disk, mode = small_disk
+    if mode != "tmpfs":
+        pytest.skip("needs a real small disk")
+    save_checkpoint(disk, 1, {"progress": 1}, keep=1)
+    with pytest.raises(OSError):
+        save_checkpoint(disk, 2, {"progress": 2}, keep=1, records={"big": [{"x": "y" * 1000}] * 3000})
+    assert saved_steps(disk) == [1]
+    assert not [p for p in (disk / "checkpoints").iterdir() if p.name.startswith(".")]  # no temp left behind
+
+
+def test_atomic_dir_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(io_mod.os, "fsync", fsync)
+    monkeypatch.setattr(io_mod.os, "replace", replace)
+    with io_mod.atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "a.bin").write_bytes(b"a" * 10)
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.bin").write_bytes(b"b" * 10)
+    rename_at = events.index(("rename", str(tmp_path / "out")))
+    synced = {os.path.basename(p) for kind, p in events[:rename_at] if kind == "fsync"}
+    assert {"a.bin", "b.bin"} <= synced, events
+    assert ("fsync", str(tmp_path)) in events[rename_at:]  # then the parent directory

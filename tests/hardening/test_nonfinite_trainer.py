@@ -1,0 +1,47 @@
+"""The trainer never produces, exports or checkpoints non-finite parameters (the update is checked, not only
+the loss and gradient), and a skipped step shows in the metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from primejax.contracts.batch import pack_samples
+from primejax.models.sharding import init_model, make_mesh
+from primejax.trainer import optim
+from primejax.trainer.losses import LossConfig
+from primejax.trainer.step import device_batch, init_state, jit_train_step, make_train_step, to_micro_batches
+
+# The trainer tests' tiny model and random samples (their conftest, loaded by path: module names clash).
+_spec = importlib.util.spec_from_file_location(
+    "trainer_helpers", Path(__file__).parents[1] / "trainer" / "conftest.py"
+)
+_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_helpers)
+random_samples, tiny_config = _helpers.random_samples, _helpers.tiny_config
+
+
+def test_a_nan_learning_rate_never_reaches_the_parameters():
+    cfg = tiny_config()
+    nan = float("nan")
+    sched = optim.make_schedule(nan)  # the config rejects lr=nan now; the step guard must hold regardless
+    opt = optim.make_optimizer(
+        {"lr": nan, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "max_norm": 1.0}, sched
+    )
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = init_state(init_model(cfg, None, seed=0), opt, mesh=mesh)
+    before = jax.tree.map(np.asarray, state.params)
+    step = jit_train_step(
+        make_train_step(nnx.graphdef(init_model(cfg, None, seed=0)), opt, sched, LossConfig()), state, mesh
+    )
+    (batch,) = pack_samples(random_samples(0, 3, streams=False), seq_len=128)
+    with jax.set_mesh(mesh):
+        state, metrics = step(state, device_batch(to_micro_batches(batch, 1), mesh))
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert int(metrics["nonfinite"]) == 1 and int(state.step) == 0
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)

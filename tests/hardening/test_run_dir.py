@@ -1,0 +1,114 @@
+"""Run directories: one live run each, a port checked before anything moves, names that cannot point at a
+project, and a fresh start that moves only what primejax created. In-process launcher calls that stop at
+the checks (the model path does not exist, so nothing could start even if a check were missing)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from primejax.config import ConfigError, default_config, validate
+from primejax.launcher import launch
+from primejax.resume import keep_previous_run
+
+
+def _cfg(tmp_path, **changes):
+    c = default_config()
+    c.model.path = str(tmp_path / "no-model")
+    c.run.output_dir = str(tmp_path / "runs")
+    c.run.name = "r"
+    for key, value in changes.items():
+        *parents, last = key.split(".")
+        node = c
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return validate(c)
+
+
+def _one_error_line(capsys) -> str:
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_second_launcher_on_a_live_run_dir_is_refused_and_moves_nothing(tmp_path, capsys):
+    root = tmp_path / "runs" / "r"
+    (root / "rollouts" / "step_1").mkdir(parents=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from primejax.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "print('held', flush=True); sys.stdin.read()",
+            str(root),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert launch(_cfg(tmp_path)) == 2
+        line = _one_error_line(capsys)
+        assert (
+            line.startswith("error: run.name:")
+            and "in use by a live run" in line
+            and f"pid {holder.pid}" in line
+        )
+        assert (root / "rollouts" / "step_1").is_dir() and not (root / "previous").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    # The lock dies with its holder: the next launcher gets past it (and stops at the missing model).
+    assert launch(_cfg(tmp_path)) == 2
+    assert "model.path" in _one_error_line(capsys)
+
+
+def test_busy_port_is_refused_before_anything_moves(tmp_path, capsys):
+    root = tmp_path / "runs" / "r"
+    (root / "metrics").mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert launch(_cfg(tmp_path, **{"inference.port": port})) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("error: inference.port:") and f"127.0.0.1:{port} is already in use" in line
+    assert (root / "metrics").is_dir() and not (root / "previous").exists()
+
+
+def test_port_zero_means_a_free_port(tmp_path):
+    from primejax.runlock import check_port
+
+    validate(_cfg(tmp_path, **{"inference.port": 0}))
+    port = check_port("127.0.0.1", 0)
+    assert 0 < port <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("name", [".", "..", "/", "~", "~user", "a/b", "a\\b", "-rf", ".hidden", ""])
+def test_run_names_that_are_not_one_plain_directory_are_rejected(tmp_path, name):
+    with pytest.raises(ConfigError, match="^run.name: "):
+        _cfg(tmp_path, **{"run.name": name})
+
+
+@pytest.mark.parametrize("output_dir", ["/", "~", "~/runs", "/../.."])
+def test_output_dirs_at_the_filesystem_root_or_home_shorthand_are_rejected(tmp_path, output_dir):
+    with pytest.raises(ConfigError, match="^run.output_dir: "):
+        _cfg(tmp_path, **{"run.output_dir": output_dir})
+
+
+def test_keep_previous_run_moves_only_what_primejax_created(tmp_path):
+    for d in (".git", "src", "rollouts", "logs", "metrics"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "README.md").write_text("a project")
+    (tmp_path / "pids.json").write_text("{}")
+    kept = keep_previous_run(tmp_path)
+    assert sorted(p.name for p in kept.iterdir()) == ["logs", "metrics", "pids.json", "rollouts"]
+    assert (tmp_path / ".git").is_dir() and (tmp_path / "src").is_dir() and (tmp_path / "README.md").is_file()
+    assert keep_previous_run(tmp_path) is None  # nothing of primejax's left to keep
