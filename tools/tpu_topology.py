@@ -99,11 +99,14 @@ def libtpu_dir() -> Path:
 def use_libtpu() -> bool:
     """Make libtpu importable for this process (before JAX starts its backends); False when absent.
 
-    Also keeps this host's JAX on CPU (it has no TPU: the TPU target comes from a topology description)
-    and skips libtpu's cloud metadata lookup.
+    Also keeps this host's JAX on CPU (it has no TPU: the TPU target comes from a topology description),
+    skips libtpu's cloud metadata lookup, and lets several compiling processes load libtpu at once.
     """
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # libtpu takes a host-wide lock (/tmp/libtpu_lockfile) meant for the chips; with none to share, two
+    # compiling processes (a test beside the CLI) must not refuse each other.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if importlib.util.find_spec("libtpu") is not None:
         return True
     side = libtpu_dir()
