@@ -6,8 +6,9 @@
 The step is the one `python -m primejax.trainer` runs (primejax/trainer/aot.py): model, loss, optimizer,
 remat policy, attention kernel ("auto" = splash on TPU) and mesh from the config, compiled ahead of time
 from abstract inputs for the slice's devices. `--model` swaps in the shape of a known checkpoint (HF
-config.json values; no weights needed). `--recommend` compiles a small set of meshes and remat policies at
-the same tokens per chip and picks the one with the fewest compiled FLOPs per chip that fits the chip's HBM.
+config.json values; no weights needed). `--recommend` compiles remat policies in order of recompute (least
+FLOPs first), FSDP alone before tensor-parallel meshes, at the same tokens per chip, and stops at the first
+plan that fits the chip's HBM: the fewest compiled FLOPs per chip among the plans that fit.
 
 These are compile-time figures (XLA's memory plan and FLOP count for the TPU target), not measured speed.
 Needs libtpu: `tools/install.sh` puts it in `<venv>/tpu-aot` (see tools/tpu_topology.py).
@@ -63,7 +64,10 @@ MODELS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
     ),
 }
-# Tried by --recommend, in order of recompute (least first); per mesh the first that fits is kept.
+# Tried by --recommend, mesh-major: FSDP alone with each policy in order of recompute (least first), then
+# the tensor-parallel meshes; the first plan that fits is the pick. At a fixed number of tokens per chip,
+# tensor parallelism does not shrink the activations remat trades against (a tensor group's rows are
+# replicated on each of its chips) and adds communication, so it comes in only when no policy fits without.
 RECOMMEND_REMAT = ("dots_no_batch_attn", "attn", "full")
 RECOMMEND_TENSOR = (1, 2, 4, 8)
 
@@ -89,6 +93,13 @@ def _flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_segments", 0, "static bound on samples per row (0 = unknown)", flag_values=fv)
     flags.DEFINE_bool("recommend", False, "try meshes x remat policies and pick one", flag_values=fv)
     flags.DEFINE_string("json", "", "also write the report(s) to this JSON file", flag_values=fv)
+    flags.DEFINE_bool(
+        "depth_probe",
+        False,
+        "compile 2- and 4-layer versions of the step and extrapolate to the "
+        "model's depth (a deep model's compile takes minutes on a small host)",
+        flag_values=fv,
+    )
 
 
 def _model_config(cfg, name: str):
@@ -116,6 +127,45 @@ def _rows_per_rank(chips: int, mesh: dict[str, int], seq_len: int, tokens_per_ch
     if rem or rows % dp or rows == 0:
         return None
     return rows // dp
+
+
+# Report fields that grow with the number of decoder layers (state, saved activations, code, FLOPs).
+_PER_LAYER = (
+    "argument_bytes",
+    "output_bytes",
+    "alias_bytes",
+    "temp_bytes",
+    "generated_code_bytes",
+    "flops",
+    "estimated_seconds",
+)
+PROBE_DEPTHS = (2, 4)
+
+
+def _depth_probe(compile_at: Any, layers: int) -> dict[str, Any]:
+    """The step at `layers` layers, extrapolated linearly from compiles of the same step at PROBE_DEPTHS.
+
+    The unrolled layers are where a deep model's compile time goes; every per-layer quantity is the same
+    for each layer (same shapes, same remat), so the figures are affine in the depth.
+    """
+    lo, hi = (compile_at(n) for n in PROBE_DEPTHS)
+    if lo["out_of_memory"] or hi["out_of_memory"]:
+        return hi if hi["out_of_memory"] else lo
+    r = dict(hi)
+    scale = (layers - PROBE_DEPTHS[0]) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+    for k in _PER_LAYER:
+        if lo[k] is not None and hi[k] is not None:
+            r[k] = lo[k] + (hi[k] - lo[k]) * scale
+    r["peak_bytes"] = (
+        r["argument_bytes"]
+        + r["temp_bytes"]
+        + r["output_bytes"]
+        - r["alias_bytes"]
+        + r["generated_code_bytes"]
+    )
+    r["compile_seconds"] = lo["compile_seconds"] + hi["compile_seconds"]
+    r["depth_probe"] = {str(n): x["peak_bytes"] for n, x in zip(PROBE_DEPTHS, (lo, hi), strict=True)}
+    return r
 
 
 def _line(r: dict[str, Any], hbm: int) -> str:
@@ -179,12 +229,11 @@ def main() -> int:
         plans = [(mesh, remat) for mesh in candidates for remat in RECOMMEND_REMAT]
     else:
         plans = [(cfg.trainer.mesh.to_dict(), model_cfg.remat_policy)]
+    if fv["depth_probe"].value:
+        print(f"figures extrapolated to {model_cfg.num_layers} layers from compiles at {PROBE_DEPTHS} layers")
     print(HEADER, flush=True)
-    reports, done = [], set()
+    reports = []
     for mesh, remat in plans:
-        key = tuple(mesh.items())
-        if key in done:  # a cheaper policy already fits on this mesh
-            continue
         cfg.trainer.mesh.update(mesh)
         rows = _rows_per_rank(slice_.chips, mesh, seq_len, tokens) if tokens else None
         if tokens and rows is None:
@@ -192,29 +241,35 @@ def main() -> int:
                 f"--tokens_per_chip {tokens} with rows of {seq_len} tokens does not divide over {mesh}"
             )
         m_cfg = dataclasses.replace(model_cfg, remat_policy=remat)
-        _, rep = compile_train_step(
-            cfg,
-            m_cfg,
-            devices,
+        kw = dict(
             seq_len=seq_len,
             micro_batch_size=rows,
             micro_batches=fv["micro_batches"].value,
             max_segments=fv["max_segments"].value,
             hbm_bytes=hbm,
         )
-        r = rep.to_dict()
+
+        def compile_at(n: int, m_cfg=m_cfg, kw=kw) -> dict[str, Any]:
+            return compile_train_step(cfg, dataclasses.replace(m_cfg, num_layers=n), devices, **kw)[
+                1
+            ].to_dict()
+
+        if fv["depth_probe"].value:
+            r = _depth_probe(compile_at, m_cfg.num_layers)
+        else:
+            r = compile_at(m_cfg.num_layers)
         r.update(
             topology=slice_.name,
             chips=slice_.chips,
             hbm_bytes=hbm,
-            fits=not rep.out_of_memory and rep.peak_bytes <= hbm,
+            fits=not r["out_of_memory"] and r["peak_bytes"] <= hbm,
             model=fv["model"].value or cfg.model.path,
             remat_setting=remat,
         )
         reports.append(r)
         print(_line(r, hbm), flush=True)
         if fv["recommend"].value and r["fits"]:
-            done.add(key)
+            break  # plans are in order of preference: the first that fits is the pick
     best = None
     if fv["recommend"].value:
         fitting = [r for r in reports if r["fits"]]
