@@ -69,7 +69,6 @@ MODELS: dict[str, dict[str, Any]] = {
 # tensor parallelism does not shrink the activations remat trades against (a tensor group's rows are
 # replicated on each of its chips) and adds communication, so it comes in only when no policy fits without.
 RECOMMEND_REMAT = ("dots_no_batch_attn", "attn", "full")
-RECOMMEND_TENSOR = (1, 2, 4, 8)
 
 
 def _flags(fv: flags.FlagValues) -> None:
@@ -93,6 +92,9 @@ def _flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_segments", 0, "static bound on samples per row (0 = unknown)", flag_values=fv)
     flags.DEFINE_bool("recommend", False, "try meshes x remat policies and pick one", flag_values=fv)
     flags.DEFINE_string("json", "", "also write the report(s) to this JSON file", flag_values=fv)
+    flags.DEFINE_string(
+        "tensor_sizes", "1,2,4,8", "--recommend: tensor-parallel sizes to try, in order", flag_values=fv
+    )
     flags.DEFINE_bool(
         "depth_probe",
         False,
@@ -218,7 +220,7 @@ def main() -> int:
     if fv["recommend"].value:
         tokens = tokens or seq_len
         candidates = []
-        for tensor in RECOMMEND_TENSOR:
+        for tensor in (int(t) for t in fv["tensor_sizes"].value.split(",")):
             if slice_.chips % tensor or model_cfg.num_kv_heads % tensor or tensor > slice_.chips:
                 continue
             mesh = {"data": 1, "fsdp": slice_.chips // tensor, "tensor": tensor}

@@ -39,6 +39,7 @@ def _cell(out: Path, config: str, probe: bool, model: str, tokens: int, topology
         "--tokens_per_chip",
         str(tokens),
         "--recommend",
+        "--tensor_sizes=1,2",
         "--json",
         str(path),
     ] + (["--depth_probe"] if probe else [])

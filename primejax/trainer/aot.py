@@ -31,7 +31,14 @@ from primejax.models.transformer import Transformer, resolve_remat_policy
 from primejax.trainer import optim
 from primejax.trainer.logprobs import AUTO_SAVED_LOGITS_FRACTION
 from primejax.trainer.losses import LossConfig
-from primejax.trainer.step import TrainState, batch_sharding, dp_size, jit_train_step, make_train_step
+from primejax.trainer.step import (
+    TrainState,
+    batch_sharding,
+    dp_size,
+    jit_train_step,
+    make_train_step,
+    opt_state_shardings,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,16 +98,8 @@ def abstract_state(model_cfg: ModelConfig, optimizer, mesh, seed: int = 0) -> tu
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     shardings = nnx.to_pure_dict(state_shardings(state, mesh))
     params = jax.tree.map(_sds, nnx.to_pure_dict(state), shardings)
-    # The moments take the parameters' shardings through jit, as in init_state: read them off a compile
-    # of the (tiny, elementwise) init rather than restating the rule.
-    opt_compiled = jax.jit(optimizer.init).lower(params).compile()
-    opt_shape = jax.eval_shape(optimizer.init, params)
-
-    def named(x, sh):
-        ok = isinstance(sh, NamedSharding) and sh.mesh.shape_tuple == mesh.shape_tuple
-        return _sds(x, sh if ok else NamedSharding(mesh, PartitionSpec()))
-
-    opt_state = jax.tree.map(named, opt_shape, opt_compiled.output_shardings)
+    opt_state = jax.tree.map(_sds, jax.eval_shape(optimizer.init, params),
+                             opt_state_shardings(optimizer, params, mesh))
     replicated = NamedSharding(mesh, PartitionSpec())
     rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(seed)))
     return graphdef, TrainState(
