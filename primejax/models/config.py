@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 # Remat policies, applied per decoder layer (see `transformer.remat_policy`):
 #   none           keep every activation (fastest, most memory)
@@ -26,7 +26,19 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #                  the long rows fit: see transformer.resolve_remat_policy and docs/benchmarks.md)
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# Grouped-matmul implementations for the experts (models/gmm.py): "xla" = jax.lax.ragged_dot (any backend),
+# "mgpu" = the Pallas Mosaic-GPU kernels (Hopper), "auto" = mgpu on a Hopper GPU, xla elsewhere.
+GMM_IMPLS = ("xla", "mgpu", "auto")
+# How the experts are laid out over the mesh (models/moe.py): "replicated" = no mesh axis (GSPMD gathers
+# as for any weight), "fsdp" = experts split over fsdp and all-gathered per layer with every token kept on
+# its device, "ep" = experts split over fsdp and tokens exchanged (all-gather in, reduce-scatter out).
+EXPERT_PARALLEL = ("fsdp", "ep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +69,16 @@ class ModelConfig:
     scan_layers: bool = False
     # Llama/Qwen3 `attention_bias=true` also puts a bias on o_proj; Qwen2 never does.
     attention_out_bias: bool = False
+    # Mixture of experts (qwen3_moe). num_experts=0: dense. A layer is sparse unless listed in mlp_only_layers
+    # and when (layer + 1) % decoder_sparse_step == 0, as in transformers' Qwen3MoeDecoderLayer.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    gmm_impl: str = "auto"
+    expert_parallel: str = "fsdp"
     # Fields of the source config.json we do not model but must write back unchanged (token ids, etc.).
     hf_extra: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -74,6 +96,21 @@ class ModelConfig:
             raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}")
+        if self.gmm_impl not in GMM_IMPLS:
+            raise ValueError(f"gmm_impl={self.gmm_impl!r} is not one of {GMM_IMPLS}")
+        if self.expert_parallel not in EXPERT_PARALLEL:
+            raise ValueError(f"expert_parallel={self.expert_parallel!r} is not one of {EXPERT_PARALLEL}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+                )
+            if self.num_experts > 256:
+                raise ValueError(f"num_experts={self.num_experts}: at most 256 (routed experts travel as uint8)")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError("moe_intermediate_size and decoder_sparse_step must be positive with num_experts > 0")
+            if self.scan_layers and 0 < len(self.sparse_layers()) < self.num_layers:
+                raise ValueError("scan_layers=True needs every layer dense or every layer sparse (mlp_only_layers)")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in ("default", "llama3"):
@@ -115,6 +152,20 @@ class ModelConfig:
             "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "max_position_embeddings",
             "architectures", "torch_dtype", "dtype", "transformers_version",
         }
+        moe: dict[str, Any] = {}
+        if model_type == "qwen3_moe":
+            known |= {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                      "decoder_sparse_step", "mlp_only_layers"}
+            moe = dict(
+                # transformers 5 writes num_local_experts (an alias it maps num_experts to); the Hub's
+                # configs and older readers use num_experts, which is what to_hf_config writes.
+                num_experts=int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]),
+                num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+            )
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -128,11 +179,12 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             hf_extra={k: v for k, v in hf.items() if k not in known},
+            **moe,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -179,12 +231,41 @@ class ModelConfig:
         )
         if self.model_type != "qwen2":
             hf["attention_bias"] = self.attention_bias
+        if self.model_type == "qwen3_moe":
+            hf.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
         return hf
+
+    # ------------------------------------------------------------------ mixture of experts
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Indices of the MoE layers (their experts are stacked in this order)."""
+        return tuple(i for i in range(self.num_layers) if self.is_sparse_layer(i))
+
+    def dense_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with a dense SwiGLU MLP (all of them for a dense model)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_sparse_layer(i))
 
     # ------------------------------------------------------------------ accounting
 
     def num_matmul_params(self) -> int:
-        """Weights that take part in matmuls: projections and MLP of every layer plus lm_head.
+        """Weights that take part in a token's matmuls: projections and MLP of every layer plus lm_head.
+
+        For a MoE model only the active parameters count (top-k experts plus the router), as in prime-rl's
+        MFU accounting of Qwen3-30B-A3B.
 
         lm_head is counted even when tied to the embedding (it still costs a matmul); the embedding lookup,
         norms and biases are not, as in prime-rl's MFU accounting.
@@ -192,7 +273,15 @@ class ModelConfig:
         d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = d * h * hd + 2 * d * k * hd + h * hd * d
         mlp = 3 * d * self.intermediate_size
-        return self.num_layers * (attn + mlp) + d * self.vocab_size
+        return self.num_layers * attn + len(self.dense_layers()) * mlp + self._moe_params(active=True) + (
+            d * self.vocab_size
+        )
+
+    def _moe_params(self, *, active: bool) -> int:
+        """Expert + router weights of all sparse layers; `active`: only the top-k experts a token uses."""
+        experts = self.num_experts_per_tok if active else self.num_experts
+        per_layer = 3 * self.hidden_size * self.moe_intermediate_size * experts + self.hidden_size * self.num_experts
+        return len(self.sparse_layers()) * per_layer
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), prime-rl's formula.
@@ -206,7 +295,7 @@ class ModelConfig:
     def num_params(self) -> int:
         """All parameters as stored (embedding once when tied, norms and biases included)."""
         d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        per_layer = self.num_matmul_params_per_layer() + 2 * d
+        per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 2 * d
         if self.qk_norm:
             per_layer += 2 * hd
         if self.attention_bias:
@@ -214,7 +303,8 @@ class ModelConfig:
         if self.attention_out_bias:
             per_layer += d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.num_layers * per_layer + self.vocab_size * d + head + d
+        mlp = len(self.dense_layers()) * 3 * d * self.intermediate_size + self._moe_params(active=False)
+        return self.num_layers * per_layer + mlp + self.vocab_size * d + head + d
 
     def num_matmul_params_per_layer(self) -> int:
         return (self.num_matmul_params() - self.hidden_size * self.vocab_size) // self.num_layers

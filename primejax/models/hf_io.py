@@ -2,7 +2,14 @@
 
 Names and shapes on disk are exactly HF's (`model.layers.{i}.self_attn.q_proj.weight`, Linear weights as
 [out, in]); inside primejax, layer weights are stacked over layers and laid out for einsum (transformer.py).
-The conversion is one table, `_LAYER_TENSORS`, used in both directions.
+The conversion is one table, `_LAYER_TENSORS`, used in both directions; MoE experts (`_EXPERT_TENSORS`)
+map one stacked parameter to one HF tensor per expert.
+
+MoE layout on disk: one tensor per expert (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [I, D], `up_proj`,
+`down_proj` [D, I]) and the router `mlp.gate.weight` [E, D]. That is the Hub's Qwen3-MoE layout, what
+transformers 5.17's `save_pretrained` writes by default and what every vLLM version loads (vLLM 0.31 also
+reads transformers' fused `mlp.experts.gate_up_proj` [E, 2I, D] / `down_proj` [E, D, I], older readers do
+not). Loading accepts both.
 
 Memory: loading reads one parameter kind at a time (e.g. `q_proj` of all layers) into host memory and places
 it straight into its sharded device array, so the host never holds more than one stacked parameter and the
@@ -31,7 +38,7 @@ from safetensors.numpy import save_file
 
 from primejax.models.config import ModelConfig
 from primejax.models.sharding import param_spec
-from primejax.models.transformer import Transformer
+from primejax.models.transformer import DENSE_MLP, SPARSE_MLP, Transformer
 
 # Files copied next to exported weights so the directory is a complete model for transformers / vLLM.
 AUX_FILES = (
@@ -92,6 +99,21 @@ _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "gate_proj": ("mlp.gate_proj.weight", _transpose, _transpose),
     "up_proj": ("mlp.up_proj.weight", _transpose, _transpose),
     "down_proj": ("mlp.down_proj.weight", _transpose, _transpose),
+    "router": ("mlp.gate.weight", _transpose, _transpose),
+}
+# ours [E, D, 2, I] / [E, I, D] per sparse layer -> per expert: [(HF suffix with {e}, ours -> HF [out, in])]
+_EXPERT_TENSORS: dict[str, list[tuple[str, Callable[[np.ndarray, int], np.ndarray]]]] = {
+    "experts_gate_up": [
+        ("mlp.experts.{e}.gate_proj.weight", lambda w, e: w[e, :, 0, :].T),
+        ("mlp.experts.{e}.up_proj.weight", lambda w, e: w[e, :, 1, :].T),
+    ],
+    "experts_down": [("mlp.experts.{e}.down_proj.weight", lambda w, e: w[e].T)],
+}
+# transformers' fused in-memory form (save_original_format=False): gate_up [E, 2I, D] gate rows first, down [E, D, I]
+_FUSED_EXPERTS = {
+    "experts_gate_up": ("mlp.experts.gate_up_proj",
+                        lambda w, c: w.reshape(w.shape[0], 2, -1, w.shape[-1]).transpose(0, 3, 1, 2)),
+    "experts_down": ("mlp.experts.down_proj", lambda w, c: w.transpose(0, 2, 1)),
 }
 _TOP_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "embed": ("model.embed_tokens.weight", _same, _same),
@@ -109,10 +131,27 @@ def param_variables(model: Transformer) -> dict[str, nnx.Variable]:
     return out
 
 
+def _layer_indices(short: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The model layers a stacked layer parameter covers, in stacking order."""
+    if short in DENSE_MLP:
+        return cfg.dense_layers()
+    if short in SPARSE_MLP:
+        return cfg.sparse_layers()
+    return tuple(range(cfg.num_layers))
+
+
 def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
     if our_name.startswith("layers."):
-        suffix = _LAYER_TENSORS[our_name.removeprefix("layers.")][0]
-        return [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)]
+        short = our_name.removeprefix("layers.")
+        if short in _EXPERT_TENSORS:
+            return [
+                f"model.layers.{i}.{suffix.format(e=e)}"
+                for i in _layer_indices(short, cfg)
+                for e in range(cfg.num_experts)
+                for suffix, _ in _EXPERT_TENSORS[short]
+            ]
+        suffix = _LAYER_TENSORS[short][0]
+        return [f"model.layers.{i}.{suffix}" for i in _layer_indices(short, cfg)]
     return [_TOP_TENSORS[our_name][0]]
 
 
@@ -137,7 +176,14 @@ def state_to_hf_tensors(model: Transformer, cfg: ModelConfig, dtype: str | None 
     jdtype = None if dtype is None else jnp.dtype(dtype)
     for our_name, var in param_variables(model).items():
         value = _to_numpy(var[...], jdtype)
-        if our_name.startswith("layers."):
+        short = our_name.removeprefix("layers.")
+        if short in _EXPERT_TENSORS:
+            names = iter(_hf_names(our_name, cfg))
+            for layer_value in value:
+                for e in range(cfg.num_experts):
+                    for _, to_hf in _EXPERT_TENSORS[short]:
+                        yield next(names), np.ascontiguousarray(to_hf(layer_value, e))
+        elif our_name.startswith("layers."):
             to_hf = _LAYER_TENSORS[our_name.removeprefix("layers.")][1]
             for hf_name, layer_value in zip(_hf_names(our_name, cfg), value, strict=True):
                 yield hf_name, np.ascontiguousarray(to_hf(layer_value, cfg))
@@ -165,7 +211,10 @@ def hf_tensors_to_state(
     for our_name, var in param_variables(model).items():
         dtype = np.dtype(var.dtype)
         names = _hf_names(our_name, cfg)
-        if our_name.startswith("layers."):
+        short = our_name.removeprefix("layers.")
+        if short in _EXPERT_TENSORS:
+            host = _read_experts(get_tensor, short, var.shape, dtype, cfg)
+        elif our_name.startswith("layers."):
             from_hf = _LAYER_TENSORS[our_name.removeprefix("layers.")][2]
             host = np.empty(var.shape, dtype)
             for i, name in enumerate(names):
@@ -181,6 +230,28 @@ def hf_tensors_to_state(
             var.set_value(jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx]))
         del host
     return model
+
+
+def _read_experts(get_tensor, short: str, shape, dtype, cfg: ModelConfig) -> np.ndarray:
+    """One stacked expert parameter from per-expert HF tensors, or from transformers' fused form."""
+    host = np.empty(shape, dtype)
+    for j, i in enumerate(cfg.sparse_layers()):
+        fused_name, from_fused = _FUSED_EXPERTS[short]
+        try:
+            fused = get_tensor(f"model.layers.{i}.{fused_name}")
+        except KeyError:
+            fused = None
+        if fused is not None:
+            host[j] = from_fused(fused, cfg)
+            continue
+        for e in range(cfg.num_experts):
+            for k, (suffix, _) in enumerate(_EXPERT_TENSORS[short]):
+                w = get_tensor(f"model.layers.{i}.{suffix.format(e=e)}").T
+                if short == "experts_gate_up":
+                    host[j, e, :, k, :] = w
+                else:
+                    host[j, e] = w
+    return host
 
 
 class _SafetensorsReader:

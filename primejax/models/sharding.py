@@ -36,6 +36,11 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,  # norm scales are tiny; replicate
+    # MoE experts (models/moe.py): the expert axis is split over fsdp (expert parallelism; how tokens meet
+    # their experts is ModelConfig.expert_parallel); inside an expert nothing is split.
+    "experts": "fsdp",
+    "expert_embed": None,
+    "expert_mlp": None,
     # activations
     "batch": ("data", "fsdp"),
     "seq": None,

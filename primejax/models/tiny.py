@@ -27,6 +27,9 @@ THINK_END = "</think>"
 # added tokens, as in Qwen3, so they survive into the decoded text that reasoning parsers read.
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 THINK_TOKENS = [THINK_START, THINK_END]
+# Qwen3's tool-call markers, plain added tokens as in Qwen3; opt-in (`tool_tokens=True`) so the default
+# tokenizer, and every model built from it, stays what it was. The renderers package's Qwen3 renderer needs them.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 DEFAULT_VOCAB_SIZE = 384
 
@@ -69,8 +72,11 @@ def _builtin_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, corpus: list[str] | None = None):
-    """Train a byte-level BPE on `corpus` (built-in if None) and save it as an HF fast tokenizer in out_dir."""
+def build_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, corpus: list[str] | None = None,
+                    tool_tokens: bool = False):
+    """Train a byte-level BPE on `corpus` (built-in if None) and save it as an HF fast tokenizer in out_dir.
+
+    `tool_tokens` adds Qwen3's tool-call markers after the BPE vocabulary (the merges are unchanged)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -84,7 +90,8 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, corp
         show_progress=False,
     )
     tok.train_from_iterator(corpus if corpus is not None else _builtin_corpus(), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    added = THINK_TOKENS + (TOOL_TOKENS if tool_tokens else [])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -114,12 +121,13 @@ def build_tiny_model(
     corpus: list[str] | None = None,
     init_std: float = 0.02,
     max_position_embeddings: int = 4096,
+    tool_tokens: bool = False,
 ) -> Path:
     """Write a random-init tiny Qwen3 or Llama model (fp32 safetensors) plus tokenizer to `out_dir`.
 
     `vocab_size` is the BPE target size (default 384); the model's vocab equals the trained tokenizer's
     size so every id the model can sample decodes. head_dim must be >= 32 (vLLM's CPU attention kernels).
-    Deterministic given `seed` and `corpus`.
+    Deterministic given `seed` and `corpus`. `tool_tokens` adds Qwen3's `<tool_call>`/`<tool_response>` markers.
     """
     import torch
     import transformers
@@ -131,7 +139,8 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_tokenizer(out, vocab_size=vocab_size or DEFAULT_VOCAB_SIZE, corpus=corpus)
+    tokenizer = build_tokenizer(out, vocab_size=vocab_size or DEFAULT_VOCAB_SIZE, corpus=corpus,
+                                tool_tokens=tool_tokens)
     n_vocab = len(tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + THINK_TOKENS}
 
@@ -170,7 +179,8 @@ def build_tiny_model(
     )
     model.save_pretrained(str(out))
     # Written last: its presence marks a complete build (fixtures that cache model dirs check it).
-    atomic_write_json(out / "primejax_tiny.json", {"family": family, "tied": tied, "seed": seed})
+    atomic_write_json(out / "primejax_tiny.json", {"family": family, "tied": tied, "seed": seed,
+                                                          "tool_tokens": tool_tokens})
     return out
 
 

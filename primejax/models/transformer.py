@@ -8,6 +8,10 @@ Weights are stored in einsum-friendly layouts, shapes named by their axes:
   embed        [V, D]           q_proj [L, D, H, Dh]   k_proj/v_proj [L, D, K, Dh]   o_proj [L, H, Dh, D]
   gate/up_proj [L, D, F]        down_proj [L, F, D]    lm_head [D, V] (absent when tied)
 Letters: B batch, T sequence, D hidden, H query heads, K kv heads, Dh head dim, F MLP width, V vocab.
+
+Mixture of experts (qwen3_moe, models/moe.py): the dense MLP weights are stacked over the dense layers only
+and the sparse layers' weights over the sparse layers only (router [Ls, D, E], experts_gate_up
+[Ls, E, D, 2, I], experts_down [Ls, E, I, D]); attention weights stay stacked over all L layers.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from primejax.models.attention import SegmentRuns, attention, prepare_segments
 from primejax.models.config import ModelConfig
+from primejax.models.moe import expert_load, load_balance_loss, moe_block, router_z_loss
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
 from primejax.models.splash_attention import RESIDUALS as SPLASH_RESIDUALS
@@ -123,11 +128,20 @@ def apply_rope(x_btnh: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax
 
 
 def decoder_layer(
-    cfg: ModelConfig, p: dict[str, jax.Array], x_btd, segment_ids, cos, sin, runs: SegmentRuns | None = None
-) -> jax.Array:
+    cfg: ModelConfig,
+    p: dict[str, jax.Array],
+    x_btd,
+    segment_ids,
+    cos,
+    sin,
+    runs: SegmentRuns | None = None,
+    replay: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array] | None]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `p` holds one layer's (unstacked) weights.
 
     `runs`: the attention kernel's per-forward description of the rows (`attention.prepare_segments`).
+    Returns (output, routing statistics of a sparse layer or None); `replay` = (experts [B, T, k], mask [B, T])
+    forces the masked tokens of a sparse layer onto recorded experts (moe.route).
     """
     dt = x_btd.dtype
     eps = cfg.rms_norm_eps
@@ -155,11 +169,29 @@ def decoder_layer(
     x_btd = constrain(x_btd + o_btd, ("batch", "seq", "act_embed"))
 
     h_btd = rms_norm(x_btd, p["mlp_norm"], eps)
+    if "router" in p:
+        y_btd, r = moe_block(
+            h_btd, p, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, impl=cfg.gmm_impl,
+            mode=cfg.expert_parallel, replay_idx=None if replay is None else replay[0],
+            replay_mask=None if replay is None else replay[1],
+        )
+        valid = segment_ids > 0
+        stats = {
+            "load": expert_load(r.topk_idx, valid, cfg.num_experts),
+            "lb_loss": load_balance_loss(r, valid, cfg.num_experts),
+            "z_loss": router_z_loss(r, valid),
+        }
+        return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), stats
     g_btf = jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt))
     u_btf = jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt))
     a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
     y_btd = jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt))
-    return constrain(x_btd + y_btd, ("batch", "seq", "act_embed"))
+    return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), None
+
+
+# Per-layer weights of the MLP part: stacked over the dense layers (dense MLP) or the sparse ones (experts).
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+SPARSE_MLP = ("router", "experts_gate_up", "experts_down")
 
 
 class DecoderStack(nnx.Module):
@@ -187,34 +219,70 @@ class DecoderStack(nnx.Module):
             self.q_norm = _param(rngs, (n, hd), (lay, "head_dim"), dt, ones=True)
             self.k_norm = _param(rngs, (n, hd), (lay, "head_dim"), dt, ones=True)
         self.mlp_norm = _param(rngs, (n, d), (lay, "norm"), dt, ones=True)
-        self.gate_proj = _param(rngs, (n, d, f), (lay, "embed", "mlp"), dt)
-        self.up_proj = _param(rngs, (n, d, f), (lay, "embed", "mlp"), dt)
-        self.down_proj = _param(rngs, (n, f, d), (lay, "mlp", "embed"), dt)
+        nd, ns = len(cfg.dense_layers()), len(cfg.sparse_layers())
+        if nd:
+            self.gate_proj = _param(rngs, (nd, d, f), (lay, "embed", "mlp"), dt)
+            self.up_proj = _param(rngs, (nd, d, f), (lay, "embed", "mlp"), dt)
+            self.down_proj = _param(rngs, (nd, f, d), (lay, "mlp", "embed"), dt)
+        if ns:
+            e, i = cfg.num_experts, cfg.moe_intermediate_size
+            self.router = _param(rngs, (ns, d, e), (lay, "embed", None), dt)
+            self.experts_gate_up = _param(
+                rngs, (ns, e, d, 2, i), (lay, "experts", "expert_embed", None, "expert_mlp"), dt
+            )
+            self.experts_down = _param(rngs, (ns, e, i, d), (lay, "experts", "expert_mlp", "expert_embed"), dt)
 
     def stacked_params(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
-    def __call__(self, x_btd, segment_ids, cos, sin, runs: SegmentRuns | None = None) -> jax.Array:
-        layer = functools.partial(decoder_layer, self.cfg)
+    def __call__(
+        self, x_btd, segment_ids, cos, sin, runs: SegmentRuns | None = None, replay=None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """-> (hidden, sparse layers' routing statistics stacked [Ls, ...]; {} for a dense model).
 
-        def step(x, p):
-            return layer(p, x, segment_ids, cos, sin, runs), None
+        `replay` = (experts [B, T, Ls, k], mask [B, T]): routing replay for the sparse layers (moe.route).
+        """
+        cfg = self.cfg
+        layer = functools.partial(decoder_layer, cfg)
 
-        policy = resolve_remat_policy(self.cfg.remat_policy, x_btd.shape[0] * x_btd.shape[1])
+        def step(x, p, rp):
+            return layer(p, x, segment_ids, cos, sin, runs, rp)
+
+        policy = resolve_remat_policy(cfg.remat_policy, x_btd.shape[0] * x_btd.shape[1])
         stacked = self.stacked_params()
         if policy != "none":
             # Inside a scan CSE cannot merge the recomputation with the forward pass; unrolled it can.
-            step = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=not self.cfg.scan_layers)
-        if self.cfg.scan_layers:
-            x_btd, _ = jax.lax.scan(step, x_btd, stacked)
-            return x_btd
+            step = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=not cfg.scan_layers)
+        sparse = cfg.sparse_layers()
+        if cfg.scan_layers:
+            if not sparse or replay is None:
+                x_btd, stats = jax.lax.scan(lambda x, p: step(x, p, None), x_btd, stacked)
+            else:
+                mask = replay[1]
+                xs = (stacked, jnp.moveaxis(replay[0], 2, 0))
+                x_btd, stats = jax.lax.scan(lambda x, pr: step(x, pr[0], (pr[1], mask)), x_btd, xs)
+            return x_btd, stats if sparse else {}
         # One split per weight (its transpose is one concatenate of the layers' gradients), not L slices
         # (each of whose transposes pads a full-size zero array).
-        n = self.cfg.num_layers
-        per_layer = {k: [a[0] for a in jax.lax.split(v, [1] * n, axis=0)] for k, v in stacked.items()}
-        for i in range(n):
-            x_btd, _ = step(x_btd, {k: v[i] for k, v in per_layer.items()})
-        return x_btd
+        def split(v):
+            return [a[0] for a in jax.lax.split(v, [1] * v.shape[0], axis=0)]
+
+        per_layer = {k: split(v) for k, v in stacked.items()}
+        dense = cfg.dense_layers()
+        per_stats = []
+        for i in range(cfg.num_layers):
+            if i in sparse:
+                j, mlp_keys = sparse.index(i), SPARSE_MLP
+                rp = None if replay is None else (replay[0][:, :, j], replay[1])
+            else:
+                j, mlp_keys, rp = dense.index(i), DENSE_MLP, None
+            p = {k: v[j] if k in mlp_keys else v[i] for k, v in per_layer.items()
+                 if k in mlp_keys or (k not in DENSE_MLP and k not in SPARSE_MLP)}
+            x_btd, st = step(x_btd, p, rp)
+            if st is not None:
+                per_stats.append(st)
+        stats = {k: jnp.stack([s[k] for s in per_stats]) for k in per_stats[0]} if per_stats else {}
+        return x_btd, stats
 
 
 class Transformer(nnx.Module):
@@ -232,7 +300,23 @@ class Transformer(nnx.Module):
     def __call__(
         self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, max_segments: int | None = None
     ) -> jax.Array:
-        """tokens/positions/segment_ids int32 [B, T] -> hidden states [B, T, D] in the compute dtype.
+        """tokens/positions/segment_ids int32 [B, T] -> hidden states [B, T, D] in the compute dtype."""
+        return self.forward_with_aux(tokens, positions, segment_ids, max_segments=max_segments)[0]
+
+    def forward_with_aux(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        max_segments: int | None = None,
+        replay: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """tokens/positions/segment_ids int32 [B, T] -> (hidden states [B, T, D], MoE routing statistics).
+
+        The statistics (empty for a dense model) are stacked over the sparse layers: `load` [Ls, E] pairs
+        per expert over non-padding tokens, `lb_loss` [Ls] and `z_loss` [Ls] (moe.py). `replay` =
+        (experts [B, T, Ls, k] int, mask [B, T] bool) routes the masked tokens to recorded experts.
 
         Rows may pack several samples: attention is causal within a segment and never crosses segments;
         segment 0 marks padding (its outputs are meaningless and must be masked by the caller), packed last.
@@ -248,11 +332,11 @@ class Transformer(nnx.Module):
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
         cos, sin = rope_tables(positions, cfg, dt)
         runs = prepare_segments(segment_ids, impl=cfg.attention_impl, dtype=dt, max_segments=max_segments)
-        x_btd = self.layers(x_btd, segment_ids, cos, sin, runs)
+        x_btd, stats = self.layers(x_btd, segment_ids, cos, sin, runs, replay)
         h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps)
         if runs is not None:  # once here rather than per layer: rows the kernel could not describe
             h_btd = jnp.where(runs.overflow[:, None, None], jnp.nan, h_btd)
-        return h_btd
+        return h_btd, stats
 
     def lm_head_weight(self) -> jax.Array:
         """[D, V] output projection (the embedding transposed when tied), in the parameter dtype."""

@@ -7,6 +7,12 @@ Each rollout is handed to `algorithm.finalize_rollout` as soon as it is scored, 
 The policy's client serves every request unless the env's algorithm samples from a frozen model
 (`algorithm.sampling_client`, e.g. sft's teacher).
 
+Environments that run their own episode loop (`drives_rollout`, e.g. verifiers tasks with tools or an
+`Env.run`) get a `ModelCall` per rollout instead: every model call still goes through here (render or bridge,
+request, one trajectory step, structured parse), the group's shared first request included when the env's
+first prompt is the example's. Tool calls the renderer could not parse are counted
+(`errors/malformed_tool_call`) and handed to the env in `state["malformed_tool_calls"]` for that turn.
+
 Failure isolation: an exception from the environment (follow-up turn or scoring) or from a later-turn request
 fails that rollout only (`rollout.error`, logged and counted). A failed first request fails its group.
 """
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from primejax.orchestrator.buffer import EnvSlot
-from primejax.orchestrator.renderer import Renderer
+from primejax.orchestrator.renderer import Renderer, parse_message
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 
 log = logging.getLogger(__name__)
@@ -136,8 +142,11 @@ class GroupGenerator:
         example = slot.env.example(index)
         rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
                             messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]
+        if slot.env.drives_rollout and not example.prompt:  # the env opens the conversation itself
+            await asyncio.gather(*(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts)))
+            return rollouts
         try:
-            prompt_ids = self.renderer.render_ids(example.prompt)
+            prompt_ids = self.renderer.render_ids(example.prompt, await slot.env.tools(example))
             if len(prompt_ids) > self.settings.max_prompt_tokens:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens > max_prompt_tokens")
             completions, version = await self._request(prompt_ids, group_size, self._seed(step, group_id, 0, 0),
@@ -147,6 +156,10 @@ class GroupGenerator:
             for r in rollouts:
                 r.error = f"request: {type(e).__name__}: {e}"
                 self.stats.count_error("request")
+            return rollouts
+        if slot.env.drives_rollout:
+            await asyncio.gather(*(self._drive(slot, r, (prompt_ids, c, version), step, member)
+                                   for member, (r, c) in enumerate(zip(rollouts, completions, strict=True))))
             return rollouts
         await asyncio.gather(*(
             self._finish(slot, r, prompt_ids, c, version, step, member)
@@ -161,8 +174,8 @@ class GroupGenerator:
             max_turns = max(1, min(slot.env.max_turns, self.settings.max_turns))
             while True:
                 rollout.steps.append(self._step(prompt_ids, completion, version))
-                rollout.messages.append({"role": "assistant",
-                                         "content": self.renderer.parse_response(rollout.steps[-1].completion_ids)})
+                message, _ = parse_message(self.renderer, rollout.steps[-1].completion_ids, prompt_ids)
+                rollout.messages.append(message)
                 if len(rollout.steps) >= max_turns:
                     break
                 stage = "env"
@@ -182,6 +195,70 @@ class GroupGenerator:
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
             stage = "score"
             rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
+            stage = "algorithm"
+            await slot.algorithm.finalize_rollout(rollout)
+        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
+            rollout.error = f"{stage}: {type(e).__name__}: {e}"
+            rollout.reward = None
+            self.stats.count_error(stage)
+            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage, slot.name, rollout.example_index, e,
+                        traceback.format_exc(limit=3))
+
+    async def _drive(self, slot: EnvSlot, rollout: Rollout, first: tuple[list[int], Any, int] | None, step: int,
+                     member: int) -> None:
+        """An env-driven rollout: the env's loop calls the model through `call` (see module docstring)."""
+        s = self.settings
+        max_turns = max(1, min(slot.env.max_turns, s.max_turns))
+        pending = [first]  # the group's shared first completion, used when the env's first prompt matches
+        stage = "env"
+
+        async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                       trainable: bool = True) -> dict[str, Any] | None:
+            nonlocal stage
+            if not trainable:
+                ids = self.renderer.render_ids(messages, tools)
+                (completion,), _ = await self._request(ids, 1, None, _sampler(slot))
+                message, _ = parse_message(self.renderer, list(completion.completion_token_ids), ids, tools)
+                return message
+            if len(rollout.steps) >= max_turns:
+                rollout.truncated = True
+                return None
+            known = len(rollout.messages)
+            last = rollout.steps[-1] if rollout.steps else None
+            prompt_ids = None
+            if last is not None and messages[:known] == rollout.messages:
+                prompt_ids = self.renderer.bridge_to_next_turn(last.prompt_ids, last.completion_ids,
+                                                               messages[known:], tools)
+            prompt_ids = prompt_ids or self.renderer.render_ids(messages, tools)
+            if len(prompt_ids) > s.max_prompt_tokens:
+                rollout.truncated = True
+                return None
+            stage = "request"
+            if pending[0] is not None and not rollout.steps and pending[0][0] == prompt_ids:
+                _, completion, version = pending[0]
+            else:
+                seed = self._seed(step, rollout.group_id, len(rollout.steps), member)
+                (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
+            pending[0] = None
+            rollout.steps.append(self._step(prompt_ids, completion, version))
+            message, malformed = parse_message(self.renderer, rollout.steps[-1].completion_ids, prompt_ids, tools)
+            for _ in malformed:
+                self.stats.count_error("malformed_tool_call")
+            rollout.state["malformed_tool_calls"] = malformed
+            rollout.state["num_malformed_tool_calls"] = rollout.state.get("num_malformed_tool_calls", 0) + len(malformed)
+            rollout.messages = [*messages, message]
+            rollout.state["output_tokens"] = rollout.num_completion_tokens
+            rollout.state["total_tokens"] = len(prompt_ids) + len(rollout.steps[-1].completion_ids)
+            stage = "env"
+            return message
+
+        try:
+            rollout.messages = list(await slot.env.rollout(rollout.example, rollout.state, call))
+            if not rollout.steps:
+                raise RuntimeError("the environment finished without calling the model")
+            rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
+            stage = "score"
+            rollout.reward = float(await slot.env.score(rollout.example, rollout.messages, rollout.state))
             stage = "algorithm"
             await slot.algorithm.finalize_rollout(rollout)
         except Exception as e:  # noqa: BLE001 - one bad rollout fails alone

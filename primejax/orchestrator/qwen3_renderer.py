@@ -49,6 +49,12 @@ def render_text(messages: list[Message]) -> str:
     return "".join(out)
 
 
+def _no_tools(tools: list[dict[str, Any]] | None) -> None:
+    if tools:
+        raise ValueError("the hand-written qwen3 renderer cannot render tool schemas: give the tokenizer Qwen3's "
+                         "<tool_call>/<tool_response> tokens so the renderers package's qwen3 is used")
+
+
 @dataclass
 class ParsedResponse:
     content: str
@@ -64,7 +70,8 @@ class Qwen3Renderer:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def render_ids(self, messages: list[Message]) -> list[int]:
+    def render_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        _no_tools(tools)
         return self._encode(render_text(messages) + GENERATION_PROMPT)
 
     def parse_response(self, completion_ids: list[int]) -> str:
@@ -87,7 +94,8 @@ class Qwen3Renderer:
         return ParsedResponse(content=text.strip(), reasoning_content=reasoning, tool_calls=calls)
 
     def bridge_to_next_turn(self, prev_prompt_ids: list[int], prev_completion_ids: list[int],
-                            new_messages: list[Message]) -> list[int] | None:
+                            new_messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int] | None:
+        _no_tools(tools)
         if any(m.get("role") == "assistant" for m in new_messages):
             return None  # the environment rewrote the model's side: only a full re-render is honest
         ids = list(prev_prompt_ids) + list(prev_completion_ids)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from primejax.inference.admin_auth import read_token
 from primejax.inference.client import InferenceClient
 from primejax.monitor import Monitor
 from primejax.orchestrator.loop import Orchestrator
@@ -33,7 +34,7 @@ async def run_orchestrator(cfg: ConfigDict) -> list[dict[str, float]]:
     root = run_dir(cfg)
     c = cfg.orchestrator.client
     client = InferenceClient(base_urls(cfg), timeout_s=c.timeout_s, max_retries=c.max_retries,
-                             vocab_size=model_vocab_size(cfg.model.path))
+                             vocab_size=model_vocab_size(cfg.model.path), admin_token=read_token(root))
     monitor = Monitor(root, "orchestrator", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl)
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s)

@@ -3,7 +3,8 @@
 The launcher, the inference process wrapper and the tests all start children through `ChildProcess`, so no code
 path can leave an orphan behind: `stop()` sends SIGTERM to the whole group, waits, then SIGKILLs it, an `atexit`
 hook stops whatever is still running when the parent exits normally, and a parent that is killed outright
-(kill -9, OOM) takes its children with it: each child asks the kernel for SIGTERM when its parent dies.
+(kill -9, OOM) takes its children with it: a watcher leading each child's group is told by the kernel when
+the parent dies and kills the whole group (see watcher.py).
 """
 
 from __future__ import annotations
@@ -30,19 +31,10 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
-# Run as `python -c _TRAMPOLINE PARENT_PID CMD...`: ask the kernel for SIGTERM when the parent dies (Linux
-# PR_SET_PDEATHSIG, kept across exec), then exec the command. A trampoline rather than a Popen preexec_fn:
-# preexec_fn runs Python between fork and exec, which can deadlock in a multithreaded parent (JAX, httpx).
-_TRAMPOLINE = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "except Exception:\n"
-    "    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
+# Each child runs as `python watcher.py PARENT_PID CMD...` (primejax/utils/watcher.py, a plain script: it
+# imports nothing of primejax). A watcher rather than a Popen preexec_fn: preexec_fn runs Python between fork
+# and exec, which can deadlock in a multithreaded parent (JAX, httpx); the watcher is single-threaded.
+_WATCHER = str(Path(__file__).with_name("watcher.py"))
 
 
 def stop_all(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
@@ -83,7 +75,7 @@ class ChildProcess:
         cwd: str | Path | None = None,
         die_with_parent: bool = True,
     ):
-        """`die_with_parent`: the kernel SIGTERMs the child when the thread that started it exits; pass False
+        """`die_with_parent`: the child's group is killed when the thread that started it exits; pass False
         when a worker thread that ends first starts it."""
         self.name = name
         self.argv = list(argv)
@@ -95,7 +87,7 @@ class ChildProcess:
         self._log = self.log_path.open("ab")
         argv = self.argv
         if die_with_parent:
-            argv = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *argv]
+            argv = [sys.executable, _WATCHER, str(os.getpid()), *argv]
         self.popen = subprocess.Popen(
             argv,
             stdout=self._log,

@@ -95,7 +95,7 @@ def test_user_envs_by_import_path_and_by_registration():
 
 def test_verifiers_taskset_loads_by_id_and_scores_in_process():
     env = load_env("tests.envs.vf_local_taskset", {"prefix": "Repeat"})
-    assert env.num_examples == 3 and env.max_turns == 1
+    assert env.num_examples == 3 and env.drives_rollout  # turns end when a reply has no tool call
     ex = env.example(1)
     assert ex.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Repeat river"}]
     assert score(env, ex, reply(ex.prompt, "river")) == 1.5  # exact (1.0) + mentions (0.5 x 1.0)

@@ -46,7 +46,27 @@ VARIANTS = {
         ),
     ),
     "qwen2_bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+    # Qwen3-MoE: expert counts / top-k, tied and untied, with and without dense layers.
+    "qwen3_moe_e8k2_tied": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             norm_topk_prob=True),
+    ),
+    "qwen3_moe_e4k1_dense0": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=48,
+             norm_topk_prob=False, mlp_only_layers=[0]),
+    ),
+    "qwen3_moe_e6k3_step2": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+             norm_topk_prob=False, decoder_sparse_step=2, num_hidden_layers=4),
+    ),
 }
+MOE_VARIANTS = [v for v in VARIANTS if v.startswith("qwen3_moe")]
 
 
 def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.PreTrainedModel:
@@ -57,7 +77,11 @@ def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.P
     model = model_cls(cfg).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith("mlp.gate.weight"):
+                # Spread the router's probabilities so no two experts nearly tie for a top-k place (a near
+                # tie could resolve differently under torch's and XLA's rounding).
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn_like(p))

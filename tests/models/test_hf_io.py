@@ -31,7 +31,10 @@ def _torch_logits(model, tokens) -> np.ndarray:
 TOKENS = np.random.default_rng(0).integers(0, 512, size=(2, 24))
 
 
-@pytest.mark.parametrize("variant", ["qwen3_tied", "qwen3_untied", "llama_rope3", "qwen2_bias"])
+@pytest.mark.parametrize(
+    "variant",
+    ["qwen3_tied", "qwen3_untied", "llama_rope3", "qwen2_bias", "qwen3_moe_e8k2_tied", "qwen3_moe_e6k3_step2"],
+)
 def test_round_trip_is_bit_identical_and_loads_in_transformers(variant, hf_model_dir, tmp_path):
     src, torch_model = hf_model_dir(variant)
     model, cfg = load_model(src, param_dtype="float32")
@@ -108,3 +111,25 @@ def test_bf16_params_load_and_run(hf_model_dir):
     hidden = model(TOKENS.astype(np.int32), np.tile(np.arange(24, dtype=np.int32), (2, 1)), np.ones((2, 24), np.int32))
     assert hidden.dtype == np.dtype(ml_dtypes.bfloat16) and hidden.shape == (2, 24, cfg.hidden_size)
     assert np.isfinite(np.asarray(hidden, np.float32)).all()
+
+
+def test_moe_export_is_per_expert_and_fused_checkpoints_load(hf_model_dir, tmp_path):
+    """Our MoE export writes one tensor per expert (the Hub layout every vLLM loads); transformers' fused
+    on-disk form (save_original_format=False) loads to the same parameters."""
+    src, torch_model = hf_model_dir("qwen3_moe_e4k1_dense0")
+    model, cfg = load_model(src, param_dtype="float32")
+    export_safetensors(model, cfg, tmp_path / "ours", dtype=None)
+    names = set(_read_dir(tmp_path / "ours"))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # mlp_only_layers=[0] stays dense
+    assert not any("gate_up_proj" in n for n in names)
+    hf_cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert hf_cfg["num_experts"] == 4 and hf_cfg["mlp_only_layers"] == [0]
+
+    torch_model.save_pretrained(tmp_path / "fused", save_original_format=False)
+    assert any("gate_up_proj" in n for n in _read_dir(tmp_path / "fused"))
+    fused, _ = load_model(tmp_path / "fused", param_dtype="float32")
+    for name, var in vars(model.layers).items():
+        if hasattr(var, "shape"):
+            np.testing.assert_array_equal(np.asarray(getattr(fused.layers, name)[...]), np.asarray(var[...]),
+                                          err_msg=name)

@@ -1,0 +1,229 @@
+"""Qwen3-MoE sparse block: fp32 top-k softmax router, dropless experts by grouped matmul, routing replay.
+
+Weights of one sparse layer (stacked over the sparse layers in DecoderStack):
+  router   [D, E]           experts_gate_up [E, D, 2, I] (gate first, as HF's fused gate_up_proj)
+  experts_down [E, I, D]
+Letters: N tokens, D hidden, E experts, k experts per token, I expert MLP width.
+
+Dropless: every (token, expert) pair is computed, as vLLM does; a capacity limit would drop pairs the sampler
+kept and add trainer/sampler mismatch. The pairs are sorted by expert and run as one grouped matmul per
+projection (models/gmm.py), then weighted by their routing scores and summed back per token.
+
+Routing replay (R3): `replay_idx [N, k]` with `replay_mask [N]` forces the marked tokens onto the recorded
+experts (those vLLM used when it sampled them); the scores are the router's probabilities gathered at those
+experts, so the router still gets a gradient through them.
+
+Expert parallelism over the mesh's `fsdp` axis (ModelConfig.expert_parallel; the `experts` logical axis in
+sharding.SHARDING_RULES):
+- "fsdp": tokens stay on their device; each layer's experts are all-gathered (like any FSDP weight) and their
+  gradient reduce-scattered. No token traffic, weight traffic E*3*D*I per layer.
+- "ep": experts stay on their device; the tokens (and routing) are all-gathered over fsdp, each device runs
+  its own experts on the pairs routed to them, and the partial outputs are reduce-scattered back. Token
+  traffic ~2*N*D per layer, no expert-weight traffic.
+Both run inside `shard_map` so the sort and the grouped matmul stay per device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from primejax.models.gmm import grouped_matmul
+from primejax.models.sharding import current_mesh, logical_to_spec
+
+EP_AXIS = "fsdp"  # the mesh axis experts are split over (sharding.SHARDING_RULES["experts"])
+
+
+class RouterOut(NamedTuple):
+    """Per-layer routing results kept for metrics and losses (all fp32 / int32, shapes [N, ...])."""
+
+    logits: jax.Array  # [N, E] fp32 router logits
+    probs: jax.Array  # [N, E] fp32 softmax
+    topk_idx: jax.Array  # [N, k] int32 experts used
+    scores: jax.Array  # [N, k] fp32 combine weights
+
+
+def route(
+    h_nd: jax.Array,
+    router_de: jax.Array,
+    top_k: int,
+    norm_topk_prob: bool,
+    replay_idx: jax.Array | None = None,
+    replay_mask: jax.Array | None = None,
+) -> RouterOut:
+    """Top-k softmax routing in fp32 (HF Qwen3MoeTopKRouter), optionally replaying recorded experts."""
+    logits = jnp.einsum("nd,de->ne", h_nd.astype(jnp.float32), router_de.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, top_k)
+    if replay_idx is not None:
+        replay_idx = replay_idx.astype(jnp.int32)
+        top_i = jnp.where(replay_mask[:, None], replay_idx, top_i)
+        top_p = jnp.take_along_axis(probs, top_i, axis=-1)  # gradient flows to the router through these
+    if norm_topk_prob:
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    return RouterOut(logits, probs, top_i.astype(jnp.int32), top_p)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x_nd, order, inv, k):
+    """Rows of x for the (token, expert) pairs in expert order: x[order // k] -> [N*k, D].
+
+    A gather forward and backward: the gradient of each token sums its k pairs' rows, read through the
+    inverse permutation (XLA's transpose of the gather would be a scatter-add, atomics on GPU).
+    """
+    return jnp.take(x_nd, order // k, axis=0)
+
+
+def _dispatch_fwd(x_nd, order, inv, k):
+    return _dispatch(x_nd, order, inv, k), (order, inv)
+
+
+def _dispatch_bwd(k, res, g):
+    order, inv = res
+    n = inv.shape[0] // k
+    dx = jnp.take(g, inv, axis=0).reshape(n, k, g.shape[-1]).astype(jnp.float32).sum(axis=1)
+    return dx.astype(g.dtype), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _permute(x, perm, inv):
+    """x[perm] whose gradient is the gather g[inv] (perm a permutation, inv its inverse)."""
+    return jnp.take(x, perm, axis=0)
+
+
+def _permute_fwd(x, perm, inv):
+    return _permute(x, perm, inv), (perm, inv)
+
+
+def _permute_bwd(res, g):
+    perm, inv = res
+    return jnp.take(g, inv, axis=0), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0, all_local=True):
+    """Dropless expert MLP of N tokens on the experts [expert_offset, expert_offset + E_local) held here.
+
+    Pairs routed to other experts are sorted past the local groups: the grouped matmul leaves them zero.
+    """
+    n, d = x_nd.shape
+    k = topk_idx.shape[1]
+    e_local, _, _, i = gate_up.shape
+    local = topk_idx - expert_offset  # [N, k]
+    in_range = (local >= 0) & (local < e_local)
+    key = jnp.where(in_range, local, e_local).reshape(-1)  # non-local pairs sort last
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inv = (
+        jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
+    )
+    group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
+    xs = _dispatch(x_nd, order, inv, k)  # [N*k, D], sorted by expert
+    full = all_local  # every pair has a local expert: the groups cover all rows
+    h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
+    a = jax.nn.silu(h[:, :i]) * h[:, i:]
+    ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [N*k, D]
+    y_nkd = _permute(ys, inv, order).reshape(n, k, d)  # back to (token, slot) order
+    return jnp.einsum(
+        "nkd,nk->nd", y_nkd, scores.astype(ys.dtype), preferred_element_type=jnp.float32
+    ).astype(ys.dtype)
+
+
+def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: str) -> jax.Array:
+    """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out`."""
+    mesh = current_mesh()
+    n_ep = 1 if mesh is None else mesh.shape[EP_AXIS]
+    if n_ep == 1:
+        return _experts_local(x_nd, route_out.topk_idx, route_out.scores, gate_up, down, impl)
+    batch_spec = logical_to_spec(("batch",), x_nd.shape, mesh)
+    tok = P(batch_spec[0], None)
+    if mode == "fsdp":
+        fn = functools.partial(_experts_local, impl=impl)
+        return jax.shard_map(fn, in_specs=(tok, tok, tok, P(), P()), out_specs=tok, check_vma=False)(
+            x_nd, route_out.topk_idx, route_out.scores, gate_up, down
+        )
+    if gate_up.shape[0] % n_ep:
+        raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over fsdp={n_ep}")
+    e_local = gate_up.shape[0] // n_ep
+    batch_axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
+    if EP_AXIS not in batch_axes:
+        raise ValueError("expert_parallel='ep' needs the token batch split over the fsdp axis")
+
+    def ep(x, idx, sc, gu, dn):
+        # All tokens of the fsdp group, each device's experts on them, partial sums scattered back.
+        xg = jax.lax.all_gather(x, EP_AXIS, tiled=True)
+        ig = jax.lax.all_gather(idx, EP_AXIS, tiled=True)
+        sg = jax.lax.all_gather(sc, EP_AXIS, tiled=True)
+        off = jax.lax.axis_index(EP_AXIS) * e_local
+        y = _experts_local(xg, ig, sg, gu, dn, impl, expert_offset=off, all_local=False)
+        return jax.lax.psum_scatter(y, EP_AXIS, scatter_dimension=0, tiled=True)
+
+    ex = P(EP_AXIS)
+    return jax.shard_map(ep, in_specs=(tok, tok, tok, ex, ex), out_specs=tok, check_vma=False)(
+        x_nd, route_out.topk_idx, route_out.scores, gate_up, down
+    )
+
+
+def moe_block(
+    h_btd: jax.Array,
+    p: dict[str, jax.Array],
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    impl: str,
+    mode: str,
+    replay_idx: jax.Array | None = None,
+    replay_mask: jax.Array | None = None,
+) -> tuple[jax.Array, RouterOut]:
+    """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens)."""
+    b, t, d = h_btd.shape
+    dt = h_btd.dtype
+    x = h_btd.reshape(b * t, d)
+    ri = None if replay_idx is None else replay_idx.reshape(b * t, top_k)
+    rm = None if replay_mask is None else replay_mask.reshape(b * t)
+    r = route(x, p["router"], top_k, norm_topk_prob, ri, rm)
+    # HF casts the combine weights to the hidden dtype before weighting the experts' outputs.
+    r_used = r._replace(scores=r.scores.astype(dt))
+    y = experts_forward(x, r_used, p["experts_gate_up"].astype(dt), p["experts_down"].astype(dt), impl, mode)
+    return y.reshape(b, t, d), r
+
+
+# ---------------------------------------------------------------------- statistics and auxiliary losses
+
+
+def expert_load(topk_idx: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+    """[E] float32: (token, expert) pairs routed to each expert over the valid tokens."""
+    k = topk_idx.shape[-1]
+    w = jnp.repeat(valid.reshape(-1).astype(jnp.float32), k)
+    return jnp.zeros((num_experts,), jnp.float32).at[topk_idx.reshape(-1)].add(w)
+
+
+def max_violation(load: jax.Array) -> jax.Array:
+    """(max load - mean load) / mean load; 0 for perfect balance, E - 1 when one expert takes everything."""
+    mean = jnp.mean(load, axis=-1)
+    return (jnp.max(load, axis=-1) - mean) / jnp.maximum(mean, 1e-9)
+
+
+def load_balance_loss(r: RouterOut, valid: jax.Array, num_experts: int) -> jax.Array:
+    """Switch-style auxiliary loss over valid tokens, as transformers' load_balancing_loss_func for one layer:
+    E * sum_e f_e * P_e, f_e = fraction of tokens with e among their top-k, P_e = mean router probability."""
+    v = valid.reshape(-1).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(v), 1.0)
+    f = expert_load(r.topk_idx, v, num_experts) / n
+    p_mean = jnp.sum(r.probs * v[:, None], axis=0) / n
+    return num_experts * jnp.sum(f * p_mean)
+
+
+def router_z_loss(r: RouterOut, valid: jax.Array) -> jax.Array:
+    """ST-MoE router z-loss: mean over valid tokens of logsumexp(router logits)^2."""
+    v = valid.reshape(-1).astype(jnp.float32)
+    z = jax.nn.logsumexp(r.logits, axis=-1)
+    return jnp.sum(z * z * v) / jnp.maximum(jnp.sum(v), 1.0)

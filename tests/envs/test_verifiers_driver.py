@@ -1,0 +1,191 @@
+"""The in-process verifiers driver on a scripted model: tools run in process with their state kept, malformed
+tool calls answered and counted, the three stop kinds, turn caps, task.score, and the samples it builds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from primejax.envs.registry import load_env
+from primejax.orchestrator.buffer import EnvSlot
+from primejax.orchestrator.generate import GroupGenerator, SamplingSettings
+from primejax.orchestrator.renderer import build_renderer
+from primejax.orchestrator.renderers_adapter import PackageRenderer
+from primejax.orchestrator.samples import rollout_to_samples
+
+TASKSET = "tests.envs.vf_calc_taskset"
+
+
+@dataclass
+class Done:
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    finish_reason: str = "stop"
+    text: str = ""
+
+
+class ScriptedClient:
+    """A one-rollout model: replies with the next scripted text + <|im_end|>, recording every prompt."""
+
+    def __init__(self, tokenizer, script: list[str]):
+        self.tok, self.script = tokenizer, list(script)
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.prompts: list[list[int]] = []
+
+    async def generate(
+        self, prompt_token_ids, *, n, max_tokens, temperature, top_p=1.0, stop=None, seed=None
+    ):
+        assert n == 1
+        self.prompts.append(list(prompt_token_ids))
+        ids = self.tok.encode(self.script.pop(0), add_special_tokens=False) + [self.eos]
+        return [Done(list(prompt_token_ids), ids, [-0.5] * len(ids))]
+
+
+class Version:
+    version = 3
+
+
+class Scorer:
+    action_loss_type = "rl"
+
+    async def finalize_rollout(self, rollout):
+        rollout.assign_advantages(1.0)
+
+
+def call(name, **args):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from primejax.models.tiny import build_tokenizer
+
+    out = tmp_path_factory.mktemp("tool-tokenizer")
+    build_tokenizer(out, tool_tokens=True)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+def run_group(tokenizer, script: list[str], max_turns=8, **args):
+    env = load_env(TASKSET, {"size": 2, **args})
+    client = ScriptedClient(tokenizer, script)
+    renderer = build_renderer("auto", tokenizer)
+    settings = SamplingSettings(
+        max_tokens=64, temperature=1.0, top_p=1.0, max_turns=max_turns, seed=-1, max_prompt_tokens=4096
+    )
+    gen = GroupGenerator(client, renderer, settings, Version(), max_concurrent=4)
+    slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=Scorer())
+    (rollout,) = asyncio.run(gen.group(slot, 0, 0, 1, step=1))
+    return rollout, client, gen, env
+
+
+def test_auto_renderer_is_the_renderers_package_qwen3(tool_tokenizer):
+    renderer = build_renderer("auto", tool_tokenizer)
+    assert isinstance(renderer, PackageRenderer) and renderer.family == "qwen3"
+
+
+def test_tools_run_in_process_with_state_kept_and_malformed_calls_answered(tool_tokenizer):
+    env = load_env(TASKSET, {"size": 2})
+    answer = env.example(0).answer
+    script = [
+        call("calc_mul", a=2, b=3),
+        "<tool_call>\n{bad json\n</tool_call>",
+        call("calc_history_len"),
+        answer,
+    ]
+    rollout, client, gen, _ = run_group(tool_tokenizer, script)
+    assert rollout.error is None, rollout.error
+    roles = [m["role"] for m in rollout.messages]
+    assert roles == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+    tools = [m for m in rollout.messages if m["role"] == "tool"]
+    assert tools[0]["content"] == "6" and tools[0]["name"] == "calc_mul"
+    assert tools[1]["content"].startswith("Error: could not parse this tool call (invalid_json)")
+    assert tools[2]["content"] == "1 1"  # instance history and State counter both survived between calls
+    assert rollout.messages[2]["tool_calls"][0]["function"] == {
+        "name": "calc_mul",
+        "arguments": '{"a": 2, "b": 3}',
+    }
+    assert rollout.state["num_malformed_tool_calls"] == 1 and gen.stats.errors["malformed_tool_call"] == 1
+    assert rollout.reward == 1.0 and rollout.state["reward_components"] == {"correct": 1.0}
+    assert rollout.state["metrics"] == {"used_tool": 1.0}
+    # The tools were advertised in the system turn of every prompt.
+    assert all("calc_mul" in tool_tokenizer.decode(p) for p in client.prompts)
+    # Every call extends the previous one: one sample, tool-result tokens masked out of the loss.
+    for prev, nxt in zip(rollout.steps, rollout.steps[1:], strict=False):
+        assert (
+            nxt.prompt_ids[: len(prev.prompt_ids) + len(prev.completion_ids)]
+            == prev.prompt_ids + prev.completion_ids
+        )
+    (sample,) = rollout_to_samples(rollout, "rl", 1.0, seq_len=4096)
+    trained = [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=False) if m]
+    assert trained == rollout.completion_ids
+
+
+@pytest.mark.parametrize(
+    "script,args,stop,turns",
+    [
+        (["done STOP", "unused"], {}, "said_stop", 1),  # Response stop after the reply
+        (
+            [call("calc_add", a=1, b=2), "unused"],
+            {"task": {"max_calls": 1}},
+            "too_many_calls",
+            1,
+        ),  # Trace stop
+        (
+            [call("calc_mul", a=111, b=6), "unused"],
+            {},
+            "forbidden_result",
+            1,
+        ),  # Request stop on the tool result
+        ([call("calc_add", a=1, b=1)] * 5, {}, "max_turns", 2),  # the orchestrator's turn cap
+    ],
+)
+def test_the_three_stop_kinds_and_turn_cap(tool_tokenizer, script, args, stop, turns):
+    rollout, _, _, _ = run_group(tool_tokenizer, script, max_turns=2 if stop == "max_turns" else 8, **args)
+    assert rollout.error is None, rollout.error
+    assert rollout.state["stop_condition"] == stop
+    assert rollout.num_turns == turns
+
+
+def test_token_cap_stops_before_the_next_call(tool_tokenizer):
+    script = [call("calc_add", a=1, b=1)] * 5
+    rollout, _, _, _ = run_group(tool_tokenizer, script, max_output_tokens=1)
+    assert rollout.state["stop_condition"] == "max_output_tokens" and rollout.num_turns == 1
+
+
+def test_env_run_drives_the_conversation_through_the_stand_in(tool_tokenizer):
+    env = load_env(
+        "tests.envs.vf_local_taskset", {"env": "tests.envs.vf_guess_env", "env_args": {"rounds": 3}}
+    )
+    assert env.example(0).prompt == []  # the Env's run opens the conversation
+    client = ScriptedClient(tool_tokenizer, ["pear", "plum", "apple"])
+    settings = SamplingSettings(
+        max_tokens=64, temperature=1.0, top_p=1.0, max_turns=8, seed=-1, max_prompt_tokens=4096
+    )
+    gen = GroupGenerator(
+        client, build_renderer("auto", tool_tokenizer), settings, Version(), max_concurrent=4
+    )
+    slot = EnvSlot(name="guess", env=env, weight=1.0, algorithm=Scorer())
+    (rollout,) = asyncio.run(gen.group(slot, 0, 0, 1, step=1))
+    assert rollout.error is None, rollout.error
+    users = [m["content"] for m in rollout.messages if m["role"] == "user"]
+    assert users == ["Say apple", "Guess my word.", "No. It starts with 'a'.", "No. It starts with 'ap'."]
+    assert [m["content"] for m in rollout.messages if m["role"] == "assistant"] == ["pear", "plum", "apple"]
+    assert rollout.reward == 1.5 and rollout.num_turns == 3
+    (sample,) = rollout_to_samples(rollout, "rl", 1.0, seq_len=4096)  # user turns bridged: one sample
+    assert [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m] == rollout.completion_ids

@@ -1,0 +1,185 @@
+"""MoE pieces against plain references: grouped matmul (values, gradients, skewed / empty experts), the dropless
+expert block vs a dense one-hot mixture, routing replay's gradient, load metrics and the auxiliary losses
+(vs transformers' load_balancing_loss_func)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from primejax.models import moe
+from primejax.models.config import ModelConfig
+from primejax.models.gmm import grouped_matmul
+
+
+def _ref_gmm(x, w, sizes):
+    out, start = [], 0
+    for g, n in enumerate(sizes):
+        out.append(x[start : start + n] @ w[g])
+        start += n
+    out.append(np.zeros((x.shape[0] - start, w.shape[-1]), x.dtype))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("sizes", [[5, 9, 3, 7], [0, 24, 0, 0], [6, 0, 0, 12], [3, 4, 0, 5]])
+def test_grouped_matmul_matches_per_group_matmuls_and_grads(sizes):
+    """Uniform, one expert taking everything, empty experts, and rows past sum(sizes) (left zero)."""
+    rng = np.random.default_rng(0)
+    m, k, n = 24, 16, 8
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((4, k, n)).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    y = grouped_matmul(jnp.asarray(x), jnp.asarray(w), gs, "xla")
+    np.testing.assert_allclose(np.asarray(y), _ref_gmm(x, w, sizes), rtol=1e-5, atol=1e-5)
+
+    def loss(x, w):
+        return jnp.sum(grouped_matmul(x, w, gs, "xla") * dy)
+
+    gx, gw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+    # reference gradients: dX rows = dY @ W[g]^T, dW[g] = X_g^T dY_g (zero for an empty group)
+    rgx = _ref_gmm(dy, np.swapaxes(w, 1, 2), sizes)
+    rgw, start = np.zeros_like(w), 0
+    for g, cnt in enumerate(sizes):
+        rgw[g] = x[start : start + cnt].T @ dy[start : start + cnt]
+        start += cnt
+    np.testing.assert_allclose(np.asarray(gx), rgx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gw), rgw, rtol=1e-5, atol=1e-5)
+
+
+def _dense_mixture(x, topk_idx, scores, gate_up, down):
+    """Every expert on every token, combined with one-hot routing weights (the definition of the block)."""
+    e = gate_up.shape[0]
+    h = jnp.einsum("nd,edgi->negi", x, gate_up)
+    a = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+    y = jnp.einsum("nei,eid->ned", a, down)
+    comb = jnp.sum(jax.nn.one_hot(topk_idx, e) * scores[..., None], axis=1)  # [N, E]
+    return jnp.einsum("ned,ne->nd", y, comb)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_dropless_block_equals_dense_mixture_with_grads(skew):
+    rng = np.random.default_rng(1)
+    n, d, e, i, k = 20, 16, 6, 8, 2
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    router = jnp.asarray(rng.standard_normal((d, e)), jnp.float32)
+    if skew:  # expert 2 first choice of every token, experts 4 and 5 never used
+        router = (0.1 * router).at[0, 2].set(10.0).at[0, 4:].set(-10.0)
+        x = x.at[:, 0].set(5.0)
+    gate_up = jnp.asarray(rng.standard_normal((e, d, 2, i)) * 0.3, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((e, i, d)) * 0.3, jnp.float32)
+
+    def ours(x, router, gate_up, down):
+        r = moe.route(x, router, k, True)
+        return moe.experts_forward(x, r, gate_up, down, "xla", "fsdp"), r
+
+    def ref(x, router, gate_up, down):
+        r = moe.route(x, router, k, True)
+        return _dense_mixture(x, r.topk_idx, r.scores, gate_up, down)
+
+    y, r = ours(x, router, gate_up, down)
+    if skew:
+        load = np.asarray(moe.expert_load(r.topk_idx, jnp.ones(n, bool), e))
+        assert load[2] == n and load[4] == load[5] == 0
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref(x, router, gate_up, down)), rtol=1e-5, atol=1e-5)
+    w = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    g1 = jax.grad(lambda *a: jnp.sum(ours(*a)[0] * w), argnums=(0, 1, 2, 3))(x, router, gate_up, down)
+    g2 = jax.grad(lambda *a: jnp.sum(ref(*a) * w), argnums=(0, 1, 2, 3))(x, router, gate_up, down)
+    for a, b, name in zip(g1, g2, ("x", "router", "gate_up", "down"), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_routing_replay_uses_recorded_experts_and_router_gets_gradient():
+    rng = np.random.default_rng(2)
+    n, d, e, k = 6, 8, 5, 2
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    router = jnp.asarray(rng.standard_normal((d, e)), jnp.float32)
+    free = moe.route(x, router, k, True)
+    # record experts the router would not pick: its two least likely ones
+    recorded = jnp.argsort(free.probs, axis=-1)[:, :k].astype(jnp.int32)
+    mask = jnp.asarray([True, True, True, False, False, True])
+    r = moe.route(x, router, k, True, recorded, mask)
+    m = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(r.topk_idx)[m], np.asarray(recorded)[m])
+    np.testing.assert_array_equal(np.asarray(r.topk_idx)[~m], np.asarray(free.topk_idx)[~m])
+    gathered = np.take_along_axis(np.asarray(free.probs), np.asarray(recorded), axis=-1)
+    np.testing.assert_allclose(
+        np.asarray(r.scores)[m], (gathered / gathered.sum(-1, keepdims=True))[m], rtol=1e-6
+    )
+
+    # the router's gradient flows through the gathered scores of replayed tokens
+    g = jax.grad(lambda w: jnp.sum(moe.route(x, w, k, False, recorded, jnp.ones(n, bool)).scores[:, 0]))(
+        router
+    )
+    assert float(jnp.abs(g).max()) > 1e-4
+
+
+def test_max_violation_and_aux_losses():
+    np.testing.assert_allclose(float(moe.max_violation(jnp.asarray([2.0, 2.0, 2.0, 2.0]))), 0.0)
+    np.testing.assert_allclose(float(moe.max_violation(jnp.asarray([8.0, 0.0, 0.0, 0.0]))), 3.0)
+    np.testing.assert_allclose(float(moe.max_violation(jnp.asarray([3.0, 1.0, 2.0, 2.0]))), 0.5)
+
+    rng = np.random.default_rng(3)
+    n, d, e, k = 32, 8, 6, 2
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    router = jnp.asarray(rng.standard_normal((d, e)), jnp.float32)
+    r = moe.route(x, router, k, False)
+    valid = jnp.ones(n, bool)
+    ours = float(moe.load_balance_loss(r, valid, e))
+    theirs = float(load_balancing_loss_func((torch.as_tensor(np.asarray(r.logits)),), e, k))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    z = np.log(np.exp(np.asarray(r.logits, np.float64)).sum(-1))
+    np.testing.assert_allclose(float(moe.router_z_loss(r, valid)), np.mean(z * z), rtol=1e-5)
+    # padding tokens do not count
+    half = jnp.arange(n) < n // 2
+    load = np.asarray(moe.expert_load(r.topk_idx, half, e))
+    assert load.sum() == n // 2 * k
+
+
+def _cfg(**kw):
+    base = dict(
+        model_type="qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        rope_theta=1e4,
+        rope_scaling=None,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        attention_bias=False,
+        max_position_embeddings=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
+    return ModelConfig(**{**base, **kw})
+
+
+def test_moe_config_layers_and_errors():
+    assert _cfg().sparse_layers() == (0, 1, 2, 3)
+    assert _cfg(decoder_sparse_step=2).sparse_layers() == (1, 3)
+    assert _cfg(mlp_only_layers=(0, 3)).dense_layers() == (0, 3)
+    assert _cfg(num_experts=0, model_type="qwen3").sparse_layers() == ()
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        _cfg(num_experts_per_tok=5)
+    with pytest.raises(ValueError, match="at most 256"):
+        _cfg(num_experts=300)
+    with pytest.raises(ValueError, match="gmm_impl"):
+        _cfg(gmm_impl="cuda")
+    with pytest.raises(ValueError, match="scan_layers"):
+        _cfg(mlp_only_layers=(0,), scan_layers=True)
+    # active parameters: top-k experts + router per sparse layer
+    c = _cfg()
+    dense_equiv = (
+        c.num_layers * (32 * 2 * 32 * 2 + 2 * 32 * 1 * 32) + 4 * (3 * 32 * 16 * 2 + 32 * 4) + 32 * 64
+    )
+    assert c.num_matmul_params() == dense_equiv

@@ -1,0 +1,439 @@
+"""Qwen3-MoE on GPUs: grouped-matmul checks and speed, then the full RL trainer step, one table at the end.
+
+    python tools/bench_moe.py                  # 1 GPU: gmm checks + kernels, 30B-A3B cut to a few layers at 16k
+    python tools/bench_moe.py --suite gpu4     # 4 GPUs: 48-layer 30B-A3B, both expert-parallel modes
+    python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
+
+Each step configuration runs in its own process (an OOM stays contained). The step is the trainer's own
+(`primejax.trainer.step`), fake full rows of random tokens, RL loss over every token. MFU: prime-rl's formula
+over active parameters (`ModelConfig.flops_per_token`: 6 x active matmul params + 12 L H (D/H) T) at 989
+TFLOP/s bf16 per GPU; `MFU/2attn` halves the attention term (causal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_FLOPS = 989e12
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+TINY = dict(
+    QWEN3_30B_A3B,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+)
+
+
+def _step(
+    name,
+    seq,
+    layers,
+    *,
+    gmm="auto",
+    remat="auto",
+    pdt="float32",
+    ep="fsdp",
+    devices=1,
+    rows=1,
+    attn="cudnn",
+    steps=3,
+    warmup=2,
+    trace=False,
+):
+    return dict(
+        kind="step",
+        name=name,
+        seq=seq,
+        layers=layers,
+        gmm=gmm,
+        remat=remat,
+        pdt=pdt,
+        ep=ep,
+        devices=devices,
+        rows=rows,
+        attn=attn,
+        steps=steps,
+        warmup=warmup,
+        trace=trace,
+    )
+
+
+CONFIGS = {
+    "gpu1": [
+        dict(kind="gmm", name="gmm"),
+        # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
+        _step("moe4:16k", 16384, 4, trace=True),
+        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16"),
+        _step("moe4:2k", 2048, 4),
+        _step("moe4:2k:xla_ragged_dot", 2048, 4, gmm="xla"),
+    ],
+    "gpu4": [
+        _step("moe48:16k:ep=fsdp", 16384, 48, pdt="bfloat16", ep="fsdp", devices=4, rows=4, remat="full"),
+        _step("moe48:16k:ep=ep", 16384, 48, pdt="bfloat16", ep="ep", devices=4, rows=4, remat="full"),
+        _step("moe24:16k:ep=fsdp:fp32", 16384, 24, ep="fsdp", devices=4, rows=4, remat="full"),
+    ],
+    "smoke": [
+        dict(kind="gmm", name="gmm", smoke=True),
+        _step("tiny:256", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1),
+        _step("tiny:256:ep", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, ep="ep", devices=2, rows=2),
+    ],
+}
+
+
+# ------------------------------------------------------------------------------------------------ gmm worker
+
+
+def _rel(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _sizes(kind: str, m: int, g: int, rng):
+    import numpy as np
+
+    if kind == "uniform":
+        p = np.ones(g)
+    elif kind == "skewed":  # one expert takes ~90% of the rows
+        p = np.full(g, 0.1 / (g - 1))
+        p[3] = 0.9
+    else:  # "empty": half of the experts get nothing, including the first and the last
+        p = np.where(np.arange(g) % 2 == 1, 1.0, 0.0)
+    counts = rng.multinomial(m, p / p.sum())
+    return counts.astype(np.int32)
+
+
+def gmm_worker(c: dict) -> dict:
+    """mgpu vs xla grouped matmul: values and both gradients on uniform/skewed/empty routing; then speed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from primejax.models.gmm import grouped_matmul, resolve_impl
+    from tools.bench_trainer_profile import _timed
+
+    fast = resolve_impl("auto")
+    smoke = c.get("smoke", False)
+    rng = np.random.default_rng(0)
+    checks = []
+    # xla's ragged_dot is a dense masked matmul on GPU (G x the work): checks stay small enough for it
+    m, k, n, g = (256, 128, 128, 8) if smoke else (4096, 512, 256, 16)
+    for kind in ("uniform", "skewed", "empty"):
+        sizes = jnp.asarray(_sizes(kind, m, g, rng))
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+
+        def loss(x, w, impl):
+            return jnp.sum(grouped_matmul(x, w, sizes, impl).astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: B023
+
+        outs = {}
+        for impl in ("xla", fast):
+            y = jax.jit(lambda x, w, i=impl: grouped_matmul(x, w, sizes, i))(x, w)  # noqa: B023
+            gx, gw = jax.jit(jax.grad(lambda x, w, i=impl: loss(x, w, i), argnums=(0, 1)))(x, w)
+            outs[impl] = (y, gx, gw)
+        # fp32 reference on upcast inputs
+        ref = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, "xla"))(  # noqa: B023
+            x.astype(jnp.float32), w.astype(jnp.float32)
+        )
+        rgx, rgw = jax.jit(
+            jax.grad(
+                lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, "xla") * dy.astype(jnp.float32)),  # noqa: B023
+                argnums=(0, 1),
+            )
+        )(x.astype(jnp.float32), w.astype(jnp.float32))
+        row = dict(routing=kind)
+        for impl, (y, gx, gw) in outs.items():
+            row[impl] = dict(
+                y=_rel(y, ref),
+                dx=_rel(gx, rgx),
+                dw=_rel(gw, rgw),
+                finite=bool(np.isfinite(np.asarray(y, np.float32)).all()),
+            )
+        row["mgpu_vs_xla"] = dict(
+            y=_rel(outs[fast][0], outs["xla"][0]),
+            dx=_rel(outs[fast][1], outs["xla"][1]),
+            dw=_rel(outs[fast][2], outs["xla"][2]),
+        )
+        checks.append(row)
+    ok = all(
+        max(r[i][q] for q in ("y", "dx", "dw")) < 1e-2 and r[i]["finite"]
+        for r in checks
+        for i in ("xla", fast)
+    )
+
+    # speed at Qwen3-30B-A3B expert shapes: 16k tokens x top-8 rows, gate_up (2048 -> 1536) and down (768 -> 2048)
+    speed = []
+    rows_ = 2048 if smoke else 16384 * 8
+    shapes = [("gate_up", 2048, 1536), ("down", 768, 2048)] if not smoke else [("gate_up", 128, 256)]
+    for name, kk, nn in shapes:
+        ge = 8 if smoke else 128
+        sizes = jnp.asarray(_sizes("uniform", rows_, ge, rng))
+        x = jnp.asarray(rng.standard_normal((rows_, kk)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((ge, kk, nn)) / np.sqrt(kk), jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((rows_, nn)), jnp.bfloat16)
+        flops = 2.0 * rows_ * kk * nn
+        for impl in dict.fromkeys((fast, "xla") if smoke else (fast,)):
+            fwd = jax.jit(lambda x, w, i=impl: grouped_matmul(x, w, sizes, i))  # noqa: B023
+            _, vjp = jax.vjp(lambda x, w, i=impl: grouped_matmul(x, w, sizes, i), x, w)  # noqa: B023
+            bwd = jax.jit(lambda dy, v=vjp: v(dy))
+            try:
+                _, tf = _timed(fwd, lambda: (x, w), 10, 2)  # noqa: B023
+                _, tb = _timed(bwd, lambda: (dy,), 10, 2)  # noqa: B023
+                speed.append(
+                    dict(
+                        shape=name,
+                        impl=impl,
+                        fwd_tflops=flops / tf / 1e12,
+                        bwd_tflops=2 * flops / tb / 1e12,
+                        fwd_ms=tf * 1e3,
+                        bwd_ms=tb * 1e3,
+                    )
+                )
+            except Exception as e:  # noqa: BLE001 - an OOM of the xla path is a result
+                speed.append(dict(shape=name, impl=impl, error=repr(e)[:160]))
+    return dict(checks=checks, ok=ok, speed=speed, impl=fast, device=str(jax.devices()[0].device_kind))
+
+
+# ------------------------------------------------------------------------------------------------ step worker
+
+
+def _model_config(c: dict):
+    from primejax.models.config import ModelConfig
+
+    hf = dict(
+        TINY if c.get("tiny") or c["name"].startswith("tiny") else QWEN3_30B_A3B,
+        num_hidden_layers=c["layers"],
+    )
+    return ModelConfig.from_hf_config(
+        hf,
+        param_dtype=c["pdt"],
+        compute_dtype="bfloat16",
+        attention_impl=c["attn"],
+        remat_policy=c["remat"],
+        gmm_impl=c["gmm"],
+        expert_parallel=c["ep"],
+    )
+
+
+def step_worker(c: dict) -> dict:
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from primejax.models.sharding import init_model, make_mesh
+    from primejax.trainer import optim
+    from primejax.trainer import step as step_mod
+    from primejax.trainer.logprobs import saved_logits_max_bytes
+    from primejax.trainer.losses import LossConfig
+    from tools.bench_trainer import _fake_batch
+    from tools.bench_trainer_profile import _jax_peak_gib, _memory_analysis, _timed, _trace_summary
+
+    cfg = _model_config(c)
+    rows, seq = c["rows"], c["seq"]
+    mesh = make_mesh(fsdp=-1, devices=jax.devices()[: c["devices"]])
+    with jax.set_mesh(mesh):
+        model = init_model(cfg, mesh, seed=0)
+        opt = optim.make_optimizer(
+            dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0),
+            optax.constant_schedule(1e-6),
+        )
+        graphdef = nnx.graphdef(model)
+        state = step_mod.init_state(model, opt)
+        del model
+        fn = step_mod.make_train_step(
+            graphdef,
+            opt,
+            optax.constant_schedule(1e-6),
+            LossConfig(),
+            chunk_size=2048,
+            max_segments=1,
+            saved_logits_max_bytes=saved_logits_max_bytes(-1),
+        )
+        host = {
+            k: np.asarray(v)[None]
+            for k, v in _fake_batch(rows, seq, cfg.vocab_size, "rl").items()
+            if k != "targets"
+        }
+        batch = step_mod.device_batch(host, mesh)
+        t0 = time.perf_counter()
+        step = step_mod.jit_train_step(fn, state, mesh).lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+        box = {"s": state}
+
+        def run(b):
+            box["s"], metrics = step(box["s"], b)
+            return metrics["loss"]
+
+        first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
+        loss = float(run(batch))
+        trace = _trace_summary(run, batch, top=25) if c.get("trace") else None
+    tokens = rows * seq
+    n_dev = c["devices"]
+    attn = 12 * cfg.num_layers * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
+    flops = cfg.flops_per_token(seq)
+    return dict(
+        tok_s=tokens / dt,
+        tok_s_gpu=tokens / dt / n_dev,
+        step_ms=dt * 1e3,
+        loss=loss,
+        compile_s=compile_s,
+        first_step_s=first,
+        mfu=tokens * flops / dt / PEAK_FLOPS / n_dev,
+        mfu_half_attn=tokens * (flops - attn / 2) / dt / PEAK_FLOPS / n_dev,
+        peak_gib=_jax_peak_gib(),
+        memory=_memory_analysis(step),
+        active_params=cfg.num_matmul_params(),
+        params=cfg.num_params(),
+        device=str(jax.devices()[0].device_kind),
+        trace=trace,
+    )
+
+
+WORKERS = {"gmm": gmm_worker, "step": step_worker}
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1")
+    if smoke:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(c)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return dict(c, error=f"timeout after {timeout:.0f}s")
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        tail = (p.stderr or p.stdout)[-2000:]
+        oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
+        return dict(c, oom=oom, error=tail if not oom else "OOM", wall_s=time.perf_counter() - t0)
+    return dict(c, **json.loads(lines[-1][7:]), wall_s=time.perf_counter() - t0)
+
+
+def _table(results: list[dict]) -> str:
+    out = []
+    for r in results:
+        if r["kind"] != "gmm":
+            continue
+        if r.get("error"):
+            out.append(f"gmm: FAIL {r['error'][-600:]}")
+            continue
+        out.append(f"grouped matmul ({r['impl']} vs xla, rel. error vs fp32; {r['device']}): ok={r['ok']}")
+        for ch in r["checks"]:
+            cells = "  ".join(
+                f"{i}: y={v['y']:.1e} dx={v['dx']:.1e} dw={v['dw']:.1e}"
+                for i, v in ch.items()
+                if isinstance(v, dict) and "finite" in v
+            )
+            mv = ch["mgpu_vs_xla"]
+            out.append(
+                f"  {ch['routing']:<8} {cells}  fast-vs-xla y={mv['y']:.1e} dx={mv['dx']:.1e} dw={mv['dw']:.1e}"
+            )
+        for s in r["speed"]:
+            if "error" in s:
+                out.append(f"  {s['shape']:<8} {s['impl']:<5} FAIL {s['error']}")
+            else:
+                out.append(
+                    f"  {s['shape']:<8} {s['impl']:<5} fwd {s['fwd_ms']:7.2f} ms {s['fwd_tflops']:6.0f} TF/s   "
+                    f"bwd {s['bwd_ms']:7.2f} ms {s['bwd_tflops']:6.0f} TF/s"
+                )
+    head = f"{'config':<26}{'gpus':>5}{'tok/s':>9}{'tok/s/gpu':>10}{'MFU':>7}{'MFU/2attn':>10}{'step ms':>9}{'peak GiB':>9}"
+    out += [head, "-" * len(head)]
+    for r in results:
+        if r["kind"] != "step":
+            continue
+        if r.get("tok_s"):
+            out.append(
+                f"{r['name']:<26}{r['devices']:>5}{r['tok_s']:>9.0f}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
+                f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
+                f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} compile={r['compile_s']:.0f}s"
+            )
+        else:
+            out.append(
+                f"{r['name']:<26}{r['devices']:>5}  {'OOM' if r.get('oom') else 'FAIL'} "
+                f"{(r.get('error') or '')[-300:]}"
+            )
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", default="gpu1", choices=sorted(CONFIGS))
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (= --suite smoke)")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds for the whole suite (0 = none)")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        c = json.loads(args.worker)
+        print("RESULT " + json.dumps(WORKERS[c["kind"]](c)), flush=True)
+        return
+    suite = "smoke" if args.smoke else args.suite
+    configs = CONFIGS[suite]
+    if args.only:
+        configs = [c for c in configs if c["name"] in set(args.only.split(","))]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, start = [], time.perf_counter()
+    for c in configs:
+        left = args.budget - (time.perf_counter() - start) if args.budget else args.timeout
+        if left < 20:
+            results.append(dict(c, error="skipped: suite budget spent"))
+            continue
+        r = _run_child(c, min(args.timeout, left), args.smoke)
+        results.append(r)
+        print(json.dumps(r)[:3000], flush=True)
+        (out / "bench_moe.jsonl").open("a").write(json.dumps(r) + "\n")
+    print(_table(results))
+
+
+if __name__ == "__main__":
+    main()
