@@ -63,6 +63,21 @@ MODELS: dict[str, dict[str, Any]] = {
         num_attention_heads=32,
         tie_word_embeddings=False,
     ),
+    # Qwen3-MoE (huggingface.co/Qwen/Qwen3-30B-A3B): 128 experts, 8 per token, every layer sparse.
+    "qwen3-30b-a3b": dict(
+        _QWEN3,
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 # Tried by --recommend, mesh-major: FSDP alone with each policy in order of recompute (least first), then
 # the tensor-parallel meshes; the first plan that fits is the pick. At a fixed number of tokens per chip,
