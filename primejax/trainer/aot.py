@@ -98,8 +98,9 @@ def abstract_state(model_cfg: ModelConfig, optimizer, mesh, seed: int = 0) -> tu
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     shardings = nnx.to_pure_dict(state_shardings(state, mesh))
     params = jax.tree.map(_sds, nnx.to_pure_dict(state), shardings)
-    opt_state = jax.tree.map(_sds, jax.eval_shape(optimizer.init, params),
-                             opt_state_shardings(optimizer, params, mesh))
+    opt_state = jax.tree.map(
+        _sds, jax.eval_shape(optimizer.init, params), opt_state_shardings(optimizer, params, mesh)
+    )
     replicated = NamedSharding(mesh, PartitionSpec())
     rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(seed)))
     return graphdef, TrainState(
@@ -152,8 +153,14 @@ def compile_train_step(
     start = time.perf_counter()
     batch = abstract_batch(mesh, micro_batches, rows, seq_len)
     remat = resolve_remat_policy(model_cfg.remat_policy, rows * seq_len)
-    common = dict(mesh=dict(mesh.shape), remat_policy=remat, attention_impl=model_cfg.attention_impl,
-                  micro_batches=micro_batches, rows=rows, seq_len=seq_len)
+    common = dict(
+        mesh=dict(mesh.shape),
+        remat_policy=remat,
+        attention_impl=model_cfg.attention_impl,
+        micro_batches=micro_batches,
+        rows=rows,
+        seq_len=seq_len,
+    )
     with jax.set_mesh(mesh):
         lowered = jit_train_step(step, state, mesh).lower(state, batch)
         try:
@@ -162,12 +169,21 @@ def compile_train_step(
             needed = _out_of_memory_bytes(str(e))
             if needed is None:
                 raise
-            args = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                       for x in jax.tree.leaves((state, batch)))
+            args = sum(
+                math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                for x in jax.tree.leaves((state, batch))
+            )
             return None, CompileReport(
-                **common, argument_bytes=args, output_bytes=0, alias_bytes=0, temp_bytes=needed,
-                generated_code_bytes=0, flops=0.0, estimated_seconds=None,
-                compile_seconds=time.perf_counter() - start, pallas_kernels=0,
+                **common,
+                argument_bytes=args,
+                output_bytes=0,
+                alias_bytes=0,
+                temp_bytes=needed,
+                generated_code_bytes=0,
+                flops=0.0,
+                estimated_seconds=None,
+                compile_seconds=time.perf_counter() - start,
+                pallas_kernels=0,
                 out_of_memory=str(e).splitlines()[0][:300],
             )
     seconds = time.perf_counter() - start
@@ -175,10 +191,15 @@ def compile_train_step(
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
     report = CompileReport(
-        **common, argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
-        alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
-        generated_code_bytes=int(mem.generated_code_size_in_bytes), flops=float(cost.get("flops", 0.0)),
-        estimated_seconds=cost.get("optimal_seconds"), compile_seconds=seconds,
+        **common,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        generated_code_bytes=int(mem.generated_code_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)),
+        estimated_seconds=cost.get("optimal_seconds"),
+        compile_seconds=seconds,
         pallas_kernels=compiled.as_text().count('custom_call_target="tpu_custom_call"'),
     )
     return compiled, report
