@@ -17,7 +17,9 @@ def get_config():
     c.model.path = "/mnt/shared/models/Qwen3-8B"  # an HF directory: config.json, safetensors, tokenizer
     c.model.compute_dtype = "bfloat16"
     c.model.attention_impl = "auto"  # splash attention on TPU (packed segment ids), xla elsewhere
-    c.model.remat_policy = "attn"  # what tools.tpu_compile --recommend picked for 16k tokens/chip (docs/benchmarks.md)
+    # Check the fit for your slice first: python -m tools.tpu_compile --config configs/tpu.py --topology v5p-16
+    #   --seq_len 16384 --tokens_per_chip 16384 --recommend   (prints the mesh/remat overrides to use)
+    c.model.remat_policy = "auto"
     c.trainer.mesh.fsdp = -1  # all chips of the slice
     c.trainer.mesh.tensor = 1
     c.trainer.micro_batch_size = 1  # one packed row of orchestrator.seq_len tokens per chip per micro-batch
