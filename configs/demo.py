@@ -14,7 +14,8 @@ def get_config():
 
     c.model.path = "outputs/models/tiny-char-qwen3"
     c.model.build_tiny.enabled = True
-    c.model.build_tiny.vocab_size = 270  # bytes + specials: one token per character
+    c.model.build_tiny.tokenizer = "bytes"  # one token per character (byte), no merges
+    c.model.build_tiny.vocab_size = 270  # the 261 byte + control tokens, padded with reserved ids
     c.model.build_tiny.hidden_size = 128
     c.model.build_tiny.num_heads = 4
     c.model.build_tiny.num_kv_heads = 2

@@ -20,7 +20,7 @@ from typing import Any
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from primejax.config import ConfigError, default_config, from_json, lock, validate
+from primejax.config import Config, ConfigError, from_json, keys, lock, typed
 
 USAGE = """usage: python -m {prog} --config CONFIG [--config.KEY=VALUE ...] [options]
 
@@ -32,7 +32,7 @@ USAGE = """usage: python -m {prog} --config CONFIG [--config.KEY=VALUE ...] [opt
 
 
 class UsageError(Exception):
-    """Raised for bad command lines; `main_wrapper` prints it as one line and exits 2."""
+    """Raised for bad command lines; `run_main` prints it as one line and exits 2."""
 
 
 def load_config_file(path: str | Path) -> ConfigDict:
@@ -41,7 +41,10 @@ def load_config_file(path: str | Path) -> ConfigDict:
     if not path.is_file():
         raise UsageError(f"--config: no such file: {path}")
     if path.suffix == ".json":
-        return from_json(path.read_text())
+        try:
+            return from_json(path.read_text())
+        except ConfigError as e:
+            raise UsageError(f"--config: {path}: {e}") from None
     spec = importlib.util.spec_from_file_location(f"primejax_config_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise UsageError(f"--config: cannot import {path}")
@@ -76,23 +79,23 @@ def _split_config_arg(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def _flat_keys(c: ConfigDict, prefix: str = "") -> list[tuple[str, Any]]:
-    out = []
-    for key, value in c.items():
-        if isinstance(value, ConfigDict):
-            out += _flat_keys(value, f"{prefix}{key}.")
-        else:
-            out.append((f"{prefix}{key}", value))
-    return out
+def print_keys() -> None:
+    """Every config key with its default and one-line doc (`--help=keys`)."""
+    for key, default, doc in keys():
+        if default == "{...}":  # a section
+            print(f"\n[{key}]  {doc}")
+            continue
+        line = f"{key} = {default!r}"
+        print(f"{line:<60} # {doc}" if doc else line)
 
 
-def _check_override_keys(cfg: ConfigDict, args: Sequence[str]) -> None:
+def _check_override_keys(tree: ConfigDict, args: Sequence[str]) -> None:
     """Name an unknown `--config.a.b` key ourselves: config_flags reports it as a bare KeyError."""
     for arg in args:
         if not arg.startswith("--config."):
             continue
         key = arg[len("--config.") :].split("=", 1)[0]
-        node: Any = cfg
+        node: Any = tree
         for i, part in enumerate(key.split(".")):
             if not isinstance(node, ConfigDict) or part not in node:
                 parent = ".".join(key.split(".")[:i]) or "config"
@@ -117,8 +120,10 @@ def parse_config(
     doc: str = "",
     default_config_path: str | None = None,
     define_flags: Callable[[flags.FlagValues], None] | None = None,
-) -> tuple[ConfigDict, flags.FlagValues]:
-    """Parse argv (without the program name) into a validated, locked config and the extra flags' values."""
+) -> tuple[Config, flags.FlagValues]:
+    """Parse argv (without the program name) into the typed, validated config and the extra flags' values.
+
+    The entrypoint's one conversion: from here on, components receive the typed sections they use."""
     fv = flags.FlagValues()
     extra_help = ""
     if define_flags is not None:
@@ -129,28 +134,26 @@ def parse_config(
         print(USAGE.format(prog=prog, doc=doc, extra=extra_help))
         raise SystemExit(0)
     if "--help=keys" in argv:
-        for key, value in _flat_keys(default_config()):
-            print(f"{key} = {value!r}")
+        print_keys()
         raise SystemExit(0)
 
     path, rest = _split_config_arg(argv)
     path = path or default_config_path
     if path is None:
         raise UsageError("--config is required (a file under configs/)")
-    cfg = lock(load_config_file(path))
-    _check_override_keys(cfg, rest)
+    tree = lock(load_config_file(path))
+    _check_override_keys(tree, rest)
     argv_for_flags = [prog, *rest]
     # config_flags discovers `--config.*` overrides from the argv it is given at definition time.
     try:
         config_flags.DEFINE_config_dict(
-            "config", cfg, lock_config=True, flag_values=fv, sys_argv=argv_for_flags
+            "config", tree, lock_config=True, flag_values=fv, sys_argv=argv_for_flags
         )
         fv(argv_for_flags)
     except (flags.Error, AttributeError, TypeError, KeyError, ValueError) as e:
         raise UsageError(_flag_error_line(e)) from None
-    cfg = fv["config"].value
     try:
-        validate(cfg)
+        cfg = typed(fv["config"].value)
     except ConfigError as e:
         raise UsageError(f"config error: {e}") from None
     return cfg, fv

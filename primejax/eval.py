@@ -13,16 +13,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import flags
-from ml_collections import ConfigDict
 
 from primejax.cli import UsageError, parse_config, run_main
 from primejax.utils.io import atomic_write_json
+
+if TYPE_CHECKING:
+    from primejax.config import Config
+    from primejax.orchestrator.config import OrchestratorConfig
 
 log = logging.getLogger("primejax.eval")
 
@@ -36,11 +38,14 @@ class _Version:
 
 def weights_version(weights: str) -> int:
     """`.../step_N` -> N (so samples are tagged with the trainer step they evaluate), else 1."""
-    m = re.search(r"step_(\d+)/?$", str(weights))
-    return int(m.group(1)) if m else 1
+    from primejax.rundir import parse_step
+
+    step = parse_step(weights)
+    return 1 if step is None else step
 
 
-async def evaluate(cfg: ConfigDict, client: Any, weights: str | None = None) -> dict[str, float]:
+async def evaluate(o: OrchestratorConfig, model_path: str, client: Any, weights: str | None = None
+                   ) -> dict[str, float]:
     """Load `weights` (if any) into the server behind `client` and run the eval envs once."""
     from primejax.orchestrator.eval import build_evaluator
     from primejax.orchestrator.renderer import build_renderer, load_tokenizer
@@ -52,29 +57,30 @@ async def evaluate(cfg: ConfigDict, client: Any, weights: str | None = None) -> 
             raise UsageError(f"--weights: {weights} holds no .safetensors (a broadcast or HF directory)")
         version = weights_version(weights)
         await client.update_weights(str(path.resolve()), version)
-    tokenizer = load_tokenizer(cfg.model.path)
-    renderer = build_renderer(cfg.orchestrator.renderer.name, tokenizer)
-    metrics = await build_evaluator(cfg, client, renderer, _Version(version)).run(version)
+    tokenizer = load_tokenizer(model_path)
+    renderer = build_renderer(o.renderer.name, tokenizer)
+    metrics = await build_evaluator(o, client, renderer, _Version(version)).run(version)
     return {"eval/weights_version": float(version), **metrics}
 
 
-async def run_eval(cfg: ConfigDict, weights: str | None) -> dict[str, float]:
-    from primejax.inference.client import InferenceClient
+async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
+    """The eval process's work (entry: `python -m primejax.eval`)."""
     from primejax.inference.process import InferenceServerProcess
-    from primejax.orchestrator.run import base_urls
-    from primejax.rundir import log_path, run_dir
+    from primejax.inference.server import ServerSpec
+    from primejax.orchestrator.run import policy_client
+    from primejax.rundir import log_path
 
     server = None
     if cfg.inference.enabled:
         # Its own server loads exactly the directory being evaluated (a checkpoint anywhere, manifest or not).
-        server = InferenceServerProcess(cfg, log_path(run_dir(cfg), "eval-inference"), require_stable=False,
-                                        weights_root=str(Path(weights).resolve()) if weights else "")
+        spec = ServerSpec.from_config(cfg.inference, cfg.model.path, cfg.run.seed, require_stable=False,
+                                      weights_root=str(Path(weights).resolve()) if weights else "")
+        server = InferenceServerProcess(spec, log_path(cfg.run_dir, "eval-inference"))
         server.start()
-    c = cfg.orchestrator.client
-    client = InferenceClient(base_urls(cfg), timeout_s=c.timeout_s, max_retries=c.max_retries)
+    client = policy_client(cfg.orchestrator.client, cfg.inference)
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s, server)
-        return await evaluate(cfg, client, weights)
+        return await evaluate(cfg.orchestrator, cfg.model.path, client, weights)
     finally:
         if server is None and weights:
             await client.reload_weights()  # a shared server goes back to the base model

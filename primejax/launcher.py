@@ -24,18 +24,18 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from ml_collections import ConfigDict
-
-from primejax.config import to_json
+from primejax.config import Config
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
+from primejax.inference.server import InferenceConfig
+from primejax.models.settings import ModelSettings
 from primejax.monitor import read_jsonl
 from primejax.preflight import PreflightError, preflight
 from primejax.resume import common_resume_step, keep_previous_run, set_aside_after
-from primejax.rundir import log_path, run_dir
+from primejax.rundir import RunDir, log_path, write_resolved_config
 from primejax.runlock import RunLock, check_port
-from primejax.utils.faults import PIDS_FILE
-from primejax.utils.io import atomic_write_json, atomic_write_text
+from primejax.utils.io import atomic_write_json
 from primejax.utils.procs import ChildProcess, stop_all
+from primejax.utils.sections import replace_key
 
 POLL_S = 0.5
 LIVENESS_POLL_S = 2.0
@@ -49,10 +49,6 @@ class ChildFailed(RuntimeError):
         super().__init__(f"{child.name} failed ({self.reason})")
 
 
-def _write_child_config(cfg: ConfigDict, process: str) -> Path:
-    path = run_dir(cfg) / "configs" / f"{process}.json"
-    atomic_write_text(path, to_json(cfg))
-    return path
 
 
 def _child_env(devices: str, platform_cpu: bool) -> dict[str, str]:
@@ -66,12 +62,13 @@ def _child_env(devices: str, platform_cpu: bool) -> dict[str, str]:
     return env
 
 
-def _start(cfg: ConfigDict, process: str, module: str, devices: str = "") -> ChildProcess:
-    config_path = _write_child_config(cfg, process)
+def _start(cfg: Config, process: str, module: str, devices: str = "") -> ChildProcess:
+    """Start `python -m module` on the resolved config (written to configs/<process>.json)."""
+    config_path = write_resolved_config(cfg.run_dir, process, cfg.to_json())
     return ChildProcess(
         process,
         [sys.executable, "-m", module, "--config", str(config_path)],
-        log_path(run_dir(cfg), process),
+        log_path(cfg.run_dir, process),
         env=_child_env(devices, platform_cpu=os.environ.get("JAX_PLATFORMS") == "cpu"),
     )
 
@@ -111,10 +108,10 @@ class _Progress:
 
     def update(self) -> None:
         def rows(name: str) -> dict[int, dict]:
-            return {r["step"]: r for r in read_jsonl(self.root / "metrics" / name)
+            return {r["step"]: r for r in read_jsonl(RunDir(self.root).metrics(name))
                     if r.get("time", self.started_wall) >= self.started_wall}
 
-        trainer_rows, orch_rows = rows("trainer.jsonl"), rows("orchestrator.jsonl")
+        trainer_rows, orch_rows = rows("trainer"), rows("orchestrator")
         for step in sorted(s for s in trainer_rows if s > self.printed):
             print(_progress_line(step, self.max_steps, trainer_rows[step], orch_rows.get(step, {}), self.started),
                   flush=True)
@@ -147,21 +144,24 @@ class _Liveness(threading.Thread):
 class _InferenceSupervisor:
     """Keeps the run's inference server up: restarts it when it exits or hangs, a bounded number of times."""
 
-    def __init__(self, cfg: ConfigDict, on_restart: Callable[[ChildProcess], None]):
-        self.cfg = cfg
+    def __init__(self, start: Callable[[], ChildProcess], inf: InferenceConfig,
+                 on_restart: Callable[[ChildProcess], None]):
+        """`start` starts the server child; `inf` (the `inference` section) says where it listens and the
+        restart policy."""
+        self.start_child, self.inf = start, inf
         self.on_restart = on_restart
         self.restarts = 0
         self.child = self._start()
 
     def _start(self) -> ChildProcess:
-        self.child = _start(self.cfg, "inference", "primejax.inference", devices=self.cfg.inference.devices)
+        self.child = self.start_child()
         self.started = time.monotonic()
-        self.liveness = _Liveness(f"http://{self.cfg.inference.host}:{self.cfg.inference.port}")
+        self.liveness = _Liveness(f"http://{self.inf.host}:{self.inf.port}")
         self.liveness.start()
         return self.child
 
     def _problem(self) -> str | None:
-        inf = self.cfg.inference
+        inf = self.inf
         code = self.child.poll()
         if code is not None:
             return f"exit status {code}"
@@ -177,7 +177,7 @@ class _InferenceSupervisor:
         problem = self._problem()
         if problem is None:
             return
-        inf = self.cfg.inference
+        inf = self.inf
         if not inf.restart_on_failure or self.restarts >= inf.max_restarts:
             limit = "" if not inf.restart_on_failure else f"; {self.restarts} restarts already"
             raise ChildFailed(self.child, self.child.poll(), problem + limit)
@@ -232,20 +232,14 @@ def _report_failure(err: ChildFailed) -> None:
     print(tail, file=sys.stderr)
 
 
-def _with(cfg: ConfigDict, **changes: object) -> ConfigDict:
-    """A locked copy of `cfg` with dotted keys changed (`_with(cfg, **{"model.path": p})`)."""
-    out = ConfigDict(cfg.to_dict())
+def _with(cfg: Config, **changes: object) -> Config:
+    """A copy of `cfg` with dotted keys changed (`_with(cfg, **{"model.path": p})`)."""
     for key, value in changes.items():
-        *parents, last = key.split(".")
-        node = out
-        for part in parents:
-            node = node[part]
-        node[last] = value
-    out.lock()
-    return out
+        cfg = replace_key(cfg, key, value)
+    return cfg
 
 
-def _run_sft_warmup(cfg: ConfigDict) -> None:
+def _run_sft_warmup(cfg: Config) -> None:
     """Run `primejax.sft` to completion (its model lands in `<run>/sft/final`)."""
     child = _start(cfg, "sft", "primejax.sft", devices=cfg.trainer.devices)
     print(f"primejax: SFT warm-up ({cfg.sft.steps} steps), log {child.log_path}", flush=True)
@@ -255,37 +249,31 @@ def _run_sft_warmup(cfg: ConfigDict) -> None:
         child.stop()
 
 
-def _ensure_model(cfg: ConfigDict) -> None:
-    path = Path(cfg.model.path)
-    if (path / "config.json").exists() or not cfg.model.build_tiny.enabled:
+def _ensure_model(m: ModelSettings) -> None:
+    path = Path(m.path)
+    if (path / "config.json").exists() or not m.build_tiny.enabled:
         return
-    from primejax.models.tiny import build_tiny_model
-
-    t = cfg.model.build_tiny
-    print(f"primejax: building a tiny {t.family} model at {path}", flush=True)
-    build_tiny_model(
-        path, family=t.family, tied=t.tied, hidden_size=t.hidden_size, num_layers=t.num_layers,
-        num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-        intermediate_size=t.intermediate_size, seed=t.seed,
-    )
+    t = m.build_tiny
+    print(f"primejax: building a tiny {t.family} model ({t.tokenizer} tokenizer) at {path}", flush=True)
+    t.build(path)
 
 
 def _write_pids(root: Path, children: list[ChildProcess]) -> None:
-    atomic_write_json(root / PIDS_FILE, {"launcher": os.getpid(), **{c.name: c.pid for c in children}})
+    atomic_write_json(RunDir(root).pids_file, {"launcher": os.getpid(), **{c.name: c.pid for c in children}})
 
 
-def _prepare(cfg: ConfigDict) -> tuple[ConfigDict, int]:
+def _prepare(cfg: Config) -> tuple[Config, int]:
     """Check the input, settle what to resume from, run the SFT warm-up; return the RL config and its start step.
 
     Everything that can reject the run happens before anything in the run directory is moved or written.
     """
-    root = run_dir(cfg)
+    root = cfg.run_dir
     resume = common_resume_step(root, cfg.run.resume_step)
-    _ensure_model(cfg)
-    sft_final = root / "sft" / "final"
+    _ensure_model(cfg.model)
+    sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
     reuse_sft = use_sft and resume is not None
-    preflight(cfg, sft_final if reuse_sft else cfg.model.path)
+    preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path)
     if resume is None:
         if cfg.run.resume_step:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
@@ -305,9 +293,9 @@ def _prepare(cfg: ConfigDict) -> tuple[ConfigDict, int]:
     return _with(cfg, **changes), resume or 0
 
 
-def launch(cfg: ConfigDict) -> int:
-    """Run the whole job; returns the process exit status."""
-    root = run_dir(cfg)
+def launch(cfg: Config) -> int:
+    """The launcher's work (entry: `python -m primejax.train`): run the whole job; returns the exit status."""
+    root = cfg.run_dir
     children: list[ChildProcess] = []
     supervisor: _InferenceSupervisor | None = None
 
@@ -337,7 +325,10 @@ def launch(cfg: ConfigDict) -> int:
                 children[:] = [c for c in children if c.name != "inference"] + [new]
                 _write_pids(root, children)
 
-            supervisor = _InferenceSupervisor(cfg, on_restart)
+            def start_server(rl_cfg: Config = cfg) -> ChildProcess:
+                return _start(rl_cfg, "inference", "primejax.inference", devices=rl_cfg.inference.devices)
+
+            supervisor = _InferenceSupervisor(start_server, cfg.inference, on_restart)
             children.insert(0, supervisor.child)
         _write_pids(root, children)
         print(f"primejax: run {root} started (logs in {root / 'logs'})", flush=True)

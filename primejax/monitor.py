@@ -16,12 +16,27 @@ from typing import Any
 
 import numpy as np
 
+from primejax.rundir import RunDir
+from primejax.utils.sections import Section, option, section
+
+
+@section
+class MonitorConfig(Section):
+    """`monitor`: where each process's metrics go."""
+
+    tensorboard: bool = option(True, "TensorBoard event files under <run>/tensorboard/<process>")
+    jsonl: bool = option(True, "scalars appended to <run>/metrics/<process>.jsonl")
+
 
 def _to_float(value: Any) -> float:
     return float(np.asarray(value).item())
 
 
 class Monitor:
+    @classmethod
+    def from_config(cls, run_dir: str | Path, process: str, cfg: MonitorConfig) -> Monitor:
+        return cls(run_dir, process, tensorboard=cfg.tensorboard, jsonl=cfg.jsonl)
+
     def __init__(self, run_dir: str | Path, process: str, *, tensorboard: bool = True, jsonl: bool = True):
         self.run_dir = Path(run_dir)
         self.process = process
@@ -30,15 +45,15 @@ class Monitor:
         if tensorboard:
             from tensorboardX import SummaryWriter  # deferred: tensorboardX pulls in protobuf at import
 
-            self._writer = SummaryWriter(logdir=str(self.run_dir / "tensorboard" / process), flush_secs=10)
+            self._writer = SummaryWriter(logdir=str(RunDir(self.run_dir).tensorboard(process)), flush_secs=10)
         if jsonl:
-            path = self.run_dir / "metrics" / f"{process}.jsonl"
+            path = RunDir(self.run_dir).metrics(process)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._jsonl = path.open("a", buffering=1)  # line-buffered: readers see whole lines
 
     @property
     def jsonl_path(self) -> Path:
-        return self.run_dir / "metrics" / f"{self.process}.jsonl"
+        return RunDir(self.run_dir).metrics(self.process)
 
     def scalars(self, step: int, values: Mapping[str, Any]) -> None:
         """Log a dict of scalars at `step` (JAX/NumPy scalars are converted; non-finite values are kept as null)."""

@@ -10,9 +10,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from ml_collections import ConfigDict
-
-from primejax.config import ConfigError
+from primejax.orchestrator.config import EnvConfig
+from primejax.utils.sections import ConfigError
 
 
 class PreflightError(ConfigError):
@@ -48,12 +47,12 @@ def _has_chat_template(path: Path) -> bool:
         return False
 
 
-def check_env_ids(cfg: ConfigDict) -> None:
+def check_env_ids(envs: dict[str, EnvConfig]) -> None:
     """Every `orchestrator.envs` id resolves to something importable (without loading any dataset)."""
     from primejax.envs.registry import registered_envs
 
     builtins = set(registered_envs())
-    for name, entry in cfg.orchestrator.envs.items():
+    for name, entry in envs.items():
         env_id = entry.id
         if env_id in builtins:
             continue
@@ -76,7 +75,7 @@ def _importable(module: str) -> bool:
         return False
 
 
-def preflight(cfg: ConfigDict, model_path: str | Path) -> None:
+def preflight(envs: dict[str, EnvConfig], model_path: str | Path) -> None:
     """All checks for an RL run whose policy starts from `model_path`."""
     check_model_dir(model_path)
-    check_env_ids(cfg)
+    check_env_ids(envs)

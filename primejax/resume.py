@@ -16,12 +16,10 @@ import time
 from pathlib import Path
 
 from primejax.preflight import PreflightError
-from primejax.utils.io import step_dirs
+from primejax.rundir import RunDir, step_dirs
 
-STEP_DIRS = ("rollouts", "broadcasts", "checkpoints")
-# What primejax itself writes at the top of a run directory. A fresh start moves only these: anything else
-# (a user's files, a project checked out where a run directory was pointed by mistake) is never touched.
-RUN_ENTRIES = frozenset({*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", "pids.json", "admin_token"})
+STEP_DIRS = RunDir.STEP_DIRS
+RUN_ENTRIES = RunDir.ENTRIES
 
 
 def common_resume_step(root: str | Path, resume_step: str) -> int | None:

@@ -1,37 +1,162 @@
-"""The run directory: one per run, shared by every process through files only (ARCHITECTURE.md §Run directory).
+"""The run directory: one per run, shared by every process through files only (docs/configuration.md).
 
     <output_dir>/<name>/
       configs/<process>.json        resolved config of each process
       rollouts/step_N/              orchestrator -> trainer (primejax.contracts.batch)
       broadcasts/step_N/            trainer -> inference (primejax.contracts.broadcast)
       checkpoints/step_N/{trainer,orchestrator}/
+      sft/final/                    the SFT warm-up's model
       tensorboard/<process>/        metrics/<process>.jsonl        logs/<process>.log
+      pids.json  .lock              the launcher's children; its lock on the directory
+
+`RunDir` names every one of these paths and `step_name` / `parse_step` / `step_dirs` are the one spelling
+and reading of `step_N`; no other module spells them. `RunConfig` is the `run` config section.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
-from ml_collections import ConfigDict
-
-from primejax.config import to_json
 from primejax.utils.io import atomic_write_text
+from primejax.utils.sections import MAX_STEPS, ConfigError, Section, option, section
+
+# A run name is one plain directory name: no separators, no '.'/'..', no '~' or leading '-' or '.'.
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@-]*$")
 
 
-def run_dir(cfg: ConfigDict) -> Path:
-    return Path(cfg.run.output_dir) / cfg.run.name
+@section
+class RunConfig(Section):
+    """`run`: the run's name, where it writes, how long it runs, and what it resumes from."""
+
+    name: str = option("default", "the run directory is <output_dir>/<name>")
+    output_dir: str = option("outputs", "parent of run directories")
+    max_steps: int = option(20, "training steps", gt=0, le=MAX_STEPS)
+    seed: int = option(0, "seed of initialization, sampling order and the server", ge=0)
+    resume_step: str = option("", "'' = fresh run, 'latest', or a step number")
+
+    def check(self) -> None:
+        if self.resume_step not in ("", "latest") and not self.resume_step.isdigit():
+            raise ConfigError("resume_step", f"must be '', 'latest' or a step number, got {self.resume_step!r}")
+        if not _NAME.match(self.name):
+            raise ConfigError("name", "must be a plain directory name (letters, digits, '_', '-', '.', not starting "
+                                      f"with '.' or '-', no '/' or '~'), got {self.name!r}")
+        out = self.output_dir
+        if not out or out.startswith("~") or Path(out).resolve() == Path(Path(out).resolve().anchor):
+            raise ConfigError("output_dir", f"must be a directory below the filesystem root (no '~'), got {out!r}")
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+STEP_PREFIX = "step_"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def step_name(step: int) -> str:
+    """The name of step `step`'s directory under rollouts/, broadcasts/ and checkpoints/."""
+    return f"{STEP_PREFIX}{int(step)}"
+
+
+def parse_step(path: str | os.PathLike) -> int | None:
+    """N for a path whose last component is `step_N` (a trailing '/' allowed), else None."""
+    m = _STEP.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The `step_N` entries of `directory` as (N, path), by step; [] when it does not exist.
+
+    The one reading of the per-step layout (rollouts/, broadcasts/, checkpoints/); temp entries of unfinished
+    writes (`.step_N.*.tmp`) never match.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = ((parse_step(p), p) for p in directory.iterdir())
+    return sorted((n, p) for n, p in found if n is not None)
+
+
+class RunDir:
+    """The run directory's layout: every path a process reads or writes in it is named here and nowhere else."""
+
+    ROLLOUTS, BROADCASTS, CHECKPOINTS = "rollouts", "broadcasts", "checkpoints"
+    STEP_DIRS = (ROLLOUTS, BROADCASTS, CHECKPOINTS)
+    PIDS_FILE = "pids.json"  # the launcher's live children, by name
+    LOCK_FILE = ".lock"  # held (flock) by the launcher of a live run
+    # What a fresh start moves aside (configs/ is this invocation's own): only primejax's entries, anything else
+    # (a user's files, a project a run directory was pointed at by mistake) is never touched.
+    ENTRIES = frozenset({*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", PIDS_FILE,
+                         "admin_token"})
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    def config(self, process: str) -> Path:
+        return self.root / "configs" / f"{process}.json"
+
+    def rollouts(self, step: int | None = None) -> Path:
+        """rollouts/ or rollouts/step_N: the orchestrator's batches for the trainer (primejax.contracts.batch)."""
+        return self._step(self.ROLLOUTS, step)
+
+    def broadcasts(self, step: int | None = None) -> Path:
+        """broadcasts/ or broadcasts/step_N: the trainer's weights for inference (primejax.contracts.broadcast)."""
+        return self._step(self.BROADCASTS, step)
+
+    def checkpoints(self, step: int | None = None, process: str | None = None) -> Path:
+        """checkpoints/, checkpoints/step_N or checkpoints/step_N/<process> (trainer, orchestrator)."""
+        path = self._step(self.CHECKPOINTS, step)
+        return path / process if process else path
+
+    def _step(self, kind: str, step: int | None) -> Path:
+        return self.root / kind if step is None else self.root / kind / step_name(step)
+
+    @property
+    def sft_final(self) -> Path:
+        """The SFT warm-up's exported model, where RL starts from."""
+        return self.root / "sft" / "final"
+
+    def log(self, process: str) -> Path:
+        return self.root / "logs" / f"{process}.log"
+
+    def metrics(self, process: str) -> Path:
+        return self.root / "metrics" / f"{process}.jsonl"
+
+    def tensorboard(self, process: str) -> Path:
+        return self.root / "tensorboard" / process
+
+    @property
+    def pids_file(self) -> Path:
+        return self.root / self.PIDS_FILE
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / self.LOCK_FILE
+
+
+def run_dir(run: RunConfig) -> Path:
+    return run.dir
 
 
 def checkpoint_dir(root: str | Path, step: int, process: str) -> Path:
-    return Path(root) / "checkpoints" / f"step_{step}" / process
+    return RunDir(root).checkpoints(step, process)
 
 
 def log_path(root: str | Path, process: str) -> Path:
-    return Path(root) / "logs" / f"{process}.log"
+    return RunDir(root).log(process)
 
 
-def write_resolved_config(cfg: ConfigDict, process: str) -> Path:
+def config_path(root: str | Path, process: str) -> Path:
+    return RunDir(root).config(process)
+
+
+def write_resolved_config(root: str | Path, process: str, text: str) -> Path:
     """Record the exact config a process ran with, for reproducibility (and for the launcher's children)."""
-    path = run_dir(cfg) / "configs" / f"{process}.json"
-    atomic_write_text(path, to_json(cfg))
+    path = config_path(root, process)
+    atomic_write_text(path, text)
     return path

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from primejax.preflight import PreflightError
+from primejax.rundir import RunDir
 
-LOCK_FILE = ".lock"
+LOCK_FILE = RunDir.LOCK_FILE
 
 
 class RunLock:

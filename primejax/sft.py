@@ -13,11 +13,15 @@ import random
 import sys
 import time
 from pathlib import Path
-
-from ml_collections import ConfigDict
+from typing import TYPE_CHECKING
 
 from primejax.cli import parse_config, run_main
-from primejax.rundir import run_dir, write_resolved_config
+from primejax.orchestrator.config import EnvConfig
+from primejax.rundir import RunDir, write_resolved_config
+from primejax.sft_data import SftConfig
+
+if TYPE_CHECKING:
+    from primejax.config import Config
 
 log = logging.getLogger("primejax.sft")
 
@@ -26,16 +30,15 @@ class SFTError(RuntimeError):
     """SFT ran but produced nothing usable (every step non-finite): no model is written."""
 
 
-def sft_output_dir(cfg: ConfigDict) -> Path:
-    return run_dir(cfg) / "sft" / "final"
+def sft_output_dir(root: str | Path) -> Path:
+    return RunDir(root).sft_final
 
 
-def demonstrations_from_env(cfg: ConfigDict, name: str, n: int) -> list[list[dict]]:
+def demonstrations_from_env(env_cfg: EnvConfig, n: int) -> list[list[dict]]:
     """Conversations (prompt + the env's reference answer) from an environment whose examples carry answers."""
     from primejax.envs.registry import load_env
 
-    env_cfg = cfg.orchestrator.envs[name]
-    env = load_env(env_cfg.id, env_cfg.args.to_dict())
+    env = load_env(env_cfg.id, dict(env_cfg.args))
     conversations = []
     for i in range(n):
         example = env.example(i)
@@ -45,21 +48,20 @@ def demonstrations_from_env(cfg: ConfigDict, name: str, n: int) -> list[list[dic
     return conversations
 
 
-def load_conversations(cfg: ConfigDict) -> list[list[dict]]:
+def load_conversations(s: SftConfig, envs: dict[str, EnvConfig]) -> list[list[dict]]:
     from primejax.sft_data import read_jsonl
 
-    if cfg.sft.data_path:
-        return list(read_jsonl(cfg.sft.data_path))
-    return demonstrations_from_env(cfg, cfg.sft.from_env, cfg.sft.num_examples)
+    if s.data_path:
+        return list(read_jsonl(s.data_path))
+    return demonstrations_from_env(envs[s.from_env], s.num_examples)
 
 
-def load_samples(cfg: ConfigDict, tokenizer) -> list:
+def load_samples(s: SftConfig, envs: dict[str, EnvConfig], tokenizer) -> list:
     """Training samples of the SFT data; SFTDataError names `file:line` of a conversation that cannot train."""
     from primejax.sft_data import SFTDataError, conversation_to_sample, read_jsonl_lines
 
-    s = cfg.sft
     if not s.data_path:
-        return [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(cfg)]
+        return [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(s, envs)]
     samples = []
     for lineno, conversation in read_jsonl_lines(s.data_path):
         try:
@@ -70,8 +72,8 @@ def load_samples(cfg: ConfigDict, tokenizer) -> list:
     return samples
 
 
-def train_sft(cfg: ConfigDict) -> Path:
-    """Run SFT; returns the exported HF directory."""
+def train_sft(cfg: Config) -> Path:
+    """The SFT process's work (entry: `python -m primejax.sft`); returns the exported HF directory."""
     import jax
     import numpy as np
     from flax import nnx
@@ -82,7 +84,7 @@ def train_sft(cfg: ConfigDict) -> Path:
     from primejax.models.sharding import make_mesh
     from primejax.monitor import Monitor
     from primejax.sft_data import SFTDataError
-    from primejax.trainer.losses import LossConfig
+    from primejax.trainer.config import LossConfig
     from primejax.trainer.optim import make_optimizer, make_schedule
     from primejax.trainer.step import (
         device_batch,
@@ -98,16 +100,13 @@ def train_sft(cfg: ConfigDict) -> Path:
 
     s, m = cfg.sft, cfg.model
     tokenizer = AutoTokenizer.from_pretrained(m.path)
-    samples = load_samples(cfg, tokenizer)
+    samples = load_samples(s, cfg.orchestrator.envs, tokenizer)
     if not samples:
         raise SFTDataError("no SFT examples to train on")
     log.info("SFT on %d conversations, %d steps of %d", len(samples), s.steps, s.batch_size)
 
     mesh = make_mesh(**cfg.trainer.mesh.to_dict())
-    model, model_cfg = load_model(
-        m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
-        attention_impl=m.attention_impl, remat_policy=m.remat_policy,
-    )
+    model, model_cfg = load_model(m.path, mesh=mesh, **m.overrides())
     schedule = make_schedule(s.lr, "constant")
     optimizer = make_optimizer(cfg.trainer.optim, schedule)
     graphdef, _ = nnx.split(model)
@@ -120,8 +119,8 @@ def train_sft(cfg: ConfigDict) -> Path:
     rng = random.Random(cfg.run.seed)
     order: list[int] = []
     skipped = 0
-    root = run_dir(cfg)
-    with Monitor(root, "sft", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl) as monitor:
+    root = cfg.run_dir
+    with Monitor.from_config(root, "sft", cfg.monitor) as monitor:
         for step in range(1, s.steps + 1):
             if len(order) < s.batch_size:  # epochs of a fresh shuffle
                 more = list(range(len(samples)))
@@ -147,7 +146,7 @@ def train_sft(cfg: ConfigDict) -> Path:
         raise SFTError(f"every one of the {s.steps} SFT steps was non-finite: nothing was trained")
     if not bool(jax.jit(tree_all_finite)(state.params)):
         raise SFTError("the SFT parameters are non-finite (NaN/inf): not writing them")
-    out = sft_output_dir(cfg)
+    out = sft_output_dir(root)
     trained = nnx.merge(graphdef, state.params)
     with atomic_dir(out, overwrite=True) as tmp:
         export_safetensors(trained, model_cfg, tmp, dtype=None, src_dir=m.path)
@@ -161,7 +160,7 @@ def main() -> int:
     if cfg.sft.steps <= 0:
         print("error: sft.steps must be > 0 for primejax.sft", file=sys.stderr)
         return 2
-    write_resolved_config(cfg, "sft")
+    write_resolved_config(cfg.run_dir, "sft", cfg.to_json())
     from primejax.sft_data import SFTDataError
 
     try:

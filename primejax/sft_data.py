@@ -17,6 +17,24 @@ from typing import Any
 
 from primejax.contracts.batch import TrainingSample
 from primejax.utils.io import atomic_write_text
+from primejax.utils.sections import MAX_ROWS, MAX_STEPS, MAX_TOKENS, ConfigError, Section, option, section
+
+
+@section
+class SftConfig(Section):
+    """`sft`: supervised fine-tuning (`python -m primejax.sft`, or a warm-up before RL when steps > 0)."""
+
+    data_path: str = option("", "chat JSONL ({'messages': [...]} or {'prompt', 'completion'} per line)")
+    from_env: str = option("", "or: demonstrations from this orchestrator.envs entry's reference answers")
+    num_examples: int = option(2048, "demonstrations generated with from_env", gt=0, le=MAX_STEPS)
+    steps: int = option(0, "SFT steps; 0 = no warm-up", ge=0, le=MAX_STEPS)
+    batch_size: int = option(64, "conversations per step", gt=0, le=MAX_ROWS)
+    lr: float = option(1e-3, "constant learning rate", ge=0)
+    seq_len: int = option(256, "packed row length", gt=0, le=MAX_TOKENS)
+
+    def check(self) -> None:
+        if self.steps > 0 and not self.lr > 0:
+            raise ConfigError("lr", f"must be > 0 when sft.steps > 0, got {self.lr}")
 
 Message = dict[str, Any]
 

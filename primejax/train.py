@@ -11,7 +11,6 @@ import sys
 from absl import flags
 
 from primejax.cli import parse_config, run_main
-from primejax.config import to_json
 from primejax.rundir import write_resolved_config
 
 DEFAULT_CONFIG = "configs/demo.py"
@@ -26,9 +25,9 @@ def main() -> int:
         sys.argv[1:], prog="primejax.train", doc=__doc__.split("\n\n")[1], define_flags=_define_flags,
         default_config_path=DEFAULT_CONFIG,
     )
-    path = write_resolved_config(cfg, "train")
+    path = write_resolved_config(cfg.run_dir, "train", cfg.to_json())
     if fv["dry_run"].value:
-        print(to_json(cfg))
+        print(cfg.to_json())
         print(f"# resolved config written to {path}", file=sys.stderr)
         return 0
     from primejax.launcher import launch  # deferred: the launcher imports process machinery

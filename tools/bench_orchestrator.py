@@ -50,7 +50,7 @@ class _Stub(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         req = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        rng = random.Random(req.get("seed"))
+        rng = random.Random(req.get("seed", json.dumps(req["prompt"])))  # reproducible without seeds
         choices = []
         for i in range(req["n"]):
             ids = [rng.randrange(3, self.vocab) for _ in range(req["max_tokens"])]
@@ -82,12 +82,12 @@ def _config(run_dir: Path, args: argparse.Namespace):
     o.max_concurrent = 64
     o.seq_len, o.max_prompt_tokens = args.tokens + 256, 256
     o.sampling.max_tokens = args.tokens
-    o.sampling.seed = 0
     o.async_level = args.steps + 1  # no trainer: never wait for weights
     return cfg
 
 
 async def _bench(args: argparse.Namespace, url: str, tokenizer) -> list[dict[str, float]]:
+    from primejax.config import typed
     from primejax.inference.client import InferenceClient
     from primejax.orchestrator.loop import Orchestrator
 
@@ -97,7 +97,7 @@ async def _bench(args: argparse.Namespace, url: str, tokenizer) -> list[dict[str
         client = InferenceClient(url, timeout_s=60, max_retries=0)
         try:
             await client.wait_ready(30)
-            orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=Path(tmp) / "run")
+            orch = Orchestrator(typed(cfg).orchestrator, client=client, tokenizer=tokenizer, run_dir=Path(tmp) / "run")
             for step in range(1, args.steps + 2):
                 wall, cpu = time.perf_counter(), time.process_time()
                 result = await orch.step(step)

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from primejax.monitor import read_jsonl
+from primejax.rundir import RunDir
 
 PANELS = (
     ("orchestrator", "reward/mean", "reward (mean)"),
@@ -19,7 +20,7 @@ PANELS = (
 
 
 def series(run_dir: Path, process: str, key: str) -> tuple[list[int], list[float]]:
-    rows = [r for r in read_jsonl(run_dir / "metrics" / f"{process}.jsonl") if r.get(key) is not None]
+    rows = [r for r in read_jsonl(RunDir(run_dir).metrics(process)) if r.get(key) is not None]
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
@@ -53,7 +54,7 @@ def main() -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not (Path(args.run_dir) / "metrics").is_dir():
+    if not RunDir(args.run_dir).metrics("trainer").parent.is_dir():
         parser.exit(2, f"error: {args.run_dir} has no metrics/ directory (is it a primejax run dir?)\n")
     print(plot(args.run_dir, args.out))
 

@@ -124,17 +124,10 @@ def _model_config(cfg, name: str):
     from primejax.trainer.loop import model_config
 
     if not name:
-        return model_config(cfg)
+        return model_config(cfg.model, max_positions=cfg.trainer.fake_data.seq_len)
     if name not in MODELS:
         raise UsageError(f"--model {name!r}: one of {', '.join(MODELS)}")
-    m = cfg.model
-    return ModelConfig.from_hf_config(
-        MODELS[name],
-        param_dtype=m.param_dtype,
-        compute_dtype=m.compute_dtype,
-        attention_impl=m.attention_impl,
-        remat_policy=m.remat_policy,
-    )
+    return ModelConfig.from_hf_config(MODELS[name], **cfg.model.overrides())
 
 
 def _rows_per_rank(chips: int, mesh: dict[str, int], seq_len: int, tokens_per_chip: int) -> int | None:
@@ -251,7 +244,6 @@ def main() -> int:
     print(HEADER, flush=True)
     reports = []
     for mesh, remat in plans:
-        cfg.trainer.mesh.update(mesh)
         rows = _rows_per_rank(slice_.chips, mesh, seq_len, tokens) if tokens else None
         if tokens and rows is None:
             raise UsageError(
@@ -264,6 +256,7 @@ def main() -> int:
             micro_batches=fv["micro_batches"].value,
             max_segments=fv["max_segments"].value,
             hbm_bytes=hbm,
+            mesh_sizes=mesh,
         )
 
         def compile_at(n: int, m_cfg=m_cfg, kw=kw) -> dict[str, Any]:

@@ -51,7 +51,8 @@ from typing import Any
 import numpy as np
 
 from primejax.contracts.batch_checks import check_headers, check_manifest, check_values, segment_count
-from primejax.utils.io import atomic_write_bytes, step_dirs
+from primejax.rundir import RunDir, step_dirs
+from primejax.utils.io import atomic_write_bytes
 
 FORMAT_VERSION = 1
 MANIFEST_KEY = "__manifest__"
@@ -270,7 +271,7 @@ def pack_samples(
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "rollouts" / f"step_{step}"
+    return RunDir(run_dir).rollouts(step)
 
 
 def batch_path(run_dir: str | Path, step: int, rank: int) -> Path:
@@ -364,7 +365,7 @@ def prune_rollouts(run_dir: str | Path, rank: int, through_step: int) -> list[in
     steps whose directory is gone.
     """
     removed = []
-    for step, p in step_dirs(Path(run_dir) / "rollouts"):
+    for step, p in step_dirs(RunDir(run_dir).rollouts()):
         if step > through_step:
             break
         (p / f"rank_{rank}.npz").unlink(missing_ok=True)

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from primejax.utils.io import atomic_dir, atomic_write_json, step_dirs
+from primejax.rundir import RunDir, step_dirs
+from primejax.utils.io import atomic_dir, atomic_write_json
 
 FORMAT_VERSION = 1
 STABLE = "STABLE"
@@ -27,11 +28,11 @@ class BroadcastError(RuntimeError):
 
 
 def broadcasts_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "broadcasts"
+    return RunDir(run_dir).broadcasts()
 
 
 def broadcast_dir(run_dir: str | Path, step: int) -> Path:
-    return broadcasts_root(run_dir) / f"step_{step}"
+    return RunDir(run_dir).broadcasts(step)
 
 
 def _file_sha256(path: Path, chunk: int = 1 << 24) -> str:

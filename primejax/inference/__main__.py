@@ -30,7 +30,7 @@ def main() -> int:
     cfg, fv = parse_config(
         argv, prog="primejax.inference", doc=__doc__.split("\n\n")[1], define_flags=_define_flags
     )
-    spec = ServerSpec.from_config(cfg)
+    spec = ServerSpec.from_config(cfg.inference, cfg.model.path, cfg.run.seed, run_dir=cfg.run_dir)
     if fv["dry_run"].value:
         env = spec.environ({})
         env[TOKEN_ENV] = "<hidden>"  # the admin secret is never printed or logged
@@ -40,14 +40,7 @@ def main() -> int:
         if not cfg.model.build_tiny.enabled:
             print(f"error: model.path {cfg.model.path!r} is not a directory", file=sys.stderr)
             return 2
-        from primejax.models.tiny import build_tiny_model
-
-        bt = cfg.model.build_tiny
-        build_tiny_model(
-            cfg.model.path, family=bt.family, tied=bt.tied, hidden_size=bt.hidden_size, num_layers=bt.num_layers,
-            num_heads=bt.num_heads, num_kv_heads=bt.num_kv_heads, head_dim=bt.head_dim,
-            intermediate_size=bt.intermediate_size, seed=bt.seed,
-        )
+        cfg.model.build_tiny.build(cfg.model.path)
     print(f"primejax.inference: serving {cfg.model.path} at {spec.base_url}", file=sys.stderr, flush=True)
     exec_server(spec, vllm_args)
     return 0  # not reached: exec replaced this process

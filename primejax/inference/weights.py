@@ -10,14 +10,15 @@ Only the headers are read (a few KB per file), so this costs milliseconds even f
 from __future__ import annotations
 
 import json
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from primejax.rundir import parse_step
+
 # A header bigger than this is corrupt, not large (the format caps it at 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
-_STEP_DIR = re.compile(r"(?:^|/)step_(\d+)/?$")
+
 # Checkpoints of tied models sometimes carry the lm_head copy; the engine ignores it when embeddings are tied.
 _TIED_OPTIONAL = "lm_head.weight"
 
@@ -140,8 +141,7 @@ class WeightDirValidator:
 
 def version_from_dir(weight_dir: str | Path) -> int | None:
     """The step number of a `.../step_N` directory, or None for any other name."""
-    m = _STEP_DIR.search(str(weight_dir))
-    return int(m.group(1)) if m else None
+    return parse_step(weight_dir)
 
 
 def check_stable(weight_dir: str | Path, required: bool) -> None:

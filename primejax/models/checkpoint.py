@@ -3,7 +3,8 @@
 Parameters are stored as a nested dict of arrays keyed by the NNX attribute path (`embed`,
 `layers/q_proj`, ...), the same stacked layout the model uses, so a restore is a straight (resharding)
 read with no conversion. Orbax finalizes a checkpoint with an atomic rename: a reader never sees a
-half-written one. The trainer's full-state checkpoints (optimizer, step) build on these helpers.
+half-written one. Used by tools/convert_checkpoint.py; the trainer's full-state checkpoints (optimizer, step)
+are primejax/trainer/checkpoint.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
-# Remat policies, applied per decoder layer (see `transformer.remat_policy`):
+# Remat policies, applied per decoder layer (see `transformer.resolve_remat_policy`):
 #   none           keep every activation (fastest, most memory)
 #   full           save only the layer input; recompute the whole layer in the backward pass
 #   dots           save the outputs of all matmuls (projections and attention scores), recompute elementwise ops
@@ -63,9 +63,9 @@ class ModelConfig:
     attention_impl: str = "xla"
     remat_policy: str = "none"
     # Decoder layers as one `lax.scan` over stacked weights (traced and compiled once) or unrolled. Unrolled
-    # is the default: the scan copies every layer's saved activations into its stacked outputs (9 ms of
-    # memcpy per 16k step) and schedules each layer alone; unrolled, a Qwen3-0.6B step at 16k tokens runs
-    # 361 -> 348 ms and 64k peaks at 23 instead of 31 GiB (H200), for ~3x the compile time (7 -> 20 s).
+    # is the default: the scan copies every layer's saved activations into its stacked outputs and schedules
+    # each layer alone, so unrolled steps are faster and peak lower, for a longer compile (measurements:
+    # docs/benchmarks.md, "unrolled layers").
     scan_layers: bool = False
     # Llama/Qwen3 `attention_bias=true` also puts a bias on o_proj; Qwen2 never does.
     attention_out_bias: bool = False

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from primejax.utils.io import atomic_write_json
+from primejax.utils.sections import ConfigError, Section, option, section
 
 Family = Literal["qwen3", "llama"]
 
@@ -32,6 +33,9 @@ THINK_TOKENS = [THINK_START, THINK_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 DEFAULT_VOCAB_SIZE = 384
+TOKENIZERS = ("bpe", "bytes")
+# The byte tokenizer's own tokens: the 256 byte symbols, the control tokens and the think tags.
+BYTES_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS)
 
 # Qwen-style ChatML. Content may be a string or a list of {"type": "text", "text": ...} parts (the OpenAI
 # shape), which verifiers and vLLM both produce.
@@ -72,26 +76,43 @@ def _builtin_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, corpus: list[str] | None = None,
+def build_tokenizer(out_dir: Path, *, vocab_size: int = 0, corpus: list[str] | None = None, kind: str = "bpe",
                     tool_tokens: bool = False):
-    """Train a byte-level BPE on `corpus` (built-in if None) and save it as an HF fast tokenizer in out_dir.
+    """Save an HF fast tokenizer in out_dir: a byte-level BPE trained on `corpus` (built-in if None) to
+    `vocab_size` tokens (0 = 384), or `kind="bytes"`: one token per byte (so per ASCII character), no merges,
+    padded with reserved special tokens up to `vocab_size` (0 = no padding, 261 tokens).
 
-    `tool_tokens` adds Qwen3's tool-call markers after the BPE vocabulary (the merges are unchanged)."""
+    `tool_tokens` adds Qwen3's tool-call markers after the vocabulary (the merges are unchanged)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if kind == "bytes":
+        if vocab_size and vocab_size < BYTES_VOCAB_SIZE:
+            raise ValueError(f"vocab_size={vocab_size}: a byte tokenizer has {BYTES_VOCAB_SIZE} tokens at least")
+        vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    elif kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        trainer = trainers.BpeTrainer(
+            vocab_size=(vocab_size or DEFAULT_VOCAB_SIZE) - len(THINK_TOKENS),
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=alphabet,
+            show_progress=False,
+        )
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r} (one of {TOKENIZERS})")
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(THINK_TOKENS),
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus if corpus is not None else _builtin_corpus(), trainer=trainer)
+    if kind == "bpe":
+        tok.train_from_iterator(corpus if corpus is not None else _builtin_corpus(), trainer=trainer)
     added = THINK_TOKENS + (TOOL_TOKENS if tool_tokens else [])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    if kind == "bytes" and vocab_size > tok.get_vocab_size():
+        # Reserved ids fill the embedding up to vocab_size; special, so they never appear in decoded text.
+        reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - tok.get_vocab_size())]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -117,6 +138,7 @@ def build_tiny_model(
     head_dim: int = 32,
     intermediate_size: int = 128,
     vocab_size: int | None = None,
+    tokenizer: str = "bpe",
     seed: int = 0,
     corpus: list[str] | None = None,
     init_std: float = 0.02,
@@ -125,8 +147,9 @@ def build_tiny_model(
 ) -> Path:
     """Write a random-init tiny Qwen3 or Llama model (fp32 safetensors) plus tokenizer to `out_dir`.
 
-    `vocab_size` is the BPE target size (default 384); the model's vocab equals the trained tokenizer's
-    size so every id the model can sample decodes. head_dim must be >= 32 (vLLM's CPU attention kernels).
+    `tokenizer` "bpe" trains a byte-level BPE of `vocab_size` tokens (default 384); "bytes" is character-level
+    (one token per byte) padded to `vocab_size`. The model's vocab equals the tokenizer's size, so every id the
+    model can sample decodes. head_dim must be >= 32 (vLLM's CPU attention kernels).
     Deterministic given `seed` and `corpus`. `tool_tokens` adds Qwen3's `<tool_call>`/`<tool_response>` markers.
     """
     import torch
@@ -139,10 +162,9 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_tokenizer(out, vocab_size=vocab_size or DEFAULT_VOCAB_SIZE, corpus=corpus,
-                                tool_tokens=tool_tokens)
-    n_vocab = len(tokenizer)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + THINK_TOKENS}
+    tok = build_tokenizer(out, vocab_size=vocab_size or 0, corpus=corpus, kind=tokenizer, tool_tokens=tool_tokens)
+    n_vocab = len(tok)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + THINK_TOKENS}
 
     common = dict(
         vocab_size=n_vocab,
@@ -180,8 +202,54 @@ def build_tiny_model(
     model.save_pretrained(str(out))
     # Written last: its presence marks a complete build (fixtures that cache model dirs check it).
     atomic_write_json(out / "primejax_tiny.json", {"family": family, "tied": tied, "seed": seed,
-                                                          "tool_tokens": tool_tokens})
+                                                   "tokenizer": tokenizer, "vocab_size": n_vocab,
+                                                   "tool_tokens": tool_tokens})
     return out
+
+
+@section
+class TinyModelConfig(Section):
+    """`model.build_tiny`: a tiny random model + tokenizer built at `model.path` when it is missing (offline)."""
+
+    enabled: bool = option(False, "build the model when model.path has no config.json")
+    family: str = option("qwen3", "architecture", choices=("qwen3", "llama"))
+    tied: bool = option(True, "tie the LM head to the embedding")
+    hidden_size: int = option(64, "model width", gt=0)
+    num_layers: int = option(2, "decoder layers", gt=0)
+    num_heads: int = option(2, "attention heads", gt=0)
+    num_kv_heads: int = option(1, "key/value heads (divides num_heads)", gt=0)
+    head_dim: int = option(32, "per-head width (vLLM's CPU kernels need >= 32)", ge=32)
+    intermediate_size: int = option(128, "MLP width", gt=0)
+    seed: int = option(0, "random init seed")
+    tokenizer: str = option("bpe", "bpe: byte-level BPE; bytes: one token per character", choices=TOKENIZERS)
+    vocab_size: int = option(0, f"tokens; 0 = {DEFAULT_VOCAB_SIZE} (bpe) or {BYTES_VOCAB_SIZE} (bytes)", ge=0)
+
+    def check(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("num_kv_heads", f"must divide num_heads ({self.num_heads})")
+        if self.tokenizer == "bytes" and 0 < self.vocab_size < BYTES_VOCAB_SIZE:
+            raise ConfigError("vocab_size", f"a byte tokenizer has {BYTES_VOCAB_SIZE} tokens at least")
+
+    @property
+    def resolved_vocab_size(self) -> int:
+        return self.vocab_size or (DEFAULT_VOCAB_SIZE if self.tokenizer == "bpe" else BYTES_VOCAB_SIZE)
+
+    def architecture(self, *, max_positions: int = 4096, **overrides: str):
+        """The `ModelConfig` this section describes, without building anything (benchmarks with no model dir)."""
+        from primejax.models.config import ModelConfig
+
+        return ModelConfig(
+            model_type=self.family, vocab_size=self.resolved_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=10000.0, rope_scaling=None,
+            rms_norm_eps=1e-6, tie_word_embeddings=self.tied, qk_norm=self.family == "qwen3", attention_bias=False,
+            max_position_embeddings=max_positions, **overrides,
+        )
+
+    def build(self, out_dir: str | Path) -> Path:
+        """Write the model to `out_dir` (the one place this section becomes `build_tiny_model` arguments)."""
+        args = {k: v for k, v in self.to_dict().items() if k != "enabled"}
+        return build_tiny_model(out_dir, **args)
 
 
 def describe(model_dir: str | Path) -> dict:

@@ -1,8 +1,9 @@
 """Causal decoder for the Qwen3 / Qwen2 / Llama families (Flax NNX).
 
-Layer parameters are stacked on a leading `layers` axis and the forward pass is a `lax.scan` over a pure
-layer function: one layer is traced and compiled once however deep the model is, and the remat policy wraps
-exactly one layer. The HF name mapping (hf_io.py) stacks and unstacks at the boundary.
+Layer parameters are stacked on a leading `layers` axis and the forward pass applies one pure layer function
+per layer, unrolled by default or as a `lax.scan` (`ModelConfig.scan_layers`: traced and compiled once however
+deep the model is); the remat policy wraps exactly one layer either way. The HF name mapping (hf_io.py) stacks
+and unstacks at the boundary.
 
 Weights are stored in einsum-friendly layouts, shapes named by their axes:
   embed        [V, D]           q_proj [L, D, H, Dh]   k_proj/v_proj [L, D, K, Dh]   o_proj [L, H, Dh, D]
@@ -195,7 +196,7 @@ SPARSE_MLP = ("router", "experts_gate_up", "experts_down")
 
 
 class DecoderStack(nnx.Module):
-    """All decoder layers, parameters stacked on a leading `layers` axis, applied with `lax.scan`."""
+    """All decoder layers, parameters stacked on a leading `layers` axis, applied unrolled or with `lax.scan`."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

@@ -1,8 +1,25 @@
-"""The orchestrator: prompts -> rollouts (env <-> inference) -> credit -> filters -> samples -> batches."""
+"""The orchestrator: prompts -> rollouts (env <-> inference) -> credit -> filters -> samples -> batches.
 
-from primejax.orchestrator.loop import Orchestrator, StepResult
-from primejax.orchestrator.policy import PolicyTracker, min_policy_version, staleness
-from primejax.orchestrator.rollout import Rollout, TrajectoryStep
+Importing the package imports nothing else: its config section (`primejax.orchestrator.config`) is read by
+processes that never run an orchestrator.
+"""
 
-__all__ = ["Orchestrator", "StepResult", "PolicyTracker", "min_policy_version", "staleness", "Rollout",
-           "TrajectoryStep"]
+from typing import Any
+
+_EXPORTS = {
+    "Orchestrator": "primejax.orchestrator.loop", "StepResult": "primejax.orchestrator.loop",
+    "PolicyTracker": "primejax.orchestrator.policy", "min_policy_version": "primejax.orchestrator.policy",
+    "staleness": "primejax.orchestrator.policy", "Rollout": "primejax.orchestrator.rollout",
+    "TrajectoryStep": "primejax.orchestrator.rollout",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'primejax.orchestrator' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = list(_EXPORTS)

@@ -20,9 +20,8 @@ def main() -> int:
     # Logs go to stderr: the launcher already sends a child's output to logs/orchestrator.log.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
-    write_resolved_config(cfg, "orchestrator")
+    write_resolved_config(cfg.run_dir, "orchestrator", cfg.to_json())
     from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx
-    from primejax.rundir import run_dir
     from primejax.utils.disk import disk_full_line, is_disk_full
 
     try:
@@ -31,7 +30,7 @@ def main() -> int:
         if not is_disk_full(e):
             raise
         # A batch or checkpoint write that ran out of space: its temp file was removed, nothing half-written.
-        print(f"error: orchestrator: {disk_full_line(run_dir(cfg), 'a batch or checkpoint')}", file=sys.stderr,
+        print(f"error: orchestrator: {disk_full_line(cfg.run_dir, 'a batch or checkpoint')}", file=sys.stderr,
               flush=True)
         return 1
     return 0

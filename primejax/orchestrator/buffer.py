@@ -1,5 +1,5 @@
 """The prompt source: which (environment, example index) pairs each step samples, and what it learns from
-each finished group (seed 000 §Difficulty Pools, §Online Difficulty Filtering).
+each finished group (docs/architecture.md#difficulty-pools-and-online-difficulty-filtering).
 
 Environments are drawn in proportion to their `weight`, examples uniformly among the env's indices still in
 rotation. After each group, its mean reward is compared with `easy_threshold` / `hard_threshold`: at or
@@ -19,9 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ml_collections import ConfigDict
-
 from primejax.envs.base import Environment
+from primejax.orchestrator.config import BufferConfig
 
 POOLS = ("easy", "hard")
 UNBOUNDED = 2**31 - 1
@@ -35,18 +34,7 @@ class EnvSlot:
     algorithm: Any  # primejax.orchestrator.algorithms.Algorithm
 
 
-@dataclass
-class BufferSettings:
-    easy_threshold: float | None = None
-    hard_threshold: float | None = None
-    easy_fraction: float = 0.0
-    hard_fraction: float = 0.0
-    online_difficulty_filtering: bool = False
-
-    @classmethod
-    def from_config(cls, b: ConfigDict) -> BufferSettings:
-        return cls(b.easy_threshold, b.hard_threshold, b.easy_fraction, b.hard_fraction,
-                   b.online_difficulty_filtering)
+BufferSettings = BufferConfig  # the `orchestrator.buffer` section is the buffer's settings
 
 
 class Buffer:

@@ -12,15 +12,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from primejax.rundir import checkpoint_dir
-from primejax.utils.io import atomic_dir, step_dirs
+from primejax.rundir import RunDir, checkpoint_dir, step_dirs
+from primejax.utils.io import atomic_dir
 
 PROCESS = "orchestrator"
 STATE_FILE = "state.json"
 
 
 def saved_steps(run_dir: str | Path) -> list[int]:
-    return [s for s, p in step_dirs(Path(run_dir) / "checkpoints") if (p / PROCESS / STATE_FILE).is_file()]
+    return [s for s, p in step_dirs(RunDir(run_dir).checkpoints()) if (p / PROCESS / STATE_FILE).is_file()]
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep: int,

@@ -15,22 +15,20 @@ import statistics
 import time
 from typing import Any
 
-from ml_collections import ConfigDict
-
 from primejax.envs.registry import load_env
 from primejax.orchestrator.algorithms import Algorithm
 from primejax.orchestrator.buffer import EnvSlot
-from primejax.orchestrator.generate import GroupGenerator, SamplingSettings
+from primejax.orchestrator.config import OrchestratorConfig
+from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.renderer import Renderer
 from primejax.orchestrator.rollout import Rollout
 
 
-def eval_slots(cfg: ConfigDict) -> list[EnvSlot]:
+def eval_slots(o: OrchestratorConfig) -> list[EnvSlot]:
     """`orchestrator.eval.envs`, or the training envs when it is empty; no credit is assigned in evals."""
-    o = cfg.orchestrator
     entries = o.eval.envs if o.eval.envs else o.envs
     scorer = Algorithm(o.algo)
-    return [EnvSlot(name=name, env=load_env(e.id, e.args.to_dict()), weight=e.weight, algorithm=scorer)
+    return [EnvSlot(name=name, env=load_env(e.id, dict(e.args)), weight=e.weight, algorithm=scorer)
             for name, e in entries.items()]
 
 
@@ -71,12 +69,9 @@ class Evaluator:
         return out
 
 
-def build_evaluator(cfg: ConfigDict, client: Any, renderer: Renderer, policy: Any) -> Evaluator:
+def build_evaluator(o: OrchestratorConfig, client: Any, renderer: Renderer, policy: Any) -> Evaluator:
     """An evaluator with its own generator (its request counters stay out of the training metrics)."""
-    o = cfg.orchestrator
-    settings = SamplingSettings(max_tokens=o.sampling.max_tokens, temperature=o.sampling.temperature,
-                                top_p=o.sampling.top_p, max_turns=o.sampling.max_turns, seed=o.sampling.seed,
-                                max_prompt_tokens=o.max_prompt_tokens)
-    generator = GroupGenerator(client, renderer, settings, policy, o.max_concurrent)
-    return Evaluator(eval_slots(cfg), generator, num_examples=o.eval.num_examples, group_size=o.eval.group_size,
+    generator = GroupGenerator(client, renderer, o.sampling, policy, max_concurrent=o.max_concurrent,
+                               max_prompt_tokens=o.max_prompt_tokens)
+    return Evaluator(eval_slots(o), generator, num_examples=o.eval.num_examples, group_size=o.eval.group_size,
                      pass_threshold=o.eval.pass_threshold)

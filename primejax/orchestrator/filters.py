@@ -1,4 +1,4 @@
-"""Rollout filters and their two slots (seed 000 §Filters, 001 pre/post-batch slots).
+"""Rollout filters and their two slots (docs/algorithms.md).
 
 A filter is a predicate over one finalized rollout ("flag this one"). The pre-batch slot runs before the
 batch is cut and by default only monitors (flags are counted, nothing is dropped) unless `enforce`; the
@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from ml_collections import ConfigDict
+from typing import TYPE_CHECKING
 
 from primejax.orchestrator.rollout import Rollout
 
+if TYPE_CHECKING:
+    from primejax.orchestrator.config import FiltersConfig
+
 FilterFn = Callable[[Rollout], bool]
+FILTERS = ("gibberish", "repetition", "zero_advantage")  # the names `orchestrator.filters` slots accept
 
 
 def zero_advantage(rollout: Rollout) -> bool:
@@ -78,7 +81,7 @@ class FilterSlot:
         return kept, counts
 
 
-def build_filter(name: str, cfg: ConfigDict) -> FilterFn:
+def build_filter(name: str, cfg: FiltersConfig) -> FilterFn:
     if name == "zero_advantage":
         return zero_advantage
     if name == "gibberish":
@@ -88,7 +91,7 @@ def build_filter(name: str, cfg: ConfigDict) -> FilterFn:
     raise KeyError(f"unknown filter {name!r}")
 
 
-def build_slots(cfg: ConfigDict) -> tuple[FilterSlot, FilterSlot]:
+def build_slots(cfg: FiltersConfig) -> tuple[FilterSlot, FilterSlot]:
     """The pre- and post-batch slots from `orchestrator.filters`."""
     pre = FilterSlot("pre_batch", {n: build_filter(n, cfg) for n in cfg.pre_batch}, cfg.pre_batch_enforce)
     post = FilterSlot("post_batch", {n: build_filter(n, cfg) for n in cfg.post_batch}, cfg.post_batch_enforce)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from primejax.orchestrator.buffer import EnvSlot
+from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.renderer import Renderer, parse_message
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 
@@ -67,16 +68,6 @@ class GenerationStats:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
-@dataclass
-class SamplingSettings:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    max_turns: int
-    seed: int  # -1 = unseeded
-    max_prompt_tokens: int
-
-
 def checked_reward(value: Any) -> float:
     """An environment's reward as a float; ValueError for a non-numeric (a string, a bool) or non-finite one, so
     that rollout is errored instead of turning its group's advantages into NaN."""
@@ -93,11 +84,12 @@ def _sampler(slot: EnvSlot) -> SamplingClient | None:
 
 
 class GroupGenerator:
-    def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingSettings,
-                 policy: VersionSource, max_concurrent: int):
+    def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingConfig, policy: VersionSource,
+                 *, max_concurrent: int, max_prompt_tokens: int):
         self.client = client
         self.renderer = renderer
         self.settings = settings
+        self.max_prompt_tokens = max_prompt_tokens
         self.policy = policy
         self.semaphore = asyncio.Semaphore(max_concurrent)
         self.stats = GenerationStats()
@@ -147,7 +139,7 @@ class GroupGenerator:
             return rollouts
         try:
             prompt_ids = self.renderer.render_ids(example.prompt, await slot.env.tools(example))
-            if len(prompt_ids) > self.settings.max_prompt_tokens:
+            if len(prompt_ids) > self.max_prompt_tokens:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens > max_prompt_tokens")
             completions, version = await self._request(prompt_ids, group_size, self._seed(step, group_id, 0, 0),
                                                        _sampler(slot))
@@ -186,7 +178,7 @@ class GroupGenerator:
                 last = rollout.steps[-1]
                 prompt_ids = (self.renderer.bridge_to_next_turn(last.prompt_ids, last.completion_ids, new)
                               or self.renderer.render_ids(rollout.messages))
-                if len(prompt_ids) > self.settings.max_prompt_tokens:
+                if len(prompt_ids) > self.max_prompt_tokens:
                     rollout.truncated = True
                     break
                 stage = "request"
@@ -230,7 +222,7 @@ class GroupGenerator:
                 prompt_ids = self.renderer.bridge_to_next_turn(last.prompt_ids, last.completion_ids,
                                                                messages[known:], tools)
             prompt_ids = prompt_ids or self.renderer.render_ids(messages, tools)
-            if len(prompt_ids) > s.max_prompt_tokens:
+            if len(prompt_ids) > self.max_prompt_tokens:
                 rollout.truncated = True
                 return None
             stage = "request"

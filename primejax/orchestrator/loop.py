@@ -19,19 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ml_collections import ConfigDict
-
 from primejax.contracts.batch import TrainingSample, pack_samples, step_dir, write_batch
 from primejax.envs.registry import load_env
 from primejax.inference.client import InferenceError
 from primejax.orchestrator import metrics as M
 from primejax.orchestrator.algorithms import build_algorithm
-from primejax.orchestrator.algorithms.base import env_algo_config
-from primejax.orchestrator.buffer import POOLS, Buffer, BufferSettings, EnvSlot
+from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
+from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.eval import build_evaluator
 from primejax.orchestrator.filters import build_slots
-from primejax.orchestrator.generate import GroupGenerator, SamplingSettings
+from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version
 from primejax.orchestrator.renderer import build_renderer
 from primejax.orchestrator.rollout import Rollout
@@ -77,14 +75,13 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def build_env_slots(cfg: ConfigDict, **resources: Any) -> list[EnvSlot]:
+def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
     """One slot per `orchestrator.envs` entry: the environment and its (possibly overridden) algorithm."""
-    o = cfg.orchestrator
     slots = []
     for name, entry in o.envs.items():
-        env = load_env(entry.id, entry.args.to_dict())
-        algorithm = build_algorithm(entry.algo or o.algo.type, env_algo_config(o.algo, entry), sampling=o.sampling,
-                                    **resources)
+        env = load_env(entry.id, dict(entry.args))
+        algo = o.env_algo(name)
+        algorithm = build_algorithm(algo.type, algo, sampling=o.sampling, **resources)
         slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm))
     return slots
 
@@ -102,29 +99,29 @@ def cut_batch(groups: list[list[Rollout]], batch_size: int) -> list[Rollout]:
 
 
 class Orchestrator:
-    def __init__(self, cfg: ConfigDict, *, client: Any, tokenizer: Any, run_dir: str | Path, monitor: Any = None,
-                 tracker: PolicyTracker | None = None):
-        o = cfg.orchestrator
-        self.cfg, self.o = cfg, o
+    def __init__(self, o: OrchestratorConfig, *, client: Any, tokenizer: Any, run_dir: str | Path, seed: int = 0,
+                 num_shards: int = 1, pad_rows_to_multiple: int = 1, recovery_timeout_s: float = 600.0,
+                 monitor: Any = None, tracker: PolicyTracker | None = None):
+        """`num_shards`: trainer processes (one batch file each); `pad_rows_to_multiple`: the trainer's
+        micro_batch_size; `recovery_timeout_s`: how long an inference outage may last (a restart included)."""
+        self.o = o
         self.client = client
         self.run_dir = Path(run_dir)
         self.monitor = monitor
-        self.slots = build_env_slots(cfg, policy_client=client, tokenizer=tokenizer)
-        self.buffer = Buffer(self.slots, seed=cfg.run.seed, settings=BufferSettings.from_config(o.buffer))
+        self.slots = build_env_slots(o, policy_client=client, tokenizer=tokenizer)
+        self.buffer = Buffer(self.slots, seed=seed, settings=o.buffer)
         self.tracker = tracker or PolicyTracker(client, self.run_dir, poll_interval_s=o.weights_poll_s)
-        settings = SamplingSettings(max_tokens=o.sampling.max_tokens, temperature=o.sampling.temperature,
-                                    top_p=o.sampling.top_p, max_turns=o.sampling.max_turns, seed=o.sampling.seed,
-                                    max_prompt_tokens=o.max_prompt_tokens)
         self.outages = OutageCounter(client)
-        self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), settings,
-                                        self.tracker, o.max_concurrent)
+        self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
+                                        self.tracker, max_concurrent=o.max_concurrent,
+                                        max_prompt_tokens=o.max_prompt_tokens)
         self.pre_filters, self.post_filters = build_slots(o.filters)
-        self.evaluator = build_evaluator(cfg, client, self.generator.renderer, self.tracker) if o.eval.interval else None
-        self.num_shards = max(1, cfg.trainer.distributed.num_processes)
+        self.evaluator = build_evaluator(o, client, self.generator.renderer, self.tracker) if o.eval.interval else None
+        self.num_shards = max(1, num_shards)
+        self.pad_rows_to_multiple = pad_rows_to_multiple
         self.next_step = 1
         self.empty_batches = 0
-        # An outage may include a server restart (up to its start-up time) after the client's own retries.
-        self.recovery_timeout_s = 2 * cfg.inference.startup_timeout_s
+        self.recovery_timeout_s = recovery_timeout_s
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -164,7 +161,7 @@ class Orchestrator:
 
     def write(self, step: int, samples: list[TrainingSample], meta: dict[str, Any]) -> Path:
         batches = pack_samples(samples, self.o.seq_len, num_shards=self.num_shards,
-                               pad_rows_to_multiple=self.cfg.trainer.micro_batch_size)
+                               pad_rows_to_multiple=self.pad_rows_to_multiple)
         target = step_dir(self.run_dir, step)
         # The whole step directory appears at once, so the trainer never sees some ranks' files only.
         with atomic_dir(target, overwrite=True) as tmp:

@@ -1,6 +1,6 @@
 """The off-policy bound: which policy version the inference server serves, and the gate on it.
 
-Step semantics (ARCHITECTURE.md §Step semantics, seed 002): trainer step n turns θ_{n-1} into θ_n using the
+Step semantics (docs/architecture.md#step-semantics): trainer step n turns θ_{n-1} into θ_n using the
 rollouts of step n, and `broadcasts/step_n` holds θ_n (θ_0 = the base model, version 0). When the trainer
 consumes step n's rollouts it holds θ_{n-1}, so a sample of version v is (n - 1) - v updates stale. With
 `async_level` k the orchestrator keeps that gap at most k: before sampling step n it waits until the server
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from primejax.contracts.broadcast import broadcast_dir, is_stable, latest_stable_step, verify_broadcast
+from primejax.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class PolicyTracker:
                 step = step or self._latest_step(self.run_dir)
                 if step is None or step < self._version:
                     raise RuntimeError(f"the server lost policy version {self._version} and no broadcast of it or "
-                                       f"a newer one is left in {self.run_dir / 'broadcasts'}")
+                                       f"a newer one is left in {RunDir(self.run_dir).broadcasts()}")
                 directory = broadcast_dir(self.run_dir, step)
                 verify_broadcast(directory, check_hashes=False)
                 await self.client.update_weights(str(directory), step)

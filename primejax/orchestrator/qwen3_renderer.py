@@ -2,7 +2,8 @@
 
 Qwen3's chat template strips `<think>...</think>` from past assistant turns, so re-rendering a conversation
 after a reasoning turn does not start with the ids the model was actually given and sampled: the extension
-property breaks on every turn and each model call becomes its own training sample (seed 001 §Renderers).
+property breaks on every turn and each model call becomes its own training sample
+(docs/architecture.md#multi-turn-trajectories).
 This renderer's `bridge_to_next_turn` instead keeps the previous prompt and completion ids verbatim (thinking
 included), closes the assistant turn if sampling stopped without `<|im_end|>`, and appends only the new
 environment messages plus the generation prompt, so every turn extends the last one by construction.

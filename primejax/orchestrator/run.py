@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from ml_collections import ConfigDict
+from typing import TYPE_CHECKING
 
 from primejax.inference.admin_auth import read_token
 from primejax.inference.client import InferenceClient
+from primejax.inference.server import InferenceConfig
 from primejax.monitor import Monitor
+from primejax.orchestrator.config import ClientConfig
 from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.renderer import load_tokenizer
-from primejax.rundir import run_dir
+
+if TYPE_CHECKING:
+    from primejax.config import Config
 
 
-def base_urls(cfg: ConfigDict) -> list[str]:
+def base_urls(client: ClientConfig, inference: InferenceConfig) -> list[str]:
     """`orchestrator.client.base_urls`, or the run's own inference server when that is empty."""
-    urls = list(cfg.orchestrator.client.base_urls)
-    return urls or [f"http://{cfg.inference.host}:{cfg.inference.port}"]
+    return list(client.base_urls) or [f"http://{inference.host}:{inference.port}"]
 
 
 def model_vocab_size(model_path: str) -> int | None:
@@ -30,16 +32,28 @@ def model_vocab_size(model_path: str) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
-async def run_orchestrator(cfg: ConfigDict) -> list[dict[str, float]]:
-    root = run_dir(cfg)
-    c = cfg.orchestrator.client
-    client = InferenceClient(base_urls(cfg), timeout_s=c.timeout_s, max_retries=c.max_retries,
-                             vocab_size=model_vocab_size(cfg.model.path), admin_token=read_token(root))
-    monitor = Monitor(root, "orchestrator", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl)
+def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: int | None = None,
+                  admin_token: str | None = None) -> InferenceClient:
+    """The live policy's client; with `vocab_size`, answers with token ids outside the vocabulary are rejected."""
+    return InferenceClient(base_urls(client, inference), timeout_s=client.timeout_s, max_retries=client.max_retries,
+                           vocab_size=vocab_size, admin_token=admin_token)
+
+
+async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
+    """The orchestrator process's work (entry: `python -m primejax.orchestrator`)."""
+    root = cfg.run_dir
+    client = policy_client(cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path),
+                           admin_token=read_token(root))
+    monitor = Monitor.from_config(root, "orchestrator", cfg.monitor)
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s)
-        orchestrator = Orchestrator(cfg, client=client, tokenizer=load_tokenizer(cfg.model.path), run_dir=root,
-                                    monitor=monitor)
+        orchestrator = Orchestrator(
+            cfg.orchestrator, client=client, tokenizer=load_tokenizer(cfg.model.path), run_dir=root,
+            seed=cfg.run.seed, num_shards=cfg.trainer.distributed.num_processes,
+            pad_rows_to_multiple=cfg.trainer.micro_batch_size,
+            # An outage may include a server restart (up to its start-up time) after the client's own retries.
+            recovery_timeout_s=2 * cfg.inference.startup_timeout_s, monitor=monitor,
+        )
         orchestrator.resume(cfg.run.resume_step)
         # Start from a known policy: the base model. A server left serving another (or a killed) run's weights
         # is reset; the watcher then loads the newest broadcast of this run, which a resumed trainer re-exports.

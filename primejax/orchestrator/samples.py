@@ -1,4 +1,5 @@
-"""Rollouts to training samples: best-effort interleaving of trajectory steps (seed 001 §Multi-Turn).
+"""Rollouts to training samples: best-effort interleaving of trajectory steps
+(docs/architecture.md#multi-turn-trajectories).
 
 Consecutive model calls of a rollout merge into one sample while the extension property holds: the next
 call's prompt ids start with the current sample's ids exactly (and the merged sample still fits `seq_len`).

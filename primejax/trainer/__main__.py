@@ -26,8 +26,8 @@ def main() -> int:
     from primejax.trainer.loop import NonFiniteError, maybe_init_distributed, train
     from primejax.utils.disk import disk_full_line, is_disk_full
 
-    maybe_init_distributed(cfg)
-    write_resolved_config(cfg, "trainer")
+    maybe_init_distributed(cfg.trainer.distributed)
+    write_resolved_config(cfg.run_dir, "trainer", cfg.to_json())
     # SIGTERM (the launcher stopping the run) unwinds like an exception, so the loop's `finally` completes the
     # checkpoint still being saved in the background instead of losing it.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))

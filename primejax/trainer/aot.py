@@ -30,7 +30,6 @@ from primejax.models.sharding import make_mesh, state_shardings
 from primejax.models.transformer import Transformer, resolve_remat_policy
 from primejax.trainer import optim
 from primejax.trainer.logprobs import AUTO_SAVED_LOGITS_FRACTION
-from primejax.trainer.losses import LossConfig
 from primejax.trainer.step import (
     TrainState,
     batch_sharding,
@@ -126,17 +125,20 @@ def compile_train_step(
     micro_batches: int = 1,
     max_segments: int = 0,
     hbm_bytes: int = 0,
+    mesh_sizes: dict[str, int] | None = None,
 ) -> tuple[Any, CompileReport]:
-    """Compile the trainer step of `cfg` for `devices` with the mesh `cfg.trainer.mesh`; nothing is allocated.
+    """Compile the trainer step of `cfg` (the typed config) for `devices`; nothing is allocated.
+
+    The mesh is `cfg.trainer.mesh` unless `mesh_sizes` ({"data", "fsdp", "tensor"}) is given.
 
     `micro_batch_size` (default `trainer.micro_batch_size`) rows per data-parallel rank per micro-batch, as in
     the trainer; `hbm_bytes` (per device) sizes the LM head's saved-logits budget when the config leaves it
     on auto (the trainer asks the runtime, which a topology description does not have).
     """
     t = cfg.trainer
-    mesh = make_mesh(**t.mesh.to_dict(), devices=devices)
-    optimizer, schedule = optim.from_config(t, cfg.run.max_steps)
-    loss_cfg = LossConfig.from_config(t.loss)
+    mesh = make_mesh(**(mesh_sizes or t.mesh.to_dict()), devices=devices)
+    optimizer, schedule = optim.from_config(t.optim, t.scheduler, cfg.run.max_steps)
+    loss_cfg = t.loss
     graphdef, state = abstract_state(model_cfg, optimizer, mesh, cfg.run.seed)
     gib = t.lm_head_saved_logits_gib
     per_device = int(gib * 2**30) if gib >= 0 else int(AUTO_SAVED_LOGITS_FRACTION * hbm_bytes)

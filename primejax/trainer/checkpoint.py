@@ -4,7 +4,7 @@
 when `trainer.checkpoint.async_save` is on: the save of step N runs in the background while training goes
 on, and is finalized (waited for, then `meta.json` written, then old checkpoints pruned) at the next save or
 at `close()`. `meta.json` is the completion marker and holds the data position (the next rollout step to
-read), the config fingerprint and the size of every file under `state/`; a directory without it is an
+read), the model path it started from and the size of every file under `state/`; a directory without it is an
 interrupted save and is ignored, and one whose files no longer match it (a truncated or lost file) is
 skipped by `run.resume_step=latest`, which falls back to the previous complete checkpoint.
 
@@ -25,9 +25,10 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from primejax.rundir import RunDir, step_dirs
 from primejax.utils.disk import disk_full_line, is_disk_full
 from primejax.utils.faults import fault_point
-from primejax.utils.io import atomic_write_json, step_dirs
+from primejax.utils.io import atomic_write_json
 
 log = logging.getLogger("primejax.trainer")
 META = "meta.json"
@@ -38,12 +39,12 @@ class CheckpointError(RuntimeError):
 
 
 def trainer_ckpt_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}" / "trainer"
+    return RunDir(run_dir).checkpoints(step, "trainer")
 
 
 def complete_steps(run_dir: str | Path, verified: bool = False) -> list[int]:
     """Steps with a completion marker; with `verified`, only those whose files still match it."""
-    steps = [s for s, p in step_dirs(Path(run_dir) / "checkpoints") if (p / "trainer" / META).is_file()]
+    steps = [s for s, p in step_dirs(RunDir(run_dir).checkpoints()) if (p / "trainer" / META).is_file()]
     if verified:
         steps = [s for s in steps if checkpoint_problem(run_dir, s) is None]
     return steps
@@ -167,7 +168,7 @@ class TrainerCheckpointer:
         kept = complete_steps(self.run_dir, verified=True)
         older = f"step {kept[-1]} is still the newest checkpoint" if kept else "no older checkpoint exists"
         if is_disk_full(e):
-            cause = disk_full_line(self.run_dir / "checkpoints", f"trainer checkpoint step {step}")
+            cause = disk_full_line(RunDir(self.run_dir).checkpoints(), f"trainer checkpoint step {step}")
         else:
             cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return CheckpointError(f"{cause}; the incomplete save was removed, {older}")

@@ -13,26 +13,25 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from ml_collections import ConfigDict
 
 from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wait_for_batch
 from primejax.contracts.broadcast import broadcast_dir, is_stable, prune_broadcasts, write_broadcast
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, gather_for_export, load_model
+from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model, make_mesh
-from primejax.models.tiny import DEFAULT_VOCAB_SIZE
 from primejax.monitor import Monitor
-from primejax.rundir import run_dir
+from primejax.rundir import RunConfig
 from primejax.trainer import optim
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
-from primejax.trainer.losses import LossConfig
+from primejax.trainer.config import DistributedConfig, TrainerConfig
 from primejax.trainer.step import (
     TrainState,
     device_batch,
@@ -47,6 +46,9 @@ from primejax.trainer.step import (
 )
 from primejax.utils.faults import fault_point
 
+if TYPE_CHECKING:
+    from primejax.config import Config
+
 log = logging.getLogger("primejax.trainer")
 
 
@@ -54,38 +56,30 @@ class NonFiniteError(RuntimeError):
     """A step produced a NaN/inf loss or gradient and `trainer.on_nonfinite` is "stop"."""
 
 
-def model_config(cfg: ConfigDict) -> ModelConfig:
-    """The trainer's model shape and training choices from the config, without touching any weights.
-
-    `model.path`'s config.json, or (no path: fake-data mode) the `model.build_tiny` shape.
-    """
-    m = cfg.model
-    overrides = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, attention_impl=m.attention_impl,
-                     remat_policy=m.remat_policy)
+def model_config(m: ModelSettings, *, max_positions: int = 4096) -> ModelConfig:
+    """The model's shape and training choices, as `build_model` makes them, without touching any weights."""
     if not m.path:
-        tiny = m.build_tiny
-        return ModelConfig(
-            model_type=tiny.family, vocab_size=DEFAULT_VOCAB_SIZE, hidden_size=tiny.hidden_size,
-            intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
-            num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, rope_theta=10000.0, rope_scaling=None,
-            rms_norm_eps=1e-6, tie_word_embeddings=tiny.tied, qk_norm=tiny.family == "qwen3", attention_bias=False,
-            max_position_embeddings=max(4096, cfg.trainer.fake_data.seq_len), **overrides,
-        )
+        return m.build_tiny.architecture(max_positions=max(4096, max_positions), **m.overrides())
     if not (Path(m.path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
-    return ModelConfig.from_model_dir(m.path, **overrides)
+    return ModelConfig.from_model_dir(m.path, **m.overrides())
 
 
-def build_model(cfg: ConfigDict, mesh: jax.sharding.Mesh) -> tuple[nnx.Module, ModelConfig]:
+def build_model(m: ModelSettings, mesh: jax.sharding.Mesh, *, seed: int = 0,
+                max_positions: int = 4096) -> tuple[nnx.Module, ModelConfig]:
     """Load `model.path` (HF safetensors); a directory with only config.json gets random weights (benchmarks)."""
-    m = cfg.model
-    if m.path and any(Path(m.path).glob("*.safetensors")):
-        return load_model(m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
-                          attention_impl=m.attention_impl, remat_policy=m.remat_policy)
-    model_cfg = model_config(cfg)  # fake-data mode without a model, or config.json only: random weights
-    if m.path:
-        log.info("no safetensors in %s: random init (benchmark use)", m.path)
-    return init_model(model_cfg, mesh, cfg.run.seed), model_cfg
+    overrides = m.overrides()
+    if not m.path:  # fake-data mode without a model: the build_tiny shape, random weights
+        model_cfg = m.build_tiny.architecture(max_positions=max(4096, max_positions), **overrides)
+        return init_model(model_cfg, mesh, seed), model_cfg
+    path = Path(m.path)
+    if any(path.glob("*.safetensors")):
+        return load_model(path, mesh=mesh, **overrides)
+    if (path / "config.json").is_file():
+        model_cfg = ModelConfig.from_model_dir(path, **overrides)
+        log.info("no safetensors in %s: random init (benchmark use)", path)
+        return init_model(model_cfg, mesh, seed), model_cfg
+    raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
 
 
 def fake_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) -> PackedBatch:
@@ -105,23 +99,23 @@ def fake_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) ->
 class Trainer:
     """Holds the model, state, jitted steps and writers of one trainer process."""
 
-    def __init__(self, cfg: ConfigDict):
-        self.cfg = cfg
-        t = cfg.trainer
-        self.root = run_dir(cfg)
+    def __init__(self, t: TrainerConfig, model: ModelSettings, run: RunConfig, *, async_level: int = 1):
+        """`async_level` (orchestrator.async_level): how many older broadcasts inference may still be asked for."""
+        self.t, self.model_settings, self.run_cfg, self.async_level = t, model, run, async_level
+        self.root = run.dir
         self.rank = jax.process_index()
         self.mesh = make_mesh(**t.mesh.to_dict())
-        self.model, self.model_cfg = build_model(cfg, self.mesh)
+        self.model, self.model_cfg = build_model(model, self.mesh, seed=run.seed, max_positions=t.fake_data.seq_len)
         self.graphdef = nnx.graphdef(self.model)
-        self.optimizer, self.schedule = optim.from_config(t, cfg.run.max_steps)
-        self.loss_cfg = LossConfig.from_config(t.loss)
-        self.state: TrainState = init_state(self.model, self.optimizer, cfg.run.seed, mesh=self.mesh)
+        self.optimizer, self.schedule = optim.from_config(t.optim, t.scheduler, run.max_steps)
+        self.loss_cfg = t.loss
+        self.state: TrainState = init_state(self.model, self.optimizer, run.seed, mesh=self.mesh)
         del self.model  # the state owns the parameters from here on
         self.micro_rows = t.micro_batch_size * dp_size(self.mesh) // jax.process_count()
         self._steps: dict[int, Callable] = {}
         self.checkpointer = TrainerCheckpointer(self.root, keep=t.checkpoint.keep, async_save=t.checkpoint.async_save)
         self.start_step = 0
-        resume = resolve_resume_step(self.root, cfg.run.resume_step)
+        resume = resolve_resume_step(self.root, run.resume_step)
         if resume is not None:
             self.state, meta = self.checkpointer.restore(resume, self.state)
             self.start_step = int(meta["step"])
@@ -143,13 +137,13 @@ class Trainer:
         key = max_segments if self.loss_cfg.type == "custom" or uses_segments else 0
         if key not in self._steps:
             fn = make_train_step(self.graphdef, self.optimizer, self.schedule, self.loss_cfg,
-                                 chunk_size=self.cfg.trainer.logprob_chunk_size, max_segments=key,
-                                 saved_logits_max_bytes=head_saved_logits_bytes(self.cfg.trainer, self.mesh))
+                                 chunk_size=self.t.logprob_chunk_size, max_segments=key,
+                                 saved_logits_max_bytes=head_saved_logits_bytes(self.t, self.mesh))
             self._steps[key] = jit_train_step(fn, self.state, self.mesh)
         return self._steps[key]
 
     def next_batch(self, step: int, rng: np.random.Generator) -> PackedBatch:
-        t = self.cfg.trainer
+        t = self.t
         if t.fake_data.enabled:
             return fake_batch(rng, t.fake_data.rows // jax.process_count(), t.fake_data.seq_len,
                               self.model_cfg.vocab_size)
@@ -172,7 +166,7 @@ class Trainer:
         metrics.update({
             "perf/step_s": seconds,
             "perf/tokens_per_s": tokens / seconds,
-            "perf/mfu": flops / (self.cfg.trainer.peak_flops * jax.device_count()),
+            "perf/mfu": flops / (self.t.peak_flops * jax.device_count()),
             "perf/tokens": float(tokens),
             "batch/num_samples": float(batch.meta.get("num_samples", 0)),
             "batch/padding_frac": float(1.0 - (batch.segment_ids > 0).mean()),
@@ -187,19 +181,19 @@ class Trainer:
         if not self.export_enabled:
             return {}
         self.check_finite_params(step, "exporting")
-        b = self.cfg.trainer.broadcast
+        b = self.t.broadcast
         model = nnx.merge(self.graphdef, self.state.params)
         if self.rank != 0:  # parameters sharded over the hosts are gathered collectively for process 0
             gather_for_export(model, self.model_cfg, b.dtype)
             return {}
-        src = self.cfg.model.path or None
+        src = self.model_settings.path or None
         start = time.perf_counter()
         _, info = write_broadcast(
             self.root, step, lambda d: export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src),
             hash_files=b.hash,
         )
         seconds = time.perf_counter() - start
-        prune_broadcasts(self.root, step - self.cfg.orchestrator.async_level)
+        prune_broadcasts(self.root, step - self.async_level)
         return {"export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
                 "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
 
@@ -209,7 +203,7 @@ class Trainer:
         A launcher resume regenerates every batch after its checkpoint, but a trainer resumed on its own reads
         the batches after its newest finished checkpoint again, so those stay, as do the newest `keep_rollouts`.
         """
-        t = self.cfg.trainer
+        t = self.t
         if t.keep_rollouts < 0 or t.fake_data.enabled:
             return
         through = step - t.keep_rollouts
@@ -227,17 +221,17 @@ class Trainer:
             raise NonFiniteError(f"step {step}: the parameters are non-finite (NaN/inf); not {doing} them")
 
     def maybe_checkpoint(self, step: int, final: bool = False) -> None:
-        interval = self.cfg.trainer.checkpoint.interval
+        interval = self.t.checkpoint.interval
         if interval > 0 and (step % interval == 0 or final):
             self.check_finite_params(step, "checkpointing")
-            self.checkpointer.save(step, self.state, {"data_step": step + 1, "model_path": self.cfg.model.path})
+            self.checkpointer.save(step, self.state, {"data_step": step + 1, "model_path": self.model_settings.path})
 
     def run(self, monitor: Monitor | None = None) -> TrainState:
-        cfg = self.cfg
-        rng = np.random.default_rng(cfg.run.seed + self.start_step)
+        max_steps = self.run_cfg.max_steps
+        rng = np.random.default_rng(self.run_cfg.seed + self.start_step)
         last = self.start_step
         try:
-            for step in range(self.start_step + 1, cfg.run.max_steps + 1):
+            for step in range(self.start_step + 1, max_steps + 1):
                 wait_start = time.perf_counter()
                 batch = self.next_batch(step, rng)
                 waited = time.perf_counter() - wait_start
@@ -245,7 +239,7 @@ class Trainer:
                 metrics["perf/wait_s"] = waited
                 fault_point("trainer.after_update", step)
                 if metrics["nonfinite"]:
-                    if cfg.trainer.on_nonfinite == "stop":
+                    if self.t.on_nonfinite == "stop":
                         raise NonFiniteError(f"step {step}: non-finite loss, gradient or update "
                                              f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']})")
                     self.skipped_steps += 1
@@ -254,13 +248,13 @@ class Trainer:
                                 self.skipped_steps)
                 metrics["skipped_steps"] = float(self.skipped_steps)
                 metrics.update(self.export(step))
-                self.maybe_checkpoint(step, final=step == cfg.run.max_steps)
+                self.maybe_checkpoint(step, final=step == max_steps)
                 self.prune_consumed(step)
                 last = step
                 if monitor is not None:
                     monitor.scalars(step, metrics)
                 log.info("step %d/%d loss %.4g grad_norm %.3g tok/s %.0f mfu %.2f%% mismatch_kl %.2e",
-                         step, cfg.run.max_steps, metrics["loss"], metrics["grad_norm"],
+                         step, max_steps, metrics["loss"], metrics["grad_norm"],
                          metrics["perf/tokens_per_s"], 100 * metrics["perf/mfu"], metrics["mismatch_kl"])
         finally:
             self.checkpointer.close()
@@ -270,25 +264,24 @@ class Trainer:
         return self.state
 
 
-def train(cfg: ConfigDict) -> TrainState:
-    """Run the trainer loop of `cfg` in this process; returns the final state."""
-    root = run_dir(cfg)
+def train(cfg: Config) -> TrainState:
+    """The trainer process's work (entry: `python -m primejax.trainer`); returns the final state."""
+    root = cfg.run_dir
     root.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg.trainer, cfg.model, cfg.run, async_level=cfg.orchestrator.async_level)
     if trainer.rank != 0:  # one writer of the run's metrics
         return trainer.run(None)
-    with Monitor(root, "trainer", tensorboard=cfg.monitor.tensorboard, jsonl=cfg.monitor.jsonl) as monitor:
+    with Monitor.from_config(root, "trainer", cfg.monitor) as monitor:
         return trainer.run(monitor)
 
 
-def distributed_settings(cfg: ConfigDict, environ: Mapping[str, str] | None = None) -> tuple[str, int, int]:
+def distributed_settings(d: DistributedConfig, environ: Mapping[str, str] | None = None) -> tuple[str, int, int]:
     """(coordinator address, process count, process id): the config, overridden per host by the environment.
 
     One resolved config serves every host of a multi-node run; each host sets its own `PRIMEJAX_PROCESS_ID`
     (and may set `PRIMEJAX_COORDINATOR_ADDRESS` / `PRIMEJAX_NUM_PROCESSES`) instead of editing it.
     """
     env = os.environ if environ is None else environ
-    d = cfg.trainer.distributed
     return (
         env.get("PRIMEJAX_COORDINATOR_ADDRESS", d.coordinator_address),
         int(env.get("PRIMEJAX_NUM_PROCESSES", d.num_processes)),
@@ -296,8 +289,8 @@ def distributed_settings(cfg: ConfigDict, environ: Mapping[str, str] | None = No
     )
 
 
-def maybe_init_distributed(cfg: ConfigDict) -> None:
-    address, num_processes, process_id = distributed_settings(cfg)
+def maybe_init_distributed(d: DistributedConfig) -> None:
+    address, num_processes, process_id = distributed_settings(d)
     if num_processes > 1:
         # CPU processes need a cross-process collectives backend (GPUs use NCCL, TPUs their ICI either way).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -1,7 +1,7 @@
 """The training loss: three components (rl, ce, ref_kl), each normalized by its own global token count.
 
 Per token, with lp = trainer logprob, lq = inference logprob, A = advantage, log_r = lp - lq, r = exp(log_r),
-d = exp(lp) - exp(lq) (ARCHITECTURE.md §Losses, reference 001 §Loss):
+d = exp(lp) - exp(lq) (docs/architecture.md#losses):
 
 - rl (DPPO + KL): masked = (A > 0 and d > dppo_mask_high) or (A <= 0 and d < -dppo_mask_low);
   loss_t = -keep * adv_tau * A * min(r, is_clip) + kl_tau * member * log_r^2, keep = member and not masked.
@@ -27,34 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from primejax.trainer.config import LossConfig
+
 COMPONENTS = ("rl", "ce", "ref_kl")
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    type: str = "default"
-    dppo_mask_low: float = 0.2
-    dppo_mask_high: float = 0.2
-    adv_tau: float = 1.0
-    kl_tau: float = 1e-3
-    is_clip: float = 8.0
-    import_path: str = ""
-    kwargs_json: str = "{}"
-
-    @classmethod
-    def from_config(cls, loss_cfg: Mapping[str, Any]) -> LossConfig:
-        return cls(**{f.name: loss_cfg[f.name] for f in dataclasses.fields(cls)})
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return json.loads(self.kwargs_json)
 
 
 @dataclasses.dataclass

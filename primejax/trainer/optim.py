@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import jax
 import optax
+
+from primejax.trainer.config import OptimConfig, SchedulerConfig
 
 
 def make_schedule(
@@ -42,24 +45,22 @@ def _decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
 
 
-def make_optimizer(optim: Mapping[str, Any], schedule: optax.Schedule) -> optax.GradientTransformation:
+def make_optimizer(optim: OptimConfig | Mapping[str, Any], schedule: optax.Schedule) -> optax.GradientTransformation:
     """Global-norm clip (if max_norm > 0) then AdamW with the given schedule."""
+    if isinstance(optim, Mapping):  # unchecked: benchmarks and tests pass plain values (even a NaN lr)
+        optim = SimpleNamespace(**optim)
     parts = []
-    if optim["max_norm"] > 0:
-        parts.append(optax.clip_by_global_norm(optim["max_norm"]))
+    if optim.max_norm > 0:
+        parts.append(optax.clip_by_global_norm(optim.max_norm))
     parts.append(
         optax.adamw(
-            schedule, b1=optim["b1"], b2=optim["b2"], eps=optim["eps"], weight_decay=optim["weight_decay"],
-            mask=_decay_mask,
+            schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=_decay_mask,
         )
     )
     return optax.chain(*parts)
 
 
-def from_config(trainer_cfg: Mapping[str, Any], max_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(optimizer, schedule) from the `trainer` config section; decay_steps 0 means run.max_steps."""
-    s = trainer_cfg["scheduler"]
-    schedule = make_schedule(
-        trainer_cfg["optim"]["lr"], s["type"], s["warmup_steps"], s["decay_steps"] or max_steps, s["min_lr_ratio"]
-    )
-    return make_optimizer(trainer_cfg["optim"], schedule), schedule
+def from_config(o: OptimConfig, s: SchedulerConfig, max_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(optimizer, schedule) from the `trainer.optim` and `trainer.scheduler` sections."""
+    schedule = make_schedule(o.lr, s.type, s.warmup_steps, s.total_steps(max_steps), s.min_lr_ratio)
+    return make_optimizer(o, schedule), schedule

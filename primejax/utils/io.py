@@ -9,27 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def step_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """The `step_N` entries of `directory` as (N, path), by step; [] when it does not exist.
-
-    One reading of the run directory's per-step layout (rollouts/, broadcasts/, checkpoints/); temp entries of
-    unfinished writes (`.step_N.*.tmp`) never match.
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = ((m, p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)))
-    return sorted((int(m.group(1)), p) for m, p in found)
 
 
 def _fsync_dir(path: Path) -> None:

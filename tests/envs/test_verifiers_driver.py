@@ -11,7 +11,8 @@ import pytest
 
 from primejax.envs.registry import load_env
 from primejax.orchestrator.buffer import EnvSlot
-from primejax.orchestrator.generate import GroupGenerator, SamplingSettings
+from primejax.orchestrator.config import SamplingConfig
+from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.renderer import build_renderer
 from primejax.orchestrator.renderers_adapter import PackageRenderer
 from primejax.orchestrator.samples import rollout_to_samples
@@ -75,10 +76,8 @@ def run_group(tokenizer, script: list[str], max_turns=8, **args):
     env = load_env(TASKSET, {"size": 2, **args})
     client = ScriptedClient(tokenizer, script)
     renderer = build_renderer("auto", tokenizer)
-    settings = SamplingSettings(
-        max_tokens=64, temperature=1.0, top_p=1.0, max_turns=max_turns, seed=-1, max_prompt_tokens=4096
-    )
-    gen = GroupGenerator(client, renderer, settings, Version(), max_concurrent=4)
+    settings = SamplingConfig(max_tokens=64, max_turns=max_turns)
+    gen = GroupGenerator(client, renderer, settings, Version(), max_concurrent=4, max_prompt_tokens=4096)
     slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=Scorer())
     (rollout,) = asyncio.run(gen.group(slot, 0, 0, 1, step=1))
     return rollout, client, gen, env
@@ -174,11 +173,14 @@ def test_env_run_drives_the_conversation_through_the_stand_in(tool_tokenizer):
     )
     assert env.example(0).prompt == []  # the Env's run opens the conversation
     client = ScriptedClient(tool_tokenizer, ["pear", "plum", "apple"])
-    settings = SamplingSettings(
-        max_tokens=64, temperature=1.0, top_p=1.0, max_turns=8, seed=-1, max_prompt_tokens=4096
-    )
+    settings = SamplingConfig(max_tokens=64, max_turns=8)
     gen = GroupGenerator(
-        client, build_renderer("auto", tool_tokenizer), settings, Version(), max_concurrent=4
+        client,
+        build_renderer("auto", tool_tokenizer),
+        settings,
+        Version(),
+        max_concurrent=4,
+        max_prompt_tokens=4096,
     )
     slot = EnvSlot(name="guess", env=env, weight=1.0, algorithm=Scorer())
     (rollout,) = asyncio.run(gen.group(slot, 0, 0, 1, step=1))

@@ -13,9 +13,11 @@ from primejax.envs.registry import load_env
 from primejax.inference.client import InferenceClient
 from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.buffer import EnvSlot
-from primejax.orchestrator.generate import GroupGenerator, SamplingSettings
+from primejax.orchestrator.config import OrchestratorConfig, SamplingConfig
+from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.renderer import build_renderer, load_tokenizer
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.utils.sections import build
 
 pytestmark = pytest.mark.vllm
 
@@ -37,21 +39,25 @@ class Version:
 
 def test_env_run_rollouts_on_vllm_match_the_server_and_echo_trains_user_turns(vllm_server, tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    cfg = default_config().orchestrator
-    cfg.algo.type, cfg.algo.roles_json = "echo", '{"user": 0.2}'
+    tree = default_config().orchestrator
+    tree.algo.type, tree.algo.roles = "echo", {"user": 0.2}
+    cfg = build(OrchestratorConfig, tree)
     echo = build_algorithm("echo", cfg.algo, sampling=cfg.sampling, tokenizer=tokenizer)
     env = load_env(
         "tests.envs.vf_local_taskset", {"env": "tests.envs.vf_guess_env", "env_args": {"rounds": 3}}
     )
-    settings = SamplingSettings(
-        max_tokens=12, temperature=1.0, top_p=1.0, max_turns=8, seed=-1, max_prompt_tokens=900
-    )
+    settings = SamplingConfig(max_tokens=12, max_turns=8)
 
     async def main():
         client = RecordingClient(vllm_server.base_url, timeout_s=120, max_retries=2)
         try:
             gen = GroupGenerator(
-                client, build_renderer("auto", tokenizer), settings, Version(), max_concurrent=4
+                client,
+                build_renderer("auto", tokenizer),
+                settings,
+                Version(),
+                max_concurrent=4,
+                max_prompt_tokens=900,
             )
             slot = EnvSlot(name="guess", env=env, weight=1.0, algorithm=echo)
             groups = await asyncio.gather(*(gen.group(slot, i, i, 2, step=1) for i in range(2)))

@@ -46,8 +46,6 @@ def test_defaults_validate():
         ({"trainer__scheduler__type": "cosine", "trainer__scheduler__warmup_steps": 50}, "trainer.scheduler.warmup_steps"),
         ({"trainer__loss__type": "custom"}, "trainer.loss.import_path"),
         ({"trainer__loss__is_clip": 0.0}, "trainer.loss.is_clip"),
-        ({"trainer__loss__kwargs_json": "{bad"}, "trainer.loss.kwargs_json"),
-        ({"trainer__loss__kwargs_json": "[1]"}, "trainer.loss.kwargs_json"),
         ({"trainer__mesh__fsdp": 0}, "trainer.mesh.fsdp"),
         ({"trainer__mesh__data": -1}, "trainer.mesh"),
         ({"trainer__on_nonfinite": "ignore"}, "trainer.on_nonfinite"),
@@ -68,6 +66,11 @@ def test_defaults_validate():
         ({"sft__steps": 10}, "sft.data_path"),
         ({"orchestrator__sampling__seed": 7}, "orchestrator.sampling.seed"),
         ({"sft__steps": 10, "sft__from_env": "nope"}, "sft.from_env"),
+        ({"model__build_tiny__tokenizer": "bytes", "model__build_tiny__vocab_size": 100},
+         "model.build_tiny.vocab_size"),
+        ({"model__build_tiny__num_kv_heads": 3}, "model.build_tiny.num_kv_heads"),
+        ({"orchestrator__algo__roles": {"tool": -1.0}}, "orchestrator.algo.roles"),
+        ({"inference__gpu_memory_utilization": 1.5}, "inference.gpu_memory_utilization"),
     ],
 )
 def test_each_rule_rejects_with_the_key_named(changes, key):
@@ -156,3 +159,49 @@ def test_cli_dry_run_prints_and_records_resolved_config(tmp_path):
     assert printed["trainer"]["optim"]["lr"] == 0.25
     recorded = json.loads((tmp_path / "debug" / "configs" / "train.json").read_text())
     assert recorded == printed
+
+
+def test_help_keys_lists_every_key_with_its_doc():
+    proc = subprocess.run([sys.executable, "-m", "primejax.train", "--help=keys"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    leaves = [ln for ln in lines if " = " in ln]
+    flat = []
+
+    def walk(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict) and k not in ("args", "kwargs", "roles") and v:
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat.append(f"{prefix}{k}")
+
+    walk(json.loads(to_json(_cfg())))
+    for key in flat:
+        if ".envs." in key:
+            key = key.replace(".envs.reverse_text.", ".envs.<name>.")
+        assert any(ln.startswith(f"{key} = ") and "# " in ln for ln in leaves), key
+
+
+def test_configs_saved_before_the_typed_sections_still_load(tmp_path):
+    """A resolved config written by primejax before this change (commit 5df0e45's `--dry_run`: JSON strings for
+    kwargs and roles, an env naming its algorithm type plus its own custom advantage) loads; one that cannot be
+    converted fails in one line naming the key."""
+    saved = ROOT / "tests" / "foundation" / "data" / "config_before_typed_sections.json"
+    cfg, _ = parse_config(["--config", str(saved)], prog="t")
+    assert cfg.trainer.loss.kwargs == {"clip_eps": 0.3}
+    assert cfg.orchestrator.algo.type == "echo" and cfg.orchestrator.algo.roles == {"tool": 0.5}
+    env_algo = cfg.orchestrator.env_algo("reverse_text")
+    assert env_algo.type == "max_rl" and env_algo.advantage.kwargs == {"value": 2.0}
+    assert env_algo.advantage.import_path == "custom_advantage_fns.constant"
+    old = json.loads(saved.read_text())
+    old["trainer"]["loss"]["kwargs_json"] = "[1]"
+    path = tmp_path / "trainer.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(UsageError, match=r"trainer\.loss\.kwargs_json: was renamed to 'kwargs'"):
+        parse_config(["--config", str(path)], prog="t")
+    old["trainer"]["loss"]["kwargs_json"] = "{}"
+    old["trainer"]["gone"] = 1
+    path.write_text(json.dumps(old))
+    with pytest.raises(UsageError, match=r"trainer\.gone: unknown key"):
+        parse_config(["--config", str(path)], prog="t")

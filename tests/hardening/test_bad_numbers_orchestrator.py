@@ -11,14 +11,13 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "orchestrator"))
-from orch_fakes import FakeClient, small_config  # noqa: E402
+from orch_fakes import FakeClient, make_orchestrator, small_config  # noqa: E402
 
 from primejax.contracts.batch import read_batch, step_dir  # noqa: E402
 from primejax.envs.base import Environment, Example  # noqa: E402
 from primejax.envs.registry import register_env  # noqa: E402
 from primejax.envs.reverse_text import ReverseText  # noqa: E402
 from primejax.inference.client import InferenceClient, InferenceError  # noqa: E402
-from primejax.orchestrator.loop import Orchestrator  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def test_a_bad_reward_errors_its_rollout_and_the_group_goes_on(tmp_path, tokeniz
     name = f"test-bad-reward-{bad!r}"
     register_env(name, lambda: BadReward(bad))
     cfg = small_config(tmp_path / "run", env_id=name, batch_size=8, group_size=4)
-    orch = Orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
     orch.resume("")
     (metrics,) = asyncio.run(orch.run(1))
     assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2

@@ -85,13 +85,9 @@ def test_spec_builds_the_documented_command(tmp_path):
 
 
 def test_spec_from_config():
-    from primejax.config import default_config
+    from primejax.inference.server import InferenceConfig
 
-    c = default_config()
-    c.model.path = "/models/x"
-    c.inference.port = 9001
-    c.inference.extra_args = ("--foo",)
-    spec = ServerSpec.from_config(c)
+    spec = ServerSpec.from_config(InferenceConfig(port=9001, extra_args=("--foo",)), "/models/x")
     assert (spec.model, spec.port, spec.base_url, spec.extra_args) == ("/models/x", 9001, "http://127.0.0.1:9001",
                                                                      ("--foo",))
 

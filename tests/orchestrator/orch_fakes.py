@@ -98,3 +98,14 @@ def small_config(run_dir, *, env_id: str = "reverse-text", batch_size: int = 8, 
     for key, value in orchestrator.items():
         o[key] = value
     return cfg
+
+
+def make_orchestrator(cfg: ConfigDict, **kwargs: Any):
+    """An Orchestrator from a whole test config, wired as `primejax.orchestrator.run` wires it."""
+    from primejax.config import typed
+    from primejax.orchestrator.loop import Orchestrator
+
+    c = typed(cfg)
+    return Orchestrator(c.orchestrator, seed=c.run.seed, num_shards=c.trainer.distributed.num_processes,
+                        pad_rows_to_multiple=c.trainer.micro_batch_size,
+                        recovery_timeout_s=2 * c.inference.startup_timeout_s, **kwargs)

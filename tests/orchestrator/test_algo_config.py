@@ -1,10 +1,14 @@
-"""Config-time validation of algorithm components (seed 001 §Customizing Components): one failing case per rule."""
+"""Config-time validation of algorithm components (docs/algorithms.md): one failing case per rule."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-from primejax.config import ConfigError, default_config, validate
+from primejax.config import ConfigError, default_config, env, typed, validate
+
+_nothing = contextlib.nullcontext
 
 
 def config(**algo):
@@ -49,13 +53,16 @@ def test_valid_settings_of_each_algorithm_pass(algo):
         (lambda: frozen(config(type="opd", sampling=FROZEN, teacher={"base_url": ("http://h:1",)})),
          "orchestrator.algo.type", "only feed the ce"),
         (lambda: config(type="opsd", length_penalty={"type": "tokens", "coef": 0.1}),
-         "orchestrator.algo.length_penalty.type", "grpo family"),
-        (lambda: config(length_penalty={"type": "turns", "coef": -1.0}), "orchestrator.algo.length_penalty",
+         "orchestrator.algo.length_penalty", "a key of grpo, max_rl, echo"),
+        (lambda: config(type="grpo", teacher={"base_url": ("http://h:1",)}), "orchestrator.algo.teacher",
+         "'grpo' has no 'teacher'"),
+        (lambda: config(length_penalty={"type": "turns", "coef": -1.0}), "orchestrator.algo.length_penalty.coef",
          ">= 0"),
         (lambda: config(advantage={"import_path": "nodots"}), "orchestrator.algo.advantage.import_path",
          "import path"),
-        (lambda: config(filter={"import_path": "nodots"}), "orchestrator.algo.filter.import_path", "import path"),
-        (lambda: config(roles_json='{"tool": -0.1}'), "orchestrator.algo.roles_json", "alpha"),
+        (lambda: config(type="echo", filter={"import_path": "nodots"}), "orchestrator.algo.filter.import_path",
+         "import path"),
+        (lambda: config(type="echo", roles={"tool": -0.1}), "orchestrator.algo.roles", "alpha"),
     ],
 )
 def test_each_rule_rejects_its_case(make, key, message):
@@ -66,14 +73,37 @@ def test_each_rule_rejects_its_case(make, key, message):
 
 def test_per_env_algorithm_is_checked_too():
     cfg = config()
-    cfg.orchestrator.envs.reverse_text.algo = "sft"
-    with pytest.raises(ConfigError, match="frozen source"):
+    cfg.orchestrator.envs.reverse_text.algo.type = "sft"
+    with pytest.raises(ConfigError, match="frozen source") as e:
         validate(cfg)
+    assert e.value.key == "orchestrator.envs.reverse_text.algo.sampling.source"
     cfg = config()
-    cfg.orchestrator.envs.reverse_text.advantage.import_path = "nodots"
+    cfg.orchestrator.envs.reverse_text.algo.type = "grpo"
+    cfg.orchestrator.envs.reverse_text.algo.advantage.import_path = "nodots"
     with pytest.raises(ConfigError) as e:
         validate(cfg)
-    assert e.value.key == "orchestrator.envs.reverse_text.advantage.import_path"
+    assert e.value.key == "orchestrator.envs.reverse_text.algo.advantage.import_path"
+    cfg = config()
+    cfg.orchestrator.envs.reverse_text.algo.roles = {"user": 1.0}  # set without choosing a type: not inherited
+    with pytest.raises(ConfigError, match="'' has no 'roles'"):
+        validate(cfg)
+
+
+def test_reference_example_sft_from_a_frozen_source_next_to_grpo_on_the_policy():
+    """Reference 001's mixed run: each env resolves its own sampling source, teacher, roles, length penalty."""
+    cfg = config()
+    o = cfg.orchestrator
+    with o.envs.unlocked() if o.envs.is_locked else _nothing():
+        o.envs["distill"] = env("reverse-text")
+    o.envs.distill.algo.type = "sft"
+    o.envs.distill.algo.sampling.update({"source": "frozen", "frozen": {"name": "big", "base_url": ("http://h:1",)}})
+    o.envs.reverse_text.algo.type = "grpo"
+    o.envs.reverse_text.algo.length_penalty.update({"type": "tokens", "coef": 0.1})
+    typed_cfg = typed(cfg)
+    sft, grpo = typed_cfg.orchestrator.env_algo("distill"), typed_cfg.orchestrator.env_algo("reverse_text")
+    assert sft.type == "sft" and sft.sampling.frozen.base_url == ("http://h:1",)
+    assert grpo.sampling.source == "policy" and grpo.length_penalty.coef == 0.1
+    assert typed_cfg.orchestrator.algo.length_penalty.type == "none"  # the global block is untouched
 
 
 def test_pool_thresholds_must_be_ordered_and_eval_sizes_positive():

@@ -6,16 +6,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from ml_collections import ConfigDict
 
-from primejax.config import _env, default_config
+from primejax.config import ConfigError, default_config, env
 from primejax.envs.base import Example
 from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.algorithms.advantage import extension_runs, mean_normalized
-from primejax.orchestrator.algorithms.base import env_algo_config
+from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.qwen3_renderer import Qwen3Renderer
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.utils.sections import build
 
 EXAMPLE = Example(key="k", prompt=[{"role": "user", "content": "q"}], answer="the answer",
                   info={"demonstration": "do it like this"})
@@ -26,14 +26,14 @@ def rollout(reward: float, tokens: int = 3, turns: int = 1) -> Rollout:
     return Rollout(env="e", example_index=0, example=EXAMPLE, group_id=0, steps=steps, reward=reward)
 
 
-def algo_config(**algo) -> ConfigDict:
+def algo_config(**algo) -> OrchestratorConfig:
     cfg = default_config().orchestrator
     for key, value in algo.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and key != "roles":
             cfg.algo[key].update(value)
         else:
             cfg.algo[key] = value
-    return cfg
+    return build(OrchestratorConfig, cfg)
 
 
 def finalize(algo, group: list[Rollout]) -> None:
@@ -80,7 +80,7 @@ def test_length_penalty_target_exempts_the_first_tokens_and_turns():
 # ------------------------------------------------------------------------------------- custom advantage
 
 def test_custom_advantage_by_import_path_with_kwargs():
-    cfg = algo_config(advantage={"import_path": "custom_advantage_fns.normalized", "kwargs_json": '{"eps": 0.0}'})
+    cfg = algo_config(advantage={"import_path": "custom_advantage_fns.normalized", "kwargs": {"eps": 0.0}})
     group = [rollout(1.0), rollout(0.0)]
     finalize(build_algorithm("grpo", cfg.algo, sampling=cfg.sampling), group)
     assert [r.advantages[0] for r in group] == pytest.approx([1.0, -1.0], abs=1e-12)
@@ -93,14 +93,18 @@ def test_custom_advantage_must_return_one_value_per_rollout():
 
 
 def test_per_env_advantage_overrides_the_global_one():
-    cfg = algo_config(advantage={"import_path": "custom_advantage_fns.constant", "kwargs_json": '{"value": 2.0}'})
-    plain, custom = _env("reverse-text"), _env("reverse-text")
-    custom.advantage.update({"import_path": "custom_advantage_fns.constant", "kwargs_json": '{"value": -3.0}'})
-    for entry, expected in ((plain, 2.0), (custom, -3.0)):
+    tree = default_config().orchestrator
+    tree.algo.advantage.update({"import_path": "custom_advantage_fns.constant", "kwargs": {"value": 2.0}})
+    tree.envs["custom"] = env("reverse-text")
+    tree.envs.custom.algo.type = "grpo"
+    tree.envs.custom.algo.advantage.update({"import_path": "custom_advantage_fns.constant", "kwargs": {"value": -3.0}})
+    cfg = build(OrchestratorConfig, tree)
+    for name, expected in (("reverse_text", 2.0), ("custom", -3.0)):
         group = [rollout(1.0), rollout(0.0)]
-        finalize(build_algorithm("grpo", env_algo_config(cfg.algo, entry), sampling=cfg.sampling), group)
+        algo = cfg.env_algo(name)
+        finalize(build_algorithm(algo.type, algo, sampling=cfg.sampling), group)
         assert [r.advantages[0] for r in group] == [expected, expected]
-    assert cfg.algo.advantage.kwargs_json == '{"value": 2.0}'  # the shared section is not mutated
+    assert cfg.algo.advantage.kwargs == {"value": 2.0}  # the shared section is not mutated
 
 
 # ------------------------------------------------------------------------------------ reference scoring
@@ -157,8 +161,7 @@ def test_opsd_scores_the_policy_under_the_demonstration_hint(tokenizer):
     h = len(hint)
     assert r.ref_logprobs == pytest.approx([-(10 + h + 3) / 100, -(11 + h + 4) / 100], abs=1e-12)
     # falls back to the example field of the same name
-    cfg.algo.demo_key = "answer"
-    algo = build_algorithm("opsd", cfg.algo, sampling=cfg.sampling, policy_client=policy, tokenizer=tokenizer)
+    algo = build_algorithm("opsd", cfg.algo.replace(demo_key="answer"), sampling=cfg.sampling, policy_client=policy, tokenizer=tokenizer)
     assert tokenizer.decode(algo.hint_ids("the answer")).endswith("Demo: the answer<|im_end|>\n")
     r2 = Rollout(env="e", example_index=0, example=Example("k2", []), group_id=0, reward=1.0,
                  steps=[TrajectoryStep([1], [2], [0.0], "stop", 0)])
@@ -167,11 +170,10 @@ def test_opsd_scores_the_policy_under_the_demonstration_hint(tokenizer):
 
 
 def test_sft_needs_a_frozen_source_and_ships_ce_on_every_sampled_token():
-    cfg = algo_config(type="sft")
-    with pytest.raises(ValueError, match="frozen sampling source"):
-        build_algorithm("sft", cfg.algo, sampling=cfg.sampling)
-    cfg = algo_config(type="sft", sampling={"source": "frozen"})
-    cfg.algo.sampling.frozen.update({"name": "big", "base_url": ("http://127.0.0.1:9",)})
+    with pytest.raises(ConfigError, match="sft needs a frozen source"):  # rejected with the config
+        algo_config(type="sft")
+    cfg = algo_config(type="sft", sampling={"source": "frozen",
+                                            "frozen": {"name": "big", "base_url": ("http://127.0.0.1:9",)}})
     algo = build_algorithm("sft", cfg.algo, sampling=cfg.sampling)
     assert algo.sampling_client is not None and algo.sampling_client.base_urls == ["http://127.0.0.1:9"]
     group = [rollout(1.0), rollout(1.0)]
@@ -216,7 +218,7 @@ def spans(weights: list[float]) -> list[tuple[int, int, float]]:
 
 
 def test_echo_weights_observation_content_by_role_and_ships_rl_plus_ce(tokenizer):
-    cfg = algo_config(type="echo", roles_json='{"tool": 0.25, "user": 0.05}')
+    cfg = algo_config(type="echo", roles={"tool": 0.25, "user": 0.05})
     algo = build_algorithm("echo", cfg.algo, sampling=cfg.sampling, tokenizer=tokenizer)
     r, other = echo_rollout(tokenizer), echo_rollout(tokenizer)
     other.reward = 0.0

@@ -9,7 +9,9 @@ import pytest
 from primejax.config import default_config
 from primejax.envs.base import Example
 from primejax.orchestrator.algorithms import Algorithm, algorithm_class, build_algorithm, register_algorithm
+from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
+from primejax.utils.sections import build
 
 EXAMPLE = Example(key="k", prompt=[{"role": "user", "content": "q"}])
 
@@ -20,8 +22,9 @@ def rollout(reward: float | None, tokens: int = 3, error: str | None = None, tur
 
 
 def grpo(**length_penalty):
-    cfg = default_config().orchestrator
-    cfg.algo.length_penalty.update(length_penalty)
+    tree = default_config().orchestrator
+    tree.algo.length_penalty.update(length_penalty)
+    cfg = build(OrchestratorConfig, tree)
     return build_algorithm("grpo", cfg.algo, sampling=cfg.sampling)
 
 
@@ -99,7 +102,7 @@ def test_hooks_run_in_order_and_errored_rollouts_skip_them():
             for r in group:
                 r.assign_advantages(r.reward)
 
-    cfg = default_config().orchestrator
+    cfg = build(OrchestratorConfig, default_config().orchestrator)
     algo = build_algorithm("test-recording", cfg.algo)
     group = [rollout(1.0), rollout(None, error="x"), rollout(2.0)]
     finalize(algo, group)

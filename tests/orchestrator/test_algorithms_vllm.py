@@ -14,11 +14,10 @@ from pathlib import Path
 import jax
 import pytest
 from ml_collections import ConfigDict
-from orch_fakes import small_config
+from orch_fakes import make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.inference.client import InferenceClient
-from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.renderer import load_tokenizer
 
 pytestmark = pytest.mark.vllm
@@ -49,7 +48,7 @@ def trainer_step(tiny_model_dir):
 
 
 def orchestrate(run_dir: Path, model_dir: Path, policy_url: str, **setup) -> dict[str, float]:
-    cfg = small_config(run_dir, batch_size=4, group_size=2, async_level=1)
+    cfg = small_config(run_dir, batch_size=4, group_size=2, async_level=0)  # seeded sampling: one step, no trainer
     cfg.model.path = str(model_dir)
     o = cfg.orchestrator
     o.update({"seq_len": SEQ_LEN, "max_prompt_tokens": 256})
@@ -67,7 +66,7 @@ def orchestrate(run_dir: Path, model_dir: Path, policy_url: str, **setup) -> dic
 
     async def main():
         client = InferenceClient(policy_url, timeout_s=120, max_retries=2)
-        orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
+        orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
         try:
             return (await orch.run(1))[0]
         finally:
@@ -92,7 +91,7 @@ def train_on(run_dir: Path, trainer_step) -> dict[str, float]:
 CASES = {
     "grpo": ({}, {"rl"}),
     "max_rl": ({"type": "max_rl"}, {"rl"}),
-    "echo": ({"type": "echo", "roles_json": '{"user": 0.1}', "env_id": "alphabet-sort",
+    "echo": ({"type": "echo", "roles": {"user": 0.1}, "env_id": "alphabet-sort",
               "env_args": {"num_turns": 2, "initial_names": 2, "names_per_turn": 1}}, {"rl", "ce"}),
     "opd": ({"type": "opd", "teacher": "untied"}, {"ref_kl"}),
     "sft": ({"type": "sft", "sampling": "untied"}, {"ce"}),
@@ -144,3 +143,66 @@ def test_offline_eval_of_a_weights_dir_against_the_server(tmp_path, vllm_server,
             return await c.weights_version()
 
     assert asyncio.run(version()) == 0  # the shared server is back on the base model
+
+
+def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(tmp_path, vllm_server, vllm_server_untied,
+                                                                       tiny_model_dir, trainer_step):
+    """Reference 001's per-env algorithms: in one run of 2 steps, env `distill` runs sft sampled from a frozen
+    server and env `reverse_text` runs grpo on the policy. Every sample of the written batches carries only ce
+    tokens (distill) or only rl tokens (grpo), and one trainer step on each batch trains both components."""
+    from primejax.config import env, typed
+    from primejax.orchestrator.loop import Orchestrator
+
+    run_dir = tmp_path / "run"
+    cfg = small_config(run_dir, batch_size=8, group_size=2, async_level=1)  # two steps from the base policy
+    cfg.model.path = str(tiny_model_dir)
+    o = cfg.orchestrator
+    o.update({"seq_len": SEQ_LEN, "max_prompt_tokens": 256})
+    o.sampling.max_tokens = 24
+    o.filters.post_batch = ()
+    o.envs["distill"] = env("reverse-text", seed=7)
+    o.envs.distill.algo.type = "sft"
+    o.envs.distill.algo.sampling.update({"source": "frozen", "frozen": {"base_url": (vllm_server_untied.base_url,)}})
+    o.envs.reverse_text.algo.type = "grpo"
+    o.envs.reverse_text.algo.length_penalty.update({"type": "tokens", "coef": 0.01})
+    c = typed(cfg)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+
+    async def main():
+        client = InferenceClient(vllm_server.base_url, timeout_s=120, max_retries=2)
+        orch = Orchestrator(c.orchestrator, client=client, tokenizer=tokenizer, run_dir=run_dir,
+                            pad_rows_to_multiple=ROWS)
+        assert orch.buffer.envs["distill"].algorithm.sampling_client.base_urls == [vllm_server_untied.base_url]
+        assert orch.buffer.envs["reverse_text"].algorithm.sampling_client is None  # samples from the policy
+        try:
+            return [await orch.step(step) for step in (1, 2)], orch
+        finally:
+            await orch.close()
+            await client.close()
+
+    results, orch = asyncio.run(main())
+    step, holder, vocab = trainer_step
+    from primejax.trainer.step import to_micro_batches
+
+    for result in results:
+        batch = read_batch(step_dir(run_dir, result.step) / "rank_0.npz", vocab_size=vocab)
+        segments = {}
+        for row in range(batch.rows):
+            for seg in set(batch.segment_ids[row].tolist()) - {0}:
+                where = batch.segment_ids[row] == seg
+                trained = where & batch.loss_mask[row]
+                segments[tuple(batch.tokens[row][where].tolist())] = (
+                    float(batch.rl_weights[row][trained].sum()), float(batch.ce_weights[row][trained].sum()))
+        envs_seen = set()
+        for rollout in result.batch:
+            for sample in orch.to_samples([rollout]):
+                rl, ce = segments[tuple(sample.token_ids)]
+                if rollout.env == "distill":
+                    assert ce > 0 and rl == 0, (rl, ce)
+                else:
+                    assert rl > 0 and ce == 0, (rl, ce)
+                envs_seen.add(rollout.env)
+        assert envs_seen == {"distill", "reverse_text"}
+        holder[0], metrics = step(holder[0], to_micro_batches(batch.pad_rows(ROWS), ROWS))
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        assert metrics["tokens/ce"] > 0 and metrics["tokens/rl"] > 0 and metrics["nonfinite"] == 0

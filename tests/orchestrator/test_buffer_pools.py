@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from orch_fakes import FakeClient, small_config
+from orch_fakes import FakeClient, make_orchestrator, small_config
 
 from primejax.envs.base import Environment, Example
 from primejax.envs.registry import register_env
@@ -71,7 +71,7 @@ def test_online_difficulty_filtering_drops_exactly_the_all_zero_and_all_one_grou
 
 
 def run(cfg, tokenizer, steps: int) -> tuple[Orchestrator, list[dict[str, float]]]:
-    orch = Orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer,
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer,
                         run_dir=cfg.run.output_dir + "/" + cfg.run.name)
     orch.resume(cfg.run.resume_step)
     return orch, asyncio.run(orch.run(steps))

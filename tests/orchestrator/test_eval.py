@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from orch_fakes import FakeClient, small_config
+from orch_fakes import FakeClient, make_orchestrator, small_config
 
-from primejax.config import _env
+from primejax.config import _env, typed
 from primejax.envs.base import Example
 from primejax.orchestrator.eval import env_metrics
-from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 
 
@@ -38,7 +37,7 @@ def test_online_eval_runs_every_interval_on_the_eval_envs(tmp_path, tokenizer):
     cfg.orchestrator.eval.update({"interval": 2, "num_examples": 3, "group_size": 4})
     cfg.orchestrator.eval.envs = {"held_out": _env("reverse-text", seed=123)}
     client = FakeClient(tokenizer)
-    orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run")
+    orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run")
     history = asyncio.run(orch.run(4))
     assert [("eval/held_out/pass@4" in m) for m in history] == [False, True, False, True]
     # FakeClient: member 0 answers exactly, members 1-3 drop characters
@@ -54,4 +53,5 @@ def test_offline_eval_rejects_a_weights_directory_without_safetensors(tmp_path):
 
     assert weights_version("/x/broadcasts/step_12") == 12 and weights_version("/x/hf") == 1
     with pytest.raises(UsageError, match="no .safetensors"):
-        asyncio.run(evaluate(small_config(tmp_path / "run"), client=None, weights=str(tmp_path)))
+        asyncio.run(evaluate(typed(small_config(tmp_path / "run")).orchestrator, "unused", client=None,
+                                weights=str(tmp_path)))

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from ml_collections import ConfigDict
-from orch_fakes import FakeClient, small_config
+from orch_fakes import FakeClient, make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.envs.alphabet_sort import NAMES
@@ -21,7 +21,7 @@ from primejax.orchestrator.loop import MAX_EMPTY_BATCHES, Orchestrator
 
 
 def run(cfg, client, tokenizer, steps: int) -> tuple[Orchestrator, list[dict[str, float]]]:
-    orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=cfg.run.output_dir + "/" + cfg.run.name)
+    orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=cfg.run.output_dir + "/" + cfg.run.name)
     orch.resume(cfg.run.resume_step)
     return orch, asyncio.run(orch.run(steps))
 
@@ -125,7 +125,7 @@ def test_algorithm_per_env_override_and_weights(tmp_path, tokenizer):
                 r.assign_advantages(2.0)
 
     cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
-    cfg.orchestrator.envs.reverse_text.algo = "test-const"
+    cfg.orchestrator.envs.reverse_text.algo.type = "test-const"
     cfg.orchestrator.filters.post_batch = ()
     _, (metrics,) = run(cfg, FakeClient(tokenizer), tokenizer, 1)
     assert metrics["advantage/mean"] == 2.0

@@ -7,11 +7,10 @@ import asyncio
 import json
 
 import pytest
-from orch_fakes import FakeClient, FakeClock, small_config
+from orch_fakes import FakeClient, FakeClock, make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.contracts.broadcast import write_broadcast
-from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version, staleness
 
 MAX_STEPS = 6
@@ -63,7 +62,7 @@ def test_step_never_samples_a_policy_older_than_the_bound(tmp_path, tokenizer, k
     client = FakeClient(tokenizer, clock=clock, gen_time=0.1)
     tracker = PolicyTracker(client, run_dir, poll_interval_s=0.1, sleep=clock.sleep, clock=clock.time)
     recorder = StepRecorder(client)
-    orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir, monitor=recorder, tracker=tracker)
+    orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir, monitor=recorder, tracker=tracker)
     trainer = FakeTrainer(run_dir, clock, train_time=2.0)  # the trainer is the bottleneck
 
     async def main():

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from orch_fakes import small_config
+from orch_fakes import make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.contracts.broadcast import write_broadcast
 from primejax.inference.client import InferenceClient
-from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.renderer import load_tokenizer
 
 pytestmark = pytest.mark.vllm
@@ -58,7 +57,7 @@ def test_reverse_text_steps_against_vllm_with_weight_updates(tmp_path, vllm_serv
     cfg = small_config(run_dir, batch_size=8, group_size=4, async_level=1)
     cfg.model.path = str(tiny_model_dir)
     cfg.orchestrator.update({"seq_len": 512, "max_prompt_tokens": 256})
-    cfg.orchestrator.sampling.update({"max_tokens": 24, "seed": 7})
+    cfg.orchestrator.sampling.max_tokens = 24  # unseeded: seeds need async_level 0 (config rule)
     cfg.orchestrator.filters.post_batch = ()  # a random tiny model's rewards may tie; ship everything
     tokenizer = load_tokenizer(str(tiny_model_dir))
 
@@ -67,7 +66,7 @@ def test_reverse_text_steps_against_vllm_with_weight_updates(tmp_path, vllm_serv
         probe = list(range(3, 40))
         try:
             before = await client.score(probe)
-            orch = Orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
+            orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
             await orch.tracker.sync_with_server()
             history = (await asyncio.gather(orch.run(STEPS), fake_trainer(run_dir, tiny_model_dir)))[0]
             await orch.tracker.refresh()  # pick up the last broadcast too

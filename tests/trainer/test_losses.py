@@ -1,4 +1,4 @@
-"""The loss components against a NumPy re-implementation of ARCHITECTURE.md §Losses."""
+"""The loss components against a NumPy re-implementation of docs/architecture.md#losses."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def test_custom_loss_per_sequence(clip_eps):
         "ref_kl_weights": np.zeros(shape), "segment_ids": seg.astype(np.int32),
     }
     cfg = LossConfig(type="custom", import_path="primejax.trainer.custom_losses.ppo_clip_loss",
-                     kwargs_json=f'{{"clip_eps": {clip_eps}}}')
+                     kwargs={"clip_eps": clip_eps})
     loss, sums, counts = _jax_loss(lp, b, cfg, max_segments=4)
     member = b["loss_mask"] & (b["rl_weights"] != 0)
     ratio = np.exp(lp - lq)

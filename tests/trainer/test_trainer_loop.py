@@ -11,7 +11,7 @@ import torch
 import transformers
 from flax import nnx
 
-from primejax.config import default_config, lock, validate
+from primejax.config import default_config, typed
 from primejax.contracts.batch import pack_samples, step_dir, write_batch
 from primejax.contracts.broadcast import broadcast_dir, stable_steps, verify_broadcast
 from primejax.models.hf_io import load_model
@@ -56,7 +56,11 @@ def make_cfg(root, model_dir, name, max_steps, **trainer):
             node = node[p]
         node[leaf] = v
     c.monitor.tensorboard = False
-    return lock(validate(c))
+    return typed(c)
+
+
+def trainer_of(cfg) -> Trainer:
+    return Trainer(cfg.trainer, cfg.model, cfg.run, async_level=cfg.orchestrator.async_level)
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +102,14 @@ def test_consumed_rollouts_after_the_newest_checkpoint_stay(tmp_path, model_dir,
     (run / "rollouts" / ".step_7.x.tmp").mkdir()  # an unfinished write is never touched
     left = lambda: sorted(p.name for p in (run / "rollouts").iterdir())  # noqa: E731
 
-    Trainer(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=-1)).prune_consumed(5)
+    trainer_of(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=-1)).prune_consumed(5)
     assert len(left()) == 7
-    trainer = Trainer(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=0, **{"checkpoint.interval": 2}))
+    trainer = trainer_of(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=0, **{"checkpoint.interval": 2}))
     (run / "checkpoints" / "step_2" / "trainer").mkdir(parents=True)
     (run / "checkpoints" / "step_2" / "trainer" / META).write_text("{}")  # newest finished checkpoint: 2
     trainer.prune_consumed(5)
     assert left() == [".step_7.x.tmp", "step_3", "step_4", "step_5", "step_6"]
-    Trainer(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=2)).prune_consumed(5)  # no checkpoints
+    trainer_of(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=2)).prune_consumed(5)  # no checkpoints
     assert left() == [".step_7.x.tmp", "step_4", "step_5", "step_6"]
 
 
@@ -133,9 +137,7 @@ def test_resume_is_bit_identical(straight_run, model_dir):
     train(first)
     assert complete_steps(root / "b") == [3]
     resumed = make_cfg(root, model_dir, "b", 6, **{"checkpoint.interval": 3})
-    resumed.unlock()
-    resumed.run.resume_step = "latest"
-    resumed.lock()
+    resumed = resumed.replace(run=resumed.run.replace(resume_step="latest"))
     state_b = train(resumed)
     assert int(state_b.step) == int(state_a.step) == 6
     for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b), strict=True):
@@ -157,4 +159,4 @@ def test_nonfinite_stop_raises(tmp_path, model_dir, make_samples):
     write_rollouts(tmp_path / "d", (1, 2), vocab, make_samples)
     cfg = make_cfg(tmp_path, model_dir, "d", 2, on_nonfinite="stop", **{"optim.lr": 1e38})
     with pytest.raises(NonFiniteError, match="step 2: non-finite loss, gradient or update"):
-        Trainer(cfg).run()
+        trainer_of(cfg).run()

@@ -8,11 +8,20 @@ from primejax.orchestrator.algorithms.advantage import AdvantageInputs, Advantag
 from primejax.orchestrator.algorithms.base import (
     LOSS_TYPES,
     Algorithm,
+    AlgorithmConfig,
+    ImportConfig,
+    ModelRefConfig,
+    SamplingSourceConfig,
     algorithm_class,
     build_algorithm,
     register_algorithm,
     registered_algorithms,
 )
+from primejax.orchestrator.algorithms.echo import EchoConfig
+from primejax.orchestrator.algorithms.grpo import GRPOConfig, LengthPenaltyConfig
+from primejax.orchestrator.algorithms.opd import OPDConfig
+from primejax.orchestrator.algorithms.opsd import OPSDConfig
 
-__all__ = ["LOSS_TYPES", "Algorithm", "AdvantageInputs", "AdvantageOutputs", "algorithm_class", "build_algorithm",
+__all__ = ["LOSS_TYPES", "Algorithm", "AlgorithmConfig", "ImportConfig", "ModelRefConfig", "SamplingSourceConfig",
+           "GRPOConfig", "LengthPenaltyConfig", "EchoConfig", "OPDConfig", "OPSDConfig", "AdvantageInputs", "AdvantageOutputs", "algorithm_class", "build_algorithm",
            "register_algorithm", "registered_algorithms"]

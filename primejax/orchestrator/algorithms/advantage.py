@@ -1,8 +1,8 @@
 """Shared credit math and reference-scoring helpers of the algorithms (plain functions, no state).
 
-Custom advantage (seed 000 §Custom Advantage): a function of one group that returns one advantage per rollout,
+Custom advantage (docs/algorithms.md): a function of one group that returns one advantage per rollout,
 named by `orchestrator.algo.advantage.import_path` ("module.function" or "module:function") with keyword
-arguments from `kwargs_json`; an env may name its own (`orchestrator.envs.<name>.advantage`). It sees the
+arguments from `kwargs` (a mapping); an env may name its own (`orchestrator.envs.<name>.advantage`). It sees the
 group's clean rollouts (full trajectories, messages, example info) and the scores after any length penalty:
 
     def my_advantage(inputs: AdvantageInputs, *, eps: float = 1e-8) -> AdvantageOutputs | list[float]: ...
@@ -11,10 +11,10 @@ group's clean rollouts (full trajectories, messages, example info) and the score
 from __future__ import annotations
 
 import importlib
-import json
 import statistics
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 
@@ -68,19 +68,13 @@ def import_object(path: str) -> object:
     return obj
 
 
-def load_kwargs(kwargs_json: str) -> dict:
-    kwargs = json.loads(kwargs_json or "{}")
-    if not isinstance(kwargs, dict):
-        raise ValueError("kwargs_json must be a JSON object")
-    return kwargs
-
-
-def load_advantage_fn(import_path: str, kwargs_json: str = "{}") -> Callable[[AdvantageInputs], list[float]]:
+def load_advantage_fn(import_path: str, kwargs: Mapping[str, Any] | None = None
+                      ) -> Callable[[AdvantageInputs], list[float]]:
     """The custom advantage function, bound to its kwargs and checked to return one value per rollout."""
     fn = import_object(import_path)
     if not callable(fn):
         raise TypeError(f"custom advantage {import_path!r} is not callable")
-    kwargs = load_kwargs(kwargs_json)
+    kwargs = dict(kwargs or {})
 
     def advantage(inputs: AdvantageInputs) -> list[float]:
         out = fn(inputs, **kwargs)
@@ -97,7 +91,8 @@ def load_advantage_fn(import_path: str, kwargs_json: str = "{}") -> Callable[[Ad
 # ------------------------------------------------------------------------------------ reference scoring
 
 def extension_runs(steps: list[TrajectoryStep]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """Group a trajectory's steps the way interleaving merges them (extension property, seed 001).
+    """Group a trajectory's steps the way interleaving merges them (the extension property,
+    docs/architecture.md#multi-turn-trajectories).
 
     Returns, per run, the run's full token context (last prompt + its completion) and, for each step of the
     run, (start, length) of that step's sampled tokens inside the context. Causality makes one forward pass

@@ -1,26 +1,41 @@
 """echo: GRPO on the sampled tokens plus weighted cross-entropy on environment-provided observation tokens.
 
 ECHO trains the policy to also predict what the environment said back (tool output, user feedback), each
-role at its own weight: `algo.roles_json` maps role -> alpha (ECHO's lambda; default `{"tool": 0.1}`; setting
+role at its own weight: `algo.roles` maps role -> alpha (ECHO's lambda; default `{"tool": 0.1}`; setting
 it replaces the whole table). Observation tokens are attributed structurally in `score_rollout`: the
 messages the environment added before model call k (k >= 1) are located, by their content tokens, in call k's
 prompt ids, searching back from its end (so only the newly arrived observation is weighted: earlier ones
 were weighted in the step that introduced them, and the dataset prompt of the first call is never an
 observation). Chat-template framing tokens (role headers, end markers) are not content and get no weight.
 
-Optional user filter (`algo.filter.import_path` + `kwargs_json`): `fn(rollout, **kwargs)` returns one
+Optional user filter (`algo.filter.import_path` + `kwargs`): `fn(rollout, **kwargs)` returns one
 keep-mask per model call spanning that call's `prompt_ids`; False means never echo-trained.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from primejax.orchestrator.algorithms.advantage import import_object, load_kwargs
-from primejax.orchestrator.algorithms.base import register_algorithm
-from primejax.orchestrator.algorithms.grpo import GRPOAlgorithm
+from primejax.orchestrator.algorithms.advantage import import_object
+from primejax.orchestrator.algorithms.base import ImportConfig, register_algorithm
+from primejax.orchestrator.algorithms.grpo import GRPOAlgorithm, GRPOConfig
 from primejax.orchestrator.rollout import Rollout
+from primejax.utils.sections import ConfigError, option, section, sub
+
+
+@section
+class EchoConfig(GRPOConfig):
+    """ECHO: grpo plus weighted ce on environment-provided observation tokens."""
+
+    roles: dict = option(doc="role -> ce weight alpha of its observation tokens (replaces the whole table)",
+                         factory=lambda: {"tool": 0.1})
+    filter: ImportConfig = sub(ImportConfig, "a user keep-mask over observation tokens")
+
+    def check(self) -> None:
+        super().check()
+        for role, alpha in self.roles.items():
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+                raise ConfigError("roles", f"role {role!r}: alpha must be a number >= 0")
 
 
 def find_last(haystack: list[int], needle: list[int], end: int) -> int:
@@ -51,15 +66,18 @@ def _text(content: Any) -> str:
 
 @register_algorithm("echo")
 class EchoAlgorithm(GRPOAlgorithm):
+    config_class = EchoConfig
+    config: EchoConfig
+
     def setup(self) -> None:
         super().setup()
         if self.tokenizer is None:
             raise ValueError("echo attributes observation tokens by role: it needs the policy tokenizer")
-        self.roles = {str(k): float(v) for k, v in json.loads(self.config.roles_json).items()}
+        self.roles = {str(k): float(v) for k, v in self.config.roles.items()}
         flt = self.config.filter
         self.user_filter = None
         if flt.import_path:
-            fn, kwargs = import_object(flt.import_path), load_kwargs(flt.kwargs_json)
+            fn, kwargs = import_object(flt.import_path), dict(flt.kwargs)
             self.user_filter = lambda rollout: fn(rollout, **kwargs)
 
     def observation_weights(self, rollout: Rollout) -> list[list[float] | None]:

@@ -13,8 +13,26 @@ from primejax.orchestrator.algorithms.advantage import (
     group_relative,
     load_advantage_fn,
 )
-from primejax.orchestrator.algorithms.base import Algorithm, register_algorithm
+from primejax.orchestrator.algorithms.base import Algorithm, AlgorithmConfig, ImportConfig, register_algorithm
 from primejax.orchestrator.rollout import Rollout
+from primejax.utils.sections import Section, option, section, sub
+
+
+@section
+class LengthPenaltyConfig(Section):
+    """A reward penalty on length, subtracted before the group baseline."""
+
+    type: str = option("none", "what is penalized", choices=("none", "tokens", "turns"))
+    coef: float = option(0.0, "penalty per unit over target", ge=0)
+    target: int = option(0, "free length (tokens or turns)", ge=0)
+
+
+@section
+class GRPOConfig(AlgorithmConfig):
+    """Group-relative credit (grpo, max_rl, echo): an optional length penalty and custom advantage."""
+
+    length_penalty: LengthPenaltyConfig = sub(LengthPenaltyConfig, "length penalty")
+    advantage: ImportConfig = sub(ImportConfig, "a custom advantage function of the group (docs/algorithms.md)")
 
 __all__ = ["GRPOAlgorithm", "group_relative"]
 
@@ -22,18 +40,20 @@ __all__ = ["GRPOAlgorithm", "group_relative"]
 @register_algorithm("grpo")
 class GRPOAlgorithm(Algorithm):
     action_loss_type = "rl"
+    config_class = GRPOConfig
+    config: GRPOConfig
 
     def setup(self) -> None:
         super().setup()
         adv = self.config.advantage
-        self.custom_advantage = load_advantage_fn(adv.import_path, adv.kwargs_json) if adv.import_path else None
+        self.custom_advantage = load_advantage_fn(adv.import_path, adv.kwargs) if adv.import_path else None
 
     def length_penalty(self, rollout: Rollout) -> float:
         """Subtracted from the reward before the baseline (`algo.length_penalty`, coef c, target t):
         `tokens`: c * max(0, sampled tokens - t) / max_tokens (the per-turn budget, so c is "reward per full
         turn of tokens"); `turns`: c * max(0, model turns - t); `none`: 0."""
         penalty = self.config.length_penalty
-        target = penalty.get("target", 0)
+        target = penalty.target
         if penalty.type == "tokens":
             max_tokens = self.sampling.max_tokens if self.sampling is not None else 1
             return penalty.coef * max(0, rollout.num_completion_tokens - target) / max(1, max_tokens)

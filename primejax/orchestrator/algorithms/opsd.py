@@ -13,8 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from primejax.orchestrator.algorithms.advantage import reference_logprobs
-from primejax.orchestrator.algorithms.base import Algorithm, register_algorithm
+from primejax.orchestrator.algorithms.base import Algorithm, AlgorithmConfig, register_algorithm
 from primejax.orchestrator.rollout import Rollout
+from primejax.utils.sections import option, section
+
+
+@section
+class OPSDConfig(AlgorithmConfig):
+    """Self-distillation toward the live policy conditioned on a demonstration."""
+
+    demo_key: str = option("demonstration", "the example's info key (or field) holding the demonstration")
+    template: str = option("Here is an expert demonstration:\n{demonstration}", "the hint's system message")
 
 
 def demonstration(rollout: Rollout, key: str) -> Any:
@@ -30,6 +39,8 @@ def demonstration(rollout: Rollout, key: str) -> Any:
 @register_algorithm("opsd")
 class OPSDAlgorithm(Algorithm):
     action_loss_type = "ref_kl"
+    config_class = OPSDConfig
+    config: OPSDConfig
 
     def setup(self) -> None:
         super().setup()

