@@ -62,7 +62,13 @@ class PrimejaxWorkerExtension:
     def primejax_load_weights(self, weight_dir: str) -> float:
         """Load an HF safetensors directory into the live model in place; return the seconds it took."""
         t0 = time.perf_counter()
-        self.reload_weights(weights_path=weight_dir)  # type: ignore[attr-defined]
+        reload = getattr(self, "reload_weights", None)
+        if reload is None:  # tpu-inference's TPUWorker: its weight sync is in-process JAX state, not a path
+            raise NotImplementedError(
+                f"{type(self).__name__} has no reload_weights: in-place weight updates are not implemented "
+                "for this vLLM backend (vLLM TPU); see docs/tpu.md"
+            )
+        reload(weights_path=weight_dir)
         _refresh_cpu_lm_head_gemm(self.model_runner.get_model())  # type: ignore[attr-defined]
         return time.perf_counter() - t0
 

@@ -67,6 +67,15 @@ class NonFiniteError(RuntimeError):
     """A step produced a NaN/inf loss or gradient and `trainer.on_nonfinite` is "stop"."""
 
 
+def model_config(m: ModelSettings, *, max_positions: int = 4096) -> ModelConfig:
+    """The model's shape and training choices, as `build_model` makes them, without touching any weights."""
+    if not m.path:
+        return m.build_tiny.architecture(max_positions=max(4096, max_positions), **m.overrides())
+    if not (Path(m.path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
+    return ModelConfig.from_model_dir(m.path, **m.overrides())
+
+
 def build_model(m: ModelSettings, mesh: jax.sharding.Mesh, *, seed: int = 0,
                 max_positions: int = 4096) -> tuple[nnx.Module, ModelConfig]:
     """Load `model.path` (HF safetensors); a directory with only config.json gets random weights (benchmarks)."""
@@ -362,4 +371,4 @@ def maybe_init_distributed(d: DistributedConfig) -> None:
         jax.distributed.initialize(address or None, num_processes=num_processes, process_id=process_id)
 
 
-__all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "NonFiniteError", "maybe_init_distributed"]
+__all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "model_config", "NonFiniteError", "maybe_init_distributed"]

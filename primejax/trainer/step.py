@@ -46,12 +46,30 @@ def init_state(
     """Fresh state from the model's parameters. With a mesh (default: the parameters' own, if they have one)
     every leaf gets a NamedSharding on it, the layout the jitted step returns (see shard_state)."""
     params = nnx.to_pure_dict(nnx.state(model))
-    opt_state = jax.jit(optimizer.init)(params)  # jit: moments take the parameters' sharding
-    state = TrainState(params, opt_state, jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
     if mesh is None:
         meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding)]
         mesh = meshes[0] if meshes else None
+    if mesh is None:
+        opt_state = jax.jit(optimizer.init)(params)
+    else:
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params, mesh))(params)
+    state = TrainState(params, opt_state, jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
     return state if mesh is None else shard_state(state, mesh)
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
+    """Every parameter-shaped part of the optimizer state (AdamW's moments) sharded like its parameter.
+
+    `jax.jit(optimizer.init)` alone leaves them replicated: `zeros_like` has no data dependence on the
+    parameter, so nothing propagates its sharding, and each device would hold all of both fp32 moments
+    (8 bytes per parameter; 65 GB for an 8B model). Scalars (the step count) are replicated.
+    `params` may be arrays or ShapeDtypeStructs carrying their shardings.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shape = jax.eval_shape(optimizer.init, params)
+    param_sh = jax.tree.map(lambda p: _named(p, mesh), params)
+    return optax.tree_map_params(optimizer, lambda _, sh: sh, shape, param_sh,
+                                 transform_non_params=lambda _: replicated)
 
 
 def shift_targets(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 from importlib.metadata import entry_points
 
+import pytest
+
 from primejax.inference import vllm_ext
 
 
@@ -68,3 +70,13 @@ def test_weight_transfer_engine_registers_in_vllms_registry_and_implements_its_p
     init = engine_cls.init_info_cls(master_address="127.0.0.1", master_port=1, group_id="g", rank_offset=1,
                                     world_size=2)
     assert init.backend == "gloo" and init.timeout_s > 0
+
+
+def test_worker_without_reload_weights_refuses_the_load_with_a_pointer_to_the_docs(tmp_path):
+    """vLLM TPU's worker has no reload_weights: the load must fail loudly, never leave stale weights serving."""
+
+    class TpuLikeWorker(vllm_ext.PrimejaxWorkerExtension):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"TpuLikeWorker has no reload_weights.*docs/tpu\.md"):
+        TpuLikeWorker().primejax_load_weights(str(tmp_path))
