@@ -114,7 +114,7 @@ def test_tool_rollouts_on_vllm_match_the_server_turn_by_turn_with_tool_results_m
     vllm_server, tiny_model_dir
 ):
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    cfg = default_config().orchestrator
+    cfg = build(OrchestratorConfig, default_config().orchestrator)
     grpo = build_algorithm("grpo", cfg.algo, sampling=cfg.sampling, tokenizer=tokenizer)
     env = load_env("tests.envs.vf_calc_taskset", {"size": 4})
     settings = SamplingConfig(max_tokens=128, max_turns=4)
@@ -162,8 +162,9 @@ def test_opsd_on_a_verifiers_taskset_scores_every_turn_with_the_answer_as_hint(v
     import math
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    cfg = default_config().orchestrator
-    cfg.algo.type, cfg.algo.demo_key = "opsd", "answer"  # demonstration: the task's `answer` field
+    tree = default_config().orchestrator
+    tree.algo.type, tree.algo.demo_key = "opsd", "answer"  # demonstration: the task's `answer` field
+    cfg = build(OrchestratorConfig, tree)
     env = load_env("tests.envs.vf_calc_taskset", {"size": 4})
     settings = SamplingConfig(max_tokens=128, max_turns=4)
 
