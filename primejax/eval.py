@@ -72,7 +72,9 @@ async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
 
     server = None
     if cfg.inference.enabled:
-        spec = ServerSpec.from_config(cfg.inference, cfg.model.path, cfg.run.seed)
+        # Its own server loads exactly the directory being evaluated (a checkpoint anywhere, manifest or not).
+        spec = ServerSpec.from_config(cfg.inference, cfg.model.path, cfg.run.seed, require_stable=False,
+                                      weights_root=str(Path(weights).resolve()) if weights else "")
         server = InferenceServerProcess(spec, log_path(cfg.run_dir, "eval-inference"))
         server.start()
     client = policy_client(cfg.orchestrator.client, cfg.inference)

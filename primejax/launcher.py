@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from primejax.config import Config
+from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig
 from primejax.models.settings import ModelSettings
 from primejax.monitor import read_jsonl
@@ -52,6 +53,8 @@ class ChildFailed(RuntimeError):
 
 def _child_env(devices: str, platform_cpu: bool) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if os.environ.get(TOKEN_ENV):  # the run's admin secret (launch() sets it): server and orchestrator share it
+        env[TOKEN_ENV] = os.environ[TOKEN_ENV]
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = devices
     if platform_cpu:
@@ -310,6 +313,9 @@ def launch(cfg: Config) -> int:
                 cfg = _with(cfg, **{"inference.port": port})
         cfg, start_step = _prepare(cfg)
         root.mkdir(parents=True, exist_ok=True)
+        # A fresh admin secret per run ($PRIMEJAX_ADMIN_TOKEN when set: multi-node), in the environment of the
+        # children only, never in a config or a log.
+        os.environ[TOKEN_ENV] = write_run_token(root)
         trainer = _start(cfg, "trainer", "primejax.trainer", devices=cfg.trainer.devices)
         orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator")
         children += [trainer, orchestrator]

@@ -13,6 +13,7 @@ from pathlib import Path
 from absl import flags
 
 from primejax.cli import parse_config, run_main
+from primejax.inference.admin_auth import TOKEN_ENV
 from primejax.inference.server import ServerSpec, exec_server
 
 
@@ -29,9 +30,10 @@ def main() -> int:
     cfg, fv = parse_config(
         argv, prog="primejax.inference", doc=__doc__.split("\n\n")[1], define_flags=_define_flags
     )
-    spec = ServerSpec.from_config(cfg.inference, cfg.model.path, cfg.run.seed)
+    spec = ServerSpec.from_config(cfg.inference, cfg.model.path, cfg.run.seed, run_dir=cfg.run_dir)
     if fv["dry_run"].value:
         env = spec.environ({})
+        env[TOKEN_ENV] = "<hidden>"  # the admin secret is never printed or logged
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(spec.argv() + vllm_args))
         return 0
     if not Path(cfg.model.path).is_dir():

@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from primejax.inference.admin_auth import HEADER, read_token
 
 if TYPE_CHECKING:
     from primejax.inference.process import InferenceServerProcess
@@ -59,8 +62,10 @@ class InferenceClient:
         max_backoff_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
         vocab_size: int | None = None,
+        admin_token: str | None = None,
     ):
-        """`vocab_size`: sampled token ids must lie below it (the model's embedding rows), checked per answer."""
+        """`vocab_size`: sampled token ids must lie below it (the model's embedding rows), checked per answer.
+        `admin_token`: the servers' admin secret (default $PRIMEJAX_ADMIN_TOKEN), sent on admin calls only."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
@@ -69,6 +74,8 @@ class InferenceClient:
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._model = model
         self.vocab_size = vocab_size
+        token = admin_token or read_token()
+        self._admin_headers = {HEADER: token} if token else {}
         self._in_flight = dict.fromkeys(self.base_urls, 0)
         # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
         self._http = httpx.AsyncClient(
@@ -82,7 +89,8 @@ class InferenceClient:
         least = min(self._in_flight.values())
         return random.choice([u for u, n in self._in_flight.items() if n == least])
 
-    async def _request(self, method: str, url: str, path: str, payload: dict | None = None) -> Any:
+    async def _request(self, method: str, url: str, path: str, payload: dict | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
         """One HTTP call with retries on connection errors, timeouts and 5xx. Returns the decoded JSON."""
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
@@ -90,7 +98,7 @@ class InferenceClient:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
             try:
-                r = await self._http.request(method, url + path, json=payload)
+                r = await self._http.request(method, url + path, json=payload, headers=headers)
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 last = e
                 logger.warning("%s %s%s: %s (attempt %d)", method, url, path, type(e).__name__, attempt + 1)
@@ -134,7 +142,9 @@ class InferenceClient:
                                          "probability)")
 
     async def _all(self, method: str, path: str, payload: dict | None = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._request(method, u, path, payload) for u in self.base_urls)))
+        # Admin calls (and only these) carry the secret: generation may go to endpoints that are not ours.
+        return list(await asyncio.gather(*(self._request(method, u, path, payload, self._admin_headers)
+                                           for u in self.base_urls)))
 
     async def _model_name(self, url: str) -> str:
         if self._model is None:
@@ -228,7 +238,8 @@ class InferenceClient:
     # ---------------------------------------------------------------- admin
     async def update_weights(self, weight_dir: str, version: int) -> None:
         """Load `weight_dir` in place on every server and serve it as `version`."""
-        await self._all("POST", "/update_weights", {"weight_dir": str(weight_dir), "version": int(version)})
+        # Absolute on the wire: a server on another host (or another cwd) must not resolve our relative path.
+        await self._all("POST", "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)})
 
     async def reload_weights(self) -> None:
         """Go back to the base model on every server (version 0)."""

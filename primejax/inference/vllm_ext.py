@@ -105,9 +105,11 @@ class PrimejaxEndpointPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        from primejax.inference.admin_auth import protect
         from primejax.inference.routes import router
 
         app.include_router(router)
+        protect(app, router)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         from primejax.inference.routes import AdminState
@@ -115,8 +117,18 @@ class PrimejaxEndpointPlugin:
 
         if engine_client is None:  # a render-only server has no engine to update
             return
+        import os
+
+        from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, new_token
+
         base_dir = _local_model_dir(str(args.model))
+        token = os.environ.get(TOKEN_ENV)
+        if not token:
+            logger.warning("%s is not set: the admin routes answer 401 to every caller", TOKEN_ENV)
         state.primejax = AdminState(
-            engine=VllmAdminEngine(engine_client), base_dir=base_dir, validate=WeightDirValidator(base_dir)
+            engine=VllmAdminEngine(engine_client), base_dir=base_dir, validate=WeightDirValidator(base_dir),
+            admin_token=token or new_token(), weights_root=os.environ.get(WEIGHTS_ROOT_ENV, ""),
+            require_stable=os.environ.get(REQUIRE_STABLE_ENV) == "1",
         )
-        logger.info("primejax admin routes ready (base model %s)", base_dir)
+        logger.info("primejax admin routes ready (base model %s, loads from %s)", base_dir,
+                    state.primejax.weights_root or "anywhere")

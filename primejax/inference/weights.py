@@ -142,3 +142,19 @@ class WeightDirValidator:
 def version_from_dir(weight_dir: str | Path) -> int | None:
     """The step number of a `.../step_N` directory, or None for any other name."""
     return parse_step(weight_dir)
+
+
+def check_stable(weight_dir: str | Path, required: bool) -> None:
+    """A directory with a STABLE manifest must match it file by file (sizes and sha256s); with `required`,
+    one without a manifest (an incomplete or hand-made broadcast) is refused too."""
+    from primejax.contracts.broadcast import STABLE, BroadcastError, verify_broadcast
+
+    d = Path(weight_dir)
+    if not (d / STABLE).is_file():
+        if required:
+            raise WeightDirError(f"{d}: no {STABLE} manifest (only complete broadcasts load on this server)")
+        return
+    try:
+        verify_broadcast(d, check_hashes=True)
+    except (BroadcastError, KeyError, TypeError, AttributeError) as e:
+        raise WeightDirError(f"{d}: does not match its {STABLE} manifest ({e})") from None

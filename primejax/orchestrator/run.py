@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from primejax.inference.admin_auth import read_token
 from primejax.inference.client import InferenceClient
 from primejax.inference.server import InferenceConfig
 from primejax.monitor import Monitor
@@ -31,16 +32,18 @@ def model_vocab_size(model_path: str) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
-def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: int | None = None) -> InferenceClient:
+def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: int | None = None,
+                  admin_token: str | None = None) -> InferenceClient:
     """The live policy's client; with `vocab_size`, answers with token ids outside the vocabulary are rejected."""
     return InferenceClient(base_urls(client, inference), timeout_s=client.timeout_s, max_retries=client.max_retries,
-                           vocab_size=vocab_size)
+                           vocab_size=vocab_size, admin_token=admin_token)
 
 
 async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
     """The orchestrator process's work (entry: `python -m primejax.orchestrator`)."""
     root = cfg.run_dir
-    client = policy_client(cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path))
+    client = policy_client(cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path),
+                           admin_token=read_token(root))
     monitor = Monitor.from_config(root, "orchestrator", cfg.monitor)
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s)

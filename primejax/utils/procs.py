@@ -4,7 +4,7 @@ The launcher, the inference process wrapper and the tests all start children thr
 path can leave an orphan behind: `stop()` sends SIGTERM to the whole group, waits, then SIGKILLs it, an `atexit`
 hook stops whatever is still running when the parent exits normally, and a parent that is killed outright
 (kill -9, OOM) takes its children with it: a watcher leading each child's group is told by the kernel when
-the parent dies and kills the whole group (see _TRAMPOLINE).
+the parent dies and kills the whole group (see watcher.py).
 """
 
 from __future__ import annotations
@@ -31,59 +31,10 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
-# Run as `python -c _TRAMPOLINE PARENT_PID CMD...`: a small watcher that leads the child's process group. It
-# asks the kernel for SIGUSR1 when its parent dies (Linux PR_SET_PDEATHSIG), forks the command (which gets
-# SIGKILL on the watcher's death the same way) and waits for it. When the parent dies (kill -9 of the launcher:
-# no atexit, no cleanup) it SIGTERMs the whole group, the command's own children included (vLLM's engine core
-# and workers), and SIGKILLs it after a grace period, so a child that ignores SIGTERM does not survive either.
-# The watcher ignores SIGTERM itself (a group stop reaches the command directly) and exits as the command did.
-# A trampoline rather than a Popen preexec_fn: preexec_fn runs Python between fork and exec, which can
-# deadlock in a multithreaded parent (JAX, httpx); the watcher is single-threaded.
-_TRAMPOLINE = """
-import ctypes, os, signal, sys, time
-libc = ctypes.CDLL(None, use_errno=True)
-PR_SET_PDEATHSIG = 1
-pid = None
-def orphaned(*_):
-    os.killpg(0, signal.SIGTERM)
-    deadline = time.monotonic() + 5.0
-    while pid is not None and time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                break
-        except ChildProcessError:
-            break
-        time.sleep(0.05)
-    os.killpg(0, signal.SIGKILL)
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-signal.signal(signal.SIGUSR1, orphaned)
-libc.prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
-if os.getppid() != int(sys.argv[1]):
-    orphaned()
-pid = os.fork()
-if pid == 0:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:
-        os._exit(1)
-    try:
-        os.execvp(sys.argv[2], sys.argv[2:])
-    finally:
-        os._exit(127)
-while True:
-    try:
-        _, status = os.waitpid(pid, 0)
-        break
-    except ChildProcessError:
-        os._exit(1)
-if os.WIFSIGNALED(status):
-    sig = os.WTERMSIG(status)
-    if sig != signal.SIGKILL:
-        signal.signal(sig, signal.SIG_DFL)
-    os.kill(os.getpid(), sig)
-os._exit(os.waitstatus_to_exitcode(status))
-"""
+# Each child runs as `python watcher.py PARENT_PID CMD...` (primejax/utils/watcher.py, a plain script: it
+# imports nothing of primejax). A watcher rather than a Popen preexec_fn: preexec_fn runs Python between fork
+# and exec, which can deadlock in a multithreaded parent (JAX, httpx); the watcher is single-threaded.
+_WATCHER = str(Path(__file__).with_name("watcher.py"))
 
 
 def stop_all(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
@@ -136,7 +87,7 @@ class ChildProcess:
         self._log = self.log_path.open("ab")
         argv = self.argv
         if die_with_parent:
-            argv = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *argv]
+            argv = [sys.executable, _WATCHER, str(os.getpid()), *argv]
         self.popen = subprocess.Popen(
             argv,
             stdout=self._log,

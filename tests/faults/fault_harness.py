@@ -69,7 +69,10 @@ def reload_base_weights(base_url: str) -> None:
     """Put a shared server back on its base model (other test areas expect it, see tests/conftest.py)."""
     import urllib.request
 
-    request = urllib.request.Request(base_url + "/reload_weights", data=b"", method="POST")
+    from primejax.inference.admin_auth import HEADER, read_token
+
+    request = urllib.request.Request(base_url + "/reload_weights", data=b"", method="POST",
+                                     headers={HEADER: read_token() or ""})
     with urllib.request.urlopen(request, timeout=120) as r:
         assert r.status == 200
 

@@ -106,3 +106,21 @@ def test_atomic_dir_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
     synced = {os.path.basename(p) for kind, p in events[:rename_at] if kind == "fsync"}
     assert {"a.bin", "b.bin"} <= synced, events
     assert ("fsync", str(tmp_path)) in events[rename_at:]  # then the parent directory
+
+
+def test_broadcast_on_full_disk_leaves_the_previous_one_stable(small_disk):
+    from primejax.contracts.broadcast import is_stable, stable_steps, write_broadcast
+
+    disk, mode = small_disk
+    if mode != "tmpfs":
+        pytest.skip("needs a real small disk")
+    write_broadcast(disk, 1, lambda d: (d / "model.safetensors").write_bytes(os.urandom(100_000)))
+    with pytest.raises(OSError) as err:
+        write_broadcast(disk, 2, lambda d: (d / "model.safetensors").write_bytes(os.urandom(3_000_000)))
+    from primejax.utils.disk import disk_full_line, is_disk_full
+
+    assert is_disk_full(err.value)
+    assert stable_steps(disk) == [1] and is_stable(disk / "broadcasts" / "step_1")
+    assert [p.name for p in (disk / "broadcasts").iterdir()] == ["step_1"]  # the temp dir was removed
+    line = disk_full_line(disk / "broadcasts", "broadcast step 2")
+    assert str(disk) in line and "MB free" in line

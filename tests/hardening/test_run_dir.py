@@ -20,6 +20,7 @@ def _cfg(tmp_path, **changes):
     c.model.path = str(tmp_path / "no-model")
     c.run.output_dir = str(tmp_path / "runs")
     c.run.name = "r"
+    c.inference.port = 0  # the checks under test come before and after the port check; 8000 may be busy here
     for key, value in changes.items():
         *parents, last = key.split(".")
         node = c

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import primejax.sft as sft
-from primejax.config import default_config
+from primejax.config import default_config, typed
 from primejax.sft_data import SFTDataError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +30,11 @@ CASES = {
     "non_utf8": (b'{"prompt": "\xff\xfe", "completion": "x"}', "not UTF-8"),
     "too_long": (json.dumps({"prompt": "word " * 400, "completion": "ok"}), "more than sft.seq_len"),
 }
+
+
+def _load(c, tokenizer):
+    cfg = typed(c)
+    return sft.load_samples(cfg.sft, cfg.orchestrator.envs, tokenizer)
 
 
 def _cfg(model_dir: Path, data: Path, tmp_path: Path):
@@ -58,7 +63,7 @@ def test_bad_line_names_file_and_line(tiny_model_dir, tokenizer, tmp_path, case)
     line, expected = CASES[case]
     data = _write(tmp_path, line)
     with pytest.raises(SFTDataError) as err:
-        sft.load_samples(_cfg(tiny_model_dir, data, tmp_path), tokenizer)
+        _load(_cfg(tiny_model_dir, data, tmp_path), tokenizer)
     assert str(err.value).startswith(f"{data}:2: ") and expected in str(err.value), err.value
 
 
@@ -66,7 +71,7 @@ def test_empty_file_is_an_error(tiny_model_dir, tokenizer, tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("\n")
     with pytest.raises(SFTDataError, match="no SFT examples"):
-        sft.load_samples(_cfg(tiny_model_dir, data, tmp_path), tokenizer)
+        _load(_cfg(tiny_model_dir, data, tmp_path), tokenizer)
 
 
 def test_cli_prints_one_line_and_exits_2(tiny_model_dir, tmp_path):
@@ -84,7 +89,7 @@ def test_cli_prints_one_line_and_exits_2(tiny_model_dir, tmp_path):
             "--config.sft.seq_len=128",
             f"--config.run.output_dir={tmp_path / 'runs'}",
         ],
-        cwd=REPO,
+        cwd=tmp_path,  # the code under test comes from the install or PYTHONPATH, not the cwd
         capture_output=True,
         text=True,
         timeout=300,

@@ -263,5 +263,7 @@ def test_pause_holds_requests_and_resume_completes_them(vllm_server):
 def test_init_broadcaster_is_reserved(vllm_server):
     import httpx
 
-    r = httpx.post(f"{vllm_server.base_url}/init_broadcaster", json={})
+    from primejax.inference.admin_auth import HEADER, read_token
+
+    r = httpx.post(f"{vllm_server.base_url}/init_broadcaster", json={}, headers={HEADER: read_token()})
     assert r.status_code == 501 and "reserved" in r.json()["error"]

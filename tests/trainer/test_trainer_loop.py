@@ -153,9 +153,10 @@ def test_missing_rollouts_time_out_with_the_path(tmp_path, model_dir):
 
 
 def test_nonfinite_stop_raises(tmp_path, model_dir, make_samples):
-    """An infinite learning rate makes step 1's update inf, so step 2's loss is NaN: "stop" raises there."""
+    """A huge (finite: the config refuses inf) learning rate makes step 1's weights ~1e38, so step 2's gradient
+    is NaN: "stop" raises there. (An update that is itself non-finite: tests/hardening.)"""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     write_rollouts(tmp_path / "d", (1, 2), vocab, make_samples)
-    cfg = make_cfg(tmp_path, model_dir, "d", 2, on_nonfinite="stop", **{"optim.lr": float("inf")})
-    with pytest.raises(NonFiniteError, match="step 2"):
+    cfg = make_cfg(tmp_path, model_dir, "d", 2, on_nonfinite="stop", **{"optim.lr": 1e38})
+    with pytest.raises(NonFiniteError, match="step 2: non-finite loss, gradient or update"):
         trainer_of(cfg).run()

@@ -1,0 +1,97 @@
+"""Who may change what the inference server serves: a shared secret on every admin (POST) route of primejax's
+router, and weight loads confined to one directory tree.
+
+The secret is generated per run by the launcher (`<run>/admin_token`, mode 0600) and reaches the server and the
+orchestrator through the environment (`PRIMEJAX_ADMIN_TOKEN`; set it yourself on every host of a multi-node
+run); it is never written to a config or a log. Requests carry it in the `X-Primejax-Admin-Token` header (not
+`Authorization`, which vLLM's own `--api-key` uses for the OpenAI routes). A server started without one makes
+up a secret nobody knows: its admin routes then answer 401 to everyone.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+TOKEN_ENV = "PRIMEJAX_ADMIN_TOKEN"
+WEIGHTS_ROOT_ENV = "PRIMEJAX_WEIGHTS_ROOT"  # loads must resolve inside this directory ('' = anywhere)
+REQUIRE_STABLE_ENV = "PRIMEJAX_REQUIRE_STABLE"  # "1": only broadcasts with a STABLE manifest load
+HEADER = "X-Primejax-Admin-Token"
+TOKEN_FILE = "admin_token"
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_run_token(root: str | Path) -> str:
+    """The run's admin secret: $PRIMEJAX_ADMIN_TOKEN when set (multi-node), else a new one; written to
+    `<root>/admin_token` (0600) for processes started by hand on this host."""
+    token = os.environ.get(TOKEN_ENV) or new_token()
+    path = Path(root) / TOKEN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{TOKEN_FILE}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    os.replace(tmp, path)
+    return token
+
+
+def read_token(root: str | Path | None = None) -> str | None:
+    """The admin secret for a client: $PRIMEJAX_ADMIN_TOKEN, else `<root>/admin_token`, else None."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    if root is not None:
+        try:
+            return (Path(root) / TOKEN_FILE).read_text().strip() or None
+        except OSError:
+            return None
+    return None
+
+
+def process_token() -> str:
+    """This process's secret for servers it starts itself (tests, eval): $PRIMEJAX_ADMIN_TOKEN, set once here
+    so that clients made later in this process send it."""
+    if not os.environ.get(TOKEN_ENV):
+        os.environ[TOKEN_ENV] = new_token()
+    return os.environ[TOKEN_ENV]
+
+
+def authorized(expected: str | None, given: str | None) -> bool:
+    if expected is None:  # an AdminState built without a secret (in-process tests of the routes)
+        return True
+    return given is not None and hmac.compare_digest(expected.encode(), given.encode())
+
+
+def protect(app: Any, router: Any) -> None:
+    """Require the admin secret on every POST route of `router` served by `app` (401 otherwise)."""
+    from fastapi.responses import JSONResponse
+
+    admin_paths = {r.path for r in router.routes if "POST" in getattr(r, "methods", ())}
+
+    @app.middleware("http")
+    async def _require_admin(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+        if request.method == "POST" and request.url.path in admin_paths:
+            state = getattr(request.app.state, "primejax", None)
+            expected = getattr(state, "admin_token", None) if state is not None else new_token()
+            if not authorized(expected, request.headers.get(HEADER)):
+                return JSONResponse(
+                    {"error": f"admin route: missing or wrong {HEADER} header"}, status_code=401
+                )
+        return await call_next(request)
+
+
+def confine(weight_dir: str, root: str | None) -> str | None:
+    """Why `weight_dir` may not be loaded (relative, or outside `root` once symlinks are resolved), or None."""
+    if not os.path.isabs(weight_dir):
+        return f"weight_dir must be an absolute path (got {weight_dir!r}): the server does not share the caller's cwd"
+    if root:
+        real, real_root = os.path.realpath(weight_dir), os.path.realpath(root)
+        if os.path.commonpath([real, real_root]) != real_root:
+            return f"weight_dir is outside the directory this server loads from ({root})"
+    return None

@@ -1,0 +1,196 @@
+"""The inference server's admin routes: a secret on every POST, loads confined to one tree (symlinks resolved),
+STABLE manifests verified by the server, absolute paths only, and a failed load that could not restore the
+previous weights marks the server unhealthy. Routes against a recording fake engine, plus the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from primejax.contracts.broadcast import write_broadcast
+from primejax.inference.admin_auth import HEADER, TOKEN_ENV, protect
+from primejax.inference.client import InferenceClient
+from primejax.inference.routes import AdminState, router
+from primejax.inference.weights import WeightDirValidator
+from primejax.models.tiny import build_tiny_model
+
+SECRET = "s3cret-for-tests"
+
+
+class FakeEngine:
+    def __init__(self, fail: tuple[str, ...] = ()):
+        self.calls: list[tuple[str, ...]] = []
+        self.fail = fail
+
+    async def pause(self):
+        self.calls.append(("pause",))
+
+    async def resume(self):
+        self.calls.append(("resume",))
+
+    async def load_weights(self, weight_dir):
+        self.calls.append(("load", weight_dir))
+        if any(weight_dir.endswith(f) for f in self.fail):
+            raise RuntimeError("device lost")
+
+    async def reset_cache(self):
+        self.calls.append(("reset",))
+
+    async def check_health(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("exposure") / "base")
+
+
+def _client(base_dir, engine=None, **state) -> tuple[TestClient, AdminState]:
+    app = FastAPI()
+    app.include_router(router)
+    protect(app, router)
+    app.state.primejax = AdminState(
+        engine=engine or FakeEngine(),
+        base_dir=str(base_dir),
+        validate=WeightDirValidator(base_dir),
+        admin_token=SECRET,
+        **state,
+    )
+    return TestClient(app), app.state.primejax
+
+
+AUTH = {HEADER: SECRET}
+
+
+def _broadcast(base_dir, run, step):
+    def copy(d):
+        for p in base_dir.iterdir():
+            shutil.copy(p, d / p.name)
+
+    return write_broadcast(run, step, copy)[0]
+
+
+@pytest.mark.parametrize(
+    "path", ["/update_weights", "/reload_weights", "/pause", "/resume", "/init_broadcaster"]
+)
+def test_admin_routes_need_the_secret(base_dir, path):
+    client, _ = _client(base_dir)
+    assert client.post(path, json={}).status_code == 401
+    assert client.post(path, json={}, headers={HEADER: "wrong"}).status_code == 401
+    assert client.post(path, json={}, headers=AUTH).status_code != 401
+    assert client.get("/liveness").status_code == 200 and client.get("/weights_version").status_code == 200
+
+
+def test_loads_are_confined_to_the_root_after_resolving_symlinks(base_dir, tmp_path):
+    run = tmp_path / "run"
+    good = _broadcast(base_dir, run, 1)
+    outside = tmp_path / "elsewhere" / "step_99"
+    shutil.copytree(base_dir, outside)
+    (run / "broadcasts" / "step_99").symlink_to(outside)  # a step_N inside the root pointing out of it
+    engine = FakeEngine()
+    client, state = _client(base_dir, engine, weights_root=str(run / "broadcasts"))
+    r = client.post("/update_weights", json={"weight_dir": str(run / "broadcasts" / "step_99")}, headers=AUTH)
+    assert r.status_code == 403 and "outside" in r.json()["error"]
+    missing = client.post("/update_weights", json={"weight_dir": "/nonexistent/step_3"}, headers=AUTH)
+    present = client.post("/update_weights", json={"weight_dir": str(outside)}, headers=AUTH)
+    assert missing.status_code == present.status_code == 403  # no answer tells which paths exist
+    rel = client.post("/update_weights", json={"weight_dir": "run/broadcasts/step_1"}, headers=AUTH)
+    assert rel.status_code == 400 and "absolute" in rel.json()["error"]
+    assert not [c for c in engine.calls if c[0] == "load"]
+    assert client.post("/update_weights", json={"weight_dir": str(good)}, headers=AUTH).status_code == 200
+    assert state.version == 1
+
+
+def test_stable_manifest_is_checked_by_the_server(base_dir, tmp_path):
+    run = tmp_path / "run"
+    d = _broadcast(base_dir, run, 2)
+    weights = next(d.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-4:] = b"\xff\xff\xff\x7f"  # same size, different bytes (a NaN where a weight was)
+    weights.write_bytes(bytes(data))
+    engine = FakeEngine()
+    client, state = _client(base_dir, engine, weights_root=str(run / "broadcasts"), require_stable=True)
+    r = client.post("/update_weights", json={"weight_dir": str(d)}, headers=AUTH)
+    assert r.status_code == 422 and "STABLE" in r.json()["error"] and "sha256" in r.json()["error"]
+    bare = run / "broadcasts" / "step_3"
+    shutil.copytree(base_dir, bare)  # no STABLE manifest: an incomplete or hand-made directory
+    r = client.post("/update_weights", json={"weight_dir": str(bare)}, headers=AUTH)
+    assert r.status_code == 422 and "STABLE" in r.json()["error"]
+    assert not [c for c in engine.calls if c[0] == "load"] and state.version == 0
+
+
+def test_a_load_that_cannot_restore_marks_the_server_unhealthy(base_dir, tmp_path):
+    run = tmp_path / "run"
+    one, two = _broadcast(base_dir, run, 1), _broadcast(base_dir, run, 2)
+    engine = FakeEngine()
+    client, _ = _client(base_dir, engine)
+    assert client.post("/update_weights", json={"weight_dir": str(one)}, headers=AUTH).status_code == 200
+    engine.fail = ("step_1", "step_2")  # the new load fails, and so does putting step 1 back
+    r = client.post("/update_weights", json={"weight_dir": str(two)}, headers=AUTH)
+    assert r.status_code == 500 and "undefined" in r.json()["error"]
+    assert client.get("/liveness").status_code == 503
+    assert client.get("/weights_version").json()["version"] == -1
+
+
+def test_client_sends_absolute_paths_and_the_secret_on_admin_calls_only(tmp_path, monkeypatch):
+    seen = []
+
+    def handler(req):
+        seen.append((req.url.path, req.headers.get(HEADER), json.loads(req.content or b"null")))
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if req.url.path == "/v1/completions":
+            return httpx.Response(
+                200,
+                json={
+                    "choices": [
+                        {
+                            "index": 0,
+                            "token_ids": [1],
+                            "text": "x",
+                            "finish_reason": "stop",
+                            "logprobs": {"token_logprobs": [-0.1]},
+                        }
+                    ]
+                },
+            )
+        return httpx.Response(200, json={"version": 3})
+
+    monkeypatch.chdir(tmp_path)
+
+    async def go():
+        c = InferenceClient("http://srv:1", transport=httpx.MockTransport(handler), admin_token=SECRET)
+        await c.update_weights("runs/r/broadcasts/step_3", 3)
+        await c.generate([1, 2], n=1, max_tokens=1, temperature=1.0)
+        await c.close()
+
+    asyncio.run(go())
+    update = next(s for s in seen if s[0] == "/update_weights")
+    assert update[1] == SECRET and update[2]["weight_dir"] == str(tmp_path / "runs/r/broadcasts/step_3")
+    assert all(h is None for p, h, _ in seen if p.startswith("/v1/"))
+
+
+@pytest.mark.vllm
+def test_real_server_refuses_admin_calls_without_the_secret(vllm_server):
+    for path in ("/pause", "/update_weights", "/reload_weights"):
+        req = urllib.request.Request(
+            vllm_server.base_url + path,
+            data=b"{}",
+            method="POST",
+            headers={"content-type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 401
+    req = urllib.request.Request(vllm_server.base_url + "/weights_version")
+    assert json.loads(urllib.request.urlopen(req, timeout=30).read())["version"] == 0
+    assert os.environ.get(TOKEN_ENV)  # the session's secret, which its clients send
