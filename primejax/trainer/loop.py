@@ -22,13 +22,12 @@ from flax import nnx
 
 from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wait_for_batch
 from primejax.contracts.broadcast import broadcast_dir, is_stable, prune_broadcasts, write_broadcast
+from primejax.contracts.rundir import RunConfig
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, gather_for_export, load_model
 from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model, make_mesh
-from primejax.monitor import Monitor
-from primejax.rundir import RunConfig
 from primejax.trainer import optim
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
@@ -45,6 +44,7 @@ from primejax.trainer.step import (
     tree_all_finite,
 )
 from primejax.utils.faults import fault_point
+from primejax.utils.monitor import Monitor
 
 if TYPE_CHECKING:
     from primejax.config import Config

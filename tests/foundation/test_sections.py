@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from primejax.cli import load_config_file
 from primejax.config import Config, ConfigError, default_config, typed
+from primejax.config.cli import load_config_file
 from primejax.utils.sections import Section, build
 
 ROOT = Path(__file__).resolve().parents[2]
