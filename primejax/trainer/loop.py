@@ -121,8 +121,8 @@ class Trainer:
 
     def step_fn(self, max_segments: int) -> Callable:
         # The bound on samples per row is static: the custom loss loops over them and cuDNN attention sizes
-        # its per-row work by it (64 slots instead of the real few cost ~10% at 16k). Elsewhere it changes
-        # nothing, so one compiled step serves every batch.
+        # its per-row work by it (a loose bound costs time: docs/benchmarks.md). Elsewhere it changes nothing,
+        # so one compiled step serves every batch.
         m = self.model_cfg
         uses_segments = resolve_impl(m.attention_impl, jnp.dtype(m.compute_dtype)) == "cudnn"
         key = max_segments if self.loss_cfg.type == "custom" or uses_segments else 0
