@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from primejax.utils.devices import check_layout
 from primejax.utils.sections import ConfigError
 
 if TYPE_CHECKING:
@@ -31,3 +32,8 @@ def check(c: Config) -> None:
         raise ConfigError("sft.from_env", f"{c.sft.from_env!r} is not an orchestrator.envs entry")
     if not c.model.path and not c.trainer.fake_data.enabled:
         raise ConfigError("model.path", "must name an HF model directory")
+    try:  # a GPU node's layout: the trainer and a launched server see disjoint GPUs, or both see all
+        check_layout(c.trainer.devices, c.inference.devices, c.inference.enabled)
+    except ValueError as e:
+        key, _, msg = str(e).partition(": ")
+        raise ConfigError(key, msg) from None

@@ -70,6 +70,23 @@ def write_broadcast(
     return final, result
 
 
+def publish_broadcast(run_dir: str | Path, step: int, filled: Path, hash_files: bool = True) -> Path:
+    """`write_broadcast` for a directory several processes filled (multi-host export, a shared filesystem):
+    rename `filled` to `broadcasts/step_<step>` (replacing an older one) and mark it STABLE."""
+    final = broadcast_dir(run_dir, step)
+    manifest = _manifest(filled, step, hash_files)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        filled.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        filled.rename(final)
+    atomic_write_json(final / STABLE, manifest)
+    return final
+
+
 def is_stable(directory: str | Path) -> bool:
     return (Path(directory) / STABLE).is_file()
 

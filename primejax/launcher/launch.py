@@ -32,6 +32,7 @@ from primejax.launcher.preflight import PreflightError, preflight
 from primejax.launcher.resume import common_resume_step, keep_previous_run, set_aside_after
 from primejax.launcher.runlock import RunLock, check_port
 from primejax.models.settings import ModelSettings
+from primejax.utils.devices import accelerator_env
 from primejax.utils.io import atomic_write_json
 from primejax.utils.monitor import read_jsonl
 from primejax.utils.procs import ChildProcess, stop_all
@@ -51,25 +52,26 @@ class ChildFailed(RuntimeError):
 
 
 
-def _child_env(devices: str, platform_cpu: bool) -> dict[str, str]:
+def _child_env(devices: str, platform_cpu: bool, memory_fraction: float = 0.0) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     if os.environ.get(TOKEN_ENV):  # the run's admin secret (launch() sets it): server and orchestrator share it
         env[TOKEN_ENV] = os.environ[TOKEN_ENV]
-    if devices:
-        env["CUDA_VISIBLE_DEVICES"] = devices
+    env.update(accelerator_env(devices, memory_fraction))  # a node's layout (utils/devices.py): config wins
     if platform_cpu:
         env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
-def _start(cfg: Config, process: str, module: str, devices: str = "") -> ChildProcess:
+def _start(
+    cfg: Config, process: str, module: str, devices: str = "", memory_fraction: float = 0.0
+) -> ChildProcess:
     """Start `python -m module` on the resolved config (written to configs/<process>.json)."""
     config_path = write_resolved_config(cfg.run_dir, process, cfg.to_json())
     return ChildProcess(
         process,
         [sys.executable, "-m", module, "--config", str(config_path)],
         log_path(cfg.run_dir, process),
-        env=_child_env(devices, platform_cpu=os.environ.get("JAX_PLATFORMS") == "cpu"),
+        env=_child_env(devices, os.environ.get("JAX_PLATFORMS") == "cpu", memory_fraction),
     )
 
 
@@ -241,7 +243,7 @@ def _with(cfg: Config, **changes: object) -> Config:
 
 def _run_sft_warmup(cfg: Config) -> None:
     """Run `primejax.sft` to completion (its model lands in `<run>/sft/final`)."""
-    child = _start(cfg, "sft", "primejax.sft", devices=cfg.trainer.devices)
+    child = _start(cfg, "sft", "primejax.sft", cfg.trainer.devices, cfg.trainer.memory_fraction)
     print(f"primejax: SFT warm-up ({cfg.sft.steps} steps), log {child.log_path}", flush=True)
     try:
         _watch([child], [child], None)
@@ -316,7 +318,7 @@ def launch(cfg: Config) -> int:
         # A fresh admin secret per run ($PRIMEJAX_ADMIN_TOKEN when set: multi-node), in the environment of the
         # children only, never in a config or a log.
         os.environ[TOKEN_ENV] = write_run_token(root)
-        trainer = _start(cfg, "trainer", "primejax.trainer", devices=cfg.trainer.devices)
+        trainer = _start(cfg, "trainer", "primejax.trainer", cfg.trainer.devices, cfg.trainer.memory_fraction)
         orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator")
         children += [trainer, orchestrator]
         if cfg.inference.enabled:

@@ -22,9 +22,10 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #   dots_no_batch  save only matmuls without batch dimensions (the weight projections), recompute attention
 #   attn           save only the attention kernel's output (+ softmax stats); recompute the rest of the layer
 #   dots_no_batch_attn  dots_no_batch plus the attention output: only elementwise ops are recomputed
+#   attn_offload   attn, with the attention outputs offloaded to pinned host memory (long rows; docs/scaling.md)
 #   auto           dots_no_batch_attn up to 32k tokens per micro-batch, attn beyond (fastest measured, and
 #                  the long rows fit: see transformer.resolve_remat_policy and docs/benchmarks.md)
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "auto")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "attn_offload", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
 _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",

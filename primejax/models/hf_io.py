@@ -314,13 +314,18 @@ def export_safetensors(
     dtype: str | None = "bfloat16",
     src_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    writer: tuple[int, int] = (0, 1),
 ) -> dict:
     """Write the model as an HF directory into `out_dir` (created if needed; the caller makes it atomic).
 
     Files: model-0000x-of-0000y.safetensors, model.safetensors.index.json, config.json, plus generation
     config and tokenizer files copied from `src_dir` when present. `dtype=None` keeps the parameter dtype.
-    Returns {"bytes", "seconds", "files"}.
+    `writer` = (index, count): with several writing processes (multi-host, a shared directory), safetensors
+    file i is written by writer i % count and writer 0 writes the index and config; every writer must call
+    this (each tensor's gather is collective) and each holds at most one stacked tensor plus its own open
+    file's tensors. Returns {"bytes" (total), "bytes_written" (this writer's), "seconds", "files"}.
     """
+    rank, writers = writer
     start = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -336,17 +341,24 @@ def export_safetensors(
     file_of = {n: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards) for n in s}
 
     pending: dict[str, np.ndarray] = {}
-    total = 0
+    total = written = 0
     shard_idx = 0
     for name, array in state_to_hf_tensors(model, cfg, dtype):
-        pending[name] = array
         total += array.nbytes
+        mine = shard_idx % writers == rank
+        if mine:
+            pending[name] = array
+            written += array.nbytes
         # Tensors arrive in plan order, so a shard is complete when its last planned tensor arrives.
         if name == shards[shard_idx][-1]:
-            save_file(pending, str(out_dir / file_of[name]), metadata={"format": "pt"})
+            if mine:
+                save_file(pending, str(out_dir / file_of[name]), metadata={"format": "pt"})
             pending = {}
             shard_idx += 1
     assert not pending and shard_idx == len(shards)
+    info = {"bytes": total, "bytes_written": written, "files": len(shards)}
+    if rank != 0:
+        return dict(info, seconds=time.perf_counter() - start)
 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -356,4 +368,4 @@ def export_safetensors(
         for fname in AUX_FILES:
             if (Path(src_dir) / fname).is_file():
                 shutil.copy2(Path(src_dir) / fname, out_dir / fname)
-    return {"bytes": total, "seconds": time.perf_counter() - start, "files": len(shards)}
+    return dict(info, seconds=time.perf_counter() - start)

@@ -1,11 +1,15 @@
 """Logical-axis sharding: one rule table, the device mesh, and sharded model creation.
 
 Every parameter and the main activations carry *logical* axis names (`embed`, `q_heads`, `batch`, ...).
-`SHARDING_RULES` maps them to the mesh axes `data`, `fsdp`, `tensor`; changing the parallelism layout means
-editing that table, never the layers. The layout it encodes:
+`SHARDING_RULES` maps them to the mesh axes `data`, `fsdp`, `context`, `tensor`; changing the parallelism layout
+means editing that table, never the layers. The layout it encodes:
 
-- FSDP: every weight's `embed` dimension is split over `fsdp`; the batch is split over `data` x `fsdp`, so XLA
-  all-gathers a layer's weights before using them and reduce-scatters their gradients (ZeRO-3).
+- FSDP: every weight's `embed` dimension is split over `fsdp` x `context`; the batch is split over `data` x
+  `fsdp`, so XLA all-gathers a layer's weights before using them and reduce-scatters their gradients (ZeRO-3).
+- Context parallelism: the tokens of a row (`seq`) are split over `context`; attention alone re-splits its
+  inputs by heads instead (`attn_seq` whole, `attn_heads` over `tensor` x `context`), see context_parallel.py.
+  The weights are sharded over `context` too (as FSDP), so a long row on C devices costs no more parameter
+  memory per device than C rows on them.
 - Tensor parallelism: heads, MLP columns and the vocabulary are split over `tensor` (Megatron layout).
 - Pure data parallelism: `data` only splits the batch; parameters are replicated across it.
 
@@ -23,14 +27,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 # logical axis -> mesh axis (or axes, or None = replicated)
 SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
     "layers": None,  # the stacked-layer axis is scanned over, never split
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
@@ -43,12 +47,18 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "expert_mlp": None,
     # activations
     "batch": ("data", "fsdp"),
-    "seq": None,
+    "seq": "context",
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
+    # attention's inputs and output under context parallelism: whole rows, heads split (context_parallel.py)
+    "attn_seq": None,
+    "attn_heads": ("tensor", "context"),
+    "attn_kv_heads": ("tensor", "context"),
+    # the LM head's rows: a row's context shards become rows of their own (context_parallel.fold_context)
+    "batch_context": ("data", "fsdp", "context"),
 }
 
 LogicalAxes = Sequence[str | None]
@@ -100,15 +110,19 @@ def logical_to_spec(
     return PartitionSpec(*entries)
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh; one size may be -1 (= all remaining devices).
+def make_mesh(
+    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None, *, context: int = 1
+) -> Mesh:
+    """A ("data", "fsdp", "context", "tensor") mesh; one size may be -1 (= all remaining devices).
 
     Axes are Auto (GSPMD propagation): the model relies on sharding constraints, not explicit-sharding types.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, context, tensor]
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+        raise ValueError(
+            f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} context={context} tensor={tensor}"
+        )
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
@@ -116,11 +130,12 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence 
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
         raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs {math.prod(sizes)} devices, "
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x context={sizes[2]} x tensor={sizes[3]} needs "
+            f"{math.prod(sizes)} devices, "
             f"have {len(devices)}"
         )
     # Keep `tensor` innermost so tensor-parallel groups are neighbouring devices (fastest links).
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def current_mesh() -> jax.sharding.AbstractMesh | None:

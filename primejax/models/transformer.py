@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import Offloadable, checkpoint_name
 
-from primejax.models.attention import SegmentRuns, attention, prepare_segments
+from primejax.models.attention import SegmentRuns, attention, prepare_segments, resolve_impl
 from primejax.models.config import ModelConfig
+from primejax.models.context_parallel import to_heads, to_tokens
 from primejax.models.moe import expert_load, load_balance_loss, moe_block, router_z_loss
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
@@ -53,6 +54,26 @@ def _saves_attention_and_weight_dots(prim, *args, **params) -> bool:
     return _saves_attention(prim, *args, **params) or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(
         prim, *args, **params
     )
+
+
+def _offloads_attention(cudnn: bool):
+    """`attn`, but the attention results go to pinned host memory instead of staying on the device.
+
+    At 64k+ tokens per device the saved attention outputs are half of all residuals (Qwen3-8B: 8 kB per token
+    per layer, 19 GB at 64k); offloaded, the device keeps only each layer's input, at `full` remat's memory
+    without its recompute of the attention forward. The copies (one out and back per layer) ride PCIe
+    alongside the layer's compute. On the cudnn path the kernel's results (output + softmax statistics) are
+    offloaded, elsewhere the named output; not both, which would copy the output twice.
+    """
+
+    def policy(prim, *args, **params):
+        if prim.name.startswith("dot_product_attention_fwd") if cudnn else (
+            prim.name == "name" and params.get("name") == ATTN_OUT
+        ):
+            return Offloadable(src="device", dst="pinned_host")
+        return False
+
+    return policy
 
 
 _REMAT_POLICIES = {
@@ -156,12 +177,11 @@ def decoder_layer(
     if cfg.qk_norm:
         q_btnh = rms_norm(q_btnh, p["q_norm"], eps)
         k_btkh = rms_norm(k_btkh, p["k_norm"], eps)
-    q_btnh = constrain(apply_rope(q_btnh, cos, sin), ("batch", "seq", "act_heads", "head_dim"))
-    k_btkh = constrain(apply_rope(k_btkh, cos, sin), ("batch", "seq", "act_kv_heads", "head_dim"))
-    v_btkh = constrain(v_btkh, ("batch", "seq", "act_kv_heads", "head_dim"))
+    # Whole rows, heads split, for the kernel: under context parallelism an all-to-all (context_parallel.py).
+    q_btnh, k_btkh, v_btkh = to_heads(apply_rope(q_btnh, cos, sin), apply_rope(k_btkh, cos, sin), v_btkh)
 
     o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl, runs=runs)
-    o_btnh = checkpoint_name(o_btnh, ATTN_OUT)
+    o_btnh = to_tokens(checkpoint_name(o_btnh, ATTN_OUT))
     o_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt))
     if cfg.attention_out_bias:
         o_btd = o_btd + p["o_bias"].astype(dt)
@@ -250,8 +270,12 @@ class DecoderStack(nnx.Module):
         policy = resolve_remat_policy(cfg.remat_policy, x_btd.shape[0] * x_btd.shape[1])
         stacked = self.stacked_params()
         if policy != "none":
+            if policy == "attn_offload":
+                fn = _offloads_attention(resolve_impl(self.cfg.attention_impl, x_btd.dtype) == "cudnn")
+            else:
+                fn = _REMAT_POLICIES[policy]
             # Inside a scan CSE cannot merge the recomputation with the forward pass; unrolled it can.
-            step = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=not cfg.scan_layers)
+            step = jax.checkpoint(step, policy=fn, prevent_cse=not cfg.scan_layers)
         sparse = cfg.sparse_layers()
         if cfg.scan_layers:
             if not sparse or replay is None:

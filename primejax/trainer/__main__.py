@@ -13,14 +13,14 @@ import sys
 
 from primejax.config.cli import parse_config, run_main
 from primejax.contracts.rundir import write_resolved_config
+from primejax.utils.devices import accelerator_env
 
 
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.trainer", doc=__doc__.split("\n\n")[1])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.trainer.devices and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        # Must happen before JAX initializes its backends (the imports below).
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.trainer.devices
+    # Only the trainer's GPUs, JAX's share of them bounded: before JAX initializes its backends (imports below).
+    os.environ.update(accelerator_env(cfg.trainer.devices, cfg.trainer.memory_fraction, os.environ))
     from primejax.contracts.batch import BatchFormatError
     from primejax.trainer.checkpoint import CheckpointError
     from primejax.trainer.loop import NonFiniteError, maybe_init_distributed, train

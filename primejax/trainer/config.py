@@ -14,10 +14,11 @@ class MeshConfig(Section):
 
     data: int = option(1, "data-parallel replicas")
     fsdp: int = option(-1, "fully-sharded data-parallel size")
+    context: int = option(1, "context-parallel size: a row's tokens split over this many devices")
     tensor: int = option(1, "tensor-parallel size")
 
     def check(self) -> None:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
         for axis, size in sizes.items():
             if size == 0 or size < -1:
                 raise ConfigError(axis, f"must be a positive size or -1 (the rest), got {size}")
@@ -94,6 +95,9 @@ class BroadcastConfig(Section):
 
     dtype: str = option("bfloat16", "stored dtype", choices=("bfloat16", "float32"))
     hash: bool = option(True, "list the files' sha256 in STABLE")
+    max_shard_mb: float = option(
+        5120.0, "safetensors file size; with several trainer processes each writes its share of files", gt=0
+    )
 
 
 @section
@@ -135,6 +139,9 @@ class TrainerConfig(Section):
     peak_flops: float = option(989e12, "per-device peak FLOP/s for MFU (H100/H200 SXM dense bf16)", gt=0)
     distributed: DistributedConfig = sub(DistributedConfig, "multi-process JAX")
     devices: str = option("", "accelerator ids, e.g. '0,1' (CUDA_VISIBLE_DEVICES); '' = all")
+    memory_fraction: float = option(
+        0.0, "share of each of its GPUs JAX may preallocate; 0 = JAX's default (75%)", ge=0, le=1
+    )
 
     def check(self) -> None:
         if self.lm_head_saved_logits_gib < 0 and self.lm_head_saved_logits_gib != -1:

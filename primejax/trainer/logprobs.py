@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from primejax.models.context_parallel import fold_context, unfold_context
 from primejax.models.precision import accumulating_einsum, accumulation_dtype
 from primejax.trainer.fused_head import fused_token_logprobs, split_into_chunks
 
@@ -67,7 +68,12 @@ def token_logprobs(
     fit (see `fused_head.fused_token_logprobs`).
     `token_logprobs_autodiff` is the autodiff version it is tested against.
     """
-    return fused_token_logprobs(hidden_btd, lm_head_dv, targets_bt, temperatures_bt, chunk_size, saved_logits_max_bytes)
+    t = hidden_btd.shape[1]
+    # Under context parallelism each device's tokens of a row become a row of their own, so the chunk loop
+    # runs over local tokens only (a loop over the split token axis would run every chunk everywhere).
+    lp, ent = fused_token_logprobs(fold_context(hidden_btd), lm_head_dv, fold_context(targets_bt),
+                                   fold_context(temperatures_bt), chunk_size, saved_logits_max_bytes)
+    return unfold_context(lp, t), unfold_context(ent, t)
 
 
 def token_logprobs_autodiff(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,13 +20,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wait_for_batch
-from primejax.contracts.broadcast import broadcast_dir, is_stable, prune_broadcasts, write_broadcast
+from primejax.contracts.broadcast import (
+    broadcast_dir,
+    is_stable,
+    prune_broadcasts,
+    publish_broadcast,
+    write_broadcast,
+)
 from primejax.contracts.rundir import RunConfig
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, gather_for_export, load_model
+from primejax.models.hf_io import export_safetensors, load_model
 from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model, make_mesh
 from primejax.trainer import optim
@@ -167,22 +175,40 @@ class Trainer:
         return metrics
 
     def export(self, step: int) -> dict[str, float]:
-        """Write θ_step to broadcasts/step_<step>/ (process 0; every process joins the gathers) and prune what
-        inference can no longer ask for."""
+        """Write θ_step to broadcasts/step_<step>/ and prune what inference can no longer ask for.
+
+        With several processes each writes its share of the safetensors files into one shared temp directory
+        (every process joins each tensor's gather), and process 0 publishes it once all have written.
+        """
         if not self.export_enabled:
             return {}
         self.check_finite_params(step, "exporting")
         b = self.t.broadcast
         model = nnx.merge(self.graphdef, self.state.params)
-        if self.rank != 0:  # parameters sharded over the hosts are gathered collectively for process 0
-            gather_for_export(model, self.model_cfg, b.dtype)
-            return {}
         src = self.model_settings.path or None
         start = time.perf_counter()
-        _, info = write_broadcast(
-            self.root, step, lambda d: export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src),
-            hash_files=b.hash,
-        )
+
+        def write(d: Path) -> dict:
+            return export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src,
+                                      max_shard_bytes=int(b.max_shard_mb * 2**20),
+                                      writer=(self.rank, jax.process_count()))
+
+        if jax.process_count() == 1:
+            _, info = write_broadcast(self.root, step, write, hash_files=b.hash)
+        else:
+            final = broadcast_dir(self.root, step)
+            tmp = final.with_name(f".{final.name}.export.tmp")
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            multihost_utils.sync_global_devices(f"primejax export dir {step}")
+            info = write(tmp)
+            log.info("export step %d: process %d wrote %.3g of %.3g GB", step, self.rank,
+                     info["bytes_written"] / 1e9, info["bytes"] / 1e9)
+            multihost_utils.sync_global_devices(f"primejax export written {step}")
+            if self.rank != 0:
+                return {}
+            publish_broadcast(self.root, step, tmp, hash_files=b.hash)
         seconds = time.perf_counter() - start
         prune_broadcasts(self.root, step - self.async_level)
         return {"export/seconds": seconds, "export/gb": info["bytes"] / 1e9,

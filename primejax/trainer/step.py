@@ -191,7 +191,12 @@ def target_logprobs(model: nnx.Module, arrays: Mapping[str, jax.Array], chunk_si
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[M, R, T] arrays: rows over the data-parallel axes, micro-batch and sequence axes whole."""
-    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))
+    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, _context_axis(mesh)))
+
+
+def _context_axis(mesh: Mesh) -> str | None:
+    """The mesh axis a row's tokens are split over (context parallelism), None when there is none."""
+    return "context" if mesh.shape.get("context", 1) > 1 else None
 
 
 def _named(x: jax.Array, mesh: Mesh) -> NamedSharding:
@@ -223,10 +228,11 @@ def jit_train_step(step_fn: Callable, state: TrainState, mesh: Mesh) -> Callable
 def head_saved_logits_bytes(trainer_cfg: Any, mesh: Mesh) -> int:
     """The step's `saved_logits_max_bytes` for the whole micro-batch from the per-device setting.
 
-    The head sees the global micro-batch, whose rows are split over the data-parallel axes, so the budget
-    scales with their size.
+    The head sees the global micro-batch, whose rows are split over the data-parallel axes (and their tokens
+    over `context`), so the budget scales with their sizes.
     """
-    return saved_logits_max_bytes(trainer_cfg.lm_head_saved_logits_gib) * dp_size(mesh)
+    per_device = saved_logits_max_bytes(trainer_cfg.lm_head_saved_logits_gib)
+    return per_device * dp_size(mesh) * mesh.shape.get("context", 1)
 
 
 def dp_size(mesh: Mesh) -> int:
@@ -249,4 +255,8 @@ def max_segments_bucket(batch: PackedBatch) -> int:
 def device_batch(arrays: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Place this process's rows as the global [M, R, T] batch (every process passes its own rank file)."""
     sh = batch_sharding(mesh)
+    context = mesh.shape.get("context", 1)
+    t = next(iter(arrays.values())).shape[-1]
+    if t % context:
+        raise ValueError(f"trainer.mesh.context={context} must divide the row length {t}")
     return {k: jax.make_array_from_process_local_data(sh, v) for k, v in arrays.items()}

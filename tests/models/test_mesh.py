@@ -86,4 +86,4 @@ def test_rules_refuse_two_logical_axes_on_one_mesh_axis():
         logical_to_spec(("q_heads", "mlp"))
     with pytest.raises(KeyError, match="no entry"):
         logical_to_spec(("not_an_axis",))
-    assert SHARDING_RULES["embed"] == "fsdp"
+    assert SHARDING_RULES["embed"] == ("fsdp", "context")

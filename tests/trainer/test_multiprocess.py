@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def _config(tmp: Path, model_dir: Path, name: str) -> Path:
     t.logprob_chunk_size = 16
     t.batch_timeout_s = 5.0
     t.broadcast.dtype = "float32"
+    t.broadcast.max_shard_mb = 0.05  # several safetensors files, so that both processes write some
     t.checkpoint.interval = 2
     t.checkpoint.async_save = False
     c.monitor.tensorboard = False
@@ -142,6 +144,16 @@ def test_two_processes_train_what_one_trains(runs):
         assert np.linalg.norm(b[k] - a[k]) <= 1e-4 * np.linalg.norm(a[k]), k
     base = _tensors(one.parent.parent / "model")
     assert max(float(np.abs(a[k] - base[k]).max()) for k in a) > 1e-3  # training really changed the weights
+
+
+def test_each_process_writes_its_share_of_the_export(runs):
+    """Multi-host export: the files are split between the processes (no host writes them all)."""
+    (two, procs), (one, _) = runs["two"], runs["one"]
+    for rank, p in enumerate(procs):
+        wrote = [float(x) for x in re.findall(rf"export step {STEPS}: process {rank} wrote ([0-9.e+-]+) of", p.stdout)]
+        assert wrote and wrote[0] > 0, p.stdout[-2000:]
+    files = sorted(f.name for f in broadcast_dir(two, STEPS).glob("*.safetensors"))
+    assert len(files) >= 2 and files == sorted(f.name for f in broadcast_dir(one, STEPS).glob("*.safetensors"))
 
 
 def test_metrics_once_and_checkpoints_from_both(runs):

@@ -1,0 +1,64 @@
+"""A GPU node's layout: which accelerators each process sees, and how much of them JAX may take.
+
+On one host the trainer and the inference server split the GPUs (`trainer.devices`, `inference.devices`,
+CUDA_VISIBLE_DEVICES-style id lists). Each child is started with only its own GPUs visible, so the trainer's
+JAX cannot create a context on, let alone allocate memory on, the server's GPUs: the isolation comes from
+the driver, not from JAX settings. On its own GPUs JAX preallocates 75% of each card by default (fastest);
+`trainer.memory_fraction` bounds that when something else shares the trainer's cards, and 0 keeps the
+default. Nothing here imports JAX: the variables must be set before JAX initializes its backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def parse_devices(spec: str, key: str) -> list[int]:
+    """'0,1' -> [0, 1]; '' -> [] (all devices). One clear line naming `key` for anything else."""
+    if not spec.strip():
+        return []
+    try:
+        ids = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"{key}: expected comma-separated device ids like '0,1', got {spec!r}") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"{key}: device ids must be distinct and >= 0, got {spec!r}")
+    return ids
+
+
+def check_layout(trainer_devices: str, inference_devices: str, inference_enabled: bool = True) -> None:
+    """The trainer and a launched server must either both name their GPUs, disjointly, or neither.
+
+    One named and the other not would leave the unnamed process seeing every GPU, the other's included (a
+    trainer preallocating 75% of the server's card).
+    """
+    t = parse_devices(trainer_devices, "trainer.devices")
+    i = parse_devices(inference_devices, "inference.devices")
+    if not inference_enabled:
+        return
+    if bool(t) != bool(i):
+        named, other = (
+            ("trainer.devices", "inference.devices") if t else ("inference.devices", "trainer.devices")
+        )
+        raise ValueError(
+            f"{other}: must be set too when {named} is (each process must see only its own GPUs)"
+        )
+    if set(t) & set(i):
+        raise ValueError(f"trainer.devices: {sorted(set(t) & set(i))} also in inference.devices")
+
+
+def accelerator_env(
+    devices: str, memory_fraction: float = 0.0, base: Mapping[str, str] | None = None
+) -> dict:
+    """Environment variables that give a child process only `devices`, with JAX's allocation bounded.
+
+    `memory_fraction` > 0 sets XLA_PYTHON_CLIENT_MEM_FRACTION (JAX then preallocates that share of each
+    visible card); a value already in `base` (the user's environment) wins over both defaults.
+    """
+    base = {} if base is None else base
+    env: dict[str, str] = {}
+    if devices and "CUDA_VISIBLE_DEVICES" not in base:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    if memory_fraction > 0 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in base:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory_fraction:g}"
+    return env
