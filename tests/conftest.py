@@ -28,14 +28,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen3 (tied embeddings, fp32) with its tokenizer. Treat as read-only."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-tied") / "model", tied=True, seed=0)
+    """A tiny random Qwen3 (tied embeddings, fp32) with its tokenizer, Qwen3's tool-call tokens included (so the
+    renderers package's qwen3 renders for it). Treat as read-only."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-tied") / "model", tied=True, seed=0, tool_tokens=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Like `tiny_model_dir` with a separate lm_head. Treat as read-only."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-untied") / "model", tied=False, seed=1)
+    """Like `tiny_model_dir` (same tokenizer) with a separate lm_head. Treat as read-only."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-untied") / "model", tied=False, seed=1,
+                            tool_tokens=True)
 
 
 @dataclass
@@ -52,7 +54,7 @@ class RunningServer:
 
 def _serve(model_dir: Path, log_dir: Path) -> Iterator[RunningServer]:
     # fp32 end to end so the server can be compared with transformers at tight tolerances.
-    spec = ServerSpec(model=str(model_dir), port=free_port(), dtype="float32", max_model_len=1024)
+    spec = ServerSpec(model=str(model_dir), port=free_port(), dtype="float32", max_model_len=2048)
     proc = InferenceServerProcess(spec, log_dir / "inference.log")
     try:
         proc.start()

@@ -28,9 +28,17 @@ from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec
 
 QWEN3_06B = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-    tie_word_embeddings=True, rope_theta=1_000_000.0,
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
 )
 
 
@@ -76,17 +84,27 @@ async def measure(base_url: str, update_dir: Path, repeats: int, prompts: int, n
         model = (await h.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
         updates, server_loads = [], []
         for i in range(repeats):
-            wall, body = await _timed_post(h, f"{base_url}/update_weights", {"weight_dir": str(update_dir),
-                                                                             "version": i + 1})
+            wall, body = await _timed_post(
+                h, f"{base_url}/update_weights", {"weight_dir": str(update_dir), "version": i + 1}
+            )
             updates.append(wall)
             server_loads.append(body["load_seconds"])
         reload_wall, _ = await _timed_post(h, f"{base_url}/reload_weights")
 
         async def one(i: int) -> int:
-            r = await h.post(f"{base_url}/v1/completions", json={
-                "model": model, "prompt": [1, 10 + i, 20 + i, 30 + i], "max_tokens": new_tokens,
-                "temperature": 1.0, "ignore_eos": True, "seed": i, "logprobs": 0, "return_token_ids": True,
-            })
+            r = await h.post(
+                f"{base_url}/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": [1, 10 + i, 20 + i, 30 + i],
+                    "max_tokens": new_tokens,
+                    "temperature": 1.0,
+                    "ignore_eos": True,
+                    "seed": i,
+                    "logprobs": 0,
+                    "return_token_ids": True,
+                },
+            )
             r.raise_for_status()
             return len(r.json()["choices"][0]["token_ids"])
 
@@ -105,8 +123,9 @@ async def measure(base_url: str, update_dir: Path, repeats: int, prompts: int, n
     }
 
 
-def bench_model(name: str, model_dir: Path, update_dir: Path, log_dir: Path, port: int, args,
-                dtype: str = "auto") -> dict:
+def bench_model(
+    name: str, model_dir: Path, update_dir: Path, log_dir: Path, port: int, args, dtype: str = "auto"
+) -> dict:
     spec = ServerSpec(model=str(model_dir), port=port, max_model_len=1024, dtype=dtype)
     with InferenceServerProcess(spec, log_dir / f"{name}.log") as proc:
         startup = proc.wait_healthy(600)
@@ -152,18 +171,24 @@ def main() -> None:
         build_s = time.perf_counter() - t0
         big_update = out / "broadcasts-0.6b" / "step_1"
         export = export_with_primejax(big, big_update, "bfloat16") if not big_update.exists() else {}
-        results["qwen3-0.6b-shaped"] = {"build_s": build_s, **export,
-                                        **bench_model("qwen3-0.6b", big, big_update, out, args.port + 1, args,
-                                                                    args.dtype_06b)}
+        results["qwen3-0.6b-shaped"] = {
+            "build_s": build_s,
+            **export,
+            **bench_model("qwen3-0.6b", big, big_update, out, args.port + 1, args, args.dtype_06b),
+        }
         print(json.dumps({"qwen3-0.6b-shaped": results["qwen3-0.6b-shaped"]}, indent=1), flush=True)
 
     print(f"\nmachine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end\n")
-    print("| model | dtype | server start (s) | /update_weights (s, median) | server-side load (s) | /reload_weights (s) "
-          f"| tokens/s ({args.prompts}x{args.new_tokens}) |")
+    print(
+        "| model | dtype | server start (s) | /update_weights (s, median) | server-side load (s) | /reload_weights (s) "
+        f"| tokens/s ({args.prompts}x{args.new_tokens}) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['served_dtype']} | {_fmt(r['startup_s'])} | {_fmt(r['update_weights_s_median'])} | "
-              f"{_fmt(r['server_load_s_median'])} | {_fmt(r['reload_weights_s'])} | {r['tokens_per_s']:.0f} |")
+        print(
+            f"| {name} | {r['served_dtype']} | {_fmt(r['startup_s'])} | {_fmt(r['update_weights_s_median'])} | "
+            f"{_fmt(r['server_load_s_median'])} | {_fmt(r['reload_weights_s'])} | {r['tokens_per_s']:.0f} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -73,6 +73,7 @@ def _step(
     steps=3,
     warmup=2,
     trace=False,
+    scan=False,
 ):
     return dict(
         kind="step",
@@ -89,6 +90,7 @@ def _step(
         steps=steps,
         warmup=warmup,
         trace=trace,
+        scan=scan,
     )
 
 
@@ -101,15 +103,68 @@ CONFIGS = {
         _step("moe4:2k", 2048, 4),
         _step("moe4:2k:xla_ragged_dot", 2048, 4, gmm="xla"),
     ],
+    # 48 layers: fp32 master weights + AdamW moments (16 B/param, 490 GB) do not fit 4 x 80 GB, so parameters and
+    # moments are bf16 here; layers scanned (one compiled layer: the 4-minute session cannot afford 48 unrolled).
     "gpu4": [
-        _step("moe48:16k:ep=fsdp", 16384, 48, pdt="bfloat16", ep="fsdp", devices=4, rows=4, remat="full"),
-        _step("moe48:16k:ep=ep", 16384, 48, pdt="bfloat16", ep="ep", devices=4, rows=4, remat="full"),
-        _step("moe24:16k:ep=fsdp:fp32", 16384, 24, ep="fsdp", devices=4, rows=4, remat="full"),
+        _step(
+            "moe48:16k:ep=fsdp",
+            16384,
+            48,
+            pdt="bfloat16",
+            ep="fsdp",
+            devices=4,
+            rows=4,
+            remat="full",
+            scan=True,
+            steps=2,
+            warmup=1,
+        ),
+        _step(
+            "moe48:16k:ep=ep",
+            16384,
+            48,
+            pdt="bfloat16",
+            ep="ep",
+            devices=4,
+            rows=4,
+            remat="full",
+            scan=True,
+            steps=2,
+            warmup=1,
+        ),
+        # fallback if 48 layers do not fit 80 GB cards
+        _step(
+            "moe24:16k:ep=fsdp",
+            16384,
+            24,
+            pdt="bfloat16",
+            ep="fsdp",
+            devices=4,
+            rows=4,
+            remat="full",
+            scan=True,
+            steps=2,
+            warmup=1,
+        ),
     ],
     "smoke": [
         dict(kind="gmm", name="gmm", smoke=True),
         _step("tiny:256", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1),
-        _step("tiny:256:ep", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, ep="ep", devices=2, rows=2),
+        _step(
+            "tiny:256:ep",
+            256,
+            2,
+            gmm="xla",
+            attn="xla",
+            steps=2,
+            warmup=1,
+            ep="ep",
+            devices=4,
+            rows=4,
+            scan=True,
+            pdt="bfloat16",
+            remat="full",
+        ),
     ],
 }
 
@@ -153,18 +208,22 @@ def gmm_worker(c: dict) -> dict:
     checks = []
     # xla's ragged_dot is a dense masked matmul on GPU (G x the work): checks stay small enough for it
     m, k, n, g = (256, 128, 128, 8) if smoke else (4096, 512, 256, 16)
-    for kind in ("uniform", "skewed", "empty"):
-        sizes = jnp.asarray(_sizes(kind, m, g, rng))
+    # "partial": groups cover 3/4 of the rows (the ep mode's case; the rest must come out zero), the others
+    # cover all rows and run with all_rows_grouped=True (no padding group)
+    for kind in ("uniform", "skewed", "empty", "partial"):
+        full = kind != "partial"
+        sizes = jnp.asarray(_sizes("uniform" if not full else kind, m * 3 // 4 if not full else m, g, rng))
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
 
         def loss(x, w, impl):
-            return jnp.sum(grouped_matmul(x, w, sizes, impl).astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: B023
+            y = grouped_matmul(x, w, sizes, impl, all_rows_grouped=full)  # noqa: B023
+            return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: B023
 
         outs = {}
         for impl in ("xla", fast):
-            y = jax.jit(lambda x, w, i=impl: grouped_matmul(x, w, sizes, i))(x, w)  # noqa: B023
+            y = jax.jit(lambda x, w, i=impl: grouped_matmul(x, w, sizes, i, all_rows_grouped=full))(x, w)  # noqa: B023
             gx, gw = jax.jit(jax.grad(lambda x, w, i=impl: loss(x, w, i), argnums=(0, 1)))(x, w)
             outs[impl] = (y, gx, gw)
         # fp32 reference on upcast inputs
@@ -248,6 +307,7 @@ def _model_config(c: dict):
         remat_policy=c["remat"],
         gmm_impl=c["gmm"],
         expert_parallel=c["ep"],
+        scan_layers=bool(c.get("scan")),
     )
 
 
@@ -335,7 +395,7 @@ WORKERS = {"gmm": gmm_worker, "step": step_worker}
 def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1")
     if smoke:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
         env["JAX_PLATFORMS"] = "cpu"
     t0 = time.perf_counter()
     try:

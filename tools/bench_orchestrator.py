@@ -54,9 +54,16 @@ class _Stub(BaseHTTPRequestHandler):
         choices = []
         for i in range(req["n"]):
             ids = [rng.randrange(3, self.vocab) for _ in range(req["max_tokens"])]
-            choices.append({"index": i, "text": "", "token_ids": ids, "prompt_token_ids": req["prompt"],
-                            "finish_reason": "length",
-                            "logprobs": {"token_logprobs": [-rng.random() * 3 for _ in ids]}})
+            choices.append(
+                {
+                    "index": i,
+                    "text": "",
+                    "token_ids": ids,
+                    "prompt_token_ids": req["prompt"],
+                    "finish_reason": "length",
+                    "logprobs": {"token_logprobs": [-rng.random() * 3 for _ in ids]},
+                }
+            )
         self._send({"choices": choices})
 
 
@@ -95,9 +102,14 @@ async def _bench(args: argparse.Namespace, url: str, tokenizer) -> list[dict[str
                 wall, cpu = time.perf_counter(), time.process_time()
                 result = await orch.step(step)
                 m = result.metrics
-                row = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
-                       "generate_s": m["time/generate"], "post_s": m["time/postprocess"],
-                       "samples": m["samples/count"], "tokens": m["seq_len/mean"] * m["samples/count"]}
+                row = {
+                    "wall_s": time.perf_counter() - wall,
+                    "cpu_s": time.process_time() - cpu,
+                    "generate_s": m["time/generate"],
+                    "post_s": m["time/postprocess"],
+                    "samples": m["samples/count"],
+                    "tokens": m["seq_len/mean"] * m["samples/count"],
+                }
                 if step > 1:  # the first step pays imports and connection setup
                     rows.append(row)
         finally:
@@ -126,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    stub = subprocess.Popen([sys.executable, "-m", "tools.bench_orchestrator", "--serve-stub", "--port", str(port)])
+    stub = subprocess.Popen(
+        [sys.executable, "-m", "tools.bench_orchestrator", "--serve-stub", "--port", str(port)]
+    )
     try:
         with tempfile.TemporaryDirectory() as tok_dir:
             build_tokenizer(Path(tok_dir))
@@ -139,12 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)
 
-    print(f"orchestrator overhead, {args.rollouts} rollouts x {args.tokens} tokens "
-          f"(group {args.group_size}), stub server, median of {len(rows)} steps")
+    print(
+        f"orchestrator overhead, {args.rollouts} rollouts x {args.tokens} tokens "
+        f"(group {args.group_size}), stub server, median of {len(rows)} steps"
+    )
     print("| wall s/step | orchestrator CPU s/step | generate s | post-process s | samples | tokens |")
     print("|---|---|---|---|---|---|")
-    print(f"| {med('wall_s'):.3f} | {med('cpu_s'):.3f} | {med('generate_s'):.3f} | {med('post_s'):.3f} "
-          f"| {med('samples'):.0f} | {med('tokens'):.0f} |")
+    print(
+        f"| {med('wall_s'):.3f} | {med('cpu_s'):.3f} | {med('generate_s'):.3f} | {med('post_s'):.3f} "
+        f"| {med('samples'):.0f} | {med('tokens'):.0f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -38,17 +38,45 @@ from tools.bench_trainer_profile import (  # noqa: E402
 
 PEAK_FLOPS = 989e12
 QWEN3_06B = dict(
-    model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1e6,
-    rms_norm_eps=1e-6, max_position_embeddings=65536,
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=65536,
 )
 GIB = 2.0**30
 
 
 # ----------------------------------------------------------------------------------------------- configurations
 
-def _jax(seq, rows=1, loss="rl", remat="auto", attn="cudnn", chunk=2048, steps=5, warmup=2, profile=False,
-         trace=False, head="default", tag="", segs=1, patch=(), xla_flags="", scan=None, hlo=False, save_gib=None):
+
+def _jax(
+    seq,
+    rows=1,
+    loss="rl",
+    remat="auto",
+    attn="cudnn",
+    chunk=2048,
+    steps=5,
+    warmup=2,
+    profile=False,
+    trace=False,
+    head="default",
+    tag="",
+    segs=1,
+    patch=(),
+    xla_flags="",
+    scan=None,
+    hlo=False,
+    save_gib=None,
+):
     """segs: the step's static bound on samples per row (the fake rows hold one); 0 = unknown, i.e. the
     attention kernel's default of 64 run slots (the behaviour before the bound was passed down).
     patch: names from PATCHES (earlier code paths, for before/after in one run); xla_flags: added to
@@ -56,14 +84,40 @@ def _jax(seq, rows=1, loss="rl", remat="auto", attn="cudnn", chunk=2048, steps=5
     the optimized HLO to $BENCH_TRACE_DIR; save_gib: the trainer's `lm_head_saved_logits_gib` (None: its
     default, auto; 0: the head always recomputes its logits, the step before they could be kept)."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
-    return dict(kind="jax", name=name, seq=seq, rows=rows, loss=loss, remat=remat, attn=attn, chunk=chunk,
-                steps=steps, warmup=warmup, profile=profile, trace=trace, head=head, segs=segs, patch=list(patch),
-                xla_flags=xla_flags, scan=scan, hlo=hlo, save_gib=save_gib)
+    return dict(
+        kind="jax",
+        name=name,
+        seq=seq,
+        rows=rows,
+        loss=loss,
+        remat=remat,
+        attn=attn,
+        chunk=chunk,
+        steps=steps,
+        warmup=warmup,
+        profile=profile,
+        trace=trace,
+        head=head,
+        segs=segs,
+        patch=list(patch),
+        xla_flags=xla_flags,
+        scan=scan,
+        hlo=hlo,
+        save_gib=save_gib,
+    )
 
 
 def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
-    return dict(kind="torch", name=f"torch:{seq}:{'ckpt' if ckpt else 'nockpt'}" + ("" if rows == 1 else f":x{rows}"),
-                seq=seq, rows=rows, ckpt=ckpt, loss="ce", steps=steps, warmup=warmup)
+    return dict(
+        kind="torch",
+        name=f"torch:{seq}:{'ckpt' if ckpt else 'nockpt'}" + ("" if rows == 1 else f":x{rows}"),
+        seq=seq,
+        rows=rows,
+        ckpt=ckpt,
+        loss="ce",
+        steps=steps,
+        warmup=warmup,
+    )
 
 
 # The code paths before explore4 (commit 858e44c); with scan=True, that commit's step.
@@ -99,16 +153,19 @@ CONFIGS = {
         dict(kind="check", name="check"),
         _jax(16384, trace=True),
         _jax(16384, save_gib=0, tag="before"),
-        _torch(16384, ckpt=True), _torch(16384, ckpt=False),
+        _torch(16384, ckpt=True),
+        _torch(16384, ckpt=False),
         _jax(32768),
-        _torch(32768, ckpt=True), _torch(32768, ckpt=False),
+        _torch(32768, ckpt=True),
+        _torch(32768, ckpt=False),
         _jax(65536, steps=2, trace=True),
         _torch(65536, ckpt=True),
         _jax(4096, rows=4),
         _torch(4096, rows=4, ckpt=False),
         _jax(8192, rows=2, loss="ce"),
         _jax(8192, rows=2, loss="ce", save_gib=0, tag="before"),
-        _torch(8192, rows=2, ckpt=True), _torch(8192, rows=2, ckpt=False),
+        _torch(8192, rows=2, ckpt=True),
+        _torch(8192, rows=2, ckpt=False),
         _jax(32768, save_gib=40, tag="saved"),  # beyond auto's share: what keeping the logits buys at 32k
     ],
     # Exploration after the segment bound reached the kernel: before/after at 16k, remat choices at 16k and
@@ -123,7 +180,8 @@ CONFIGS = {
         _jax(65536, remat="attn", steps=2, trace=True, tag="attn"),
         _jax(65536, remat="dots_no_batch_attn", steps=2, tag="dnba"),
         _jax(65536, remat="attn", steps=2, chunk=1024, tag="attn_c1024"),
-        _torch(16384, ckpt=False), _torch(32768, ckpt=True),
+        _torch(16384, ckpt=False),
+        _torch(32768, ckpt=True),
     ],
     "explore2": [
         dict(kind="check", name="check"),
@@ -134,7 +192,9 @@ CONFIGS = {
         _jax(32768, remat="dots_no_batch_attn", head="fused", tag="dnba"),
         _jax(65536, remat="attn", head="fused", steps=2, trace=True, tag="attn"),
         _jax(65536, remat="dots_no_batch_attn", head="fused", steps=2, tag="dnba"),
-        _torch(32768, ckpt=True), _torch(32768, ckpt=False), _torch(65536, ckpt=True),
+        _torch(32768, ckpt=True),
+        _torch(32768, ckpt=False),
+        _torch(65536, ckpt=True),
     ],
     "explore": [
         dict(kind="check", name="check", kernels=True),
@@ -143,19 +203,27 @@ CONFIGS = {
         _jax(16384, remat="full"),
         _jax(16384, remat="none", chunk=8192),
         _jax(65536, remat="full", steps=2, profile=True),
-        _torch(16384, ckpt=True), _torch(16384, ckpt=False),
+        _torch(16384, ckpt=True),
+        _torch(16384, ckpt=False),
     ],
 }
 
 
 # ----------------------------------------------------------------------------------------------- jax worker
 
+
 def _model_config(attn: str, remat: str, scan: bool | None = None):
     from primejax.models.config import ModelConfig
 
     extra = {} if scan is None else {"scan_layers": scan}
-    return ModelConfig.from_hf_config(QWEN3_06B, param_dtype="float32", compute_dtype="bfloat16",
-                                      attention_impl=attn, remat_policy=remat, **extra)
+    return ModelConfig.from_hf_config(
+        QWEN3_06B,
+        param_dtype="float32",
+        compute_dtype="bfloat16",
+        attention_impl=attn,
+        remat_policy=remat,
+        **extra,
+    )
 
 
 def _patch_packed_one_sample() -> None:
@@ -238,8 +306,10 @@ def jax_worker(c: dict) -> dict:
     mesh = make_mesh()
     with jax.set_mesh(mesh):
         model = init_model(cfg, mesh, seed=0)
-        opt = optim.make_optimizer(dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0),
-                                   optax.constant_schedule(1e-6))
+        opt = optim.make_optimizer(
+            dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0),
+            optax.constant_schedule(1e-6),
+        )
         from flax import nnx
 
         graphdef = nnx.graphdef(model)
@@ -247,11 +317,20 @@ def jax_worker(c: dict) -> dict:
         del model
         # The trainer's setting: -1 = auto (a share of this device's memory), as `lm_head_saved_logits_gib`.
         save_bytes = saved_logits_max_bytes(-1 if c.get("save_gib") is None else c["save_gib"])
-        fn = step_mod.make_train_step(graphdef, opt, optax.constant_schedule(1e-6), LossConfig(),
-                                      chunk_size=c["chunk"], max_segments=c.get("segs", 1),
-                                      saved_logits_max_bytes=save_bytes)
-        host = {k: np.asarray(v)[None] for k, v in _fake_batch(rows, seq, cfg.vocab_size, c["loss"]).items()
-                if k != "targets"}
+        fn = step_mod.make_train_step(
+            graphdef,
+            opt,
+            optax.constant_schedule(1e-6),
+            LossConfig(),
+            chunk_size=c["chunk"],
+            max_segments=c.get("segs", 1),
+            saved_logits_max_bytes=save_bytes,
+        )
+        host = {
+            k: np.asarray(v)[None]
+            for k, v in _fake_batch(rows, seq, cfg.vocab_size, c["loss"]).items()
+            if k != "targets"
+        }
         batch = step_mod.device_batch(host, mesh)
         t0 = time.perf_counter()
         step = step_mod.jit_train_step(fn, state, mesh).lower(state, batch).compile()
@@ -271,20 +350,35 @@ def jax_worker(c: dict) -> dict:
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
         loss = float(run(batch))
         tokens = rows * seq
-        res = dict(tok_s=tokens / dt, step_ms=dt * 1e3, compile_s=compile_only_s, first_step_s=first, loss=loss,
-                   mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS, peak_gib=_jax_peak_gib(), memory=mem,
-                   remat_resolved=resolve_remat_policy(c["remat"], rows * seq),
-                   head_saves_logits=0 < saved_logits_bytes(rows * seq, cfg.vocab_size, "bfloat16") <= save_bytes)
+        res = dict(
+            tok_s=tokens / dt,
+            step_ms=dt * 1e3,
+            compile_s=compile_only_s,
+            first_step_s=first,
+            loss=loss,
+            mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS,
+            peak_gib=_jax_peak_gib(),
+            memory=mem,
+            remat_resolved=resolve_remat_policy(c["remat"], rows * seq),
+            head_saves_logits=0 < saved_logits_bytes(rows * seq, cfg.vocab_size, "bfloat16") <= save_bytes,
+        )
         if c.get("trace"):
             res["trace"] = _trace_summary(run, batch)
         if c.get("profile"):
-            res["parts"] = _jax_parts(cfg, graphdef, box["s"].params, _fake_batch(rows, seq, cfg.vocab_size, c["loss"]),
-                                      c["chunk"], opt, box["s"].opt_state)
+            res["parts"] = _jax_parts(
+                cfg,
+                graphdef,
+                box["s"].params,
+                _fake_batch(rows, seq, cfg.vocab_size, c["loss"]),
+                c["chunk"],
+                opt,
+                box["s"].opt_state,
+            )
     return res
 
 
-
 # ----------------------------------------------------------------------------------------------- torch worker
+
 
 def torch_worker(c: dict) -> dict:
     import torch
@@ -333,8 +427,14 @@ def torch_worker(c: dict) -> dict:
     from primejax.models.config import ModelConfig
 
     fpt = ModelConfig.from_hf_config(QWEN3_06B).flops_per_token(seq)
-    return dict(tok_s=tokens / dt, step_ms=dt * 1e3, compile_s=first, loss=float(loss),
-                mfu=tokens * fpt / dt / PEAK_FLOPS, peak_gib=peak())
+    return dict(
+        tok_s=tokens / dt,
+        step_ms=dt * 1e3,
+        compile_s=first,
+        loss=float(loss),
+        mfu=tokens * fpt / dt / PEAK_FLOPS,
+        peak_gib=peak(),
+    )
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -382,8 +482,10 @@ def _table(results: list[dict]) -> str:
         if r.get("tok_s"):
             best = torch_best.get((r["seq"], r["rows"]))
             ratio = f"{r['tok_s'] / best:.2f}x" if best and r["kind"] == "jax" else ""
-            lines.append(f"{r['name']:<24}{r['seq']:>7}{r['rows']:>5}{r['tok_s']:>10.0f}{100 * r['mfu']:>6.1f}%"
-                         f"{r['step_ms']:>10.1f}{r['peak_gib']:>10.1f}{ratio:>9}  {label}")
+            lines.append(
+                f"{r['name']:<24}{r['seq']:>7}{r['rows']:>5}{r['tok_s']:>10.0f}{100 * r['mfu']:>6.1f}%"
+                f"{r['step_ms']:>10.1f}{r['peak_gib']:>10.1f}{ratio:>9}  {label}"
+            )
         else:
             status = "OOM" if r.get("oom") else "FAIL"
             lines.append(f"{r['name']:<24}{r['seq']:>7}{r['rows']:>5}{status:>10}{'':>27}{'':>9}  {label}")
@@ -396,8 +498,12 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated configuration names from the suite")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
-    ap.add_argument("--budget", type=float, default=0.0,
-                    help="seconds for the whole suite (0 = none): configurations that would start later are skipped")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="seconds for the whole suite (0 = none): configurations that would start later are skipped",
+    )
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -38,7 +38,7 @@ def check_worker(c: dict) -> dict:
     for r, lens in enumerate([(300, 1700, 1000, 1000), (4000,)]):
         pos = 0
         for s, n in enumerate(lens, 1):
-            seg[r, pos:pos + n] = s
+            seg[r, pos : pos + n] = s
             pos += n
     seg = jnp.asarray(seg)
     k = jax.random.split(jax.random.key(0), 4)
@@ -81,8 +81,10 @@ def check_worker(c: dict) -> dict:
     (o1_ref, g1_ref), (o1, g1) = one_sample("xla", None), one_sample("cudnn", one)
     errs["causal_out"] = _rel(o1, o1_ref)
     errs.update({f"causal_d{n}": _rel(a, b) for n, a, b in zip("qkv", g1, g1_ref, strict=True)})
-    out["causal_overflow_flagged"] = [bool(x) for x in np.asarray(
-        prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=1).overflow)]
+    out["causal_overflow_flagged"] = [
+        bool(x)
+        for x in np.asarray(prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=1).overflow)
+    ]
     # LM head + logprobs: chunked (recomputed per chunk) vs full fp32 logits.
     b, t, d, vocab = 1, 4096, 1024, 151936
     k = jax.random.split(jax.random.key(1), 5)
@@ -101,18 +103,36 @@ def check_worker(c: dict) -> dict:
 
     (l_f, (lp_f, ent_f)), (gh_f, gw_f) = head(lambda h, w: token_logprobs(h, w, y, tau, 1024))
     (l_r, (lp_r, ent_r)), (gh_r, gw_r) = head(lambda h, w: token_logprobs_reference(h, w, y, tau))
-    errs.update(head_loss=_rel(l_f, l_r), head_logprobs=_rel(lp_f, lp_r), head_entropy=_rel(ent_f, ent_r),
-                head_dh=_rel(gh_f, gh_r), head_dw=_rel(gw_f, gw_r))
+    errs.update(
+        head_loss=_rel(l_f, l_r),
+        head_logprobs=_rel(lp_f, lp_r),
+        head_entropy=_rel(ent_f, ent_r),
+        head_dh=_rel(gh_f, gh_r),
+        head_dw=_rel(gw_f, gw_r),
+    )
     (l_f, (lp_f, ent_f)), (gh_f, gw_f) = head(lambda h, w: fused_token_logprobs(h, w, y, tau, 1024))
-    errs.update(fused_head_loss=_rel(l_f, l_r), fused_head_logprobs=_rel(lp_f, lp_r),
-                fused_head_entropy=_rel(ent_f, ent_r), fused_head_dh=_rel(gh_f, gh_r), fused_head_dw=_rel(gw_f, gw_r))
+    errs.update(
+        fused_head_loss=_rel(l_f, l_r),
+        fused_head_logprobs=_rel(lp_f, lp_r),
+        fused_head_entropy=_rel(ent_f, ent_r),
+        fused_head_dh=_rel(gh_f, gh_r),
+        fused_head_dw=_rel(gw_f, gw_r),
+    )
     # The same head keeping its fp32 logits for the backward instead of recomputing them.
     (l_f, (lp_f, ent_f)), (gh_f, gw_f) = head(lambda h, w: fused_token_logprobs(h, w, y, tau, 1024, 1 << 40))
-    errs.update(saved_head_loss=_rel(l_f, l_r), saved_head_logprobs=_rel(lp_f, lp_r),
-                saved_head_entropy=_rel(ent_f, ent_r), saved_head_dh=_rel(gh_f, gh_r), saved_head_dw=_rel(gw_f, gw_r))
+    errs.update(
+        saved_head_loss=_rel(l_f, l_r),
+        saved_head_logprobs=_rel(lp_f, lp_r),
+        saved_head_entropy=_rel(ent_f, ent_r),
+        saved_head_dh=_rel(gh_f, gh_r),
+        saved_head_dw=_rel(gw_f, gw_r),
+    )
     out["errors"] = errs
-    out["ok"] = (all(np.isfinite(e) and e < tol for e in errs.values()) and out["overflow_flagged"] == [True, False]
-                 and out["causal_overflow_flagged"] == [True, False])
+    out["ok"] = (
+        all(np.isfinite(e) and e < tol for e in errs.values())
+        and out["overflow_flagged"] == [True, False]
+        and out["causal_overflow_flagged"] == [True, False]
+    )
     if c.get("kernels"):
         out["kernels"] = _kernel_sweep()
     return out
@@ -134,26 +154,45 @@ def _kernel_sweep() -> dict:
         seg = jnp.ones((1, t), jnp.int32)
         lens = jnp.full((1,), t, jnp.int32)
         flops = 2 * 2 * t * t / 2 * 16 * 128 * 3.5
-        variants = {f"packed_m{m}": (lambda q, kk, v, m=m, seg=seg: attention(q, kk, v, seg, impl="cudnn",
-                                                                             max_runs=m))
-                    for m in (2, 64)}
+        variants = {
+            f"packed_m{m}": (
+                lambda q, kk, v, m=m, seg=seg: attention(q, kk, v, seg, impl="cudnn", max_runs=m)
+            )
+            for m in (2, 64)
+        }
         variants["plain_causal"] = lambda q, kk, v: jax.nn.dot_product_attention(
-            q, kk, v, is_causal=True, implementation="cudnn")
+            q, kk, v, is_causal=True, implementation="cudnn"
+        )
         variants["padded_causal"] = lambda q, kk, v, lens=lens: jax.nn.dot_product_attention(
-            q, kk, v, is_causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens, implementation="cudnn")
+            q,
+            kk,
+            v,
+            is_causal=True,
+            query_seq_lengths=lens,
+            key_value_seq_lengths=lens,
+            implementation="cudnn",
+        )
         if t <= 16384:  # Triton kernels: slow enough at 64k to eat the sweep's time
             variants["pallas_mha"] = lambda q, kk, v, seg=seg: _pallas_mha(q, kk, v, seg)
             variants["pallas_mha_b64"] = lambda q, kk, v, seg=seg: _pallas_mha(q, kk, v, seg, big=True)
         for name, fn in variants.items():
-            g = jax.jit(jax.grad(lambda q, kk, v, fn=fn: jnp.sum(fn(q, kk, v).astype(jnp.float32) * 1e-3),
-                                 argnums=(0, 1, 2)))
+            g = jax.jit(
+                jax.grad(
+                    lambda q, kk, v, fn=fn: jnp.sum(fn(q, kk, v).astype(jnp.float32) * 1e-3),
+                    argnums=(0, 1, 2),
+                )
+            )
             fwd = jax.jit(fn)
             args = (q, kk, v)
             try:
                 tf = _timed(fwd, lambda args=args: args, 5, 2)[1]
                 tb = _timed(g, lambda args=args: args, 5, 2)[1]
-                res[f"{t}:{name}"] = dict(fwd_ms=tf * 1e3, fwd_bwd_ms=tb * 1e3,
-                                          fwd_tflops=flops / 3.5 / tf / 1e12, fwd_bwd_tflops=flops / tb / 1e12)
+                res[f"{t}:{name}"] = dict(
+                    fwd_ms=tf * 1e3,
+                    fwd_bwd_ms=tb * 1e3,
+                    fwd_tflops=flops / 3.5 / tf / 1e12,
+                    fwd_bwd_tflops=flops / tb / 1e12,
+                )
             except Exception as e:  # noqa: BLE001 - report and keep sweeping
                 res[f"{t}:{name}"] = dict(error=repr(e)[:300])
     return res
@@ -166,7 +205,18 @@ def _pallas_mha(q, k, v, seg, big=False):
 
     rep = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    blocks = pa.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
-                           block_kv_dq=64) if big else pa.BlockSizes.get_default()
-    return pa.mha(q, k, v, seg, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=blocks,
-                  num_warps=8 if big else None)
+    blocks = (
+        pa.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+        if big
+        else pa.BlockSizes.get_default()
+    )
+    return pa.mha(
+        q,
+        k,
+        v,
+        seg,
+        sm_scale=q.shape[-1] ** -0.5,
+        causal=True,
+        block_sizes=blocks,
+        num_warps=8 if big else None,
+    )

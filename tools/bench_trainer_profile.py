@@ -61,7 +61,9 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
             return "attention"
         if any(x in n for x in ("gemm", "xmma", "cutlass", "cublas", "matmul", "gmma", "nvjet")):
             return "matmul"
-        if any(x in n for x in ("reduce", "fusion", "loop", "copy", "transpose", "convert", "scatter", "gather")):
+        if any(
+            x in n for x in ("reduce", "fusion", "loop", "copy", "transpose", "convert", "scatter", "gather")
+        ):
             return "fusion/elementwise"
         return "other"
 
@@ -69,9 +71,13 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
     for k, v in kernels.items():
         cats[cat(k)] += v
     best = lambda d: dict(sorted(((k[:140], round(v, 2)) for k, v in d.items()), key=lambda x: -x[1])[:top])  # noqa: E731
-    return dict(ms_per_step_by_category={k: round(v, 1) for k, v in cats.items()},
-                kernel_ms_total=round(sum(kernels.values()), 1), top_kernels=best(kernels), top_xla_ops=best(ops),
-                lines=sorted(set(lines_seen))[:20])
+    return dict(
+        ms_per_step_by_category={k: round(v, 1) for k, v in cats.items()},
+        kernel_ms_total=round(sum(kernels.values()), 1),
+        top_kernels=best(kernels),
+        top_xla_ops=best(ops),
+        lines=sorted(set(lines_seen))[:20],
+    )
 
 
 def _memory_analysis(compiled) -> dict:
@@ -107,7 +113,9 @@ def _jax_parts(cfg, graphdef, params, batch, chunk, opt, opt_state) -> dict:
     rows, seq = batch["tokens"].shape
     parts = {}
     model = nnx.merge(graphdef, params)
-    h = jax.jit(lambda p: nnx.merge(graphdef, p)(batch["tokens"], batch["positions"], batch["segment_ids"]))(params)
+    h = jax.jit(lambda p: nnx.merge(graphdef, p)(batch["tokens"], batch["positions"], batch["segment_ids"]))(
+        params
+    )
     w = model.lm_head_weight()
     cot = jax.random.normal(jax.random.key(1), h.shape, jnp.bfloat16)
 

@@ -42,11 +42,15 @@ def to_orbax(hf_dir: str, out: str, param_dtype: str, overwrite: bool = False) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.convert_checkpoint", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.convert_checkpoint", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("to-hf", help="Orbax parameter checkpoint -> HF safetensors directory")
     a.add_argument("--orbax", required=True, help="Orbax checkpoint directory written by save_params")
-    a.add_argument("--config", required=True, help="HF model directory (or its config.json) of the architecture")
+    a.add_argument(
+        "--config", required=True, help="HF model directory (or its config.json) of the architecture"
+    )
     a.add_argument("--out", required=True)
     a.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "keep"])
     a.add_argument("--overwrite", action="store_true")
@@ -60,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "to-hf":
             dtype = None if args.dtype == "keep" else args.dtype
             stats = to_hf(args.orbax, args.config, args.out, dtype, args.overwrite)
-            print(f"wrote {args.out}: {stats['bytes'] / 2**20:.1f} MiB in {stats['files']} file(s), "
-                  f"{stats['seconds']:.2f} s")
+            print(
+                f"wrote {args.out}: {stats['bytes'] / 2**20:.1f} MiB in {stats['files']} file(s), "
+                f"{stats['seconds']:.2f} s"
+            )
         else:
             to_orbax(args.hf, args.out, args.param_dtype, args.overwrite)
             print(f"wrote {args.out}")

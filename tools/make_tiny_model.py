@@ -10,7 +10,7 @@ from primejax.models.tiny import build_tiny_model
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=["qwen3", "llama"], default="qwen3")
+    p.add_argument("--family", choices=["qwen3", "llama", "qwen3_moe"], default="qwen3")
     p.add_argument("--untied", action="store_true", help="separate lm_head (default: tied embeddings)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe only")
+    p.add_argument("--num-experts-per-tok", type=int, default=2, help="qwen3_moe only")
+    p.add_argument("--moe-intermediate-size", type=int, default=64, help="qwen3_moe only")
     a = p.parse_args(argv)
     out = build_tiny_model(
         a.out_dir,
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
         vocab_size=a.vocab_size,
         init_std=a.init_std,
         seed=a.seed,
+        num_experts=a.num_experts,
+        num_experts_per_tok=a.num_experts_per_tok,
+        moe_intermediate_size=a.moe_intermediate_size,
     )
     print(out)
 

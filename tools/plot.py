@@ -1,6 +1,6 @@
 """Plot a run's reward, loss, entropy and mismatch-KL curves from its metrics JSONL (no TensorBoard needed).
 
-    python -m tools.plot outputs/demo [--out outputs/demo/curves.png]
+python -m tools.plot outputs/demo [--out outputs/demo/curves.png]
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ ids, sampling logprobs, policy version per turn) and drives the task in process:
   `interaction(task)` is a primejax stand-in whose `turn(message)` runs one agent segment (model calls until
   a reply without tool calls) through the orchestrator. The `policy_agent` (default `assistant`, else the
   first declared) is trained; other agents sample from the same server untrained.
-- `vf_loop = true` runs verifiers' own rollout loop instead (harness program + a subprocess per toolset,
-  ~5 s per rollout here vs milliseconds in process): only for tasks that need a harness or a sandbox; it
-  samples through verifiers' client, so those rollouts carry no primejax token ids and are eval-only.
+
+Not supported: tasks that need verifiers' harness programs or a sandbox runtime (verifiers' own rollout loop
+launches a harness program per rollout and a subprocess per toolset; primejax does not call it).
 
 An id with a dot (`my_pkg.my_taskset`) is imported as a module path; verifiers' own loader only resolves
 bare package names (`my-taskset` -> `my_taskset` or `verifiers.v1.tasksets.my_taskset`).
@@ -279,7 +279,6 @@ class VerifiersEnv(Environment):
         env: str = "",
         env_args: dict[str, Any] | None = None,
         policy_agent: str = "",
-        vf_loop: bool = False,
         **taskset_args: Any,
     ):
         taskset = load_taskset(taskset_id, taskset_args)
@@ -299,7 +298,6 @@ class VerifiersEnv(Environment):
         )
         self.vf_env = _load_env(env, taskset_id, taskset_args, env_args or {}) if env else None
         self.policy_agent = policy_agent
-        self.vf_loop = vf_loop
         self._tools: dict[int, list[dict[str, Any]] | None] = {}
 
     # ------------------------------------------------------------------------------------------ examples

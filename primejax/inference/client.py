@@ -241,6 +241,22 @@ class InferenceClient:
         # Absolute on the wire: a server on another host (or another cwd) must not resolve our relative path.
         await self._all("POST", "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)})
 
+    async def transfer_weights(self, version: int, init_info: dict, update_info: dict) -> None:
+        """Receive `version` collectively on every server (the trainer is sending); server i joins as rank 1 + i.
+
+        Not retried: a round is one rendezvous with the trainer and cannot be joined twice.
+        """
+        async def one(i: int, url: str) -> Any:
+            body = {"version": int(version), "init_info": {**init_info, "rank_offset": 1 + i},
+                    "update_info": update_info}
+            r = await self._http.post(url + "/transfer_weights", json=body, headers=self._admin_headers,
+                                      timeout=float(init_info.get("timeout_s", 60.0)) + 120.0)
+            if r.status_code >= 400:
+                raise InferenceError(f"POST {url}/transfer_weights: {r.status_code} {_message(r)}", r.status_code)
+            return r.json()
+
+        await asyncio.gather(*(one(i, u) for i, u in enumerate(self.base_urls)))
+
     async def reload_weights(self) -> None:
         """Go back to the base model on every server (version 0)."""
         await self._all("POST", "/reload_weights")

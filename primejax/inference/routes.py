@@ -41,6 +41,8 @@ class AdminEngine(Protocol):
     async def load_weights(self, weight_dir: str) -> None: ...  # in place, from an HF safetensors dir
     async def reset_cache(self) -> None: ...  # forget KV computed with previous weights
     async def check_health(self) -> None: ...  # raises if the engine is dead
+    # Optional (collective updates): one round of vLLM's weight-transfer engine protocol.
+    # async def transfer_weights(self, init_info: dict, update_info: dict) -> None: ...
 
 
 @dataclass
@@ -49,21 +51,27 @@ class AdminState:
     base_dir: str
     validate: Callable[[str], None]  # raises WeightDirError
     version: int = BASE_VERSION
-    weight_dir: str = ""
+    weight_dir: str = ""  # "" after a collective update: the served weights exist in no directory
     user_paused: bool = False
+    # Collective updates: checks an update info's tensor names/shapes (raises WeightDirError); None = disabled.
+    check_transfer: Callable[[dict], None] | None = None
+    transport: str = "filesystem"  # how the served weights arrived: filesystem | collective
     last_load_s: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     admin_token: str | None = None  # required on the POST routes (admin_auth.protect); None = open (tests)
     weights_root: str = ""  # loads must resolve inside it; "" = anywhere
     require_stable: bool = False  # only directories with a STABLE manifest (checked file by file) load
-    unhealthy: str = ""  # why the served weights are undefined (a failed load that could not restore)
+    # Why the served weights are undefined (a failed load that could not restore): /liveness answers 503, the
+    # server stays paused (nothing is sampled from them) until a full load succeeds or the launcher restarts it.
+    unhealthy: str = ""
 
     def __post_init__(self) -> None:
         self.weight_dir = self.weight_dir or self.base_dir
 
     def describe(self) -> dict[str, Any]:
         version = -1 if self.unhealthy else self.version
-        return {"version": version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s}
+        return {"version": version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s,
+                "transport": self.transport}
 
 
 router = APIRouter()
@@ -87,6 +95,22 @@ async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
     return body
 
 
+async def _after_failed_load(state: AdminState, what: str) -> str:
+    """A load stopped half-way: put back the previous weights when they live in a directory; otherwise (they
+    came collectively, or restoring failed too) the served weights are undefined: the server stays paused and
+    reports unhealthy until a full load succeeds (or the launcher restarts it)."""
+    if state.weight_dir:
+        try:
+            await state.engine.load_weights(state.weight_dir)
+            await state.engine.reset_cache()
+            return f"still serving version {state.version}"
+        except Exception:
+            logger.exception("restoring %s failed", state.weight_dir)
+    state.unhealthy = f"{what} and the previous weights could not be restored"
+    return ("the served weights are undefined: the server stays paused and reports unhealthy until a full "
+            "weight update (/update_weights) succeeds")
+
+
 async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONResponse:
     """Load `weight_dir` in place under the state lock; on failure try to restore the previous weights."""
     t0 = time.perf_counter()
@@ -95,24 +119,15 @@ async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONRespons
         try:
             await state.engine.load_weights(weight_dir)
         except Exception as e:
-            # The load may have stopped half-way: put the previous weights back so the server stays coherent.
-            logger.exception("loading %s failed; restoring %s", weight_dir, state.weight_dir)
-            try:
-                await state.engine.load_weights(state.weight_dir)
-                restored = f"still serving version {state.version}"
-            except Exception:
-                logger.exception("restoring %s failed", state.weight_dir)
-                restored = "restoring the previous weights failed too: the served weights are undefined"
-                # Never serve undefined weights under the old version: /liveness answers 503 from now on and
-                # the launcher restarts the server.
-                state.unhealthy = f"loading {weight_dir} failed and the previous weights could not be restored"
-            await state.engine.reset_cache()
+            logger.exception("loading %s failed; restoring %s", weight_dir, state.weight_dir or "(none on disk)")
+            restored = await _after_failed_load(state, f"loading {weight_dir} failed")
             return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"loading {weight_dir} failed ({e}); {restored}")
         await state.engine.reset_cache()
+        state.unhealthy = ""
     finally:
-        if not state.user_paused:
+        if not state.user_paused and not state.unhealthy:
             await state.engine.resume()
-    state.version, state.weight_dir = version, weight_dir
+    state.version, state.weight_dir, state.transport = version, weight_dir, "filesystem"
     state.last_load_s = time.perf_counter() - t0
     logger.info("serving weights version %d from %s (%.3f s)", version, weight_dir, state.last_load_s)
     return JSONResponse(state.describe())
@@ -191,10 +206,70 @@ async def liveness(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", **_state(request).describe()})
 
 
+# Margin over the transfer's own (gloo/NCCL) timeout before the route stops waiting for the engine.
+TRANSFER_GRACE_S = 30.0
+
+
+async def _transfer(state: AdminState, init_info: dict, update_info: dict, version: int,
+                    timeout_s: float) -> JSONResponse:
+    t0 = time.perf_counter()
+    await state.engine.pause()
+    try:
+        try:
+            await asyncio.wait_for(state.engine.transfer_weights(init_info, update_info),  # type: ignore[attr-defined]
+                                   timeout_s + TRANSFER_GRACE_S)
+        except Exception as e:
+            logger.exception("collective weight transfer of version %d failed", version)
+            restored = await _after_failed_load(state, f"the collective transfer of version {version} failed")
+            return _error(HTTPStatus.BAD_GATEWAY, f"collective transfer of version {version} failed "
+                          f"({type(e).__name__}: {str(e)[:300]}); {restored}")
+        await state.engine.reset_cache()
+        state.unhealthy = ""
+    finally:
+        if not state.user_paused and not state.unhealthy:
+            await state.engine.resume()
+    state.version, state.weight_dir, state.transport = version, "", "collective"
+    state.last_load_s = time.perf_counter() - t0
+    logger.info("serving weights version %d received collectively (%.3f s)", version, state.last_load_s)
+    return JSONResponse(state.describe())
+
+
+@router.post("/transfer_weights")
+async def transfer_weights(request: Request) -> JSONResponse:
+    """Collective update through vLLM's weight-transfer engine (docs/weight_transfer.md).
+
+    Body: {"version": int, "init_info": {...}, "update_info": {...}}; the trainer must be sending. Same
+    protocol as /update_weights (pause with in-flight requests kept -> load -> cache reset -> resume ->
+    version). Named apart from vLLM's dev-mode `/update_weights` (one chunk of the engine protocol), which
+    would otherwise collide with primejax's filesystem `/update_weights`; dev mode stays off.
+    """
+    state = _state(request)
+    body = await _json_body(request)
+    if isinstance(body, JSONResponse):
+        return body
+    if state.check_transfer is None or not hasattr(state.engine, "transfer_weights"):
+        return _error(HTTPStatus.NOT_IMPLEMENTED, "collective weight transfer is not enabled on this server "
+                      "(start it with the primejax weight-transfer engine; see docs/weight_transfer.md)")
+    version, init_info, update_info = body.get("version"), body.get("init_info"), body.get("update_info")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        return _error(HTTPStatus.BAD_REQUEST, "'version' (int >= 0) is required")
+    if not isinstance(init_info, dict) or not isinstance(update_info, dict):
+        return _error(HTTPStatus.BAD_REQUEST, "'init_info' and 'update_info' (JSON objects) are required")
+    timeout_s = init_info.get("timeout_s", 60.0)
+    if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 86400:
+        return _error(HTTPStatus.BAD_REQUEST, "'init_info.timeout_s' must be a number of seconds > 0")
+    try:
+        state.check_transfer(update_info)
+    except (WeightDirError, KeyError, TypeError, ValueError) as e:
+        return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"update_info: {e}; still serving version {state.version}")
+    async with state.lock:
+        return await _transfer(state, init_info, update_info, version, float(timeout_s))
+
+
 @router.post("/init_broadcaster")
 async def init_broadcaster(request: Request) -> JSONResponse:
     return _error(
         HTTPStatus.NOT_IMPLEMENTED,
-        "/init_broadcaster (NCCL weight broadcast) is reserved and not implemented; use /update_weights with a "
-        "safetensors directory",
+        "/init_broadcaster is not implemented: collective updates go through /transfer_weights (one call per "
+        "update, vLLM's weight-transfer engine protocol underneath); filesystem updates through /update_weights",
     )

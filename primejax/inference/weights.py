@@ -138,6 +138,25 @@ class WeightDirValidator:
     def __call__(self, weight_dir: str | Path) -> None:
         validate_weight_dir(weight_dir, self.reference, self.tied)
 
+    def check_update_info(self, update_info: dict) -> None:
+        """A collective update must carry exactly the served model's tensors, by name and shape (dtype free)."""
+        names, shapes = update_info["names"], update_info["shapes"]
+        if not isinstance(names, list) or not isinstance(shapes, list) or len(names) != len(shapes):
+            raise WeightDirError("'names' and 'shapes' must be lists of equal length")
+        got = dict(zip(names, (tuple(int(d) for d in s) for s in shapes), strict=True))
+        expected, seen = set(self.reference), set(got)
+        if self.tied:
+            expected.discard(_TIED_OPTIONAL)
+            seen.discard(_TIED_OPTIONAL)
+        if len(got) != len(names) or expected != seen:
+            missing, unexpected = sorted(expected - seen), sorted(seen - expected)
+            raise WeightDirError(f"tensor names differ from the served model (missing {missing[:5]}, unexpected "
+                                 f"{unexpected[:5]}, {len(names) - len(got)} duplicated)")
+        for name in sorted(seen):
+            if got[name] != self.reference[name].shape:
+                raise WeightDirError(f"{name} has shape {list(got[name])}, the served model has "
+                                     f"{list(self.reference[name].shape)}")
+
 
 def version_from_dir(weight_dir: str | Path) -> int | None:
     """The step number of a `.../step_N` directory, or None for any other name."""

@@ -22,14 +22,16 @@ Implementations (`impl`):
   the packed mode: plain causal attention over the whole row is exact for every real token (padding comes
   after it, so causality already hides it) and cuDNN's plain causal kernel is ~4% faster than packed with
   2 slots (6.73 vs 6.98 ms per layer fwd+bwd at 16k, H200).
-- "splash": Pallas splash attention for TPU, with native segment ids and a causal block-sparse mask.
-- "auto": cudnn on GPU, splash on TPU, xla elsewhere.
+- "splash": Pallas splash attention for TPU, with native segment ids and a causal block-sparse mask, run in
+  shard_map under a mesh (models/splash_attention.py).
+- "auto": cudnn on GPU, splash on TPU, xla elsewhere. The backend is the active mesh's platform when there
+  is one (`jax.set_mesh`), so a step traced for TPU devices from a CPU host (tools/tpu_compile.py) gets the
+  TPU kernel; else jax's default backend.
 An unsupported combination (cudnn on CPU, fp32 cudnn, splash off TPU) falls back to xla with one warning.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import NamedTuple
 
@@ -37,6 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from primejax.models.precision import accumulating_einsum
+from primejax.models.sharding import current_mesh
+from primejax.models.splash_attention import splash_attention
 
 logger = logging.getLogger(__name__)
 # Runs of equal segment ids (samples, plus trailing padding) a packed row may hold on the cudnn path when the
@@ -53,7 +57,7 @@ def _warn_once(msg: str) -> None:
 
 def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str:
     """The implementation that will actually run for `impl` on this backend and dtype."""
-    backend = backend or jax.default_backend()
+    backend = backend or _mesh_platform() or jax.default_backend()
     if impl == "auto":
         impl = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}.get(backend, "xla")
         if impl == "cudnn" and jnp.dtype(dtype) == jnp.float32:
@@ -71,6 +75,12 @@ def resolve_impl(impl: str, dtype: jnp.dtype, backend: str | None = None) -> str
     elif impl not in ("xla", "cudnn", "splash"):
         raise ValueError(f"unknown attention implementation {impl!r}")
     return impl
+
+
+def _mesh_platform() -> str | None:
+    mesh = current_mesh()
+    device = getattr(mesh, "abstract_device", None) if mesh is not None else None
+    return getattr(device, "platform", None)
 
 
 def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
@@ -114,7 +124,7 @@ def attention(
         runs = segment_runs(segment_ids, max(2, max_runs))
         out = _cudnn_attention(q, k, v, runs, scale)
         return jnp.where(runs.overflow[:, None, None, None], jnp.nan, out).astype(q.dtype)
-    return _splash_attention(q, k, v, segment_ids, scale, interpret)
+    return splash_attention(q, k, v, segment_ids, scale, interpret=interpret)
 
 
 def _xla_attention(q, k, v, segment_ids, scale):
@@ -215,37 +225,3 @@ def _cudnn_attention(q, k, v, runs: SegmentRuns, scale):
         scale=scale, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
     )
     return out.astype(q.dtype)
-
-
-@functools.cache
-def _splash_kernel(t: int, group: int, interpret: bool):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
-    block = min(512, t)
-    sizes = sk.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block,
-        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-        block_q_dq=block, block_kv_dq=block,
-    )
-    mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(group)])
-    # MQA kernel per kv head: the `group` query heads sharing it attend to one k/v, no repeat needed.
-    return sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
-
-
-def _splash_attention(q, k, v, segment_ids, scale, interpret):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    kernel = _splash_kernel(t, h // kv, interpret)
-    q_bkgtd = (q * scale).reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)  # kernel takes unscaled logits
-    k_bktd = k.transpose(0, 2, 1, 3)
-    v_bktd = v.transpose(0, 2, 1, 3)
-
-    def per_row(q_kgtd, k_ktd, v_ktd, seg_t):
-        seg = sk.SegmentIds(q=seg_t, kv=seg_t)
-        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=seg))(q_kgtd, k_ktd, v_ktd)
-
-    o_bkgtd = jax.vmap(per_row)(q_bkgtd, k_bktd, v_bktd, segment_ids)
-    return o_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)

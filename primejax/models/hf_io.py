@@ -155,6 +155,29 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
     return [_TOP_TENSORS[our_name][0]]
 
 
+def hf_tensor_plan(model: Transformer, cfg: ModelConfig) -> list[tuple[nnx.Variable, list[str], Callable, int]]:
+    """(our parameter, its HF names, converter, tensors per slice) in export order, the order of
+    `state_to_hf_tensors`. A layer parameter is stacked over layers and its converter maps one layer's slice
+    to that layer's HF tensors, stacked when there are several (MoE experts: expert-major, then gate/up);
+    a top-level parameter has one name and its converter maps it whole."""
+    plan = []
+    for our_name, var in param_variables(model).items():
+        short = our_name.removeprefix("layers.")
+        names = _hf_names(our_name, cfg)
+        if short in _EXPERT_TENSORS:
+            pairs = _EXPERT_TENSORS[short]
+
+            def experts(w, c, pairs=pairs):
+                return jnp.stack([to_hf(w, e) for e in range(c.num_experts) for _, to_hf in pairs])
+
+            plan.append((var, names, experts, cfg.num_experts * len(pairs)))
+        elif our_name.startswith("layers."):
+            plan.append((var, names, _LAYER_TENSORS[short][1], 1))
+        else:
+            plan.append((var, names, _TOP_TENSORS[our_name][1], 1))
+    return plan
+
+
 def _to_numpy(x: jax.Array, dtype) -> np.ndarray:
     if dtype is not None and x.dtype != dtype:
         x = x.astype(dtype)  # cast on device: halves the transfer for bf16 export
@@ -315,6 +338,7 @@ def export_safetensors(
     src_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 5 * 2**30,
     writer: tuple[int, int] = (0, 1),
+    tensors: list[tuple[str, np.ndarray]] | None = None,
 ) -> dict:
     """Write the model as an HF directory into `out_dir` (created if needed; the caller makes it atomic).
 
@@ -323,7 +347,8 @@ def export_safetensors(
     `writer` = (index, count): with several writing processes (multi-host, a shared directory), safetensors
     file i is written by writer i % count and writer 0 writes the index and config; every writer must call
     this (each tensor's gather is collective) and each holds at most one stacked tensor plus its own open
-    file's tensors. Returns {"bytes" (total), "bytes_written" (this writer's), "seconds", "files"}.
+    file's tensors. `tensors`: the `state_to_hf_tensors(model, cfg, dtype)` output when the caller already
+    materialized it (one process). Returns {"bytes" (total), "bytes_written" (this writer's), "seconds", "files"}.
     """
     rank, writers = writer
     start = time.perf_counter()
@@ -343,7 +368,7 @@ def export_safetensors(
     pending: dict[str, np.ndarray] = {}
     total = written = 0
     shard_idx = 0
-    for name, array in state_to_hf_tensors(model, cfg, dtype):
+    for name, array in tensors if tensors is not None else state_to_hf_tensors(model, cfg, dtype):
         total += array.nbytes
         mine = shard_idx % writers == rank
         if mine:

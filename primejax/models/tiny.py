@@ -17,7 +17,7 @@ from typing import Literal
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
 
-Family = Literal["qwen3", "llama"]
+Family = Literal["qwen3", "llama", "qwen3_moe"]
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -144,8 +144,15 @@ def build_tiny_model(
     init_std: float = 0.02,
     max_position_embeddings: int = 4096,
     tool_tokens: bool = False,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    mlp_only_layers: tuple[int, ...] = (),
 ) -> Path:
-    """Write a random-init tiny Qwen3 or Llama model (fp32 safetensors) plus tokenizer to `out_dir`.
+    """Write a random-init tiny Qwen3, Llama or Qwen3-MoE model (fp32 safetensors) plus tokenizer to `out_dir`.
+
+    The MoE arguments apply to family "qwen3_moe" (norm_topk_prob on, as in Qwen3-30B-A3B); its router is
+    drawn wider (std 0.5) than the rest so routing is decided clearly, not by near-ties.
 
     `tokenizer` "bpe" trains a byte-level BPE of `vocab_size` tokens (default 384); "bytes" is character-level
     (one token per byte) padded to `vocab_size`. The model's vocab equals the tokenizer's size, so every id the
@@ -186,14 +193,25 @@ def build_tiny_model(
     if family == "qwen3":
         config = transformers.Qwen3Config(**common)
         model_cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **common, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers),
+        )
+        model_cls = transformers.Qwen3MoeForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
     else:
-        raise ValueError(f"unknown family {family!r} (expected 'qwen3' or 'llama')")
+        raise ValueError(f"unknown family {family!r} (expected 'qwen3', 'llama' or 'qwen3_moe')")
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    if family == "qwen3_moe":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.5)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=ids[ENDOFTEXT],
         eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
@@ -212,7 +230,7 @@ class TinyModelConfig(Section):
     """`model.build_tiny`: a tiny random model + tokenizer built at `model.path` when it is missing (offline)."""
 
     enabled: bool = option(False, "build the model when model.path has no config.json")
-    family: str = option("qwen3", "architecture", choices=("qwen3", "llama"))
+    family: str = option("qwen3", "architecture", choices=("qwen3", "llama", "qwen3_moe"))
     tied: bool = option(True, "tie the LM head to the embedding")
     hidden_size: int = option(64, "model width", gt=0)
     num_layers: int = option(2, "decoder layers", gt=0)
@@ -223,8 +241,14 @@ class TinyModelConfig(Section):
     seed: int = option(0, "random init seed")
     tokenizer: str = option("bpe", "bpe: byte-level BPE; bytes: one token per character", choices=TOKENIZERS)
     vocab_size: int = option(0, f"tokens; 0 = {DEFAULT_VOCAB_SIZE} (bpe) or {BYTES_VOCAB_SIZE} (bytes)", ge=0)
+    num_experts: int = option(8, "qwen3_moe: experts per sparse layer (docs/moe.md)", gt=0, le=256)
+    num_experts_per_tok: int = option(2, "qwen3_moe: experts each token is routed to", gt=0)
+    moe_intermediate_size: int = option(64, "qwen3_moe: expert MLP width", gt=0)
+    tool_tokens: bool = option(False, "add Qwen3's <tool_call>/<tool_response> tokens (tool-using envs)")
 
     def check(self) -> None:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError("num_experts_per_tok", f"must be <= num_experts ({self.num_experts})")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("num_kv_heads", f"must divide num_heads ({self.num_heads})")
         if self.tokenizer == "bytes" and 0 < self.vocab_size < BYTES_VOCAB_SIZE:
@@ -242,9 +266,15 @@ class TinyModelConfig(Section):
             model_type=self.family, vocab_size=self.resolved_vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=10000.0, rope_scaling=None,
-            rms_norm_eps=1e-6, tie_word_embeddings=self.tied, qk_norm=self.family == "qwen3", attention_bias=False,
-            max_position_embeddings=max_positions, **overrides,
+            rms_norm_eps=1e-6, tie_word_embeddings=self.tied, qk_norm=self.family in ("qwen3", "qwen3_moe"), attention_bias=False,
+            max_position_embeddings=max_positions, **self._moe_fields(), **overrides,
         )
+
+    def _moe_fields(self) -> dict:
+        if self.family != "qwen3_moe":
+            return {}
+        return dict(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                    moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=True)
 
     def build(self, out_dir: str | Path) -> Path:
         """Write the model to `out_dir` (the one place this section becomes `build_tiny_model` arguments)."""

@@ -31,6 +31,7 @@ from primejax.models.context_parallel import to_heads, to_tokens
 from primejax.models.moe import expert_load, load_balance_loss, moe_block, router_z_loss
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
+from primejax.models.splash_attention import RESIDUALS as SPLASH_RESIDUALS
 
 _INIT_STD = 0.02  # HF initializer_range default for these families
 
@@ -42,12 +43,13 @@ def _saves_attention(prim, *args, **params) -> bool:
 
     Under remat the policy sees the primitives inside a custom_vjp's forward rule, so cuDNN's fused forward
     (output + softmax statistics, the residuals its backward kernel needs) is saved by primitive name; the
-    xla path's output by its checkpoint name. Attention is the one part of a layer whose recompute costs
-    O(T^2), so at long context this removes most of full remat's extra work for a few [T, H, Dh] per layer.
+    xla path's output by its checkpoint name, and the splash kernel's residuals by theirs. Attention is the
+    one part of a layer whose recompute costs O(T^2), so at long context this removes most of full remat's
+    extra work for a few [T, H, Dh] per layer.
     """
     if prim.name.startswith("dot_product_attention_fwd"):
         return True
-    return jax.checkpoint_policies.save_only_these_names(ATTN_OUT)(prim, *args, **params)
+    return jax.checkpoint_policies.save_only_these_names(ATTN_OUT, SPLASH_RESIDUALS)(prim, *args, **params)
 
 
 def _saves_attention_and_weight_dots(prim, *args, **params) -> bool:

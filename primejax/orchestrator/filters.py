@@ -73,7 +73,7 @@ class FilterSlot:
                 counts[name] += 1
                 if name not in rollout.filtered_by:
                     rollout.filtered_by.append(name)
-            if flagged and self.enforce:
+            if flagged and self.enforce and not rollout.dropped:
                 rollout.dropped = True
                 counts["dropped"] += 1
             else:

@@ -5,6 +5,11 @@
 
 `Orchestrator.run()` repeats it for steps start..max_steps, checkpointing every `checkpoint.interval` steps,
 while a watcher task keeps the inference server on the newest broadcast weights.
+
+Pre-batch filters run on each group as it finishes; rollouts an *enforcing* pre-batch slot drops are
+replaced like groups online difficulty filtering drops (more generation rounds, up to MAX_TOPUP_ROUNDS), so
+the batch stays full. Online evals run in the background next to the following steps' training requests
+(their metrics join the first step logged after they finish); a due eval waits only for the previous one.
 """
 
 from __future__ import annotations
@@ -121,6 +126,9 @@ class Orchestrator:
         self.pad_rows_to_multiple = pad_rows_to_multiple
         self.next_step = 1
         self.empty_batches = 0
+        self.pre_counts: Counter = Counter()  # pre-batch filter flags of the step being generated
+        self.eval_task: asyncio.Task | None = None
+        self.last_step_end: float | None = None
         self.recovery_timeout_s = recovery_timeout_s
 
     # ------------------------------------------------------------------------------------------ stages
@@ -134,13 +142,17 @@ class Orchestrator:
         if not self.buffer.observe_group(env, index, [r.reward for r in group if r.ok]):
             for r in group:
                 r.dropped = True
+        _, counts = self.pre_filters.apply(group)
+        self.pre_counts.update(counts)
         return group
 
     async def generate(self, step: int) -> list[list[Rollout]]:
         """`batch_size / group_size * oversampling_factor` groups; with online difficulty filtering, more
         rounds (sized the same way) while the dropped groups leave fewer than `batch_size` trainable rollouts."""
         o = self.o
-        rounds = 1 + (MAX_TOPUP_ROUNDS if o.buffer.online_difficulty_filtering else 0)
+        self.pre_counts = Counter()
+        replaces = o.buffer.online_difficulty_filtering or self.pre_filters.enforce
+        rounds = 1 + (MAX_TOPUP_ROUNDS if replaces else 0)
         groups: list[list[Rollout]] = []
         missing = o.batch_size
         for _ in range(rounds):
@@ -211,7 +223,7 @@ class Orchestrator:
         rollouts = [r for g in groups for r in g]
 
         t_post = time.perf_counter()
-        _, pre_counts = self.pre_filters.apply(rollouts)
+        pre_counts = self.pre_counts
         batch = cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
         samples = self.to_samples(batch)
@@ -229,6 +241,10 @@ class Orchestrator:
         post_seconds = time.perf_counter() - t_post
 
         total = time.perf_counter() - t0
+        now = time.perf_counter()
+        # Wall time since the previous step finished: what the run pays per step, evals included.
+        wall = total if self.last_step_end is None else now - self.last_step_end
+        self.last_step_end = now
         completion_tokens = self.generator.stats.completion_tokens - tokens_before
         errors = Counter(self.generator.stats.errors) - errors_before
         server_seconds = self.generator.stats.server_seconds - server_before
@@ -243,8 +259,11 @@ class Orchestrator:
                 "time/generate": gen_seconds,
                 "time/postprocess": post_seconds,
                 "time/step": total,
+                "time/step_wall": wall,
                 "time/server_request_sum": server_seconds,
                 "time/weight_updates_total": self.tracker.update_seconds,
+                "weights/collective_updates": self.tracker.collective_updates,
+                "weights/failed_transfers": len(self.tracker.failed_offers),
                 "perf/rollouts_per_s": len(rollouts) / max(gen_seconds, 1e-9),
                 "perf/inference_tokens_per_s": completion_tokens / max(gen_seconds, 1e-9),
             },
@@ -297,8 +316,14 @@ class Orchestrator:
         try:
             while self.next_step <= max_steps:
                 result = await self.step(self.next_step)
+                if self.eval_task is not None and self.eval_task.done():
+                    result.metrics.update(await self._eval_done())
                 if self.evaluator is not None and result.step % self.o.eval.interval == 0:
-                    result.metrics.update(await self.evaluator.run(result.step))
+                    if self.eval_task is not None:  # the previous eval is still running: evals never overlap
+                        result.metrics.update(await self._eval_done())
+                    self.eval_task = asyncio.create_task(self._eval(result.step))
+                if self.eval_task is not None and result.step == max_steps:
+                    result.metrics.update(await self._eval_done())  # the run's last metrics include its evals
                 self._log(result)
                 history.append(result.metrics)
                 self.next_step += 1
@@ -308,5 +333,18 @@ class Orchestrator:
                     save_checkpoint(self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep, records)
         finally:
             watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            pending = [t for t in (watcher, self.eval_task) if t is not None]
+            if self.eval_task is not None and not self.eval_task.done():
+                self.eval_task.cancel()
+            self.eval_task = None
+            await asyncio.gather(*pending, return_exceptions=True)
         return history
+
+    async def _eval(self, step: int) -> dict[str, float]:
+        metrics = await self.evaluator.run(step)
+        metrics["eval/step"] = float(step)  # the step after which it started (its policy version)
+        return metrics
+
+    async def _eval_done(self) -> dict[str, float]:
+        task, self.eval_task = self.eval_task, None
+        return await task

@@ -36,7 +36,19 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     out.update(_stats("turns", [float(r.num_turns) for r in clean]))
     if clean:
         out["rollouts/truncated_fraction"] = sum(r.truncated for r in clean) / len(clean)
+    out.update(tool_metrics(clean))
     return out
+
+
+def tool_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """Share of rollouts with at least one well-formed (parsed) tool call, and with a malformed one; only for
+    rollouts of envs that advertise tools (their messages carry a tools-aware parse)."""
+    tooled = [r for r in rollouts if "num_malformed_tool_calls" in r.state]
+    if not tooled:
+        return {}
+    good = sum(any(m.get("tool_calls") for m in r.messages if m.get("role") == "assistant") for r in tooled)
+    bad = sum(r.state["num_malformed_tool_calls"] > 0 for r in tooled)
+    return {"tools/well_formed_fraction": good / len(tooled), "tools/malformed_fraction": bad / len(tooled)}
 
 
 def sample_metrics(step: int, samples: list[TrainingSample]) -> dict[str, float]:

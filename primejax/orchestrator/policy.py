@@ -9,8 +9,11 @@ the newest policy that can exist while step n's batch is being made); k = 1 over
 one sampling step. (Reading the bound literally as θ_{n-k} would deadlock at k = 0: θ_n needs step n's
 rollouts.)
 
-A watcher task polls `broadcasts/` for STABLE steps and tells the server to load each newer one; the gate
-waits on the watcher's version. Time is injected (`sleep`, `clock`) so tests run on a fake clock.
+A watcher task polls `broadcasts/` for STABLE steps and `transfers/` for collective offers (the trainer is
+sending a step's weights: primejax.contracts.transfer) and tells the server to load each newer one; the gate
+waits on the watcher's version. An offer of step N is preferred over a broadcast of the same step; a failed
+collective update is never retried: the trainer writes `broadcasts/step_N` for it, which the next poll loads
+(the filesystem fallback). Time is injected (`sleep`, `clock`) so tests run on a fake clock.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from primejax.contracts.broadcast import broadcast_dir, is_stable, latest_stable_step, verify_broadcast
 from primejax.contracts.rundir import RunDir
+from primejax.contracts.transfer import Offer, latest_offer
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +46,19 @@ class PolicyTracker:
     def __init__(self, client: Any, run_dir: str | Path, *, poll_interval_s: float = 0.5, initial_version: int = 0,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  clock: Callable[[], float] = time.monotonic,
-                 latest_step: Callable[[Path], int | None] = latest_stable_step):
+                 latest_step: Callable[[Path], int | None] = latest_stable_step,
+                 offers: Callable[[Path], Offer | None] = latest_offer):
         self.client = client
         self.run_dir = Path(run_dir)
         self.poll_interval_s = poll_interval_s
         self._version = initial_version
-        self._sleep, self._clock, self._latest_step = sleep, clock, latest_step
+        self._sleep, self._clock, self._latest_step, self._offers = sleep, clock, latest_step, offers
         self._changed: asyncio.Condition | None = None
         self._lock: asyncio.Lock | None = None
         self.updates = 0
         self.update_seconds = 0.0
+        self.collective_updates = 0
+        self.failed_offers: set[int] = set()  # steps whose collective update failed (never retried)
 
     @property
     def version(self) -> int:
@@ -105,20 +112,33 @@ class PolicyTracker:
         return self._version
 
     async def refresh(self) -> bool:
-        """Load the newest STABLE broadcast into the server if it is newer than what it serves."""
+        """Load the newest offered or STABLE step into the server if it is newer than what it serves."""
         changed, lock = self._sync()
         async with lock:
             step = self._latest_step(self.run_dir)
-            if step is None or step <= self._version:
-                return False
-            directory = broadcast_dir(self.run_dir, step)
+            offer = self._offers(self.run_dir)
             start = self._clock()
-            try:
-                verify_broadcast(directory, check_hashes=False)
-                await self.client.update_weights(str(directory), step)
-            except Exception as e:  # noqa: BLE001 - a bad or pruned broadcast is retried on the next poll
-                log.warning("loading weights of step %d failed: %s", step, e)
-                return False
+            if offer is not None and offer.step > self._version and offer.step >= (step or 0) \
+                    and offer.step not in self.failed_offers:
+                try:
+                    await self.client.transfer_weights(offer.step, offer.init_info, offer.update_info)
+                except Exception as e:  # noqa: BLE001 - the trainer falls back to broadcasts/step_N
+                    self.failed_offers.add(offer.step)
+                    log.warning("collective update to step %d failed (%s); waiting for its filesystem broadcast",
+                                offer.step, str(e)[:500])
+                    return False
+                step = offer.step
+                self.collective_updates += 1
+            else:
+                if step is None or step <= self._version:
+                    return False
+                directory = broadcast_dir(self.run_dir, step)
+                try:
+                    verify_broadcast(directory, check_hashes=False)
+                    await self.client.update_weights(str(directory), step)
+                except Exception as e:  # noqa: BLE001 - a bad or pruned broadcast is retried on the next poll
+                    log.warning("loading weights of step %d failed: %s", step, e)
+                    return False
             self.update_seconds += self._clock() - start
             self.updates += 1
             self._version = step

@@ -44,7 +44,11 @@ def _config(family: str, thinking_retention: str | None) -> Any:
 
     config = config_from_name(family)
     # The package's template-driven `default` cannot bridge at all, so no retention policy applies to it.
-    if family != "default" and thinking_retention is not None and "thinking_retention" in type(config).model_fields:
+    if (
+        family != "default"
+        and thinking_retention is not None
+        and "thinking_retention" in type(config).model_fields
+    ):
         config = type(config)(thinking_retention=thinking_retention)
     return config
 
@@ -110,9 +114,13 @@ class PackageRenderer:
     ) -> ParsedTurn:
         from renderers import ToolCallParseStatus
 
-        parsed = self.impl.parse_response(
-            list(completion_ids), tools=tool_specs(tools), prompt_ids=prompt_ids
+        # The package's parsers find markers by token id, but a model may spell `<tool_call>` in byte pieces
+        # (constrained decoding does, and so can a policy early in training): parse the canonical re-encoding
+        # of the text. The sampled ids themselves are what the rollout trains on.
+        canonical = list(
+            self.tokenizer.encode(self.tokenizer.decode(list(completion_ids)), add_special_tokens=False)
         )
+        parsed = self.impl.parse_response(canonical, tools=tool_specs(tools), prompt_ids=prompt_ids)
         message: Message = {"role": "assistant", "content": parsed.content or ""}
         if parsed.reasoning_content:
             message["reasoning_content"] = parsed.reasoning_content

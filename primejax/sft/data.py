@@ -69,6 +69,12 @@ def _conversation(row: Any) -> list[Message]:
 
 def read_jsonl_lines(path: str | Path) -> Iterator[tuple[int, list[Message]]]:
     """Yield (line number, conversation) of each line; a malformed line is an error naming `file:line`."""
+    for lineno, messages, _ in read_jsonl_tool_lines(path):
+        yield lineno, messages
+
+
+def read_jsonl_tool_lines(path: str | Path) -> Iterator[tuple[int, list[Message], list[dict] | None]]:
+    """Like `read_jsonl_lines`, with each line's optional `tools` (the schemas its conversation uses)."""
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"{path}: no such SFT data file")
@@ -82,7 +88,11 @@ def read_jsonl_lines(path: str | Path) -> Iterator[tuple[int, list[Message]]]:
             if not line.strip():
                 continue
             try:
-                messages = _conversation(json.loads(line))
+                row = json.loads(line)
+                messages = _conversation(row)
+                tools = row.get("tools")
+                if tools is not None and not isinstance(tools, list):
+                    raise SFTDataError("'tools' must be a list of tool schemas")
             except json.JSONDecodeError as e:
                 raise SFTDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             except SFTDataError as e:
@@ -90,7 +100,7 @@ def read_jsonl_lines(path: str | Path) -> Iterator[tuple[int, list[Message]]]:
             if not any(m["role"] == "assistant" for m in messages):
                 raise SFTDataError(f"{path}:{lineno}: no assistant message to train on")
             found = True
-            yield lineno, messages
+            yield lineno, messages, tools
     if not found:
         raise SFTDataError(f"{path}: no SFT examples (the file is empty)")
 
@@ -108,8 +118,20 @@ def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) ->
     return list(ids)
 
 
-def conversation_to_sample(tokenizer: Any, messages: list[Message], max_len: int | None = None) -> TrainingSample:
-    """Token ids of the whole conversation with loss on every assistant turn."""
+def conversation_to_sample(
+    tokenizer: Any,
+    messages: list[Message],
+    max_len: int | None = None,
+    *,
+    renderer: Any = None,
+    tools: list[dict] | None = None,
+) -> TrainingSample:
+    """Token ids of the whole conversation with loss on every assistant turn.
+
+    With a renderers-package `renderer` (orchestrator/renderers_adapter.py), the conversation and its `tools`
+    are built exactly as a rollout of it would be (see `_rendered_like_a_rollout`)."""
+    if renderer is not None:
+        return _rendered_like_a_rollout(tokenizer, renderer, messages, tools, max_len)
     if getattr(tokenizer, "chat_template", None) is None:
         raise SFTDataError("the tokenizer has no chat template")
     full = _render(tokenizer, messages, generation_prompt=False)
@@ -130,6 +152,48 @@ def conversation_to_sample(tokenizer: Any, messages: list[Message], max_len: int
         token_ids=full,
         loss_mask=mask,
         inference_logprobs=[0.0] * len(full),
+        ce_weights=[1.0 if m else 0.0 for m in mask],
+    )
+
+
+def _rendered_like_a_rollout(
+    tokenizer: Any, renderer: Any, messages: list[Message], tools: list[dict] | None, max_len: int | None
+) -> TrainingSample:
+    """Each assistant turn is the completion the model would sample (the renderer's rendering of that message
+    after the generation prompt, e.g. Qwen3's empty `<think></think>` included), and each later prompt extends
+    the previous prompt + completion with the new messages (`bridge_to_next_turn`), as the rollout loop does:
+    the model learns exactly the ids it will later be asked to produce."""
+    tokens: list[int] = []
+    mask: list[bool] = []
+    last, prev_prompt, prev_completion = -1, [], []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        history = renderer.render_ids(messages[:i], tools)
+        full = renderer.render_conversation_ids(messages[: i + 1], tools)
+        if full[: len(history)] != history:
+            raise SFTDataError(f"assistant message {i}: the renderer re-renders history when it is appended")
+        completion = full[len(history) :]
+        while completion and tokenizer.decode([completion[-1]]).strip() == "":
+            completion = completion[:-1]  # template whitespace after the end-of-turn token is not sampled
+        if not tokens:
+            prompt = history
+        else:
+            prompt = renderer.bridge_to_next_turn(prev_prompt, prev_completion, messages[last + 1 : i], tools)
+            if prompt is None:
+                raise SFTDataError(f"assistant message {i}: the renderer cannot extend the previous turn")
+        new = prompt[len(tokens) :]
+        tokens += new + completion
+        mask += [False] * len(new) + [True] * len(completion)
+        prev_prompt, prev_completion, last = prompt, completion, i
+    if mask:
+        mask[0] = False
+    if max_len is not None and len(tokens) > max_len:
+        raise SFTDataError(f"a conversation has {len(tokens)} tokens, more than sft.seq_len = {max_len}")
+    return TrainingSample(
+        token_ids=tokens,
+        loss_mask=mask,
+        inference_logprobs=[0.0] * len(tokens),
         ce_weights=[1.0 if m else 0.0 for m in mask],
     )
 

@@ -58,14 +58,21 @@ def load_conversations(s: SftConfig, envs: dict[str, EnvConfig]) -> list[list[di
 
 def load_samples(s: SftConfig, envs: dict[str, EnvConfig], tokenizer) -> list:
     """Training samples of the SFT data; SFTDataError names `file:line` of a conversation that cannot train."""
-    from primejax.sft.data import SFTDataError, conversation_to_sample, read_jsonl_lines
+    from primejax.sft.data import SFTDataError, conversation_to_sample, read_jsonl_tool_lines
 
     if not s.data_path:
         return [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(s, envs)]
+    lines = list(read_jsonl_tool_lines(s.data_path))
+    renderer = None
+    if any(tools for _, _, tools in lines):  # tool demonstrations: render them as rollouts will be ("auto")
+        from primejax.orchestrator.renderer import build_renderer
+
+        renderer = build_renderer("auto", tokenizer)
     samples = []
-    for lineno, conversation in read_jsonl_lines(s.data_path):
+    for lineno, conversation, tools in lines:
         try:
-            samples.append(conversation_to_sample(tokenizer, conversation, max_len=s.seq_len))
+            samples.append(conversation_to_sample(tokenizer, conversation, max_len=s.seq_len, renderer=renderer,
+                                                  tools=tools))
         except Exception as e:  # noqa: BLE001 - the template rejecting a conversation is bad data too
             detail = str(e) if isinstance(e, SFTDataError) else f"{type(e).__name__}: {e}"
             raise SFTDataError(f"{s.data_path}:{lineno}: {detail}") from None
@@ -84,6 +91,7 @@ def train_sft(cfg: Config) -> Path:
     from primejax.models.sharding import make_mesh
     from primejax.sft.data import SFTDataError
     from primejax.trainer.config import LossConfig
+    from primejax.trainer.moe_metrics import flatten_moe_metrics
     from primejax.trainer.optim import make_optimizer, make_schedule
     from primejax.trainer.step import (
         device_batch,
@@ -132,7 +140,9 @@ def train_sft(cfg: Config) -> Path:
             local = {k: np.concatenate([a[k] for a in arrays], axis=1) for k in arrays[0]}
             t0 = time.perf_counter()
             state, metrics = step_fn(state, device_batch(local, mesh))
-            metrics = jax.device_get(metrics)
+            metrics, hists = flatten_moe_metrics(jax.device_get(metrics), model_cfg.sparse_layers())
+            for name, values in hists.items():
+                monitor.histogram(step, name, values)
             if int(metrics["nonfinite"]):
                 skipped += 1
                 log.warning("sft step %d: non-finite loss, gradient or update; skipped (%d so far)", step, skipped)

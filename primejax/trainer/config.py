@@ -64,6 +64,9 @@ class LossConfig(Section):
     is_clip: float = option(8.0, "importance-ratio clip", gt=0)
     import_path: str = option("", "custom: 'module.function' computing one sequence's loss")
     kwargs: dict = option(doc="custom: keyword arguments of that function", factory=dict)
+    # MoE models only (models/moe.py); off by default, as in prime-rl's RL runs.
+    moe_aux_coef: float = option(0.0, "MoE: weight of the load-balancing loss (mean over sparse layers)", ge=0)
+    moe_z_coef: float = option(0.0, "MoE: weight of the router z-loss (mean over sparse layers)", ge=0)
 
     def check(self) -> None:
         if self.type == "custom" and "." not in self.import_path:
@@ -91,10 +94,17 @@ class FakeDataConfig(Section):
 
 @section
 class BroadcastConfig(Section):
-    """The weight export after every step (broadcasts/step_N)."""
+    """The weights to inference after every step: broadcasts/step_N on disk, or collective (docs/weight_transfer.md:
+    sent through vLLM's weight-transfer engine; on disk only at checkpoint steps, after the orchestrator's last
+    step, and when a transfer fails, the fallback)."""
 
-    dtype: str = option("bfloat16", "stored dtype", choices=("bfloat16", "float32"))
+    dtype: str = option("bfloat16", "stored / sent dtype", choices=("bfloat16", "float32"))
     hash: bool = option(True, "list the files' sha256 in STABLE")
+    mode: str = option("filesystem", "how weights reach the inference servers", choices=("filesystem", "collective"))
+    transfer_host: str = option("127.0.0.1", "collective: address the trainer's rendezvous listens on (servers connect)")
+    transfer_port: int = option(0, "collective: rendezvous port; 0 = any free port", ge=0, le=65535)
+    transfer_timeout_s: float = option(60.0, "collective: bound on each phase of a transfer before the fallback", gt=0)
+    bucket_mb: int = option(256, "collective: packed bucket size (MiB)", gt=0)
     max_shard_mb: float = option(
         5120.0, "safetensors file size; with several trainer processes each writes its share of files", gt=0
     )

@@ -33,12 +33,13 @@ from primejax.contracts.broadcast import (
 from primejax.contracts.rundir import RunConfig
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, load_model
+from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
 from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model, make_mesh
 from primejax.trainer import optim
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
+from primejax.trainer.moe_metrics import flatten_moe_metrics
 from primejax.trainer.step import (
     TrainState,
     device_batch,
@@ -51,6 +52,8 @@ from primejax.trainer.step import (
     to_micro_batches,
     tree_all_finite,
 )
+from primejax.transfer.device import hf_device_tensors
+from primejax.transfer.sender import CollectiveSender, to_torch
 from primejax.utils.faults import fault_point
 from primejax.utils.monitor import Monitor
 
@@ -62,6 +65,15 @@ log = logging.getLogger("primejax.trainer")
 
 class NonFiniteError(RuntimeError):
     """A step produced a NaN/inf loss or gradient and `trainer.on_nonfinite` is "stop"."""
+
+
+def model_config(m: ModelSettings, *, max_positions: int = 4096) -> ModelConfig:
+    """The model's shape and training choices, as `build_model` makes them, without touching any weights."""
+    if not m.path:
+        return m.build_tiny.architecture(max_positions=max(4096, max_positions), **m.overrides())
+    if not (Path(m.path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
+    return ModelConfig.from_model_dir(m.path, **m.overrides())
 
 
 def build_model(m: ModelSettings, mesh: jax.sharding.Mesh, *, seed: int = 0,
@@ -98,9 +110,12 @@ def fake_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) ->
 class Trainer:
     """Holds the model, state, jitted steps and writers of one trainer process."""
 
-    def __init__(self, t: TrainerConfig, model: ModelSettings, run: RunConfig, *, async_level: int = 1):
-        """`async_level` (orchestrator.async_level): how many older broadcasts inference may still be asked for."""
+    def __init__(self, t: TrainerConfig, model: ModelSettings, run: RunConfig, *, async_level: int = 1,
+                 num_receivers: int = 1):
+        """`async_level` (orchestrator.async_level): how many older broadcasts inference may still be asked for;
+        `num_receivers`: inference servers a collective transfer goes to (orchestrator.client.base_urls)."""
         self.t, self.model_settings, self.run_cfg, self.async_level = t, model, run, async_level
+        self.num_receivers = num_receivers
         self.root = run.dir
         self.rank = jax.process_index()
         self.mesh = make_mesh(**t.mesh.to_dict())
@@ -122,10 +137,11 @@ class Trainer:
         self.skipped_steps = 0
         self._all_finite = jax.jit(tree_all_finite)
         self.export_enabled = not t.fake_data.enabled or t.fake_data.export
+        self._sender: CollectiveSender | None = None
         if resume is not None and self.export_enabled and not is_stable(broadcast_dir(self.root, self.start_step)):
             # The orchestrator must serve θ_start before it samples the next step; the broadcast of it was
             # likely pruned (or set aside by the launcher) in the run that died, so write it again.
-            self.export(self.start_step)
+            self.export(self.start_step, disk_only=True)
 
     def step_fn(self, max_segments: int) -> Callable:
         # The bound on samples per row is static: the custom loss loops over them and cuDNN attention sizes
@@ -156,7 +172,7 @@ class Trainer:
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
             self.state, metrics = fn(self.state, device_batch(arrays, self.mesh))
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            metrics, self.histograms = flatten_moe_metrics(jax.device_get(metrics), self.model_cfg.sparse_layers())
         seconds = time.perf_counter() - start
         # prime-rl's throughput: every token of the step's micro-batches, padding included.
         tokens = arrays["tokens"].size * jax.process_count()
@@ -174,24 +190,44 @@ class Trainer:
             metrics["batch/min_policy_version"] = float(batch.meta["min_policy_version"])
         return metrics
 
-    def export(self, step: int) -> dict[str, float]:
-        """Write θ_step to broadcasts/step_<step>/ and prune what inference can no longer ask for.
+    def export(self, step: int, disk_only: bool = False) -> dict[str, float]:
+        """Hand θ_step to inference: write broadcasts/step_<step>/, or in collective mode send it (and write it
+        too at checkpoint steps, after the orchestrator's last step, and when the transfer failed); prune what
+        inference can no longer ask for.
 
         With several processes each writes its share of the safetensors files into one shared temp directory
-        (every process joins each tensor's gather), and process 0 publishes it once all have written.
+        (every process joins each tensor's gather), and process 0 publishes it once all have written; such
+        trainers always use the filesystem (a collective send would need every process to agree on its outcome).
         """
         if not self.export_enabled:
             return {}
         self.check_finite_params(step, "exporting")
         b = self.t.broadcast
         model = nnx.merge(self.graphdef, self.state.params)
+        metrics: dict[str, float] = {}
+        tensors = None
+        # The orchestrator's last step samples from θ_{max_steps-1-async_level} or newer and then stops
+        # listening: sending a newer step would wait out the whole transfer timeout for nobody.
+        last_sampled = self.run_cfg.max_steps - 1 - self.async_level
+        if b.mode == "collective" and jax.process_count() == 1 and step <= last_sampled and not disk_only:
+            sender = self.collective_sender()
+            if sender.backend == "nccl":  # accelerator arrays straight into NCCL, no host copy
+                sent = sender.send_lazy(step, *hf_device_tensors(model, self.model_cfg, b.dtype))
+            else:
+                tensors = list(state_to_hf_tensors(model, self.model_cfg, b.dtype))  # the step's one gather
+                sent = sender.send(step, [(n, to_torch(a)) for n, a in tensors])
+            metrics.update(sender.last if sent else {"transfer/failed": 1.0})
+            interval = self.t.checkpoint.interval
+            if sent and not (interval > 0 and step % interval == 0):
+                prune_broadcasts(self.root, step - self.async_level)
+                return metrics
         src = self.model_settings.path or None
         start = time.perf_counter()
 
         def write(d: Path) -> dict:
             return export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src,
                                       max_shard_bytes=int(b.max_shard_mb * 2**20),
-                                      writer=(self.rank, jax.process_count()))
+                                      writer=(self.rank, jax.process_count()), tensors=tensors)
 
         if jax.process_count() == 1:
             _, info = write_broadcast(self.root, step, write, hash_files=b.hash)
@@ -211,8 +247,26 @@ class Trainer:
             publish_broadcast(self.root, step, tmp, hash_files=b.hash)
         seconds = time.perf_counter() - start
         prune_broadcasts(self.root, step - self.async_level)
-        return {"export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
+        return {**metrics, "export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
                 "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
+
+    def collective_sender(self) -> CollectiveSender:
+        """The run's sender (single-process trainers): NCCL from the accelerator on GPU, else gloo from host
+        memory."""
+        if self._sender is None:
+            b = self.t.broadcast
+            gpu = jax.default_backend() == "gpu"
+            device = None
+            if gpu:
+                import torch
+
+                device = torch.device("cuda", 0)  # JAX's first local device under the same CUDA_VISIBLE_DEVICES
+            self._sender = CollectiveSender(
+                self.root, host=b.transfer_host, port=b.transfer_port, timeout_s=b.transfer_timeout_s,
+                bucket_bytes=b.bucket_mb * 2**20, num_receivers=self.num_receivers,
+                backend="nccl" if gpu else "gloo", device=device,
+            )
+        return self._sender
 
     def prune_consumed(self, step: int) -> None:
         """Delete consumed batches nothing will read again (after step `step`, which every rank has read).
@@ -270,6 +324,8 @@ class Trainer:
                 last = step
                 if monitor is not None:
                     monitor.scalars(step, metrics)
+                    for name, values in getattr(self, "histograms", {}).items():
+                        monitor.histogram(step, name, values)
                 log.info("step %d/%d loss %.4g grad_norm %.3g tok/s %.0f mfu %.2f%% mismatch_kl %.2e",
                          step, max_steps, metrics["loss"], metrics["grad_norm"],
                          metrics["perf/tokens_per_s"], 100 * metrics["perf/mfu"], metrics["mismatch_kl"])
@@ -285,7 +341,8 @@ def train(cfg: Config) -> TrainState:
     """The trainer process's work (entry: `python -m primejax.trainer`); returns the final state."""
     root = cfg.run_dir
     root.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg.trainer, cfg.model, cfg.run, async_level=cfg.orchestrator.async_level)
+    trainer = Trainer(cfg.trainer, cfg.model, cfg.run, async_level=cfg.orchestrator.async_level,
+                      num_receivers=max(1, len(cfg.orchestrator.client.base_urls)))
     if trainer.rank != 0:  # one writer of the run's metrics
         return trainer.run(None)
     with Monitor.from_config(root, "trainer", cfg.monitor) as monitor:
@@ -314,4 +371,4 @@ def maybe_init_distributed(d: DistributedConfig) -> None:
         jax.distributed.initialize(address or None, num_processes=num_processes, process_id=process_id)
 
 
-__all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "NonFiniteError", "maybe_init_distributed"]
+__all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "model_config", "NonFiniteError", "maybe_init_distributed"]

@@ -25,6 +25,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS, PackedBatch
+from primejax.models.moe import max_violation
 from primejax.trainer.logprobs import saved_logits_max_bytes, token_logprobs
 from primejax.trainer.losses import LossConfig, finalize_metrics, global_counts, make_loss_fn
 
@@ -45,12 +46,30 @@ def init_state(
     """Fresh state from the model's parameters. With a mesh (default: the parameters' own, if they have one)
     every leaf gets a NamedSharding on it, the layout the jitted step returns (see shard_state)."""
     params = nnx.to_pure_dict(nnx.state(model))
-    opt_state = jax.jit(optimizer.init)(params)  # jit: moments take the parameters' sharding
-    state = TrainState(params, opt_state, jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
     if mesh is None:
         meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding)]
         mesh = meshes[0] if meshes else None
+    if mesh is None:
+        opt_state = jax.jit(optimizer.init)(params)
+    else:
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params, mesh))(params)
+    state = TrainState(params, opt_state, jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
     return state if mesh is None else shard_state(state, mesh)
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
+    """Every parameter-shaped part of the optimizer state (AdamW's moments) sharded like its parameter.
+
+    `jax.jit(optimizer.init)` alone leaves them replicated: `zeros_like` has no data dependence on the
+    parameter, so nothing propagates its sharding, and each device would hold all of both fp32 moments
+    (8 bytes per parameter; 65 GB for an 8B model). Scalars (the step count) are replicated.
+    `params` may be arrays or ShapeDtypeStructs carrying their shardings.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shape = jax.eval_shape(optimizer.init, params)
+    param_sh = jax.tree.map(lambda p: _named(p, mesh), params)
+    return optax.tree_map_params(optimizer, lambda _, sh: sh, shape, param_sh,
+                                 transform_non_params=lambda _: replicated)
 
 
 def shift_targets(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -80,17 +99,47 @@ def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
 
 
 def _micro_loss_fn(
-    graphdef: nnx.GraphDef, loss_fn: Callable, chunk_size: int, max_segments: int, saved_logits_max_bytes: int
+    graphdef: nnx.GraphDef,
+    loss_fn: Callable,
+    chunk_size: int,
+    max_segments: int,
+    saved_logits_max_bytes: int,
+    loss_cfg: LossConfig | None = None,
 ) -> Callable:
-    def micro_loss(params, mb, counts):
+    def micro_loss(params, mb, counts, micro_share=1.0):
         model = nnx.merge(graphdef, params)
-        hidden_btd = model(mb["tokens"], mb["positions"], mb["segment_ids"], max_segments=max_segments or None)
+        hidden_btd, moe_stats = model.forward_with_aux(
+            mb["tokens"], mb["positions"], mb["segment_ids"], max_segments=max_segments or None
+        )
         targets, streams = shift_targets(mb)
         lp, ent = token_logprobs(hidden_btd, model.lm_head_weight(), targets, streams["temperatures"], chunk_size,
                                  saved_logits_max_bytes)
-        return loss_fn(lp, ent, streams, counts)
+        loss, sums = loss_fn(lp, ent, streams, counts)
+        if moe_stats:
+            loss, sums = _add_moe_terms(loss, sums, moe_stats, loss_cfg or LossConfig(), micro_share)
+        return loss, sums
 
     return micro_loss
+
+
+def _add_moe_terms(loss, sums, stats, loss_cfg: LossConfig, micro_share):
+    """MoE auxiliary losses (off unless configured) and routing statistics of one micro-batch.
+
+    `micro_share` = 1 / micro-batches: the step's auxiliary loss and MaxViolation are micro-batch means
+    (MaxViolation is defined per micro-batch); the expert load is summed over the step for the histograms.
+    """
+    lb = jnp.mean(stats["lb_loss"]) * micro_share
+    z = jnp.mean(stats["z_loss"]) * micro_share
+    if loss_cfg.moe_aux_coef:
+        loss = loss + loss_cfg.moe_aux_coef * lb
+    if loss_cfg.moe_z_coef:
+        loss = loss + loss_cfg.moe_z_coef * z
+    sums = dict(sums)
+    sums["moe/lb_loss"] = lb
+    sums["moe/z_loss"] = z
+    sums["moe/max_violation"] = max_violation(stats["load"]) * micro_share  # [Ls]
+    sums["moe/load"] = stats["load"]  # [Ls, E]
+    return loss, sums
 
 
 def make_grad_fn(
@@ -109,7 +158,7 @@ def make_grad_fn(
     fit in this many bytes, instead of recomputing them (`logprobs.token_logprobs`).
     """
     micro_loss = _micro_loss_fn(graphdef, make_loss_fn(loss_cfg, max_segments), chunk_size, max_segments,
-                                saved_logits_max_bytes)
+                                saved_logits_max_bytes, loss_cfg)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def accumulate(params, batch):
@@ -118,18 +167,20 @@ def make_grad_fn(
         if jax.tree.leaves(batch)[0].shape[0] == 1:
             # One micro-batch: no fp32 accumulator to zero and add into (a full extra copy of the
             # parameters, ~2.4 GB for a 0.6B model, live through the backward pass).
-            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda v: v[0], batch), counts)
+            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda v: v[0], batch), counts, 1.0)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums, counts
+
+        share = 1.0 / jax.tree.leaves(batch)[0].shape[0]
 
         def body(carry, mb):
             grads_acc, loss_acc, sums_acc = carry
-            (loss, sums), grads = grad_fn(params, mb, counts)
+            (loss, sums), grads = grad_fn(params, mb, counts, share)
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
             return (grads_acc, loss_acc + loss, jax.tree.map(jnp.add, sums_acc, sums)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         first = jax.tree.map(lambda v: v[0], batch)
-        sums_shape = jax.eval_shape(lambda: micro_loss(params, first, counts)[1])
+        sums_shape = jax.eval_shape(lambda: micro_loss(params, first, counts, share)[1])
         sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
         (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
         return loss, grads, sums, counts
@@ -168,6 +219,7 @@ def make_train_step(
             rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]),
         )
         metrics = finalize_metrics(sums, counts)
+        metrics.update({k: v for k, v in sums.items() if k.startswith("moe/")})  # arrays [Ls] / [Ls, E]
         metrics.update(loss=loss, grad_norm=grad_norm, lr=schedule(state.step), nonfinite=(~finite).astype(jnp.int32))
         return new, metrics
 

@@ -39,7 +39,9 @@ def test_reverse_text_prompts_and_lcs_reward():
     ex = env.example(0)
     assert score(env, ex, reply(ex.prompt, ex.answer)) == 1.0
     assert score(env, ex, reply(ex.prompt, f"<reversed_text>{ex.answer}</reversed_text>")) == 1.0
-    assert score(env, ex, reply(ex.prompt, ex.answer[:-1])) == pytest.approx(lcs_ratio(ex.answer[:-1], ex.answer))
+    assert score(env, ex, reply(ex.prompt, ex.answer[:-1])) == pytest.approx(
+        lcs_ratio(ex.answer[:-1], ex.answer)
+    )
     assert lcs_ratio("abcd", "abxd") == pytest.approx(0.75, abs=1e-12)
     assert score(env, ex, reply(ex.prompt, "")) == 0.0
 
@@ -97,7 +99,10 @@ def test_verifiers_taskset_loads_by_id_and_scores_in_process():
     env = load_env("tests.envs.vf_local_taskset", {"prefix": "Repeat"})
     assert env.num_examples == 3 and env.drives_rollout  # turns end when a reply has no tool call
     ex = env.example(1)
-    assert ex.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Repeat river"}]
+    assert ex.prompt == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Repeat river"},
+    ]
     assert score(env, ex, reply(ex.prompt, "river")) == 1.5  # exact (1.0) + mentions (0.5 x 1.0)
     assert score(env, ex, reply(ex.prompt, "the river")) == 0.5
     assert score(env, ex, reply(ex.prompt, "stone")) == 0.0

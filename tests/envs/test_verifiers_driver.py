@@ -191,3 +191,35 @@ def test_env_run_drives_the_conversation_through_the_stand_in(tool_tokenizer):
     assert rollout.reward == 1.5 and rollout.num_turns == 3
     (sample,) = rollout_to_samples(rollout, "rl", 1.0, seq_len=4096)  # user turns bridged: one sample
     assert [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m] == rollout.completion_ids
+
+
+def test_sft_renders_tool_demonstrations_with_the_rollout_renderer(tool_tokenizer):
+    from primejax.sft.data import conversation_to_sample
+
+    env = load_env(TASKSET, {"size": 2})
+    ex, data = env.example(0), env.tasks[0].data
+    tools = asyncio.run(env.tools(ex))
+    calls = [
+        {"id": "c0", "type": "function", "function": {"name": "calc_mul", "arguments": '{"a": 28, "b": 4}'}}
+    ]
+    messages = [
+        *ex.prompt,
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": data.answer},
+        {"role": "assistant", "content": data.answer},
+    ]
+    renderer = build_renderer("auto", tool_tokenizer)
+    sample = conversation_to_sample(tool_tokenizer, messages, renderer=renderer, tools=tools)
+    assert sample.token_ids[: len(renderer.render_ids(ex.prompt, tools))] == renderer.render_ids(
+        ex.prompt, tools
+    )
+    trained = tool_tokenizer.decode([t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m])
+    call = '<tool_call>\n{"name": "calc_mul", "arguments": {"a": 28, "b": 4}}\n</tool_call><|im_end|>'
+    assert trained == f"<think>\n\n</think>\n\n{call}<think>\n\n</think>\n\n{data.answer}<|im_end|>"
+    # The second turn's prompt extends the first turn verbatim, as a rollout's bridge does.
+    context = tool_tokenizer.decode(sample.token_ids)
+    assert (
+        f"</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{data.answer}\n</tool_response>"
+        in context
+    )
+    assert env.example(0).answer == data.answer  # sft.from_env and opsd read it

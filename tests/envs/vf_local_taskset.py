@@ -28,8 +28,10 @@ class EchoTasksetConfig(vf.TasksetConfig):
 class EchoTaskset(vf.Taskset[EchoTask, EchoTasksetConfig]):
     def load(self):
         for word in WORDS:
-            yield EchoTask(EchoData(prompt=f"{self.config.prefix} {word}", system_prompt="Be brief.", answer=word),
-                           self.config.task)
+            yield EchoTask(
+                EchoData(prompt=f"{self.config.prefix} {word}", system_prompt="Be brief.", answer=word),
+                self.config.task,
+            )
 
 
 __all__ = ["EchoTaskset"]

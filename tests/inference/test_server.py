@@ -260,10 +260,10 @@ def test_pause_holds_requests_and_resume_completes_them(vllm_server):
     assert len(comps[0].completion_token_ids) == 8
 
 
-def test_init_broadcaster_is_reserved(vllm_server):
+def test_init_broadcaster_is_not_implemented_and_points_to_transfer_weights(vllm_server):
     import httpx
 
     from primejax.inference.admin_auth import HEADER, read_token
 
     r = httpx.post(f"{vllm_server.base_url}/init_broadcaster", json={}, headers={HEADER: read_token()})
-    assert r.status_code == 501 and "reserved" in r.json()["error"]
+    assert r.status_code == 501 and "/transfer_weights" in r.json()["error"]

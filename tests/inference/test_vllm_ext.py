@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 from importlib.metadata import entry_points
 
+import pytest
+
 from primejax.inference import vllm_ext
 
 
@@ -44,3 +46,37 @@ def test_cpu_gemm_redispatch_helper_exists():
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     assert list(inspect.signature(dispatch_cpu_unquantized_gemm).parameters) == ["layer", "remove_weight"]
+
+
+def test_weight_transfer_engine_registers_in_vllms_registry_and_implements_its_protocol():
+    """The collective path: general plugin entry point -> vLLM's engine registry -> the worker's engine methods."""
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.engine.protocol import EngineClient
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.v1.worker.gpu_worker import Worker
+
+    eps = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+    assert eps[vllm_ext.PLUGIN_NAME].value == "primejax.inference.vllm_ext:register_transfer_engine"
+    vllm_ext.register_transfer_engine()
+    vllm_ext.register_transfer_engine()  # idempotent: vLLM runs general plugins more than once per process
+    engine_cls = WeightTransferEngineFactory._registry[vllm_ext.TRANSFER_BACKEND]()
+    assert issubclass(engine_cls, WeightTransferEngine) and not inspect.isabstract(engine_cls)
+    assert WeightTransferConfig(backend=vllm_ext.TRANSFER_BACKEND).backend == vllm_ext.TRANSFER_BACKEND
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+        assert callable(getattr(EngineClient, name)) and callable(getattr(Worker, name))
+    assert callable(initialize_layerwise_reload) and callable(finalize_layerwise_reload)
+    init = engine_cls.init_info_cls(master_address="127.0.0.1", master_port=1, group_id="g", rank_offset=1,
+                                    world_size=2)
+    assert init.backend == "gloo" and init.timeout_s > 0
+
+
+def test_worker_without_reload_weights_refuses_the_load_with_a_pointer_to_the_docs(tmp_path):
+    """vLLM TPU's worker has no reload_weights: the load must fail loudly, never leave stale weights serving."""
+
+    class TpuLikeWorker(vllm_ext.PrimejaxWorkerExtension):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"TpuLikeWorker has no reload_weights.*docs/tpu\.md"):
+        TpuLikeWorker().primejax_load_weights(str(tmp_path))

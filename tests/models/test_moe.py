@@ -130,7 +130,7 @@ def test_max_violation_and_aux_losses():
     r = moe.route(x, router, k, False)
     valid = jnp.ones(n, bool)
     ours = float(moe.load_balance_loss(r, valid, e))
-    theirs = float(load_balancing_loss_func((torch.as_tensor(np.asarray(r.logits)),), e, k))
+    theirs = float(load_balancing_loss_func((torch.as_tensor(np.array(r.logits)),), e, k))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     z = np.log(np.exp(np.asarray(r.logits, np.float64)).sum(-1))
     np.testing.assert_allclose(float(moe.router_z_loss(r, valid)), np.mean(z * z), rtol=1e-5)

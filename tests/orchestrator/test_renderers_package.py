@@ -99,3 +99,15 @@ def test_tool_calls_parse_into_structured_messages_and_malformed_ones_are_report
     prompt = renderer.render_ids([{"role": "user", "content": "1+2"}], TOOLS)
     assert '"name": "calc_add"' in tok.decode(prompt)  # the schema is in the system turn
     assert tool_specs(TOOLS)[0]["name"] == "calc_add"
+
+
+def test_a_tool_call_spelled_in_byte_pieces_still_parses(tool_tokenizer):
+    """Constrained decoding (and an untrained policy) may write `<tool_call>` without its added token."""
+    tok = tool_tokenizer
+    renderer = build_renderer("qwen3", tok)
+    body = "\n" + json.dumps({"name": "calc_add", "arguments": {"a": 1, "b": 2}}) + "\n"
+    pieces = [i for ch in "<tool_call>" for i in tok.encode(ch, add_special_tokens=False)]
+    ids = pieces + tok.encode(body + "</tool_call>", add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("<tool_call>") not in ids
+    (call,) = renderer.parse_message(ids, tools=TOOLS).message["tool_calls"]
+    assert call["function"]["name"] == "calc_add"

@@ -1,0 +1,216 @@
+"""Ahead-of-time compilation of the trainer's real step for devices this process need not have.
+
+`compile_train_step` builds what `trainer.loop.Trainer` builds — the model graph, optimizer, loss and remat
+policy from the config, the mesh, and the jitted step of `step.make_train_step` with the state's shardings
+pinned — but from abstract values (`jax.ShapeDtypeStruct`s carrying `NamedSharding`s) instead of weights,
+so no parameter is ever allocated. Given TPU devices from a topology description
+(`jax.experimental.topologies.get_topology_desc`), XLA compiles the step for that TPU slice on a CPU host,
+and the compiled executable reports per-device memory and FLOPs (tools/tpu_compile.py, docs/tpu.md).
+The attention kernel follows the mesh's platform (`attention.resolve_impl`), so "auto" compiles the TPU
+splash kernel here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from primejax.contracts.batch import FIELDS
+from primejax.models.config import ModelConfig
+from primejax.models.sharding import make_mesh, state_shardings
+from primejax.models.transformer import Transformer, resolve_remat_policy
+from primejax.trainer import optim
+from primejax.trainer.logprobs import AUTO_SAVED_LOGITS_FRACTION
+from primejax.trainer.step import (
+    TrainState,
+    batch_sharding,
+    dp_size,
+    jit_train_step,
+    make_train_step,
+    opt_state_shardings,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """Per-device figures of one compiled step (bytes, FLOPs) and what was compiled."""
+
+    mesh: dict[str, int]
+    remat_policy: str  # as resolved for the micro-batch ("auto" picks by size)
+    attention_impl: str  # as configured; the kernel that ran is the mesh platform's
+    micro_batches: int
+    rows: int  # global rows per micro-batch
+    seq_len: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse donated argument buffers (the state)
+    temp_bytes: int
+    generated_code_bytes: int
+    flops: float  # per device, as compiled (remat recompute included); 0 when out of memory
+    estimated_seconds: float | None  # the compiler's cost-model estimate, where it gives one
+    compile_seconds: float
+    pallas_kernels: int  # Pallas (Mosaic) kernel calls in the compiled program: splash attention on TPU
+    # The TPU compiler refuses a program whose temporaries exceed the chip's HBM: its message, and the
+    # temporaries it asked for (then temp_bytes), with no FLOPs. "" when the step compiled.
+    out_of_memory: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + temporaries + outputs not aliased to a donated argument: the step's resident peak."""
+        return (
+            self.argument_bytes
+            + self.temp_bytes
+            + self.output_bytes
+            - self.alias_bytes
+            + self.generated_code_bytes
+        )
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def tokens_per_device(self) -> float:
+        return self.micro_batches * self.rows * self.seq_len / self.devices
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(peak_bytes=self.peak_bytes, tokens_per_device=self.tokens_per_device, devices=self.devices)
+        return d
+
+
+def _sds(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def abstract_state(model_cfg: ModelConfig, optimizer, mesh, seed: int = 0) -> tuple[nnx.GraphDef, TrainState]:
+    """(graphdef, TrainState of ShapeDtypeStructs) in the layout `step.init_state` gives the real state."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
+    shardings = nnx.to_pure_dict(state_shardings(state, mesh))
+    params = jax.tree.map(_sds, nnx.to_pure_dict(state), shardings)
+    opt_state = jax.tree.map(
+        _sds, jax.eval_shape(optimizer.init, params), opt_state_shardings(optimizer, params, mesh)
+    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(seed)))
+    return graphdef, TrainState(
+        params, opt_state, _sds(jax.ShapeDtypeStruct((), jnp.int32), replicated), _sds(rng, replicated)
+    )
+
+
+def abstract_batch(mesh, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The step's [M, R, T] batch arrays (contracts.batch.FIELDS), rows over the data-parallel axes."""
+    sh = batch_sharding(mesh)
+    return {
+        k: jax.ShapeDtypeStruct((micro_batches, rows, seq_len), dt, sharding=sh) for k, dt in FIELDS.items()
+    }
+
+
+def compile_train_step(
+    cfg,
+    model_cfg: ModelConfig,
+    devices: Sequence[Any],
+    *,
+    seq_len: int,
+    micro_batch_size: int | None = None,
+    micro_batches: int = 1,
+    max_segments: int = 0,
+    hbm_bytes: int = 0,
+    mesh_sizes: dict[str, int] | None = None,
+) -> tuple[Any, CompileReport]:
+    """Compile the trainer step of `cfg` (the typed config) for `devices`; nothing is allocated.
+
+    The mesh is `cfg.trainer.mesh` unless `mesh_sizes` ({"data", "fsdp", "tensor"}) is given.
+
+    `micro_batch_size` (default `trainer.micro_batch_size`) rows per data-parallel rank per micro-batch, as in
+    the trainer; `hbm_bytes` (per device) sizes the LM head's saved-logits budget when the config leaves it
+    on auto (the trainer asks the runtime, which a topology description does not have).
+    """
+    t = cfg.trainer
+    mesh = make_mesh(**(mesh_sizes or t.mesh.to_dict()), devices=devices)
+    optimizer, schedule = optim.from_config(t.optim, t.scheduler, cfg.run.max_steps)
+    loss_cfg = t.loss
+    graphdef, state = abstract_state(model_cfg, optimizer, mesh, cfg.run.seed)
+    gib = t.lm_head_saved_logits_gib
+    per_device = int(gib * 2**30) if gib >= 0 else int(AUTO_SAVED_LOGITS_FRACTION * hbm_bytes)
+    rows = (micro_batch_size or t.micro_batch_size) * dp_size(mesh)
+    step = make_train_step(
+        graphdef,
+        optimizer,
+        schedule,
+        loss_cfg,
+        chunk_size=t.logprob_chunk_size,
+        max_segments=max_segments,
+        saved_logits_max_bytes=per_device * dp_size(mesh),
+    )
+    start = time.perf_counter()
+    batch = abstract_batch(mesh, micro_batches, rows, seq_len)
+    remat = resolve_remat_policy(model_cfg.remat_policy, rows * seq_len)
+    common = dict(
+        mesh=dict(mesh.shape),
+        remat_policy=remat,
+        attention_impl=model_cfg.attention_impl,
+        micro_batches=micro_batches,
+        rows=rows,
+        seq_len=seq_len,
+    )
+    with jax.set_mesh(mesh):
+        lowered = jit_train_step(step, state, mesh).lower(state, batch)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            needed = _out_of_memory_bytes(str(e))
+            if needed is None:
+                raise
+            args = sum(
+                math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                for x in jax.tree.leaves((state, batch))
+            )
+            return None, CompileReport(
+                **common,
+                argument_bytes=args,
+                output_bytes=0,
+                alias_bytes=0,
+                temp_bytes=needed,
+                generated_code_bytes=0,
+                flops=0.0,
+                estimated_seconds=None,
+                compile_seconds=time.perf_counter() - start,
+                pallas_kernels=0,
+                out_of_memory=str(e).splitlines()[0][:300],
+            )
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    report = CompileReport(
+        **common,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        generated_code_bytes=int(mem.generated_code_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)),
+        estimated_seconds=cost.get("optimal_seconds"),
+        compile_seconds=seconds,
+        pallas_kernels=compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+    )
+    return compiled, report
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _out_of_memory_bytes(message: str) -> int | None:
+    """The temporaries a RESOURCE_EXHAUSTED compile error asked for, e.g. "... temporaries (140.78G) exceeds"."""
+    m = re.search(r"Ran out of memory.*?temporaries \(([\d.]+)([KMGT]?)\)", message, re.S)
+    return None if m is None else int(float(m[1]) * _UNITS[m[2]])

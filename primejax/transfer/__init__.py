@@ -1,0 +1,1 @@
+"""Collective weight transfer trainer -> vLLM (docs/weight_transfer.md): the wire protocol and the sender."""

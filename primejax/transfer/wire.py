@@ -1,0 +1,253 @@
+"""The collective weight-transfer wire protocol, shared by the trainer's sender and the vLLM-side engine.
+
+One update ("round") moves every HF tensor of the model, in a fixed order both sides know beforehand (names,
+dtypes and shapes travel over HTTP in the update info). The bytes travel as packed buckets: tensors are
+flattened to uint8 and concatenated until a bucket holds MORE than `bucket_bytes` (the tensor that crosses
+the bound still goes in), the same cut rule as vLLM's packed NCCL broadcast
+(`vllm/distributed/weight_transfer/packed_tensor.py`), so both sides cut identical buckets from the metadata
+alone. Each bucket is one `broadcast` from rank 0 (the trainer) to every inference worker.
+
+Rendezvous: the trainer hosts a torch `TCPStore` for the whole run. A process group (gloo on CPU, NCCL on
+GPU) lives under the store prefix `group/<group_id>/` and serves round after round (creating an NCCL
+communicator costs far more than moving a small model); after any failure both sides drop it and the next
+round opens a new one under a new id, so a failed round leaves nothing behind. Every collective has a
+timeout, so a dead or stalled peer turns into an exception on both sides, never a hang. After loading, each
+receiver sets `received/<round_id>/<rank>` in the group's store; the trainer treats a round without every
+acknowledgement as failed (and falls back to the filesystem).
+
+torch is imported inside the functions: the trainer's other code paths never need it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+# torch dtype names allowed on the wire (what an HF export can hold).
+WIRE_DTYPES = ("bfloat16", "float16", "float32")
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str  # a WIRE_DTYPES name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+
+
+def update_info(round_id: str, metas: Sequence[TensorMeta]) -> dict[str, Any]:
+    """The JSON update info of one round (field names as vLLM's NCCL engine's, plus the round id)."""
+    return {
+        "round_id": round_id,
+        "names": [m.name for m in metas],
+        "dtype_names": [m.dtype for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+    }
+
+
+def metas_from_update_info(info: dict[str, Any]) -> list[TensorMeta]:
+    names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"update_info: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes")
+    for d in dtypes:
+        if d not in WIRE_DTYPES:
+            raise ValueError(f"update_info: dtype {d!r} is not one of {WIRE_DTYPES}")
+    return [TensorMeta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+
+
+def buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `metas` per bucket: add tensors until the bucket holds more than `bucket_bytes`."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, m in enumerate(metas):
+        cur.append(i)
+        size += m.nbytes
+        if size > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+class TorchGroup:
+    """A torch.distributed process group object (gloo or NCCL) used without the global default group."""
+
+    def __init__(self, pg: Any, rank: int, store: Any):
+        self.pg, self.rank, self.store = pg, rank, store
+
+    def broadcast(self, tensor: Any, src: int = 0) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self.pg.broadcast([tensor], opts).wait()
+
+
+def host_store(host: str, port: int, timeout_s: float) -> Any:
+    """The trainer's TCPStore server (port 0 = any free port; read `.port`)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def client_store(host: str, port: int, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def open_group(
+    store: Any,
+    group_id: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    backend: str = "gloo",
+    device: Any = None,
+) -> TorchGroup:
+    """Join group `group_id` (blocks until all `world_size` ranks joined, at most `timeout_s`)."""
+    import torch
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(f"group/{group_id}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        # NCCL communicators are created lazily on the first collective: warm up so the join is inside open.
+        torch.cuda.set_device(device)
+        warm = torch.zeros(1, device=device)
+        pg.allreduce([warm]).wait()
+        torch.cuda.synchronize(device)
+    else:
+        raise ValueError(f"unknown transfer backend {backend!r} (gloo | nccl)")
+    return TorchGroup(pg, rank, prefixed)
+
+
+def _as_bytes(tensor: Any) -> Any:
+    return tensor.contiguous().view(-1).view(__import__("torch").uint8)
+
+
+def send(group: TorchGroup, tensors: Iterable[Any], metas: Sequence[TensorMeta], bucket_bytes: int) -> int:
+    """Rank 0: broadcast `tensors` (torch, matching `metas` in order, dtype and shape) bucket by bucket.
+
+    Returns the bytes sent. Raises ValueError naming the first tensor that disagrees with its metadata (the
+    receivers cut buckets from the metadata, so a mismatch would otherwise split the stream differently).
+    """
+    import torch
+
+    it: Iterator[Any] = iter(tensors)
+    sent = 0
+    for idx in buckets(metas, bucket_bytes):
+        parts = []
+        for i in idx:
+            t, m = next(it), metas[i]
+            if str(t.dtype).removeprefix("torch.") != m.dtype or tuple(t.shape) != m.shape:
+                raise ValueError(
+                    f"tensor {m.name}: got {t.dtype} {tuple(t.shape)}, declared {m.dtype} {m.shape}"
+                )
+            parts.append(_as_bytes(t))
+        buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+        group.broadcast(buf, src=0)
+        if buf.is_cuda:
+            # The bucket's sources may be DLPack views of JAX buffers: once released here JAX may reuse their
+            # memory on its own stream, so every queued read of them (cat, broadcast) must be done first.
+            torch.cuda.current_stream(buf.device).synchronize()
+        sent += buf.numel()
+    return sent
+
+
+def receive(
+    group: TorchGroup,
+    metas: Sequence[TensorMeta],
+    bucket_bytes: int,
+    device: Any,
+    load: Callable[[list[tuple[str, Any]]], Any],
+) -> int:
+    """A receiver: for each bucket, receive it into a fresh buffer and call `load([(name, tensor), ...])`.
+
+    The tensors are views of the bucket's buffer; a fresh buffer per bucket keeps them valid for loaders
+    that hold on to them (vLLM's layerwise reload buffers a layer's weights until the layer is complete).
+    """
+    import torch
+
+    received = 0
+    for idx in buckets(metas, bucket_bytes):
+        sizes = [metas[i].nbytes for i in idx]
+        buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        group.broadcast(buf, src=0)
+        out = []
+        for i, part in zip(idx, buf.split(sizes), strict=True):
+            m = metas[i]
+            out.append((m.name, part.view(getattr(torch, m.dtype)).view(m.shape)))
+        load(out)
+        received += buf.numel()
+    return received
+
+
+def ack_key(round_id: str, rank: int) -> str:
+    return f"received/{round_id}/{rank}"
+
+
+class Receiver:
+    """An inference worker's side of the rounds: joins (and keeps) the trainer's group, receives, acknowledges.
+
+    Shared by primejax's vLLM engine (`primejax.inference.vllm_ext`) and the GPU benchmark's receiver, so the
+    benchmark measures the code the server runs.
+    """
+
+    def __init__(self) -> None:
+        self.group: TorchGroup | None = None
+        self.key: tuple | None = None
+
+    def receive(
+        self,
+        init_info: dict[str, Any],
+        update_info: dict[str, Any],
+        rank: int,
+        device: Any,
+        load: Callable[[list[tuple[str, Any]]], Any],
+    ) -> int:
+        metas = metas_from_update_info(update_info)
+        timeout_s = float(init_info.get("timeout_s", 60.0))
+        key = (
+            init_info["master_address"],
+            int(init_info["master_port"]),
+            init_info["group_id"],
+            rank,
+            int(init_info["world_size"]),
+            init_info.get("backend", "gloo"),
+        )
+        try:
+            if self.group is None or self.key != key:
+                self.group = None
+                store = client_store(key[0], key[1], timeout_s)
+                self.group = open_group(store, key[2], rank, key[4], timeout_s, key[5], device)
+                self.key = key
+            n = receive(
+                self.group, metas, int(init_info.get("bucket_bytes", DEFAULT_BUCKET_BYTES)), device, load
+            )
+            if key[5] == "nccl":
+                import torch
+
+                torch.cuda.synchronize(device)
+            self.group.store.set(ack_key(update_info["round_id"], rank), "1")
+            return n
+        except BaseException:
+            self.group = None  # a failed round poisons the group: the next one opens a new group
+            raise

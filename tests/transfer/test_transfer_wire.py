@@ -1,0 +1,196 @@
+"""The collective wire protocol without a server: bucket cuts, a gloo round trip, the sender's timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from primejax.config import ConfigError, default_config, validate
+from primejax.contracts.transfer import latest_offer
+from primejax.transfer import wire
+from primejax.transfer.sender import CollectiveSender, tensor_metas, to_torch
+
+
+def _named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (300,), (16, 16, 3), (1,), (64, 33)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16]
+    return [
+        (f"t{i}", torch.randn(s, generator=g).to(d))
+        for i, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 1000, 10**9])
+def test_buckets_cut_where_vllm_packs(bucket_bytes):
+    """Same cut rule as vLLM's packed NCCL broadcast (`pack_tensors`): both sides split identically."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    named = _named()
+    it = iter(named)
+    vllm_cuts = []
+    while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
+        vllm_cuts.append(chunk.names)
+    ours = [[named[i][0] for i in idx] for idx in wire.buckets(tensor_metas(named), bucket_bytes)]
+    assert ours == vllm_cuts
+
+
+def test_gloo_rounds_are_bit_exact_acknowledged_and_reuse_the_group(tmp_path):
+    """Two rounds through CollectiveSender -> wire.Receiver (the engine's receive path): every byte arrives,
+    both rounds are acknowledged, and the second round reuses the first round's group (no new rendezvous)."""
+    from primejax.contracts.transfer import latest_offer
+
+    rounds = [_named(1), _named(2)]
+    sender = CollectiveSender(tmp_path, timeout_s=10, bucket_bytes=256)
+    receiver = wire.Receiver()
+    got: list[list[tuple[str, torch.Tensor]]] = []
+    groups = []
+
+    def serve():
+        for step in (1, 2):
+            deadline = time.monotonic() + 10
+            while (offer := latest_offer(tmp_path)) is None or offer.step != step:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            out: list[tuple[str, torch.Tensor]] = []
+            receiver.receive(
+                offer.init_info,
+                offer.update_info,
+                1,
+                "cpu",
+                lambda pairs, out=out: out.extend((n, t.clone()) for n, t in pairs),
+            )
+            got.append(out)
+            groups.append(receiver.group)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    assert sender.send(1, rounds[0]) and sender.send(2, rounds[1])
+    t.join(20)
+    assert groups[0] is groups[1] is not None
+    for named, out in zip(rounds, got, strict=True):
+        assert [n for n, _ in out] == [n for n, _ in named]
+        for (_, a), (_, b) in zip(out, named, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert sender.last["transfer/gb"] == sum(m.nbytes for m in tensor_metas(rounds[1])) / 1e9
+
+
+def test_send_refuses_a_tensor_that_disagrees_with_its_metadata():
+    named = _named()
+    metas = tensor_metas(named)
+    bad = [x for _, x in named]
+    bad[2] = bad[2].float()
+
+    class NoGroup:
+        def broadcast(self, tensor, src=0):
+            pass
+
+    with pytest.raises(ValueError, match="t2: got torch.float32"):
+        wire.send(NoGroup(), bad, metas, 10**9)
+
+
+def test_to_torch_keeps_bf16_bits():
+    import ml_dtypes
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
+    t = to_torch(a)
+    assert t.dtype == torch.bfloat16 and t.shape == (3, 4)
+    np.testing.assert_array_equal(t.float().numpy(), a.astype(np.float32))
+
+
+def test_sender_without_receivers_gives_up_after_its_timeout_and_removes_the_offer(tmp_path):
+    sender = CollectiveSender(tmp_path, timeout_s=1.5, bucket_bytes=1024)
+    seen = {}
+
+    def watch():
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and "offer" not in seen:
+            if (o := latest_offer(tmp_path)) is not None:
+                seen["offer"] = o
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    t0 = time.monotonic()
+    assert sender.send(3, _named()) is False
+    assert time.monotonic() - t0 < 10
+    t.join()
+    offer = seen["offer"]
+    assert (
+        offer.step == 3
+        and offer.init_info["master_port"] == sender.port
+        and offer.init_info["world_size"] == 2
+    )
+    assert offer.update_info["names"] == [n for n, _ in _named()]
+    assert latest_offer(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("mode", "nccl", "trainer.broadcast.mode"),
+        ("transfer_port", 70000, "trainer.broadcast.transfer_port"),
+        ("transfer_timeout_s", 0.0, "trainer.broadcast.transfer_timeout_s"),
+    ],
+)
+def test_config_rejects_bad_transfer_settings(key, value, match):
+    c = default_config()
+    c.model.path = "x"
+    c.trainer.broadcast[key] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(c)
+
+
+@pytest.mark.parametrize("variant", ["tied", "untied", "moe"])
+def test_device_tensors_equal_the_safetensors_export(variant, tmp_path):
+    """The no-host-copy path (jitted HF conversion + DLPack) yields exactly the tensors the export writes, in
+    its order (dense tied/untied, and Qwen3-MoE with a dense layer: per-expert tensors)."""
+    from primejax.models.config import ModelConfig
+    from primejax.models.hf_io import load_model, state_to_hf_tensors
+    from primejax.models.sharding import init_model
+    from primejax.models.tiny import build_tiny_model
+    from primejax.transfer.device import hf_device_tensors
+
+    if variant == "moe":
+        cfg = ModelConfig(
+            model_type="qwen3_moe",
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=3,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=32,
+            rope_theta=1e4,
+            rope_scaling=None,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            qk_norm=True,
+            attention_bias=False,
+            max_position_embeddings=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            mlp_only_layers=(1,),
+            param_dtype="float32",
+        )
+        model = init_model(cfg, None, seed=5)
+    else:
+        model, cfg = load_model(
+            build_tiny_model(tmp_path / "m", tied=variant == "tied", seed=3), param_dtype="float32"
+        )
+    for dtype in ("float32", "bfloat16"):
+        expected = list(state_to_hf_tensors(model, cfg, dtype))
+        metas, tensors = hf_device_tensors(model, cfg, dtype)
+        got = list(tensors)
+        assert [m.name for m in metas] == [n for n, _ in expected]
+        assert [m.shape for m in metas] == [a.shape for _, a in expected]
+        for (name, a), t in zip(expected, got, strict=True):
+            assert t.is_contiguous(), name
+            assert torch.equal(t, to_torch(a)), name

@@ -1,0 +1,284 @@
+"""Weight transfer trainer -> inference: collective (JAX arrays -> NCCL, no host copy) vs filesystem (export + load).
+
+    CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py          # GPU, 0.6B / 4B / 8B
+    python tools/bench_transfer.py --smoke                                               # CPU (gloo), tiny shapes
+    python tools/bench_transfer.py --cpu --sizes 0.6b                                    # CPU (gloo), real shapes
+
+Two processes per model size. The sender is a primejax trainer stand-in: a Qwen3-shaped model (random bf16
+weights) in JAX on GPU 0, sent each round with `primejax.transfer.sender.CollectiveSender` from
+`primejax.transfer.device.hf_device_tensors` (jitted HF-layout conversion, DLPack into torch, packed buckets).
+The receiver is an inference-worker stand-in on GPU 1: it reads the offer file and runs
+`primejax.transfer.wire.Receiver` -- the code primejax's vLLM engine runs in the worker -- loading into a
+Qwen3-shaped torch parameter set in vLLM's layout (fused qkv_proj and gate_up_proj, filled by slice copies
+as vLLM's Qwen3 `load_weights` does). What differs from a live vLLM GPU server: torch.distributed's
+ProcessGroupNCCL instead of vLLM's PyNcclCommunicator (both are NCCL broadcasts; vLLM's GPU build cannot be
+installed on the benchmark machines), the loader is the stand-in above instead of vLLM's model with its
+layerwise-reload wrapper, and there is no HTTP round trip (offer -> /transfer_weights, ~ms).
+
+The filesystem row times the trainer's export (`export_safetensors`: device -> host -> safetensors files)
+plus the receiver loading those files (read to host, copy into the parameters, as vLLM's loader does); the
+files are read right after being written, so from the page cache: a lower bound for a real disk.
+
+Per size: one warm-up round (group rendezvous, NCCL communicator, jit), then `--rounds` timed rounds; the
+median is reported. The receiver checks that the collective and the filesystem paths loaded bit-identical
+parameters. Ends with a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {  # Qwen3 configs (config.json of Qwen/Qwen3-0.6B, -4B, -8B)
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                 num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+               num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+               num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+SMOKE = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=32)
+
+
+def shape(size: str, smoke: bool) -> dict:
+    s = dict(SHAPES[size])
+    if smoke:
+        s.update(SMOKE)
+    return s
+
+
+def _wait_file(path: Path, timeout_s: float, proc: subprocess.Popen | None = None) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"peer exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after {timeout_s:.0f} s")
+        time.sleep(0.001)
+    return json.loads(path.read_text())
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.rename(path)
+
+
+# ---------------------------------------------------------------------------------------------- sender
+
+
+def sender(args: argparse.Namespace) -> None:
+    import jax
+    import numpy as np
+
+    from primejax.models.config import ModelConfig
+    from primejax.models.hf_io import export_safetensors
+    from primejax.models.sharding import init_model, make_mesh
+    from primejax.transfer.device import hf_device_tensors
+    from primejax.transfer.sender import CollectiveSender
+
+    run = Path(args.run_dir)
+    s = shape(args.size, args.smoke)
+    cfg = ModelConfig(model_type="qwen3", rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6, qk_norm=True,
+                      attention_bias=False, max_position_embeddings=4096, param_dtype="bfloat16", **s)
+    t0 = time.perf_counter()
+    model = init_model(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]), seed=0)
+    jax.block_until_ready(jax.tree.leaves(model))
+    init_s = time.perf_counter() - t0
+    gpu = jax.default_backend() == "gpu"
+    device = None
+    if gpu:
+        import torch
+
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    sender = CollectiveSender(run, timeout_s=300, bucket_bytes=args.bucket_mb * 2**20, num_receivers=1,
+                              backend="nccl" if gpu else "gloo", device=device)
+    times, sends = [], []
+    for r in range(args.rounds + 1):
+        t0 = time.perf_counter()
+        metas, tensors = hf_device_tensors(model, cfg, "bfloat16")
+        if not sender.send_lazy(r, metas, tensors):
+            raise RuntimeError(f"round {r} failed")
+        if r:  # round 0 warms up: rendezvous, communicator, jit
+            times.append(time.perf_counter() - t0)
+            sends.append(sender.last["transfer/send_seconds"])
+    gb = sender.last["transfer/gb"]
+    _write(run / "collective_done.json", {})
+
+    t0 = time.perf_counter()
+    export_safetensors(model, cfg, run / "fs", dtype="bfloat16")
+    export_s = time.perf_counter() - t0
+    _write(run / "fs_request.json", {"dir": str(run / "fs")})
+    done = _wait_file(run / "fs_done.json", 1800)
+    print(json.dumps({
+        "size": args.size, "gb": gb, "init_s": init_s, "collective_s": statistics.median(times),
+        "collective_min_s": min(times), "send_s": statistics.median(sends), "export_s": export_s,
+        "load_s": done["load_s"], "identical": done["identical"], "params": int(sum(
+            np.prod(m.shape) for m in metas)), "device": str(jax.local_devices()[0].device_kind),
+    }), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- receiver
+
+
+class VllmLayoutParams:
+    """A Qwen3-shaped parameter set in vLLM's layout (fused qkv_proj / gate_up_proj) with its weight loader."""
+
+    def __init__(self, s: dict, device, dtype):
+        import torch
+
+        d, i, h, kv, hd, v = (s["hidden_size"], s["intermediate_size"], s["num_heads"], s["num_kv_heads"],
+                              s["head_dim"], s["vocab_size"])
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, device=device, dtype=dtype)
+
+        self.p: dict[str, torch.Tensor] = {"model.embed_tokens.weight": empty(v, d), "model.norm.weight": empty(d)}
+        if not s["tie_word_embeddings"]:
+            self.p["lm_head.weight"] = empty(v, d)
+        for layer in range(s["num_layers"]):
+            pre = f"model.layers.{layer}."
+            self.p.update({
+                pre + "self_attn.qkv_proj.weight": empty((h + 2 * kv) * hd, d),
+                pre + "self_attn.o_proj.weight": empty(d, h * hd),
+                pre + "self_attn.q_norm.weight": empty(hd), pre + "self_attn.k_norm.weight": empty(hd),
+                pre + "input_layernorm.weight": empty(d), pre + "post_attention_layernorm.weight": empty(d),
+                pre + "mlp.gate_up_proj.weight": empty(2 * i, d), pre + "mlp.down_proj.weight": empty(d, i),
+            })
+        q, k = h * hd, kv * hd
+        # vLLM Qwen3's stacked_params_mapping: (fused name, HF name, row offset)
+        self.stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + k),
+                        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", i)}
+
+    def load_weights(self, pairs) -> None:
+        for name, t in pairs:
+            parts = name.split(".")
+            if len(parts) > 4 and parts[-2] in self.stacked:
+                fused, off = self.stacked[parts[-2]]
+                dst = self.p[".".join([*parts[:-2], fused, parts[-1]])]
+                dst[off : off + t.shape[0]].copy_(t, non_blocking=True)
+            else:
+                self.p[name].copy_(t, non_blocking=True)
+
+    def checksums(self) -> dict[str, int]:
+        import torch
+
+        return {k: int(t.view(torch.int16).to(torch.int64).sum()) for k, t in self.p.items()}
+
+
+def receiver(args: argparse.Namespace) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from primejax.contracts.transfer import latest_offer
+    from primejax.transfer import wire
+
+    run = Path(args.run_dir)
+    gpu = not (args.smoke or args.cpu)
+    device = torch.device("cuda", 1) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    params = VllmLayoutParams(shape(args.size, args.smoke), device, torch.bfloat16)
+    rx = wire.Receiver()
+    for r in range(args.rounds + 1):
+        while (offer := latest_offer(run)) is None or offer.step != r:
+            time.sleep(0.0005)
+        rx.receive(offer.init_info, offer.update_info, 1, device, params.load_weights)
+    collective = params.checksums()
+    _wait_file(run / "collective_done.json", 600)
+    request = _wait_file(run / "fs_request.json", 1800)
+    for t in params.p.values():
+        t.zero_()
+    t0 = time.perf_counter()
+    for f in sorted(Path(request["dir"]).glob("*.safetensors")):
+        params.load_weights(sorted(load_file(str(f), device="cpu").items()))
+    if gpu:
+        torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    _write(run / "fs_done.json", {"load_s": load_s, "identical": params.checksums() == collective})
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bench-transfer-{size}-", dir=args.tmp) as run:
+        common = [sys.executable, __file__, "--size", size, "--run-dir", run, "--rounds", str(args.rounds),
+                  "--bucket-mb", str(args.bucket_mb)] + (["--smoke"] if args.smoke else []) + (
+                      ["--cpu"] if args.cpu else [])
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                              os.environ.get("PYTHONPATH", "")])}
+        if args.smoke or args.cpu:
+            env["JAX_PLATFORMS"] = "cpu"
+        # Both processes see both GPUs (as vLLM's workers do), so NCCL can use direct peer access (NVLink);
+        # the sender works on device 0, the receiver on device 1.
+        rx = subprocess.Popen(common + ["--role", "receiver"], env=env)
+        try:
+            out = subprocess.run(common + ["--role", "sender"], env=env, stdout=subprocess.PIPE, text=True,
+                                 timeout=args.timeout)
+            if out.returncode != 0:
+                raise RuntimeError(f"{size}: sender exited with {out.returncode}")
+            rx.wait(120)
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            if rx.poll() is None:
+                rx.kill()
+                rx.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (proves the script)")
+    ap.add_argument("--cpu", action="store_true", help="CPU, gloo, the real shapes")
+    ap.add_argument("--sizes", default="0.6b,4b,8b")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=0, help="packed bucket size (default 1024 GPU, 1 smoke)")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--tmp", default=None, help="directory for the filesystem path's files (default: $TMPDIR)")
+    ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
+    ap.add_argument("--size", default="")
+    ap.add_argument("--run-dir", default="")
+    args = ap.parse_args()
+    args.bucket_mb = args.bucket_mb or (1 if args.smoke else 256 if args.cpu else 1024)
+    if args.role == "sender":
+        sender(args)
+        return 0
+    if args.role == "receiver":
+        receiver(args)
+        return 0
+    devices = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")
+    if not (args.smoke or args.cpu) and len(devices) < 2:
+        print("error: needs two GPUs (CUDA_VISIBLE_DEVICES=0,1)", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    rows = []
+    for size in args.sizes.split(","):
+        rows.append(run_size(size, args, devices))
+        print(json.dumps(rows[-1]), flush=True)
+    where = "smoke (CPU, gloo, tiny shapes)" if args.smoke else "CPU, gloo" if args.cpu else rows[0]["device"]
+    print(f"\n{where}; bucket {args.bucket_mb} MiB; "
+          f"median of {args.rounds} rounds after a warm-up; total {time.perf_counter() - start:.0f} s\n")
+    print("| model shape | GB (bf16) | collective s/update | GB/s | filesystem export s | load s | export+load s | "
+          "same params |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| Qwen3-{r['size'].upper()} | {r['gb']:.2f} | {r['collective_s']:.3f} | "
+              f"{r['gb'] / r['collective_s']:.1f} | {r['export_s']:.2f} | {r['load_s']:.2f} | "
+              f"{r['export_s'] + r['load_s']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Compile the trainer's real step for a TPU slice on a host without a TPU, and report per-chip memory and FLOPs.
+
+    python -m tools.tpu_compile --config configs/x.py --topology v5p-16 [--model qwen3-8b] [--seq_len 65536]
+        [--tokens_per_chip 65536] [--recommend] [--json OUT] [--config.KEY=VALUE ...]
+
+The step is the one `python -m primejax.trainer` runs (primejax/trainer/aot.py): model, loss, optimizer,
+remat policy, attention kernel ("auto" = splash on TPU) and mesh from the config, compiled ahead of time
+from abstract inputs for the slice's devices. `--model` swaps in the shape of a known checkpoint (HF
+config.json values; no weights needed). `--recommend` compiles remat policies in order of recompute (least
+FLOPs first), FSDP alone before tensor-parallel meshes, at the same tokens per chip, and stops at the first
+plan that fits the chip's HBM: the fewest compiled FLOPs per chip among the plans that fit.
+
+These are compile-time figures (XLA's memory plan and FLOP count for the TPU target), not measured speed.
+Needs libtpu: `tools/install.sh` puts it in `<venv>/tpu-aot` (see tools/tpu_topology.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from absl import flags
+
+from primejax.config.cli import UsageError, parse_config, run_main
+from tools.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
+
+# HF config.json shapes of the Qwen3 dense checkpoints (huggingface.co/Qwen/Qwen3-{0.6B,4B,8B}).
+_QWEN3 = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    head_dim=128,
+    num_key_value_heads=8,
+    hidden_act="silu",
+)
+MODELS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        _QWEN3,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        _QWEN3,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3-MoE (huggingface.co/Qwen/Qwen3-30B-A3B): 128 experts, 8 per token, every layer sparse.
+    "qwen3-30b-a3b": dict(
+        _QWEN3,
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+}
+# Tried by --recommend, mesh-major: FSDP alone with each policy in order of recompute (least first), then
+# the tensor-parallel meshes; the first plan that fits is the pick. At a fixed number of tokens per chip,
+# tensor parallelism does not shrink the activations remat trades against (a tensor group's rows are
+# replicated on each of its chips) and adds communication, so it comes in only when no policy fits without.
+RECOMMEND_REMAT = ("dots_no_batch_attn", "attn", "full")
+
+
+def _flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string(
+        "topology", None, "TPU slice: v5p-16, v5e-16, v6e-8, or libtpu's v5e:4x4", flag_values=fv
+    )
+    flags.DEFINE_string(
+        "model", "", f"a known shape instead of model.path: {', '.join(MODELS)}", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "seq_len", 0, "tokens per packed row (0 = trainer.fake_data.seq_len)", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "tokens_per_chip",
+        0,
+        "tokens per chip per micro-batch; sets the micro-batch rows "
+        "(0 = trainer.micro_batch_size rows per data-parallel rank)",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer("micro_batches", 1, "micro-batches per step (gradient accumulation)", flag_values=fv)
+    flags.DEFINE_integer("max_segments", 0, "static bound on samples per row (0 = unknown)", flag_values=fv)
+    flags.DEFINE_bool("recommend", False, "try meshes x remat policies and pick one", flag_values=fv)
+    flags.DEFINE_string("json", "", "also write the report(s) to this JSON file", flag_values=fv)
+    flags.DEFINE_string(
+        "tensor_sizes", "1,2,4,8", "--recommend: tensor-parallel sizes to try, in order", flag_values=fv
+    )
+    flags.DEFINE_bool(
+        "depth_probe",
+        False,
+        "compile 2- and 4-layer versions of the step and extrapolate to the "
+        "model's depth (a deep model's compile takes minutes on a small host)",
+        flag_values=fv,
+    )
+
+
+def _model_config(cfg, name: str):
+    from primejax.models.config import ModelConfig
+    from primejax.trainer.loop import model_config
+
+    if not name:
+        return model_config(cfg.model, max_positions=cfg.trainer.fake_data.seq_len)
+    if name not in MODELS:
+        raise UsageError(f"--model {name!r}: one of {', '.join(MODELS)}")
+    return ModelConfig.from_hf_config(MODELS[name], **cfg.model.overrides())
+
+
+def _rows_per_rank(chips: int, mesh: dict[str, int], seq_len: int, tokens_per_chip: int) -> int | None:
+    """Micro-batch rows per data-parallel rank giving `tokens_per_chip`; None if the mesh cannot."""
+    dp = chips // mesh["tensor"]
+    rows, rem = divmod(tokens_per_chip * chips, seq_len)
+    if rem or rows % dp or rows == 0:
+        return None
+    return rows // dp
+
+
+# Report fields that grow with the number of decoder layers (state, saved activations, code, FLOPs).
+_PER_LAYER = (
+    "argument_bytes",
+    "output_bytes",
+    "alias_bytes",
+    "temp_bytes",
+    "generated_code_bytes",
+    "flops",
+    "estimated_seconds",
+)
+PROBE_DEPTHS = (2, 4)
+
+
+def _depth_probe(compile_at: Any, layers: int) -> dict[str, Any]:
+    """The step at `layers` layers, extrapolated linearly from compiles of the same step at PROBE_DEPTHS.
+
+    The unrolled layers are where a deep model's compile time goes; every per-layer quantity is the same
+    for each layer (same shapes, same remat), so the figures are affine in the depth.
+    """
+    lo, hi = (compile_at(n) for n in PROBE_DEPTHS)
+    if lo["out_of_memory"] or hi["out_of_memory"]:
+        return hi if hi["out_of_memory"] else lo
+    r = dict(hi)
+    scale = (layers - PROBE_DEPTHS[0]) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+    for k in _PER_LAYER:
+        if lo[k] is not None and hi[k] is not None:
+            r[k] = lo[k] + (hi[k] - lo[k]) * scale
+    r["peak_bytes"] = (
+        r["argument_bytes"]
+        + r["temp_bytes"]
+        + r["output_bytes"]
+        - r["alias_bytes"]
+        + r["generated_code_bytes"]
+    )
+    r["compile_seconds"] = lo["compile_seconds"] + hi["compile_seconds"]
+    r["depth_probe"] = {str(n): x["peak_bytes"] for n, x in zip(PROBE_DEPTHS, (lo, hi), strict=True)}
+    return r
+
+
+def _line(r: dict[str, Any], hbm: int) -> str:
+    g = lambda b: f"{b / GIB:7.2f}"  # noqa: E731
+    mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
+    fits = "OOM" if r["out_of_memory"] else "yes" if r["fits"] else "NO"
+    flops = f"{r['flops'] / 1e12:9.2f}" if not r["out_of_memory"] else f"{'-':>9}"
+    return (
+        f"{mesh:>16} {r['remat_policy']:>19} {r['tokens_per_device']:>8.0f} {g(r['argument_bytes'])} "
+        f"{g(r['temp_bytes'])} {g(r['output_bytes'] - r['alias_bytes'])} {g(r['peak_bytes'])} "
+        f"{hbm / GIB:6.1f} {fits:>4} {flops} {r['compile_seconds']:7.1f}"
+    )
+
+
+HEADER = (
+    f"{'mesh':>16} {'remat':>19} {'tok/chip':>8} {'args':>7} {'temps':>7} {'out':>7} {'total':>7} "
+    f"{'HBM':>6} {'fits':>4} {'TFLOP/chip':>9} {'compile_s':>7}   (GiB per chip)"
+)
+
+
+def main() -> int:
+    cfg, fv = parse_config(
+        sys.argv[1:], prog="tools.tpu_compile", doc=__doc__.split("\n\n")[1], define_flags=_flags
+    )
+    if not fv["topology"].value:
+        raise UsageError("--topology is required (e.g. v5p-16)")
+    try:
+        slice_ = parse_slice(fv["topology"].value)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not use_libtpu():
+        raise UsageError(
+            "libtpu not found: run tools/install.sh (it installs the tpu-aot extra's libtpu into "
+            "<venv>/tpu-aot) or pip install 'jax[tpu]'"
+        )
+    from primejax.trainer.aot import compile_train_step
+
+    devices = topology_devices(slice_)
+    model_cfg = _model_config(cfg, fv["model"].value)
+    seq_len = fv["seq_len"].value or cfg.trainer.fake_data.seq_len
+    tokens = fv["tokens_per_chip"].value
+    hbm = slice_.chip.hbm_bytes
+    print(
+        f"{slice_.name} = {slice_.topology}: {slice_.chips} x {slice_.chip.device_kind}, "
+        f"{hbm / GIB:.0f} GiB HBM per chip; model {fv['model'].value or cfg.model.path or 'build_tiny'} "
+        f"({model_cfg.num_params() / 1e9:.2f}B params), rows of {seq_len} tokens; attention "
+        f"{model_cfg.attention_impl}; compile-time figures, not measured speed",
+        flush=True,
+    )
+    if fv["recommend"].value:
+        tokens = tokens or seq_len
+        candidates = []
+        for tensor in (int(t) for t in fv["tensor_sizes"].value.split(",")):
+            if slice_.chips % tensor or model_cfg.num_kv_heads % tensor or tensor > slice_.chips:
+                continue
+            mesh = {"data": 1, "fsdp": slice_.chips // tensor, "tensor": tensor}
+            if _rows_per_rank(slice_.chips, mesh, seq_len, tokens) is not None:
+                candidates.append(mesh)
+        if not candidates:
+            raise UsageError(f"no mesh gives {tokens} tokens per chip with rows of {seq_len} tokens")
+        plans = [(mesh, remat) for mesh in candidates for remat in RECOMMEND_REMAT]
+    else:
+        plans = [(cfg.trainer.mesh.to_dict(), model_cfg.remat_policy)]
+    if fv["depth_probe"].value:
+        print(f"figures extrapolated to {model_cfg.num_layers} layers from compiles at {PROBE_DEPTHS} layers")
+    print(HEADER, flush=True)
+    reports = []
+    for mesh, remat in plans:
+        rows = _rows_per_rank(slice_.chips, mesh, seq_len, tokens) if tokens else None
+        if tokens and rows is None:
+            raise UsageError(
+                f"--tokens_per_chip {tokens} with rows of {seq_len} tokens does not divide over {mesh}"
+            )
+        m_cfg = dataclasses.replace(model_cfg, remat_policy=remat)
+        kw = dict(
+            seq_len=seq_len,
+            micro_batch_size=rows,
+            micro_batches=fv["micro_batches"].value,
+            max_segments=fv["max_segments"].value,
+            hbm_bytes=hbm,
+            mesh_sizes=mesh,
+        )
+
+        def compile_at(n: int, m_cfg=m_cfg, kw=kw) -> dict[str, Any]:
+            return compile_train_step(cfg, dataclasses.replace(m_cfg, num_layers=n), devices, **kw)[
+                1
+            ].to_dict()
+
+        if fv["depth_probe"].value:
+            r = _depth_probe(compile_at, m_cfg.num_layers)
+        else:
+            r = compile_at(m_cfg.num_layers)
+        r.update(
+            topology=slice_.name,
+            chips=slice_.chips,
+            hbm_bytes=hbm,
+            fits=not r["out_of_memory"] and r["peak_bytes"] <= hbm,
+            model=fv["model"].value or cfg.model.path,
+            remat_setting=remat,
+        )
+        reports.append(r)
+        print(_line(r, hbm), flush=True)
+        if fv["recommend"].value and r["fits"]:
+            break  # plans are in order of preference: the first that fits is the pick
+    best = None
+    if fv["recommend"].value:
+        fitting = [r for r in reports if r["fits"]]
+        best = min(fitting, key=lambda r: (r["flops"], r["mesh"]["tensor"])) if fitting else None
+        if best is None:
+            print(f"recommend: nothing tried fits {slice_.name} at {tokens} tokens per chip")
+        else:
+            mesh = best["mesh"]
+            print(
+                f"recommend: mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, remat "
+                f"{best['remat_setting']} ({best['peak_bytes'] / GIB:.1f} of {hbm / GIB:.0f} GiB, "
+                f"{best['flops'] / 1e12:.1f} TFLOP per chip per micro-batch): --config.trainer.mesh.fsdp="
+                f"{mesh['fsdp']} --config.trainer.mesh.tensor={mesh['tensor']} --config.model.remat_policy="
+                f"{best['remat_setting']} --config.trainer.micro_batch_size="
+                f"{_rows_per_rank(slice_.chips, mesh, seq_len, tokens)}"
+            )
+    if fv["json"].value:
+        out = Path(fv["json"].value)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps({"reports": reports, "recommended": best}, indent=1))
+        tmp.replace(out)
+    return 0 if reports else 1
+
+
+if __name__ == "__main__":
+    run_main(main)
