@@ -58,12 +58,13 @@ def test_every_section_builds_a_typed_view(source):
         "orchestrator.buffer",
         "orchestrator.eval",
         "orchestrator.client",
-        "orchestrator.envs.reverse_text",
         "inference",
         "monitor",
         "sft",
     ):
         assert isinstance(seen[name], Section), name
+    envs = [p for p in seen if p.startswith("orchestrator.envs.") and p.count(".") == 2]
+    assert envs and all(f"{p}.algo" in seen for p in envs)  # every env entry, with its algorithm block
     for path, section in seen.items():
         # each view is frozen, and rebuilding it from its own dict gives the same value
         assert build(type(section), section.to_dict(), path) == section, path
