@@ -42,7 +42,7 @@ def get_config():
     c.orchestrator.checkpoint.interval = 10
 
     c.sft.from_env = "reverse_text"
-    c.sft.steps = 80  # mid-way through the loss drop (~1.3): sampled reward ~0.4, room to climb
+    c.sft.steps = 80  # loss ~0.3: sampled reward ~0.7 at the first RL step, room to climb (~0.9 by step 40)
     c.sft.batch_size = 64
     c.sft.lr = 1e-3
     c.sft.seq_len = 128

@@ -1,7 +1,7 @@
 """`python -m primejax.train --config configs/x.py [--config.KEY=VALUE ...]`: the user's main command.
 
 Starts the inference server, the orchestrator and the trainer of one run as child processes (see
-primejax/launcher.py); `--dry_run` only resolves, validates, prints and records the config.
+primejax/launcher/); `--dry_run` only resolves, validates, prints and records the config.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 from absl import flags
 
-from primejax.cli import parse_config, run_main
-from primejax.rundir import write_resolved_config
+from primejax.config.cli import parse_config, run_main
+from primejax.contracts.rundir import write_resolved_config
 
 DEFAULT_CONFIG = "configs/demo.py"
 
@@ -30,7 +30,7 @@ def main() -> int:
         print(cfg.to_json())
         print(f"# resolved config written to {path}", file=sys.stderr)
         return 0
-    from primejax.launcher import launch  # deferred: the launcher imports process machinery
+    from primejax.launcher.launch import launch  # deferred: the launcher imports process machinery
 
     return launch(cfg)
 

@@ -235,6 +235,7 @@ def _io(c: dict, cfg, graphdef, state, mesh) -> dict:
     import numpy as np
     from flax import nnx
 
+    from primejax.contracts.rundir import RunDir
     from primejax.models.hf_io import export_safetensors
     from primejax.trainer.checkpoint import TrainerCheckpointer
 
@@ -248,7 +249,7 @@ def _io(c: dict, cfg, graphdef, state, mesh) -> dict:
         t0 = time.perf_counter()
         ckpt.save(1, what, {"bench": True})
         out["ckpt_save_s"] = time.perf_counter() - t0
-        nbytes = _dir_bytes(root / "run" / "checkpoints")
+        nbytes = _dir_bytes(RunDir(root / "run").checkpoints())
         out["ckpt_gb"] = nbytes / 1e9
         out["ckpt_save_gb_s"] = nbytes / 1e9 / out["ckpt_save_s"]
         t0 = time.perf_counter()

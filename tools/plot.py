@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from primejax.monitor import read_jsonl
-from primejax.rundir import RunDir
+from primejax.contracts.rundir import RunDir
+from primejax.utils.monitor import read_jsonl
 
 PANELS = (
     ("orchestrator", "reward/mean", "reward (mean)"),

@@ -24,7 +24,7 @@ from typing import Any
 
 from absl import flags
 
-from primejax.cli import UsageError, parse_config, run_main
+from primejax.config.cli import UsageError, parse_config, run_main
 from tools.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
 
 # HF config.json shapes of the Qwen3 dense checkpoints (huggingface.co/Qwen/Qwen3-{0.6B,4B,8B}).

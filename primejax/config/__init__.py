@@ -5,7 +5,7 @@ Each component owns its section as a frozen, documented dataclass next to its co
 them: `Config` is the whole tree, `default_config()` writes its defaults as the ml-collections `ConfigDict` that
 `configs/*.py` edit and `--config.a.b=v` overrides, and `typed()` reads a ConfigDict back into `Config`, checking
 every section's rules and the cross-section ones (`primejax.config.rules`). An entrypoint calls `typed()` once
-(through `primejax.cli.parse_config`) and hands each component the section it uses.
+(through `primejax.config.cli.parse_config`) and hands each component the section it uses.
 
 Resolved configs are written as JSON (`to_json`) and read back with `from_json`, which also converts configs
 saved before a key changed (`primejax.config.compat`). How to add a key: docs/configuration.md.
@@ -19,13 +19,13 @@ from typing import Any
 from ml_collections import ConfigDict, FieldReference
 
 from primejax.config import compat, rules
+from primejax.contracts.rundir import RunConfig
 from primejax.inference.server import InferenceConfig
 from primejax.models.settings import ModelSettings
-from primejax.monitor import MonitorConfig
 from primejax.orchestrator.config import EnvConfig, OrchestratorConfig
-from primejax.rundir import RunConfig
-from primejax.sft_data import SftConfig
+from primejax.sft.data import SftConfig
 from primejax.trainer.config import TrainerConfig
+from primejax.utils.monitor import MonitorConfig
 from primejax.utils.sections import (
     ConfigError,
     Section,

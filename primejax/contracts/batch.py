@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from primejax.contracts.batch_checks import check_headers, check_manifest, check_values, segment_count
-from primejax.rundir import RunDir, step_dirs
+from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.utils.io import atomic_write_bytes
 
 FORMAT_VERSION = 1

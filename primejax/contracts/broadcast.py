@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from primejax.rundir import RunDir, step_dirs
+from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.utils.io import atomic_dir, atomic_write_json
 
 FORMAT_VERSION = 1

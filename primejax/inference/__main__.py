@@ -12,7 +12,7 @@ from pathlib import Path
 
 from absl import flags
 
-from primejax.cli import parse_config, run_main
+from primejax.config.cli import parse_config, run_main
 from primejax.inference.admin_auth import TOKEN_ENV
 from primejax.inference.server import ServerSpec, exec_server
 

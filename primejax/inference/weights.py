@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from primejax.rundir import parse_step
+from primejax.contracts.rundir import parse_step
 
 # A header bigger than this is corrupt, not large (the format caps it at 100 MB).
 _MAX_HEADER_BYTES = 100_000_000

@@ -11,8 +11,8 @@ import asyncio
 import logging
 import sys
 
-from primejax.cli import parse_config, run_main
-from primejax.rundir import write_resolved_config
+from primejax.config.cli import parse_config, run_main
+from primejax.contracts.rundir import write_resolved_config
 
 
 def main() -> int:

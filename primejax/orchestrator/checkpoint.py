@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from primejax.rundir import RunDir, checkpoint_dir, step_dirs
+from primejax.contracts.rundir import RunDir, checkpoint_dir, step_dirs
 from primejax.utils.io import atomic_dir
 
 PROCESS = "orchestrator"

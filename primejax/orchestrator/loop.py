@@ -32,7 +32,7 @@ from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from primejax.orchestrator.config import OrchestratorConfig
-from primejax.orchestrator.eval import build_evaluator
+from primejax.orchestrator.evaluator import build_evaluator
 from primejax.orchestrator.filters import build_slots
 from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version

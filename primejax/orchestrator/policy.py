@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from primejax.contracts.broadcast import broadcast_dir, is_stable, latest_stable_step, verify_broadcast
+from primejax.contracts.rundir import RunDir
 from primejax.contracts.transfer import Offer, latest_offer
-from primejax.rundir import RunDir
 
 log = logging.getLogger(__name__)
 

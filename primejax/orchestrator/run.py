@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from primejax.inference.admin_auth import read_token
 from primejax.inference.client import InferenceClient
 from primejax.inference.server import InferenceConfig
-from primejax.monitor import Monitor
 from primejax.orchestrator.config import ClientConfig
 from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.renderer import load_tokenizer
+from primejax.utils.monitor import Monitor
 
 if TYPE_CHECKING:
     from primejax.config import Config

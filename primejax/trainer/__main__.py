@@ -11,8 +11,8 @@ import os
 import signal
 import sys
 
-from primejax.cli import parse_config, run_main
-from primejax.rundir import write_resolved_config
+from primejax.config.cli import parse_config, run_main
+from primejax.contracts.rundir import write_resolved_config
 from primejax.utils.devices import accelerator_env
 
 

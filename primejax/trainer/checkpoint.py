@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from primejax.rundir import RunDir, step_dirs
+from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.utils.disk import disk_full_line, is_disk_full
 from primejax.utils.faults import fault_point
 from primejax.utils.io import atomic_write_json

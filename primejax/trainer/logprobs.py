@@ -20,8 +20,8 @@ from primejax.trainer.fused_head import fused_token_logprobs, split_into_chunks
 
 # "auto" budget for the head's saved logits: a quarter of the memory JAX's allocator may use on the device
 # (`bytes_limit`, 75% of the card by default). On an 80 GB H100 that is 15 GiB: micro-batches up to ~17k
-# tokens at Qwen3's 152k vocabulary keep their logits (13.9 GiB at 16k, where the Qwen3-0.6B step peaks at
-# 23 GiB without them); longer micro-batches recompute, as before.
+# tokens at Qwen3's 152k vocabulary keep their logits; longer micro-batches recompute them (measurements:
+# docs/benchmarks.md).
 AUTO_SAVED_LOGITS_FRACTION = 0.25
 
 

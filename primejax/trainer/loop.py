@@ -30,13 +30,12 @@ from primejax.contracts.broadcast import (
     publish_broadcast,
     write_broadcast,
 )
+from primejax.contracts.rundir import RunConfig
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
 from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model, make_mesh
-from primejax.monitor import Monitor
-from primejax.rundir import RunConfig
 from primejax.trainer import optim
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
@@ -56,6 +55,7 @@ from primejax.trainer.step import (
 from primejax.transfer.device import hf_device_tensors
 from primejax.transfer.sender import CollectiveSender, to_torch
 from primejax.utils.faults import fault_point
+from primejax.utils.monitor import Monitor
 
 if TYPE_CHECKING:
     from primejax.config import Config
@@ -145,8 +145,8 @@ class Trainer:
 
     def step_fn(self, max_segments: int) -> Callable:
         # The bound on samples per row is static: the custom loss loops over them and cuDNN attention sizes
-        # its per-row work by it (64 slots instead of the real few cost ~10% at 16k). Elsewhere it changes
-        # nothing, so one compiled step serves every batch.
+        # its per-row work by it (a loose bound costs time: docs/benchmarks.md). Elsewhere it changes nothing,
+        # so one compiled step serves every batch.
         m = self.model_cfg
         uses_segments = resolve_impl(m.attention_impl, jnp.dtype(m.compute_dtype)) == "cudnn"
         key = max_segments if self.loss_cfg.type == "custom" or uses_segments else 0

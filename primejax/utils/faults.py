@@ -23,7 +23,7 @@ import signal
 from pathlib import Path
 
 ENV_VAR = "PRIMEJAX_FAULTS"
-PIDS_FILE = "pids.json"  # primejax.rundir.RunDir.PIDS_FILE (not imported: this module stays dependency-free)
+PIDS_FILE = "pids.json"  # primejax.contracts.rundir.RunDir.PIDS_FILE (not imported: this module stays dependency-free)
 
 log = logging.getLogger("primejax.faults")
 _fired: set[str] = set()

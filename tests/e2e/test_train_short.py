@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from primejax.monitor import read_jsonl
+from primejax.utils.monitor import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3

@@ -194,7 +194,7 @@ def test_env_run_drives_the_conversation_through_the_stand_in(tool_tokenizer):
 
 
 def test_sft_renders_tool_demonstrations_with_the_rollout_renderer(tool_tokenizer):
-    from primejax.sft_data import conversation_to_sample
+    from primejax.sft.data import conversation_to_sample
 
     env = load_env(TASKSET, {"size": 2})
     ex, data = env.example(0), env.tasks[0].data

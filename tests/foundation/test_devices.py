@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from primejax.config import ConfigError, default_config, validate
-from primejax.launcher import _child_env
+from primejax.launcher.launch import _child_env
 from primejax.utils.devices import accelerator_env, check_layout, parse_devices
 
 

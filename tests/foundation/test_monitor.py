@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from primejax.monitor import Monitor, read_jsonl
+from primejax.utils.monitor import Monitor, read_jsonl
 
 
 def _read_events_raw(logdir):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from primejax.cli import UsageError, parse_config
 from primejax.config import ConfigError, default_config, from_json, lock, to_json, validate
+from primejax.config.cli import UsageError, parse_config
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 

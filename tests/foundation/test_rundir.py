@@ -1,14 +1,14 @@
-"""One owner of the run directory's layout: `primejax.rundir` names every path, spells and parses `step_N`."""
+"""One owner of the run directory's layout: `primejax.contracts.rundir` names every path, spells and parses `step_N`."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from primejax.rundir import RunDir, parse_step, step_dirs, step_name
+from primejax.contracts.rundir import RunDir, parse_step, step_dirs, step_name
 
 ROOT = Path(__file__).resolve().parents[2]
-OWNER = ROOT / "primejax" / "rundir.py"
+OWNER = ROOT / "primejax" / "contracts" / "rundir.py"
 # Spellings of the layout that only the owner may write.
 SPELLINGS = re.compile(r"""f["']step_\{|step_\(\\d|["'](rollouts|broadcasts|checkpoints)["']|["']sft["']\s*/\s*["']final""")
 

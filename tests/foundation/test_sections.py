@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from primejax.cli import load_config_file
 from primejax.config import Config, ConfigError, default_config, typed
+from primejax.config.cli import load_config_file
 from primejax.utils.sections import Section, build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,12 +58,13 @@ def test_every_section_builds_a_typed_view(source):
         "orchestrator.buffer",
         "orchestrator.eval",
         "orchestrator.client",
-        "orchestrator.envs.reverse_text",
         "inference",
         "monitor",
         "sft",
     ):
         assert isinstance(seen[name], Section), name
+    envs = [p for p in seen if p.startswith("orchestrator.envs.") and p.count(".") == 2]
+    assert envs and all(f"{p}.algo" in seen for p in envs)  # every env entry, with its algorithm block
     for path, section in seen.items():
         # each view is frozen, and rebuilding it from its own dict gives the same value
         assert build(type(section), section.to_dict(), path) == section, path

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from primejax.config import ConfigError, default_config, typed
-from primejax.launcher import launch
-from primejax.resume import keep_previous_run
+from primejax.launcher.launch import launch
+from primejax.launcher.resume import keep_previous_run
 
 
 def _cfg(tmp_path, **changes):
@@ -43,7 +43,7 @@ def test_second_launcher_on_a_live_run_dir_is_refused_and_moves_nothing(tmp_path
         [
             sys.executable,
             "-c",
-            "import sys; from primejax.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "import sys; from primejax.launcher.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); sys.stdin.read()",
             str(root),
         ],
@@ -83,7 +83,7 @@ def test_busy_port_is_refused_before_anything_moves(tmp_path, capsys):
 
 
 def test_port_zero_means_a_free_port(tmp_path):
-    from primejax.runlock import check_port
+    from primejax.launcher.runlock import check_port
 
     assert _cfg(tmp_path, **{"inference.port": 0}).inference.port == 0
     port = check_port("127.0.0.1", 0)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import primejax.sft as sft
+import primejax.sft.loop as sft
 from primejax.config import default_config, typed
-from primejax.sft_data import SFTDataError
+from primejax.sft.data import SFTDataError
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = json.dumps(

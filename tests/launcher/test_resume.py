@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from primejax.preflight import PreflightError
-from primejax.resume import common_resume_step, keep_previous_run, set_aside_after
+from primejax.launcher.preflight import PreflightError
+from primejax.launcher.resume import common_resume_step, keep_previous_run, set_aside_after
 
 
 def _trainer_ckpt(root: Path, step: int, complete: bool = True) -> None:

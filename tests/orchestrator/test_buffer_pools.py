@@ -9,13 +9,13 @@ import json
 import pytest
 from orch_fakes import FakeClient, make_orchestrator, small_config
 
+from primejax.contracts.rundir import checkpoint_dir
 from primejax.envs.base import Environment, Example
 from primejax.envs.registry import register_env
 from primejax.envs.reverse_text import ReverseText
 from primejax.orchestrator.buffer import Buffer, BufferSettings, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint
 from primejax.orchestrator.loop import Orchestrator
-from primejax.rundir import checkpoint_dir
 
 
 def buffer(n: int = 10, **settings) -> Buffer:

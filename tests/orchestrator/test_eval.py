@@ -10,7 +10,7 @@ from orch_fakes import FakeClient, make_orchestrator, small_config
 
 from primejax.config import _env, typed
 from primejax.envs.base import Example
-from primejax.orchestrator.eval import env_metrics
+from primejax.orchestrator.evaluator import env_metrics
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 
 
@@ -53,8 +53,8 @@ def test_online_eval_runs_every_interval_on_the_eval_envs(tmp_path, tokenizer):
 
 
 def test_offline_eval_rejects_a_weights_directory_without_safetensors(tmp_path):
-    from primejax.cli import UsageError
-    from primejax.eval import evaluate, weights_version
+    from primejax.config.cli import UsageError
+    from primejax.eval.offline import evaluate, weights_version
 
     assert weights_version("/x/broadcasts/step_12") == 12 and weights_version("/x/hf") == 1
     with pytest.raises(UsageError, match="no .safetensors"):

@@ -16,9 +16,9 @@ from primejax.contracts.batch import pack_samples, step_dir, write_batch
 from primejax.contracts.broadcast import broadcast_dir, stable_steps, verify_broadcast
 from primejax.models.hf_io import load_model
 from primejax.models.tiny import build_tiny_model
-from primejax.monitor import read_jsonl
 from primejax.trainer.checkpoint import complete_steps
 from primejax.trainer.loop import NonFiniteError, Trainer, train
+from primejax.utils.monitor import read_jsonl
 
 
 @pytest.fixture(scope="module")

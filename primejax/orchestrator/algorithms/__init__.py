@@ -1,9 +1,9 @@
 """Algorithms: the base class, the registry, and the built-in algorithms (one module each).
 
-Importing this package registers the built-ins: grpo, max_rl, echo, opd, opsd, sft.
+Importing this package registers the built-ins: grpo, max_rl, echo, opd, opsd, sft (sft_distill.py).
 """
 
-from primejax.orchestrator.algorithms import echo, grpo, max_rl, opd, opsd, sft  # noqa: F401  (registration)
+from primejax.orchestrator.algorithms import echo, grpo, max_rl, opd, opsd, sft_distill  # noqa: F401  (registration)
 from primejax.orchestrator.algorithms.advantage import AdvantageInputs, AdvantageOutputs
 from primejax.orchestrator.algorithms.base import (
     LOSS_TYPES,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from primejax.rundir import RunDir
+from primejax.contracts.rundir import RunDir
 from primejax.utils.sections import Section, option, section
 
 

@@ -15,8 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from primejax.preflight import PreflightError
-from primejax.rundir import RunDir, step_dirs
+from primejax.contracts.rundir import RunDir, step_dirs
+from primejax.launcher.preflight import PreflightError
 
 STEP_DIRS = RunDir.STEP_DIRS
 RUN_ENTRIES = RunDir.ENTRIES

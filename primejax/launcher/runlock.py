@@ -15,8 +15,8 @@ import socket
 import time
 from pathlib import Path
 
-from primejax.preflight import PreflightError
-from primejax.rundir import RunDir
+from primejax.contracts.rundir import RunDir
+from primejax.launcher.preflight import PreflightError
 
 LOCK_FILE = RunDir.LOCK_FILE
 

@@ -10,7 +10,7 @@ it stops every child by process group, names the one that failed with the tail o
 
 Bad input (a model directory without weights or chat template, an environment that does not import, a resume
 step with no checkpoint) is caught before anything starts: one line, exit status 2, earlier outputs untouched.
-`run.resume_step=latest` resumes both processes from the newest step they both checkpointed (primejax.resume).
+`run.resume_step=latest` resumes both processes from the newest step they both checkpointed (primejax.launcher.resume).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from primejax.config import Config
+from primejax.contracts.rundir import RunDir, log_path, write_resolved_config
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig
+from primejax.launcher.preflight import PreflightError, preflight
+from primejax.launcher.resume import common_resume_step, keep_previous_run, set_aside_after
+from primejax.launcher.runlock import RunLock, check_port
 from primejax.models.settings import ModelSettings
-from primejax.monitor import read_jsonl
-from primejax.preflight import PreflightError, preflight
-from primejax.resume import common_resume_step, keep_previous_run, set_aside_after
-from primejax.rundir import RunDir, log_path, write_resolved_config
-from primejax.runlock import RunLock, check_port
 from primejax.utils.devices import accelerator_env
 from primejax.utils.io import atomic_write_json
+from primejax.utils.monitor import read_jsonl
 from primejax.utils.procs import ChildProcess, stop_all
 from primejax.utils.sections import replace_key
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from absl import flags
 
-from primejax.cli import UsageError, parse_config, run_main
+from primejax.config.cli import UsageError, parse_config, run_main
 from primejax.utils.io import atomic_write_json
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class _Version:
 
 def weights_version(weights: str) -> int:
     """`.../step_N` -> N (so samples are tagged with the trainer step they evaluate), else 1."""
-    from primejax.rundir import parse_step
+    from primejax.contracts.rundir import parse_step
 
     step = parse_step(weights)
     return 1 if step is None else step
@@ -47,7 +47,7 @@ def weights_version(weights: str) -> int:
 async def evaluate(o: OrchestratorConfig, model_path: str, client: Any, weights: str | None = None
                    ) -> dict[str, float]:
     """Load `weights` (if any) into the server behind `client` and run the eval envs once."""
-    from primejax.orchestrator.eval import build_evaluator
+    from primejax.orchestrator.evaluator import build_evaluator
     from primejax.orchestrator.renderer import build_renderer, load_tokenizer
 
     version = 0
@@ -65,10 +65,10 @@ async def evaluate(o: OrchestratorConfig, model_path: str, client: Any, weights:
 
 async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
     """The eval process's work (entry: `python -m primejax.eval`)."""
+    from primejax.contracts.rundir import log_path
     from primejax.inference.process import InferenceServerProcess
     from primejax.inference.server import ServerSpec
     from primejax.orchestrator.run import policy_client
-    from primejax.rundir import log_path
 
     server = None
     if cfg.inference.enabled:

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from primejax.cli import parse_config, run_main
+from primejax.config.cli import parse_config, run_main
+from primejax.contracts.rundir import RunDir, write_resolved_config
 from primejax.orchestrator.config import EnvConfig
-from primejax.rundir import RunDir, write_resolved_config
-from primejax.sft_data import SftConfig
+from primejax.sft.data import SftConfig
 
 if TYPE_CHECKING:
     from primejax.config import Config
@@ -49,7 +49,7 @@ def demonstrations_from_env(env_cfg: EnvConfig, n: int) -> list[list[dict]]:
 
 
 def load_conversations(s: SftConfig, envs: dict[str, EnvConfig]) -> list[list[dict]]:
-    from primejax.sft_data import read_jsonl
+    from primejax.sft.data import read_jsonl
 
     if s.data_path:
         return list(read_jsonl(s.data_path))
@@ -58,7 +58,7 @@ def load_conversations(s: SftConfig, envs: dict[str, EnvConfig]) -> list[list[di
 
 def load_samples(s: SftConfig, envs: dict[str, EnvConfig], tokenizer) -> list:
     """Training samples of the SFT data; SFTDataError names `file:line` of a conversation that cannot train."""
-    from primejax.sft_data import SFTDataError, conversation_to_sample, read_jsonl_tool_lines
+    from primejax.sft.data import SFTDataError, conversation_to_sample, read_jsonl_tool_lines
 
     if not s.data_path:
         return [conversation_to_sample(tokenizer, c, max_len=s.seq_len) for c in load_conversations(s, envs)]
@@ -89,8 +89,7 @@ def train_sft(cfg: Config) -> Path:
     from primejax.contracts.batch import pack_samples
     from primejax.models.hf_io import export_safetensors, load_model
     from primejax.models.sharding import make_mesh
-    from primejax.monitor import Monitor
-    from primejax.sft_data import SFTDataError
+    from primejax.sft.data import SFTDataError
     from primejax.trainer.config import LossConfig
     from primejax.trainer.moe_metrics import flatten_moe_metrics
     from primejax.trainer.optim import make_optimizer, make_schedule
@@ -105,6 +104,7 @@ def train_sft(cfg: Config) -> Path:
         tree_all_finite,
     )
     from primejax.utils.io import atomic_dir
+    from primejax.utils.monitor import Monitor
 
     s, m = cfg.sft, cfg.model
     tokenizer = AutoTokenizer.from_pretrained(m.path)
@@ -171,7 +171,7 @@ def main() -> int:
         print("error: sft.steps must be > 0 for primejax.sft", file=sys.stderr)
         return 2
     write_resolved_config(cfg.run_dir, "sft", cfg.to_json())
-    from primejax.sft_data import SFTDataError
+    from primejax.sft.data import SFTDataError
 
     try:
         train_sft(cfg)

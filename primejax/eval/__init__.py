@@ -1,0 +1,1 @@
+"""Offline evaluation (`python -m primejax.eval`) of a broadcast or HF directory."""
