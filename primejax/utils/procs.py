@@ -126,10 +126,22 @@ class ChildProcess:
         self._signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5)
+        self._wait_group_gone(timeout_s=5.0)
         with contextlib.suppress(Exception):
             self._log.close()
         _LIVE.discard(self)
         return self.popen.returncode
+
+    def _wait_group_gone(self, timeout_s: float) -> None:
+        # Killed members other than the leader (the child under its watcher, vLLM's workers) are reaped by init,
+        # not by us; until then the group still exists. Callers rely on "stopped" meaning no member is left.
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.popen.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.02)
 
     def _signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
