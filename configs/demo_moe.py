@@ -6,7 +6,7 @@
 
 from pathlib import Path
 
-from primejax.cli import load_config_file
+from primejax.config.cli import load_config_file
 
 
 def get_config():

@@ -75,7 +75,7 @@ def test_tiny_trainer_step_compiles_for_tpu_v5e(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"TPU AOT compile failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     (r,) = json.loads(out.read_text())["reports"]
-    assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    assert r["mesh"] == {"data": 1, "fsdp": 2, "context": 1, "tensor": 2}
     assert r["pallas_kernels"] > 0, (
         "no Pallas kernel in the compiled step: attention did not take the splash path"
     )
