@@ -250,7 +250,7 @@ class GroupGenerator:
                 raise RuntimeError("the environment finished without calling the model")
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
             stage = "score"
-            rollout.reward = float(await slot.env.score(rollout.example, rollout.messages, rollout.state))
+            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
             stage = "algorithm"
             await slot.algorithm.finalize_rollout(rollout)
         except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
