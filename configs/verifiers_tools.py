@@ -20,7 +20,7 @@ def get_config():
     c.model.compute_dtype = "float32"  # matches vLLM's fp32 serving
     c.inference.dtype = "float32"
     c.orchestrator.envs = ConfigDict(
-        {"calc": _env("tests.envs.vf_calc_taskset", size=64, max_turns=3, max_output_tokens=256)}
+        {"calc": _env("tests.envs.vf_calc_taskset", size=64, max_operand=9, max_turns=3, max_output_tokens=256)}
     )
     c.orchestrator.renderer.name = "auto"  # the renderers package's qwen3 (tool schemas, tool-call parsing)
     c.orchestrator.batch_size = 32

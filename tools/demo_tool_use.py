@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,18 @@ from primejax.envs.registry import load_env
 from primejax.utils.io import atomic_write_text
 
 TASKSET = "tests.envs.vf_calc_taskset"
+# The demo's model: 2 layers, width 128; its tokenizer is built for the demonstrations (`build_demo_model`).
+MODEL = {"vocab_size": 512, "hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+         "intermediate_size": 256}
+# A compact tokenizer makes every sequence ~110 tokens: short rows train and serve faster than the config's
+# 2048 (sized for the default tiny tokenizer's ~1,100-token tool preamble).
+SHORT = ["--config.sft.seq_len=512", "--config.orchestrator.seq_len=512", "--config.orchestrator.max_prompt_tokens=256",
+         "--config.inference.max_model_len=1024"]
 
 
-def demonstrations(n: int, seed: int) -> list[dict]:
+def demonstrations(n: int, seed: int, args: dict | None = None) -> list[dict]:
     """One solved conversation per task: call the right calculator tool, read its result, answer it."""
-    env = load_env(TASKSET, {"size": n, "seed": seed})
+    env = load_env(TASKSET, {**(args or {}), "size": n, "seed": seed})
     rows = []
     for i in range(n):
         ex = env.example(i)
@@ -38,6 +46,45 @@ def demonstrations(n: int, seed: int) -> list[dict]:
                     {"role": "assistant", "content": data.answer}]
         rows.append({"messages": messages, "tools": tools})
     return rows
+
+
+def template_text(rows: list[dict]) -> list[str]:
+    """The demonstrations as the renderer writes them (text), through a throwaway tokenizer with Qwen3's tool
+    tokens: the renderer's output text does not depend on the tokenizer, only its ids do."""
+    import tempfile
+
+    from primejax.models.tiny import build_tokenizer
+    from primejax.orchestrator.renderer import build_renderer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = build_tokenizer(Path(tmp), tool_tokens=True)
+    renderer = build_renderer("auto", tok)
+    return [tok.decode(renderer.render_conversation_ids(r["messages"], r["tools"])) for r in rows]
+
+
+def fixed_lines(texts: list[str], min_chars: int = 12) -> list[str]:
+    """Lines of the system turn that every demonstration shares (the tool-schema preamble), longest first."""
+    common = None
+    for text in texts:
+        body = text.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0]
+        lines = {line for line in body.split("\n") if len(line) >= min_chars}
+        common = lines if common is None else common & lines
+    return sorted(common or (), key=lambda line: (-len(line), line))
+
+
+def build_demo_model(out_dir: Path, rows: list[dict], *, vocab_size: int, **arch) -> Path:
+    """A tiny Qwen3 whose tokenizer reads the tool preamble compactly: the preamble's constant lines are added
+    tokens (one each), and the BPE merges are learned on the rendered demonstrations, so a demonstration is
+    ~105 tokens instead of ~1,100 with the default tiny tokenizer (the loss is on ~38 of them either way)."""
+    from primejax.models.tiny import _builtin_corpus, build_tiny_model
+
+    texts = template_text(rows)
+    fixed = fixed_lines(texts)
+    corpus = list(texts)
+    for line in fixed:  # merges for what the model reads and writes, not for strings that are one token anyway
+        corpus = [t.replace(line, "") for t in corpus]
+    return build_tiny_model(out_dir, vocab_size=vocab_size, corpus=_builtin_corpus() + corpus, tool_tokens=True,
+                            extra_tokens=tuple(fixed), **arch)
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -67,23 +114,33 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs")
     p.add_argument("--name", default="tool-demo")
-    p.add_argument("--sft-steps", type=int, default=60)
+    p.add_argument("--sft-steps", type=int, default=140)
     p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--sft-batch", type=int, default=16, help="demonstrations per SFT step")
+    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--rl-lr", type=float, default=1e-3)
+    p.add_argument("--max-operand", type=int, default=9, help="operands drawn from 2..this")
     p.add_argument("--port", type=int, default=8731, help="the inference server's port (8000 is often taken)")
     p.add_argument("--smoke", action="store_true", help="2 SFT + 2 RL steps: proves the path, learns nothing")
     a = p.parse_args(argv)
     sft_steps, rl_steps = (2, 2) if a.smoke else (a.sft_steps, a.rl_steps)
     run = Path(a.out) / a.name
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    data = Path(a.out) / f"{a.name}_demos.jsonl"  # outside the run dir, which a fresh run archives
-    rows = demonstrations(256, seed=1)  # RL uses seed 0: the demonstrations are other problems
+    args = {"max_operand": a.max_operand}
+    # Outside the run dir, which a fresh run archives. RL uses seed 0: the demonstrations are other problems.
+    data = Path(a.out) / f"{a.name}_demos.jsonl"
+    rows = demonstrations(256, seed=1, args=args)
     atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in rows))
+    model = Path(a.out) / f"{a.name}_model"
+    shutil.rmtree(model, ignore_errors=True)
+    build_demo_model(model, rows, **MODEL)
     cmd = [sys.executable, "-m", "primejax.train", "--config", "configs/verifiers_tools.py",
            f"--config.run.output_dir={a.out}", f"--config.run.name={a.name}",
-           f"--config.run.max_steps={rl_steps}", f"--config.sft.data_path={data}",
-           f"--config.sft.steps={sft_steps}", f"--config.inference.port={a.port}",
-           f"--config.sft.batch_size={4 if a.smoke else a.sft_batch}"]
+           f"--config.run.max_steps={rl_steps}", f"--config.model.path={model}",
+           "--config.model.build_tiny.enabled=False", f"--config.orchestrator.envs.calc.args.max_operand={a.max_operand}",
+           f"--config.sft.data_path={data}", f"--config.sft.steps={sft_steps}", f"--config.sft.lr={a.sft_lr}",
+           f"--config.sft.batch_size={4 if a.smoke else a.sft_batch}", f"--config.trainer.optim.lr={a.rl_lr}",
+           f"--config.inference.port={a.port}", *SHORT]
     if a.smoke:  # small batches: the path end to end in a few minutes
         cmd += ["--config.orchestrator.batch_size=8", "--config.orchestrator.group_size=4"]
     print("+", " ".join(cmd), flush=True)

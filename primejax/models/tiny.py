@@ -77,12 +77,14 @@ def _builtin_corpus() -> list[str]:
 
 
 def build_tokenizer(out_dir: Path, *, vocab_size: int = 0, corpus: list[str] | None = None, kind: str = "bpe",
-                    tool_tokens: bool = False):
+                    tool_tokens: bool = False, extra_tokens: tuple[str, ...] = ()):
     """Save an HF fast tokenizer in out_dir: a byte-level BPE trained on `corpus` (built-in if None) to
     `vocab_size` tokens (0 = 384), or `kind="bytes"`: one token per byte (so per ASCII character), no merges,
     padded with reserved special tokens up to `vocab_size` (0 = no padding, 261 tokens).
 
-    `tool_tokens` adds Qwen3's tool-call markers after the vocabulary (the merges are unchanged)."""
+    `tool_tokens` adds Qwen3's tool-call markers after the vocabulary (the merges are unchanged);
+    `extra_tokens` adds fixed strings (e.g. a prompt template's long constant lines) as plain added tokens after
+    those, so a demo's tiny model reads each of them as one token."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -107,7 +109,7 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = 0, corpus: list[str] | N
     tok.decoder = decoders.ByteLevel()
     if kind == "bpe":
         tok.train_from_iterator(corpus if corpus is not None else _builtin_corpus(), trainer=trainer)
-    added = THINK_TOKENS + (TOOL_TOKENS if tool_tokens else [])
+    added = THINK_TOKENS + (TOOL_TOKENS if tool_tokens else []) + list(extra_tokens)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if kind == "bytes" and vocab_size > tok.get_vocab_size():
         # Reserved ids fill the embedding up to vocab_size; special, so they never appear in decoded text.
@@ -148,6 +150,7 @@ def build_tiny_model(
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int = 64,
     mlp_only_layers: tuple[int, ...] = (),
+    extra_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write a random-init tiny Qwen3, Llama or Qwen3-MoE model (fp32 safetensors) plus tokenizer to `out_dir`.
 
@@ -157,7 +160,8 @@ def build_tiny_model(
     `tokenizer` "bpe" trains a byte-level BPE of `vocab_size` tokens (default 384); "bytes" is character-level
     (one token per byte) padded to `vocab_size`. The model's vocab equals the tokenizer's size, so every id the
     model can sample decodes. head_dim must be >= 32 (vLLM's CPU attention kernels).
-    Deterministic given `seed` and `corpus`. `tool_tokens` adds Qwen3's `<tool_call>`/`<tool_response>` markers.
+    Deterministic given `seed` and `corpus`. `tool_tokens` adds Qwen3's `<tool_call>`/`<tool_response>` markers;
+    `extra_tokens` adds fixed strings as single tokens (see `build_tokenizer`).
     """
     import torch
     import transformers
@@ -169,7 +173,8 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tok = build_tokenizer(out, vocab_size=vocab_size or 0, corpus=corpus, kind=tokenizer, tool_tokens=tool_tokens)
+    tok = build_tokenizer(out, vocab_size=vocab_size or 0, corpus=corpus, kind=tokenizer, tool_tokens=tool_tokens,
+                          extra_tokens=extra_tokens)
     n_vocab = len(tok)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + THINK_TOKENS}
 

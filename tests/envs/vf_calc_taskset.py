@@ -93,13 +93,16 @@ class CalcTasksetConfig(vf.TasksetConfig):
     task: CalcTaskConfig = CalcTaskConfig()
     size: int = 16
     seed: int = 0
+    min_operand: int = 2  # the tool-use demo narrows the range: a tiny model copies few distinct numbers sooner
+    max_operand: int = 40
 
 
 class CalcTaskset(vf.Taskset[CalcTask, CalcTasksetConfig]):
     def load(self):
         rng = random.Random(self.config.seed)
         for _ in range(self.config.size):
-            op, a, b = rng.choice(sorted(OPS)), rng.randint(2, 40), rng.randint(2, 40)
+            lo, hi = self.config.min_operand, self.config.max_operand
+            op, a, b = rng.choice(sorted(OPS)), rng.randint(lo, hi), rng.randint(lo, hi)
             word = "sum" if op == "add" else "product"
             yield CalcTask(
                 CalcData(
