@@ -19,6 +19,7 @@ def get_config():
     c.model.build_tiny.intermediate_size = 256
     c.model.compute_dtype = "float32"  # matches vLLM's fp32 serving
     c.inference.dtype = "float32"
+    c.trainer.broadcast.dtype = "float32"  # the server samples from exactly the trained weights
     c.orchestrator.envs = ConfigDict(
         {"calc": _env("tests.envs.vf_calc_taskset", size=64, max_operand=9, max_turns=3, max_output_tokens=256)}
     )

@@ -72,19 +72,26 @@ def fixed_lines(texts: list[str], min_chars: int = 12) -> list[str]:
     return sorted(common or (), key=lambda line: (-len(line), line))
 
 
-def build_demo_model(out_dir: Path, rows: list[dict], *, vocab_size: int, **arch) -> Path:
-    """A tiny Qwen3 whose tokenizer reads the tool preamble compactly: the preamble's constant lines are added
-    tokens (one each), and the BPE merges are learned on the rendered demonstrations, so a demonstration is
-    ~105 tokens instead of ~1,100 with the default tiny tokenizer (the loss is on ~38 of them either way)."""
-    from primejax.models.tiny import _builtin_corpus, build_tiny_model
+def tokenizer_spec(rows: list[dict]) -> tuple[list[str], tuple[str, ...]]:
+    """(BPE corpus, added tokens) of a tokenizer that reads the demonstrations compactly: the tool preamble's
+    constant lines become one token each, and the merges are learned on the rendered demonstrations (less
+    those lines), so a demonstration is ~105 tokens instead of ~1,100 with the default tiny tokenizer. The
+    loss is on the same ~38 completion tokens either way; what shrinks is the compute of every SFT and RL step."""
+    from primejax.models.tiny import _builtin_corpus
 
     texts = template_text(rows)
     fixed = fixed_lines(texts)
-    corpus = list(texts)
     for line in fixed:  # merges for what the model reads and writes, not for strings that are one token anyway
-        corpus = [t.replace(line, "") for t in corpus]
-    return build_tiny_model(out_dir, vocab_size=vocab_size, corpus=_builtin_corpus() + corpus, tool_tokens=True,
-                            extra_tokens=tuple(fixed), **arch)
+        texts = [t.replace(line, "") for t in texts]
+    return _builtin_corpus() + texts, tuple(fixed)
+
+
+def build_demo_model(out_dir: Path, rows: list[dict], **arch) -> Path:
+    """A tiny Qwen3 with Qwen3's tool tokens and the tokenizer of `tokenizer_spec(rows)`."""
+    from primejax.models.tiny import build_tiny_model
+
+    corpus, extra = tokenizer_spec(rows)
+    return build_tiny_model(out_dir, corpus=corpus, tool_tokens=True, extra_tokens=extra, **arch)
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-batch", type=int, default=16, help="demonstrations per SFT step")
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--rl-lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=64, help="rollouts per RL step (8 per prompt)")
     p.add_argument("--max-operand", type=int, default=9, help="operands drawn from 2..this")
     p.add_argument("--port", type=int, default=8731, help="the inference server's port (8000 is often taken)")
     p.add_argument("--smoke", action="store_true", help="2 SFT + 2 RL steps: proves the path, learns nothing")
@@ -141,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
            f"--config.sft.data_path={data}", f"--config.sft.steps={sft_steps}", f"--config.sft.lr={a.sft_lr}",
            f"--config.sft.batch_size={4 if a.smoke else a.sft_batch}", f"--config.trainer.optim.lr={a.rl_lr}",
            f"--config.inference.port={a.port}", *SHORT]
-    if a.smoke:  # small batches: the path end to end in a few minutes
-        cmd += ["--config.orchestrator.batch_size=8", "--config.orchestrator.group_size=4"]
+    # smoke: small batches, the path end to end in a few minutes
+    cmd += ["--config.orchestrator.batch_size=8", "--config.orchestrator.group_size=4"] if a.smoke else \
+        [f"--config.orchestrator.batch_size={a.batch}", "--config.orchestrator.group_size=8"]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     points = [{"step": m["step"], "reward": m["reward/mean"],

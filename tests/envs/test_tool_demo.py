@@ -1,0 +1,47 @@
+"""The tool-use demo's tokenizer (tools/demo_tool_use.py): the same rendering in far fewer tokens, and the
+renderer still parses the demonstrations' tool calls. The demo itself (SFT + RL on vLLM, minutes) is not run
+here; docs/verifiers.md has its command and numbers."""
+
+from __future__ import annotations
+
+import json
+
+from primejax.models.tiny import build_tokenizer
+from primejax.orchestrator.renderer import build_renderer, parse_message
+from primejax.sft.data import conversation_to_sample
+from tools.demo_tool_use import demonstrations, tokenizer_spec
+
+
+def _samples(tok, rows):
+    renderer = build_renderer("auto", tok)
+    return renderer, [conversation_to_sample(tok, r["messages"], renderer=renderer, tools=r["tools"]) for r in rows]
+
+
+def test_demo_tokenizer_renders_the_same_text_in_a_tenth_of_the_tokens(tmp_path):
+    rows = demonstrations(8, seed=1, args={"max_operand": 9})
+    corpus, extra = tokenizer_spec(rows)
+    assert len(extra) >= 5 and any("<tools></tools>" in line for line in extra)  # the preamble's lines
+    compact = build_tokenizer(tmp_path / "compact", vocab_size=512, corpus=corpus, tool_tokens=True,
+                              extra_tokens=extra)
+    default = build_tokenizer(tmp_path / "default", tool_tokens=True)
+    renderer, short = _samples(compact, rows)
+    _, long = _samples(default, rows)
+    for s, ref in zip(short, long, strict=True):
+        assert compact.decode(s.token_ids) == default.decode(ref.token_ids)  # same conversation, same template
+        assert len(s.token_ids) * 8 < len(ref.token_ids)
+        # the loss is on the assistant turns in both: the completions, tokenized differently
+        assert compact.decode([t for t, m in zip(s.token_ids, s.loss_mask) if m]) == \
+            default.decode([t for t, m in zip(ref.token_ids, ref.loss_mask) if m])
+    for line in extra:  # each constant line of the preamble is one token
+        assert len(compact.encode(line, add_special_tokens=False)) == 1
+
+    # The first assistant turn of a demonstration parses back into its tool call (the renderer finds
+    # `<tool_call>` by token id, so the added tokens must not swallow it).
+    row = rows[0]
+    prompt = renderer.render_ids(row["messages"][:2], row["tools"])
+    completion = compact.encode('<think>\n\n</think>\n\n<tool_call>\n{"name": "calc_add", "arguments": '
+                                '{"a": 3, "b": 4}}\n</tool_call><|im_end|>', add_special_tokens=False)
+    message, malformed = parse_message(renderer, completion, prompt, row["tools"])
+    assert malformed == []
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "calc_add" and json.loads(call["function"]["arguments"]) == {"a": 3, "b": 4}
