@@ -21,7 +21,11 @@ def get_config():
     c.inference.dtype = "float32"
     c.trainer.broadcast.dtype = "float32"  # the server samples from exactly the trained weights
     c.orchestrator.envs = ConfigDict(
-        {"calc": _env("tests.envs.vf_calc_taskset", size=64, max_operand=9, max_turns=3, max_output_tokens=256)}
+        {
+            "calc": _env(
+                "tests.envs.vf_calc_taskset", size=64, max_operand=9, max_turns=3, max_output_tokens=256
+            )
+        }
     )
     c.orchestrator.renderer.name = "auto"  # the renderers package's qwen3 (tool schemas, tool-call parsing)
     c.orchestrator.batch_size = 32

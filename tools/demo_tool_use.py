@@ -23,12 +23,22 @@ from primejax.utils.io import atomic_write_text
 
 TASKSET = "tests.envs.vf_calc_taskset"
 # The demo's model: 2 layers, width 128; its tokenizer is built for the demonstrations (`build_demo_model`).
-MODEL = {"vocab_size": 512, "hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-         "intermediate_size": 256}
+MODEL = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 256,
+}
 # A compact tokenizer makes every sequence ~110 tokens: short rows train and serve faster than the config's
 # 2048 (sized for the default tiny tokenizer's ~1,100-token tool preamble).
-SHORT = ["--config.sft.seq_len=512", "--config.orchestrator.seq_len=512", "--config.orchestrator.max_prompt_tokens=256",
-         "--config.inference.max_model_len=1024"]
+SHORT = [
+    "--config.sft.seq_len=512",
+    "--config.orchestrator.seq_len=512",
+    "--config.orchestrator.max_prompt_tokens=256",
+    "--config.inference.max_model_len=1024",
+]
 
 
 def demonstrations(n: int, seed: int, args: dict | None = None) -> list[dict]:
@@ -39,11 +49,17 @@ def demonstrations(n: int, seed: int, args: dict | None = None) -> list[dict]:
         ex = env.example(i)
         data = env.tasks[i].data
         tools = asyncio.run(env.tools(ex))
-        call = {"id": "call_0", "type": "function",
-                "function": {"name": f"calc_{data.op}", "arguments": json.dumps({"a": data.a, "b": data.b})}}
-        messages = [*ex.prompt, {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": "call_0", "name": f"calc_{data.op}", "content": data.answer},
-                    {"role": "assistant", "content": data.answer}]
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": f"calc_{data.op}", "arguments": json.dumps({"a": data.a, "b": data.b})},
+        }
+        messages = [
+            *ex.prompt,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "name": f"calc_{data.op}", "content": data.answer},
+            {"role": "assistant", "content": data.answer},
+        ]
         rows.append({"messages": messages, "tools": tools})
     return rows
 
@@ -81,7 +97,8 @@ def tokenizer_spec(rows: list[dict]) -> tuple[list[str], tuple[str, ...]]:
 
     texts = template_text(rows)
     fixed = fixed_lines(texts)
-    for line in fixed:  # merges for what the model reads and writes, not for strings that are one token anyway
+    # Merges for what the model reads and writes, not for strings that are one token anyway.
+    for line in fixed:
         texts = [t.replace(line, "") for t in texts]
     return _builtin_corpus() + texts, tuple(fixed)
 
@@ -142,25 +159,49 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(a.out) / f"{a.name}_model"
     shutil.rmtree(model, ignore_errors=True)
     build_demo_model(model, rows, **MODEL)
-    cmd = [sys.executable, "-m", "primejax.train", "--config", "configs/verifiers_tools.py",
-           f"--config.run.output_dir={a.out}", f"--config.run.name={a.name}",
-           f"--config.run.max_steps={rl_steps}", f"--config.model.path={model}",
-           "--config.model.build_tiny.enabled=False", f"--config.orchestrator.envs.calc.args.max_operand={a.max_operand}",
-           f"--config.sft.data_path={data}", f"--config.sft.steps={sft_steps}", f"--config.sft.lr={a.sft_lr}",
-           f"--config.sft.batch_size={4 if a.smoke else a.sft_batch}", f"--config.trainer.optim.lr={a.rl_lr}",
-           f"--config.inference.port={a.port}", *SHORT]
+    cmd = [
+        sys.executable,
+        "-m",
+        "primejax.train",
+        "--config",
+        "configs/verifiers_tools.py",
+        f"--config.run.output_dir={a.out}",
+        f"--config.run.name={a.name}",
+        f"--config.run.max_steps={rl_steps}",
+        f"--config.model.path={model}",
+        "--config.model.build_tiny.enabled=False",
+        f"--config.orchestrator.envs.calc.args.max_operand={a.max_operand}",
+        f"--config.sft.data_path={data}",
+        f"--config.sft.steps={sft_steps}",
+        f"--config.sft.lr={a.sft_lr}",
+        f"--config.sft.batch_size={4 if a.smoke else a.sft_batch}",
+        f"--config.trainer.optim.lr={a.rl_lr}",
+        f"--config.inference.port={a.port}",
+        *SHORT,
+    ]
     # smoke: small batches, the path end to end in a few minutes
-    cmd += ["--config.orchestrator.batch_size=8", "--config.orchestrator.group_size=4"] if a.smoke else \
-        [f"--config.orchestrator.batch_size={a.batch}", "--config.orchestrator.group_size=8"]
+    cmd += (
+        ["--config.orchestrator.batch_size=8", "--config.orchestrator.group_size=4"]
+        if a.smoke
+        else [f"--config.orchestrator.batch_size={a.batch}", "--config.orchestrator.group_size=8"]
+    )
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-    points = [{"step": m["step"], "reward": m["reward/mean"],
-               "well_formed": m.get("tools/well_formed_fraction", 0.0),
-               "malformed": m.get("tools/malformed_fraction", 0.0)} for m in read_metrics(run)]
+    points = [
+        {
+            "step": m["step"],
+            "reward": m["reward/mean"],
+            "well_formed": m.get("tools/well_formed_fraction", 0.0),
+            "malformed": m.get("tools/malformed_fraction", 0.0),
+        }
+        for m in read_metrics(run)
+    ]
     (run / "tool_demo.json").write_text(json.dumps(points, indent=1))
     for pt in points:
-        print(f"step {pt['step']:3d}  reward {pt['reward']:.3f}  well-formed tool call {pt['well_formed']:.3f}  "
-              f"malformed {pt['malformed']:.3f}")
+        print(
+            f"step {pt['step']:3d}  reward {pt['reward']:.3f}  well-formed tool call {pt['well_formed']:.3f}  "
+            f"malformed {pt['malformed']:.3f}"
+        )
     plot(points, run / "tool_demo.png")
     return 0
 

@@ -14,24 +14,31 @@ from tools.demo_tool_use import demonstrations, tokenizer_spec
 
 def _samples(tok, rows):
     renderer = build_renderer("auto", tok)
-    return renderer, [conversation_to_sample(tok, r["messages"], renderer=renderer, tools=r["tools"]) for r in rows]
+    return renderer, [
+        conversation_to_sample(tok, r["messages"], renderer=renderer, tools=r["tools"]) for r in rows
+    ]
+
+
+def _trained_text(tok, sample) -> str:
+    return tok.decode([t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m])
 
 
 def test_demo_tokenizer_renders_the_same_text_in_a_tenth_of_the_tokens(tmp_path):
     rows = demonstrations(8, seed=1, args={"max_operand": 9})
     corpus, extra = tokenizer_spec(rows)
     assert len(extra) >= 5 and any("<tools></tools>" in line for line in extra)  # the preamble's lines
-    compact = build_tokenizer(tmp_path / "compact", vocab_size=512, corpus=corpus, tool_tokens=True,
-                              extra_tokens=extra)
+    compact = build_tokenizer(
+        tmp_path / "compact", vocab_size=512, corpus=corpus, tool_tokens=True, extra_tokens=extra
+    )
     default = build_tokenizer(tmp_path / "default", tool_tokens=True)
     renderer, short = _samples(compact, rows)
     _, long = _samples(default, rows)
     for s, ref in zip(short, long, strict=True):
-        assert compact.decode(s.token_ids) == default.decode(ref.token_ids)  # same conversation, same template
+        # the same conversation through the same template, in far fewer tokens
+        assert compact.decode(s.token_ids) == default.decode(ref.token_ids)
         assert len(s.token_ids) * 8 < len(ref.token_ids)
         # the loss is on the assistant turns in both: the completions, tokenized differently
-        assert compact.decode([t for t, m in zip(s.token_ids, s.loss_mask) if m]) == \
-            default.decode([t for t, m in zip(ref.token_ids, ref.loss_mask) if m])
+        assert _trained_text(compact, s) == _trained_text(default, ref)
     for line in extra:  # each constant line of the preamble is one token
         assert len(compact.encode(line, add_special_tokens=False)) == 1
 
@@ -39,9 +46,13 @@ def test_demo_tokenizer_renders_the_same_text_in_a_tenth_of_the_tokens(tmp_path)
     # `<tool_call>` by token id, so the added tokens must not swallow it).
     row = rows[0]
     prompt = renderer.render_ids(row["messages"][:2], row["tools"])
-    completion = compact.encode('<think>\n\n</think>\n\n<tool_call>\n{"name": "calc_add", "arguments": '
-                                '{"a": 3, "b": 4}}\n</tool_call><|im_end|>', add_special_tokens=False)
+    completion = compact.encode(
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "calc_add", "arguments": '
+        '{"a": 3, "b": 4}}\n</tool_call><|im_end|>',
+        add_special_tokens=False,
+    )
     message, malformed = parse_message(renderer, completion, prompt, row["tools"])
     assert malformed == []
     [call] = message["tool_calls"]
-    assert call["function"]["name"] == "calc_add" and json.loads(call["function"]["arguments"]) == {"a": 3, "b": 4}
+    assert call["function"]["name"] == "calc_add"
+    assert json.loads(call["function"]["arguments"]) == {"a": 3, "b": 4}

@@ -93,7 +93,8 @@ class CalcTasksetConfig(vf.TasksetConfig):
     task: CalcTaskConfig = CalcTaskConfig()
     size: int = 16
     seed: int = 0
-    min_operand: int = 2  # the tool-use demo narrows the range: a tiny model copies few distinct numbers sooner
+    # The tool-use demo narrows the range: a tiny model learns to copy few distinct numbers sooner.
+    min_operand: int = 2
     max_operand: int = 40
 
 
