@@ -263,6 +263,10 @@ class _World:
     async def close(self) -> None:
         self.servers.clear()
 
+    def name_agent(self, name: str, trainable: bool) -> None:
+        """Stamp the trace with the env agent that produced it, as verifiers does (`Episode.by_agent`)."""
+        self.trace.agent.name, self.trace.agent.trainable = name, trainable
+
 
 class VerifiersEnv(Environment):
     """A verifiers taskset driven in process (see module docstring)."""
@@ -456,12 +460,18 @@ class VerifiersEnv(Environment):
                 inter = Interaction(self, task)
                 if inter.world is not world:
                     await inter.world.open()
-                yield inter
+                inter.world.name_agent(self.name, self.trainable)
+                try:
+                    yield inter
+                finally:
+                    finished.append(inter.world)  # the episode's traces, in completion order
 
+        finished: list[_World] = []
         agents_by_name = {n: Agent(n) for n in names}
         agents = vf.Agents(self.vf_env.config, lambda name, spec: agents_by_name[name])
         await self.vf_env.setup(agents)
         await self.vf_env.run(task, agents)
+        state["vf_episode"] = finished  # judged after scoring, by `Env.finalize` (see `score`)
         return record["messages"], record["sampled"]
 
     # ------------------------------------------------------------------------------------------ scoring
@@ -477,11 +487,35 @@ class VerifiersEnv(Environment):
         trace = world.trace
         trace.is_completed = trace.ok = True
         await world.task.score(trace)
+        if (finished := state.pop("vf_episode", None)) is not None:
+            await _finalize_episode(self.vf_env, world, finished)
         state["stop_condition"] = trace.stop_condition
         state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
         state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
         state.pop("world", None)  # not JSON; the trace's useful parts are copied above
         return float(trace.reward)
+
+
+async def _finalize_episode(vf_env: Any, policy: _World, finished: list[_World]) -> None:
+    """verifiers' end of an episode (`Env.run_episode`): every agent run's trace is judged by its own task,
+    then `Env.finalize(task, episode)` judges across agents over the episode's traces in completion order; what
+    it records on the policy trace (`record_reward` / `record_metric`) counts in the rollout's reward. A raise
+    fails the episode there, and the rollout here."""
+    from verifiers.v1.episode import EnvInfo, Episode
+    from verifiers.v1.trace import TraceTask
+
+    for w in finished:
+        if w is not policy:
+            w.trace.is_completed = w.trace.ok = True
+            await w.task.score(w.trace)
+    task = policy.task
+    episode = Episode(
+        env=EnvInfo(id=vf_env.config.env_id),
+        task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        traces=[w.trace for w in finished],
+    )
+    await vf_env.finalize(task, episode)
+    episode.ok = all(t.ok for t in episode.traces)
 
 
 def load(taskset_id: str, **args: Any) -> VerifiersEnv:
