@@ -301,6 +301,8 @@ class VerifiersEnv(Environment):
             max_total_tokens,
         )
         self.vf_env = _load_env(env, taskset_id, taskset_args, env_args or {}) if env else None
+        # Kept for verifiers' own loop (primejax/envs/verifiers_loop.py), which rebuilds the env from them.
+        self.taskset_args, self.vf_env_id, self.vf_env_args = dict(taskset_args), env, dict(env_args or {})
         self.policy_agent = policy_agent
         self._tools: dict[int, list[dict[str, Any]] | None] = {}
 

@@ -13,6 +13,11 @@ request, one trajectory step, structured parse), the group's shared first reques
 first prompt is the example's. Tool calls the renderer could not parse are counted
 (`errors/malformed_tool_call`) and handed to the env in `state["malformed_tool_calls"]` for that turn.
 
+Environments that sample through a client of their own (`samples_itself`: verifiers' own rollout loop, a
+harness program per rollout) get the server's endpoint and the sampling settings, and hand back each model
+call's exact ids and logprobs as the server returned them; every turn is tagged with the policy version read
+when the rollout started (a weight update during it can only make later turns newer).
+
 Failure isolation: an exception from the environment (follow-up turn or scoring) or from a later-turn request
 fails that rollout only (`rollout.error`, logged and counted). A failed first request fails its group.
 """
@@ -28,6 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from primejax.envs.base import Endpoint
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.renderer import Renderer, parse_message
@@ -134,6 +140,9 @@ class GroupGenerator:
         example = slot.env.example(index)
         rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
                             messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]
+        if slot.env.samples_itself:
+            await asyncio.gather(*(self._sampled_by_env(slot, r, step, member) for member, r in enumerate(rollouts)))
+            return rollouts
         if slot.env.drives_rollout and not example.prompt:  # the env opens the conversation itself
             await asyncio.gather(*(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts)))
             return rollouts
@@ -187,6 +196,45 @@ class GroupGenerator:
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
             stage = "score"
             rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
+            stage = "algorithm"
+            await slot.algorithm.finalize_rollout(rollout)
+        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
+            rollout.error = f"{stage}: {type(e).__name__}: {e}"
+            rollout.reward = None
+            self.stats.count_error(stage)
+            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage, slot.name, rollout.example_index, e,
+                        traceback.format_exc(limit=3))
+
+    async def _sampled_by_env(self, slot: EnvSlot, rollout: Rollout, step: int, member: int) -> None:
+        """A rollout sampled by the environment's own client (`samples_itself`, see module docstring)."""
+        s = self.settings
+        stage = "env"
+        try:
+            client = _sampler(slot) or self.client
+            base_url, model = await client.openai_endpoint()
+            endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
+                                temperature=s.temperature, top_p=s.top_p,
+                                max_turns=max(1, min(slot.env.max_turns, s.max_turns)),
+                                seed=self._seed(step, rollout.group_id, 0, member))
+            async with self.semaphore:
+                version = self.policy.version
+                sampled = await slot.env.sample_rollout(rollout.example, rollout.state, endpoint)
+            for turn in sampled.turns:
+                if len(turn.completion_logprobs) != len(turn.completion_ids):
+                    raise RuntimeError(f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_ids)} tokens")
+                rollout.steps.append(TrajectoryStep(prompt_ids=list(turn.prompt_ids),
+                                                    completion_ids=list(turn.completion_ids),
+                                                    completion_logprobs=[float(x) for x in turn.completion_logprobs],
+                                                    finish_reason=turn.finish_reason, policy_version=version))
+                self.stats.requests += 1
+                self.stats.prompt_tokens += len(turn.prompt_ids)
+                self.stats.completion_tokens += len(turn.completion_ids)
+            rollout.messages = list(sampled.messages)
+            if not rollout.steps:
+                raise RuntimeError("the environment finished without calling the model")
+            rollout.truncated = rollout.steps[-1].finish_reason == "length"
+            stage = "score"
+            rollout.reward = checked_reward(sampled.reward)
             stage = "algorithm"
             await slot.algorithm.finalize_rollout(rollout)
         except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
