@@ -72,7 +72,6 @@ class SampledTurn:
 class SampledRollout:
     messages: list[Message]
     turns: list[SampledTurn]
-    reward: float
 
 
 class Environment(ABC):
@@ -105,7 +104,8 @@ class Environment(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not drive its own rollouts")
 
     async def sample_rollout(self, example: Example, state: dict[str, Any], endpoint: Endpoint) -> SampledRollout:
-        """Run one episode through the environment's own client (only for `samples_itself` environments)."""
+        """Run one episode through the environment's own client (only for `samples_itself` environments).
+        `score` is called afterwards as for any rollout (an env whose loop scored the episode returns that)."""
         raise NotImplementedError(f"{type(self).__name__} does not sample its own rollouts")
 
     async def aclose(self) -> None:

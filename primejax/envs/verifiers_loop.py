@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from primejax.envs.base import Endpoint, Example, SampledRollout, SampledTurn
+from primejax.envs.base import Endpoint, Example, Message, SampledRollout, SampledTurn
 from primejax.envs.verifiers_adapter import VerifiersEnv, _vf
 
 log = logging.getLogger(__name__)
@@ -263,6 +263,11 @@ class VerifiersLoopEnv(VerifiersEnv):
                 await stack.aclose()
             del self._serving[key]
 
+    async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
+        if "vf_reward" in state:  # scored by verifiers' loop
+            return state.pop("vf_reward")
+        return await super().score(example, messages, state)
+
     async def sample_rollout(
         self, example: Example, state: dict[str, Any], endpoint: Endpoint
     ) -> SampledRollout:
@@ -350,5 +355,6 @@ def episode_to_rollout(episode: Any, policy_agent: str, state: dict[str, Any]) -
     state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
     state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
     state["vf_branches"] = len(leaves)
+    state["vf_reward"] = float(trace.reward)  # verifiers scored the trace (with its runtime); `score` returns it
     messages = [message_to_wire(trace.nodes[i].message) for i in main]
-    return SampledRollout(messages=messages, turns=turns, reward=float(trace.reward))
+    return SampledRollout(messages=messages, turns=turns)

@@ -229,8 +229,9 @@ class GroupGenerator:
     async def _sampled_by_env(self, slot: EnvSlot, rollout: Rollout, step: int, member: int) -> None:
         """A rollout sampled by the environment's own client (`samples_itself`, see module docstring)."""
         s = self.settings
-        stage = "env"
-        try:
+        stage = _Stage("env")
+
+        async def play() -> None:
             client = _sampler(slot) or self.client
             base_url, model = await client.openai_endpoint()
             endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
@@ -253,17 +254,8 @@ class GroupGenerator:
             rollout.messages = list(sampled.messages)
             if not rollout.steps:
                 raise RuntimeError("the environment finished without calling the model")
-            rollout.truncated = rollout.steps[-1].finish_reason == "length"
-            stage = "score"
-            rollout.reward = checked_reward(sampled.reward)
-            stage = "algorithm"
-            await slot.algorithm.finalize_rollout(rollout)
-        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
-            rollout.error = f"{stage}: {type(e).__name__}: {e}"
-            rollout.reward = None
-            self.stats.count_error(stage)
-            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage, slot.name, rollout.example_index, e,
-                        traceback.format_exc(limit=3))
+
+        await self._settle(slot, rollout, stage, play)
 
     async def _drive(self, slot: EnvSlot, rollout: Rollout, first: tuple[list[int], Any, int] | None, step: int,
                      member: int) -> None:
