@@ -29,8 +29,9 @@ class ModelCall(Protocol):
     prompt length). `trainable=False` samples without recording a step (an untrained agent, e.g. a
     simulated user)."""
 
-    async def __call__(self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *,
-                       trainable: bool = True) -> Message | None: ...
+    async def __call__(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *, trainable: bool = True
+    ) -> Message | None: ...
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,9 @@ class Environment(ABC):
         """Run one episode (only for `drives_rollout` environments); returns the full conversation."""
         raise NotImplementedError(f"{type(self).__name__} does not drive its own rollouts")
 
-    async def sample_rollout(self, example: Example, state: dict[str, Any], endpoint: Endpoint) -> SampledRollout:
+    async def sample_rollout(
+        self, example: Example, state: dict[str, Any], endpoint: Endpoint
+    ) -> SampledRollout:
         """Run one episode through the environment's own client (only for `samples_itself` environments).
         `score` is called afterwards as for any rollout (an env whose loop scored the episode returns that)."""
         raise NotImplementedError(f"{type(self).__name__} does not sample its own rollouts")
@@ -116,7 +119,9 @@ class Environment(ABC):
     def example(self, index: int) -> Example:
         """The example at `index` (deterministic)."""
 
-    async def env_response(self, example: Example, messages: list[Message], state: dict[str, Any]) -> list[Message] | None:
+    async def env_response(
+        self, example: Example, messages: list[Message], state: dict[str, Any]
+    ) -> list[Message] | None:
         """New messages after the model's last turn (`messages[-1]`), or None when the episode is over."""
         return None
 

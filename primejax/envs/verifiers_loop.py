@@ -355,6 +355,7 @@ def episode_to_rollout(episode: Any, policy_agent: str, state: dict[str, Any]) -
     state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
     state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
     state["vf_branches"] = len(leaves)
-    state["vf_reward"] = float(trace.reward)  # verifiers scored the trace (with its runtime); `score` returns it
+    # verifiers scored the trace (with its runtime); `score` returns it
+    state["vf_reward"] = float(trace.reward)
     messages = [message_to_wire(trace.nodes[i].message) for i in main]
     return SampledRollout(messages=messages, turns=turns)
