@@ -169,7 +169,12 @@ class _World:
                         "function": {
                             "name": name,
                             "description": tool.description or "",
-                            "parameters": tool.input_schema,
+                            # As an MCP client receives it (verifiers' harness programs do): the wire puts
+                            # `type` first, and the schema is printed into the prompt as JSON.
+                            "parameters": {
+                                "type": tool.input_schema.get("type", "object"),
+                                **tool.input_schema,
+                            },
                         },
                     }
                 )
