@@ -1,8 +1,9 @@
-"""The one module that touches verifiers: verifiers v1 tasksets (and their `Env.run`) as primejax Environments.
+"""verifiers v1 tasksets (and their `Env.run`) as primejax Environments, driven in process.
 
 verifiers changes its API between minor releases (0.4 kept only `verifiers.v1`), so everything primejax uses
-of it is here, checked by tests/envs/test_verifiers_api.py. The orchestrator keeps every model call (token
-ids, sampling logprobs, policy version per turn) and drives the task in process:
+of it is here and in verifiers_loop.py (verifiers' own loop), checked by tests/envs/test_verifiers_api.py. The
+orchestrator keeps every model call (token ids, sampling logprobs, policy version per turn) and drives the
+task in process:
 
 - tools: the task's `toolsets(config)` are instantiated per rollout (`setup`, `setup_task`) and registered on
   an in-process MCP server; the model sees them as `{server}_{tool}` (verifiers' naming); calls run in
@@ -19,8 +20,8 @@ ids, sampling logprobs, policy version per turn) and drives the task in process:
   a reply without tool calls) through the orchestrator. The `policy_agent` (default `assistant`, else the
   first declared) is trained; other agents sample from the same server untrained.
 
-Not supported: tasks that need verifiers' harness programs or a sandbox runtime (verifiers' own rollout loop
-launches a harness program per rollout and a subprocess per toolset; primejax does not call it).
+Tasks that need verifiers' harness programs or a sandbox runtime run through verifiers' own rollout loop
+instead (primejax/envs/verifiers_loop.py, chosen by the env's `args.driver`).
 
 An id with a dot (`my_pkg.my_taskset`) is imported as a module path; verifiers' own loader only resolves
 bare package names (`my-taskset` -> `my_taskset` or `verifiers.v1.tasksets.my_taskset`).
