@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from primejax.envs.base import Endpoint
+from primejax.inference.routed_experts import RoutingShape
+from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.renderer import Renderer, parse_message
@@ -99,8 +101,10 @@ def _sampler(slot: EnvSlot) -> SamplingClient | None:
 
 class GroupGenerator:
     def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingConfig, policy: VersionSource,
-                 *, max_concurrent: int, max_prompt_tokens: int):
+                 *, max_concurrent: int, max_prompt_tokens: int, routing: RoutingShape | None = None):
+        """`routing`: record the policy's routed experts of every sampled token (routing replay)."""
         self.client = client
+        self.routing = routing
         self.renderer = renderer
         self.settings = settings
         self.max_prompt_tokens = max_prompt_tokens
@@ -117,8 +121,11 @@ class GroupGenerator:
             # update racing the request can only make the served policy newer than the tag.
             version = self.policy.version
             start = time.perf_counter()
+            # Only the policy's own routing is replayed: a frozen sampler's (another model) is not asked for.
+            extra = {"routed_experts": True} if self.routing is not None and client is self.client else {}
             completions = await client.generate(
-                prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=seed
+                prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=seed,
+                **extra,
             )
             self.stats.server_seconds += time.perf_counter() - start
         self.stats.requests += 1
@@ -128,7 +135,9 @@ class GroupGenerator:
             raise RuntimeError(f"asked for {n} completions, got {len(completions)}")
         return completions, version
 
-    def _step(self, prompt_ids: list[int], completion: Any, version: int) -> TrajectoryStep:
+    def _step(self, prompt_ids: list[int], completion: Any, version: int,
+              sampler: SamplingClient | None = None) -> TrajectoryStep:
+        """One trajectory step from a reply; `sampler`: the frozen model that served it (None = the policy)."""
         ids = list(completion.completion_token_ids)
         logprobs = [float(x) for x in completion.completion_logprobs]
         if len(logprobs) != len(ids):
@@ -136,8 +145,16 @@ class GroupGenerator:
         served = getattr(completion, "prompt_token_ids", None)
         if served is not None and list(served) != prompt_ids:
             raise RuntimeError("the server's prompt token ids differ from the ids sent")
+        routed = None
+        if self.routing is not None and getattr(completion, "routed_experts", None) is not None:
+            r = self.routing
+            routed = decode_routed(completion.routed_experts, len(ids), r.num_layers, r.top_k, r.num_experts)
+        elif self.routing is not None and sampler is None:
+            raise RuntimeError("orchestrator.routing_replay is on but the server returned no routed_experts "
+                               "(is inference.return_routed_experts on?)")
         return TrajectoryStep(prompt_ids=prompt_ids, completion_ids=ids, completion_logprobs=logprobs,
-                              finish_reason=str(completion.finish_reason), policy_version=version)
+                              finish_reason=str(completion.finish_reason), policy_version=version,
+                              routed_experts=routed)
 
     def _seed(self, step: int, group_id: int, turn: int, member: int) -> int | None:
         if self.settings.seed < 0:
@@ -204,7 +221,7 @@ class GroupGenerator:
             nonlocal prompt_ids, completion, version
             max_turns = max(1, min(slot.env.max_turns, self.settings.max_turns))
             while True:
-                rollout.steps.append(self._step(prompt_ids, completion, version))
+                rollout.steps.append(self._step(prompt_ids, completion, version, _sampler(slot)))
                 message, _ = parse_message(self.renderer, rollout.steps[-1].completion_ids, prompt_ids)
                 rollout.messages.append(message)
                 if len(rollout.steps) >= max_turns:
@@ -232,6 +249,9 @@ class GroupGenerator:
         stage = _Stage("env")
 
         async def play() -> None:
+            if self.routing is not None:
+                raise RuntimeError("orchestrator.routing_replay needs the routed experts of every call: drive this "
+                                   "env in process (args.driver = 'in_process')")
             client = _sampler(slot) or self.client
             base_url, model = await client.openai_endpoint()
             endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
@@ -292,7 +312,7 @@ class GroupGenerator:
                 seed = self._seed(step, rollout.group_id, len(rollout.steps), member)
                 (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
             pending[0] = None
-            rollout.steps.append(self._step(prompt_ids, completion, version))
+            rollout.steps.append(self._step(prompt_ids, completion, version, _sampler(slot)))
             message, malformed = parse_message(self.renderer, rollout.steps[-1].completion_ids, prompt_ids, tools)
             for _ in malformed:
                 self.stats.count_error("malformed_tool_call")
