@@ -184,6 +184,24 @@ def renderer_config(renderer: Any) -> Any:
     )
 
 
+def _one_line(error: Exception, roles: set[str]) -> str:
+    """A verifiers config error as one line naming the primejax key (`args.harness`, `args.runtime`, ...)."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):
+        return str(error).split(". ")[0].splitlines()[0]
+    first = error.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    if loc and loc[0] in roles:
+        seat = {"harness": "args.harness_args", "runtime": "args.runtime"}.get(loc[1] if len(loc) > 1 else "")
+        key = ".".join([seat, *loc[2:]]) if seat else "args." + ".".join(loc[1:])
+    elif loc and loc[0] == "taskset":
+        key = "args." + ".".join(loc[1:])
+    else:
+        key = "args.env_args." + ".".join(loc)
+    return f"{key}: {first['msg']}"
+
+
 class VerifiersLoopEnv(VerifiersEnv):
     """A verifiers taskset whose rollouts run through verifiers' own loop (see module docstring)."""
 
@@ -237,8 +255,8 @@ class VerifiersLoopEnv(VerifiersEnv):
             config = config_cls.model_validate(
                 {**env_args, "taskset": taskset_args, **dict.fromkeys(roles, seat)}
             )
-        except Exception as e:
-            raise ValueError(f"verifiers env {self.taskset_id!r}: {e}".splitlines()[0] + f" ({e})") from e
+        except Exception as e:  # noqa: BLE001 - any bad harness / runtime / env arg: one line naming the key
+            raise ValueError(f"verifiers env {self.taskset_id!r}: {_one_line(e, set(roles))}") from None
         env = env_cls(config)
         self._loop_envs[max_turns] = env
         return env

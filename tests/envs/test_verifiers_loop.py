@@ -40,6 +40,13 @@ def test_driver_args_are_checked_with_one_line():
         load_env(TASKSET, {"size": 2, "driver": "harness"})
     with pytest.raises(ValueError, match="args.harness needs args.driver = 'verifiers'"):
         load_env(TASKSET, {"size": 2, "driver": "in_process", "harness": "null"})
+    loop = {"size": 2, "driver": "verifiers"}
+    with pytest.raises(ValueError, match=r"^verifiers env '[^']+': args.runtime: Input tag 'nope'[^\n]*$"):
+        load_env(TASKSET, {**loop, "runtime": "nope"})
+    with pytest.raises(ValueError, match=r"args.harness_args.bogus: Extra inputs are not permitted$"):
+        load_env(TASKSET, {**loop, "harness_args": {"bogus": 1}})
+    with pytest.raises(ValueError, match=r"harness 'nope' not found \(tried to import 'nope'\)$"):
+        load_env(TASKSET, {**loop, "harness": "nope"})
 
 
 def test_auto_drives_in_process_unless_the_task_needs_verifiers_loop(caplog):
