@@ -115,3 +115,53 @@ def test_verifiers_loop_runs_the_harness_and_trains_on_the_ids_it_recorded(tiny_
     )
     (sample,) = rollout_to_samples(rollout, "rl", 1.0, seq_len=4096)
     assert [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m] == rollout.completion_ids
+
+
+class EchoModel:
+    """Replies with the word the prompt asks for (tests/envs/vf_runtime_taskset.py)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.eos = tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def reply(self, prompt_token_ids):
+        word = self.tok.decode(prompt_token_ids).rsplit("Say ", 1)[1].split("<|im_end|>", 1)[0]
+        return self.tok.encode(word, add_special_tokens=False) + [self.eos]
+
+    async def generate(self, prompt_token_ids, *, n, **_):
+        from tools.bench_vf_driver import Done
+
+        ids = self.reply(list(prompt_token_ids))
+        return [Done(list(prompt_token_ids), ids, [-0.1] * len(ids)) for _ in range(n)]
+
+
+def test_a_reward_that_needs_the_runtime_is_scored_only_by_verifiers_loop(tiny_model_dir):
+    """`auto` sends the runtime-scored task to verifiers' loop, which runs the reward in the rollout's runtime;
+    driven in process the same reply earns nothing (verifiers skips runtime signals without a runtime)."""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    renderer = build_renderer("auto", tokenizer)
+
+    async def main(env):
+        async with InstantServer(EchoModel(tokenizer), str(tiny_model_dir)) as server:
+            gen = GroupGenerator(
+                server,
+                renderer,
+                SamplingConfig(max_tokens=16, max_turns=2),
+                Version(),
+                max_concurrent=4,
+                max_prompt_tokens=4096,
+            )
+            try:
+                (rollout,) = await gen.group(
+                    EnvSlot(name="echo", env=env, weight=1.0, algorithm=Scorer()), 0, 0, 1, step=1
+                )
+            finally:
+                await env.aclose()
+            return rollout
+
+    looped = asyncio.run(main(load_env("tests.envs.vf_runtime_taskset", {})))
+    assert looped.error is None, looped.error
+    assert looped.messages[-1]["content"] == "apple" and looped.num_turns == 1
+    assert looped.reward == 1.0 and looped.state["reward_components"] == {"echoed_in_runtime": 1.0}
+    in_process = asyncio.run(main(load_env("tests.envs.vf_runtime_taskset", {"driver": "in_process"})))
+    assert in_process.messages[-1]["content"] == "apple"
+    assert in_process.reward == 0.0 and in_process.state["reward_components"] == {}
