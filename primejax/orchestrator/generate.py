@@ -25,6 +25,7 @@ import math
 import numbers
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,6 +80,13 @@ def checked_reward(value: Any) -> float:
     if not math.isfinite(reward):
         raise ValueError(f"reward must be finite, got {reward}")
     return reward
+
+
+@dataclass
+class _Stage:
+    """Where a rollout is (request, env, score, algorithm): names the error count when it fails."""
+
+    name: str
 
 
 def _sampler(slot: EnvSlot) -> SamplingClient | None:
@@ -177,10 +185,32 @@ class GroupGenerator:
         ))
         return rollouts
 
+    async def _settle(self, slot: EnvSlot, rollout: Rollout, stage: _Stage,
+                      play: Callable[[], Awaitable[None]]) -> None:
+        """Run a rollout's turns (`play`, which keeps `stage` current), then score it and let the algorithm
+        finish it. Any failure errors this rollout alone, counted under the stage it happened in."""
+        try:
+            await play()
+            rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
+            stage.name = "score"
+            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
+            stage.name = "algorithm"
+            await slot.algorithm.finalize_rollout(rollout)
+        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
+            rollout.error = f"{stage.name}: {type(e).__name__}: {e}"
+            rollout.reward = None
+            self.stats.count_error(stage.name)
+            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage.name, slot.name, rollout.example_index, e,
+                        traceback.format_exc(limit=3))
+
     async def _finish(self, slot: EnvSlot, rollout: Rollout, prompt_ids: list[int], completion: Any,
                       version: int, step: int, member: int) -> None:
-        stage = "request"
-        try:
+        """An orchestrator-driven rollout: model turns alternate with the env's `env_response`."""
+
+        stage = _Stage("request")
+
+        async def play() -> None:
+            nonlocal prompt_ids, completion, version
             max_turns = max(1, min(slot.env.max_turns, self.settings.max_turns))
             while True:
                 rollout.steps.append(self._step(prompt_ids, completion, version, _sampler(slot)))
@@ -188,7 +218,7 @@ class GroupGenerator:
                 rollout.messages.append(message)
                 if len(rollout.steps) >= max_turns:
                     break
-                stage = "env"
+                stage.name = "env"
                 new = await slot.env.env_response(rollout.example, rollout.messages, rollout.state)
                 if not new:
                     break
@@ -199,20 +229,11 @@ class GroupGenerator:
                 if len(prompt_ids) > self.max_prompt_tokens:
                     rollout.truncated = True
                     break
-                stage = "request"
+                stage.name = "request"
                 seed = self._seed(step, rollout.group_id, len(rollout.steps), member)
                 (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
-            rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
-            stage = "score"
-            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
-            stage = "algorithm"
-            await slot.algorithm.finalize_rollout(rollout)
-        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
-            rollout.error = f"{stage}: {type(e).__name__}: {e}"
-            rollout.reward = None
-            self.stats.count_error(stage)
-            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage, slot.name, rollout.example_index, e,
-                        traceback.format_exc(limit=3))
+
+        await self._settle(slot, rollout, stage, play)
 
     async def _drive(self, slot: EnvSlot, rollout: Rollout, first: tuple[list[int], Any, int] | None, step: int,
                      member: int) -> None:
@@ -220,11 +241,10 @@ class GroupGenerator:
         s = self.settings
         max_turns = max(1, min(slot.env.max_turns, s.max_turns))
         pending = [first]  # the group's shared first completion, used when the env's first prompt matches
-        stage = "env"
+        stage = _Stage("env")
 
         async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                        trainable: bool = True) -> dict[str, Any] | None:
-            nonlocal stage
             if not trainable:
                 ids = self.renderer.render_ids(messages, tools)
                 (completion,), _ = await self._request(ids, 1, None, _sampler(slot))
@@ -243,7 +263,7 @@ class GroupGenerator:
             if len(prompt_ids) > self.max_prompt_tokens:
                 rollout.truncated = True
                 return None
-            stage = "request"
+            stage.name = "request"
             if pending[0] is not None and not rollout.steps and pending[0][0] == prompt_ids:
                 _, completion, version = pending[0]
             else:
@@ -259,21 +279,12 @@ class GroupGenerator:
             rollout.messages = [*messages, message]
             rollout.state["output_tokens"] = rollout.num_completion_tokens
             rollout.state["total_tokens"] = len(prompt_ids) + len(rollout.steps[-1].completion_ids)
-            stage = "env"
+            stage.name = "env"
             return message
 
-        try:
+        async def play() -> None:
             rollout.messages = list(await slot.env.rollout(rollout.example, rollout.state, call))
             if not rollout.steps:
                 raise RuntimeError("the environment finished without calling the model")
-            rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
-            stage = "score"
-            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
-            stage = "algorithm"
-            await slot.algorithm.finalize_rollout(rollout)
-        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
-            rollout.error = f"{stage}: {type(e).__name__}: {e}"
-            rollout.reward = None
-            self.stats.count_error(stage)
-            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage, slot.name, rollout.example_index, e,
-                        traceback.format_exc(limit=3))
+
+        await self._settle(slot, rollout, stage, play)
