@@ -313,7 +313,7 @@ def test_routing_replay_config_rules_and_server_flag(tmp_path):
 
     moe = _model_dir(tmp_path, 4)
     cfg = typed(_config(tmp_path, moe, return_routed_experts=True))
-    assert RoutingShape.of_model_dir(moe) == RoutingShape(2, 2, 4)
+    assert RoutingShape.of_model_dir(moe) == RoutingShape(2, 2, 4, (1, 2))
     assert ROUTED_EXPERTS_FLAG in ServerSpec.from_config(cfg.inference, str(moe)).argv()
     assert (
         ROUTED_EXPERTS_FLAG
