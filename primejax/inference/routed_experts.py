@@ -93,4 +93,7 @@ def decode(
             f"routed_experts: expert ids {int(arr.min())}..{int(arr.max())} outside "
             f"[0, num_experts={num_experts})"
         )
+    if top_k > 1 and arr.size and (np.diff(np.sort(arr, axis=-1), axis=-1) == 0).any():
+        # A top-k never repeats an expert; all-zero rows are what a layer that reported nothing leaves.
+        raise ValueError("routed_experts: a token lists the same expert twice in one layer (not a top-k)")
     return np.ascontiguousarray(arr.astype(np.uint8))

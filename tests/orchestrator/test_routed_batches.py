@@ -325,3 +325,10 @@ def test_routing_replay_config_rules_and_server_flag(tmp_path):
         typed(_config(tmp_path, _model_dir(tmp_path, 0), return_routed_experts=True))
     with pytest.raises(ConfigError, match="model.path.*config.json"):
         typed(_config(tmp_path, tmp_path / "nowhere", return_routed_experts=True))
+    # a tiny model the launcher builds first: its family decides
+    c = _config(tmp_path, tmp_path / "nowhere", return_routed_experts=True)
+    c.model.build_tiny.enabled = True
+    with pytest.raises(ConfigError, match="orchestrator.routing_replay.*'qwen3'"):
+        typed(c)
+    c.model.build_tiny.family = "qwen3_moe"
+    assert typed(c).orchestrator.routing_replay
