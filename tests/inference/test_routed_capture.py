@@ -115,3 +115,46 @@ def test_vllm_cpu_routed_experts_are_the_trainers_routing(fp32_moe, tmp_path):
         other = _logprobs(model, seq, pos, seg, (idx + 1) % 8, mask)
         assert float(jnp.abs(replayed - free)[:n].max()) < 1e-5
         assert float(jnp.abs(other - free)[p - 1 : n - 1].max()) > 1e-3
+
+
+def test_chunked_prefill_rows_wait_for_the_sampling_chunk_and_start_where_asked():
+    """The worker side of the capture without a server: a prompt of 6 split into chunks of 4 and 2, then a decode
+    step; the scheduler wants rows from position 4 (routed_experts_prompt_start)."""
+    from types import SimpleNamespace
+
+    from primejax.inference.routed_capture import _Capture, _step_rows
+
+    capture = _Capture(num_layers=2, top_k=2, num_experts=8)
+    runner = SimpleNamespace(_pj_pending={})
+
+    def step(computed: int, n: int, total: int, want: int, finished=()):
+        ids = np.stack([np.arange(computed, computed + n), np.arange(computed, computed + n) + 100], axis=1)
+        capture.capture(1, torch.as_tensor(ids % 8 + [[0, 0]] * n))  # layer 1 only: layer 0 is dense
+        runner._pj_layout = (["a"], np.asarray([n]), np.asarray([computed]), [total])
+        meta = SimpleNamespace(requests={"a": want}, finished_requests=finished)
+        return _step_rows(runner, capture, meta)
+
+    assert step(0, 4, 6, want=4) == {}  # chunk 1 computes positions 0-3: nothing wanted yet, nothing sampled
+    out = step(4, 2, 6, want=4)["a"]  # chunk 2 computes 4-5 and samples
+    assert out.token_start == 4 and out.rows.shape == (2, 2, 2) and not out.rows[:, 0].any()
+    np.testing.assert_array_equal(out.rows[:, 1, 0], [4, 5])
+    out = step(6, 1, 7, want=6)["a"]  # decode: position 6
+    assert out.token_start == 6 and out.rows[0, 1, 0] == 6
+
+    # rows wanted from inside a chunk that does not sample wait for the chunk that does
+    runner._pj_pending = {}
+    assert step(0, 4, 6, want=2) == {} and runner._pj_pending["a"][0] == 2
+    out = step(4, 2, 6, want=2)["a"]
+    assert out.token_start == 2 and out.rows[:, 1, 0].tolist() == [2, 3, 4, 5]
+    assert step(6, 1, 7, want=6, finished=("b",))["a"].token_start == 6 and runner._pj_pending == {}
+
+
+def test_install_is_a_no_op_unless_enabled(monkeypatch):
+    from vllm.config.vllm import VllmConfig
+
+    from primejax.inference import routed_capture
+
+    monkeypatch.delenv(routed_capture.CAPTURE_ENV, raising=False)
+    before = VllmConfig._verify_aux_output_compatibility
+    routed_capture.install()
+    assert VllmConfig._verify_aux_output_compatibility is before
