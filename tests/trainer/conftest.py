@@ -54,6 +54,13 @@ def tiny_cfg() -> ModelConfig:
 
 
 @pytest.fixture(scope="session")
+def make_config():
+    """`tiny_config` as a fixture: `from conftest import` inside a test finds whichever conftest pytest
+    imported last, which depends on the directories collected in the run."""
+    return tiny_config
+
+
+@pytest.fixture(scope="session")
 def make_samples():
     """`random_samples` as a fixture (test modules do not import conftest)."""
     return random_samples

@@ -15,10 +15,8 @@ from primejax.trainer.moe_metrics import flatten_moe_metrics
 from primejax.trainer.step import make_grad_fn, to_micro_batches
 
 
-def test_moe_step_metrics_and_aux_losses(make_samples):
-    from conftest import tiny_config
-
-    cfg = tiny_config(
+def test_moe_step_metrics_and_aux_losses(make_samples, make_config):
+    cfg = make_config(
         model_type="qwen3_moe",
         num_layers=3,
         num_experts=4,
