@@ -23,7 +23,12 @@ def get_config():
     c.orchestrator.envs = ConfigDict(
         {
             "calc": _env(
-                "tests.envs.vf_calc_taskset", size=64, max_operand=9, max_turns=3, max_output_tokens=256
+                "tests.envs.vf_calc_taskset",
+                size=64,
+                max_operand=9,
+                require_tool=True,
+                max_turns=3,
+                max_output_tokens=256,
             )
         }
     )

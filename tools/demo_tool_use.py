@@ -16,6 +16,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from primejax.envs.registry import load_env
@@ -117,6 +118,14 @@ def read_metrics(run: Path) -> list[dict]:
     return [r for r in rows if "reward/mean" in r]
 
 
+def moving_mean(values: list[float], window: int = 5) -> list[float]:
+    """Trailing mean over up to `window` steps: one step's batch is a noisy estimate."""
+    return [
+        sum(values[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window))
+        for i in range(len(values))
+    ]
+
+
 def plot(points: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -125,8 +134,13 @@ def plot(points: list[dict], out: Path) -> None:
 
     steps = [p["step"] for p in points]
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(steps, [p["reward"] for p in points], label="reward (correct answer)")
-    ax.plot(steps, [p["well_formed"] for p in points], label="rollouts with a well-formed tool call")
+    for key, label, color in (
+        ("reward", "reward (correct answer)", "C0"),
+        ("well_formed", "rollouts with a well-formed tool call", "C1"),
+    ):
+        values = [p[key] for p in points]
+        ax.plot(steps, values, color=color, alpha=0.3, linewidth=1)
+        ax.plot(steps, moving_mean(values), color=color, label=f"{label}, 5-step mean")
     ax.set_xlabel("RL step")
     ax.set_ylim(0, 1.05)
     ax.legend(loc="lower right", fontsize=8)
@@ -148,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8731, help="the inference server's port (8000 is often taken)")
     p.add_argument("--smoke", action="store_true", help="2 SFT + 2 RL steps: proves the path, learns nothing")
     a = p.parse_args(argv)
+    t0 = time.perf_counter()
     sft_steps, rl_steps = (2, 2) if a.smoke else (a.sft_steps, a.rl_steps)
     run = Path(a.out) / a.name
     Path(a.out).mkdir(parents=True, exist_ok=True)
@@ -203,6 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             f"malformed {pt['malformed']:.3f}"
         )
     plot(points, run / "tool_demo.png")
+    k = min(5, len(points))
+    for key in ("reward", "well_formed"):
+        first, last = (sum(p[key] for p in part) / k for part in (points[:k], points[-k:]))
+        print(f"{key}: mean of the first {k} steps {first:.3f} -> of the last {k} steps {last:.3f}")
+    print(
+        f"wall time {time.perf_counter() - t0:.0f} s; curves in {run / 'tool_demo.png'} and TensorBoard "
+        f"({run / 'tensorboard'})"
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from primejax.envs.registry import load_env
 from primejax.models.tiny import build_tokenizer
 from primejax.orchestrator.renderer import build_renderer, parse_message
 from primejax.sft.data import conversation_to_sample
@@ -56,3 +57,19 @@ def test_demo_tokenizer_renders_the_same_text_in_a_tenth_of_the_tokens(tmp_path)
     [call] = message["tool_calls"]
     assert call["function"]["name"] == "calc_add"
     assert json.loads(call["function"]["arguments"]) == {"a": 3, "b": 4}
+
+
+def test_require_tool_scores_only_answers_computed_with_the_calculator(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.envs.test_verifiers_driver import TASKSET, call, run_group
+
+    build_tokenizer(tmp_path, tool_tokens=True)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    env = load_env(TASKSET, {"size": 2, "max_operand": 9})
+    data = env.tasks[0].data
+    guessed = [data.answer]  # the right number, no tool call
+    computed = [call(f"calc_{data.op}", a=data.a, b=data.b), data.answer]
+    for require, script, reward in ((False, guessed, 1.0), (True, guessed, 0.0), (True, computed, 1.0)):
+        rollout, *_ = run_group(tok, script, max_operand=9, require_tool=require)
+        assert rollout.ok and rollout.reward == reward, (require, script, rollout.reward)

@@ -60,6 +60,9 @@ class Calculator(vf.Toolset[CalcToolsetConfig, CalcState]):
 
 class CalcTaskConfig(vf.TaskConfig):
     max_calls: int = 3
+    # The answer counts only if a calculator tool ran: with small operands a guess is right often enough that
+    # RL otherwise learns to skip the (riskier) tool call and guess (seen in the tool-use demo).
+    require_tool: bool = False
 
 
 class CalcTask(vf.Task[CalcData, CalcState, CalcTaskConfig]):
@@ -82,6 +85,8 @@ class CalcTask(vf.Task[CalcData, CalcState, CalcTaskConfig]):
 
     @vf.reward
     async def correct(self, trace) -> float:
+        if self.config.require_tool and trace.state.calls == 0:
+            return 0.0
         return float(trace.last_reply.strip() == self.data.answer)
 
     @vf.metric
@@ -96,11 +101,13 @@ class CalcTasksetConfig(vf.TasksetConfig):
     # The tool-use demo narrows the range: a tiny model learns to copy few distinct numbers sooner.
     min_operand: int = 2
     max_operand: int = 40
+    require_tool: bool = False  # see CalcTaskConfig
 
 
 class CalcTaskset(vf.Taskset[CalcTask, CalcTasksetConfig]):
     def load(self):
         rng = random.Random(self.config.seed)
+        task_config = self.config.task.model_copy(update={"require_tool": self.config.require_tool})
         for _ in range(self.config.size):
             lo, hi = self.config.min_operand, self.config.max_operand
             op, a, b = rng.choice(sorted(OPS)), rng.randint(lo, hi), rng.randint(lo, hi)
@@ -114,7 +121,7 @@ class CalcTaskset(vf.Taskset[CalcTask, CalcTasksetConfig]):
                     a=a,
                     b=b,
                 ),
-                self.config.task,
+                task_config,
             )
 
 
