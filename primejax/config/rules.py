@@ -45,8 +45,16 @@ def _check_routing_replay(c: Config) -> None:
     """Routing replay needs an MoE policy and a server that returns routed experts (docs/moe.md)."""
     if c.inference.enabled and not c.inference.return_routed_experts:
         raise ConfigError("inference.return_routed_experts", "must be True with orchestrator.routing_replay")
+    from pathlib import Path
+
     from primejax.inference.routed_experts import RoutingShape
 
+    tiny = c.model.build_tiny
+    if tiny.enabled and not (Path(c.model.path) / "config.json").exists():  # the launcher builds it first
+        if tiny.family != "qwen3_moe":
+            raise ConfigError("orchestrator.routing_replay", f"needs an MoE model; model.build_tiny.family is "
+                                                             f"{tiny.family!r}")
+        return
     try:
         routing = RoutingShape.of_model_dir(c.model.path)
     except (OSError, ValueError) as e:

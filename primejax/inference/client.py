@@ -88,6 +88,12 @@ class InferenceClient:
             transport=transport,
         )
 
+    async def openai_endpoint(self) -> tuple[str, str]:
+        """(server root URL, served model name) of the least-loaded server, for an environment that samples
+        through a client of its own (verifiers' own rollout loop)."""
+        url = self._pick()
+        return url, await self._model_name(url)
+
     # ---------------------------------------------------------------- transport
     def _pick(self) -> str:
         least = min(self._in_flight.values())

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
-# vLLM 0.31 returns routed experts only from its V2 model runner ("AuxOutput Connector requires Model Runner V2").
-ROUTED_EXPERTS_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+# vLLM 0.31 returns routed experts only from its V2 model runner ("AuxOutput Connector requires Model Runner V2"),
+# which needs Triton; on CPU primejax's capture (routed_capture.py, no-op elsewhere) stands in for it.
+ROUTED_EXPERTS_ENV = {"PRIMEJAX_ROUTED_EXPERTS_CAPTURE": "1"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class RoutingShape:
     num_layers: int
     top_k: int
     num_experts: int
+    #: the MoE layers' indices among all layers: vLLM's rows have a column per hidden layer (0 for dense ones)
+    sparse_layers: tuple[int, ...] = ()
 
     @classmethod
     def of_model_dir(cls, model_dir: str | os.PathLike) -> RoutingShape | None:
@@ -42,7 +45,7 @@ class RoutingShape:
         cfg = ModelConfig.from_model_dir(model_dir)
         if not cfg.num_experts:
             return None
-        return cls(len(cfg.sparse_layers()), cfg.num_experts_per_tok, cfg.num_experts)
+        return cls(len(cfg.sparse_layers()), cfg.num_experts_per_tok, cfg.num_experts, cfg.sparse_layers())
 
 
 def request_fields(prompt_len: int) -> dict:
@@ -51,9 +54,17 @@ def request_fields(prompt_len: int) -> dict:
 
 
 def decode(
-    b64: str | None, completion_len: int, num_layers: int, top_k: int, num_experts: int = 256
+    b64: str | None,
+    completion_len: int,
+    num_layers: int,
+    top_k: int,
+    num_experts: int = 256,
+    sparse_layers: tuple[int, ...] = (),
 ) -> np.ndarray:
     """uint8 [completion_len, layers, top_k] from a reply's `routed_experts` (requested via request_fields).
+
+    vLLM writes a column per hidden layer; with `sparse_layers` (the MoE layers' indices) a wider array keeps
+    only those columns, so a model with dense layers (mlp_only_layers) gets its MoE layers' rows.
 
     Raises ValueError naming the field when the array is missing or its shape or values do not fit.
     """
@@ -70,6 +81,8 @@ def decode(
         raise ValueError(
             f"routed_experts: dtype {getattr(arr, 'dtype', type(arr).__name__)}, expected integers"
         )
+    if sparse_layers and arr.ndim == 3 and arr.shape[1] > max(sparse_layers) and arr.shape[1] != num_layers:
+        arr = arr[:, list(sparse_layers)]
     if arr.ndim != 3 or arr.shape[1:] != (num_layers, top_k):
         raise ValueError(f"routed_experts: shape {arr.shape}, expected [tokens, {num_layers}, {top_k}]")
     if arr.shape[0] < completion_len:
@@ -80,4 +93,7 @@ def decode(
             f"routed_experts: expert ids {int(arr.min())}..{int(arr.max())} outside "
             f"[0, num_experts={num_experts})"
         )
+    if top_k > 1 and arr.size and (np.diff(np.sort(arr, axis=-1), axis=-1) == 0).any():
+        # A top-k never repeats an expert; all-zero rows are what a layer that reported nothing leaves.
+        raise ValueError("routed_experts: a token lists the same expert twice in one layer (not a top-k)")
     return np.ascontiguousarray(arr.astype(np.uint8))

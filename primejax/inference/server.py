@@ -140,6 +140,9 @@ class ServerSpec:
             "--logprobs-mode", "processed_logprobs",
             "--worker-extension-cls", WORKER_EXTENSION,
             "--generation-config", "vllm",  # sampling defaults come from the request, not the model dir
+            # Token-in/token-out /inference/v1/generate: verifiers' own rollout loop samples through it
+            # (primejax/envs/verifiers_loop.py); primejax's own client uses /v1/completions.
+            "--enable-scale-out",
         ]
         if self.enforce_eager:
             args.append("--enforce-eager")

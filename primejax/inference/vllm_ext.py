@@ -211,8 +211,13 @@ _ENGINE_CLS: type | None = None
 
 
 def register_transfer_engine() -> None:
-    """vLLM general plugin: put primejax's engine into vLLM's weight-transfer registry (idempotent)."""
+    """vLLM general plugin: put primejax's engine into vLLM's weight-transfer registry (idempotent); also
+    installs the CPU routed-experts capture when the server returns routed experts (routed_capture.py)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from primejax.inference import routed_capture
+
+    routed_capture.install()
 
     try:
         WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, _transfer_engine_cls())

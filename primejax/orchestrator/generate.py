@@ -13,6 +13,11 @@ request, one trajectory step, structured parse), the group's shared first reques
 first prompt is the example's. Tool calls the renderer could not parse are counted
 (`errors/malformed_tool_call`) and handed to the env in `state["malformed_tool_calls"]` for that turn.
 
+Environments that sample through a client of their own (`samples_itself`: verifiers' own rollout loop, a
+harness program per rollout) get the server's endpoint and the sampling settings, and hand back each model
+call's exact ids and logprobs as the server returned them; every turn is tagged with the policy version read
+when the rollout started (a weight update during it can only make later turns newer).
+
 Failure isolation: an exception from the environment (follow-up turn or scoring) or from a later-turn request
 fails that rollout only (`rollout.error`, logged and counted). A failed first request fails its group.
 """
@@ -29,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from primejax.envs.base import Endpoint
 from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
@@ -142,7 +148,8 @@ class GroupGenerator:
         routed = None
         if self.routing is not None and getattr(completion, "routed_experts", None) is not None:
             r = self.routing
-            routed = decode_routed(completion.routed_experts, len(ids), r.num_layers, r.top_k, r.num_experts)
+            routed = decode_routed(completion.routed_experts, len(ids), r.num_layers, r.top_k, r.num_experts,
+                                   r.sparse_layers)
         elif self.routing is not None and sampler is None:
             raise RuntimeError("orchestrator.routing_replay is on but the server returned no routed_experts "
                                "(is inference.return_routed_experts on?)")
@@ -159,6 +166,9 @@ class GroupGenerator:
         example = slot.env.example(index)
         rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
                             messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]
+        if slot.env.samples_itself:
+            await asyncio.gather(*(self._sampled_by_env(slot, r, step, member) for member, r in enumerate(rollouts)))
+            return rollouts
         if slot.env.drives_rollout and not example.prompt:  # the env opens the conversation itself
             await asyncio.gather(*(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts)))
             return rollouts
@@ -231,6 +241,40 @@ class GroupGenerator:
                 stage.name = "request"
                 seed = self._seed(step, rollout.group_id, len(rollout.steps), member)
                 (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
+
+        await self._settle(slot, rollout, stage, play)
+
+    async def _sampled_by_env(self, slot: EnvSlot, rollout: Rollout, step: int, member: int) -> None:
+        """A rollout sampled by the environment's own client (`samples_itself`, see module docstring)."""
+        s = self.settings
+        stage = _Stage("env")
+
+        async def play() -> None:
+            if self.routing is not None:
+                raise RuntimeError("orchestrator.routing_replay needs the routed experts of every call: drive this "
+                                   "env in process (args.driver = 'in_process')")
+            client = _sampler(slot) or self.client
+            base_url, model = await client.openai_endpoint()
+            endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
+                                temperature=s.temperature, top_p=s.top_p,
+                                max_turns=max(1, min(slot.env.max_turns, s.max_turns)),
+                                seed=self._seed(step, rollout.group_id, 0, member))
+            async with self.semaphore:
+                version = self.policy.version
+                sampled = await slot.env.sample_rollout(rollout.example, rollout.state, endpoint)
+            for turn in sampled.turns:
+                if len(turn.completion_logprobs) != len(turn.completion_ids):
+                    raise RuntimeError(f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_ids)} tokens")
+                rollout.steps.append(TrajectoryStep(prompt_ids=list(turn.prompt_ids),
+                                                    completion_ids=list(turn.completion_ids),
+                                                    completion_logprobs=[float(x) for x in turn.completion_logprobs],
+                                                    finish_reason=turn.finish_reason, policy_version=version))
+                self.stats.requests += 1
+                self.stats.prompt_tokens += len(turn.prompt_ids)
+                self.stats.completion_tokens += len(turn.completion_ids)
+            rollout.messages = list(sampled.messages)
+            if not rollout.steps:
+                raise RuntimeError("the environment finished without calling the model")
 
         await self._settle(slot, rollout, stage, play)
 

@@ -311,9 +311,12 @@ class Orchestrator:
                 self.monitor.text(result.step, "rollout", json.dumps(example.messages, indent=1)[:4000])
 
     async def close(self) -> None:
-        """Close the algorithms' own model clients (frozen teachers / samplers); the policy client is the caller's."""
+        """Close the algorithms' own model clients (frozen teachers / samplers) and what the environments hold
+        open (verifiers' serving resources); the policy client is the caller's."""
         for slot in self.slots:
             await slot.algorithm.close()
+            if (aclose := getattr(slot.env, "aclose", None)) is not None:  # duck-typed test envs have none
+                await aclose()
 
     async def run(self, max_steps: int) -> list[dict[str, float]]:
         """Run steps next_step..max_steps; return each step's metrics."""

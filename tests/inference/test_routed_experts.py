@@ -18,7 +18,8 @@ def _b64(arr: np.ndarray) -> str:
 
 
 def test_decode_keeps_one_row_per_completion_token_as_uint8():
-    arr = np.random.default_rng(0).integers(0, 128, size=(7, 3, 8)).astype(np.int32)
+    # distinct experts per (token, layer), as a top-k is
+    arr = np.argsort(np.random.default_rng(0).random((7, 3, 128)), axis=-1)[..., :8].astype(np.int32)
     out = decode(_b64(arr), completion_len=5, num_layers=3, top_k=8)
     assert out.dtype == np.uint8 and out.shape == (5, 3, 8)
     np.testing.assert_array_equal(out, arr[:5])
@@ -31,6 +32,7 @@ def test_decode_keeps_one_row_per_completion_token_as_uint8():
         (np.zeros((4, 2, 8), np.uint8), "shape"),
         (np.zeros((2, 3, 8), np.uint8), "2 rows for 5"),
         (np.full((6, 3, 8), 300, np.int32), "num_experts"),
+        (np.zeros((6, 3, 8), np.uint8), "same expert twice"),
     ],
 )
 def test_decode_rejects_bad_arrays_with_one_line(arr, match):

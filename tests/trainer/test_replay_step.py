@@ -10,24 +10,22 @@ import numpy as np
 from flax import nnx
 
 from primejax.contracts.batch import TrainingSample, pack_samples, read_batch, write_batch
+from primejax.models.config import ModelConfig
 from primejax.models.sharding import init_model
 from primejax.trainer.step import _micro_loss_fn, to_micro_batches
 
 E, K = 4, 2
 
 
-def _cfg():
-    from conftest import tiny_config
-
+def _cfg() -> ModelConfig:
     # layer 0 dense: the replayed experts are per MoE layer (2 of 3 layers)
-    return tiny_config(
-        model_type="qwen3_moe",
-        num_layers=3,
-        num_experts=E,
-        num_experts_per_tok=K,
-        moe_intermediate_size=16,
-        mlp_only_layers=(0,),
-    )
+    return ModelConfig(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
+        num_kv_heads=1, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, qk_norm=True, attention_bias=False, max_position_embeddings=256,
+        param_dtype="float32", compute_dtype="float32", attention_impl="xla",
+        num_experts=E, num_experts_per_tok=K, moe_intermediate_size=16, mlp_only_layers=(0,),
+    )  # fmt: skip
 
 
 def _samples(cfg, seed=0):

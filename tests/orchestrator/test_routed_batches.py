@@ -313,7 +313,7 @@ def test_routing_replay_config_rules_and_server_flag(tmp_path):
 
     moe = _model_dir(tmp_path, 4)
     cfg = typed(_config(tmp_path, moe, return_routed_experts=True))
-    assert RoutingShape.of_model_dir(moe) == RoutingShape(2, 2, 4)
+    assert RoutingShape.of_model_dir(moe) == RoutingShape(2, 2, 4, (1, 2))
     assert ROUTED_EXPERTS_FLAG in ServerSpec.from_config(cfg.inference, str(moe)).argv()
     assert (
         ROUTED_EXPERTS_FLAG
@@ -325,3 +325,10 @@ def test_routing_replay_config_rules_and_server_flag(tmp_path):
         typed(_config(tmp_path, _model_dir(tmp_path, 0), return_routed_experts=True))
     with pytest.raises(ConfigError, match="model.path.*config.json"):
         typed(_config(tmp_path, tmp_path / "nowhere", return_routed_experts=True))
+    # a tiny model the launcher builds first: its family decides
+    c = _config(tmp_path, tmp_path / "nowhere", return_routed_experts=True)
+    c.model.build_tiny.enabled = True
+    with pytest.raises(ConfigError, match="orchestrator.routing_replay.*'qwen3'"):
+        typed(c)
+    c.model.build_tiny.family = "qwen3_moe"
+    assert typed(c).orchestrator.routing_replay
