@@ -74,8 +74,12 @@ def _step(
     warmup=2,
     trace=False,
     scan=False,
+    guard="fused",
+    tuned=False,
 ):
     return dict(
+        guard=guard,
+        tuned=tuned,
         kind="step",
         name=name,
         seq=seq,
@@ -95,11 +99,17 @@ def _step(
 
 
 CONFIGS = {
+    # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
+    # Rows: main's step (default tiles, unrolled layers, select guard) as the same-run baseline, then each lever.
     "gpu1": [
+        dict(kind="tiles", name="tiles", budget=150),
+        _step("moe4:16k:main", 16384, 4, guard="select"),
+        _step("moe4:16k:tuned", 16384, 4, tuned=True),
+        _step("moe4:16k:tuned:scan", 16384, 4, tuned=True, scan=True, trace=True),
+        _step("moe8:16k:bf16state:tuned:scan", 16384, 8, pdt="bfloat16", tuned=True, scan=True),
+    ],
+    "gpu1:checks": [
         dict(kind="gmm", name="gmm"),
-        # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
-        _step("moe4:16k", 16384, 4, trace=True),
-        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16"),
         _step("moe4:2k", 2048, 4),
         _step("moe4:2k:xla_ragged_dot", 2048, 4, gmm="xla"),
     ],
@@ -148,8 +158,10 @@ CONFIGS = {
         ),
     ],
     "smoke": [
+        dict(kind="tiles", name="tiles", smoke=True),
         dict(kind="gmm", name="gmm", smoke=True),
-        _step("tiny:256", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1),
+        _step("tiny:256", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, guard="select"),
+        _step("tiny:256:tuned:scan", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, tuned=True, scan=True),
         _step(
             "tiny:256:ep",
             256,
@@ -289,6 +301,191 @@ def gmm_worker(c: dict) -> dict:
     return dict(checks=checks, ok=ok, speed=speed, impl=fast, device=str(jax.devices()[0].device_kind))
 
 
+# ------------------------------------------------------------------------------------------------ tile sweep
+
+# Qwen3-30B-A3B expert kernels: (op, contracting, output) as gmm.tiles_for keys them; gate_up is D=2048 -> 2I=1536,
+# down I=768 -> D=2048.
+TILE_SHAPES = [
+    ("fwd", 2048, 1536),
+    ("dlhs", 1536, 2048),
+    ("wgrad", 2048, 1536),
+    ("fwd", 768, 2048),
+    ("dlhs", 2048, 768),
+    ("wgrad", 768, 2048),
+]
+SMEM_BYTES = 227 * 1024
+
+
+def _tile_candidates(op: str, k: int, n: int, grid_block_ns=(1,)) -> list[dict]:
+    """Tile arguments that tile the shape and fit shared memory (bf16 operand stages + the output tile), the
+    accumulator at most 128 x 256 fp32 (one warpgroup's registers)."""
+    out = []
+    for bm, bn in ((128, 128), (128, 192), (192, 128), (64, 256), (128, 256), (64, 128), (64, 192)):
+        for bk in (64, 128):
+            for stages in (2, 3, 4, 5, 6):
+                for gbn in grid_block_ns:
+                    rows = k if op == "wgrad" else None  # wgrad tiles the output's K rows by block_m
+                    if (rows is not None and rows % bm) or n % (bn * gbn) or k % bk:
+                        continue
+                    smem = stages * (bm * bk + bk * bn) * 2 + bm * bn * 2
+                    if smem > SMEM_BYTES or (bk == 128 and stages > 3):
+                        continue
+                    out.append(
+                        dict(
+                            block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=stages, grid_block_n=gbn
+                        )
+                    )
+    # the likeliest first (the sweep may run out of budget): block_k 64, 4 then 3, 5, 6, 2 stages, tile order above
+    rank = {4: 0, 3: 1, 5: 2, 6: 3, 2: 4}
+    return sorted(out, key=lambda t: (t["block_k"] != 64, rank[t["max_concurrent_steps"]]))
+
+
+def tiles_worker(c: dict) -> dict:
+    """Time the grouped-matmul kernels over tile sizes at the expert shapes (16k tokens x top-8 rows, 128
+    uniformly loaded experts); best per shape, checked against the default tiles' output."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from primejax.models import gmm
+
+    if jax.devices()[0].platform != "gpu":  # --smoke: the Mosaic GPU kernels need Hopper; prove the plumbing
+        return dict(
+            device=str(jax.devices()[0].device_kind),
+            tiles=[
+                dict(
+                    op=op,
+                    k=k,
+                    n=n,
+                    default_ms=0.0,
+                    best_ms=0.0,
+                    best=dict(gmm.DEFAULT_TILES),
+                    default_tflops=0.0,
+                    best_tflops=0.0,
+                    n_tried=len(_tile_candidates(op, k, n)),
+                    n_failed=0,
+                    routing_err={},
+                    top=[],
+                )
+                for op, k, n in TILE_SHAPES
+            ],
+        )
+    rng = np.random.default_rng(0)
+    rows, g = 16384 * 8, 128
+    shapes = TILE_SHAPES
+    sizes = jnp.asarray(_sizes("uniform", rows, g, rng))
+
+    def kernel(op, k, n, tiles, group_sizes=sizes):
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+        if op == "wgrad":
+            return jax.jit(
+                lambda a, b: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+                    a, b, group_sizes=group_sizes, **tiles
+                )
+            )
+        return jax.jit(
+            lambda a, w: ragged_dot_mgpu.ragged_dot(
+                a, w, group_sizes=group_sizes, transpose_rhs=op == "dlhs", **tiles
+            )
+        )
+
+    def _with_sizes(kernel, op, k, n, tiles, group_sizes):
+        return kernel(op, k, n, tiles, group_sizes)
+
+    def operands(op, k, n):
+        a = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+        if op == "wgrad":
+            return a, jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16)
+        # fwd: rhs [G, K, N]; dlhs: rhs stored [G, N_out, K_contract] and read transposed
+        w = rng.standard_normal((g, n, k) if op == "dlhs" else (g, k, n)) / np.sqrt(k)
+        return a, jnp.asarray(w, jnp.bfloat16)
+
+    def timed(f, args, iters=5):
+        jax.block_until_ready(f(*args))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / iters
+
+    results = {}
+    ops = {}
+    for op, k, n in shapes:
+        args = operands(op, k, n)
+        ops[(op, k, n)] = args
+        ref = kernel(op, k, n, gmm.DEFAULT_TILES)(*args)
+        t = timed(kernel(op, k, n, gmm.DEFAULT_TILES), args)
+        results[(op, k, n)] = dict(
+            default_ms=t * 1e3, ref=ref, tried=[], best=dict(gmm.DEFAULT_TILES), best_ms=t * 1e3
+        )
+    # round robin over the shapes so that each gets its share of the budget; grid_block_n only on the
+    # two best tiles of the first phase
+    queues = {key: _tile_candidates(*key) for key in results}
+    start, budget = time.perf_counter(), c.get("budget", 150)
+    for phase in (0, 1):
+        deadline = start + budget * (0.7 if phase == 0 else 1.0)
+        if phase == 1:
+            for key, r in results.items():
+                top = sorted(r["tried"], key=lambda x: x["ms"])[:2]
+                queues[key] = [
+                    dict(t["tiles"], grid_block_n=gb)
+                    for t in top
+                    for gb in (2, 4, 8)
+                    if key[2] % (t["tiles"]["block_n"] * gb) == 0
+                ]
+        while any(queues.values()) and time.perf_counter() < deadline:
+            for key, q in queues.items():
+                if not q or time.perf_counter() >= deadline:
+                    continue
+                tiles = q.pop(0)
+                r = results[key]
+                try:
+                    f = kernel(*key, tiles)
+                    out = f(*ops[key])
+                    err = _rel(out.astype(jnp.float32), r["ref"].astype(jnp.float32))
+                    ms = timed(f, ops[key]) * 1e3
+                except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
+                    r["tried"].append(dict(tiles=tiles, error=repr(e)[:120]))
+                    continue
+                r["tried"].append(dict(tiles=tiles, ms=ms, err=err))
+                if err < 1e-2 and ms < r["best_ms"]:
+                    r["best"], r["best_ms"] = tiles, ms
+    # the chosen tiles against the default ones on skewed and half-empty routing (partial and empty tiles)
+    for (op, k, n), r in results.items():
+        r["routing_err"] = {}
+        for kind in ("skewed", "empty"):
+            gs = jnp.asarray(_sizes(kind, rows, g, rng))
+            f_best = _with_sizes(kernel, op, k, n, r["best"], gs)
+            f_def = _with_sizes(kernel, op, k, n, gmm.DEFAULT_TILES, gs)
+            try:
+                a, b = f_best(*ops[(op, k, n)]), f_def(*ops[(op, k, n)])
+                r["routing_err"][kind] = _rel(a.astype(jnp.float32), b.astype(jnp.float32))
+            except Exception as e:  # noqa: BLE001
+                r["routing_err"][kind] = repr(e)[:120]
+    table = []
+    for (op, k, n), r in results.items():
+        tried = [t for t in r["tried"] if "ms" in t]
+        flops = 2.0 * rows * k * n
+        table.append(
+            dict(
+                op=op,
+                k=k,
+                n=n,
+                default_ms=r["default_ms"],
+                best_ms=r["best_ms"],
+                best=r["best"],
+                default_tflops=flops / r["default_ms"] / 1e9,
+                best_tflops=flops / r["best_ms"] / 1e9,
+                n_tried=len(tried),
+                n_failed=len(r["tried"]) - len(tried),
+                routing_err=r["routing_err"],
+                top=sorted(tried, key=lambda x: x["ms"])[:5],
+            )
+        )
+    return dict(tiles=table, device=str(jax.devices()[0].device_kind))
+
+
 # ------------------------------------------------------------------------------------------------ step worker
 
 
@@ -317,6 +514,7 @@ def step_worker(c: dict) -> dict:
     import optax
     from flax import nnx
 
+    from primejax.models import gmm
     from primejax.models.sharding import init_model, make_mesh
     from primejax.trainer import optim
     from primejax.trainer import step as step_mod
@@ -325,6 +523,7 @@ def step_worker(c: dict) -> dict:
     from tools.bench_trainer import _fake_batch
     from tools.bench_trainer_profile import _jax_peak_gib, _memory_analysis, _timed, _trace_summary
 
+    gmm.set_tile_overrides({(t["op"], t["k"], t["n"]): t["best"] for t in c.get("tiles") or []})
     cfg = _model_config(c)
     rows, seq = c["rows"], c["seq"]
     mesh = make_mesh(fsdp=-1, devices=jax.devices()[: c["devices"]])
@@ -345,6 +544,7 @@ def step_worker(c: dict) -> dict:
             chunk_size=2048,
             max_segments=1,
             saved_logits_max_bytes=saved_logits_max_bytes(-1),
+            guard=c.get("guard", "fused"),
         )
         host = {
             k: np.asarray(v)[None]
@@ -386,7 +586,7 @@ def step_worker(c: dict) -> dict:
     )
 
 
-WORKERS = {"gmm": gmm_worker, "step": step_worker}
+WORKERS = {"gmm": gmm_worker, "step": step_worker, "tiles": tiles_worker}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -443,6 +643,27 @@ def _table(results: list[dict]) -> str:
                     f"  {s['shape']:<8} {s['impl']:<5} fwd {s['fwd_ms']:7.2f} ms {s['fwd_tflops']:6.0f} TF/s   "
                     f"bwd {s['bwd_ms']:7.2f} ms {s['bwd_tflops']:6.0f} TF/s"
                 )
+    for r in results:
+        if r["kind"] != "tiles":
+            continue
+        if r.get("error"):
+            out.append(f"tiles: FAIL {r['error'][-600:]}")
+            continue
+        out.append(
+            f"grouped-matmul tiles ({r['device']}): op K->N  default  best  (block_m,n,k,stages,grid_block_n)"
+        )
+        for t in r["tiles"]:
+            b = t["best"]
+            out.append(
+                f"  {t['op']:<5} {t['k']:>5}->{t['n']:<5} {t['default_ms']:6.2f} ms {t['default_tflops']:4.0f} TF/s"
+                f"  {t['best_ms']:6.2f} ms {t['best_tflops']:4.0f} TF/s  ({b['block_m']},{b['block_n']},"
+                f"{b['block_k']},{b['max_concurrent_steps']},{b['grid_block_n']})  tried {t['n_tried']}"
+                f" failed {t['n_failed']}  vs default: "
+                + " ".join(
+                    f"{k}={v:.1e}" if isinstance(v, float) else f"{k}=FAIL"
+                    for k, v in t["routing_err"].items()
+                )
+            )
     head = f"{'config':<26}{'gpus':>5}{'tok/s':>9}{'tok/s/gpu':>10}{'MFU':>7}{'MFU/2attn':>10}{'step ms':>9}{'peak GiB':>9}"
     out += [head, "-" * len(head)]
     for r in results:
@@ -452,7 +673,8 @@ def _table(results: list[dict]) -> str:
             out.append(
                 f"{r['name']:<26}{r['devices']:>5}{r['tok_s']:>9.0f}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
                 f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
-                f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} compile={r['compile_s']:.0f}s"
+                f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']} guard={r['guard']}"
+                f" tiles={'tuned' if r.get('tiles') else 'table'} compile={r['compile_s']:.0f}s"
             )
         else:
             out.append(
@@ -482,13 +704,17 @@ def main() -> None:
         configs = [c for c in configs if c["name"] in set(args.only.split(","))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, start = [], time.perf_counter()
+    results, start, tuned = [], time.perf_counter(), None
     for c in configs:
         left = args.budget - (time.perf_counter() - start) if args.budget else args.timeout
         if left < 20:
             results.append(dict(c, error="skipped: suite budget spent"))
             continue
+        if c.get("tuned") and tuned is not None:
+            c = dict(c, tiles=tuned)
         r = _run_child(c, min(args.timeout, left), args.smoke)
+        if r["kind"] == "tiles" and r.get("tiles"):
+            tuned = [{k: t[k] for k in ("op", "k", "n", "best")} for t in r["tiles"]]
         results.append(r)
         print(json.dumps(r)[:3000], flush=True)
         (out / "bench_moe.jsonl").open("a").write(json.dumps(r) + "\n")
