@@ -102,7 +102,7 @@ CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
     # Rows: main's step (default tiles, unrolled layers, select guard) as the same-run baseline, then each lever.
     "gpu1": [
-        dict(kind="tiles", name="tiles", budget=150),
+        dict(kind="tiles", name="tiles", budget=130),
         _step("moe4:16k:main", 16384, 4, guard="select"),
         _step("moe4:16k:tuned", 16384, 4, tuned=True),
         _step("moe4:16k:tuned:scan", 16384, 4, tuned=True, scan=True, trace=True),
