@@ -102,11 +102,11 @@ CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
     # Rows: main's step (default tiles, unrolled layers, select guard) as the same-run baseline, then each lever.
     "gpu1": [
-        dict(kind="tiles", name="tiles", budget=130),
-        _step("moe4:16k:main", 16384, 4, guard="select"),
-        _step("moe4:16k:tuned", 16384, 4, tuned=True),
+        dict(kind="tiles", name="tiles", budget=200),
+        _step("moe4:16k:scan", 16384, 4, scan=True),
         _step("moe4:16k:tuned:scan", 16384, 4, tuned=True, scan=True, trace=True),
         _step("moe8:16k:bf16state:tuned:scan", 16384, 8, pdt="bfloat16", tuned=True, scan=True),
+        _step("moe4:16k:main", 16384, 4, guard="select"),
     ],
     "gpu1:checks": [
         dict(kind="gmm", name="gmm"),
@@ -316,174 +316,155 @@ TILE_SHAPES = [
 SMEM_BYTES = 227 * 1024
 
 
-def _tile_candidates(op: str, k: int, n: int, grid_block_ns=(1,)) -> list[dict]:
+def _tile_candidates(op: str, k: int, n: int) -> list[dict]:
     """Tile arguments that tile the shape and fit shared memory (bf16 operand stages + the output tile), the
-    accumulator at most 128 x 256 fp32 (one warpgroup's registers)."""
+    accumulator at most 128 x 256 fp32 (one warpgroup's registers); the likeliest first."""
     out = []
-    for bm, bn in ((128, 128), (128, 192), (192, 128), (64, 256), (128, 256), (64, 128), (64, 192)):
+    tiles = ((128, 128), (128, 192), (192, 128), (64, 256), (128, 256), (64, 128), (64, 192))
+    for ti, (bm, bn) in enumerate(tiles):
         for bk in (64, 128):
             for stages in (2, 3, 4, 5, 6):
-                for gbn in grid_block_ns:
-                    rows = k if op == "wgrad" else None  # wgrad tiles the output's K rows by block_m
-                    if (rows is not None and rows % bm) or n % (bn * gbn) or k % bk:
+                for gbn in (1, 2, 4):
+                    if (op == "wgrad" and k % bm) or n % (bn * gbn) or k % bk:  # wgrad tiles K by block_m
                         continue
                     smem = stages * (bm * bk + bk * bn) * 2 + bm * bn * 2
                     if smem > SMEM_BYTES or (bk == 128 and stages > 3):
                         continue
-                    out.append(
-                        dict(
-                            block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=stages, grid_block_n=gbn
-                        )
+                    t = dict(
+                        block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=stages, grid_block_n=gbn
                     )
-    # the likeliest first (the sweep may run out of budget): block_k 64, 4 then 3, 5, 6, 2 stages, tile order above
-    rank = {4: 0, 3: 1, 5: 2, 6: 3, 2: 4}
-    return sorted(out, key=lambda t: (t["block_k"] != 64, rank[t["max_concurrent_steps"]]))
+                    out.append((gbn != 1, bk != 64, {4: 0, 3: 1, 5: 2, 6: 3, 2: 4}[stages], ti, t))
+    return [t for *_, t in sorted(out, key=lambda x: x[:4])]
 
 
 def tiles_worker(c: dict) -> dict:
     """Time the grouped-matmul kernels over tile sizes at the expert shapes (16k tokens x top-8 rows, 128
-    uniformly loaded experts); best per shape, checked against the default tiles' output."""
+    uniformly loaded experts): one process per shape compiling in parallel, timings serialized by a file
+    lock; best per shape among the tiles whose output equals the default tiles' (uniform, skewed, half-empty
+    routing) within 1e-2."""
+    import tempfile
+
+    if os.environ.get("JAX_PLATFORMS") == "cpu":  # --smoke: the Mosaic GPU kernels need Hopper
+        return dict(device="cpu", tiles=[_tile_row(op, k, n, [], dry=True) for op, k, n in TILE_SHAPES])
+    budget = c.get("budget", 200)
+    lock = os.path.join(tempfile.mkdtemp(), "timing.lock")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    deadline = time.time() + budget
+    procs = {}
+    for op, k, n in TILE_SHAPES:
+        job = dict(kind="tile_shape", op=op, k=k, n=n, deadline=deadline, lock=lock)
+        procs[(op, k, n)] = subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(job)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+    table, device = [], ""
+    for (op, k, n), p in procs.items():
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline + 30 - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        tried = [json.loads(ln[5:]) for ln in out.splitlines() if ln.startswith("TILE ")]
+        device = next((ln[7:] for ln in out.splitlines() if ln.startswith("DEVICE ")), device)
+        row = _tile_row(op, k, n, tried)
+        if not tried:
+            row["error"] = out[-800:]
+        table.append(row)
+    return dict(tiles=table, device=device)
+
+
+def _tile_row(op, k, n, tried, dry=False):
+    from primejax.models import gmm
+
+    rows = 16384 * 8
+    ok = [t for t in tried if "ms" in t and max(t["err"].values()) < 1e-2]
+    default = next((t for t in ok if t["tiles"] == gmm.DEFAULT_TILES), None)
+    best = min(ok, key=lambda t: t["ms"]) if ok else None
+    flops = 2.0 * rows * k * n
+    return dict(
+        op=op,
+        k=k,
+        n=n,
+        best=dict(best["tiles"] if best else gmm.DEFAULT_TILES),
+        default_ms=default["ms"] if default else 0.0,
+        best_ms=best["ms"] if best else 0.0,
+        default_tflops=flops / default["ms"] / 1e9 if default else 0.0,
+        best_tflops=flops / best["ms"] / 1e9 if best else 0.0,
+        best_err=best["err"] if best else {},
+        n_tried=len(_tile_candidates(op, k, n)) if dry else len(ok),
+        n_failed=len(tried) - len(ok),
+        top=sorted(ok, key=lambda t: t["ms"])[:6],
+    )
+
+
+def tile_shape_worker(c: dict) -> dict:
+    """One kernel shape over its tile candidates until the deadline; prints a TILE line per candidate."""
+    import fcntl
+
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
     from primejax.models import gmm
 
-    if jax.devices()[0].platform != "gpu":  # --smoke: the Mosaic GPU kernels need Hopper; prove the plumbing
-        return dict(
-            device=str(jax.devices()[0].device_kind),
-            tiles=[
-                dict(
-                    op=op,
-                    k=k,
-                    n=n,
-                    default_ms=0.0,
-                    best_ms=0.0,
-                    best=dict(gmm.DEFAULT_TILES),
-                    default_tflops=0.0,
-                    best_tflops=0.0,
-                    n_tried=len(_tile_candidates(op, k, n)),
-                    n_failed=0,
-                    routing_err={},
-                    top=[],
-                )
-                for op, k, n in TILE_SHAPES
-            ],
-        )
+    op, k, n = c["op"], c["k"], c["n"]
+    print("DEVICE " + str(jax.devices()[0].device_kind), flush=True)
     rng = np.random.default_rng(0)
-    rows, g = 16384 * 8, 128
-    shapes = TILE_SHAPES
-    sizes = jnp.asarray(_sizes("uniform", rows, g, rng))
-
-    def kernel(op, k, n, tiles, group_sizes=sizes):
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-        if op == "wgrad":
-            return jax.jit(
-                lambda a, b: transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                    a, b, group_sizes=group_sizes, **tiles
-                )
-            )
-        return jax.jit(
-            lambda a, w: ragged_dot_mgpu.ragged_dot(
-                a, w, group_sizes=group_sizes, transpose_rhs=op == "dlhs", **tiles
-            )
+    rows, g = c.get("rows", 16384 * 8), c.get("groups", 128)
+    sizes = {kind: jnp.asarray(_sizes(kind, rows, g, rng)) for kind in ("uniform", "skewed", "empty")}
+    a = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    if op == "wgrad":
+        b = jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16)
+    else:  # fwd: rhs [G, K, N]; dlhs: rhs stored [G, N_out, K_contract] and read transposed
+        b = jnp.asarray(
+            rng.standard_normal((g, n, k) if op == "dlhs" else (g, k, n)) / np.sqrt(k), jnp.bfloat16
         )
 
-    def _with_sizes(kernel, op, k, n, tiles, group_sizes):
-        return kernel(op, k, n, tiles, group_sizes)
-
-    def operands(op, k, n):
-        a = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    def compiled(tiles):
         if op == "wgrad":
-            return a, jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16)
-        # fwd: rhs [G, K, N]; dlhs: rhs stored [G, N_out, K_contract] and read transposed
-        w = rng.standard_normal((g, n, k) if op == "dlhs" else (g, k, n)) / np.sqrt(k)
-        return a, jnp.asarray(w, jnp.bfloat16)
 
-    def timed(f, args, iters=5):
-        jax.block_until_ready(f(*args))
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / iters
+            def f(x, y, gs):
+                return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, y, group_sizes=gs, **tiles)
+        else:
 
-    results = {}
-    ops = {}
-    for op, k, n in shapes:
-        args = operands(op, k, n)
-        ops[(op, k, n)] = args
-        ref = kernel(op, k, n, gmm.DEFAULT_TILES)(*args)
-        t = timed(kernel(op, k, n, gmm.DEFAULT_TILES), args)
-        results[(op, k, n)] = dict(
-            default_ms=t * 1e3, ref=ref, tried=[], best=dict(gmm.DEFAULT_TILES), best_ms=t * 1e3
-        )
-    # round robin over the shapes so that each gets its share of the budget; grid_block_n only on the
-    # two best tiles of the first phase
-    queues = {key: _tile_candidates(*key) for key in results}
-    start, budget = time.perf_counter(), c.get("budget", 150)
-    for phase in (0, 1):
-        deadline = start + budget * (0.7 if phase == 0 else 1.0)
-        if phase == 1:
-            for key, r in results.items():
-                top = sorted(r["tried"], key=lambda x: x["ms"])[:2]
-                queues[key] = [
-                    dict(t["tiles"], grid_block_n=gb)
-                    for t in top
-                    for gb in (2, 4, 8)
-                    if key[2] % (t["tiles"]["block_n"] * gb) == 0
-                ]
-        while any(queues.values()) and time.perf_counter() < deadline:
-            for key, q in queues.items():
-                if not q or time.perf_counter() >= deadline:
-                    continue
-                tiles = q.pop(0)
-                r = results[key]
-                try:
-                    f = kernel(*key, tiles)
-                    out = f(*ops[key])
-                    err = _rel(out.astype(jnp.float32), r["ref"].astype(jnp.float32))
-                    ms = timed(f, ops[key]) * 1e3
-                except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
-                    r["tried"].append(dict(tiles=tiles, error=repr(e)[:120]))
-                    continue
-                r["tried"].append(dict(tiles=tiles, ms=ms, err=err))
-                if err < 1e-2 and ms < r["best_ms"]:
-                    r["best"], r["best_ms"] = tiles, ms
-    # the chosen tiles against the default ones on skewed and half-empty routing (partial and empty tiles)
-    for (op, k, n), r in results.items():
-        r["routing_err"] = {}
-        for kind in ("skewed", "empty"):
-            gs = jnp.asarray(_sizes(kind, rows, g, rng))
-            f_best = _with_sizes(kernel, op, k, n, r["best"], gs)
-            f_def = _with_sizes(kernel, op, k, n, gmm.DEFAULT_TILES, gs)
+            def f(x, y, gs):
+                return ragged_dot_mgpu.ragged_dot(x, y, group_sizes=gs, transpose_rhs=op == "dlhs", **tiles)
+
+        return jax.jit(f).lower(a, b, sizes["uniform"]).compile()
+
+    ref = {}
+    with open(c["lock"], "a") as lock:
+        for tiles in [dict(gmm.DEFAULT_TILES)] + [
+            t for t in _tile_candidates(op, k, n) if t != gmm.DEFAULT_TILES
+        ]:
+            if time.time() > c["deadline"]:
+                break
             try:
-                a, b = f_best(*ops[(op, k, n)]), f_def(*ops[(op, k, n)])
-                r["routing_err"][kind] = _rel(a.astype(jnp.float32), b.astype(jnp.float32))
-            except Exception as e:  # noqa: BLE001
-                r["routing_err"][kind] = repr(e)[:120]
-    table = []
-    for (op, k, n), r in results.items():
-        tried = [t for t in r["tried"] if "ms" in t]
-        flops = 2.0 * rows * k * n
-        table.append(
-            dict(
-                op=op,
-                k=k,
-                n=n,
-                default_ms=r["default_ms"],
-                best_ms=r["best_ms"],
-                best=r["best"],
-                default_tflops=flops / r["default_ms"] / 1e9,
-                best_tflops=flops / r["best_ms"] / 1e9,
-                n_tried=len(tried),
-                n_failed=len(r["tried"]) - len(tried),
-                routing_err=r["routing_err"],
-                top=sorted(tried, key=lambda x: x["ms"])[:5],
-            )
-        )
-    return dict(tiles=table, device=str(jax.devices()[0].device_kind))
+                f = compiled(tiles)
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
+                print("TILE " + json.dumps(dict(tiles=tiles, error=repr(e)[:160])), flush=True)
+                continue
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                outs = {kind: f(a, b, gs) for kind, gs in sizes.items()}
+                if not ref:
+                    ref = {kind: np.asarray(o.astype(jnp.float32)) for kind, o in outs.items()}
+                err = {kind: _rel(np.asarray(o.astype(jnp.float32)), ref[kind]) for kind, o in outs.items()}
+                jax.block_until_ready(f(a, b, sizes["uniform"]))
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    out = f(a, b, sizes["uniform"])
+                jax.block_until_ready(out)
+                ms = (time.perf_counter() - t0) / 10 * 1e3
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            print("TILE " + json.dumps(dict(tiles=tiles, ms=ms, err=err)), flush=True)
+    return {}
 
 
 # ------------------------------------------------------------------------------------------------ step worker
@@ -586,7 +567,7 @@ def step_worker(c: dict) -> dict:
     )
 
 
-WORKERS = {"gmm": gmm_worker, "step": step_worker, "tiles": tiles_worker}
+WORKERS = {"gmm": gmm_worker, "step": step_worker, "tiles": tiles_worker, "tile_shape": tile_shape_worker}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -659,10 +640,7 @@ def _table(results: list[dict]) -> str:
                 f"  {t['best_ms']:6.2f} ms {t['best_tflops']:4.0f} TF/s  ({b['block_m']},{b['block_n']},"
                 f"{b['block_k']},{b['max_concurrent_steps']},{b['grid_block_n']})  tried {t['n_tried']}"
                 f" failed {t['n_failed']}  vs default: "
-                + " ".join(
-                    f"{k}={v:.1e}" if isinstance(v, float) else f"{k}=FAIL"
-                    for k, v in t["routing_err"].items()
-                )
+                + " ".join(f"{k}={v:.1e}" for k, v in t["best_err"].items())
             )
     head = f"{'config':<26}{'gpus':>5}{'tok/s':>9}{'tok/s/gpu':>10}{'MFU':>7}{'MFU/2attn':>10}{'step ms':>9}{'peak GiB':>9}"
     out += [head, "-" * len(head)]
