@@ -76,10 +76,14 @@ def _step(
     scan=False,
     guard="fused",
     tuned=False,
+    fallback=False,
+    default_tiles=False,
 ):
     return dict(
+        default_tiles=default_tiles,
         guard=guard,
         tuned=tuned,
+        fallback=fallback,
         kind="step",
         name=name,
         seq=seq,
@@ -97,6 +101,10 @@ def _step(
         scan=scan,
     )
 
+
+# 48 layers on 4 GPUs: bf16 parameters and AdamW moments (fp32 state, 16 B/param = 490 GB, does not fit 4 x 80 GB),
+# one 16k row per GPU, layers scanned (one compiled layer: 48 unrolled would not compile inside a session).
+GPU4 = dict(pdt="bfloat16", ep="fsdp", devices=4, rows=4, scan=True, steps=2, warmup=1)
 
 CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
@@ -116,46 +124,12 @@ CONFIGS = {
     # 48 layers: fp32 master weights + AdamW moments (16 B/param, 490 GB) do not fit 4 x 80 GB, so parameters and
     # moments are bf16 here; layers scanned (one compiled layer: the 4-minute session cannot afford 48 unrolled).
     "gpu4": [
-        _step(
-            "moe48:16k:ep=fsdp",
-            16384,
-            48,
-            pdt="bfloat16",
-            ep="fsdp",
-            devices=4,
-            rows=4,
-            remat="full",
-            scan=True,
-            steps=2,
-            warmup=1,
-        ),
-        _step(
-            "moe48:16k:ep=ep",
-            16384,
-            48,
-            pdt="bfloat16",
-            ep="ep",
-            devices=4,
-            rows=4,
-            remat="full",
-            scan=True,
-            steps=2,
-            warmup=1,
-        ),
-        # fallback if 48 layers do not fit 80 GB cards
-        _step(
-            "moe24:16k:ep=fsdp",
-            16384,
-            24,
-            pdt="bfloat16",
-            ep="fsdp",
-            devices=4,
-            rows=4,
-            remat="full",
-            scan=True,
-            steps=2,
-            warmup=1,
-        ),
+        _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
+        # remat "attn": the attention kernel's results kept, everything else re-run (if memory allows)
+        _step("moe48:16k:ep=fsdp:attn", 16384, 48, remat="attn", **GPU4),
+        _step("moe48:16k:ep=ep", 16384, 48, remat="full", **dict(GPU4, ep="ep")),
+        # fallback only if no 48-layer row fits 80 GB cards
+        _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
     ],
     "smoke": [
         dict(kind="tiles", name="tiles", smoke=True),
@@ -504,7 +478,10 @@ def step_worker(c: dict) -> dict:
     from tools.bench_trainer import _fake_batch
     from tools.bench_trainer_profile import _jax_peak_gib, _memory_analysis, _timed, _trace_summary
 
-    gmm.set_tile_overrides({(t["op"], t["k"], t["n"]): t["best"] for t in c.get("tiles") or []})
+    overrides = {(t["op"], t["k"], t["n"]): t["best"] for t in c.get("tiles") or []}
+    if c.get("default_tiles"):  # the untuned baseline: one tile size for every kernel
+        overrides = {key: dict(gmm.DEFAULT_TILES) for key in TILE_SHAPES}
+    gmm.set_tile_overrides(overrides)
     cfg = _model_config(c)
     rows, seq = c["rows"], c["seq"]
     mesh = make_mesh(fsdp=-1, devices=jax.devices()[: c["devices"]])
@@ -652,7 +629,8 @@ def _table(results: list[dict]) -> str:
                 f"{r['name']:<26}{r['devices']:>5}{r['tok_s']:>9.0f}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
                 f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
                 f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']} guard={r['guard']}"
-                f" tiles={'tuned' if r.get('tiles') else 'table'} compile={r['compile_s']:.0f}s"
+                f" tiles={'sweep' if r.get('tiles') else 'default' if r.get('default_tiles') else 'table'}"
+                f" compile={r['compile_s']:.0f}s"
             )
         else:
             out.append(
@@ -687,6 +665,8 @@ def main() -> None:
         left = args.budget - (time.perf_counter() - start) if args.budget else args.timeout
         if left < 20:
             results.append(dict(c, error="skipped: suite budget spent"))
+            continue
+        if c.get("fallback") and any(r.get("tok_s") for r in results):
             continue
         if c.get("tuned") and tuned is not None:
             c = dict(c, tiles=tuned)

@@ -183,3 +183,38 @@ def test_moe_config_layers_and_errors():
         c.num_layers * (32 * 2 * 32 * 2 + 2 * 32 * 1 * 32) + 4 * (3 * 32 * 16 * 2 + 32 * 4) + 32 * 64
     )
     assert c.num_matmul_params() == dense_equiv
+
+
+def _count_prims(jaxpr, name: str) -> int:
+    """Occurrences of primitive `name` in a jaxpr and every jaxpr nested in its equations (each reference)."""
+    from jax.extend.core import jaxprs_in_params
+
+    return sum(
+        (eqn.primitive.name == name) + sum(_count_prims(sub, name) for sub in jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
+    """Under remat "dots_no_batch_attn" (the auto policy up to 32k tokens) the backward pass reuses the experts'
+    grouped-matmul outputs: as many grouped matmuls in the gradient as without remat; "full" re-runs them."""
+    from flax import nnx
+
+    from primejax.models.sharding import init_model
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (1, 16)), jnp.int32)
+    pos = jnp.arange(16, dtype=jnp.int32)[None]
+    seg = jnp.ones((1, 16), jnp.int32)
+    counts = {}
+    for policy in ("none", "dots_no_batch_attn", "full"):
+        model = init_model(_cfg(remat_policy=policy, scan_layers=scan, gmm_impl="xla"), None, seed=0)
+        graphdef, params = nnx.split(model)
+
+        def loss(p, graphdef=graphdef):
+            return jnp.sum(nnx.merge(graphdef, p)(tokens, pos, seg).astype(jnp.float32) ** 2)
+
+        counts[policy] = _count_prims(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "ragged_dot_general")
+    assert counts["none"] > 0
+    assert counts["dots_no_batch_attn"] == counts["none"]
+    assert counts["full"] > counts["none"]
