@@ -78,8 +78,10 @@ def _step(
     tuned=False,
     fallback=False,
     default_tiles=False,
+    skip_if_oom="",
 ):
     return dict(
+        skip_if_oom=skip_if_oom,
         default_tiles=default_tiles,
         guard=guard,
         tuned=tuned,
@@ -126,7 +128,7 @@ CONFIGS = {
     "gpu4": [
         _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
         # remat "attn": the attention kernel's results kept, everything else re-run (if memory allows)
-        _step("moe48:16k:ep=fsdp:attn", 16384, 48, remat="attn", **GPU4),
+        _step("moe48:16k:ep=fsdp:attn", 16384, 48, remat="attn", skip_if_oom="moe48:16k:ep=fsdp", **GPU4),
         _step("moe48:16k:ep=ep", 16384, 48, remat="full", **dict(GPU4, ep="ep")),
         # fallback only if no 48-layer row fits 80 GB cards
         _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
@@ -667,6 +669,9 @@ def main() -> None:
             results.append(dict(c, error="skipped: suite budget spent"))
             continue
         if c.get("fallback") and any(r.get("tok_s") for r in results):
+            continue
+        if any(r["name"] == c.get("skip_if_oom") and r.get("oom") for r in results):
+            results.append(dict(c, error="skipped: a config needing less memory ran out"))
             continue
         if c.get("tuned") and tuned is not None:
             c = dict(c, tiles=tuned)
