@@ -133,6 +133,13 @@ CONFIGS = {
         # fallback only if no 48-layer row fits 80 GB cards
         _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
     ],
+    # same-run baseline on one machine: main's step (select guard, one tile size) next to this branch's
+    "gpu4:compare": [
+        _step("moe48:16k:main", 16384, 48, remat="full", guard="select", default_tiles=True, **GPU4),
+        _step("moe48:16k", 16384, 48, remat="full", **GPU4),
+        _step("moe48:16k:attn:main", 16384, 48, remat="attn", guard="select", default_tiles=True, **GPU4),
+        _step("moe48:16k:attn", 16384, 48, remat="attn", **GPU4),
+    ],
     "smoke": [
         dict(kind="tiles", name="tiles", smoke=True),
         dict(kind="gmm", name="gmm", smoke=True),
