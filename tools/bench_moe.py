@@ -112,11 +112,13 @@ CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
     # Rows: main's step (default tiles, unrolled layers, select guard) as the same-run baseline, then each lever.
     "gpu1": [
-        dict(kind="tiles", name="tiles", budget=200),
-        _step("moe4:16k:scan", 16384, 4, scan=True),
-        _step("moe4:16k:tuned:scan", 16384, 4, tuned=True, scan=True, trace=True),
-        _step("moe8:16k:bf16state:tuned:scan", 16384, 8, pdt="bfloat16", tuned=True, scan=True),
-        _step("moe4:16k:main", 16384, 4, guard="select"),
+        dict(kind="tiles", name="tiles", budget=150),
+        _step("moe4:16k:main", 16384, 4, guard="select", default_tiles=True),
+        _step("moe4:16k", 16384, 4, scan=True),
+        _step("moe4:16k:remat=none", 16384, 4, scan=True, remat="none"),
+        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True, trace=True),
+        _step("moe8:16k:bf16state:remat=none", 16384, 8, pdt="bfloat16", scan=True, remat="none"),
+        _step("moe8:16k:bf16state:sweep", 16384, 8, pdt="bfloat16", scan=True, tuned=True),
     ],
     "gpu1:checks": [
         dict(kind="gmm", name="gmm"),
@@ -420,6 +422,10 @@ def tile_shape_worker(c: dict) -> dict:
 
         return jax.jit(f).lower(a, b, sizes["uniform"]).compile()
 
+    def rel(x, r):  # on the device: the outputs are 0.4-0.5 GB each
+        x, r = x.astype(jnp.float32), r.astype(jnp.float32)
+        return float(jnp.linalg.norm(x - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
+
     ref = {}
     with open(c["lock"], "a") as lock:
         for tiles in [dict(gmm.DEFAULT_TILES)] + [
@@ -429,15 +435,16 @@ def tile_shape_worker(c: dict) -> dict:
                 break
             try:
                 f = compiled(tiles)
+                outs = {kind: f(a, b, gs) for kind, gs in sizes.items()}
+                if not ref:
+                    ref = outs
+                err = {kind: rel(o, ref[kind]) for kind, o in outs.items()}
+                del outs
             except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
                 print("TILE " + json.dumps(dict(tiles=tiles, error=repr(e)[:160])), flush=True)
                 continue
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # timings one process at a time; compiles and checks in parallel
             try:
-                outs = {kind: f(a, b, gs) for kind, gs in sizes.items()}
-                if not ref:
-                    ref = {kind: np.asarray(o.astype(jnp.float32)) for kind, o in outs.items()}
-                err = {kind: _rel(np.asarray(o.astype(jnp.float32)), ref[kind]) for kind, o in outs.items()}
                 jax.block_until_ready(f(a, b, sizes["uniform"]))
                 t0 = time.perf_counter()
                 for _ in range(10):
@@ -446,7 +453,7 @@ def tile_shape_worker(c: dict) -> dict:
                 ms = (time.perf_counter() - t0) / 10 * 1e3
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
-            print("TILE " + json.dumps(dict(tiles=tiles, ms=ms, err=err)), flush=True)
+            print("TILE " + json.dumps(dict(tiles=tiles, ms=ms, err=err, t=time.time())), flush=True)
     return {}
 
 
@@ -530,7 +537,7 @@ def step_worker(c: dict) -> dict:
 
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
         loss = float(run(batch))
-        trace = _trace_summary(run, batch, top=25) if c.get("trace") else None
+        trace = _trace_summary(run, batch, top=60) if c.get("trace") else None
     tokens = rows * seq
     n_dev = c["devices"]
     attn = 12 * cfg.num_layers * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
