@@ -112,13 +112,14 @@ CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
     # Rows: main's step (default tiles, unrolled layers, select guard) as the same-run baseline, then each lever.
     "gpu1": [
-        dict(kind="tiles", name="tiles", budget=150),
+        # grid_block_n 8 and 16 (the tile rasterization), untried by the first sweeps whose winners used 4
+        dict(kind="tiles", name="tiles", budget=90, gbn=[8, 16]),
         _step("moe4:16k:main", 16384, 4, guard="select", default_tiles=True),
         _step("moe4:16k", 16384, 4, scan=True),
-        _step("moe4:16k:remat=none", 16384, 4, scan=True, remat="none"),
-        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True, trace=True),
-        _step("moe8:16k:bf16state:remat=none", 16384, 8, pdt="bfloat16", scan=True, remat="none"),
+        _step("moe8:16k:bf16state:main", 16384, 8, pdt="bfloat16", guard="select", default_tiles=True),
+        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
         _step("moe8:16k:bf16state:sweep", 16384, 8, pdt="bfloat16", scan=True, tuned=True),
+        _step("moe10:16k:bf16state", 16384, 10, pdt="bfloat16", scan=True),
     ],
     "gpu1:checks": [
         dict(kind="gmm", name="gmm"),
@@ -301,7 +302,7 @@ TILE_SHAPES = [
 SMEM_BYTES = 227 * 1024
 
 
-def _tile_candidates(op: str, k: int, n: int) -> list[dict]:
+def _tile_candidates(op: str, k: int, n: int, grid_block_ns=(1, 2, 4)) -> list[dict]:
     """Tile arguments that tile the shape and fit shared memory (bf16 operand stages + the output tile), the
     accumulator at most 128 x 256 fp32 (one warpgroup's registers); the likeliest first."""
     out = []
@@ -309,7 +310,7 @@ def _tile_candidates(op: str, k: int, n: int) -> list[dict]:
     for ti, (bm, bn) in enumerate(tiles):
         for bk in (64, 128):
             for stages in (2, 3, 4, 5, 6):
-                for gbn in (1, 2, 4):
+                for gbn in grid_block_ns:
                     if (op == "wgrad" and k % bm) or n % (bn * gbn) or k % bk:  # wgrad tiles K by block_m
                         continue
                     smem = stages * (bm * bk + bk * bn) * 2 + bm * bn * 2
@@ -318,7 +319,9 @@ def _tile_candidates(op: str, k: int, n: int) -> list[dict]:
                     t = dict(
                         block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=stages, grid_block_n=gbn
                     )
-                    out.append((gbn != 1, bk != 64, {4: 0, 3: 1, 5: 2, 6: 3, 2: 4}[stages], ti, t))
+                    out.append(
+                        (gbn != grid_block_ns[0], bk != 64, {4: 0, 3: 1, 5: 2, 6: 3, 2: 4}[stages], ti, t)
+                    )
     return [t for *_, t in sorted(out, key=lambda x: x[:4])]
 
 
@@ -338,7 +341,9 @@ def tiles_worker(c: dict) -> dict:
     deadline = time.time() + budget
     procs = {}
     for op, k, n in TILE_SHAPES:
-        job = dict(kind="tile_shape", op=op, k=k, n=n, deadline=deadline, lock=lock)
+        job = dict(
+            kind="tile_shape", op=op, k=k, n=n, deadline=deadline, lock=lock, gbn=c.get("gbn", [1, 2, 4])
+        )
         procs[(op, k, n)] = subprocess.Popen(
             [sys.executable, __file__, "--worker", json.dumps(job)],
             stdout=subprocess.PIPE,
@@ -428,9 +433,10 @@ def tile_shape_worker(c: dict) -> dict:
 
     ref = {}
     with open(c["lock"], "a") as lock:
-        for tiles in [dict(gmm.DEFAULT_TILES)] + [
-            t for t in _tile_candidates(op, k, n) if t != gmm.DEFAULT_TILES
-        ]:
+        table = gmm.MEASURED_TILES.get((op, k, n))
+        firsts = [dict(gmm.DEFAULT_TILES)] + ([dict(table)] if table and table != gmm.DEFAULT_TILES else [])
+        rest = [t for t in _tile_candidates(op, k, n, tuple(c.get("gbn", (1, 2, 4)))) if t not in firsts]
+        for tiles in firsts + rest:
             if time.time() > c["deadline"]:
                 break
             try:

@@ -72,14 +72,15 @@ def _tiles(bm: int, bn: int, bk: int = 64, stages: int = 4, gbn: int = 1) -> dic
     return dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=stages, grid_block_n=gbn)
 
 
-# H100 80GB, jax 0.11.2, 131,072 rows (16k tokens x top-8) over 128 uniformly loaded experts; ms default -> chosen.
+# H100 80GB, jax 0.11.2, 131,072 rows (16k tokens x top-8) over 128 uniformly loaded experts, the fastest of 42-87
+# tile sizes per kernel (tools/bench_moe.py's tile sweep, 2026-11-26); ms: default tiles -> these.
 MEASURED_TILES: dict[tuple[str, int, int], dict[str, int]] = {
-    ("fwd", 2048, 1536): _tiles(64, 256),  # gate_up forward      3.06 -> 2.26 ms (269 -> 365 TFLOP/s)
-    ("dlhs", 1536, 2048): _tiles(64, 256),  # gate_up input grad  3.14 -> 2.38 ms
-    ("wgrad", 2048, 1536): _tiles(128, 192),  # gate_up weight grad 1.57 -> 1.39 ms (525 -> 592 TFLOP/s)
-    ("fwd", 768, 2048): _tiles(64, 256),  # down forward          1.83 -> 1.60 ms
-    ("dlhs", 2048, 768): _tiles(64, 256),  # down input grad      1.54 -> 1.15 ms
-    ("wgrad", 768, 2048): _tiles(192, 128),  # down weight grad   0.86 -> 0.77 ms
+    ("fwd", 2048, 1536): _tiles(128, 192, gbn=4),  # gate_up forward      3.04 -> 1.59 ms (271 -> 517 TFLOP/s)
+    ("dlhs", 1536, 2048): _tiles(192, 128, gbn=4),  # gate_up input grad  3.13 -> 1.93 ms (263 -> 427)
+    ("wgrad", 2048, 1536): _tiles(128, 192),  # gate_up weight grad       1.57 -> 1.38 ms (524 -> 597)
+    ("fwd", 768, 2048): _tiles(192, 128, gbn=4),  # down forward          1.82 -> 1.27 ms (227 -> 325)
+    ("dlhs", 2048, 768): _tiles(128, 192, gbn=4),  # down input grad      1.50 -> 0.81 ms (275 -> 509)
+    ("wgrad", 768, 2048): _tiles(192, 128),  # down weight grad           0.85 -> 0.77 ms (486 -> 535)
 }
 _tile_overrides: dict[tuple[str, int, int], dict[str, int]] = {}
 
