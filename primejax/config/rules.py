@@ -37,3 +37,19 @@ def check(c: Config) -> None:
     except ValueError as e:
         key, _, msg = str(e).partition(": ")
         raise ConfigError(key, msg) from None
+    if o.routing_replay:
+        _check_routing_replay(c)
+
+
+def _check_routing_replay(c: Config) -> None:
+    """Routing replay needs an MoE policy and a server that returns routed experts (docs/moe.md)."""
+    if c.inference.enabled and not c.inference.return_routed_experts:
+        raise ConfigError("inference.return_routed_experts", "must be True with orchestrator.routing_replay")
+    from primejax.inference.routed_experts import RoutingShape
+
+    try:
+        routing = RoutingShape.of_model_dir(c.model.path)
+    except (OSError, ValueError) as e:
+        raise ConfigError("model.path", f"orchestrator.routing_replay needs the model's config.json ({e})") from None
+    if routing is None:
+        raise ConfigError("orchestrator.routing_replay", f"needs an MoE model; {c.model.path} is dense")

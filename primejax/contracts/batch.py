@@ -50,7 +50,13 @@ from typing import Any
 
 import numpy as np
 
-from primejax.contracts.batch_checks import check_headers, check_manifest, check_values, segment_count
+from primejax.contracts.batch_checks import (
+    check_headers,
+    check_manifest,
+    check_values,
+    routed_headers,
+    segment_count,
+)
 from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.utils.io import atomic_write_bytes
 
@@ -71,6 +77,8 @@ FIELDS: dict[str, np.dtype] = {
     "ce_weights": np.dtype(np.float32),
     "ref_kl_weights": np.dtype(np.float32),
 }
+# The routing-replay pair, present together or not at all (see "Routed experts" above).
+ROUTED_FIELDS: dict[str, np.dtype] = {"routed_experts": np.dtype(np.uint8), "routed_mask": np.dtype(np.bool_)}
 OPTIONAL_STREAMS = ("advantages", "ref_logprobs", "rl_weights", "ce_weights", "ref_kl_weights")
 WEIGHT_STREAMS = ("rl_weights", "ce_weights", "ref_kl_weights")
 
@@ -99,6 +107,9 @@ class TrainingSample:
     ce_weights: list[float] | None = None
     ref_kl_weights: list[float] | None = None
     policy_version: int = 0
+    # Routing replay: uint8 [len, moe_layers, top_k] per target token, and which tokens carry a recorded routing.
+    routed_experts: np.ndarray | None = None
+    routed_mask: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -117,6 +128,15 @@ class TrainingSample:
             raise BatchFormatError(where, "loss_mask", "the first token has no predictor and cannot be trained")
         if not self.temperature > 0:
             raise BatchFormatError(where, "temperature", f"must be > 0, got {self.temperature}")
+        if (self.routed_experts is None) != (self.routed_mask is None):
+            raise BatchFormatError(where, "routed_experts", "routed_experts and routed_mask come together")
+        if self.routed_experts is not None:
+            e = self.routed_experts
+            if not isinstance(e, np.ndarray) or e.dtype != np.uint8 or e.ndim != 3 or e.shape[0] != n:
+                raise BatchFormatError(where, "routed_experts", f"must be uint8 [{n}, moe_layers, top_k], got "
+                                       f"{getattr(e, 'dtype', type(e).__name__)} {getattr(e, 'shape', '')}")
+            if len(self.routed_mask) != n:
+                raise BatchFormatError(where, "routed_mask", f"length {len(self.routed_mask)} != len(token_ids) {n}")
 
 
 @dataclass
@@ -135,6 +155,8 @@ class PackedBatch:
     ce_weights: np.ndarray
     ref_kl_weights: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None  # uint8 [rows, seq_len, moe_layers, top_k] (routing replay only)
+    routed_mask: np.ndarray | None = None  # bool [rows, seq_len]
 
     @property
     def rows(self) -> int:
@@ -144,14 +166,27 @@ class PackedBatch:
     def seq_len(self) -> int:
         return int(self.tokens.shape[1])
 
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(moe_layers, top_k) of the routed experts it carries, None without them."""
+        return None if self.routed_experts is None else tuple(self.routed_experts.shape[2:])
+
     def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in FIELDS}
+        """Every array in file order; the routed pair only when present."""
+        out = {name: getattr(self, name) for name in FIELDS}
+        if self.routed_experts is not None:
+            out.update(routed_experts=self.routed_experts, routed_mask=self.routed_mask)
+        return out
 
     @classmethod
-    def empty(cls, rows: int, seq_len: int, meta: dict[str, Any] | None = None) -> PackedBatch:
-        """All-padding rows: segment 0, no loss, temperature 1."""
+    def empty(cls, rows: int, seq_len: int, meta: dict[str, Any] | None = None,
+              routing_shape: tuple[int, int] | None = None) -> PackedBatch:
+        """All-padding rows: segment 0, no loss, temperature 1 (and no recorded routing, when `routing_shape`)."""
         arrays = {name: np.zeros((rows, seq_len), dtype) for name, dtype in FIELDS.items()}
         arrays["temperatures"][:] = 1.0
+        if routing_shape is not None:
+            arrays["routed_experts"] = np.zeros((rows, seq_len, *routing_shape), np.uint8)
+            arrays["routed_mask"] = np.zeros((rows, seq_len), np.bool_)
         return cls(**arrays, meta=dict(meta or {}))
 
     def pad_rows(self, rows: int) -> PackedBatch:
@@ -160,8 +195,8 @@ class PackedBatch:
             raise ValueError(f"cannot pad {self.rows} rows down to {rows}")
         if rows == self.rows:
             return self
-        pad = PackedBatch.empty(rows - self.rows, self.seq_len)
-        merged = {n: np.concatenate([getattr(self, n), getattr(pad, n)]) for n in FIELDS}
+        pad = PackedBatch.empty(rows - self.rows, self.seq_len, routing_shape=self.routing_shape)
+        merged = {n: np.concatenate([a, getattr(pad, n)]) for n, a in self.arrays().items()}
         return PackedBatch(**merged, meta=dict(self.meta))
 
 
@@ -173,6 +208,18 @@ def _weights(sample: TrainingSample) -> dict[str, np.ndarray]:
                 "ref_kl_weights": np.zeros(n, np.float32)}
     return {w: np.zeros(n, np.float32) if getattr(sample, w) is None else np.asarray(getattr(sample, w), np.float32)
             for w in WEIGHT_STREAMS}
+
+
+def _routing_shape(samples: Sequence[TrainingSample]) -> tuple[int, int] | None:
+    """The (moe_layers, top_k) every sample's routed experts share; None when no sample has them.
+
+    All or none: a batch mixes no replayed with free-routing samples (the orchestrator records every
+    completion when routing replay is on)."""
+    shapes = {None if s.routed_experts is None else tuple(s.routed_experts.shape[1:]) for s in samples}
+    if len(shapes) > 1:
+        raise BatchFormatError(None, "routed_experts", f"samples disagree on [moe_layers, top_k] (or on having "
+                                                       f"routed experts at all): {sorted(map(str, shapes))}")
+    return shapes.pop() if shapes else None
 
 
 def _first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
@@ -226,9 +273,10 @@ def pack_samples(
 
     # One bound for every shard: a custom loss compiles per-row segment loops of this size on every rank.
     max_segments = max((len(m) for m in row_members), default=0)
+    routing = _routing_shape(samples)
     out = []
     for shard, rows in enumerate(shard_rows):
-        batch = PackedBatch.empty(per_shard, seq_len)
+        batch = PackedBatch.empty(per_shard, seq_len, routing_shape=routing)
         versions: list[int] = []
         for row, r in enumerate(rows):
             offset = 0
@@ -247,6 +295,9 @@ def pack_samples(
                     batch.ref_logprobs[row, sl] = np.asarray(s.ref_logprobs[:n], np.float32)
                 for w, values in _weights(s).items():
                     getattr(batch, w)[row, sl] = values[:n]
+                if routing is not None:
+                    batch.routed_experts[row, sl] = s.routed_experts[:n]
+                    batch.routed_mask[row, sl] = np.asarray(s.routed_mask[:n], bool)
                 versions.append(s.policy_version)
                 offset += n
         present = sorted({name for i in (m for r in rows for m in row_members[r])
@@ -289,15 +340,18 @@ def write_batch(step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[
         if arrays[name].dtype != dtype or arrays[name].shape != arrays["tokens"].shape:
             raise BatchFormatError(None, name, f"expected {dtype} {arrays['tokens'].shape}, "
                                                f"got {arrays[name].dtype} {arrays[name].shape}")
+    if (batch.routed_experts is None) != (batch.routed_mask is None):
+        raise BatchFormatError(None, "routed_experts", "routed_experts and routed_mask come together")
     path = Path(step_dir) / f"rank_{rank}.npz"
     # The checks the trainer runs on reading, run before writing: a bad value fails here, naming its step.
-    check_values(path, batch, None, BatchFormatError)
+    meta = {**batch.meta, **(meta or {})}
+    check_values(path, batch, None, BatchFormatError, num_experts=meta.get("num_experts"))
     manifest = {
         "format_version": FORMAT_VERSION,
         "rows": batch.rows,
         "seq_len": batch.seq_len,
         "fields": {n: {"dtype": a.dtype.str, "shape": list(a.shape), "sha256": _sha256(a)} for n, a in arrays.items()},
-        "meta": {**batch.meta, **(meta or {})},
+        "meta": meta,
     }
     buf = io.BytesIO()
     manifest_bytes = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
@@ -306,8 +360,17 @@ def write_batch(step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[
     return path
 
 
-def read_batch(path: str | Path, vocab_size: int | None = None) -> PackedBatch:
-    """Load and validate a batch file; raises BatchFormatError naming the file and the field."""
+def read_batch(
+    path: str | Path,
+    vocab_size: int | None = None,
+    num_experts: int | None = None,
+    routing_shape: tuple[int, int] | None = None,
+) -> PackedBatch:
+    """Load and validate a batch file; raises BatchFormatError naming the file and the field.
+
+    `num_experts` / `routing_shape` (moe_layers, top_k): the reader's model, which the routed experts of a
+    routing-replay batch must fit (a dense reader passes neither and such a batch is refused).
+    """
     path = Path(path)
     try:
         data = np.load(path, allow_pickle=False)
@@ -329,16 +392,21 @@ def read_batch(path: str | Path, vocab_size: int | None = None) -> PackedBatch:
             raise BatchFormatError(path, "format_version", f"expected {FORMAT_VERSION}, got {version!r}")
         shape = check_manifest(path, manifest, BatchFormatError)
         # Shapes and dtypes from the .npy headers first: nothing is decompressed for a file that lies.
-        check_headers(path, data.zip, {name: (dtype, shape) for name, dtype in FIELDS.items()}, BatchFormatError)
+        expected = {name: (dtype, shape) for name, dtype in FIELDS.items()}
+        expected.update(routed_headers(path, manifest, shape, names, BatchFormatError))
+        check_headers(path, data.zip, expected, BatchFormatError)
         arrays = {}
-        for name in FIELDS:
+        for name in expected:
             a = _load(data, path, name)
             expected = manifest["fields"].get(name, {}).get("sha256")
             if expected != _sha256(a):
                 raise BatchFormatError(path, name, "sha256 mismatch (corrupted file)")
             arrays[name] = a
     batch = PackedBatch(**arrays, meta=dict(manifest.get("meta", {})))
-    check_values(path, batch, vocab_size, BatchFormatError)
+    if batch.routing_shape is not None and batch.routing_shape != routing_shape:
+        raise BatchFormatError(path, "routed_experts", f"[moe_layers, top_k] = {list(batch.routing_shape)}, the "
+                               f"model routes {'no experts (dense)' if routing_shape is None else list(routing_shape)}")
+    check_values(path, batch, vocab_size, BatchFormatError, num_experts=num_experts)
     # Computed, never trusted below the data: an understated count made a custom loss skip whole samples. A
     # larger claim (every rank's files carry the largest count over all ranks, so all compile one step) is
     # kept, up to one sample per token.
@@ -389,6 +457,6 @@ def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, 
 
 
 __all__ = [
-    "FORMAT_VERSION", "FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
+    "FORMAT_VERSION", "FIELDS", "ROUTED_FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
     "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch", "prune_rollouts",
 ]

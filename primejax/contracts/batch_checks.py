@@ -16,6 +16,8 @@ import numpy as np
 
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_CELLS = 1 << 32  # rows * seq_len of one batch file
+MAX_MOE_LAYERS = 1024  # bounds of a routed_experts array's trailing [moe_layers, top_k]
+MAX_TOP_K = 256
 
 
 def check_manifest(path: Path | None, manifest: Any, error: type[Exception]) -> tuple[int, int]:
@@ -72,11 +74,50 @@ def check_headers(
         if dtype is not None and got_dtype != dtype:
             raise error(path, name, f"dtype {got_dtype}, expected {dtype}")
         if shape is not None and tuple(got_shape) != shape:
-            raise error(path, name, f"shape {tuple(got_shape)}, expected {shape} (rows, seq_len)")
+            raise error(path, name, f"shape {tuple(got_shape)}, expected {shape} (rows, seq_len, ...)")
         n_bytes = int(np.prod(got_shape, dtype=np.int64)) * got_dtype.itemsize
         limit = MAX_MANIFEST_BYTES if shape is None else n_bytes + 4096
         if info.file_size > limit or (shape is None and n_bytes > MAX_MANIFEST_BYTES):
             raise error(path, name, f"{info.file_size} bytes stored, more than its header allows ({limit})")
+
+
+def routed_headers(
+    path: Path, manifest: dict, shape: tuple[int, int], names: set[str], error: type[Exception]
+) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The routing-replay arrays a file must hold (dtype, shape), from its manifest: {} for a batch without.
+
+    The pair is all or nothing, in the manifest and in the file alike; the trailing [moe_layers, top_k] of
+    `routed_experts` comes from the manifest, bounded, and check_headers then holds the .npy header to it.
+    """
+    fields = manifest.get("fields", {})
+    declared = [n for n in ("routed_experts", "routed_mask") if n in fields]
+    stored = [n for n in ("routed_experts", "routed_mask") if n in names]
+    if not declared and not stored:
+        return {}
+    for name in ("routed_experts", "routed_mask"):
+        if name not in declared:
+            raise error(
+                path, name, "missing from the manifest (routed_experts and routed_mask come together)"
+            )
+        if name not in stored:
+            raise error(path, name, "missing (routed_experts and routed_mask come together)")
+    dims = fields["routed_experts"].get("shape")
+    ok = (
+        isinstance(dims, list)
+        and len(dims) == 4
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in dims)
+        and tuple(dims[:2]) == shape
+        and 0 < dims[2] <= MAX_MOE_LAYERS
+        and 0 < dims[3] <= MAX_TOP_K
+    )
+    if not ok:
+        raise error(
+            path,
+            "fields.routed_experts.shape",
+            f"must be [{shape[0]}, {shape[1]}, moe_layers <= "
+            f"{MAX_MOE_LAYERS}, top_k <= {MAX_TOP_K}], got {dims!r}",
+        )
+    return {"routed_experts": (np.dtype(np.uint8), tuple(dims)), "routed_mask": (np.dtype(np.bool_), shape)}
 
 
 def segment_count(segment_ids: np.ndarray) -> int:
@@ -84,8 +125,12 @@ def segment_count(segment_ids: np.ndarray) -> int:
     return int(segment_ids.max()) if segment_ids.size else 0
 
 
-def check_values(path: Path | None, b: Any, vocab_size: int | None, error: type[Exception]) -> None:
-    """Values both sides of the batch contract agree on; raises `error(path, field, message)`."""
+def check_values(
+    path: Path | None, b: Any, vocab_size: int | None, error: type[Exception], num_experts: int | None = None
+) -> None:
+    """Values both sides of the batch contract agree on; raises `error(path, field, message)`.
+
+    `num_experts`: routed expert ids must lie below it (when the batch carries them)."""
     if b.rows == 0 or b.seq_len == 0:
         raise error(path, "tokens", f"no tokens (shape {b.tokens.shape})")
     real = b.segment_ids > 0
@@ -113,6 +158,35 @@ def check_values(path: Path | None, b: Any, vocab_size: int | None, error: type[
             raise error(path, name, "non-finite value")
     if not (b.temperatures[real] > 0).all() or not np.isfinite(b.temperatures[real]).all():
         raise error(path, "temperatures", "must be finite and > 0 on every real token")
+    if getattr(b, "routed_experts", None) is not None:
+        _check_routed(path, b, real, starts, num_experts, error)
+
+
+def _check_routed(path, b: Any, real: np.ndarray, starts: np.ndarray, num_experts: int | None, error) -> None:
+    experts, mask = b.routed_experts, b.routed_mask
+    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != b.tokens.shape:
+        raise error(
+            path,
+            "routed_mask",
+            f"must be bool {b.tokens.shape}, got "
+            f"{getattr(mask, 'dtype', type(mask).__name__)} {getattr(mask, 'shape', '')}",
+        )
+    if experts.dtype != np.uint8 or experts.ndim != 4 or experts.shape[:2] != b.tokens.shape:
+        raise error(
+            path,
+            "routed_experts",
+            f"must be uint8 [{b.tokens.shape[0]}, {b.tokens.shape[1]}, moe_layers, "
+            f"top_k], got {experts.dtype} {experts.shape}",
+        )
+    if (mask & ~real).any():
+        raise error(path, "routed_mask", "set on a padding token (segment 0)")
+    if (mask & starts).any():
+        raise error(path, "routed_mask", "set on the first token of a sample (no position predicts it)")
+    chosen = experts[mask]  # [n, moe_layers, top_k]
+    if num_experts is not None and chosen.size and int(chosen.max()) >= num_experts:
+        raise error(path, "routed_experts", f"expert id {int(chosen.max())} >= num_experts {num_experts}")
+    if chosen.shape[-1] > 1 and (np.diff(np.sort(chosen, axis=-1), axis=-1) == 0).any():
+        raise error(path, "routed_experts", "a token lists the same expert twice in one layer's top-k")
 
 
 def _check_segments(path: Path | None, seg: np.ndarray, pos: np.ndarray, error: type[Exception]) -> None:

@@ -29,8 +29,9 @@ class ModelCall(Protocol):
     prompt length). `trainable=False` samples without recording a step (an untrained agent, e.g. a
     simulated user)."""
 
-    async def __call__(self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *,
-                       trainable: bool = True) -> Message | None: ...
+    async def __call__(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *, trainable: bool = True
+    ) -> Message | None: ...
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,37 @@ class Example:
     prompt: list[Message]
     answer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a `samples_itself` environment sends its model calls, and how (the orchestrator's settings)."""
+
+    base_url: str  # the OpenAI-compatible server root (no /v1)
+    model: str  # the served model's name (its path when served from a local directory)
+    renderer: Any  # the orchestrator's renderer (its family and settings)
+    max_tokens: int
+    temperature: float
+    top_p: float
+    max_turns: int
+    seed: int | None = None
+
+
+@dataclass
+class SampledTurn:
+    """One model call of a rollout sampled by the environment's own client: the exact ids the server saw and
+    returned, and the sampling logprobs."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    finish_reason: str = "stop"
+
+
+@dataclass
+class SampledRollout:
+    messages: list[Message]
+    turns: list[SampledTurn]
 
 
 class Environment(ABC):
@@ -59,6 +91,10 @@ class Environment(ABC):
     #: True when the environment runs its own episode loop (`rollout`) and calls the model through a
     #: `ModelCall`; otherwise the orchestrator alternates model turns and `env_response`.
     drives_rollout: bool = False
+    #: True when the environment samples through a client of its own against the orchestrator's server
+    #: (verifiers' own rollout loop): the orchestrator hands it the endpoint (`sample_rollout`) and receives
+    #: the finished model calls' exact ids and logprobs, as the server returned them.
+    samples_itself: bool = False
 
     async def tools(self, example: Example) -> list[dict[str, Any]] | None:
         """Tool schemas advertised on the example's first prompt (OpenAI function format), or None."""
@@ -68,11 +104,24 @@ class Environment(ABC):
         """Run one episode (only for `drives_rollout` environments); returns the full conversation."""
         raise NotImplementedError(f"{type(self).__name__} does not drive its own rollouts")
 
+    async def sample_rollout(
+        self, example: Example, state: dict[str, Any], endpoint: Endpoint
+    ) -> SampledRollout:
+        """Run one episode through the environment's own client (only for `samples_itself` environments).
+        `score` is called afterwards as for any rollout (an env whose loop scored the episode returns that)."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample its own rollouts")
+
+    async def aclose(self) -> None:
+        """Release what the environment holds open (servers, subprocesses); called when the run ends."""
+        return None
+
     @abstractmethod
     def example(self, index: int) -> Example:
         """The example at `index` (deterministic)."""
 
-    async def env_response(self, example: Example, messages: list[Message], state: dict[str, Any]) -> list[Message] | None:
+    async def env_response(
+        self, example: Example, messages: list[Message], state: dict[str, Any]
+    ) -> list[Message] | None:
         """New messages after the model's last turn (`messages[-1]`), or None when the episode is over."""
         return None
 

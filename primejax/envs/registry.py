@@ -4,7 +4,8 @@
 1. a registered id (the builtins `reverse-text`, `alphabet-sort`, `arithmetic`, or one added with
    `register_env`);
 2. an import path `pkg.module:function` whose function takes `**args` and returns an `Environment`;
-3. otherwise a verifiers taskset id, through `primejax.envs.verifiers_adapter`.
+3. otherwise a verifiers taskset id, driven in process (`primejax.envs.verifiers_adapter`) or by verifiers' own
+   loop (`primejax.envs.verifiers_loop`), as its `args.driver` says.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def load_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     elif ":" in env_id:
         env = _import(env_id)(**args)
     else:
-        from primejax.envs.verifiers_adapter import load as load_verifiers
+        # args.driver: in process or verifiers' own loop
+        from primejax.envs.verifiers_loop import load as load_verifiers
 
         env = load_verifiers(env_id, **args)
     if not isinstance(env, Environment):

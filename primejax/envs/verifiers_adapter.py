@@ -1,8 +1,9 @@
-"""The one module that touches verifiers: verifiers v1 tasksets (and their `Env.run`) as primejax Environments.
+"""verifiers v1 tasksets (and their `Env.run`) as primejax Environments, driven in process.
 
 verifiers changes its API between minor releases (0.4 kept only `verifiers.v1`), so everything primejax uses
-of it is here, checked by tests/envs/test_verifiers_api.py. The orchestrator keeps every model call (token
-ids, sampling logprobs, policy version per turn) and drives the task in process:
+of it is here and in verifiers_loop.py (verifiers' own loop), checked by tests/envs/test_verifiers_api.py. The
+orchestrator keeps every model call (token ids, sampling logprobs, policy version per turn) and drives the
+task in process:
 
 - tools: the task's `toolsets(config)` are instantiated per rollout (`setup`, `setup_task`) and registered on
   an in-process MCP server; the model sees them as `{server}_{tool}` (verifiers' naming); calls run in
@@ -19,8 +20,8 @@ ids, sampling logprobs, policy version per turn) and drives the task in process:
   a reply without tool calls) through the orchestrator. The `policy_agent` (default `assistant`, else the
   first declared) is trained; other agents sample from the same server untrained.
 
-Not supported: tasks that need verifiers' harness programs or a sandbox runtime (verifiers' own rollout loop
-launches a harness program per rollout and a subprocess per toolset; primejax does not call it).
+Tasks that need verifiers' harness programs or a sandbox runtime run through verifiers' own rollout loop
+instead (primejax/envs/verifiers_loop.py, chosen by the env's `args.driver`).
 
 An id with a dot (`my_pkg.my_taskset`) is imported as a module path; verifiers' own loader only resolves
 bare package names (`my-taskset` -> `my_taskset` or `verifiers.v1.tasksets.my_taskset`).
@@ -169,7 +170,12 @@ class _World:
                         "function": {
                             "name": name,
                             "description": tool.description or "",
-                            "parameters": tool.input_schema,
+                            # As an MCP client receives it (verifiers' harness programs do): the wire puts
+                            # `type` first, and the schema is printed into the prompt as JSON.
+                            "parameters": {
+                                "type": tool.input_schema.get("type", "object"),
+                                **tool.input_schema,
+                            },
                         },
                     }
                 )
@@ -263,6 +269,10 @@ class _World:
     async def close(self) -> None:
         self.servers.clear()
 
+    def name_agent(self, name: str, trainable: bool) -> None:
+        """Stamp the trace with the env agent that produced it, as verifiers does (`Episode.by_agent`)."""
+        self.trace.agent.name, self.trace.agent.trainable = name, trainable
+
 
 class VerifiersEnv(Environment):
     """A verifiers taskset driven in process (see module docstring)."""
@@ -297,6 +307,8 @@ class VerifiersEnv(Environment):
             max_total_tokens,
         )
         self.vf_env = _load_env(env, taskset_id, taskset_args, env_args or {}) if env else None
+        # Kept for verifiers' own loop (primejax/envs/verifiers_loop.py), which rebuilds the env from them.
+        self.taskset_args, self.vf_env_id, self.vf_env_args = dict(taskset_args), env, dict(env_args or {})
         self.policy_agent = policy_agent
         self._tools: dict[int, list[dict[str, Any]] | None] = {}
 
@@ -456,12 +468,18 @@ class VerifiersEnv(Environment):
                 inter = Interaction(self, task)
                 if inter.world is not world:
                     await inter.world.open()
-                yield inter
+                inter.world.name_agent(self.name, self.trainable)
+                try:
+                    yield inter
+                finally:
+                    finished.append(inter.world)  # the episode's traces, in completion order
 
+        finished: list[_World] = []
         agents_by_name = {n: Agent(n) for n in names}
         agents = vf.Agents(self.vf_env.config, lambda name, spec: agents_by_name[name])
         await self.vf_env.setup(agents)
         await self.vf_env.run(task, agents)
+        state["vf_episode"] = finished  # judged after scoring, by `Env.finalize` (see `score`)
         return record["messages"], record["sampled"]
 
     # ------------------------------------------------------------------------------------------ scoring
@@ -477,11 +495,35 @@ class VerifiersEnv(Environment):
         trace = world.trace
         trace.is_completed = trace.ok = True
         await world.task.score(trace)
+        if (finished := state.pop("vf_episode", None)) is not None:
+            await _finalize_episode(self.vf_env, world, finished)
         state["stop_condition"] = trace.stop_condition
         state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
         state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
         state.pop("world", None)  # not JSON; the trace's useful parts are copied above
         return float(trace.reward)
+
+
+async def _finalize_episode(vf_env: Any, policy: _World, finished: list[_World]) -> None:
+    """verifiers' end of an episode (`Env.run_episode`): every agent run's trace is judged by its own task,
+    then `Env.finalize(task, episode)` judges across agents over the episode's traces in completion order; what
+    it records on the policy trace (`record_reward` / `record_metric`) counts in the rollout's reward. A raise
+    fails the episode there, and the rollout here."""
+    from verifiers.v1.episode import EnvInfo, Episode
+    from verifiers.v1.trace import TraceTask
+
+    for w in finished:
+        if w is not policy:
+            w.trace.is_completed = w.trace.ok = True
+            await w.task.score(w.trace)
+    task = policy.task
+    episode = Episode(
+        env=EnvInfo(id=vf_env.config.env_id),
+        task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        traces=[w.trace for w in finished],
+    )
+    await vf_env.finalize(task, episode)
+    episode.ok = all(t.ok for t in episode.traces)
 
 
 def load(taskset_id: str, **args: Any) -> VerifiersEnv:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from primejax.inference.admin_auth import HEADER, read_token
+from primejax.inference.routed_experts import request_fields as routed_request_fields
 
 if TYPE_CHECKING:
     from primejax.inference.process import InferenceServerProcess
@@ -48,6 +49,9 @@ class Completion:
     completion_logprobs: list[float]  # log p(token) under the sampling distribution (after temperature)
     finish_reason: str  # "stop" | "length" | "abort"
     text: str
+    # Base64 .npy of the experts each completion token was routed to (asked with routed_experts=True; see
+    # inference/routed_experts.py), None otherwise.
+    routed_experts: str | None = None
 
 
 class InferenceClient:
@@ -83,6 +87,12 @@ class InferenceClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             transport=transport,
         )
+
+    async def openai_endpoint(self) -> tuple[str, str]:
+        """(server root URL, served model name) of the least-loaded server, for an environment that samples
+        through a client of its own (verifiers' own rollout loop)."""
+        url = self._pick()
+        return url, await self._model_name(url)
 
     # ---------------------------------------------------------------- transport
     def _pick(self) -> str:
@@ -164,13 +174,17 @@ class InferenceClient:
         stop: list[str] | None = None,
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
+        routed_experts: bool = False,
     ) -> list[Completion]:
-        """`n` samples continuing `prompt_token_ids` (no template applied)."""
+        """`n` samples continuing `prompt_token_ids` (no template applied). `routed_experts`: each sample also
+        carries the experts its completion tokens were routed to (a server returning routed experts)."""
         payload: dict[str, Any] = {
             "prompt": list(prompt_token_ids),
             **_sampling(n, max_tokens, temperature, top_p, stop, seed, stop_token_ids),
             "logprobs": 0,  # the sampled token's logprob only
         }
+        if routed_experts:
+            payload.update(routed_request_fields(len(prompt_token_ids)))
         out = await self._balanced("/v1/completions", payload, check=True)
         completions = []
         for c in sorted(out["choices"], key=lambda c: c["index"]):
@@ -178,7 +192,7 @@ class InferenceClient:
             lps = c["logprobs"]["token_logprobs"] if c.get("logprobs") else []
             completions.append(
                 Completion(c.get("prompt_token_ids") or list(prompt_token_ids), ids, _floats(lps, len(ids)),
-                           c["finish_reason"] or "stop", c["text"])
+                           c["finish_reason"] or "stop", c["text"], c.get("routed_experts"))
             )
         return completions
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from primejax.contracts.rundir import RunDir
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
+from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG
 from primejax.inference.vllm_ext import (
     PLUGIN_NAME,
     TRANSFER_BACKEND,
@@ -42,6 +43,9 @@ class InferenceConfig(Section):
     gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take", gt=0, le=1)
     devices: str = option("", "accelerator ids (CUDA_VISIBLE_DEVICES); '' = all")
     extra_args: tuple = option((), "more vLLM command-line arguments")
+    return_routed_experts: bool = option(
+        False, "replies carry each completion token's routed experts (MoE; orchestrator.routing_replay)"
+    )
     startup_timeout_s: float = option(300.0, "how long a start may take before it counts as failed", gt=0)
     restart_on_failure: bool = option(True, "the launcher restarts a server that died or hung ...")
     max_restarts: int = option(3, "... at most this many times per run", ge=0)
@@ -97,6 +101,8 @@ class ServerSpec:
             seed=seed,
             extra_args=tuple(inf.extra_args),
         )
+        if inf.return_routed_experts:
+            kw.update(extra_args=(*kw["extra_args"], ROUTED_EXPERTS_FLAG), env=dict(ROUTED_EXPERTS_ENV))
         if run_dir is not None:  # a run's server loads only that run's complete broadcasts
             kw.update(weights_root=str(RunDir(run_dir).broadcasts().absolute()), require_stable=True)
         kw.update(overrides)
@@ -134,6 +140,9 @@ class ServerSpec:
             "--logprobs-mode", "processed_logprobs",
             "--worker-extension-cls", WORKER_EXTENSION,
             "--generation-config", "vllm",  # sampling defaults come from the request, not the model dir
+            # Token-in/token-out /inference/v1/generate: verifiers' own rollout loop samples through it
+            # (primejax/envs/verifiers_loop.py); primejax's own client uses /v1/completions.
+            "--enable-scale-out",
         ]
         if self.enforce_eager:
             args.append("--enforce-eager")

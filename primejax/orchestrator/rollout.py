@@ -22,6 +22,9 @@ class TrajectoryStep:
     policy_version: int
     #: Optional ce weights over `prompt_ids` for environment-provided tokens (echo-style algorithms).
     prompt_ce_weights: list[float] | None = None
+    #: Routing replay: uint8 [len(completion_ids), moe_layers, top_k], the experts the sampler routed each
+    #: completion token's predicting position to (orchestrator.routing_replay); None when not recorded.
+    routed_experts: Any = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from primejax.inference.admin_auth import read_token
 from primejax.inference.client import InferenceClient
+from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.server import InferenceConfig
 from primejax.orchestrator.config import ClientConfig
 from primejax.orchestrator.loop import Orchestrator
@@ -53,6 +54,7 @@ async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
             pad_rows_to_multiple=cfg.trainer.micro_batch_size,
             # An outage may include a server restart (up to its start-up time) after the client's own retries.
             recovery_timeout_s=2 * cfg.inference.startup_timeout_s, monitor=monitor,
+            routing=RoutingShape.of_model_dir(cfg.model.path) if cfg.orchestrator.routing_replay else None,
         )
         orchestrator.resume(cfg.run.resume_step)
         # Start from a known policy: the base model. A server left serving another (or a killed) run's weights

@@ -10,11 +10,17 @@ weight on them (`TrajectoryStep.prompt_ce_weights`, echo-style observation train
 Component routing follows the algorithm's `action_loss_type`: rl ships advantages and, only when ce
 observation weights exist, explicit rl/ce streams (a plain GRPO sample ships no weight stream at all); ce and
 ref_kl ship their own weight stream on the sampled tokens.
+
+Routing replay: with `routing` given, each sample also carries the experts the sampler routed every sampled
+token to (each turn's own, as recorded on its `TrajectoryStep`), marked in `routed_mask`; prompt and
+environment tokens stay unmarked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from primejax.contracts.batch import TrainingSample
 from primejax.orchestrator.rollout import Rollout
@@ -30,6 +36,8 @@ class _Builder:
     action: list[float] = field(default_factory=list)  # 1 on sampled tokens
     observation_ce: list[float] = field(default_factory=list)  # ce weight on env tokens
     versions: list[int] = field(default_factory=list)
+    routed: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (start, [n, moe_layers, top_k])
+    routed_mask: list[bool] = field(default_factory=list)
 
     def add_context(self, ids: list[int], ce_weights: list[float] | None) -> None:
         ce = [0.0] * len(ids) if ce_weights is None else [float(w) for w in ce_weights]
@@ -42,9 +50,10 @@ class _Builder:
         self.ref_logprobs += [0.0] * len(ids)
         self.action += [0.0] * len(ids)
         self.observation_ce += [0.0 if first and i == 0 else w for i, w in enumerate(ce)]
+        self.routed_mask += [False] * len(ids)
 
     def add_completion(self, ids: list[int], logprobs: list[float], advantages: list[float] | None,
-                       ref_logprobs: list[float] | None) -> None:
+                       ref_logprobs: list[float] | None, routed: np.ndarray | None = None) -> None:
         n = len(ids)
         self.tokens += ids
         self.mask += [True] * n
@@ -53,6 +62,9 @@ class _Builder:
         self.ref_logprobs += ref_logprobs if ref_logprobs is not None else [0.0] * n
         self.action += [1.0] * n
         self.observation_ce += [0.0] * n
+        self.routed_mask += [routed is not None] * n
+        if routed is not None:
+            self.routed.append((len(self.tokens) - n, routed))
 
 
 def extends(sample_ids: list[int], prompt_ids: list[int]) -> bool:
@@ -60,10 +72,20 @@ def extends(sample_ids: list[int], prompt_ids: list[int]) -> bool:
     return len(prompt_ids) >= n and prompt_ids[:n] == sample_ids
 
 
-def _finish(b: _Builder, rollout: Rollout, loss_type: str, temperature: float) -> TrainingSample:
+def _finish(b: _Builder, rollout: Rollout, loss_type: str, temperature: float,
+            routing: tuple[int, int] | None = None) -> TrainingSample:
     has_obs = any(b.observation_ce)
     sample = TrainingSample(token_ids=b.tokens, loss_mask=b.mask, inference_logprobs=b.logprobs,
                             temperature=temperature, policy_version=min(b.versions))
+    if routing is not None:
+        # Every sample of a routing-replay batch carries the arrays; tokens without a recorded routing (prompt
+        # and env tokens, a frozen sampler's turns) are unmarked and route freely in the trainer.
+        experts = np.zeros((len(b.tokens), *routing), np.uint8)
+        for start, rows in b.routed:
+            if rows.shape[1:] != routing:
+                raise ValueError(f"routed experts of shape {list(rows.shape[1:])}, expected {list(routing)}")
+            experts[start : start + len(rows)] = rows
+        sample.routed_experts, sample.routed_mask = experts, b.routed_mask
     if loss_type == "rl":
         sample.advantages = b.advantages if rollout.advantages is not None else None
         if has_obs:
@@ -80,8 +102,10 @@ def _finish(b: _Builder, rollout: Rollout, loss_type: str, temperature: float) -
     return sample
 
 
-def rollout_to_samples(rollout: Rollout, loss_type: str, temperature: float, seq_len: int) -> list[TrainingSample]:
-    """The training samples of one finalized rollout (see module docstring)."""
+def rollout_to_samples(rollout: Rollout, loss_type: str, temperature: float, seq_len: int,
+                       routing: tuple[int, int] | None = None) -> list[TrainingSample]:
+    """The training samples of one finalized rollout (see module docstring). `routing` = (moe_layers, top_k):
+    the samples carry the steps' routed experts for routing replay (every turn's completion tokens)."""
     if loss_type == "ref_kl" and rollout.ref_logprobs is None:
         raise ValueError("a ref_kl rollout needs ref_logprobs (set by the algorithm's score_rollout)")
     samples: list[TrainingSample] = []
@@ -96,12 +120,13 @@ def rollout_to_samples(rollout: Rollout, loss_type: str, temperature: float, seq
             start = len(b.tokens)
         else:
             if b is not None:
-                samples.append(_finish(b, rollout, loss_type, temperature))
+                samples.append(_finish(b, rollout, loss_type, temperature, routing))
             b, start = _Builder(), 0
         ce = None if step.prompt_ce_weights is None else step.prompt_ce_weights[start:]
         b.add_context(step.prompt_ids[start:], ce)
-        b.add_completion(step.completion_ids, step.completion_logprobs, adv, ref)
+        b.add_completion(step.completion_ids, step.completion_logprobs, adv, ref,
+                         step.routed_experts if routing is not None else None)
         b.versions.append(step.policy_version)
     if b is not None:
-        samples.append(_finish(b, rollout, loss_type, temperature))
+        samples.append(_finish(b, rollout, loss_type, temperature, routing))
     return samples

@@ -163,7 +163,9 @@ class Trainer:
             return fake_batch(rng, t.fake_data.rows // jax.process_count(), t.fake_data.seq_len,
                               self.model_cfg.vocab_size)
         path = wait_for_batch(self.root, step, self.rank, timeout_s=t.batch_timeout_s, poll_s=0.2)
-        return read_batch(path, vocab_size=self.model_cfg.vocab_size)
+        m = self.model_cfg
+        routing = (len(m.sparse_layers()), m.num_experts_per_tok) if m.num_experts else None
+        return read_batch(path, vocab_size=m.vocab_size, num_experts=m.num_experts or None, routing_shape=routing)
 
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         arrays = to_micro_batches(batch, self.micro_rows)

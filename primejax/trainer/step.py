@@ -93,6 +93,21 @@ def shift_targets(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax
     return targets, streams
 
 
+def replay_inputs(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array] | None:
+    """The model's `replay` (experts [B, T, Ls, k] int32, mask [B, T]) from a batch's routed experts, or None.
+
+    The batch keeps them per target token (contracts.batch); the model wants each position's own routing, so
+    both move one step left like every stream (`shift_targets`): position t gets the routing recorded for the
+    token it predicts, which the sampler computed at that same position.
+    """
+    if "routed_experts" not in mb:
+        return None
+    experts, mask = mb["routed_experts"], mb["routed_mask"]
+    experts = jnp.concatenate([experts[:, 1:], jnp.zeros_like(experts[:, :1])], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
+    return experts, mask
+
+
 def tree_all_finite(tree: Any) -> jax.Array:
     """One scalar: whether every floating-point leaf of `tree` is finite everywhere."""
     leaves = [
@@ -154,7 +169,11 @@ def _micro_loss_fn(
     def micro_loss(params, mb, counts, micro_share=1.0):
         model = nnx.merge(graphdef, params)
         hidden_btd, moe_stats = model.forward_with_aux(
-            mb["tokens"], mb["positions"], mb["segment_ids"], max_segments=max_segments or None
+            mb["tokens"],
+            mb["positions"],
+            mb["segment_ids"],
+            max_segments=max_segments or None,
+            replay=replay_inputs(mb),
         )
         targets, streams = shift_targets(mb)
         lp, ent = token_logprobs(
@@ -219,7 +238,7 @@ def make_grad_fn(
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def accumulate(params, batch):
-        _, whole = shift_targets({k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()})
+        _, whole = shift_targets({k: batch[k].reshape(-1, batch[k].shape[-1]) for k in FIELDS})
         counts = global_counts(whole)
         if jax.tree.leaves(batch)[0].shape[0] == 1:
             # One micro-batch: no fp32 accumulator to zero and add into (a full extra copy of the
@@ -362,11 +381,11 @@ def dp_size(mesh: Mesh) -> int:
 
 
 def to_micro_batches(batch: PackedBatch, micro_batch_rows: int) -> dict[str, np.ndarray]:
-    """[rows, T] -> [M, micro_batch_rows, T], padding with empty rows (no loss) to fill the last one."""
+    """[rows, T, ...] -> [M, micro_batch_rows, T, ...], padding with empty rows (no loss) to fill the last one."""
     rows = -(-batch.rows // micro_batch_rows) * micro_batch_rows
     batch = batch.pad_rows(rows)
     return {
-        k: v.reshape(rows // micro_batch_rows, micro_batch_rows, v.shape[-1])
+        k: v.reshape(rows // micro_batch_rows, micro_batch_rows, *v.shape[1:])
         for k, v in batch.arrays().items()
     }
 
@@ -381,7 +400,7 @@ def device_batch(arrays: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.
     """Place this process's rows as the global [M, R, T] batch (every process passes its own rank file)."""
     sh = batch_sharding(mesh)
     context = mesh.shape.get("context", 1)
-    t = next(iter(arrays.values())).shape[-1]
+    t = arrays["tokens"].shape[-1]
     if t % context:
         raise ValueError(f"trainer.mesh.context={context} must divide the row length {t}")
     return {k: jax.make_array_from_process_local_data(sh, v) for k, v in arrays.items()}

@@ -93,3 +93,33 @@ def test_renderers_surface():
         renderers.ParsedResponse.__dataclass_fields__
     )
     assert {"raw", "name", "arguments", "status", "id"} <= set(renderers.ParsedToolCall.__dataclass_fields__)
+
+
+def test_verifiers_own_loop_surface():
+    """What envs/verifiers_loop.py (the fallback driver) and Env.finalize's caller rely on."""
+    import verifiers.v1 as vf
+    from verifiers.v1.clients import ModelContext, TrainClientConfig
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.dialects.chat import message_to_wire
+    from verifiers.v1.episode import EnvInfo, Episode
+    from verifiers.v1.graph import MessageNode
+    from verifiers.v1.trace import ModelCall
+    from verifiers.v1.utils.loaders import default_harness_id, environment_class
+
+    assert {"renderer", "renderer_model_name", "base_url", "api_key_var"} <= set(
+        TrainClientConfig.model_fields
+    )
+    assert {"model", "client", "sampling"} <= set(inspect.signature(ModelContext).parameters)
+    assert list(inspect.signature(vf.Env.run_episode).parameters)[:3] == ["self", "task", "ctx"]
+    assert list(inspect.signature(vf.Env.finalize).parameters) == ["self", "task", "episode"]
+    assert hasattr(vf.Env, "serving") and hasattr(vf.Task, "NEEDS_CONTAINER")
+    assert {"traces", "errors", "ok", "task", "env"} <= set(
+        Episode.model_fields
+    ) and "id" in EnvInfo.model_fields
+    assert {"token_ids", "mask", "logprobs", "sampled", "parent", "message"} <= set(MessageNode.model_fields)
+    assert {"node", "finish_reason"} <= set(ModelCall.model_fields)
+    assert {"harness", "runtime", "max_turns", "max_output_tokens", "max_total_tokens"} <= set(
+        vf.AgentConfig.model_fields
+    )
+    assert callable(message_to_wire) and callable(agent_config_fields)
+    assert default_harness_id("") == "bash" and environment_class("") is vf.SingleAgentEnv

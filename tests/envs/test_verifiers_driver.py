@@ -223,3 +223,37 @@ def test_sft_renders_tool_demonstrations_with_the_rollout_renderer(tool_tokenize
         in context
     )
     assert env.example(0).answer == data.answer  # sft.from_env and opsd read it
+
+
+def _run_judged(tokenizer, index: int, script: list[str]):
+    env = load_env(
+        "tests.envs.vf_local_taskset", {"env": "tests.envs.vf_judged_env", "env_args": {"rounds": 3}}
+    )
+    gen = GroupGenerator(
+        ScriptedClient(tokenizer, script),
+        build_renderer("auto", tokenizer),
+        SamplingConfig(max_tokens=64, max_turns=8),
+        Version(),
+        max_concurrent=4,
+        max_prompt_tokens=4096,
+    )
+    slot = EnvSlot(name="judged", env=env, weight=1.0, algorithm=Scorer())
+    (rollout,) = asyncio.run(gen.group(slot, index, 0, 1, step=1))
+    return rollout
+
+
+def test_env_finalize_judges_the_episode_after_each_trace_is_scored(tool_tokenizer):
+    # A quick win (2 turns): exact 1 + mentions 0.5 + finalize's `quick` 1 x weight 2.
+    quick = _run_judged(tool_tokenizer, 0, ["pear", "apple"])
+    assert quick.error is None, quick.error
+    assert quick.state["reward_components"] == {"exact": 1.0, "mentions": 1.0, "quick": 1.0}
+    assert quick.state["metrics"] == {"episode_traces": 1.0, "scored_before_finalize": 1.0}
+    assert quick.reward == 3.5
+    # Three turns: finalize records quick = 0 on the same trace.
+    slow = _run_judged(tool_tokenizer, 0, ["pear", "plum", "apple"])
+    assert slow.state["reward_components"]["quick"] == 0.0 and slow.reward == 1.5
+
+
+def test_env_finalize_raising_fails_the_rollout(tool_tokenizer):
+    rollout = _run_judged(tool_tokenizer, 2, ["stone"])  # index 2 is "stone": finalize raises
+    assert rollout.reward is None and "finalize refuses stones" in rollout.error

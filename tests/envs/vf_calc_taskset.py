@@ -115,3 +115,7 @@ class CalcTaskset(vf.Taskset[CalcTask, CalcTasksetConfig]):
 
 
 __all__ = ["CalcTaskset"]
+
+
+if __name__ == "__main__":  # verifiers' own loop serves each toolset as `python -m <its module>`
+    Calculator.run()

@@ -64,6 +64,30 @@ def test_a_bad_reward_errors_its_rollout_and_the_group_goes_on(tmp_path, tokeniz
     )
 
 
+class DrivenBadReward(BadReward):
+    """The same task run by the env's own loop (`drives_rollout`): the env calls the model itself."""
+
+    drives_rollout = True
+
+    async def rollout(self, example, state, model):
+        reply = await model(list(example.prompt))
+        return [*example.prompt, reply]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "0.7"])
+def test_a_bad_reward_errors_its_rollout_on_the_env_driven_path_too(tmp_path, tokenizer, caplog, bad):
+    name = f"test-driven-bad-reward-{bad!r}"
+    register_env(name, lambda: DrivenBadReward(bad))
+    cfg = small_config(tmp_path / "run", env_id=name, batch_size=8, group_size=4)
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    orch.resume("")
+    (metrics,) = asyncio.run(orch.run(1))
+    assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2
+    batch = read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz")
+    assert batch.meta["num_samples"] == 6
+    assert any("reward must be" in r.getMessage() for r in caplog.records)
+
+
 def _answer(token_ids, logprobs):
     def handler(req):
         if req.url.path == "/v1/models":

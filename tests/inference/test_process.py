@@ -78,7 +78,7 @@ def test_spec_builds_the_documented_command(tmp_path):
     joined = " ".join(argv)
     for part in ("--port 8123", "--host 127.0.0.1", "--max-model-len 512", "--logprobs-mode processed_logprobs",
                  "--worker-extension-cls primejax.inference.vllm_ext.PrimejaxWorkerExtension", "--enforce-eager",
-                 "--max-num-seqs 8"):
+                 "--enable-scale-out", "--max-num-seqs 8"):
         assert part in joined
     env = spec.environ({})
     assert env["VLLM_PLUGINS"] == "primejax" and env["HF_HUB_OFFLINE"] == "1"

@@ -30,7 +30,7 @@ def test_decode_keeps_one_row_per_completion_token_as_uint8():
     [
         (np.zeros((4, 2, 8), np.uint8), "shape"),
         (np.zeros((2, 3, 8), np.uint8), "2 rows for 5"),
-        (np.full((6, 3, 8), 300, np.int32), "uint8"),
+        (np.full((6, 3, 8), 300, np.int32), "num_experts"),
     ],
 )
 def test_decode_rejects_bad_arrays_with_one_line(arr, match):

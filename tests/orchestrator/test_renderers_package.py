@@ -98,7 +98,8 @@ def test_tool_calls_parse_into_structured_messages_and_malformed_ones_are_report
     assert turn.malformed == [{"raw": "{oops", "status": "invalid_json"}]
     prompt = renderer.render_ids([{"role": "user", "content": "1+2"}], TOOLS)
     assert '"name": "calc_add"' in tok.decode(prompt)  # the schema is in the system turn
-    assert tool_specs(TOOLS)[0]["name"] == "calc_add"
+    assert tool_specs(TOOLS) == TOOLS  # the OpenAI envelope, as chat templates receive it
+    assert tool_specs([TOOLS[0]["function"]]) == TOOLS
 
 
 def test_a_tool_call_spelled_in_byte_pieces_still_parses(tool_tokenizer):

@@ -1,0 +1,379 @@
+"""verifiers' own rollout loop as a primejax environment: the fallback for tasks the in-process driver cannot run.
+
+A verifiers env's `args.driver` picks who drives a rollout:
+
+- `in_process` (primejax/envs/verifiers_adapter.py): the orchestrator makes every model call itself; tools,
+  stops and scoring run in process. Milliseconds of overhead per rollout.
+- `verifiers`: verifiers' own loop (`Env.run_episode`): a harness program per rollout (the `null` chat
+  program by default, prepared with `uv`), a subprocess per toolset, verifiers' interception server between
+  the program and the model. Its model calls go to primejax's vLLM server through verifiers' train client
+  (`TrainClientConfig`: the renderers package renders, vLLM's token-in/token-out `/inference/v1/generate`
+  samples, so the server must run with `--enable-scale-out`). verifiers records every call's exact prompt and
+  completion ids and sampling logprobs on the trace's message graph; they become primejax trajectory steps
+  unchanged. Seconds per rollout (docs/verifiers.md has the measurement).
+- `auto` (default): in process, unless the task needs what only verifiers' loop provides: a container
+  (`Task.NEEDS_CONTAINER`), runtime lifecycle hooks (`Task.setup` / `finalize` / `stage_verifier`), signals
+  that take a `runtime`, a harness the taskset ships, or an explicit `args.harness`. The choice is logged.
+
+What the fallback loses against the in-process driver: the policy version per turn (each turn is tagged with
+the version read when the rollout started, a lower bound), primejax's parsing and malformed-tool-call count
+(verifiers' renderer client parses), and traces other than the policy agent's (one trainable trace per episode).
+
+`uv` must be installed (`pip install uv`): verifiers launches harness programs with it, and without it would
+try to install it into the user's home itself; the driver refuses to start instead. A taskset given as a module
+path is made importable by verifiers' loader and the toolset subprocesses (its root goes on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from primejax.envs.base import Endpoint, Example, Message, SampledRollout, SampledTurn
+from primejax.envs.verifiers_adapter import VerifiersEnv, _vf
+
+log = logging.getLogger(__name__)
+
+DRIVERS = ("auto", "in_process", "verifiers")
+#: verifiers' own harness for a plain chat loop with MCP tools (its default, `bash`, is a coding agent).
+DEFAULT_HARNESS = "null"
+
+
+def load(
+    taskset_id: str,
+    *,
+    driver: str = "auto",
+    harness: str = "",
+    harness_args: dict[str, Any] | None = None,
+    runtime: str = "subprocess",
+    **args: Any,
+) -> VerifiersEnv:
+    """A verifiers taskset driven in process or by verifiers' own loop, as `driver` says (module docstring)."""
+    where = f"verifiers env {taskset_id!r}"
+    if driver not in DRIVERS:
+        raise ValueError(f"{where}: args.driver must be one of {', '.join(DRIVERS)} (got {driver!r})")
+    if driver == "in_process" and (harness or harness_args):
+        raise ValueError(
+            f"{where}: args.harness needs args.driver = 'verifiers' (the in-process driver has none)"
+        )
+    env = VerifiersEnv(taskset_id, **args)
+    if driver == "in_process":
+        return env
+    reasons = in_process_blockers(env, harness)
+    if driver == "auto" and not reasons:
+        return env
+    shipped = _shipped_harness(taskset_id)
+    chosen = harness or shipped or DEFAULT_HARNESS
+    if driver == "auto":
+        log.warning(
+            "%s: driver auto chose verifiers' own rollout loop (harness %r, runtime %r): %s. Expect seconds per "
+            "rollout (a harness program each) instead of the in-process driver's milliseconds.",
+            where,
+            chosen,
+            runtime,
+            "; ".join(reasons),
+        )
+    return VerifiersLoopEnv.wrap(env, harness=chosen, harness_args=harness_args or {}, runtime=runtime)
+
+
+def _requires_runtime(fn: Any) -> bool:
+    param = inspect.signature(fn).parameters.get("runtime")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def in_process_blockers(env: VerifiersEnv, harness: str = "") -> list[str]:
+    """Why the in-process driver cannot run this taskset's tasks ([] = it can)."""
+    vf = _vf()
+    reasons = [f"args.harness = {harness!r}"] if harness else []
+    task = env.tasks[0]
+    cls = type(task)
+    if cls.NEEDS_CONTAINER:
+        reasons.append(f"{cls.__name__}.NEEDS_CONTAINER")
+    for hook in ("setup", "finalize", "stage_verifier"):
+        if getattr(cls, hook) is not getattr(vf.Task, hook):
+            reasons.append(f"{cls.__name__}.{hook} needs a runtime")
+    signals = [fn.__name__ for fn in (*task.hooks("reward"), *task.hooks("metric")) if _requires_runtime(fn)]
+    signals += [j.reward_name for j in task.plugged_judges() if _requires_runtime(j.score)]
+    if signals:
+        reasons.append(f"signals that need a runtime: {', '.join(signals)}")
+    if shipped := _shipped_harness(env.taskset_id):
+        reasons.append(f"the taskset ships its own harness {shipped!r}")
+    return reasons
+
+
+def _shipped_harness(taskset_id: str) -> str:
+    """The harness a taskset package ships (verifiers runs it by default), else ''."""
+    vf = _vf()
+    if "." in taskset_id:
+        module = importlib.import_module(taskset_id)
+        names = getattr(module, "__all__", None) or []
+        found = [
+            n for n in names if isinstance(c := getattr(module, n, None), type) and issubclass(c, vf.Harness)
+        ]
+        return _alias(taskset_id) if found else ""
+    from verifiers.v1.utils.loaders import default_harness_id
+
+    ident = default_harness_id(taskset_id)
+    return "" if ident == "bash" else ident
+
+
+def _alias(module_path: str) -> str:
+    """A bare module name for a dotted module path: verifiers' loader resolves bare package names only."""
+    alias = "primejax_vf_" + hashlib.sha1(module_path.encode()).hexdigest()[:10]
+    if alias not in sys.modules:
+        sys.modules[alias] = importlib.import_module(module_path)
+    return alias
+
+
+def _importable_by_children(module_path: str) -> None:
+    """Put the root a module path imports from on PYTHONPATH: verifiers serves each toolset as
+    `python -m <its module>` in a subprocess."""
+    module = importlib.import_module(module_path)
+    file = Path(module.__file__ or "").resolve()
+    depth = module_path.count(".") + (1 if file.name == "__init__.py" else 0)
+    root = str(file.parents[depth])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, root])
+        log.info("verifiers loop: %s on PYTHONPATH (toolset subprocesses import %s)", root, module_path)
+
+
+def ensure_uv() -> str:
+    """The `uv` executable verifiers launches harness programs with, put on PATH; refuses to start without it
+    (verifiers would otherwise `pip install --user uv` into the home directory)."""
+    found = shutil.which("uv")
+    if found:
+        return found
+    try:
+        import uv  # the PyPI package ships the binary next to the interpreter's scripts
+
+        found = uv.find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        raise RuntimeError(
+            "args.driver = 'verifiers' needs uv (`pip install uv`): verifiers launches its harness programs with it"
+        ) from None
+    os.environ["PATH"] = os.pathsep.join([str(Path(found).parent), os.environ.get("PATH", "")])
+    log.info("verifiers loop: %s on PATH (uv)", Path(found).parent)
+    return found
+
+
+def renderer_config(renderer: Any) -> Any:
+    """The renderers-package config verifiers' train client renders with: the orchestrator's own renderer, so
+    both drivers render a conversation to the same ids."""
+    from primejax.orchestrator.renderer import ChatTemplateRenderer
+    from primejax.orchestrator.renderers_adapter import PackageRenderer
+
+    if isinstance(renderer, PackageRenderer):
+        return renderer.impl.config
+    if isinstance(renderer, ChatTemplateRenderer):
+        from renderers.configs import config_from_name
+
+        return config_from_name("default")
+    raise ValueError(
+        f"args.driver = 'verifiers' renders through the renderers package; orchestrator.renderer "
+        f"{type(renderer).__name__} is primejax's own: set orchestrator.renderer.name to 'auto', 'default' or a family"
+    )
+
+
+def _one_line(error: Exception, roles: set[str]) -> str:
+    """A verifiers config error as one line naming the primejax key (`args.harness`, `args.runtime`, ...)."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):
+        return str(error).split(". ")[0].splitlines()[0]
+    first = error.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    if loc and loc[0] in roles:
+        seat = {"harness": "args.harness_args", "runtime": "args.runtime"}.get(loc[1] if len(loc) > 1 else "")
+        key = ".".join([seat, *loc[2:]]) if seat else "args." + ".".join(loc[1:])
+    elif loc and loc[0] == "taskset":
+        key = "args." + ".".join(loc[1:])
+    else:
+        key = "args.env_args." + ".".join(loc)
+    return f"{key}: {first['msg']}"
+
+
+class VerifiersLoopEnv(VerifiersEnv):
+    """A verifiers taskset whose rollouts run through verifiers' own loop (see module docstring)."""
+
+    drives_rollout = False
+    samples_itself = True
+
+    @classmethod
+    def wrap(
+        cls, env: VerifiersEnv, *, harness: str, harness_args: dict[str, Any], runtime: str
+    ) -> VerifiersLoopEnv:
+        """The loop driver over an already loaded in-process env (its tasks, examples and limits)."""
+        self = cls.__new__(cls)
+        self.__dict__.update(env.__dict__)
+        self.harness, self.harness_args, self.runtime = harness, dict(harness_args), runtime
+        self._loop_envs: dict[int, Any] = {}
+        self._serving: dict[int, tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack]] = {}
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        ensure_uv()
+        for module_path in (self.taskset_id, self.vf_env_id):
+            if "." in module_path:
+                _importable_by_children(module_path)
+        self._build(self.max_turns)  # a bad harness / runtime / env arg fails at load, one line
+        return self
+
+    def _build(self, max_turns: int) -> Any:
+        """verifiers' Env for this taskset, every agent seat on the chosen harness and runtime."""
+        if max_turns in self._loop_envs:
+            return self._loop_envs[max_turns]
+        vf = _vf()
+        from verifiers.v1.configs.agent import agent_config_fields
+        from verifiers.v1.utils.generic import concrete_type
+        from verifiers.v1.utils.loaders import environment_class
+
+        taskset = _alias(self.taskset_id) if "." in self.taskset_id else self.taskset_id
+        if self.vf_env is not None:
+            env_cls = type(self.vf_env)
+        else:
+            env_cls = environment_class(taskset)
+        config_cls = concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
+        env_args = dict(self.vf_env_args)
+        seat = {
+            "harness": {**self.harness_args, "id": self.harness},
+            "runtime": {"type": self.runtime},
+            "max_turns": max_turns,
+            "max_output_tokens": self.max_output_tokens,
+            "max_total_tokens": self.max_total_tokens,
+        }
+        roles = agent_config_fields(config_cls.model_validate(env_args))
+        taskset_args = {**self.taskset_args, "id": taskset}
+        try:
+            config = config_cls.model_validate(
+                {**env_args, "taskset": taskset_args, **dict.fromkeys(roles, seat)}
+            )
+        except Exception as e:  # noqa: BLE001 - any bad harness / runtime / env arg: one line naming the key
+            raise ValueError(f"verifiers env {self.taskset_id!r}: {_one_line(e, set(roles))}") from None
+        env = env_cls(config)
+        self._loop_envs[max_turns] = env
+        return env
+
+    async def _serve(self, env: Any) -> None:
+        """verifiers' serving resources (interception server, taskset-level tool servers), once per event loop."""
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        async with self._lock[1]:
+            held = self._serving.get(id(env))
+            if held is not None and held[0] is loop:
+                return
+            stack = contextlib.AsyncExitStack()
+            await stack.enter_async_context(env.serving())
+            self._serving[id(env)] = (loop, stack)
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        for key, (owner, stack) in list(self._serving.items()):
+            if owner is loop:
+                await stack.aclose()
+            del self._serving[key]
+
+    async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
+        if "vf_reward" in state:  # scored by verifiers' loop
+            return state.pop("vf_reward")
+        return await super().score(example, messages, state)
+
+    async def sample_rollout(
+        self, example: Example, state: dict[str, Any], endpoint: Endpoint
+    ) -> SampledRollout:
+        vf = _vf()
+        from verifiers.v1.clients import ModelContext, TrainClientConfig
+
+        env = self._build(max(1, min(self.max_turns, endpoint.max_turns)))
+        await self._serve(env)
+        sampling = {
+            "temperature": endpoint.temperature,
+            "top_p": endpoint.top_p,
+            "max_tokens": endpoint.max_tokens,
+        }
+        if endpoint.seed is not None:
+            sampling["seed"] = endpoint.seed
+        ctx = ModelContext(
+            model=endpoint.model,
+            client=TrainClientConfig(
+                base_url=endpoint.base_url.rstrip("/") + "/v1",
+                api_key_var="PRIMEJAX_INFERENCE_API_KEY",
+                renderer=renderer_config(endpoint.renderer),
+                renderer_model_name=endpoint.model,
+            ),
+            sampling=vf.Sampling(**sampling),
+        )
+        episode = await env.run_episode(self.tasks[example.info["index"]], ctx)
+        return episode_to_rollout(episode, self.policy_agent, state)
+
+
+def episode_to_rollout(episode: Any, policy_agent: str, state: dict[str, Any]) -> SampledRollout:
+    """The policy agent's trace of a verifiers episode as primejax turns: along the trace's main branch, each
+    sampled message node's prompt is every token before its completion span (earlier nodes' ids + its own
+    generation-prompt scaffold), its completion the masked span, its logprobs the node's, as recorded."""
+    from verifiers.v1.dialects.chat import message_to_wire
+
+    if not episode.ok:
+        errors = "; ".join(f"{e.type}: {e.message}" for e in episode.errors) or "not ok"
+        trace_errors = "; ".join(f"{e.type}: {e.message}" for t in episode.traces for e in t.errors)
+        raise RuntimeError(
+            f"verifiers episode failed: {errors}" + (f" ({trace_errors})" if trace_errors else "")
+        )
+    traces = [
+        t for t in episode.traces if t.agent.trainable and (not policy_agent or t.agent.name == policy_agent)
+    ]
+    if len(traces) != 1:
+        raise RuntimeError(
+            f"the verifiers episode has {len(traces)} trainable traces; this driver trains exactly one"
+        )
+    trace = traces[0]
+    parents = {n.parent for n in trace.nodes if n.parent is not None}
+    leaves = [i for i in range(len(trace.nodes)) if i not in parents]
+
+    def path(leaf: int) -> list[int]:
+        out: list[int] = []
+        node: int | None = leaf
+        while node is not None:
+            out.append(node)
+            node = trace.nodes[node].parent
+        return out[::-1]
+
+    main = max((path(leaf) for leaf in leaves), key=lambda p: (sum(trace.nodes[i].sampled for i in p), p[-1]))
+    finish = {c.node: c.finish_reason for c in trace.calls if c.node is not None}
+    turns: list[SampledTurn] = []
+    prefix: list[int] = []
+    for i in main:
+        node = trace.nodes[i]
+        if node.sampled:
+            if not node.token_ids:
+                raise RuntimeError("verifiers recorded no token ids for a model call (a relay client?)")
+            start = node.mask.index(True) if True in node.mask else len(node.token_ids)
+            if not all(node.mask[start:]) or len(node.logprobs) != len(node.token_ids) - start:
+                raise RuntimeError(
+                    f"message node {i}: the sampled span is not one completion with its logprobs"
+                )
+            turns.append(
+                SampledTurn(
+                    prompt_ids=prefix + node.token_ids[:start],
+                    completion_ids=list(node.token_ids[start:]),
+                    completion_logprobs=list(node.logprobs),
+                    finish_reason=str(finish.get(i) or "stop"),
+                )
+            )
+        prefix += node.token_ids
+    state["stop_condition"] = trace.stop_condition
+    state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
+    state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
+    state["vf_branches"] = len(leaves)
+    # verifiers scored the trace (with its runtime); `score` returns it
+    state["vf_reward"] = float(trace.reward)
+    messages = [message_to_wire(trace.nodes[i].message) for i in main]
+    return SampledRollout(messages=messages, turns=turns)
