@@ -79,8 +79,10 @@ def _step(
     fallback=False,
     default_tiles=False,
     skip_if_oom="",
+    micro=1,
 ):
     return dict(
+        micro=micro,
         skip_if_oom=skip_if_oom,
         default_tiles=default_tiles,
         guard=guard,
@@ -120,6 +122,18 @@ CONFIGS = {
         _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
         _step("moe8:16k:bf16state:sweep", 16384, 8, pdt="bfloat16", scan=True, tuned=True),
         _step("moe10:16k:bf16state", 16384, 10, pdt="bfloat16", scan=True),
+    ],
+    # an RL step of several 16k micro-batches: the optimizer update (and its finiteness check), paid once per
+    # step, is spread over more tokens
+    "gpu1:micro": [
+        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
+        _step("moe8:16k:bf16state:x2", 16384, 8, pdt="bfloat16", scan=True, micro=2),
+        _step("moe8:16k:bf16state:x4", 16384, 8, pdt="bfloat16", scan=True, micro=4),
+    ],
+    "gpu1:micro8": [
+        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True, steps=5),
+        _step("moe8:16k:bf16state:x4", 16384, 8, pdt="bfloat16", scan=True, micro=4, steps=5),
+        _step("moe8:16k:bf16state:x8", 16384, 8, pdt="bfloat16", scan=True, micro=8, steps=4),
     ],
     "gpu1:checks": [
         dict(kind="gmm", name="gmm"),
@@ -526,9 +540,10 @@ def step_worker(c: dict) -> dict:
             saved_logits_max_bytes=saved_logits_max_bytes(-1),
             guard=c.get("guard", "fused"),
         )
+        micro = c.get("micro", 1)  # micro-batches per optimizer step (gradient accumulation)
         host = {
-            k: np.asarray(v)[None]
-            for k, v in _fake_batch(rows, seq, cfg.vocab_size, "rl").items()
+            k: np.asarray(v).reshape(micro, rows, seq)
+            for k, v in _fake_batch(micro * rows, seq, cfg.vocab_size, "rl").items()
             if k != "targets"
         }
         batch = step_mod.device_batch(host, mesh)
@@ -544,7 +559,7 @@ def step_worker(c: dict) -> dict:
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
         loss = float(run(batch))
         trace = _trace_summary(run, batch, top=60) if c.get("trace") else None
-    tokens = rows * seq
+    tokens = c.get("micro", 1) * rows * seq
     n_dev = c["devices"]
     attn = 12 * cfg.num_layers * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
     flops = cfg.flops_per_token(seq)
