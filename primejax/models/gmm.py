@@ -60,10 +60,41 @@ def grouped_matmul(
 
 # ---------------------------------------------------------------------- Mosaic GPU (Hopper)
 
-# Tile sizes: the kernels' own tuning sweeps (ragged_dot_mgpu.main) pick among these; 128 x 128 x 64 with
-# 4 pipeline stages fits shared memory for bf16 and was the fastest family at the expert shapes measured.
-_FWD = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
-_WGRAD = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+# Tile sizes per kernel and shape. Keys: (op, contracting dim, output dim) with op "fwd" (lhs [M, K] @ rhs
+# [G, K, N] -> [M, N]), "dlhs" (dout [M, N] @ rhs^T -> [M, K]: contracting N, output K) and "wgrad" (lhs^T @ dout
+# -> [G, K, N]: keyed by K, N). Values: the kernels' tile arguments. Shapes not in the table use DEFAULT_TILES
+# (128 x 128 x 64, 4 pipeline stages: fits shared memory for bf16 at any shape that tiles). MEASURED_TILES holds
+# the fastest of a sweep at Qwen3-30B-A3B's expert shapes (tools/bench_moe.py --suite tiles, docs/benchmarks.md).
+DEFAULT_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def _tiles(bm: int, bn: int, bk: int = 64, stages: int = 4, gbn: int = 1) -> dict[str, int]:
+    return dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=stages, grid_block_n=gbn)
+
+
+# H100 80GB, jax 0.11.2, 131,072 rows (16k tokens x top-8) over 128 uniformly loaded experts, the fastest of 42-87
+# tile sizes per kernel (tools/bench_moe.py's tile sweep, 2026-11-26); ms: default tiles -> these.
+MEASURED_TILES: dict[tuple[str, int, int], dict[str, int]] = {
+    ("fwd", 2048, 1536): _tiles(128, 192, gbn=4),  # gate_up forward      3.04 -> 1.59 ms (271 -> 517 TFLOP/s)
+    ("dlhs", 1536, 2048): _tiles(192, 128, gbn=4),  # gate_up input grad  3.13 -> 1.93 ms (263 -> 427)
+    ("wgrad", 2048, 1536): _tiles(128, 192),  # gate_up weight grad       1.57 -> 1.38 ms (524 -> 597)
+    ("fwd", 768, 2048): _tiles(192, 128, gbn=4),  # down forward          1.82 -> 1.27 ms (227 -> 325)
+    ("dlhs", 2048, 768): _tiles(128, 192, gbn=4),  # down input grad      1.50 -> 0.81 ms (275 -> 509)
+    ("wgrad", 768, 2048): _tiles(192, 128),  # down weight grad           0.85 -> 0.77 ms (486 -> 535)
+}
+_tile_overrides: dict[tuple[str, int, int], dict[str, int]] = {}
+
+
+def tiles_for(op: str, k: int, n: int) -> dict[str, int]:
+    """The tile arguments used for kernel `op` contracting `k` into `n` outputs (see MEASURED_TILES)."""
+    key = (op, k, n)
+    return dict(_tile_overrides.get(key) or MEASURED_TILES.get(key) or DEFAULT_TILES)
+
+
+def set_tile_overrides(table: dict[tuple[str, int, int], dict[str, int]]) -> None:
+    """Replace the measured table for calls traced from now on (benchmarks sweeping tile sizes)."""
+    _tile_overrides.clear()
+    _tile_overrides.update(table)
 
 
 def _with_padding_group(lhs, rhs, group_sizes):
@@ -77,16 +108,17 @@ def _with_padding_group(lhs, rhs, group_sizes):
 def _fwd_kernel(lhs, rhs, group_sizes, transpose_rhs: bool):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **_FWD)
+    k, n = rhs.shape[1:]
+    tiles = tiles_for("dlhs", n, k) if transpose_rhs else tiles_for("fwd", k, n)
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **tiles)
 
 
 def _wgrad_kernel(lhs_mk, dout_mn, group_sizes):
     """Per-group lhs^T @ dout: [G, K, N]."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs_mk, dout_mn, group_sizes=group_sizes, **_WGRAD
-    )
+    tiles = tiles_for("wgrad", lhs_mk.shape[1], dout_mn.shape[1])
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs_mk, dout_mn, group_sizes=group_sizes, **tiles)
 
 
 def _maybe_pad(lhs, rhs, group_sizes, pad: bool):

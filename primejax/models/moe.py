@@ -30,12 +30,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from primejax.models.gmm import grouped_matmul
 from primejax.models.sharding import current_mesh, logical_to_spec
 
 EP_AXIS = "fsdp"  # the mesh axis experts are split over (sharding.SHARDING_RULES["experts"])
+# Checkpoint names of the grouped matmuls' outputs: remat policies that keep the weight matmuls' outputs keep
+# these too (transformer._saves_attention_and_weight_dots); the kernels are custom calls, not dot_general, so
+# jax's dots policies alone would re-run them in the backward pass.
+GMM_OUTPUTS = ("moe_gate_up", "moe_down")
 
 
 class RouterOut(NamedTuple):
@@ -129,8 +134,10 @@ def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0,
     xs = _dispatch(x_nd, order, inv, k)  # [N*k, D], sorted by expert
     full = all_local  # every pair has a local expert: the groups cover all rows
     h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
+    h = checkpoint_name(h, GMM_OUTPUTS[0])
     a = jax.nn.silu(h[:, :i]) * h[:, i:]
     ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [N*k, D]
+    ys = checkpoint_name(ys, GMM_OUTPUTS[1])
     y_nkd = _permute(ys, inv, order).reshape(n, k, d)  # back to (token, slot) order
     return jnp.einsum(
         "nkd,nk->nd", y_nkd, scores.astype(ys.dtype), preferred_element_type=jnp.float32

@@ -6,7 +6,9 @@ this section adds the training-side choices, whose allowed values the model code
 
 from __future__ import annotations
 
-from primejax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from typing import Any
+
+from primejax.models.config import ATTENTION_IMPLS, EXPERT_PARALLEL, GMM_IMPLS, REMAT_POLICIES
 from primejax.models.tiny import TinyModelConfig
 from primejax.utils.sections import Section, option, section, sub
 
@@ -25,14 +27,31 @@ class ModelSettings(Section):
     remat_policy: str = option(
         "auto", "activation rematerialization per decoder layer (models/config.py)", choices=REMAT_POLICIES
     )
+    scan_layers: bool = option(
+        False,
+        "apply the decoder layers as one lax.scan (compiled once: minutes less for deep models, a slower step; "
+        "needs every layer dense or every layer sparse)",
+    )
+    gmm_impl: str = option(
+        "auto", "MoE grouped matmul (auto: Mosaic GPU kernels on Hopper, XLA ragged_dot elsewhere)", choices=GMM_IMPLS
+    )
+    expert_parallel: str = option(
+        "fsdp",
+        "MoE experts over devices: fsdp (expert weights sharded like FSDP, all-gathered; no token traffic) or ep "
+        "(experts split over the fsdp axis, tokens exchanged in shard_map); docs/moe.md",
+        choices=EXPERT_PARALLEL,
+    )
 
-    def overrides(self) -> dict[str, str]:
+    def overrides(self) -> dict[str, Any]:
         """The keyword arguments `ModelConfig` / `load_model` take from this section."""
         return {
             "param_dtype": self.param_dtype,
             "compute_dtype": self.compute_dtype,
             "attention_impl": self.attention_impl,
             "remat_policy": self.remat_policy,
+            "scan_layers": self.scan_layers,
+            "gmm_impl": self.gmm_impl,
+            "expert_parallel": self.expert_parallel,
         }
 
 

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import Offloadable, checkpoint_name
 from primejax.models.attention import SegmentRuns, attention, prepare_segments, resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import to_heads, to_tokens
-from primejax.models.moe import expert_load, load_balance_loss, moe_block, router_z_loss
+from primejax.models.moe import GMM_OUTPUTS, expert_load, load_balance_loss, moe_block, router_z_loss
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
 from primejax.models.splash_attention import RESIDUALS as SPLASH_RESIDUALS
@@ -53,8 +53,11 @@ def _saves_attention(prim, *args, **params) -> bool:
 
 
 def _saves_attention_and_weight_dots(prim, *args, **params) -> bool:
-    return _saves_attention(prim, *args, **params) or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(
-        prim, *args, **params
+    """Attention's results and every weight matmul's output, the experts' grouped matmuls included."""
+    return (
+        _saves_attention(prim, *args, **params)
+        or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+        or jax.checkpoint_policies.save_only_these_names(*GMM_OUTPUTS)(prim, *args, **params)
     )
 
 
@@ -69,8 +72,10 @@ def _offloads_attention(cudnn: bool):
     """
 
     def policy(prim, *args, **params):
-        if prim.name.startswith("dot_product_attention_fwd") if cudnn else (
-            prim.name == "name" and params.get("name") == ATTN_OUT
+        if (
+            prim.name.startswith("dot_product_attention_fwd")
+            if cudnn
+            else (prim.name == "name" and params.get("name") == ATTN_OUT)
         ):
             return Offloadable(src="device", dst="pinned_host")
         return False
@@ -192,8 +197,13 @@ def decoder_layer(
     h_btd = rms_norm(x_btd, p["mlp_norm"], eps)
     if "router" in p:
         y_btd, r = moe_block(
-            h_btd, p, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, impl=cfg.gmm_impl,
-            mode=cfg.expert_parallel, replay_idx=None if replay is None else replay[0],
+            h_btd,
+            p,
+            top_k=cfg.num_experts_per_tok,
+            norm_topk_prob=cfg.norm_topk_prob,
+            impl=cfg.gmm_impl,
+            mode=cfg.expert_parallel,
+            replay_idx=None if replay is None else replay[0],
             replay_mask=None if replay is None else replay[1],
         )
         valid = segment_ids > 0
@@ -220,8 +230,14 @@ class DecoderStack(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        n, d, h, k, hd, f = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size)
+        n, d, h, k, hd, f = (
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
         dt = jnp.dtype(cfg.param_dtype)
         lay = "layers"
         self.attn_norm = _param(rngs, (n, d), (lay, "norm"), dt, ones=True)
@@ -251,7 +267,9 @@ class DecoderStack(nnx.Module):
             self.experts_gate_up = _param(
                 rngs, (ns, e, d, 2, i), (lay, "experts", "expert_embed", None, "expert_mlp"), dt
             )
-            self.experts_down = _param(rngs, (ns, e, i, d), (lay, "experts", "expert_mlp", "expert_embed"), dt)
+            self.experts_down = _param(
+                rngs, (ns, e, i, d), (lay, "experts", "expert_mlp", "expert_embed"), dt
+            )
 
     def stacked_params(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
@@ -287,6 +305,7 @@ class DecoderStack(nnx.Module):
                 xs = (stacked, jnp.moveaxis(replay[0], 2, 0))
                 x_btd, stats = jax.lax.scan(lambda x, pr: step(x, pr[0], (pr[1], mask)), x_btd, xs)
             return x_btd, stats if sparse else {}
+
         # One split per weight (its transpose is one concatenate of the layers' gradients), not L slices
         # (each of whose transposes pads a full-size zero array).
         def split(v):
@@ -301,8 +320,11 @@ class DecoderStack(nnx.Module):
                 rp = None if replay is None else (replay[0][:, :, j], replay[1])
             else:
                 j, mlp_keys, rp = dense.index(i), DENSE_MLP, None
-            p = {k: v[j] if k in mlp_keys else v[i] for k, v in per_layer.items()
-                 if k in mlp_keys or (k not in DENSE_MLP and k not in SPARSE_MLP)}
+            p = {
+                k: v[j] if k in mlp_keys else v[i]
+                for k, v in per_layer.items()
+                if k in mlp_keys or (k not in DENSE_MLP and k not in SPARSE_MLP)
+            }
             x_btd, st = step(x_btd, p, rp)
             if st is not None:
                 per_stats.append(st)
@@ -323,7 +345,12 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, max_segments: int | None = None
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        max_segments: int | None = None,
     ) -> jax.Array:
         """tokens/positions/segment_ids int32 [B, T] -> hidden states [B, T, D] in the compute dtype."""
         return self.forward_with_aux(tokens, positions, segment_ids, max_segments=max_segments)[0]

@@ -52,6 +52,8 @@ def test_defaults_validate():
         ({"trainer__lm_head_saved_logits_gib": -0.5}, "trainer.lm_head_saved_logits_gib"),
         ({"model__param_dtype": "float16"}, "model.param_dtype"),
         ({"model__attention_impl": "flash"}, "model.attention_impl"),
+        ({"model__expert_parallel": "alltoall"}, "model.expert_parallel"),
+        ({"model__gmm_impl": "cuda"}, "model.gmm_impl"),
         ({"model__path": ""}, "model.path"),
         ({"run__resume_step": "yesterday"}, "run.resume_step"),
         ({"run__name": "a/b"}, "run.name"),
@@ -77,6 +79,20 @@ def test_each_rule_rejects_with_the_key_named(changes, key):
     with pytest.raises(ConfigError) as err:
         validate(_cfg(**changes))
     assert err.value.key == key, str(err.value)
+
+
+def test_model_section_choices_reach_the_model_config():
+    from primejax.config import typed
+    from primejax.trainer.loop import model_config
+
+    cfg = typed(
+        _cfg(model__path="", trainer__fake_data__enabled=True, model__build_tiny__family="qwen3_moe",
+             model__scan_layers=True,
+             model__expert_parallel="ep", model__gmm_impl="xla", model__remat_policy="full")
+    )
+    m = model_config(cfg.model)
+    assert (m.model_type, m.scan_layers, m.expert_parallel, m.gmm_impl, m.remat_policy) == (
+        "qwen3_moe", True, "ep", "xla", "full")
 
 
 def test_env_rules():

