@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0, help="RL sampling temperature")
     p.add_argument("--max-operand", type=int, default=9, help="operands drawn from 2..this")
     p.add_argument("--port", type=int, default=8731, help="the inference server's port (8000 is often taken)")
+    p.add_argument("overrides", nargs="*", help="more --config.KEY=VALUE arguments for primejax.train")
     p.add_argument("--smoke", action="store_true", help="2 SFT + 2 RL steps: proves the path, learns nothing")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.smoke
         else [f"--config.orchestrator.batch_size={a.batch}", "--config.orchestrator.group_size=8"]
     )
+    cmd += a.overrides
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     points = [
