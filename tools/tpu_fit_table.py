@@ -3,7 +3,7 @@
     python -m tools.tpu_fit_table --out DIR [--jobs 2] [--models qwen3-0.6b,qwen3-4b,qwen3-8b]
         [--tokens 16384,65536] [--topologies v5e-16,v6e-8,v5p-16] [--config configs/tpu.py]
 
-Each cell is one `python -m tools.tpu_compile --recommend --depth_probe` process (rows of `tokens` tokens, one row per
+Each cell is one `python -m tools.tpu_compile --recommend` process (rows of `tokens` tokens, one row per
 chip under FSDP) writing DIR/<model>_<tokens>_<topology>.json; cells already in DIR are not recompiled.
 Ends with the markdown table. Compile-time figures, not measured speed.
 """
@@ -95,7 +95,12 @@ def main() -> int:
     p.add_argument("--tokens", default="16384,65536")
     p.add_argument("--topologies", default="v5e-16,v6e-8,v5p-16")
     p.add_argument("--config", default="configs/tpu.py")
-    p.add_argument("--full_depth", action="store_true", help="compile every layer (default: --depth_probe)")
+    p.add_argument(
+        "--depth_probe",
+        action="store_true",
+        help="extrapolate from 2- and 4-layer compiles (for configs with unrolled layers; the default compiles "
+        "the whole model, which configs/tpu.py makes cheap by scanning its layers)",
+    )
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +111,7 @@ def main() -> int:
         for topo in a.topologies.split(",")
     ]
     with ThreadPoolExecutor(a.jobs) as pool:
-        paths = list(pool.map(lambda c: _cell(out, a.config, not a.full_depth, *c), cells))
+        paths = list(pool.map(lambda c: _cell(out, a.config, a.depth_probe, *c), cells))
     print(HEADER)
     for path in paths:
         print(_row(path))
