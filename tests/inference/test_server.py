@@ -172,8 +172,9 @@ def test_requests_in_flight_during_update_all_complete(vllm_server, tmp_path):
     assert_greedy_matches_reference(after, prompts, HFReference(new_dir))
 
 
-async def _until_running(base_url: str, timeout_s: float = 60.0) -> None:
-    """Poll vLLM's Prometheus gauge until the engine is running at least one request."""
+async def _until_running(base_url: str, timeout_s: float = 300.0) -> None:
+    """Poll vLLM's Prometheus gauge until the engine is running at least one request (a generous deadline:
+    on a CPU box shared with other jobs the first scheduling step has taken over a minute)."""
     import httpx
 
     async with httpx.AsyncClient() as h:
