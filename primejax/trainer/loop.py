@@ -321,9 +321,8 @@ class Trainer:
                                 self.skipped_steps)
                 metrics["skipped_steps"] = float(self.skipped_steps)
                 metrics.update(self.export(step))
-                self.maybe_checkpoint(step, final=step == max_steps)
-                self.prune_consumed(step)
-                last = step
+                # Logged before the checkpoint: once θ_step is published the orchestrator moves on, and a run
+                # stopped while the (slower) checkpoint is written must still have this step's metrics.
                 if monitor is not None:
                     monitor.scalars(step, metrics)
                     for name, values in getattr(self, "histograms", {}).items():
@@ -331,6 +330,9 @@ class Trainer:
                 log.info("step %d/%d loss %.4g grad_norm %.3g tok/s %.0f mfu %.2f%% mismatch_kl %.2e",
                          step, max_steps, metrics["loss"], metrics["grad_norm"],
                          metrics["perf/tokens_per_s"], 100 * metrics["perf/mfu"], metrics["mismatch_kl"])
+                self.maybe_checkpoint(step, final=step == max_steps)
+                self.prune_consumed(step)
+                last = step
         finally:
             self.checkpointer.close()
         if last > self.start_step:
