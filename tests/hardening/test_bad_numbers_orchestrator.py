@@ -48,22 +48,6 @@ class BadReward(Environment):
         return await self.inner.score(example, messages, state)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "0.7", True, None])
-def test_a_bad_reward_errors_its_rollout_and_the_group_goes_on(tmp_path, tokenizer, caplog, bad):
-    name = f"test-bad-reward-{bad!r}"
-    register_env(name, lambda: BadReward(bad))
-    cfg = small_config(tmp_path / "run", env_id=name, batch_size=8, group_size=4)
-    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
-    orch.resume("")
-    (metrics,) = asyncio.run(orch.run(1))
-    assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2
-    batch = read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz")
-    assert batch.meta["num_samples"] == 6
-    assert any(
-        "reward must be" in r.getMessage() and "reverse_text" in r.getMessage() for r in caplog.records
-    )
-
-
 class DrivenBadReward(BadReward):
     """The same task run by the env's own loop (`drives_rollout`): the env calls the model itself."""
 
@@ -74,10 +58,15 @@ class DrivenBadReward(BadReward):
         return [*example.prompt, reply]
 
 
-@pytest.mark.parametrize("bad", [float("nan"), "0.7"])
-def test_a_bad_reward_errors_its_rollout_on_the_env_driven_path_too(tmp_path, tokenizer, caplog, bad):
-    name = f"test-driven-bad-reward-{bad!r}"
-    register_env(name, lambda: DrivenBadReward(bad))
+@pytest.mark.parametrize(
+    ("env_cls", "bad"),
+    [(BadReward, b) for b in (float("nan"), float("inf"), "0.7", True, None)]
+    + [(DrivenBadReward, b) for b in (float("nan"), "0.7")],
+)
+def test_a_bad_reward_errors_its_rollout_and_the_group_goes_on(tmp_path, tokenizer, caplog, env_cls, bad):
+    """Both rollout paths: orchestrator-driven turns and an env that drives its own episode."""
+    name = f"test-bad-reward-{env_cls.__name__}-{bad!r}"
+    register_env(name, lambda: env_cls(bad))
     cfg = small_config(tmp_path / "run", env_id=name, batch_size=8, group_size=4)
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
     orch.resume("")
@@ -85,7 +74,9 @@ def test_a_bad_reward_errors_its_rollout_on_the_env_driven_path_too(tmp_path, to
     assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2
     batch = read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz")
     assert batch.meta["num_samples"] == 6
-    assert any("reward must be" in r.getMessage() for r in caplog.records)
+    assert any(
+        "reward must be" in r.getMessage() and "reverse_text" in r.getMessage() for r in caplog.records
+    )
 
 
 def _answer(token_ids, logprobs):
