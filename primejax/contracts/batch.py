@@ -77,8 +77,6 @@ FIELDS: dict[str, np.dtype] = {
     "ce_weights": np.dtype(np.float32),
     "ref_kl_weights": np.dtype(np.float32),
 }
-# The routing-replay pair, present together or not at all (see "Routed experts" above).
-ROUTED_FIELDS: dict[str, np.dtype] = {"routed_experts": np.dtype(np.uint8), "routed_mask": np.dtype(np.bool_)}
 OPTIONAL_STREAMS = ("advantages", "ref_logprobs", "rl_weights", "ce_weights", "ref_kl_weights")
 WEIGHT_STREAMS = ("rl_weights", "ce_weights", "ref_kl_weights")
 
@@ -392,11 +390,11 @@ def read_batch(
             raise BatchFormatError(path, "format_version", f"expected {FORMAT_VERSION}, got {version!r}")
         shape = check_manifest(path, manifest, BatchFormatError)
         # Shapes and dtypes from the .npy headers first: nothing is decompressed for a file that lies.
-        expected = {name: (dtype, shape) for name, dtype in FIELDS.items()}
-        expected.update(routed_headers(path, manifest, shape, names, BatchFormatError))
-        check_headers(path, data.zip, expected, BatchFormatError)
+        headers = {name: (dtype, shape) for name, dtype in FIELDS.items()}
+        headers.update(routed_headers(path, manifest, shape, names, BatchFormatError))
+        check_headers(path, data.zip, headers, BatchFormatError)
         arrays = {}
-        for name in expected:
+        for name in headers:
             a = _load(data, path, name)
             expected = manifest["fields"].get(name, {}).get("sha256")
             if expected != _sha256(a):
@@ -457,6 +455,6 @@ def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, 
 
 
 __all__ = [
-    "FORMAT_VERSION", "FIELDS", "ROUTED_FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
+    "FORMAT_VERSION", "FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
     "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch", "prune_rollouts",
 ]

@@ -497,11 +497,16 @@ class VerifiersEnv(Environment):
         await world.task.score(trace)
         if (finished := state.pop("vf_episode", None)) is not None:
             await _finalize_episode(self.vf_env, world, finished)
-        state["stop_condition"] = trace.stop_condition
-        state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
-        state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
+        record_trace(state, trace)
         state.pop("world", None)  # not JSON; the trace's useful parts are copied above
         return float(trace.reward)
+
+
+def record_trace(state: dict[str, Any], trace: Any) -> None:
+    """What a scored verifiers trace tells the orchestrator's logs: stop condition, reward parts, metrics."""
+    state["stop_condition"] = trace.stop_condition
+    state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
+    state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
 
 
 async def _finalize_episode(vf_env: Any, policy: _World, finished: list[_World]) -> None:
@@ -523,7 +528,6 @@ async def _finalize_episode(vf_env: Any, policy: _World, finished: list[_World])
         traces=[w.trace for w in finished],
     )
     await vf_env.finalize(task, episode)
-    episode.ok = all(t.ok for t in episode.traces)
 
 
 def load(taskset_id: str, **args: Any) -> VerifiersEnv:

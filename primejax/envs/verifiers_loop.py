@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from primejax.envs.base import Endpoint, Example, Message, SampledRollout, SampledTurn
-from primejax.envs.verifiers_adapter import VerifiersEnv, _vf
+from primejax.envs.verifiers_adapter import VerifiersEnv, _vf, record_trace
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class VerifiersLoopEnv(VerifiersEnv):
         vf = _vf()
         from verifiers.v1.clients import ModelContext, TrainClientConfig
 
-        env = self._build(max(1, min(self.max_turns, endpoint.max_turns)))
+        env = self._build(endpoint.max_turns)  # already this env's cap and the orchestrator's, >= 1
         await self._serve(env)
         sampling = {
             "temperature": endpoint.temperature,
@@ -369,9 +369,7 @@ def episode_to_rollout(episode: Any, policy_agent: str, state: dict[str, Any]) -
                 )
             )
         prefix += node.token_ids
-    state["stop_condition"] = trace.stop_condition
-    state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
-    state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
+    record_trace(state, trace)
     state["vf_branches"] = len(leaves)
     # verifiers scored the trace (with its runtime); `score` returns it
     state["vf_reward"] = float(trace.reward)

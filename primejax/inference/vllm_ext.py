@@ -1,6 +1,9 @@
-"""Every place primejax touches vLLM beyond its command line lives in this module.
+"""Every place primejax touches vLLM beyond its command line starts in this module.
 
-Three public extension points, nothing patched:
+Three public extension points; the only patches are in two helper modules beside this one, each pinned by its
+own test: `vllm_cpu_moe` (wraps a CPU MoE layer's kernel setup so reloads re-prepack its experts) and
+`routed_capture` (CPU routed-expert return, installed by the plugin hook only when
+`PRIMEJAX_ROUTED_EXPERTS_CAPTURE=1`).
 - `PrimejaxWeightTransferEngine`, a `vllm.distributed.weight_transfer` engine registered in vLLM's own engine
   registry by `register_transfer_engine` (entry point `vllm.general_plugins: primejax`, run in every vLLM
   process) and selected with `--weight-transfer-config '{"backend": "primejax"}'`: the collective weight

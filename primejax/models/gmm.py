@@ -65,11 +65,11 @@ def grouped_matmul(
 # -> [G, K, N]: keyed by K, N). Values: the kernels' tile arguments. Shapes not in the table use DEFAULT_TILES
 # (128 x 128 x 64, 4 pipeline stages: fits shared memory for bf16 at any shape that tiles). MEASURED_TILES holds
 # the fastest of a sweep at Qwen3-30B-A3B's expert shapes (tools/bench_moe.py --suite tiles, docs/benchmarks.md).
-DEFAULT_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
-
-
 def _tiles(bm: int, bn: int, bk: int = 64, stages: int = 4, gbn: int = 1) -> dict[str, int]:
     return dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=stages, grid_block_n=gbn)
+
+
+DEFAULT_TILES = _tiles(128, 128)
 
 
 # H100 80GB, jax 0.11.2, 131,072 rows (16k tokens x top-8) over 128 uniformly loaded experts, the fastest of 42-87

@@ -157,6 +157,10 @@ class GroupGenerator:
                               finish_reason=str(completion.finish_reason), policy_version=version,
                               routed_experts=routed)
 
+    def _max_turns(self, slot: EnvSlot) -> int:
+        """Model calls one rollout may make: the env's own cap and orchestrator.sampling.max_turns."""
+        return max(1, min(slot.env.max_turns, self.settings.max_turns))
+
     def _seed(self, step: int, group_id: int, turn: int, member: int) -> int | None:
         if self.settings.seed < 0:
             return None
@@ -200,6 +204,8 @@ class GroupGenerator:
         finish it. Any failure errors this rollout alone, counted under the stage it happened in."""
         try:
             await play()
+            if not rollout.steps:
+                raise RuntimeError("the environment finished without calling the model")
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
             stage.name = "score"
             rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
@@ -220,7 +226,7 @@ class GroupGenerator:
 
         async def play() -> None:
             nonlocal prompt_ids, completion, version
-            max_turns = max(1, min(slot.env.max_turns, self.settings.max_turns))
+            max_turns = self._max_turns(slot)
             while True:
                 rollout.steps.append(self._step(prompt_ids, completion, version, _sampler(slot)))
                 message, _ = parse_message(self.renderer, rollout.steps[-1].completion_ids, prompt_ids)
@@ -257,7 +263,7 @@ class GroupGenerator:
             base_url, model = await client.openai_endpoint()
             endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
                                 temperature=s.temperature, top_p=s.top_p,
-                                max_turns=max(1, min(slot.env.max_turns, s.max_turns)),
+                                max_turns=self._max_turns(slot),
                                 seed=self._seed(step, rollout.group_id, 0, member))
             async with self.semaphore:
                 version = self.policy.version
@@ -273,16 +279,13 @@ class GroupGenerator:
                 self.stats.prompt_tokens += len(turn.prompt_ids)
                 self.stats.completion_tokens += len(turn.completion_ids)
             rollout.messages = list(sampled.messages)
-            if not rollout.steps:
-                raise RuntimeError("the environment finished without calling the model")
 
         await self._settle(slot, rollout, stage, play)
 
     async def _drive(self, slot: EnvSlot, rollout: Rollout, first: tuple[list[int], Any, int] | None, step: int,
                      member: int) -> None:
         """An env-driven rollout: the env's loop calls the model through `call` (see module docstring)."""
-        s = self.settings
-        max_turns = max(1, min(slot.env.max_turns, s.max_turns))
+        max_turns = self._max_turns(slot)
         pending = [first]  # the group's shared first completion, used when the env's first prompt matches
         stage = _Stage("env")
 
@@ -327,7 +330,5 @@ class GroupGenerator:
 
         async def play() -> None:
             rollout.messages = list(await slot.env.rollout(rollout.example, rollout.state, call))
-            if not rollout.steps:
-                raise RuntimeError("the environment finished without calling the model")
 
         await self._settle(slot, rollout, stage, play)

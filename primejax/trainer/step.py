@@ -82,15 +82,18 @@ def shift_targets(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax
     index t of the result is about the token predicted from hidden state t. The last position predicts
     nothing (loss_mask False). A segment's first token is never trained, so no loss crosses segments.
     """
-
-    def left(x: jax.Array, fill: Any) -> jax.Array:
-        return jnp.concatenate([x[:, 1:], jnp.full_like(x[:, :1], fill)], axis=1)
-
-    targets = left(mb["tokens"], 0)
+    targets = _shift_left(mb["tokens"], 0)
     streams = {
-        k: left(mb[k], 1.0 if k == "temperatures" else 0) for k in FIELDS if k not in ("tokens", "positions")
+        k: _shift_left(mb[k], 1.0 if k == "temperatures" else 0)
+        for k in FIELDS
+        if k not in ("tokens", "positions")
     }
     return targets, streams
+
+
+def _shift_left(x: jax.Array, fill: Any) -> jax.Array:
+    """x[:, t + 1] at position t (axis 1), `fill` at the last position."""
+    return jnp.concatenate([x[:, 1:], jnp.full_like(x[:, :1], fill)], axis=1)
 
 
 def replay_inputs(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array] | None:
@@ -102,10 +105,7 @@ def replay_inputs(mb: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array] | 
     """
     if "routed_experts" not in mb:
         return None
-    experts, mask = mb["routed_experts"], mb["routed_mask"]
-    experts = jnp.concatenate([experts[:, 1:], jnp.zeros_like(experts[:, :1])], axis=1).astype(jnp.int32)
-    mask = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
-    return experts, mask
+    return _shift_left(mb["routed_experts"], 0).astype(jnp.int32), _shift_left(mb["routed_mask"], False)
 
 
 def tree_all_finite(tree: Any) -> jax.Array:
