@@ -26,20 +26,10 @@ import httpx
 
 from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec
+from tools.model_shapes import QWEN3
 
-QWEN3_06B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    rope_theta=1_000_000.0,
-)
+# transformers.Qwen3Config keyword arguments (its own model_type)
+QWEN3_06B = {k: v for k, v in QWEN3["qwen3-0.6b"].items() if k != "model_type"}
 
 
 def build_qwen3_06b_shaped(out: Path, tokenizer_src: Path) -> Path:

@@ -22,28 +22,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.model_shapes import QWEN3  # noqa: E402
 
 PEAK_FLOPS = 989e12
-QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    tie_word_embeddings=False,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=40960,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-)
+QWEN3_30B_A3B = QWEN3["qwen3-30b-a3b"]
 TINY = dict(
     QWEN3_30B_A3B,
     vocab_size=512,

@@ -19,53 +19,15 @@ import subprocess
 import time
 from pathlib import Path
 
+from tools.model_shapes import QWEN3
+
 GIB = 2.0**30
 PEAK_FLOPS = 989e12  # H100 / H200 SXM dense bf16, prime-rl's MFU denominator
 
-# Hugging Face config shapes (random init): Qwen/Qwen3-4B and Qwen/Qwen3-8B config.json.
+# Random-init shapes (tools/model_shapes.py), with positions up to the longest context-parallel row.
 MODELS = {
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=262144,
-    ),
-    "qwen3-8b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=262144,
-    ),
-    "qwen3-0.6b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=65536,
-    ),
+    name: dict(QWEN3[name], max_position_embeddings=positions)
+    for name, positions in (("qwen3-4b", 262144), ("qwen3-8b", 262144), ("qwen3-0.6b", 65536))
 }
 # --smoke: the same code on emulated CPU devices with these shapes (heads divisible by context * tensor).
 SMOKE = dict(

@@ -35,22 +35,10 @@ from tools.bench_trainer_profile import (  # noqa: E402
     _timed,
     _trace_summary,
 )
+from tools.model_shapes import QWEN3  # noqa: E402
 
 PEAK_FLOPS = 989e12
-QWEN3_06B = dict(
-    model_type="qwen3",
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=True,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=65536,
-)
+QWEN3_06B = dict(QWEN3["qwen3-0.6b"], max_position_embeddings=65536)  # rows up to 64k
 GIB = 2.0**30
 
 

@@ -25,60 +25,9 @@ from typing import Any
 from absl import flags
 
 from primejax.config.cli import UsageError, parse_config, run_main
+from tools.model_shapes import QWEN3
 from tools.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
 
-# HF config.json shapes of the Qwen3 dense checkpoints (huggingface.co/Qwen/Qwen3-{0.6B,4B,8B}).
-_QWEN3 = dict(
-    model_type="qwen3",
-    vocab_size=151936,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=40960,
-    head_dim=128,
-    num_key_value_heads=8,
-    hidden_act="silu",
-)
-MODELS: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": dict(
-        _QWEN3,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-4b": dict(
-        _QWEN3,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-8b": dict(
-        _QWEN3,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        tie_word_embeddings=False,
-    ),
-    # Qwen3-MoE (huggingface.co/Qwen/Qwen3-30B-A3B): 128 experts, 8 per token, every layer sparse.
-    "qwen3-30b-a3b": dict(
-        _QWEN3,
-        model_type="qwen3_moe",
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-}
 # Tried by --recommend, mesh-major: FSDP alone with each policy in order of recompute (least first), then
 # the tensor-parallel meshes; the first plan that fits is the pick. At a fixed number of tokens per chip,
 # tensor parallelism does not shrink the activations remat trades against (a tensor group's rows are
@@ -91,7 +40,7 @@ def _flags(fv: flags.FlagValues) -> None:
         "topology", None, "TPU slice: v5p-16, v5e-16, v6e-8, or libtpu's v5e:4x4", flag_values=fv
     )
     flags.DEFINE_string(
-        "model", "", f"a known shape instead of model.path: {', '.join(MODELS)}", flag_values=fv
+        "model", "", f"a known shape instead of model.path: {', '.join(QWEN3)}", flag_values=fv
     )
     flags.DEFINE_integer(
         "seq_len", 0, "tokens per packed row (0 = trainer.fake_data.seq_len)", flag_values=fv
@@ -126,9 +75,9 @@ def _model_config(cfg, name: str):
 
     if not name:
         return model_config(cfg.model, max_positions=cfg.trainer.fake_data.seq_len)
-    if name not in MODELS:
-        raise UsageError(f"--model {name!r}: one of {', '.join(MODELS)}")
-    return ModelConfig.from_hf_config(MODELS[name], **cfg.model.overrides())
+    if name not in QWEN3:
+        raise UsageError(f"--model {name!r}: one of {', '.join(QWEN3)}")
+    return ModelConfig.from_hf_config(QWEN3[name], **cfg.model.overrides())
 
 
 def _rows_per_rank(chips: int, mesh: dict[str, int], seq_len: int, tokens_per_chip: int) -> int | None:
