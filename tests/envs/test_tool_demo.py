@@ -73,3 +73,20 @@ def test_require_tool_scores_only_answers_computed_with_the_calculator(tmp_path)
     for require, script, reward in ((False, guessed, 1.0), (True, guessed, 0.0), (True, computed, 1.0)):
         rollout, *_ = run_group(tok, script, max_operand=9, require_tool=require)
         assert rollout.ok and rollout.reward == reward, (require, script, rollout.reward)
+
+
+def test_direct_every_mixes_answers_without_a_tool_call_into_the_demonstrations():
+    rows = demonstrations(6, seed=1, args={"max_operand": 9}, direct_every=2)
+    env = load_env("tests.envs.vf_calc_taskset", {"size": 6, "seed": 1, "max_operand": 9})
+    for i, row in enumerate(rows):
+        data = env.tasks[i].data
+        assistant = [m for m in row["messages"] if m["role"] == "assistant"]
+        assert assistant[-1]["content"] == data.answer  # every demonstration is solved
+        if i % 2 == 0:  # answered straight away: one turn, no tool call
+            assert len(assistant) == 1 and not assistant[0].get("tool_calls")
+        else:  # the right calculator tool on the question's operands, then its result
+            [call] = assistant[0]["tool_calls"]
+            assert call["function"]["name"] == f"calc_{data.op}"
+            assert json.loads(call["function"]["arguments"]) == {"a": data.a, "b": data.b}
+        assert row["tools"]  # the tool schemas are rendered either way
+    assert all(r["messages"][-2]["role"] == "tool" for r in demonstrations(4, seed=1, direct_every=0))
