@@ -7,8 +7,21 @@ The step is the one `python -m primejax.trainer` runs (primejax/trainer/aot.py):
 remat policy, attention kernel ("auto" = splash on TPU) and mesh from the config, compiled ahead of time
 from abstract inputs for the slice's devices. `--model` swaps in the shape of a known checkpoint (HF
 config.json values; no weights needed). `--recommend` compiles remat policies in order of recompute (least
-FLOPs first), FSDP alone before tensor-parallel meshes, at the same tokens per chip, and stops at the first
-plan that fits the chip's HBM: the fewest compiled FLOPs per chip among the plans that fit.
+FLOPs first) on each mesh in turn — FSDP alone, or, for rows longer than the tokens per chip, a
+context-parallel split of each row; then the tensor-parallel meshes (with context where the row still needs
+it) — at the same tokens per chip, and stops at the first plan that fits the chip's HBM: the fewest compiled
+FLOPs per chip among the plans that fit.
+
+Rows longer than the tokens per chip (`--tokens_per_chip` < `--seq_len`) must be split over chips: a row of
+T tokens over C = context chips leaves T / C tokens per chip. Context parallelism (models/context_parallel.py)
+splits every per-token activation that way and re-splits only attention by heads (one all-to-all each for q,
+k, v and the output), so at a fixed number of tokens per chip it is what shrinks the activations that decide
+the fit; tensor parallelism replicates a tensor group's rows (the residual stream, norms, saved layer inputs)
+on each of its chips and adds two all-reduces per layer, so it comes after. Only the smallest context size
+that gives the tokens per chip is tried with each tensor size: a larger one holds the same tokens, weight
+shards and attention heads per chip (its context group takes more rows). When rows fit one per chip
+(`--tokens_per_chip` >= `--seq_len`, the default), that is context 1: splitting a row that fits buys no
+memory at the same tokens per chip and adds the all-to-alls.
 
 These are compile-time figures (XLA's memory plan and FLOP count for the TPU target), not measured speed.
 Needs libtpu: `tools/install.sh` puts it in `<venv>/tpu-aot` (see tools/tpu_topology.py).
@@ -18,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,9 +43,11 @@ from tools.model_shapes import QWEN3
 from tools.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
 
 # Tried by --recommend, mesh-major: FSDP alone with each policy in order of recompute (least first), then
-# the tensor-parallel meshes; the first plan that fits is the pick. At a fixed number of tokens per chip,
-# tensor parallelism does not shrink the activations remat trades against (a tensor group's rows are
-# replicated on each of its chips) and adds communication, so it comes in only when no policy fits without.
+# the context-parallel meshes, then the tensor-parallel ones (`_recommend_meshes`); the first plan that fits
+# is the pick. At a fixed number of tokens per chip, tensor parallelism does not shrink the activations remat
+# trades against (a tensor group's rows are replicated on each of its chips) and adds communication, so it
+# comes in only when no policy fits without; context parallelism is how a row longer than the tokens per chip
+# is split at all, and it splits the activations with it (module docstring).
 RECOMMEND_REMAT = ("dots_no_batch_attn", "attn", "full")
 
 
@@ -59,6 +75,12 @@ def _flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string(
         "tensor_sizes", "1,2,4,8", "--recommend: tensor-parallel sizes to try, in order", flag_values=fv
     )
+    flags.DEFINE_string(
+        "context_sizes",
+        "1,2,4,8,16",
+        "--recommend: context-parallel sizes to try (a row of seq_len tokens over C chips), in order",
+        flag_values=fv,
+    )
     flags.DEFINE_bool(
         "depth_probe",
         False,
@@ -80,13 +102,64 @@ def _model_config(cfg, name: str):
     return ModelConfig.from_hf_config(QWEN3[name], **cfg.model.overrides())
 
 
+def _resolve_mesh(mesh: dict[str, int], chips: int) -> dict[str, int]:
+    """`trainer.mesh` sizes with its -1 axis filled in for `chips`; one line naming the mesh when they don't."""
+    sizes = {a: mesh.get(a, 1) for a in ("data", "fsdp", "context", "tensor")}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    for a, v in sizes.items():
+        if v == -1:
+            sizes[a] = chips // fixed if chips % fixed == 0 else 0
+    if math.prod(sizes.values()) != chips:
+        raise UsageError(f"trainer.mesh {mesh} does not cover the slice's {chips} chips")
+    return sizes
+
+
 def _rows_per_rank(chips: int, mesh: dict[str, int], seq_len: int, tokens_per_chip: int) -> int | None:
-    """Micro-batch rows per data-parallel rank giving `tokens_per_chip`; None if the mesh cannot."""
-    dp = chips // mesh["tensor"]
+    """Micro-batch rows per data-parallel rank giving `tokens_per_chip`; None if the mesh cannot.
+
+    The data-parallel ranks are chips / (tensor x context): a tensor group shares its rows, and a context
+    group splits each of its rows' tokens, so a row of T tokens over C chips is T / C tokens per chip.
+    """
+    dp = chips // (mesh["tensor"] * mesh.get("context", 1))
     rows, rem = divmod(tokens_per_chip * chips, seq_len)
     if rem or rows % dp or rows == 0:
         return None
     return rows // dp
+
+
+def _layout_error(model_cfg, mesh: dict[str, int], seq_len: int) -> str:
+    """Why the model cannot be laid out on `mesh` with rows of `seq_len` tokens ("" when it can)."""
+    from primejax.models.context_parallel import check_divisible
+
+    try:
+        check_divisible(model_cfg.num_heads, mesh["tensor"], mesh.get("context", 1), seq_len)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _recommend_meshes(chips: int, model_cfg, seq_len: int, tokens: int, tensors, contexts) -> list[dict]:
+    """The meshes --recommend tries, in order of `tensors`, each with the smallest of `contexts` that gives
+    `tokens` per chip: FSDP alone (or a row over C chips), then tensor-parallel (module docstring). Each must
+    divide the chips, its tensor size the kv heads, its tensor x context the query heads, its context the row.
+
+    A larger context size than the smallest that works holds the same tokens per chip (its context group
+    takes more rows), the same weight shards and the same attention heads per row-chip, so it is not tried.
+    """
+    meshes = []
+    for tensor in tensors:
+        if chips % tensor or model_cfg.num_kv_heads % tensor:
+            continue
+        for context in sorted(contexts):
+            if chips % (tensor * context):
+                continue
+            mesh = {"data": 1, "fsdp": chips // (tensor * context), "context": context, "tensor": tensor}
+            if _layout_error(model_cfg, mesh, seq_len):
+                continue
+            if _rows_per_rank(chips, mesh, seq_len, tokens) is not None:
+                meshes.append(mesh)
+                break
+    return meshes
 
 
 # Report fields that grow with the number of decoder layers (state, saved activations, code, FLOPs).
@@ -177,18 +250,18 @@ def main() -> int:
     )
     if fv["recommend"].value:
         tokens = tokens or seq_len
-        candidates = []
-        for tensor in (int(t) for t in fv["tensor_sizes"].value.split(",")):
-            if slice_.chips % tensor or model_cfg.num_kv_heads % tensor or tensor > slice_.chips:
-                continue
-            mesh = {"data": 1, "fsdp": slice_.chips // tensor, "tensor": tensor}
-            if _rows_per_rank(slice_.chips, mesh, seq_len, tokens) is not None:
-                candidates.append(mesh)
+        sizes = {k: [int(x) for x in fv[f"{k}_sizes"].value.split(",")] for k in ("tensor", "context")}
+        candidates = _recommend_meshes(
+            slice_.chips, model_cfg, seq_len, tokens, sizes["tensor"], sizes["context"]
+        )
         if not candidates:
             raise UsageError(f"no mesh gives {tokens} tokens per chip with rows of {seq_len} tokens")
         plans = [(mesh, remat) for mesh in candidates for remat in RECOMMEND_REMAT]
     else:
-        plans = [(cfg.trainer.mesh.to_dict(), model_cfg.remat_policy)]
+        mesh = _resolve_mesh(cfg.trainer.mesh.to_dict(), slice_.chips)
+        if err := _layout_error(model_cfg, mesh, seq_len):
+            raise UsageError(err)
+        plans = [(mesh, model_cfg.remat_policy)]
     if fv["depth_probe"].value:
         print(f"figures extrapolated to {model_cfg.num_layers} layers from compiles at {PROBE_DEPTHS} layers")
     print(HEADER, flush=True)
@@ -233,16 +306,26 @@ def main() -> int:
     best = None
     if fv["recommend"].value:
         fitting = [r for r in reports if r["fits"]]
-        best = min(fitting, key=lambda r: (r["flops"], r["mesh"]["tensor"])) if fitting else None
+        best = (
+            min(fitting, key=lambda r: (r["flops"], r["mesh"]["tensor"], r["mesh"]["context"]))
+            if fitting
+            else None
+        )
         if best is None:
             print(f"recommend: nothing tried fits {slice_.name} at {tokens} tokens per chip")
+            if tokens >= seq_len:
+                print(
+                    f"recommend: --tokens_per_chip {seq_len // 2} (or less) splits each row of {seq_len} "
+                    "tokens over chips with context parallelism"
+                )
         else:
             mesh = best["mesh"]
             print(
-                f"recommend: mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, remat "
-                f"{best['remat_setting']} ({best['peak_bytes'] / GIB:.1f} of {hbm / GIB:.0f} GiB, "
-                f"{best['flops'] / 1e12:.1f} TFLOP per chip per micro-batch): --config.trainer.mesh.fsdp="
-                f"{mesh['fsdp']} --config.trainer.mesh.tensor={mesh['tensor']} --config.model.remat_policy="
+                f"recommend: mesh data={mesh['data']} fsdp={mesh['fsdp']} context={mesh['context']} "
+                f"tensor={mesh['tensor']}, remat {best['remat_setting']} ({best['peak_bytes'] / GIB:.1f} of "
+                f"{hbm / GIB:.0f} GiB, {best['flops'] / 1e12:.1f} TFLOP per chip per micro-batch): "
+                f"--config.trainer.mesh.fsdp={mesh['fsdp']} --config.trainer.mesh.context={mesh['context']} "
+                f"--config.trainer.mesh.tensor={mesh['tensor']} --config.model.remat_policy="
                 f"{best['remat_setting']} --config.trainer.micro_batch_size="
                 f"{_rows_per_rank(slice_.chips, mesh, seq_len, tokens)}"
             )

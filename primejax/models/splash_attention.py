@@ -7,9 +7,10 @@ query heads to one k/v head, so the call is vmapped over rows and kv heads (no k
 
 A Pallas kernel is an opaque custom call to XLA's SPMD partitioner: left alone inside a sharded program
 it would run on whole (gathered) operands on every device. Under a mesh the kernel therefore runs in
-`shard_map`, rows split like the activations' `batch` axis and heads over `tensor` when the kv heads divide
-it (then the query heads of one kv head stay on one device); otherwise the heads are left whole on each
-device, which is correct but does the tensor-parallel group's attention redundantly.
+`shard_map`, rows split like the activations' `batch` axis and heads over `tensor` x `context` when the kv
+heads divide it (then the query heads of one kv head stay on one device), else over `tensor` alone when they
+divide that; otherwise the heads are left whole on each device, which is correct but does the tensor-parallel
+(and context-parallel) group's attention redundantly.
 
 The kernel needs the sequence in whole blocks: rows are padded to a multiple of 128 with a segment id no
 token has (-1), and the padding's outputs are cut off. Its residuals (output and logsumexp) are checkpoint-
@@ -19,6 +20,7 @@ named `RESIDUALS`, so the "attn" remat policies keep them instead of re-running 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,10 +85,17 @@ def _local(q, k, v, segment_ids, scale: float, interpret: bool):
     return o_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, tp, h, d)[:, :t].astype(q.dtype)
 
 
-def head_axes(num_kv_heads: int, mesh) -> str | None:
-    """The mesh axis the kernel splits heads over: `tensor` when the kv heads divide it, else none."""
-    n = mesh.shape.get("tensor", 1)
-    return "tensor" if n > 1 and num_kv_heads % n == 0 else None
+def head_axes(num_kv_heads: int, mesh) -> tuple[str, ...] | None:
+    """The mesh axes the kernel splits heads over: `tensor` x `context` when the kv heads divide it (the
+    layout `context_parallel.to_heads` leaves q, k, v in), else `tensor` when they divide that, else none.
+
+    Heads not split over `context` mean every device of a context group runs its rows' attention in full:
+    correct, but C times the work and a gather of the heads the all-to-all had split.
+    """
+    axes = tuple(a for a in ("tensor", "context") if mesh.shape.get(a, 1) > 1)
+    while axes and num_kv_heads % math.prod(mesh.shape[a] for a in axes):
+        axes = axes[:-1]
+    return axes or None
 
 
 def splash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = False) -> jax.Array:

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS
 from primejax.models.config import ModelConfig
+from primejax.models.context_parallel import check_divisible
 from primejax.models.sharding import make_mesh, state_shardings
 from primejax.models.transformer import Transformer, resolve_remat_policy
 from primejax.trainer import optim
@@ -129,7 +130,8 @@ def compile_train_step(
 ) -> tuple[Any, CompileReport]:
     """Compile the trainer step of `cfg` (the typed config) for `devices`; nothing is allocated.
 
-    The mesh is `cfg.trainer.mesh` unless `mesh_sizes` ({"data", "fsdp", "tensor"}) is given.
+    The mesh is `cfg.trainer.mesh` unless `mesh_sizes` ({"data", "fsdp", "context", "tensor"}) is given;
+    a context size the model's heads or the row length cannot split raises ValueError (one line).
 
     `micro_batch_size` (default `trainer.micro_batch_size`) rows per data-parallel rank per micro-batch, as in
     the trainer; `hbm_bytes` (per device) sizes the LM head's saved-logits budget when the config leaves it
@@ -137,12 +139,15 @@ def compile_train_step(
     """
     t = cfg.trainer
     mesh = make_mesh(**(mesh_sizes or t.mesh.to_dict()), devices=devices)
+    context = mesh.shape.get("context", 1)
+    check_divisible(model_cfg.num_heads, mesh.shape.get("tensor", 1), context, seq_len)
     optimizer, schedule = optim.from_config(t.optim, t.scheduler, cfg.run.max_steps)
     loss_cfg = t.loss
     graphdef, state = abstract_state(model_cfg, optimizer, mesh, cfg.run.seed)
     gib = t.lm_head_saved_logits_gib
     per_device = int(gib * 2**30) if gib >= 0 else int(AUTO_SAVED_LOGITS_FRACTION * hbm_bytes)
     rows = (micro_batch_size or t.micro_batch_size) * dp_size(mesh)
+    # as trainer.step.head_saved_logits_bytes: the head sees rows over the data-parallel axes, tokens over context
     step = make_train_step(
         graphdef,
         optimizer,
@@ -150,7 +155,7 @@ def compile_train_step(
         loss_cfg,
         chunk_size=t.logprob_chunk_size,
         max_segments=max_segments,
-        saved_logits_max_bytes=per_device * dp_size(mesh),
+        saved_logits_max_bytes=per_device * dp_size(mesh) * context,
     )
     start = time.perf_counter()
     batch = abstract_batch(mesh, micro_batches, rows, seq_len)

@@ -15,8 +15,13 @@ import numpy as np
 from primejax.models.attention import attention
 from primejax.models.sharding import make_mesh
 
-# kv heads 2: tensor=2 splits heads inside shard_map, tensor=4 cannot (heads stay whole on each device).
-MESHES = {"data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2), "fsdp2_tensor4": dict(fsdp=2, tensor=4)}
+# kv heads 2: tensor=2 splits heads inside shard_map, tensor=4 cannot (heads stay whole on each device),
+# context=2 splits them over the context axis (the layout context parallelism hands attention).
+MESHES = {
+    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+    "fsdp2_tensor4": dict(fsdp=2, tensor=4),
+    "fsdp4_context2": dict(fsdp=4, context=2),
+}
 B, T, H, K, D = 4, 128, 8, 2, 32
 
 

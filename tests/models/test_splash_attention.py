@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 
 from primejax.models.attention import attention, resolve_impl
 from primejax.models.sharding import make_mesh
+from primejax.models.splash_attention import head_axes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +56,7 @@ def test_auto_follows_the_active_mesh_platform():
 
 
 def test_splash_in_shard_map_matches_unsharded_xla():
-    """8 emulated devices: rows over data x fsdp, heads over tensor (split when kv heads divide it, else whole)."""
+    """8 emulated devices: rows over data x fsdp, heads over tensor / context (split when kv heads divide it)."""
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
@@ -70,8 +72,21 @@ def test_splash_in_shard_map_matches_unsharded_xla():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(result) == {"data2_fsdp2_tensor2", "fsdp2_tensor4"}
+    assert set(result) == {"data2_fsdp2_tensor2", "fsdp2_tensor4", "fsdp4_context2"}
     for mesh, r in result.items():
         assert r["shard_map"], f"{mesh}: the kernel is not inside shard_map"
         assert r["value"] < 1e-5, f"{mesh}: sharded splash vs xla values {r['value']:.3e}"
         assert r["grad"] < 1e-4, f"{mesh}: sharded splash vs xla gradients {r['grad']:.3e}"
+
+
+def test_heads_split_over_tensor_and_context_where_the_kv_heads_divide():
+    """Under context parallelism the kernel takes the heads the all-to-all split, not C whole copies."""
+
+    def mesh(**sizes):
+        return types.SimpleNamespace(shape={"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **sizes})
+
+    assert head_axes(8, mesh(tensor=2, context=4)) == ("tensor", "context")
+    assert head_axes(8, mesh(context=4)) == ("context",)
+    assert head_axes(2, mesh(tensor=2, context=2)) == ("tensor",)  # 2 kv heads: the context copies repeat
+    assert head_axes(3, mesh(tensor=2, context=2)) is None
+    assert head_axes(8, mesh(fsdp=8)) is None

@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from primejax.config.cli import UsageError
+from primejax.models.config import ModelConfig
+from tools.model_shapes import QWEN3
+from tools.tpu_compile import _layout_error, _recommend_meshes, _resolve_mesh, _rows_per_rank
 from tools.tpu_topology import libtpu_dir, parse_slice
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,13 +47,16 @@ def test_slice_names():
             parse_slice(bad)
 
 
-def test_tiny_trainer_step_compiles_for_tpu_v5e(tmp_path):
+def _skip_without_libtpu() -> None:
     if not _libtpu_available():
         pytest.skip(
             f"tpu-aot extra not installed (no libtpu importable or in {libtpu_dir()}): "
             "tools/install.sh installs it"
         )
-    out = tmp_path / "report.json"
+
+
+def _tiny_compile(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """tools.tpu_compile of configs/debug.py's tiny model (4 heads, 2 kv heads) for a v5e 2x2 slice."""
     cmd = [
         sys.executable,
         "-m",
@@ -58,21 +65,25 @@ def test_tiny_trainer_step_compiles_for_tpu_v5e(tmp_path):
         "configs/debug.py",
         "--topology",
         "v5e-4",
-        "--seq_len",
-        "512",
         "--json",
         str(out),
         "--config.model.path=",
         "--config.trainer.fake_data.enabled=True",
         "--config.model.compute_dtype=bfloat16",
         "--config.model.attention_impl=auto",
-        # 2 kv heads over tensor=2: splash attention runs head-sharded inside shard_map, rows over fsdp=2
         "--config.model.build_tiny.num_heads=4",
         "--config.model.build_tiny.num_kv_heads=2",
         "--config.model.build_tiny.hidden_size=128",
-        "--config.trainer.mesh.tensor=2",
+        *extra,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_tiny_trainer_step_compiles_for_tpu_v5e(tmp_path):
+    _skip_without_libtpu()
+    out = tmp_path / "report.json"
+    # 2 kv heads over tensor=2: splash attention runs head-sharded inside shard_map, rows over fsdp=2
+    proc = _tiny_compile(out, "--seq_len", "512", "--config.trainer.mesh.tensor=2")
     assert proc.returncode == 0, f"TPU AOT compile failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     (r,) = json.loads(out.read_text())["reports"]
     assert r["mesh"] == {"data": 1, "fsdp": 2, "context": 1, "tensor": 2}
@@ -81,3 +92,58 @@ def test_tiny_trainer_step_compiles_for_tpu_v5e(tmp_path):
     )
     assert r["flops"] > 0 and r["argument_bytes"] > 0 and r["fits"]
     assert "TPU v5 lite" in proc.stdout and "compile-time figures" in proc.stdout
+
+
+def test_tiny_context_parallel_step_compiles_for_tpu_v5e(tmp_path):
+    """context=2: each 512-token row split over 2 chips, 256 tokens per chip; splash takes the heads the
+    all-to-all split over context (2 kv heads / 2), rows over fsdp=2."""
+    _skip_without_libtpu()
+    out = tmp_path / "report.json"
+    proc = _tiny_compile(
+        out, "--seq_len", "512", "--tokens_per_chip", "256", "--config.trainer.mesh.context=2"
+    )
+    assert proc.returncode == 0, f"TPU AOT compile failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    (r,) = json.loads(out.read_text())["reports"]
+    assert r["mesh"] == {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}
+    assert r["rows"] == 2 and r["tokens_per_device"] == 256
+    assert r["pallas_kernels"] > 0 and r["flops"] > 0 and r["fits"]
+    assert "context2" in proc.stdout  # the table's mesh column
+
+    bad = _tiny_compile(tmp_path / "bad.json", "--seq_len", "510", "--config.trainer.mesh.context=4")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "error: trainer.mesh.context=4 must divide the row length 510"
+    )
+
+
+def _qwen3_8b() -> ModelConfig:
+    return ModelConfig.from_hf_config(QWEN3["qwen3-8b"])
+
+
+def test_rows_per_rank_counts_context_groups():
+    # 8 chips, rows of 128k tokens, 32k tokens per chip: a row over 4 chips (context=4), 2 context groups
+    mesh = {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    assert _rows_per_rank(8, mesh, 131072, 32768) == 1
+    assert _rows_per_rank(8, {**mesh, "fsdp": 8, "context": 1}, 131072, 32768) is None  # row on one chip
+    # tensor=2 x context=2: 2 data-parallel ranks of 4 chips, each 2 rows' worth of 32k tokens per chip
+    assert _rows_per_rank(8, {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}, 131072, 32768) == 1
+    assert _resolve_mesh({"data": 1, "fsdp": -1, "context": 2, "tensor": 2}, 16)["fsdp"] == 4
+    with pytest.raises(UsageError, match="does not cover the slice's 8 chips"):
+        _resolve_mesh({"data": 1, "fsdp": -1, "context": 3, "tensor": 1}, 8)
+
+
+def test_recommend_tries_fsdp_then_context_then_tensor():
+    cfg = _qwen3_8b()  # 32 query heads, 8 kv heads
+    order = lambda seq, tokens: [  # noqa: E731
+        (m["tensor"], m["context"])
+        for m in _recommend_meshes(16, cfg, seq, tokens, [1, 2, 4, 8], [1, 2, 4, 8, 16])
+    ]
+    # a row per chip fits the tokens: no context split (as before context parallelism), FSDP then tensor
+    assert order(16384, 16384) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    # 128k rows at 32k tokens per chip: a row must span 4 chips; FSDP alone cannot, context=4 first
+    assert order(131072, 32768) == [(1, 4), (2, 2), (4, 1), (8, 1)]
+    assert order(131072, 8192) == [(1, 16), (2, 8), (4, 4), (8, 2)]
+    assert "query heads are not divisible by tensor x context = 64" in _layout_error(
+        cfg, {"tensor": 4, "context": 16}, 131072
+    )
+    assert "must divide the row length 1000" in _layout_error(cfg, {"tensor": 1, "context": 16}, 1000)
