@@ -151,8 +151,16 @@ def _replay(hf_dir: str) -> dict:
     free = _replay_run(fn, params, {**batch, "routed_mask": np.zeros_like(batch["routed_mask"])})
     scored = _shift(batch["loss_mask"][0])  # position t scores token t + 1 (trainer.step.shift_targets)
     replayed = scored & _shift(batch["routed_mask"][0])
+    seg, marked = batch["segment_ids"][0], batch["routed_mask"][0]
+    # replayed tokens right after a boundary of the 4-way context split: their routing moves to the position
+    # before (replay_inputs), which another device holds
+    shard = REPLAY_SEQ // 4
+    crossing = sum(
+        int(((seg[:, b - 1] == seg[:, b]) & marked[:, b]).sum()) for b in range(shard, REPLAY_SEQ, shard)
+    )
     out = {
         "replayed_positions": int(replayed.sum()),
+        "replays_crossing_context_shards": crossing,
         "free_load_equal": bool(np.array_equal(free["load"], ref["load"])),
         "free_lp_diff": float(np.abs(free["lp"] - ref["lp"])[scored].max()),
         "free_loss_rel": abs(free["loss"] - ref["loss"]) / abs(ref["loss"]),
