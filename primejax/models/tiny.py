@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from types import MappingProxyType
+from typing import Any, Literal
 
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
@@ -255,6 +256,31 @@ def build_tiny_model(
         },
     )
     return out
+
+
+# The tiny Qwen3-MoE that the vLLM-facing MoE tests (routed-expert capture, weight updates) and
+# tools/moe_replay_kl.py build: heads wide enough for vLLM's CPU kernels, 8 experts top-2, untied.
+TINY_MOE: MappingProxyType[str, Any] = MappingProxyType(
+    dict(
+        family="qwen3_moe",
+        tied=False,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        seed=3,
+    )
+)
+
+
+def build_tiny_moe(out_dir: str | Path, **overrides: Any) -> Path:
+    """`build_tiny_model` with the `TINY_MOE` arguments, any of them (or others) replaced by `overrides`."""
+    return build_tiny_model(out_dir, **{**TINY_MOE, **overrides})
 
 
 @section
