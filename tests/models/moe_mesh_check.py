@@ -9,6 +9,7 @@ recorded experts that differ from the router's own choice (and the same batch ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -18,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from primejax.contracts.batch import TrainingSample, pack_samples
+from primejax.models import moe
 from primejax.models.hf_io import load_model
 from primejax.models.sharding import make_mesh
 from primejax.trainer.config import LossConfig
@@ -31,11 +33,12 @@ CASES = {
     "fsdp@data2_fsdp2_tensor2": ("fsdp", dict(data=2, fsdp=2, tensor=2)),
 }
 # Routing replay: (expert_parallel mode, mesh, scan_layers). Both modes' shard_map paths, with and without
-# the context split of each row's tokens (trainer.mesh.context), the last through the scanned layer stack.
+# the context split of each row's tokens (trainer.mesh.context), one without fsdp (experts not split: the
+# tokens alone are), the last through the scanned layer stack.
 REPLAY_CASES = {
     "fsdp@fsdp8": ("fsdp", dict(fsdp=8), False),
     "ep@data2_fsdp4": ("ep", dict(data=2, fsdp=4), False),
-    "fsdp@fsdp2_context4": ("fsdp", dict(fsdp=2, context=4), False),
+    "fsdp@data2_context4": ("fsdp", dict(data=2, fsdp=1, context=4), False),
     "ep@fsdp2_context4_scan": ("ep", dict(fsdp=2, context=4), True),
 }
 REPLAY_SEQ, REPLAY_ROWS = 32, 8
@@ -118,17 +121,37 @@ def _replay_fn(graphdef):
     return jax.jit(fn)
 
 
+@contextlib.contextmanager
+def _expert_tokens(seen: set):
+    """Collect the token count each device's expert MLP runs on (moe._experts_local traced in a shard_map
+    sees per-device shapes) while the step traces."""
+    local = moe._experts_local
+
+    def spy(x_nd, *args, **kwargs):
+        seen.add(int(x_nd.shape[0]))
+        return local(x_nd, *args, **kwargs)
+
+    moe._experts_local = spy
+    try:
+        yield
+    finally:
+        moe._experts_local = local
+
+
 def _replay_run(fn, params, batch, mesh=None) -> dict:
+    seen: set[int] = set()
     if mesh is None:
         loss, grads, load, lp = fn(params, batch)
         spec = None
     else:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), _expert_tokens(seen):
             dev = device_batch(batch, mesh)
             loss, grads, load, lp = fn(params, dev)
         spec = [list(e) if isinstance(e, tuple) else e for e in dev["routed_experts"].sharding.spec]
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(grads)[0]}
-    return dict(loss=float(loss), grads=flat, load=np.asarray(load), lp=np.asarray(lp), spec=spec)
+    return dict(
+        loss=float(loss), grads=flat, load=np.asarray(load), lp=np.asarray(lp), spec=spec, tokens=sorted(seen)
+    )
 
 
 def _max_rel(got: dict, ref: dict) -> float:
@@ -167,6 +190,7 @@ def _replay(hf_dir: str) -> dict:
         "free_grads_max_rel": _max_rel(free["grads"], ref["grads"]),
         "cases": {},
     }
+    out["tokens"] = REPLAY_ROWS * REPLAY_SEQ
     for name, (mode, sizes, scan) in REPLAY_CASES.items():
         mesh = make_mesh(**sizes)
         model, _ = load_model(hf_dir, mesh=mesh, expert_parallel=mode, scan_layers=scan, **dtypes)
@@ -177,6 +201,7 @@ def _replay(hf_dir: str) -> dict:
             grads_max_rel=_max_rel(got["grads"], ref["grads"]),
             load_equal=bool(np.array_equal(got["load"], ref["load"])),
             routed_spec=got["spec"],
+            expert_tokens_per_device=got["tokens"],
         )
     return out
 

@@ -66,3 +66,15 @@ def test_routing_replay_on_mesh_equals_single_device(case, results):
     assert r["load_equal"], f"{case}: the replayed expert load differs"
     context = REPLAY_CASES[case][1].get("context", 1)
     assert r["routed_spec"] == [None, ["data", "fsdp"], "context" if context > 1 else None], r["routed_spec"]
+
+
+@pytest.mark.parametrize("case", list(REPLAY_CASES))
+def test_each_device_runs_experts_on_its_own_tokens_only(case, results):
+    """Every mesh axis that splits the tokens (data, fsdp, context) splits the experts' work too: no token's
+    expert MLP runs on two devices of a context group. Under 'ep' a device runs its experts on the tokens of
+    its whole fsdp group (the all-gather), no more."""
+    mode, sizes, _ = REPLAY_CASES[case]
+    splits = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("context", 1)
+    gathered = sizes.get("fsdp", 1) if mode == "ep" else 1
+    expected = results["replay"]["tokens"] // splits * gathered
+    assert results["replay"]["cases"][case]["expert_tokens_per_device"] == [expected]
