@@ -30,22 +30,13 @@ def build_model(root: Path, num_experts: int = 8, top_k: int = 2, router_std: fl
     `router_std` > 0 redraws the router weights with that std (the tiny builder's 0.5 decides routing by wide
     margins; a small std leaves near-ties, as trained routers over many experts have)."""
     from primejax.models.hf_io import export_safetensors, load_model
-    from primejax.models.tiny import build_tiny_model
+    from primejax.models.tiny import build_tiny_moe
 
-    src = build_tiny_model(
+    src = build_tiny_moe(
         root / "src",
-        family="qwen3_moe",
-        tied=False,
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        intermediate_size=256,
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=64 if num_experts <= 8 else 32,
-        seed=3,
     )
     model, cfg = load_model(src, param_dtype="float32")
     if router_std > 0:

@@ -20,7 +20,8 @@ sharding.SHARDING_RULES):
 - "ep": experts stay on their device; the tokens (and routing) are all-gathered over fsdp, each device runs
   its own experts on the pairs routed to them, and the partial outputs are reduce-scattered back. Token
   traffic ~2*N*D per layer, no expert-weight traffic.
-Both run inside `shard_map` so the sort and the grouped matmul stay per device.
+Both run inside `shard_map` so the sort and the grouped matmul stay per device, with the tokens split over
+every axis that splits the batch (data, fsdp, and context under context parallelism).
 """
 
 from __future__ import annotations
@@ -147,12 +148,16 @@ def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0,
 def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: str) -> jax.Array:
     """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out`."""
     mesh = current_mesh()
-    n_ep = 1 if mesh is None else mesh.shape[EP_AXIS]
-    if n_ep == 1:
+    # The tokens are a [B, T] batch flattened: rows split over (data, fsdp), a row's tokens over context, so
+    # the flat axis is split over all three in that order. Specifying fewer axes would make the shard_map
+    # gather the tokens over the others and run every expert MLP on each of their devices (C-fold under
+    # context parallelism).
+    tok_axes = None if mesh is None else logical_to_spec(("batch_context",), x_nd.shape, mesh)[0]
+    if tok_axes is None:
         return _experts_local(x_nd, route_out.topk_idx, route_out.scores, gate_up, down, impl)
-    batch_spec = logical_to_spec(("batch",), x_nd.shape, mesh)
-    tok = P(batch_spec[0], None)
-    if mode == "fsdp":
+    tok = P(tok_axes, None)
+    n_ep = mesh.shape[EP_AXIS]
+    if mode == "fsdp" or n_ep == 1:
         fn = functools.partial(_experts_local, impl=impl)
         return jax.shard_map(fn, in_specs=(tok, tok, tok, P(), P()), out_specs=tok, check_vma=False)(
             x_nd, route_out.topk_idx, route_out.scores, gate_up, down
@@ -160,8 +165,7 @@ def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: 
     if gate_up.shape[0] % n_ep:
         raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over fsdp={n_ep}")
     e_local = gate_up.shape[0] // n_ep
-    batch_axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
-    if EP_AXIS not in batch_axes:
+    if EP_AXIS not in (tok_axes if isinstance(tok_axes, tuple) else (tok_axes,)):
         raise ValueError("expert_parallel='ep' needs the token batch split over the fsdp axis")
 
     def ep(x, idx, sc, gu, dn):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from types import MappingProxyType
+from typing import Any, Literal
 
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
@@ -76,8 +77,15 @@ def _builtin_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: Path, *, vocab_size: int = 0, corpus: list[str] | None = None, kind: str = "bpe",
-                    tool_tokens: bool = False, extra_tokens: tuple[str, ...] = ()):
+def build_tokenizer(
+    out_dir: Path,
+    *,
+    vocab_size: int = 0,
+    corpus: list[str] | None = None,
+    kind: str = "bpe",
+    tool_tokens: bool = False,
+    extra_tokens: tuple[str, ...] = (),
+):
     """Save an HF fast tokenizer in out_dir: a byte-level BPE trained on `corpus` (built-in if None) to
     `vocab_size` tokens (0 = 384), or `kind="bytes"`: one token per byte (so per ASCII character), no merges,
     padded with reserved special tokens up to `vocab_size` (0 = no padding, 261 tokens).
@@ -91,7 +99,9 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = 0, corpus: list[str] | N
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     if kind == "bytes":
         if vocab_size and vocab_size < BYTES_VOCAB_SIZE:
-            raise ValueError(f"vocab_size={vocab_size}: a byte tokenizer has {BYTES_VOCAB_SIZE} tokens at least")
+            raise ValueError(
+                f"vocab_size={vocab_size}: a byte tokenizer has {BYTES_VOCAB_SIZE} tokens at least"
+            )
         vocab = {symbol: i for i, symbol in enumerate(alphabet)}
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
@@ -173,8 +183,14 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tok = build_tokenizer(out, vocab_size=vocab_size or 0, corpus=corpus, kind=tokenizer, tool_tokens=tool_tokens,
-                          extra_tokens=extra_tokens)
+    tok = build_tokenizer(
+        out,
+        vocab_size=vocab_size or 0,
+        corpus=corpus,
+        kind=tokenizer,
+        tool_tokens=tool_tokens,
+        extra_tokens=extra_tokens,
+    )
     n_vocab = len(tok)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + THINK_TOKENS}
 
@@ -200,8 +216,12 @@ def build_tiny_model(
         model_cls = transformers.Qwen3ForCausalLM
     elif family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(
-            **common, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers),
+            **common,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=True,
+            mlp_only_layers=list(mlp_only_layers),
         )
         model_cls = transformers.Qwen3MoeForCausalLM
     elif family == "llama":
@@ -224,10 +244,43 @@ def build_tiny_model(
     )
     model.save_pretrained(str(out))
     # Written last: its presence marks a complete build (fixtures that cache model dirs check it).
-    atomic_write_json(out / "primejax_tiny.json", {"family": family, "tied": tied, "seed": seed,
-                                                   "tokenizer": tokenizer, "vocab_size": n_vocab,
-                                                   "tool_tokens": tool_tokens})
+    atomic_write_json(
+        out / "primejax_tiny.json",
+        {
+            "family": family,
+            "tied": tied,
+            "seed": seed,
+            "tokenizer": tokenizer,
+            "vocab_size": n_vocab,
+            "tool_tokens": tool_tokens,
+        },
+    )
     return out
+
+
+# The tiny Qwen3-MoE that the vLLM-facing MoE tests (routed-expert capture, weight updates) and
+# tools/moe_replay_kl.py build: heads wide enough for vLLM's CPU kernels, 8 experts top-2, untied.
+TINY_MOE: MappingProxyType[str, Any] = MappingProxyType(
+    dict(
+        family="qwen3_moe",
+        tied=False,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        seed=3,
+    )
+)
+
+
+def build_tiny_moe(out_dir: str | Path, **overrides: Any) -> Path:
+    """`build_tiny_model` with the `TINY_MOE` arguments, any of them (or others) replaced by `overrides`."""
+    return build_tiny_model(out_dir, **{**TINY_MOE, **overrides})
 
 
 @section
@@ -268,18 +321,34 @@ class TinyModelConfig(Section):
         from primejax.models.config import ModelConfig
 
         return ModelConfig(
-            model_type=self.family, vocab_size=self.resolved_vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=10000.0, rope_scaling=None,
-            rms_norm_eps=1e-6, tie_word_embeddings=self.tied, qk_norm=self.family in ("qwen3", "qwen3_moe"), attention_bias=False,
-            max_position_embeddings=max_positions, **self._moe_fields(), **overrides,
+            model_type=self.family,
+            vocab_size=self.resolved_vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=self.tied,
+            qk_norm=self.family in ("qwen3", "qwen3_moe"),
+            attention_bias=False,
+            max_position_embeddings=max_positions,
+            **self._moe_fields(),
+            **overrides,
         )
 
     def _moe_fields(self) -> dict:
         if self.family != "qwen3_moe":
             return {}
-        return dict(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                    moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=True)
+        return dict(
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            norm_topk_prob=True,
+        )
 
     def build(self, out_dir: str | Path) -> Path:
         """Write the model to `out_dir` (the one place this section becomes `build_tiny_model` arguments)."""

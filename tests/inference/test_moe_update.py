@@ -23,7 +23,7 @@ from primejax.inference import InferenceClient
 from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec
 from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
-from primejax.models.tiny import build_tiny_model
+from primejax.models.tiny import build_tiny_moe
 from primejax.transfer.sender import CollectiveSender, to_torch
 
 pytestmark = pytest.mark.vllm
@@ -41,21 +41,7 @@ def moe_dirs(tmp_path_factory) -> tuple[Path, Path]:
     """(A, B): a tiny Qwen3-MoE through primejax's bf16 export (what the trainer broadcasts), and A perturbed in
     JAX and exported by primejax in fp32 (the trainer's path, transformers on it an exact reference)."""
     root = tmp_path_factory.mktemp("moe-update")
-    src = build_tiny_model(
-        root / "src",
-        family="qwen3_moe",
-        tied=False,
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        seed=3,
-    )
+    src = build_tiny_moe(root / "src")
     model, cfg = load_model(src, param_dtype="float32")
     export_safetensors(model, cfg, root / "A", dtype="bfloat16", src_dir=src)
     a = root / "A"

@@ -21,7 +21,7 @@ from primejax.inference.process import InferenceServerProcess
 from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG, RoutingShape, decode
 from primejax.inference.server import ServerSpec
 from primejax.models.hf_io import export_safetensors, load_model
-from primejax.models.tiny import build_tiny_model
+from primejax.models.tiny import build_tiny_moe
 
 PROMPTS = [[5, 17, 42, 99, 7], [120, 3, 3, 64, 250, 11, 2, 9, 31]]
 MAX_TOKENS = 12
@@ -32,22 +32,7 @@ PAD = 32
 def fp32_moe(tmp_path_factory):
     """Tiny Qwen3-MoE with a dense first layer (vLLM's rows then have a zero column for it), exported in fp32."""
     root = tmp_path_factory.mktemp("moe-routed")
-    src = build_tiny_model(
-        root / "src",
-        family="qwen3_moe",
-        tied=False,
-        hidden_size=128,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        mlp_only_layers=(0,),
-        seed=3,
-    )
+    src = build_tiny_moe(root / "src", num_layers=3, mlp_only_layers=(0,))
     model, cfg = load_model(src, param_dtype="float32")
     export_safetensors(model, cfg, root / "export", dtype="float32", src_dir=src)
     return root / "export"

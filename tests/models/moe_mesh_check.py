@@ -2,10 +2,14 @@
 
 Usage: python moe_mesh_check.py HF_DIR OUT_JSON. For each expert-parallel mode and mesh, the logits, loss and
 every parameter gradient of a tiny Qwen3-MoE against the single-device values, and the experts' sharding.
+Then routing replay through the trainer's gradient function (trainer.step: a batch's routed experts ->
+replay_inputs -> moe.route) on FSDP, expert-parallel and context-parallel meshes against one device, with
+recorded experts that differ from the router's own choice (and the same batch routed freely, to show it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -14,8 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from primejax.contracts.batch import TrainingSample, pack_samples
+from primejax.models import moe
 from primejax.models.hf_io import load_model
 from primejax.models.sharding import make_mesh
+from primejax.trainer.config import LossConfig
+from primejax.trainer.losses import global_counts, make_loss_fn
+from primejax.trainer.step import _micro_loss_fn, device_batch, shift_targets, to_micro_batches
 
 CASES = {
     "fsdp@fsdp8": ("fsdp", dict(fsdp=8)),
@@ -23,6 +32,17 @@ CASES = {
     "ep@data2_fsdp4": ("ep", dict(data=2, fsdp=4)),
     "fsdp@data2_fsdp2_tensor2": ("fsdp", dict(data=2, fsdp=2, tensor=2)),
 }
+# Routing replay: (expert_parallel mode, mesh, scan_layers). Both modes' shard_map paths, with and without
+# the context split of each row's tokens (trainer.mesh.context), one without fsdp (experts not split: the
+# tokens alone are), the last through the scanned layer stack.
+REPLAY_CASES = {
+    "fsdp@fsdp8": ("fsdp", dict(fsdp=8), False),
+    "ep@data2_fsdp4": ("ep", dict(data=2, fsdp=4), False),
+    "fsdp@data2_context4": ("fsdp", dict(data=2, fsdp=1, context=4), False),
+    "ep@fsdp2_context4_scan": ("ep", dict(fsdp=2, context=4), True),
+}
+REPLAY_SEQ, REPLAY_ROWS = 32, 8
+REPLAY_LOSS = LossConfig(kl_tau=0.1, moe_aux_coef=0.01, moe_z_coef=0.001)
 
 
 def _batch():
@@ -53,6 +73,139 @@ def _loss_and_grads(model, tokens, positions, segments):
     return float(val), np.asarray(logits), np.asarray(load), flat
 
 
+def _replay_batch(cfg) -> dict[str, np.ndarray]:
+    """One micro-batch of packed rows whose completion tokens carry random recorded experts (prompts route
+    freely); segments straddle the 8-token shards of a 4-way context split."""
+    rng = np.random.default_rng(5)
+    layers, k, e = len(cfg.sparse_layers()), cfg.num_experts_per_tok, cfg.num_experts
+    samples = []
+    for _ in range(9):
+        n, p = int(rng.integers(8, 31)), int(rng.integers(2, 6))
+        experts = np.argsort(rng.random((n, layers, e)), axis=-1)[..., :k].astype(np.uint8)
+        samples.append(
+            TrainingSample(
+                token_ids=rng.integers(0, cfg.vocab_size, n).tolist(),
+                loss_mask=[False] * p + [True] * (n - p),
+                inference_logprobs=[0.0] * p + list(-np.log(cfg.vocab_size) + rng.normal(0, 0.3, n - p)),
+                advantages=list(rng.normal(size=n)),
+                routed_experts=experts,
+                routed_mask=[False] * p + [True] * (n - p),
+            )
+        )
+    (batch,) = pack_samples(samples, seq_len=REPLAY_SEQ, pad_rows_to_multiple=REPLAY_ROWS)
+    assert batch.rows == REPLAY_ROWS, batch.rows
+    return to_micro_batches(batch, REPLAY_ROWS)  # [1, R, T]: one micro-batch
+
+
+def _shift(x: np.ndarray) -> np.ndarray:
+    return np.concatenate([x[..., 1:], np.zeros_like(x[..., :1])], axis=-1)
+
+
+def _replay_fn(graphdef):
+    """The trainer's step on one micro-batch (make_grad_fn's single-micro-batch branch) -> (loss, fp32 grads,
+    expert load, every position's logprob): its loss function also hands back the logprobs it scored."""
+    loss_fn = make_loss_fn(REPLAY_LOSS)
+
+    def with_logprobs(lp, ent, streams, counts):
+        loss, sums = loss_fn(lp, ent, streams, counts)
+        return loss, {**sums, "lp": lp}
+
+    grad_fn = jax.value_and_grad(_micro_loss_fn(graphdef, with_logprobs, 16, 0, 0, REPLAY_LOSS), has_aux=True)
+
+    def fn(params, batch):
+        mb = {k: v[0] for k, v in batch.items()}
+        _, whole = shift_targets(mb)
+        (loss, sums), grads = grad_fn(params, mb, global_counts(whole))
+        return loss, grads, sums["moe/load"], sums["lp"]
+
+    return jax.jit(fn)
+
+
+@contextlib.contextmanager
+def _expert_tokens(seen: set):
+    """Collect the token count each device's expert MLP runs on (moe._experts_local traced in a shard_map
+    sees per-device shapes) while the step traces."""
+    local = moe._experts_local
+
+    def spy(x_nd, *args, **kwargs):
+        seen.add(int(x_nd.shape[0]))
+        return local(x_nd, *args, **kwargs)
+
+    moe._experts_local = spy
+    try:
+        yield
+    finally:
+        moe._experts_local = local
+
+
+def _replay_run(fn, params, batch, mesh=None) -> dict:
+    seen: set[int] = set()
+    if mesh is None:
+        loss, grads, load, lp = fn(params, batch)
+        spec = None
+    else:
+        with jax.set_mesh(mesh), _expert_tokens(seen):
+            dev = device_batch(batch, mesh)
+            loss, grads, load, lp = fn(params, dev)
+        spec = [list(e) if isinstance(e, tuple) else e for e in dev["routed_experts"].sharding.spec]
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    return dict(
+        loss=float(loss), grads=flat, load=np.asarray(load), lp=np.asarray(lp), spec=spec, tokens=sorted(seen)
+    )
+
+
+def _max_rel(got: dict, ref: dict) -> float:
+    """Worst element of any gradient against that gradient's largest magnitude."""
+    return max(float(np.abs(got[k] - g).max() / max(np.abs(g).max(), 1e-12)) for k, g in ref.items())
+
+
+def _split(model):
+    graphdef, params = nnx.split(model)
+    return _replay_fn(graphdef), nnx.to_pure_dict(params)
+
+
+def _replay(hf_dir: str) -> dict:
+    dtypes = dict(param_dtype="float32", compute_dtype="float32")
+    single, cfg = load_model(hf_dir, **dtypes)
+    batch = _replay_batch(cfg)
+    fn, params = _split(single)
+    ref = _replay_run(fn, params, batch)
+    # the same batch with nothing marked for replay (the same compiled function): the router's own choice
+    free = _replay_run(fn, params, {**batch, "routed_mask": np.zeros_like(batch["routed_mask"])})
+    scored = _shift(batch["loss_mask"][0])  # position t scores token t + 1 (trainer.step.shift_targets)
+    replayed = scored & _shift(batch["routed_mask"][0])
+    seg, marked = batch["segment_ids"][0], batch["routed_mask"][0]
+    # replayed tokens right after a boundary of the 4-way context split: their routing moves to the position
+    # before (replay_inputs), which another device holds
+    shard = REPLAY_SEQ // 4
+    crossing = sum(
+        int(((seg[:, b - 1] == seg[:, b]) & marked[:, b]).sum()) for b in range(shard, REPLAY_SEQ, shard)
+    )
+    out = {
+        "replayed_positions": int(replayed.sum()),
+        "replays_crossing_context_shards": crossing,
+        "free_load_equal": bool(np.array_equal(free["load"], ref["load"])),
+        "free_lp_diff": float(np.abs(free["lp"] - ref["lp"])[scored].max()),
+        "free_loss_rel": abs(free["loss"] - ref["loss"]) / abs(ref["loss"]),
+        "free_grads_max_rel": _max_rel(free["grads"], ref["grads"]),
+        "cases": {},
+    }
+    out["tokens"] = REPLAY_ROWS * REPLAY_SEQ
+    for name, (mode, sizes, scan) in REPLAY_CASES.items():
+        mesh = make_mesh(**sizes)
+        model, _ = load_model(hf_dir, mesh=mesh, expert_parallel=mode, scan_layers=scan, **dtypes)
+        got = _replay_run(*_split(model), batch, mesh)
+        out["cases"][name] = dict(
+            loss_rel=abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
+            lp_diff=float(np.abs(got["lp"] - ref["lp"])[scored].max()),
+            grads_max_rel=_max_rel(got["grads"], ref["grads"]),
+            load_equal=bool(np.array_equal(got["load"], ref["load"])),
+            routed_spec=got["spec"],
+            expert_tokens_per_device=got["tokens"],
+        )
+    return out
+
+
 def main(hf_dir: str, out_path: str) -> None:
     assert jax.device_count() == 8, jax.devices()
     batch = _batch()
@@ -74,6 +227,7 @@ def main(hf_dir: str, out_path: str) -> None:
             grad_diff=max(float(np.abs(grads[k] - ref_grads[k]).max()) for k in ref_grads),
             experts_spec=[list(e) if isinstance(e, tuple) else e for e in spec],
         )
+    result["replay"] = _replay(hf_dir)
     with open(out_path, "w") as f:
         json.dump(result, f)
 

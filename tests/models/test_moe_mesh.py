@@ -1,5 +1,6 @@
 """Both expert-parallel modes on 8 emulated devices equal one device: logits, expert load, loss with the
-auxiliary losses, and every parameter gradient (moe_mesh_check.py runs in a subprocess)."""
+auxiliary losses, and every parameter gradient; and so does routing replay through the trainer's step, on
+FSDP, expert-parallel and context-parallel meshes (moe_mesh_check.py runs in a subprocess)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from moe_mesh_check import CASES
+from moe_mesh_check import CASES, REPLAY_CASES
 
 TOL = 1e-5
 
@@ -45,3 +46,35 @@ def test_expert_parallel_equals_single_device(case, results):
 
 def test_padding_is_not_counted_in_expert_load(results):
     assert results["ref_load_total"] == 2 * (8 * 16 - 4) * 2  # layers x valid tokens x top-k
+
+
+def test_recorded_experts_change_the_routing(results):
+    """The replayed batch is not what the router picks on its own: a mesh path that dropped the recorded
+    experts would give the free-routing values below, far outside the tolerances of the next test."""
+    r = results["replay"]
+    assert r["replayed_positions"] >= 100 and r["replays_crossing_context_shards"] >= 4, r
+    assert not r["free_load_equal"]
+    assert r["free_lp_diff"] > 1e-2 and r["free_loss_rel"] > 1e-5 and r["free_grads_max_rel"] > 1e-2, r
+
+
+@pytest.mark.parametrize("case", list(REPLAY_CASES))
+def test_routing_replay_on_mesh_equals_single_device(case, results):
+    r = results["replay"]["cases"][case]
+    assert r["lp_diff"] <= TOL, f"{case}: logprobs differ by {r['lp_diff']:.3e}"
+    assert r["loss_rel"] <= 2e-6, r
+    assert r["grads_max_rel"] <= TOL, f"{case}: gradients differ by {r['grads_max_rel']:.3e} (relative)"
+    assert r["load_equal"], f"{case}: the replayed expert load differs"
+    context = REPLAY_CASES[case][1].get("context", 1)
+    assert r["routed_spec"] == [None, ["data", "fsdp"], "context" if context > 1 else None], r["routed_spec"]
+
+
+@pytest.mark.parametrize("case", list(REPLAY_CASES))
+def test_each_device_runs_experts_on_its_own_tokens_only(case, results):
+    """Every mesh axis that splits the tokens (data, fsdp, context) splits the experts' work too: no token's
+    expert MLP runs on two devices of a context group. Under 'ep' a device runs its experts on the tokens of
+    its whole fsdp group (the all-gather), no more."""
+    mode, sizes, _ = REPLAY_CASES[case]
+    splits = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("context", 1)
+    gathered = sizes.get("fsdp", 1) if mode == "ep" else 1
+    expected = results["replay"]["tokens"] // splits * gathered
+    assert results["replay"]["cases"][case]["expert_tokens_per_device"] == [expected]
