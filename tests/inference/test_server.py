@@ -152,7 +152,7 @@ def test_requests_in_flight_during_update_all_complete(vllm_server, tmp_path):
                 )
                 for i in range(n_requests)
             ]
-            await _until_running(vllm_server.base_url)
+            await _until_running(vllm_server.base_url, tasks)
             await c.update_weights(str(new_dir), version=4)
             unfinished_at_update = sum(not t.done() for t in tasks)
             results = await asyncio.gather(*tasks)
@@ -172,14 +172,20 @@ def test_requests_in_flight_during_update_all_complete(vllm_server, tmp_path):
     assert_greedy_matches_reference(after, prompts, HFReference(new_dir))
 
 
-async def _until_running(base_url: str, timeout_s: float = 300.0) -> None:
+async def _until_running(base_url: str, tasks: list[asyncio.Task], timeout_s: float = 300.0) -> None:
     """Poll vLLM's Prometheus gauge until the engine is running at least one request (a generous deadline:
-    on a CPU box shared with other jobs the first scheduling step has taken over a minute)."""
+    on a CPU box shared with other jobs the first scheduling step has taken over a minute). A request that
+    failed, or all of them finished, ends the wait at once with what happened."""
     import httpx
 
     async with httpx.AsyncClient() as h:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
+            failed = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+            if failed:
+                raise AssertionError(f"{len(failed)} request(s) failed before one was seen running: {failed[0]!r}")
+            if all(t.done() for t in tasks):
+                raise AssertionError("every request finished before one was seen running")
             text = (await h.get(f"{base_url}/metrics")).text
             running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
             if running and float(running[0].rsplit(" ", 1)[1]) > 0:
