@@ -2,6 +2,7 @@
 
     python tools/bench_moe.py                  # 1 GPU: gmm checks + kernels, 30B-A3B cut to a few layers at 16k
     python tools/bench_moe.py --suite gpu4     # 4 GPUs: 48-layer 30B-A3B, both expert-parallel modes
+    python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
     python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
 
 Each step configuration runs in its own process (an OOM stays contained). The step is the trainer's own
@@ -62,8 +63,10 @@ def _step(
     default_tiles=False,
     skip_if_oom="",
     micro=1,
+    context=1,
 ):
     return dict(
+        context=context,
         micro=micro,
         skip_if_oom=skip_if_oom,
         default_tiles=default_tiles,
@@ -139,6 +142,12 @@ CONFIGS = {
         _step("moe48:16k:attn:main", 16384, 48, remat="attn", guard="select", default_tiles=True, **GPU4),
         _step("moe48:16k:attn", 16384, 48, remat="attn", **GPU4),
     ],
+    # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
+    # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
+    "gpu2:context": [
+        _step("moe8:16k:fsdp2", 16384, 8, pdt="bfloat16", scan=True, devices=2, rows=2),
+        _step("moe8:32k:context2", 32768, 8, pdt="bfloat16", scan=True, devices=2, rows=1, context=2),
+    ],
     "smoke": [
         dict(kind="tiles", name="tiles", smoke=True),
         dict(kind="gmm", name="gmm", smoke=True),
@@ -158,6 +167,9 @@ CONFIGS = {
             scan=True,
             pdt="bfloat16",
             remat="full",
+        ),
+        _step(
+            "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2
         ),
     ],
 }
@@ -502,7 +514,7 @@ def step_worker(c: dict) -> dict:
     gmm.set_tile_overrides(overrides)
     cfg = _model_config(c)
     rows, seq = c["rows"], c["seq"]
-    mesh = make_mesh(fsdp=-1, devices=jax.devices()[: c["devices"]])
+    mesh = make_mesh(fsdp=-1, context=c.get("context", 1), devices=jax.devices()[: c["devices"]])
     with jax.set_mesh(mesh):
         model = init_model(cfg, mesh, seed=0)
         opt = optim.make_optimizer(
@@ -649,7 +661,7 @@ def _table(results: list[dict]) -> str:
                 f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
                 f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']} guard={r['guard']}"
                 f" tiles={'sweep' if r.get('tiles') else 'default' if r.get('default_tiles') else 'table'}"
-                f" compile={r['compile_s']:.0f}s"
+                f" context={r.get('context', 1)} compile={r['compile_s']:.0f}s"
             )
         else:
             out.append(
