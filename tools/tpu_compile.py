@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -104,14 +103,12 @@ def _model_config(cfg, name: str):
 
 def _resolve_mesh(mesh: dict[str, int], chips: int) -> dict[str, int]:
     """`trainer.mesh` sizes with its -1 axis filled in for `chips`; one line naming the mesh when they don't."""
-    sizes = {a: mesh.get(a, 1) for a in ("data", "fsdp", "context", "tensor")}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    for a, v in sizes.items():
-        if v == -1:
-            sizes[a] = chips // fixed if chips % fixed == 0 else 0
-    if math.prod(sizes.values()) != chips:
-        raise UsageError(f"trainer.mesh {mesh} does not cover the slice's {chips} chips")
-    return sizes
+    from primejax.models.sharding import mesh_sizes
+
+    try:
+        return mesh_sizes(chips, **mesh)
+    except ValueError as e:
+        raise UsageError(f"trainer.mesh {mesh} does not cover the slice's {chips} chips: {e}") from None
 
 
 def _rows_per_rank(chips: int, mesh: dict[str, int], seq_len: int, tokens_per_chip: int) -> int | None:

@@ -110,6 +110,28 @@ def logical_to_spec(
     return PartitionSpec(*entries)
 
 
+def mesh_sizes(n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1, *, context: int = 1) -> dict[str, int]:
+    """The ("data", "fsdp", "context", "tensor") sizes for `n_devices`, the one -1 (if any) filled in with the
+    remaining devices; ValueError (one line) when they do not cover exactly `n_devices`."""
+    sizes = [data, fsdp, context, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(
+            f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} context={context} tensor={tensor}"
+        )
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise ValueError(f"{n_devices} devices are not divisible by data*tensor*... = {known}")
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ValueError(
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x context={sizes[2]} x tensor={sizes[3]} needs "
+            f"{math.prod(sizes)} devices, "
+            f"have {n_devices}"
+        )
+    return dict(zip(MESH_AXES, sizes, strict=True))
+
+
 def make_mesh(
     data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None, *, context: int = 1
 ) -> Mesh:
@@ -118,23 +140,7 @@ def make_mesh(
     Axes are Auto (GSPMD propagation): the model relies on sharding constraints, not explicit-sharding types.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, context, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(
-            f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} context={context} tensor={tensor}"
-        )
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices are not divisible by data*tensor*... = {known}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
-        raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x context={sizes[2]} x tensor={sizes[3]} needs "
-            f"{math.prod(sizes)} devices, "
-            f"have {len(devices)}"
-        )
-    # Keep `tensor` innermost so tensor-parallel groups are neighbouring devices (fastest links).
+    sizes = list(mesh_sizes(len(devices), data, fsdp, tensor, context=context).values())
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
