@@ -24,7 +24,7 @@ from primejax.models.hf_io import load_model
 from primejax.models.sharding import make_mesh
 from primejax.trainer.config import LossConfig
 from primejax.trainer.losses import global_counts, make_loss_fn
-from primejax.trainer.step import _micro_loss_fn, device_batch, shift_targets, to_micro_batches
+from primejax.trainer.step import _micro_loss_fn, _shift_left, device_batch, shift_targets, to_micro_batches
 
 CASES = {
     "fsdp@fsdp8": ("fsdp", dict(fsdp=8)),
@@ -95,10 +95,6 @@ def _replay_batch(cfg) -> dict[str, np.ndarray]:
     (batch,) = pack_samples(samples, seq_len=REPLAY_SEQ, pad_rows_to_multiple=REPLAY_ROWS)
     assert batch.rows == REPLAY_ROWS, batch.rows
     return to_micro_batches(batch, REPLAY_ROWS)  # [1, R, T]: one micro-batch
-
-
-def _shift(x: np.ndarray) -> np.ndarray:
-    return np.concatenate([x[..., 1:], np.zeros_like(x[..., :1])], axis=-1)
 
 
 def _replay_fn(graphdef):
@@ -172,8 +168,9 @@ def _replay(hf_dir: str) -> dict:
     ref = _replay_run(fn, params, batch)
     # the same batch with nothing marked for replay (the same compiled function): the router's own choice
     free = _replay_run(fn, params, {**batch, "routed_mask": np.zeros_like(batch["routed_mask"])})
-    scored = _shift(batch["loss_mask"][0])  # position t scores token t + 1 (trainer.step.shift_targets)
-    replayed = scored & _shift(batch["routed_mask"][0])
+    # position t scores token t + 1 (trainer.step.shift_targets)
+    scored = np.asarray(_shift_left(batch["loss_mask"][0], False))
+    replayed = scored & np.asarray(_shift_left(batch["routed_mask"][0], False))
     seg, marked = batch["segment_ids"][0], batch["routed_mask"][0]
     # replayed tokens right after a boundary of the 4-way context split: their routing moves to the position
     # before (replay_inputs), which another device holds
