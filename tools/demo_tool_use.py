@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="more --config.KEY=VALUE arguments for primejax.train")
     p.add_argument("--smoke", action="store_true", help="2 SFT + 2 RL steps: proves the path, learns nothing")
     a = p.parse_args(argv)
+    if a.direct_every < 0:
+        p.error(f"--direct-every {a.direct_every}: 0 (every demonstration calls the tool) or a positive k")
     t0 = time.perf_counter()
     sft_steps, rl_steps = (2, 2) if a.smoke else (a.sft_steps, a.rl_steps)
     run = Path(a.out) / a.name

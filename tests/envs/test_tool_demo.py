@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from primejax.envs.registry import load_env
 from primejax.models.tiny import build_tokenizer
 from primejax.orchestrator.renderer import build_renderer, parse_message
@@ -90,3 +92,12 @@ def test_direct_every_mixes_answers_without_a_tool_call_into_the_demonstrations(
             assert json.loads(call["function"]["arguments"]) == {"a": data.a, "b": data.b}
         assert row["tools"]  # the tool schemas are rendered either way
     assert all(r["messages"][-2]["role"] == "tool" for r in demonstrations(4, seed=1, direct_every=0))
+
+
+def test_negative_direct_every_is_one_clear_error(capsys):
+    from tools.demo_tool_use import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--direct-every", "-1"])
+    assert e.value.code == 2
+    assert "--direct-every -1: 0 (every demonstration calls the tool) or a positive k" in capsys.readouterr().err
