@@ -249,6 +249,17 @@ class InferenceClient:
             scores.append(None if entry is None else float(entry[str(tok)]["logprob"]))
         return scores
 
+    async def metrics_text(self) -> list[str | None]:
+        """Each server's Prometheus `/metrics` page (None for one that did not answer), for load-based control."""
+        async def one(url: str) -> str | None:
+            try:
+                r = await self._http.get(url + "/metrics", timeout=5.0)
+            except (httpx.TransportError, httpx.TimeoutException):
+                return None
+            return r.text if r.status_code == 200 else None
+
+        return list(await asyncio.gather(*(one(u) for u in self.base_urls)))
+
     # ---------------------------------------------------------------- admin
     async def update_weights(self, weight_dir: str, version: int) -> None:
         """Load `weight_dir` in place on every server and serve it as `version`."""
