@@ -15,6 +15,9 @@ by `increase`. An unreadable server says nothing (no change). Time is injected s
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import heapq
+import itertools
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -53,46 +56,63 @@ def parse_prometheus(
     return out
 
 
+#: The waiting order of a request at the `Limiter` (lower goes first). The continuous pool sets it to the
+#: group's dispatch number, so the next turn of an older rollout passes before a newer group's first request:
+#: work already under way finishes (and stays within the off-policy bound) before new work starts.
+PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("primejax_request_priority", default=0)
+
+
 class Limiter:
-    """An async gate with a movable limit; counts what passed it and whether anything had to wait."""
+    """An async gate with a movable limit; waiters pass in `PRIORITY` order (then arrival order); counts what
+    passed and whether anything had to wait."""
 
     def __init__(self, limit: int):
         self._limit = max(1, int(limit))
         self.in_flight = 0
         self.peak = 0  # highest in_flight since the controller last looked
         self.saturated = False  # a request waited for a slot since the controller last looked
-        self._cond: asyncio.Condition | None = None
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []
+        self._arrivals = itertools.count()
 
     @property
     def limit(self) -> int:
         return self._limit
 
-    def _condition(self) -> asyncio.Condition:
-        if self._cond is None:  # bound to the running loop on first use
-            self._cond = asyncio.Condition()
-        return self._cond
+    @property
+    def waiting(self) -> int:
+        return sum(not f.done() for _, _, f in self._waiters)
+
+    def _wake(self) -> None:
+        while self._waiters and self.in_flight < self._limit:
+            _, _, fut = heapq.heappop(self._waiters)
+            if not fut.done():  # a cancelled waiter gave up its place
+                self.in_flight += 1  # handed over here, so no newcomer can take the slot first
+                fut.set_result(None)
 
     async def set_limit(self, limit: int) -> None:
         self._limit = max(1, int(limit))
-        cond = self._condition()
-        async with cond:
-            cond.notify_all()
+        self._wake()
 
     async def __aenter__(self) -> Limiter:
-        cond = self._condition()
-        async with cond:
-            if self.in_flight >= self._limit:
-                self.saturated = True
-                await cond.wait_for(lambda: self.in_flight < self._limit)
+        if self.in_flight < self._limit and not self._waiters:
             self.in_flight += 1
-            self.peak = max(self.peak, self.in_flight)
+        else:
+            self.saturated = True
+            fut = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiters, (PRIORITY.get(), next(self._arrivals), fut))
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():  # the slot was handed over just as we were cancelled
+                    self.in_flight -= 1
+                    self._wake()
+                raise
+        self.peak = max(self.peak, self.in_flight)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        cond = self._condition()
-        async with cond:
-            self.in_flight -= 1
-            cond.notify(1)
+        self.in_flight -= 1
+        self._wake()
 
 
 @dataclass

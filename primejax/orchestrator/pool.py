@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from primejax.orchestrator.concurrency import PRIORITY
 from primejax.orchestrator.generate import TRACE, GroupTrace
 from primejax.orchestrator.policy import min_policy_version
 from primejax.orchestrator.rollout import Rollout
@@ -184,6 +185,7 @@ class RolloutPool:
 
     async def _run(self, ticket: Ticket) -> None:
         TRACE.set(ticket.trace)  # this task's own context: every request of the group notes its version here
+        PRIORITY.set(ticket.id)  # older groups' turns pass the request limit first
         try:
             ticket.rollouts = await self.run_group(ticket.env, ticket.index, ticket.id, ticket.step)
         except asyncio.CancelledError:
