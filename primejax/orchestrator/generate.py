@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from primejax.envs.base import Endpoint
+from primejax.inference.client import sticky_route
 from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
@@ -196,6 +197,7 @@ class GroupGenerator:
         return (self.settings.seed * 1_000_003 + step * 10_007 + group_id * 101 + turn * 7 + member) % (2**31)
 
     async def group(self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int) -> list[Rollout]:
+        sticky_route()  # every turn of this group's rollouts on the server its first request goes to
         example = slot.env.example(index)
         rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
                             messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]

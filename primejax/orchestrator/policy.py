@@ -147,10 +147,40 @@ class PolicyTracker:
         log.info("inference server now serves policy version %d", step)
         return True
 
+    async def revive_replicas(self) -> list[str]:
+        """Bring back servers the client marked down (several replicas) once they answer again: each is put on
+        the tracked weights first, so a restarted replica (serving the base model) never samples under a
+        newer version's tag. Returns the servers revived."""
+        down = sorted(getattr(self.client, "down", ()))
+        revived = []
+        for url in down:
+            if not await self.client.alive(url):
+                continue
+            _, lock = self._sync()
+            async with lock:  # no update may land between loading this replica and routing to it
+                try:
+                    if int(await self.client.server_version(url)) != self._version:
+                        if self._version == 0:
+                            await self.client.update_one(url, None, 0)
+                        else:
+                            directory = broadcast_dir(self.run_dir, self._version)
+                            verify_broadcast(directory, check_hashes=False)
+                            await self.client.update_one(url, str(directory), self._version)
+                    if int(await self.client.server_version(url)) != self._version:
+                        raise RuntimeError("it does not report the tracked version after the load")
+                except Exception as e:  # noqa: BLE001 - it stays down and is tried again on the next poll
+                    log.warning("replica %s answers but could not be set to version %d: %s", url, self._version, e)
+                    continue
+                await self.client.revive(url)
+                revived.append(url)
+        return revived
+
     async def watch(self) -> None:
-        """Run forever: poll for new broadcasts (cancel the task to stop)."""
+        """Run forever: poll for new broadcasts, bring back replicas that returned (cancel the task to stop)."""
         while True:
             await self.refresh()
+            if getattr(self.client, "down", None):
+                await self.revive_replicas()
             await self._sleep(self.poll_interval_s)
 
     async def wait_for(self, min_version: int) -> float:
