@@ -294,7 +294,7 @@ def orchestrator_config(run_dir: Path, mode: str, servers: int, args: argparse.N
     cfg.inference.max_model_len = 8192
     cfg.model.path = "unused"  # no model: the servers are simulated
     o.sampling.max_tokens, o.sampling.max_turns = work.max_tokens, work.max_turns
-    o.max_concurrent = args.max_concurrent or 4 * o.batch_size
+    o.max_concurrent = args.max_concurrent or Cost().max_seqs * servers  # what the fleet can run at once
     o.filters.pre_batch, o.filters.post_batch = (), ()
     o.weights_poll_s = 0.2 * args.scale if args.clock == "real" else 0.2
     o.pool.mode = mode
@@ -336,7 +336,8 @@ async def run_one(mode: str, servers: int, args: argparse.Namespace, tokenizer, 
         "cancelled": sum(m.get("pool/cancelled_stale", 0) + m.get("pool/dropped_stale", 0) for m in recorder.metrics.values()),
         "preemptions": sum(s.preemptions for s in fleet),
         "max_in_flight": max(m["concurrency/in_flight_requests"] for m in recorder.metrics.values()),
-        "loop_lag_p99_ms": 1000 * max(lags),
+        # Only meaningful on the wall clock: on virtual time the probe's sleeps do not take real time.
+        "loop_lag_p99_ms": 1000 * max(lags) if args.clock == "real" else float("nan"),
         "sim_s": span,
     }
 
@@ -351,7 +352,7 @@ def main() -> None:
     p.add_argument("--async-level", type=int, default=1)
     p.add_argument("--step-s", type=float, default=4.0, help="simulated trainer step time")
     p.add_argument("--in-flight", type=int, default=0, help="continuous: rollouts in the pool; 0 = 3 x batch")
-    p.add_argument("--max-concurrent", type=int, default=0, help="request limit; 0 = 4 x batch")
+    p.add_argument("--max-concurrent", type=int, default=0, help="request limit; 0 = the fleet's max_seqs x M")
     p.add_argument("--clock", choices=("virtual", "real"), default="virtual")
     p.add_argument("--scale", type=float, default=0.05, help="real clock: wall seconds per simulated second")
     p.add_argument("--lag", action="store_true", help="10,000 rollouts in flight on the wall clock (16 servers)")
