@@ -46,7 +46,6 @@ from primejax.contracts.broadcast import write_broadcast  # noqa: E402
 from primejax.envs.base import Environment, Example  # noqa: E402
 from primejax.envs.registry import register_env  # noqa: E402
 from primejax.orchestrator.loop import Orchestrator  # noqa: E402
-from primejax.orchestrator.looplag import percentile  # noqa: E402
 from primejax.orchestrator.policy import PolicyTracker  # noqa: E402
 
 
@@ -130,7 +129,11 @@ class SimServer:
                 self.wake.clear()
                 await self.wake.wait()
             prefill = 0
-            while self.waiting and len(self.running) < c.max_seqs and self.kv + self.waiting[0].ctx + c.chunk <= c.kv_tokens:
+            while (
+                self.waiting
+                and len(self.running) < c.max_seqs
+                and self.kv + self.waiting[0].ctx + c.chunk <= c.kv_tokens
+            ):
                 seq = self.waiting.popleft()
                 prefill += seq.ctx
                 self.kv += seq.ctx
@@ -139,7 +142,11 @@ class SimServer:
                 seq = self.waiting.popleft()
                 prefill, self.kv = seq.ctx, self.kv + seq.ctx
                 self.running.append(seq)
-            dt = self.pause_s + prefill * c.prefill_s_per_token + c.chunk * (c.decode_base_s + c.decode_per_seq_s * len(self.running))
+            dt = (
+                self.pause_s
+                + prefill * c.prefill_s_per_token
+                + c.chunk * (c.decode_base_s + c.decode_per_seq_s * len(self.running))
+            )
             self.pause_s = 0.0
             await asyncio.sleep(dt * self.scale)
             self.busy_s += dt
@@ -171,7 +178,9 @@ class SimServer:
         self.wake.set()
         try:
             return await fut
-        except asyncio.CancelledError:  # the client went away: vLLM aborts; here the sequence ends on its next step
+        except (
+            asyncio.CancelledError
+        ):  # the client went away: vLLM aborts; here the sequence ends on its next step
             fut.cancel()
             raise
 
@@ -194,16 +203,21 @@ class SimClient:
         self.rng = random.Random(seed)
         self.version = 0
 
-    async def generate(self, prompt_token_ids, *, n, max_tokens, temperature, top_p=1.0, stop=None, seed=None,
-                       **_: Any):
+    async def generate(
+        self, prompt_token_ids, *, n, max_tokens, temperature, top_p=1.0, stop=None, seed=None, **_: Any
+    ):
         server = min(self.servers, key=SimServer.load)
         ctx = len(prompt_token_ids) + server.cost.prompt_overhead
-        lengths = [max(1, min(max_tokens, round(lognormal(self.rng, *self.work.output_tokens)))) for _ in range(n)]
+        lengths = [
+            max(1, min(max_tokens, round(lognormal(self.rng, *self.work.output_tokens)))) for _ in range(n)
+        ]
         done = await asyncio.gather(*(server.decode(ctx if i == 0 else 0, t) for i, t in enumerate(lengths)))
         out = []
         for t in done:
             ids = [self.token] * (t - 1) + [self.eos]
-            out.append(Completion(list(prompt_token_ids), ids, [-1.0] * t, "length" if t >= max_tokens else "stop"))
+            out.append(
+                Completion(list(prompt_token_ids), ids, [-1.0] * t, "length" if t >= max_tokens else "stop")
+            )
         return out
 
     async def update_weights(self, weight_dir: str, version: int) -> None:
@@ -218,8 +232,11 @@ class SimClient:
         self.version = 0
 
     async def metrics_text(self) -> list[str]:
-        return [f"vllm:kv_cache_usage_perc {s.kv / s.cost.kv_tokens}\nvllm:num_requests_waiting {len(s.waiting)}\n"
-                f"vllm:num_preemptions_total {s.preemptions}\n" for s in self.servers]
+        return [
+            f"vllm:kv_cache_usage_perc {s.kv / s.cost.kv_tokens}\nvllm:num_requests_waiting {len(s.waiting)}\n"
+            f"vllm:num_preemptions_total {s.preemptions}\n"
+            for s in self.servers
+        ]
 
     async def wait_ready(self, timeout_s: float) -> None:
         return None
@@ -237,8 +254,11 @@ class LongTailEnv(Environment):
 
     def example(self, index: int) -> Example:
         rng = random.Random(self.seed * 1_000_003 + index)
-        return Example(key=f"sim/{index}", prompt=[{"role": "user", "content": f"task {index}"}],
-                       info={"rng": rng.random()})
+        return Example(
+            key=f"sim/{index}",
+            prompt=[{"role": "user", "content": f"task {index}"}],
+            info={"rng": rng.random()},
+        )
 
     async def env_response(self, example, messages, state):
         rng = state.setdefault("rng", random.Random(random.random()))
@@ -298,11 +318,15 @@ def orchestrator_config(run_dir: Path, mode: str, servers: int, args: argparse.N
     o.filters.pre_batch, o.filters.post_batch = (), ()
     o.weights_poll_s = 0.2 * args.scale if args.clock == "real" else 0.2
     o.pool.mode = mode
-    o.pool.groups_in_flight = args.in_flight // args.group_size if args.in_flight else 3 * o.batch_size // o.group_size
+    o.pool.groups_in_flight = (
+        args.in_flight // args.group_size if args.in_flight else 3 * o.batch_size // o.group_size
+    )
     return typed(cfg).orchestrator
 
 
-async def run_one(mode: str, servers: int, args: argparse.Namespace, tokenizer, workdir: Path) -> dict[str, float]:
+async def run_one(
+    mode: str, servers: int, args: argparse.Namespace, tokenizer, workdir: Path
+) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     clock = loop.time
     scale = args.scale if args.clock == "real" else 1.0
@@ -312,11 +336,18 @@ async def run_one(mode: str, servers: int, args: argparse.Namespace, tokenizer, 
     register_env("sim-longtail", lambda **_: LongTailEnv(work, scale))
     run_dir = workdir / f"{mode}-{servers}"
     o = orchestrator_config(run_dir, mode, servers, args, work)
-    client = SimClient(fleet, work, tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                       seed=servers)
+    client = SimClient(
+        fleet,
+        work,
+        tokenizer.convert_tokens_to_ids("a"),
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        seed=servers,
+    )
     tracker = PolicyTracker(client, run_dir, poll_interval_s=o.weights_poll_s, clock=clock)
     recorder = Recorder(clock)
-    orch = Orchestrator(o, client=client, tokenizer=tokenizer, run_dir=run_dir, tracker=tracker, monitor=recorder)
+    orch = Orchestrator(
+        o, client=client, tokenizer=tokenizer, run_dir=run_dir, tracker=tracker, monitor=recorder
+    )
     idle: list[float] = []
     start = clock()
     await asyncio.gather(orch.run(args.steps), trainer(run_dir, args.steps, args.step_s, scale, clock, idle))
@@ -333,7 +364,10 @@ async def run_one(mode: str, servers: int, args: argparse.Namespace, tokenizer, 
         "trainer_idle": sum(idle) / scale / max(span, 1e-9),
         "staleness_mean": statistics.fmean(recorder.staleness) if recorder.staleness else 0.0,
         "staleness_hist": {k: recorder.staleness.count(k) for k in sorted(set(recorder.staleness))},
-        "cancelled": sum(m.get("pool/cancelled_stale", 0) + m.get("pool/dropped_stale", 0) for m in recorder.metrics.values()),
+        "cancelled": sum(
+            m.get("pool/cancelled_stale", 0) + m.get("pool/dropped_stale", 0)
+            for m in recorder.metrics.values()
+        ),
         "preemptions": sum(s.preemptions for s in fleet),
         "max_in_flight": max(m["concurrency/in_flight_requests"] for m in recorder.metrics.values()),
         # Only meaningful on the wall clock: on virtual time the probe's sleeps do not take real time.
@@ -352,10 +386,14 @@ def main() -> None:
     p.add_argument("--async-level", type=int, default=1)
     p.add_argument("--step-s", type=float, default=4.0, help="simulated trainer step time")
     p.add_argument("--in-flight", type=int, default=0, help="continuous: rollouts in the pool; 0 = 3 x batch")
-    p.add_argument("--max-concurrent", type=int, default=0, help="request limit; 0 = the fleet's max_seqs x M")
+    p.add_argument(
+        "--max-concurrent", type=int, default=0, help="request limit; 0 = the fleet's max_seqs x M"
+    )
     p.add_argument("--clock", choices=("virtual", "real"), default="virtual")
     p.add_argument("--scale", type=float, default=0.05, help="real clock: wall seconds per simulated second")
-    p.add_argument("--lag", action="store_true", help="10,000 rollouts in flight on the wall clock (16 servers)")
+    p.add_argument(
+        "--lag", action="store_true", help="10,000 rollouts in flight on the wall clock (16 servers)"
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     if args.lag:
@@ -381,15 +419,23 @@ def main() -> None:
                 r.update(servers=servers, mode=mode, wall_s=time.perf_counter() - wall)
                 results.append(r)
                 print(json.dumps(r), flush=True)
-    print(f"\n| M | mode | samples/s | server busy | batch fill | trainer idle | staleness mean | stale cancelled | "
-          f"preemptions | peak requests | loop lag p99 (ms) | wall s |")
+    print(
+        "\n| M | mode | samples/s | server busy | batch fill | trainer idle | staleness mean | stale cancelled | "
+        "preemptions | peak requests | loop lag p99 (ms) | wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {r["servers"]: r["samples_per_s"] for r in results if r["mode"] == "step"}
     for r in results:
-        ratio = f" ({r['samples_per_s'] / base[r['servers']]:.2f}x)" if r["servers"] in base and r["mode"] != "step" else ""
-        print(f"| {r['servers']} | {r['mode']} | {r['samples_per_s']:.1f}{ratio} | {r['busy']:.0%} | {r['occupancy']:.0%} | "
-              f"{r['trainer_idle']:.0%} | {r['staleness_mean']:.2f} | {r['cancelled']:.0f} | {r['preemptions']} | "
-              f"{r['max_in_flight']:.0f} | {r['loop_lag_p99_ms']:.1f} | {r['wall_s']:.0f} |")
+        ratio = (
+            f" ({r['samples_per_s'] / base[r['servers']]:.2f}x)"
+            if r["servers"] in base and r["mode"] != "step"
+            else ""
+        )
+        print(
+            f"| {r['servers']} | {r['mode']} | {r['samples_per_s']:.1f}{ratio} | {r['busy']:.0%} | {r['occupancy']:.0%} | "
+            f"{r['trainer_idle']:.0%} | {r['staleness_mean']:.2f} | {r['cancelled']:.0f} | {r['preemptions']} | "
+            f"{r['max_in_flight']:.0f} | {r['loop_lag_p99_ms']:.1f} | {r['wall_s']:.0f} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
