@@ -149,6 +149,7 @@ class Orchestrator:
                                     kv_high=c.kv_high, waiting_high=c.waiting_high, interval_s=c.interval_s)
             self.aimd = AIMDController(self.limiter, settings, self._server_metrics)
         self.loop_lag = LoopLag()
+        self._lost_seen = 0  # requests lost to the server up to the last continuous cut
         self.num_shards = max(1, num_shards)
         self.pad_rows_to_multiple = pad_rows_to_multiple
         self.next_step = 1
@@ -248,15 +249,24 @@ class Orchestrator:
         A server that restarted (it serves the base model) or lost its weights has made every group not yet
         cut suspect: all of them are dispatched again, once the server answers and is set back.
         """
+        # One server: a lost request may mean it restarted on the base weights, and groups sampled there since
+        # carry the old tags; several: the tracker routes around a replica until it is back on the weights.
+        single = len(getattr(self.client, "base_urls", ())) <= 1
         for attempt in range(1, MAX_STEP_ATTEMPTS + 1):
+            lost_before = self.outages.count
             try:
                 cut = await self.pool.cut(step)
-                if await self.tracker.server_matches():
+                if single and self.outages.count > self._lost_seen:
+                    self._lost_seen = self.outages.count
+                    reason = f"{self.outages.count - lost_before} requests lost"
+                    self.pool.requeue([(g[0].env, g[0].example_index) for g in cut.groups if g])
+                elif await self.tracker.server_matches():
                     metrics = {f"pool/{k}": float(v) for k, v in cut.counts.items()}
                     metrics["time/batch_cut_wait"] = cut.wait_s
                     return cut.groups, metrics
-                reason = "the server restarted (it no longer serves the tracked weights)"
-                self.pool.requeue([(g[0].env, g[0].example_index) for g in cut.groups if g])
+                else:
+                    reason = "the server restarted (it no longer serves the tracked weights)"
+                    self.pool.requeue([(g[0].env, g[0].example_index) for g in cut.groups if g])
             except InferenceError as e:
                 reason = str(e)
             if attempt == MAX_STEP_ATTEMPTS:

@@ -175,12 +175,32 @@ class PolicyTracker:
                 revived.append(url)
         return revived
 
+    async def check_replicas(self) -> list[str]:
+        """Several replicas: mark down any server that answers with another version than the tracked one (it
+        restarted between two requests, so no request failed to tell): it comes back through revive_replicas."""
+        _, lock = self._sync()
+        wrong = []
+        async with lock:  # not mid-update, when a server is legitimately ahead
+            for url in list(self.client.up_urls):
+                try:
+                    if int(await self.client.server_version(url)) != self._version:
+                        wrong.append(url)
+                except Exception:  # noqa: BLE001 - unreachable: the client marks it down on its own
+                    continue
+        for url in wrong:
+            self.client.mark_down(url, f"it no longer serves policy version {self._version}")
+        return wrong
+
     async def watch(self) -> None:
-        """Run forever: poll for new broadcasts, bring back replicas that returned (cancel the task to stop)."""
+        """Run forever: poll for new broadcasts, check replicas and bring back those that returned (cancel the
+        task to stop)."""
+        replicated = len(getattr(self.client, "base_urls", ())) > 1
         while True:
             await self.refresh()
-            if getattr(self.client, "down", None):
-                await self.revive_replicas()
+            if replicated:
+                await self.check_replicas()
+                if self.client.down:
+                    await self.revive_replicas()
             await self._sleep(self.poll_interval_s)
 
     async def wait_for(self, min_version: int) -> float:
