@@ -50,18 +50,28 @@ from primejax.orchestrator.policy import PolicyTracker  # noqa: E402
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop on simulated time: when no callback is ready, time jumps to the next timer.
-    (Relies on CPython's `_ready` / `_scheduled` loop internals; a benchmark tool, not library code.)"""
+    """An event loop on simulated time: when no callback is ready and no thread job runs, time jumps to the next
+    timer. (Relies on CPython's `_ready` / `_scheduled` loop internals; a benchmark tool, not library code.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self._now = 0.0
+        self._threads = 0  # executor jobs running (asyncio.to_thread): time stands still until they end
 
     def time(self) -> float:
         return self._now
 
+    def run_in_executor(self, executor, func, *args):
+        fut = super().run_in_executor(executor, func, *args)
+        self._threads += 1
+        fut.add_done_callback(self._thread_done)
+        return fut
+
+    def _thread_done(self, _fut) -> None:
+        self._threads -= 1
+
     def _run_once(self) -> None:
-        if not self._ready and self._scheduled:
+        if not self._ready and self._scheduled and not self._threads:
             self._now = max(self._now, self._scheduled[0]._when)
         super()._run_once()
 

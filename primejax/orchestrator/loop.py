@@ -302,7 +302,9 @@ class Orchestrator:
             self.pre_counts = Counter()
         batch = cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
-        samples = self.to_samples(batch)
+        # Packing and writing are CPU work on the whole batch: off the event loop, so the requests and timers
+        # of the groups still in flight are not held up meanwhile (loop_lag/*).
+        samples = await asyncio.to_thread(self.to_samples, batch)
         if samples:
             self.empty_batches = 0
         else:
@@ -313,7 +315,7 @@ class Orchestrator:
             if self.empty_batches > MAX_EMPTY_BATCHES:
                 raise RuntimeError(f"{self.empty_batches} empty batches in a row: nothing to train on "
                                    "(check group_size, rewards and filters)")
-        self.write(step, samples, {"step": step, "policy_version": self.tracker.version})
+        await asyncio.to_thread(self.write, step, samples, {"step": step, "policy_version": self.tracker.version})
         post_seconds = time.perf_counter() - t_post
 
         total = time.perf_counter() - t0
