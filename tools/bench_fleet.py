@@ -328,15 +328,14 @@ def orchestrator_config(run_dir: Path, mode: str, servers: int, args: argparse.N
     o.filters.pre_batch, o.filters.post_batch = (), ()
     o.weights_poll_s = 0.2 * args.scale if args.clock == "real" else 0.2
     o.pool.mode = mode
-    o.pool.groups_in_flight = (
-        args.in_flight // args.group_size if args.in_flight else 3 * o.batch_size // o.group_size
-    )
+    o.pool.groups_in_flight = args.in_flight // args.group_size  # 0: the pool's default, 2 x batch
     return typed(cfg).orchestrator
 
 
 async def run_one(
     mode: str, servers: int, args: argparse.Namespace, tokenizer, workdir: Path
 ) -> dict[str, float]:
+    random.seed(servers)  # the environment's draws (the client has its own generator): same workload per mode
     loop = asyncio.get_running_loop()
     clock = loop.time
     scale = args.scale if args.clock == "real" else 1.0
@@ -395,7 +394,12 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--async-level", type=int, default=1)
     p.add_argument("--step-s", type=float, default=4.0, help="simulated trainer step time")
-    p.add_argument("--in-flight", type=int, default=0, help="continuous: rollouts in the pool; 0 = 3 x batch")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=0,
+        help="continuous: rollouts in the pool; 0 = the pool's default (2 x batch)",
+    )
     p.add_argument(
         "--max-concurrent", type=int, default=0, help="request limit; 0 = the fleet's max_seqs x M"
     )
