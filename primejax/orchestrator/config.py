@@ -142,6 +142,9 @@ class PoolConfig(Section):
     groups_in_flight: int = option(
         0, "continuous: most groups in flight or finished awaiting a cut; 0 = 2 x batch_size / group_size", ge=0
     )
+    group_timeout_s: float = option(
+        0.0, "continuous: a group running longer is cancelled and counted timed out (a hung env); 0 = never", ge=0
+    )
 
 
 @section

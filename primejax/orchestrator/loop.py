@@ -142,7 +142,8 @@ class Orchestrator:
                                                              * o.buffer.oversampling_factor)
             self.pool = RolloutPool(self._group, self.buffer.sample, self.tracker, batch_size=o.batch_size,
                                     group_size=o.group_size, async_level=o.async_level, capacity=capacity,
-                                    oversampling=o.buffer.oversampling_factor)
+                                    oversampling=o.buffer.oversampling_factor,
+                                    group_timeout_s=o.pool.group_timeout_s)
         self.aimd = None
         if c.mode == "aimd":
             settings = AIMDSettings(floor=c.floor, cap=o.max_concurrent, increase=c.increase, decrease=c.decrease,

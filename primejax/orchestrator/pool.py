@@ -87,11 +87,14 @@ class RolloutPool:
         async_level: int,
         capacity: int,
         oversampling: float = 1.0,
+        group_timeout_s: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
     ):
         """`run_group(env, index, group_id, step)` generates and finalizes one group; `sample(n)` draws n
-        (env, index) prompts; `policy` has `.version` and `wait_for(v)` (the PolicyTracker)."""
+        (env, index) prompts; `policy` has `.version` and `wait_for(v)` (the PolicyTracker); a group running
+        longer than `group_timeout_s` (> 0) is cancelled and counted `timed_out` (its rollouts never train)."""
         self.run_group, self.sample, self.policy = run_group, sample, policy
+        self.group_timeout_s = group_timeout_s
         self.batch_size, self.group_size, self.k = batch_size, group_size, async_level
         self.capacity, self.oversampling, self.clock = max(1, capacity), oversampling, clock
         self.running: dict[int, Ticket] = {}
@@ -187,7 +190,20 @@ class RolloutPool:
         TRACE.set(ticket.trace)  # this task's own context: every request of the group notes its version here
         PRIORITY.set(ticket.id)  # older groups' turns pass the request limit first
         try:
-            ticket.rollouts = await self.run_group(ticket.env, ticket.index, ticket.id, ticket.step)
+            group = self.run_group(ticket.env, ticket.index, ticket.id, ticket.step)
+            if self.group_timeout_s > 0:
+                group = asyncio.wait_for(group, self.group_timeout_s)
+            ticket.rollouts = await group
+        except TimeoutError:
+            log.warning(
+                "group %d (%s #%d) timed out after %.0f s: cancelled",
+                ticket.id,
+                ticket.env,
+                ticket.index,
+                self.group_timeout_s,
+            )
+            self.counts["timed_out"] += 1
+            ticket.rollouts = None
         except asyncio.CancelledError:
             return  # cancelled by the bound or stop(): the canceller accounted for it
         except Exception as e:  # noqa: BLE001 - one failed group must not stop the pool

@@ -1,6 +1,6 @@
 """The continuous rollout pool against a fake server on a fake clock: batches cut from finished groups, groups
 carried over steps, the per-sample off-policy bound held by cancelling stale groups (their requests
-cancelled), and checkpoint/resume re-dispatching unfinished groups."""
+cancelled), checkpoint/resume re-dispatching unfinished groups, a hung group timing out."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from orch_fakes import FakeClient, FakeClock, make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.contracts.broadcast import write_broadcast
+from primejax.envs.registry import register_env
+from primejax.envs.reverse_text import ReverseText
 from primejax.orchestrator.checkpoint import load_checkpoint
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version
 
@@ -118,3 +120,25 @@ def test_resume_dispatches_the_unfinished_groups_first(tmp_path, tokenizer):
     first = [tuple(r["prompt"]) for r in client2.requests[: len(pending)]]
     expected = [tuple(resumed.generator.renderer.render_ids(slot.env.example(i).prompt)) for _, i in pending]
     assert sorted(first) == sorted(expected)
+
+
+class HangingReverse(ReverseText):
+    """reverse-text whose scoring never returns for texts of even length (a hung environment)."""
+
+    async def score(self, example, messages, state) -> float:
+        if len(example.answer) % 2 == 0:
+            await asyncio.Event().wait()
+        return await super().score(example, messages, state)
+
+
+def test_a_hung_group_times_out_and_the_pool_refills(tmp_path, tokenizer):
+    register_env("hanging-reverse-text", lambda **_: HangingReverse(min_len=3, max_len=6))
+    run_dir = tmp_path / "run"
+    cfg = small_config(run_dir, env_id="hanging-reverse-text", batch_size=8, group_size=4)
+    cfg.orchestrator.pool.mode = "continuous"
+    cfg.orchestrator.pool.group_timeout_s = 0.3
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=run_dir)
+    history = asyncio.run(asyncio.wait_for(orch.run(3), 60))
+    assert sum(m.get("pool/timed_out", 0) for m in history) > 0
+    for n in (1, 2, 3):
+        assert read_batch(step_dir(run_dir, n) / "rank_0.npz").meta["num_samples"] == 8
