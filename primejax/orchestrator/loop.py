@@ -87,6 +87,10 @@ class StepResult:
     staleness: list[float] = field(default_factory=list)  # per sample: trainer updates behind its policy
 
 
+async def _inline(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
 def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
     """One slot per `orchestrator.envs` entry: the environment and its (possibly overridden) algorithm."""
     slots = []
@@ -303,9 +307,10 @@ class Orchestrator:
             self.pre_counts = Counter()
         batch = cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
-        # Packing and writing are CPU work on the whole batch: off the event loop, so the requests and timers
-        # of the groups still in flight are not held up meanwhile (loop_lag/*).
-        samples = await asyncio.to_thread(self.to_samples, batch)
+        # Continuous mode: packing and writing (CPU work on the whole batch) run off the event loop, so the
+        # groups still in flight are not held up meanwhile (loop_lag/*). Step mode has nothing in flight here.
+        offload = asyncio.to_thread if self.pool is not None else _inline
+        samples = await offload(self.to_samples, batch)
         if samples:
             self.empty_batches = 0
         else:
@@ -316,7 +321,7 @@ class Orchestrator:
             if self.empty_batches > MAX_EMPTY_BATCHES:
                 raise RuntimeError(f"{self.empty_batches} empty batches in a row: nothing to train on "
                                    "(check group_size, rewards and filters)")
-        await asyncio.to_thread(self.write, step, samples, {"step": step, "policy_version": self.tracker.version})
+        await offload(self.write, step, samples, {"step": step, "policy_version": self.tracker.version})
         post_seconds = time.perf_counter() - t_post
 
         total = time.perf_counter() - t0
