@@ -79,6 +79,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--async-level", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_replicas")
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for both runs"
+    )
     args = p.parse_args()
     rows = []
     warm = args.out / "step" / "sft" / "final"
@@ -92,6 +95,7 @@ def main() -> None:
                 "--config.model.build_tiny.enabled=False",
             ]
         )
+        extra += [f"--config.{kv}" for kv in args.set]
         total = launch(args.out, mode, mode, args.steps, args.async_level, extra)
         rows.append(
             {"mode": mode, "total_s": total, **summarize(args.out / mode, args.steps, args.async_level)}
