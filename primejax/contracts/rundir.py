@@ -113,6 +113,11 @@ class RunDir:
         path = self._step(self.CHECKPOINTS, step)
         return path / process if process else path
 
+    def broadcast_export_tmp(self, step: int) -> Path:
+        """The temp directory several trainer processes fill with their shares of broadcasts/step_N."""
+        final = self.broadcasts(step)
+        return final.with_name(f".{final.name}.export.tmp")
+
     def _step(self, kind: str, step: int | None) -> Path:
         return self.root / kind if step is None else self.root / kind / step_name(step)
 

@@ -1,4 +1,4 @@
-"""One optimizer step over a step's micro-batches, as a single jitted function.
+"""One optimizer step over a step's micro-batches: the step's math, unjitted (trainer/engine.py compiles it).
 
 The step's batch arrives as [M, R, T] arrays (M micro-batches of R packed rows). Before the micro-batch loop
 the step counts every loss component's member tokens over the whole step (N_c, see losses.py), then a
@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS, PackedBatch
 from primejax.models.moe import max_violation
-from primejax.trainer.logprobs import saved_logits_max_bytes, token_logprobs
+from primejax.trainer.logprobs import token_logprobs
 from primejax.trainer.losses import LossConfig, finalize_metrics, global_counts, make_loss_fn
 
 BATCH_AXES = ("data", "fsdp")
@@ -69,7 +69,7 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, me
     """
     replicated = NamedSharding(mesh, PartitionSpec())
     shape = jax.eval_shape(optimizer.init, params)
-    param_sh = jax.tree.map(lambda p: _named(p, mesh), params)
+    param_sh = jax.tree.map(lambda p: leaf_sharding(p, mesh), params)
     return optax.tree_map_params(
         optimizer, lambda _, sh: sh, shape, param_sh, transform_non_params=lambda _: replicated
     )
@@ -340,8 +340,9 @@ def _context_axis(mesh: Mesh) -> str | None:
     return "context" if mesh.shape.get("context", 1) > 1 else None
 
 
-def _named(x: jax.Array, mesh: Mesh) -> NamedSharding:
-    sh = x.sharding
+def leaf_sharding(x: Any, mesh: Mesh) -> NamedSharding:
+    """`x`'s NamedSharding where it has one on `mesh` (arrays or ShapeDtypeStructs), else replicated."""
+    sh = getattr(x, "sharding", None)
     if isinstance(sh, NamedSharding) and sh.mesh.shape_tuple == mesh.shape_tuple:
         return sh
     return NamedSharding(mesh, PartitionSpec())  # created outside the mesh (scalars, RNG): replicate
@@ -352,28 +353,7 @@ def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
 
     The jitted step returns mesh shardings; feeding it the same kind avoids a second compilation.
     """
-    return jax.device_put(state, jax.tree.map(lambda x: _named(x, mesh), state))
-
-
-def jit_train_step(step_fn: Callable, state: TrainState, mesh: Mesh) -> Callable:
-    """jit with the state's shardings (see shard_state) pinned on input and output, and the state donated."""
-    state_sh = jax.tree.map(lambda x: _named(x, mesh), state)
-    return jax.jit(
-        step_fn,
-        in_shardings=(state_sh, batch_sharding(mesh)),
-        out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=(0,),
-    )
-
-
-def head_saved_logits_bytes(trainer_cfg: Any, mesh: Mesh) -> int:
-    """The step's `saved_logits_max_bytes` for the whole micro-batch from the per-device setting.
-
-    The head sees the global micro-batch, whose rows are split over the data-parallel axes (and their tokens
-    over `context`), so the budget scales with their sizes.
-    """
-    per_device = saved_logits_max_bytes(trainer_cfg.lm_head_saved_logits_gib)
-    return per_device * dp_size(mesh) * mesh.shape.get("context", 1)
+    return jax.device_put(state, jax.tree.map(lambda x: leaf_sharding(x, mesh), state))
 
 
 def dp_size(mesh: Mesh) -> int:
