@@ -45,13 +45,38 @@ GIB = 2.0**30
 # ----------------------------------------------------------------------------------------------- configurations
 
 
-def _jax(seq, rows=1, loss="rl", remat="auto", attn="cudnn", chunk=2048, steps=5, warmup=2, trace=False,
-         tag="", segs=1, save_gib=None):
+def _jax(
+    seq,
+    rows=1,
+    loss="rl",
+    remat="auto",
+    attn="cudnn",
+    chunk=2048,
+    steps=5,
+    warmup=2,
+    trace=False,
+    tag="",
+    segs=1,
+    save_gib=None,
+):
     """segs: the step's static bound on samples per row (the fake rows hold one); save_gib: the trainer's
     `lm_head_saved_logits_gib` (None: its default, auto; 0: the head always recomputes its logits)."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
-    return dict(kind="jax", name=name, seq=seq, rows=rows, loss=loss, remat=remat, attn=attn, chunk=chunk,
-                steps=steps, warmup=warmup, trace=trace, segs=segs, save_gib=save_gib)
+    return dict(
+        kind="jax",
+        name=name,
+        seq=seq,
+        rows=rows,
+        loss=loss,
+        remat=remat,
+        attn=attn,
+        chunk=chunk,
+        steps=steps,
+        warmup=warmup,
+        trace=trace,
+        segs=segs,
+        save_gib=save_gib,
+    )
 
 
 def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
@@ -99,8 +124,16 @@ CONFIGS = {
         )
     ],
 }
-SMOKE_MODEL = dict(QWEN3_06B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=32, vocab_size=512)
+SMOKE_MODEL = dict(
+    QWEN3_06B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    vocab_size=512,
+)
 
 
 # ----------------------------------------------------------------------------------------------- jax worker
@@ -181,6 +214,7 @@ def jax_worker(c: dict) -> dict:
         loss = float(run(batch))
         trace = _trace_summary(run, batch) if c.get("trace") and jax.default_backend() == "gpu" else None
     tokens = rows * seq
+    head_bytes = saved_logits_bytes(tokens, cfg.vocab_size, "bfloat16")
     res = dict(
         tok_s=tokens / dt,
         step_ms=dt * 1e3,
@@ -191,7 +225,7 @@ def jax_worker(c: dict) -> dict:
         peak_gib=_jax_peak_gib(),
         memory=mem,
         remat_resolved=resolve_remat_policy(c["remat"], rows * seq),
-        head_saves_logits=0 < saved_logits_bytes(rows * seq, cfg.vocab_size, "bfloat16") <= engine.saved_logits_bytes,
+        head_saves_logits=0 < head_bytes <= engine.saved_logits_bytes,
     )
     if trace is not None:
         res["trace"] = trace

@@ -7,7 +7,9 @@
       checkpoints/step_N/{trainer,orchestrator}/
       sft/final/                    the SFT warm-up's model
       tensorboard/<process>/        metrics/<process>.jsonl        logs/<process>.log
-      pids.json  .lock              the launcher's children; its lock on the directory
+      transfers/                    collective weight-transfer offers (primejax.contracts.transfer)
+      stale/<time>/  previous/<time>/  what a resume set aside; an earlier run's outputs (launcher.resume)
+      pids.json  .lock  admin_token the launcher's children; its lock on the directory; the admin secret
 
 `RunDir` names every one of these paths and `step_name` / `parse_step` / `step_dirs` are the one spelling
 and reading of `step_N`; no other module spells them. `RunConfig` is the `run` config section.
@@ -38,13 +40,20 @@ class RunConfig(Section):
 
     def check(self) -> None:
         if self.resume_step not in ("", "latest") and not self.resume_step.isdigit():
-            raise ConfigError("resume_step", f"must be '', 'latest' or a step number, got {self.resume_step!r}")
+            raise ConfigError(
+                "resume_step", f"must be '', 'latest' or a step number, got {self.resume_step!r}"
+            )
         if not _NAME.match(self.name):
-            raise ConfigError("name", "must be a plain directory name (letters, digits, '_', '-', '.', not starting "
-                                      f"with '.' or '-', no '/' or '~'), got {self.name!r}")
+            raise ConfigError(
+                "name",
+                "must be a plain directory name (letters, digits, '_', '-', '.', not starting "
+                f"with '.' or '-', no '/' or '~'), got {self.name!r}",
+            )
         out = self.output_dir
         if not out or out.startswith("~") or Path(out).resolve() == Path(Path(out).resolve().anchor):
-            raise ConfigError("output_dir", f"must be a directory below the filesystem root (no '~'), got {out!r}")
+            raise ConfigError(
+                "output_dir", f"must be a directory below the filesystem root (no '~'), got {out!r}"
+            )
 
     @property
     def dir(self) -> Path:
@@ -86,10 +95,12 @@ class RunDir:
     STEP_DIRS = (ROLLOUTS, BROADCASTS, CHECKPOINTS)
     PIDS_FILE = "pids.json"  # the launcher's live children, by name
     LOCK_FILE = ".lock"  # held (flock) by the launcher of a live run
+    ADMIN_TOKEN_FILE = "admin_token"  # the inference servers' admin secret (0600)
     # What a fresh start moves aside (configs/ is this invocation's own): only primejax's entries, anything else
     # (a user's files, a project a run directory was pointed at by mistake) is never touched.
-    ENTRIES = frozenset({*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", PIDS_FILE,
-                         "admin_token"})
+    ENTRIES = frozenset(
+        {*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", PIDS_FILE, ADMIN_TOKEN_FILE}
+    )
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
@@ -118,6 +129,18 @@ class RunDir:
         final = self.broadcasts(step)
         return final.with_name(f".{final.name}.export.tmp")
 
+    def transfers(self) -> Path:
+        """transfers/: the trainer's offers of a collective weight transfer (primejax.contracts.transfer)."""
+        return self.root / "transfers"
+
+    def stale(self, stamp: str) -> Path:
+        """stale/<stamp>/: the outputs of steps after a resume point, set aside (launcher.resume)."""
+        return self.root / "stale" / stamp
+
+    def previous(self, stamp: str) -> Path:
+        """previous/<stamp>/: an earlier run's outputs, moved aside by a fresh start in the same directory."""
+        return self.root / "previous" / stamp
+
     def _step(self, kind: str, step: int | None) -> Path:
         return self.root / kind if step is None else self.root / kind / step_name(step)
 
@@ -126,8 +149,12 @@ class RunDir:
         """The SFT warm-up's exported model, where RL starts from."""
         return self.root / "sft" / "final"
 
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
     def log(self, process: str) -> Path:
-        return self.root / "logs" / f"{process}.log"
+        return self.logs / f"{process}.log"
 
     def metrics(self, process: str) -> Path:
         return self.root / "metrics" / f"{process}.jsonl"
@@ -142,6 +169,10 @@ class RunDir:
     @property
     def lock_file(self) -> Path:
         return self.root / self.LOCK_FILE
+
+    @property
+    def admin_token(self) -> Path:
+        return self.root / self.ADMIN_TOKEN_FILE
 
 
 def run_dir(run: RunConfig) -> Path:

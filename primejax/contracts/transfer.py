@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from primejax.contracts.rundir import RunDir
 from primejax.utils.io import atomic_write_json
 
 _PREFIX, _SUFFIX = "step_", ".json"
@@ -29,7 +30,7 @@ class Offer:
 
 
 def transfers_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "transfers"
+    return RunDir(run_dir).transfers()
 
 
 def offer_path(run_dir: str | Path, step: int) -> Path:

@@ -17,11 +17,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from primejax.contracts.rundir import RunDir
+
 TOKEN_ENV = "PRIMEJAX_ADMIN_TOKEN"
 WEIGHTS_ROOT_ENV = "PRIMEJAX_WEIGHTS_ROOT"  # loads must resolve inside this directory ('' = anywhere)
 REQUIRE_STABLE_ENV = "PRIMEJAX_REQUIRE_STABLE"  # "1": only broadcasts with a STABLE manifest load
 HEADER = "X-Primejax-Admin-Token"
-TOKEN_FILE = "admin_token"
 
 
 def new_token() -> str:
@@ -32,9 +33,9 @@ def write_run_token(root: str | Path) -> str:
     """The run's admin secret: $PRIMEJAX_ADMIN_TOKEN when set (multi-node), else a new one; written to
     `<root>/admin_token` (0600) for processes started by hand on this host."""
     token = os.environ.get(TOKEN_ENV) or new_token()
-    path = Path(root) / TOKEN_FILE
+    path = RunDir(root).admin_token
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{TOKEN_FILE}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
@@ -48,7 +49,7 @@ def read_token(root: str | Path | None = None) -> str | None:
         return os.environ[TOKEN_ENV]
     if root is not None:
         try:
-            return (Path(root) / TOKEN_FILE).read_text().strip() or None
+            return RunDir(root).admin_token.read_text().strip() or None
         except OSError:
             return None
     return None

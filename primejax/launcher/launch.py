@@ -333,7 +333,7 @@ def launch(cfg: Config) -> int:
             supervisor = _InferenceSupervisor(start_server, cfg.inference, on_restart)
             children.insert(0, supervisor.child)
         _write_pids(root, children)
-        print(f"primejax: run {root} started (logs in {root / 'logs'})", flush=True)
+        print(f"primejax: run {root} started (logs in {RunDir(root).logs})", flush=True)
         for child in children:
             print(f"  {child.name:<13} pid {child.pid}  log {child.log_path}", flush=True)
         progress = _Progress(root, cfg.run.max_steps)

@@ -51,7 +51,7 @@ def _stamp() -> str:
 def set_aside_after(root: str | Path, step: int) -> list[Path]:
     """Move the outputs of steps > `step` to `stale/<time>/`, drop interrupted temp writes; return what moved."""
     root = Path(root)
-    dest = root / "stale" / _stamp()
+    dest = RunDir(root).stale(_stamp())
     moved = []
     for kind in STEP_DIRS:
         directory = root / kind
@@ -80,7 +80,7 @@ def keep_previous_run(root: str | Path) -> Path | None:
     entries = [p for p in root.iterdir() if p.name in RUN_ENTRIES]
     if not entries:
         return None
-    dest = root / "previous" / _stamp()
+    dest = RunDir(root).previous(_stamp())
     dest.mkdir(parents=True, exist_ok=True)
     for p in entries:
         p.rename(dest / p.name)

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 # Remat policies, applied per decoder layer (see `transformer.resolve_remat_policy`):
 #   none           keep every activation (fastest, most memory)
@@ -27,18 +26,20 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #                  the long rows fit: see transformer.resolve_remat_policy and docs/benchmarks.md)
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "attn_offload", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
-_ARCHITECTURES = {
+# The model families (HF model_type -> its transformers class): the one list of them.
+ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 # Grouped-matmul implementations for the experts (models/gmm.py): "xla" = jax.lax.ragged_dot (any backend),
 # "mgpu" = the Pallas Mosaic-GPU kernels (Hopper), "auto" = mgpu on a Hopper GPU, xla elsewhere.
 GMM_IMPLS = ("xla", "mgpu", "auto")
-# How the experts are laid out over the mesh (models/moe.py): "replicated" = no mesh axis (GSPMD gathers
-# as for any weight), "fsdp" = experts split over fsdp and all-gathered per layer with every token kept on
-# its device, "ep" = experts split over fsdp and tokens exchanged (all-gather in, reduce-scatter out).
+# How the experts are laid out over the mesh (models/moe.py): "fsdp" = experts split over their mesh axis and
+# all-gathered per layer with every token kept on its device, "ep" = experts split over that axis and tokens
+# exchanged (all-gather in, reduce-scatter out).
 EXPERT_PARALLEL = ("fsdp", "ep")
 
 
@@ -211,7 +212,7 @@ class ModelConfig:
             rope_params["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
         hf: dict[str, Any] = dict(self.hf_extra)
         hf.update(
-            architectures=[_ARCHITECTURES[self.model_type]],
+            architectures=[ARCHITECTURES[self.model_type]],
             model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,

@@ -35,9 +35,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from primejax.models.gmm import grouped_matmul
-from primejax.models.sharding import current_mesh, logical_to_spec
+from primejax.models.sharding import current_mesh, logical_to_spec, mesh_axes
 
-EP_AXIS = "fsdp"  # the mesh axis experts are split over (sharding.SHARDING_RULES["experts"])
+(EP_AXIS,) = mesh_axes("experts")  # the one mesh axis experts are split over (the sharding table)
 # Checkpoint names of the grouped matmuls' outputs: remat policies that keep the weight matmuls' outputs keep
 # these too (transformer._saves_attention_and_weight_dots); the kernels are custom calls, not dot_general, so
 # jax's dots policies alone would re-run them in the backward pass.
@@ -163,10 +163,10 @@ def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: 
             x_nd, route_out.topk_idx, route_out.scores, gate_up, down
         )
     if gate_up.shape[0] % n_ep:
-        raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over fsdp={n_ep}")
+        raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over {EP_AXIS}={n_ep}")
     e_local = gate_up.shape[0] // n_ep
     if EP_AXIS not in (tok_axes if isinstance(tok_axes, tuple) else (tok_axes,)):
-        raise ValueError("expert_parallel='ep' needs the token batch split over the fsdp axis")
+        raise ValueError(f"expert_parallel='ep' needs the token batch split over the {EP_AXIS} axis")
 
     def ep(x, idx, sc, gu, dn):
         # All tokens of the fsdp group, each device's experts on them, partial sums scattered back.

@@ -13,12 +13,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
+from primejax.models.config import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
 
-Family = Literal["qwen3", "llama", "qwen3_moe"]
+# What the builder writes: every supported family but qwen2 (its q/k/v biases are not part of the tiny shape).
+FAMILIES = tuple(t for t in SUPPORTED_MODEL_TYPES if t != "qwen2")
+# The RoPE base of every tiny model: written to its config.json and used by `TinyModelConfig.architecture`.
+ROPE_THETA = 1_000_000.0
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -141,7 +145,7 @@ def build_tokenizer(
 def build_tiny_model(
     out_dir: str | Path,
     *,
-    family: Family = "qwen3",
+    family: str = "qwen3",
     tied: bool = True,
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -209,26 +213,20 @@ def build_tiny_model(
         bos_token_id=ids[ENDOFTEXT],
         eos_token_id=ids[IM_END],
         pad_token_id=ids[ENDOFTEXT],
-        rope_theta=1_000_000.0,
+        rope_theta=ROPE_THETA,
     )
-    if family == "qwen3":
-        config = transformers.Qwen3Config(**common)
-        model_cls = transformers.Qwen3ForCausalLM
-    elif family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **common,
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (expected one of {FAMILIES})")
+    if family == "qwen3_moe":
+        common.update(
             num_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
             moe_intermediate_size=moe_intermediate_size,
             norm_topk_prob=True,
             mlp_only_layers=list(mlp_only_layers),
         )
-        model_cls = transformers.Qwen3MoeForCausalLM
-    elif family == "llama":
-        config = transformers.LlamaConfig(**common)
-        model_cls = transformers.LlamaForCausalLM
-    else:
-        raise ValueError(f"unknown family {family!r} (expected 'qwen3', 'llama' or 'qwen3_moe')")
+    model_cls = getattr(transformers, ARCHITECTURES[family])
+    config = model_cls.config_class(**common)
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -288,7 +286,7 @@ class TinyModelConfig(Section):
     """`model.build_tiny`: a tiny random model + tokenizer built at `model.path` when it is missing (offline)."""
 
     enabled: bool = option(False, "build the model when model.path has no config.json")
-    family: str = option("qwen3", "architecture", choices=("qwen3", "llama", "qwen3_moe"))
+    family: str = option("qwen3", "architecture", choices=FAMILIES)
     tied: bool = option(True, "tie the LM head to the embedding")
     hidden_size: int = option(64, "model width", gt=0)
     num_layers: int = option(2, "decoder layers", gt=0)
@@ -329,7 +327,7 @@ class TinyModelConfig(Section):
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            rope_theta=10000.0,
+            rope_theta=ROPE_THETA,
             rope_scaling=None,
             rms_norm_eps=1e-6,
             tie_word_embeddings=self.tied,

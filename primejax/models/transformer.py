@@ -90,10 +90,9 @@ _REMAT_POLICIES = {
     "attn": _saves_attention,
     "dots_no_batch_attn": _saves_attention_and_weight_dots,
 }
-# "auto": the fastest policy measured per micro-batch size (Qwen3-0.6B shape, H200, docs/benchmarks.md).
-# Saving the weight matmuls' outputs as well as attention's is faster than no remat at all up to 32k tokens
-# (fewer fp32 temporaries written than plain autodiff keeps), but costs ~1 GiB per 1k tokens; beyond that
-# only attention's outputs are kept and the cheap matmuls are re-run.
+# "auto": save the weight matmuls' outputs as well as attention's up to 32k tokens per micro-batch (it writes
+# fewer fp32 temporaries than plain autodiff keeps, so it is also faster than no remat), but that costs ~1 GiB
+# per 1k tokens; beyond it keep only attention's outputs and re-run the cheap matmuls (docs/benchmarks.md).
 AUTO_REMAT_MAX_TOKENS_FOR_DOTS = 32768
 
 

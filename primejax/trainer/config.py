@@ -18,7 +18,7 @@ class MeshConfig(Section):
     tensor: int = option(1, "tensor-parallel size")
 
     def check(self) -> None:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
+        sizes = self.to_dict()  # every axis this section declares (models/sharding.py names what they split)
         for axis, size in sizes.items():
             if size == 0 or size < -1:
                 raise ConfigError(axis, f"must be a positive size or -1 (the rest), got {size}")

@@ -36,7 +36,7 @@ from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import check_divisible
 from primejax.models.settings import ModelSettings
-from primejax.models.sharding import init_model, make_mesh, state_shardings
+from primejax.models.sharding import axis_size, init_model, make_mesh, state_shardings
 from primejax.models.transformer import Transformer
 from primejax.trainer import optim
 from primejax.trainer.config import LossConfig, TrainerConfig
@@ -254,10 +254,7 @@ class Engine:
     def abstract_batch(self, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The step's [M, R, T] batch arrays (contracts.batch.FIELDS) as ShapeDtypeStructs with their sharding."""
         check_divisible(
-            self.model_cfg.num_heads,
-            self.mesh.shape.get("tensor", 1),
-            self.mesh.shape.get("context", 1),
-            seq_len,
+            self.model_cfg.num_heads, axis_size(self.mesh, "q_heads"), axis_size(self.mesh, "seq"), seq_len
         )
         sh = batch_sharding(self.mesh)
         return {
@@ -328,7 +325,7 @@ def _head_budget(t: TrainerConfig, mesh: Mesh, hbm_bytes: int | None) -> int:
         per_device = int(AUTO_SAVED_LOGITS_FRACTION * hbm_bytes)
     else:
         per_device = saved_logits_max_bytes(gib)
-    return per_device * dp_size(mesh) * mesh.shape.get("context", 1)
+    return per_device * axis_size(mesh, "batch_context")
 
 
 __all__ = ["Engine", "STEP_KINDS", "abstract_state", "build_model", "jit_train_step", "model_config"]

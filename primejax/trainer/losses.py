@@ -32,11 +32,8 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from primejax.contracts.batch import LOSS_COMPONENTS as COMPONENTS
 from primejax.trainer.config import LossConfig
-
-COMPONENTS = ("rl", "ce", "ref_kl")
-
-
 
 
 @dataclasses.dataclass

@@ -7,8 +7,8 @@ share; the sum is therefore exactly the gradient of the step's loss, whatever M 
 clip + AdamW update, guarded against non-finite values (the update is skipped and `nonfinite` = 1).
 
 The state lives in fp32 (master weights, `model.param_dtype`), the model casts to its compute dtype inside
-(bf16 by default); the remat policy and the attention kernel are model config. Rows are sharded over
-("data", "fsdp"); parameters by the model's sharding rules. The state is donated, and everything returned
+(bf16 by default); the remat policy and the attention kernel are model config. Rows are sharded like the
+logical `batch` axis (models/sharding.py); parameters by the model's sharding rules. The state is donated, and everything returned
 is an array (metrics included), so the host never waits inside a step.
 """
 
@@ -26,10 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS, PackedBatch
 from primejax.models.moe import max_violation
+from primejax.models.sharding import axis_size, mesh_axes, spec_entry
 from primejax.trainer.logprobs import token_logprobs
 from primejax.trainer.losses import LossConfig, finalize_metrics, global_counts, make_loss_fn
-
-BATCH_AXES = ("data", "fsdp")
 
 
 @struct.dataclass
@@ -332,12 +331,8 @@ def target_logprobs(model: nnx.Module, arrays: Mapping[str, jax.Array], chunk_si
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[M, R, T] arrays: rows over the data-parallel axes, micro-batch and sequence axes whole."""
-    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, _context_axis(mesh)))
-
-
-def _context_axis(mesh: Mesh) -> str | None:
-    """The mesh axis a row's tokens are split over (context parallelism), None when there is none."""
-    return "context" if mesh.shape.get("context", 1) > 1 else None
+    seq = spec_entry(mesh_axes("seq")) if axis_size(mesh, "seq") > 1 else None  # context parallelism
+    return NamedSharding(mesh, PartitionSpec(None, spec_entry(mesh_axes("batch")), seq))
 
 
 def leaf_sharding(x: Any, mesh: Mesh) -> NamedSharding:
@@ -357,7 +352,7 @@ def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
 
 
 def dp_size(mesh: Mesh) -> int:
-    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    return axis_size(mesh, "batch")
 
 
 def to_micro_batches(batch: PackedBatch, micro_batch_rows: int) -> dict[str, np.ndarray]:
@@ -379,7 +374,7 @@ def max_segments_bucket(batch: PackedBatch) -> int:
 def device_batch(arrays: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Place this process's rows as the global [M, R, T] batch (every process passes its own rank file)."""
     sh = batch_sharding(mesh)
-    context = mesh.shape.get("context", 1)
+    context = axis_size(mesh, "seq")
     t = arrays["tokens"].shape[-1]
     if t % context:
         raise ValueError(f"trainer.mesh.context={context} must divide the row length {t}")

@@ -25,13 +25,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from primejax.contracts.batch import LOSS_COMPONENTS
 from primejax.orchestrator.rollout import Rollout
 from primejax.utils.sections import ConfigError, Section, option, section, sub
 
 if TYPE_CHECKING:
     from primejax.orchestrator.config import SamplingConfig
 
-LOSS_TYPES = ("rl", "ce", "ref_kl")
+LOSS_TYPES = LOSS_COMPONENTS  # a sample trains one loss component (contracts/batch.py)
 
 
 @section
