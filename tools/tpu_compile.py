@@ -84,7 +84,7 @@ def _flags(fv: flags.FlagValues) -> None:
 
 def _model_config(cfg, name: str):
     from primejax.models.config import ModelConfig
-    from primejax.trainer.loop import model_config
+    from primejax.trainer.engine import model_config
 
     if not name:
         return model_config(cfg.model, max_positions=cfg.trainer.fake_data.seq_len)
