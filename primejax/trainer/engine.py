@@ -163,8 +163,8 @@ class Engine:
         `model`: its parameters become the state (default: a random init on the mesh; `abstract`: none at all).
         `mesh`: default `trainer.mesh` (or `mesh_sizes`) over `devices` (default: all).
         `lr_schedule`: replaces `trainer.scheduler` (SFT's constant `sft.lr`); the optimizer is `trainer.optim`.
-        `hbm_bytes`: per-device memory for the LM head's auto budget where the runtime cannot report it (an
-        abstract compile for a TPU topology); 0 = ask the device.
+        `hbm_bytes` (abstract engines): per-device memory for the LM head's auto budget, which the runtime cannot
+        report for a topology's devices (0: the head keeps no logits). Concrete engines ask the device.
         """
         if mesh is None:
             mesh = make_mesh(**dict(mesh_sizes or t.mesh.to_dict()), devices=devices)
