@@ -15,26 +15,27 @@ task in process:
   Limits: `max_turns` (also capped by `orchestrator.sampling.max_turns`), `max_output_tokens`,
   `max_total_tokens` (soft by one turn, as verifiers').
 - scoring: `await task.score(trace)` on a trace holding the conversation, its state and stop condition.
-- `env = "<vf Env id or module>"`: the Env's own `run(task, agents)` drives the episode; each agent's
-  `interaction(task)` is a primejax stand-in whose `turn(message)` runs one agent segment (model calls until
-  a reply without tool calls) through the orchestrator. The `policy_agent` (default `assistant`, else the
-  first declared) is trained; other agents sample from the same server untrained.
+- Envs: the Env a taskset package ships (e.g. verifiers' `textarena`: the game engine plays the user), or
+  `args.env = "<vf Env id or module>"`, runs its own `setup` / `run(task, agents)` / `finalize` episode; its
+  seats are primejax's (primejax/envs/verifiers_episode.py: which seat trains, `args.policy_agent`).
 
 Tasks that need verifiers' harness programs or a sandbox runtime run through verifiers' own rollout loop
 instead (primejax/envs/verifiers_loop.py, chosen by the env's `args.driver`).
 
-An id with a dot (`my_pkg.my_taskset`) is imported as a module path; verifiers' own loader only resolves
-bare package names (`my-taskset` -> `my_taskset` or `verifiers.v1.tasksets.my_taskset`).
+Ids resolve as verifiers' loader resolves them (`my-taskset` -> `verifiers.v1.tasksets.my_taskset` when that
+exists, else the installed `my_taskset`); an id with a dot is a module path (`verifiers.v1.tasksets.textarena`,
+`my_pkg.my_taskset`). The module exports its Taskset (and optionally its Env) via `__all__`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import importlib.util
 import json
 from typing import Any
 
 from primejax.envs.base import Environment, Example, Message, ModelCall
+from primejax.envs.verifiers_episode import Episode, parse_policy_agents, seat_names
 
 
 def _vf():
@@ -43,23 +44,76 @@ def _vf():
     return vf
 
 
-def _exported_subclass(module: Any, base: type, what: str) -> type:
-    """The single `base` subclass a module exports via `__all__` (verifiers' plugin convention)."""
+class EnvLoadError(ValueError):
+    """A verifiers taskset / env that cannot be loaded; the message is one line naming the id and the cause."""
+
+
+def _module_for(ident: str, group: str, kind: str) -> Any:
+    """The module an id names, resolved as verifiers' loader does: a dotted id is a module path; a bare id
+    (`my-taskset`, `owner/my-taskset@1.0`) is verifiers' built-in `<group>.<name>` when that exists, else the
+    installed package `<name>`. An error raised while importing it is reported as itself, not as "not
+    installed" (verifiers' loader turns any ModuleNotFoundError, a missing dependency included, into that)."""
+    if "." in ident:
+        target = ident
+    else:
+        name = ident.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+        target = f"{group}.{name}" if importlib.util.find_spec(f"{group}.{name}") else name
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name and (target == e.name or target.startswith(e.name + ".")):
+            raise EnvLoadError(
+                f"verifiers {kind} {ident!r}: no module {target!r} is installed (install the package that "
+                f"provides it, or name a module path like my_pkg.my_{kind})"
+            ) from None
+        raise EnvLoadError(
+            f"verifiers {kind} {ident!r}: importing {target!r} failed: {type(e).__name__}: {e}"
+        ) from e
+    except Exception as e:  # noqa: BLE001 - any error inside the package is reported as that error
+        raise EnvLoadError(
+            f"verifiers {kind} {ident!r}: importing {target!r} failed: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _exported(module: Any, base: type) -> list[type]:
+    """The `base` subclasses a module exports (verifiers' plugin convention: `__all__`; else its public names)."""
     names = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]
-    found = {
-        obj
-        for n in names
-        if isinstance(obj := getattr(module, n, None), type)
-        and issubclass(obj, base)
-        and obj is not base
-        and obj.__module__ == module.__name__
-    }
-    if len(found) != 1:
-        raise TypeError(
-            f"{what} module {module.__name__!r} must export exactly one {base.__name__} subclass, "
-            f"found {sorted(c.__name__ for c in found)}"
+    found: list[type] = []
+    for n in names:
+        obj = getattr(module, n, None)
+        if isinstance(obj, type) and issubclass(obj, base) and obj is not base and obj not in found:
+            found.append(obj)
+    if not hasattr(module, "__all__"):  # public names include imports: keep the module's own classes
+        found = [c for c in found if c.__module__ == module.__name__]
+    return found
+
+
+def resolve_taskset(taskset_id: str) -> tuple[type, type | None]:
+    """The Taskset class an id names and the Env class its package ships (None: a plain taskset, which
+    verifiers runs with `SingleAgentEnv`)."""
+    vf = _vf()
+    module = _module_for(taskset_id, "verifiers.v1.tasksets", "taskset")
+    tasksets = _exported(module, vf.Taskset)
+    if len(tasksets) != 1:
+        raise EnvLoadError(
+            f"verifiers taskset {taskset_id!r}: module {module.__name__!r} must export exactly one Taskset "
+            f"subclass via __all__, found {[c.__name__ for c in tasksets]}"
         )
-    return found.pop()
+    envs = [c for c in _exported(module, vf.Env) if not _is_single_agent(c)]
+    if len(envs) > 1:
+        raise EnvLoadError(
+            f"verifiers taskset {taskset_id!r}: module {module.__name__!r} exports several Envs "
+            f"{[c.__name__ for c in envs]}; name one with args.env"
+        )
+    return tasksets[0], (envs[0] if envs else None)
+
+
+def _is_single_agent(cls: type) -> bool:
+    """verifiers' `SingleAgentEnv` itself (or a subclass that keeps its `run`): one seat on the task's prompt,
+    which the in-process driver runs directly."""
+    from verifiers.v1.envs.single_agent import SingleAgentEnv
+
+    return issubclass(cls, SingleAgentEnv) and cls.run is SingleAgentEnv.run
 
 
 def load_taskset(taskset_id: str, args: dict[str, Any]) -> Any:
@@ -67,27 +121,31 @@ def load_taskset(taskset_id: str, args: dict[str, Any]) -> Any:
     vf = _vf()
     from verifiers.v1.utils.generic import concrete_type
 
-    if "." in taskset_id:
-        cls = _exported_subclass(importlib.import_module(taskset_id), vf.Taskset, "taskset")
-        config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
-        return cls(config_cls.model_validate({**args, "id": taskset_id}))
-    config_cls = vf.taskset_config_type(taskset_id)
-    return vf.load_taskset(config_cls.model_validate({**args, "id": taskset_id}))
+    cls, _ = resolve_taskset(taskset_id)
+    config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
+    return cls(config_cls.model_validate({**args, "id": taskset_id}))
 
 
-def _load_env(env_id: str, taskset_id: str, taskset_args: dict[str, Any], env_args: dict[str, Any]) -> Any:
-    """A vf.Env holding only its config: primejax calls its `setup`/`run`, never its serving machinery."""
+def _load_env(env_id: str, taskset_id: str, env_args: dict[str, Any]) -> Any:
+    """The vf.Env to run (`args.env`, else the one the taskset ships, else None), holding only its config:
+    primejax calls its `setup`/`run`/`finalize`, never its serving machinery."""
     vf = _vf()
     from verifiers.v1.utils.generic import concrete_type
 
-    if "." in env_id:
-        cls = _exported_subclass(importlib.import_module(env_id), vf.Env, "env")
+    if env_id:
+        envs = _exported(_module_for(env_id, "verifiers.v1.envs", "env"), vf.Env)
+        if len(envs) != 1:
+            raise EnvLoadError(
+                f"verifiers env {env_id!r} must export exactly one Env, found {[c.__name__ for c in envs]}"
+            )
+        cls = envs[0]
     else:
-        cls = vf.environment_class(taskset_id, env_id)
+        cls = resolve_taskset(taskset_id)[1]
+        if cls is None:
+            return None
     config_cls = concrete_type(cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
     # The taskset is loaded by primejax (module paths included), so the config validates the env's own fields
-    # only; Env.__init__ would load the taskset again by verifiers' loader and every agent's harness, and
-    # the stand-in needs only the config that `setup`/`run` read.
+    # only; Env.__init__ would load the taskset again by verifiers' loader and every agent's harness.
     config = config_cls.model_validate(env_args)
     env = cls.__new__(cls)
     env.config = config
@@ -150,6 +208,7 @@ class _World:
         self.servers: dict[str, tuple[Any, Any]] = {}  # advertised name -> (mcp server, tool name)
         self.tools: list[dict[str, Any]] = []
         self.sampled: list[bool] = []
+        self.scored = False
 
     async def open(self) -> None:
         from mcp.server.mcpserver import MCPServer
@@ -157,7 +216,9 @@ class _World:
         for toolset in type(self.task).toolsets(self.task.config):
             self._share_state(toolset)
             await toolset.setup()
-            await toolset.setup_task(self.task)
+            # As verifiers hands a tool server its rollout's task: the TaskData, a copy (it crosses a process
+            # boundary there).
+            await toolset.setup_task(self.task.data.model_copy(deep=True))
             server = MCPServer(toolset.server_name or type(toolset).__name__)
             toolset.register(server)
             prefix = f"{toolset.server_name}_" if toolset.server_name else ""
@@ -306,10 +367,17 @@ class VerifiersEnv(Environment):
             max_output_tokens,
             max_total_tokens,
         )
-        self.vf_env = _load_env(env, taskset_id, taskset_args, env_args or {}) if env else None
+        self.vf_env = _load_env(env, taskset_id, env_args or {})
         # Kept for verifiers' own loop (primejax/envs/verifiers_loop.py), which rebuilds the env from them.
         self.taskset_args, self.vf_env_id, self.vf_env_args = dict(taskset_args), env, dict(env_args or {})
         self.policy_agent = policy_agent
+        where = f"verifiers env {taskset_id!r}"
+        if self.vf_env is not None:
+            self.policy_agents = parse_policy_agents(policy_agent, seat_names(self.vf_env), where)
+        elif policy_agent:
+            raise ValueError(
+                f"{where}: args.policy_agent needs an Env with seats (args.env, or one the taskset ships)"
+            )
         self._tools: dict[int, list[dict[str, Any]] | None] = {}
 
     # ------------------------------------------------------------------------------------------ examples
@@ -343,16 +411,21 @@ class VerifiersEnv(Environment):
 
     async def rollout(self, example: Example, state: dict[str, Any], model: ModelCall) -> list[Message]:
         task = self.tasks[example.info["index"]]
+        if (
+            self.vf_env is not None
+        ):  # the Env's own episode (verifiers_episode.py): its seats open their worlds
+            episode = Episode(self, state, model, example.info["index"])
+            state["vf_episode"] = episode  # finalized after scoring (see `score`)
+            messages = await episode.run(task)
+            state["world"] = episode.policy
+            return messages
         world = _World(self, task)
         await world.open()
         self._tools[example.info["index"]] = world.tools or None
         state["world"] = world
         try:
-            if self.vf_env is None:
-                messages, sampled = list(example.prompt), [False] * len(example.prompt)
-                messages, sampled, _ = await self.segment(world, messages, sampled, state, model)
-            else:
-                messages, sampled = await self._run_env(task, world, state, model)
+            messages, sampled = list(example.prompt), [False] * len(example.prompt)
+            messages, sampled, _ = await self.segment(world, messages, sampled, state, model)
         finally:
             await world.close()
         world.sync(messages, sampled)
@@ -402,86 +475,6 @@ class VerifiersEnv(Environment):
                 return messages, sampled, False
             messages, sampled = messages + results, sampled + [False] * len(results)
 
-    async def _run_env(
-        self, task: Any, world: _World, state: dict[str, Any], model: ModelCall
-    ) -> tuple[list[Message], list[bool]]:
-        vf = _vf()
-        from verifiers.v1.agent import Segment
-
-        driver = self
-        names = list(vf.Agents(self.vf_env.config, lambda name, spec: name)._agents)
-        policy = self.policy_agent or ("assistant" if "assistant" in names else names[0])
-        if policy not in names:
-            raise ValueError(f"env.policy_agent: {policy!r} is not an agent of this env (agents: {names})")
-        record: dict[str, Any] = {"messages": [], "sampled": []}
-
-        class Interaction:
-            def __init__(self, agent: Agent, task: Any):
-                self.agent, self.terminated = agent, False
-                self.world = world if agent.name == policy else _World(driver, task)
-                data = task.data
-                self.messages: list[Message] = (
-                    [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
-                )
-                if data.prompt:
-                    self.messages += (
-                        [{"role": "user", "content": data.prompt}]
-                        if isinstance(data.prompt, str)
-                        else [_to_dict(m) for m in data.prompt]
-                    )
-                self.sampled = [False] * len(self.messages)
-
-            async def turn(self, message: Any = None) -> Any:
-                if self.terminated:
-                    return Segment(messages=[], terminated=True)
-                if message is not None:
-                    new = (
-                        [{"role": "user", "content": message}]
-                        if isinstance(message, str)
-                        else [_to_dict(m) for m in message]
-                    )
-                    self.messages, self.sampled = self.messages + new, self.sampled + [False] * len(new)
-                before = len(self.messages)
-                if self.agent.name == policy:
-                    call = model
-                else:
-
-                    async def call(messages, tools=None):
-                        return await model(messages, tools, trainable=False)
-
-                self.messages, self.sampled, self.terminated = await driver.segment(
-                    self.world, self.messages, self.sampled, state, call
-                )
-                if self.agent.name == policy:
-                    record["messages"], record["sampled"] = self.messages, self.sampled
-                produced = [
-                    world.message_adapter.validate_python(_vf_message(m)) for m in self.messages[before:]
-                ]
-                return Segment(messages=produced, terminated=self.terminated and not produced)
-
-        class Agent:
-            def __init__(self, name: str):
-                self.name, self.trainable = name, name == policy
-
-            @contextlib.asynccontextmanager
-            async def interaction(self, task: Any):
-                inter = Interaction(self, task)
-                if inter.world is not world:
-                    await inter.world.open()
-                inter.world.name_agent(self.name, self.trainable)
-                try:
-                    yield inter
-                finally:
-                    finished.append(inter.world)  # the episode's traces, in completion order
-
-        finished: list[_World] = []
-        agents_by_name = {n: Agent(n) for n in names}
-        agents = vf.Agents(self.vf_env.config, lambda name, spec: agents_by_name[name])
-        await self.vf_env.setup(agents)
-        await self.vf_env.run(task, agents)
-        state["vf_episode"] = finished  # judged after scoring, by `Env.finalize` (see `score`)
-        return record["messages"], record["sampled"]
-
     # ------------------------------------------------------------------------------------------ scoring
 
     async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
@@ -493,10 +486,11 @@ class VerifiersEnv(Environment):
                 [m.get("role") == "assistant" and i >= len(example.prompt) for i, m in enumerate(messages)],
             )
         trace = world.trace
-        trace.is_completed = trace.ok = True
-        await world.task.score(trace)
-        if (finished := state.pop("vf_episode", None)) is not None:
-            await _finalize_episode(self.vf_env, world, finished)
+        if not world.scored:  # an Env's interactions were scored when they closed, as verifiers does
+            trace.is_completed = trace.ok = True
+            await world.task.score(trace)
+        if (episode := state.pop("vf_episode", None)) is not None:
+            await episode.finalize(self.tasks[example.info["index"]])
         record_trace(state, trace)
         state.pop("world", None)  # not JSON; the trace's useful parts are copied above
         return float(trace.reward)
@@ -507,27 +501,6 @@ def record_trace(state: dict[str, Any], trace: Any) -> None:
     state["stop_condition"] = trace.stop_condition
     state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
     state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
-
-
-async def _finalize_episode(vf_env: Any, policy: _World, finished: list[_World]) -> None:
-    """verifiers' end of an episode (`Env.run_episode`): every agent run's trace is judged by its own task,
-    then `Env.finalize(task, episode)` judges across agents over the episode's traces in completion order; what
-    it records on the policy trace (`record_reward` / `record_metric`) counts in the rollout's reward. A raise
-    fails the episode there, and the rollout here."""
-    from verifiers.v1.episode import EnvInfo, Episode
-    from verifiers.v1.trace import TraceTask
-
-    for w in finished:
-        if w is not policy:
-            w.trace.is_completed = w.trace.ok = True
-            await w.task.score(w.trace)
-    task = policy.task
-    episode = Episode(
-        env=EnvInfo(id=vf_env.config.env_id),
-        task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-        traces=[w.trace for w in finished],
-    )
-    await vf_env.finalize(task, episode)
 
 
 def load(taskset_id: str, **args: Any) -> VerifiersEnv:
