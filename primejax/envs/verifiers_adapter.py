@@ -44,6 +44,9 @@ def _vf():
     return vf
 
 
+OLD_API_HINT = " (this package targets verifiers < 0.4; primejax speaks verifiers 0.4's verifiers.v1 API)"
+
+
 class EnvLoadError(ValueError):
     """A verifiers taskset / env that cannot be loaded; the message is one line naming the id and the cause."""
 
@@ -70,8 +73,9 @@ def _module_for(ident: str, group: str, kind: str) -> Any:
             f"verifiers {kind} {ident!r}: importing {target!r} failed: {type(e).__name__}: {e}"
         ) from e
     except Exception as e:  # noqa: BLE001 - any error inside the package is reported as that error
+        hint = OLD_API_HINT if isinstance(e, AttributeError) and "module 'verifiers'" in str(e) else ""
         raise EnvLoadError(
-            f"verifiers {kind} {ident!r}: importing {target!r} failed: {type(e).__name__}: {e}"
+            f"verifiers {kind} {ident!r}: importing {target!r} failed: {type(e).__name__}: {e}{hint}"
         ) from e
 
 
@@ -95,9 +99,10 @@ def resolve_taskset(taskset_id: str) -> tuple[type, type | None]:
     module = _module_for(taskset_id, "verifiers.v1.tasksets", "taskset")
     tasksets = _exported(module, vf.Taskset)
     if len(tasksets) != 1:
+        hint = OLD_API_HINT if hasattr(module, "load_environment") else ""
         raise EnvLoadError(
             f"verifiers taskset {taskset_id!r}: module {module.__name__!r} must export exactly one Taskset "
-            f"subclass via __all__, found {[c.__name__ for c in tasksets]}"
+            f"subclass via __all__, found {[c.__name__ for c in tasksets]}{hint}"
         )
     envs = [c for c in _exported(module, vf.Env) if not _is_single_agent(c)]
     if len(envs) > 1:

@@ -328,7 +328,9 @@ def episode_to_rollout(episode: Any, policy_agents: list[str], state: dict[str, 
             f"verifiers episode failed: {errors}" + (f" ({trace_errors})" if trace_errors else "")
         )
     traces = [
-        t for t in episode.traces if t.agent.trainable and (not policy_agents or t.agent.name in policy_agents)
+        t
+        for t in episode.traces
+        if t.agent.trainable and (not policy_agents or t.agent.name in policy_agents)
     ]
     if len(traces) != 1:
         raise RuntimeError(

@@ -10,7 +10,9 @@ it stops every child by process group, names the one that failed with the tail o
 
 Bad input (a model directory without weights or chat template, an environment that does not import, a resume
 step with no checkpoint) is caught before anything starts: one line, exit status 2, earlier outputs untouched.
-`run.resume_step=latest` resumes both processes from the newest step they both checkpointed (primejax.launcher.resume).
+Rerunning the same command resumes both processes from the newest step they both checkpointed
+(primejax.launcher.resume; `run.resume_step` names another step, `run.fresh=True` starts over); checkpoints are
+written every `trainer.checkpoint.interval` / `orchestrator.checkpoint.interval` steps (10 by default).
 """
 
 from __future__ import annotations
@@ -260,6 +262,22 @@ def _ensure_model(m: ModelSettings) -> None:
     t.build(path)
 
 
+class RunAlreadyDone(Exception):
+    """The run directory's checkpoints already reach run.max_steps: nothing to resume."""
+
+
+def _resume_hint(root: Path) -> str:
+    """How to go on after an interruption: the same command resumes from the newest checkpoint pair."""
+    try:
+        step = common_resume_step(root, "latest")
+    except Exception:  # noqa: BLE001 - a hint must never mask the interruption
+        step = None
+    if step is None:
+        return "no checkpoint was written yet: rerunning the same command starts over"
+    return (f"rerun the same command to resume from step {step} (its newest checkpoint); "
+            "add --config.run.fresh=True to start over")
+
+
 def _write_pids(root: Path, children: list[ChildProcess]) -> None:
     atomic_write_json(RunDir(root).pids_file, {"launcher": os.getpid(), **{c.name: c.pid for c in children}})
 
@@ -270,14 +288,18 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     Everything that can reject the run happens before anything in the run directory is moved or written.
     """
     root = cfg.run_dir
-    resume = common_resume_step(root, cfg.run.resume_step)
+    # Rerunning the same command resumes: '' means the newest intact checkpoint pair, if there is one.
+    resume = common_resume_step(root, "" if cfg.run.fresh else (cfg.run.resume_step or "latest"))
+    if resume is not None and resume >= cfg.run.max_steps:
+        raise RunAlreadyDone(f"{root} already finished at step {resume} (run.max_steps={cfg.run.max_steps}): "
+                             "raise run.max_steps to train on, or add --config.run.fresh=True to start over")
     _ensure_model(cfg.model)
     sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
     reuse_sft = use_sft and resume is not None
     preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path)
     if resume is None:
-        if cfg.run.resume_step:
+        if cfg.run.resume_step and not cfg.run.fresh:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
         kept = keep_previous_run(root)
         if kept is not None:
@@ -285,8 +307,8 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     else:
         moved = set_aside_after(root, resume)
         print(f"primejax: resuming from step {resume}"
-              + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else ""),
-              flush=True)
+              + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else "")
+              + "; --config.run.fresh=True starts over", flush=True)
     changes: dict[str, object] = {"run.resume_step": "" if resume is None else str(resume)}
     if use_sft:
         if not reuse_sft:  # SFT on resume would redo work and change the policy the checkpoints continue
@@ -348,8 +370,12 @@ def launch(cfg: Config) -> int:
     except ChildFailed as err:
         _report_failure(err)
         return 1
+    except RunAlreadyDone as done:
+        print(f"primejax: {done}", flush=True)
+        return 0
     except KeyboardInterrupt as err:
         print(f"\nprimejax: interrupted ({err or 'SIGINT'}); stopping all processes.", file=sys.stderr)
+        print(f"primejax: {_resume_hint(root)}", file=sys.stderr, flush=True)
         return 130
     finally:
         if supervisor is not None:

@@ -119,6 +119,11 @@ def test_an_import_error_inside_a_taskset_package_is_reported_as_itself(tmp_path
         EnvLoadError, match="importing 'half_installed_taskset' failed: RuntimeError: bad install"
     ):
         load_env("half-installed-taskset", {})
+    old = tmp_path / "old_api_taskset"
+    old.mkdir()
+    (old / "__init__.py").write_text("import verifiers as vf\n\nparser = vf.XMLParser(['answer'])\n")
+    with pytest.raises(EnvLoadError, match=r"AttributeError: .*XMLParser.* targets verifiers < 0.4"):
+        load_env("old-api-taskset", {})
     with pytest.raises(EnvLoadError, match="no module 'surely_not_a_taskset' is installed"):
         load_env("surely-not-a-taskset", {})
 
