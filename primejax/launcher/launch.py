@@ -31,7 +31,13 @@ from primejax.contracts.rundir import RunDir, log_path, write_resolved_config
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig
 from primejax.launcher.preflight import PreflightError, preflight
-from primejax.launcher.resume import common_resume_step, keep_previous_run, set_aside_after
+from primejax.launcher.resume import (
+    RunAlreadyDone,
+    keep_previous_run,
+    launcher_resume_step,
+    resume_hint,
+    set_aside_after,
+)
 from primejax.launcher.runlock import RunLock, check_port
 from primejax.models.settings import ModelSettings
 from primejax.utils.devices import accelerator_env
@@ -262,22 +268,6 @@ def _ensure_model(m: ModelSettings) -> None:
     t.build(path)
 
 
-class RunAlreadyDone(Exception):
-    """The run directory's checkpoints already reach run.max_steps: nothing to resume."""
-
-
-def _resume_hint(root: Path) -> str:
-    """How to go on after an interruption: the same command resumes from the newest checkpoint pair."""
-    try:
-        step = common_resume_step(root, "latest")
-    except Exception:  # noqa: BLE001 - a hint must never mask the interruption
-        step = None
-    if step is None:
-        return "no checkpoint was written yet: rerunning the same command starts over"
-    return (f"rerun the same command to resume from step {step} (its newest checkpoint); "
-            "add --config.run.fresh=True to start over")
-
-
 def _write_pids(root: Path, children: list[ChildProcess]) -> None:
     atomic_write_json(RunDir(root).pids_file, {"launcher": os.getpid(), **{c.name: c.pid for c in children}})
 
@@ -288,11 +278,7 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     Everything that can reject the run happens before anything in the run directory is moved or written.
     """
     root = cfg.run_dir
-    # Rerunning the same command resumes: '' means the newest intact checkpoint pair, if there is one.
-    resume = common_resume_step(root, "" if cfg.run.fresh else (cfg.run.resume_step or "latest"))
-    if resume is not None and resume >= cfg.run.max_steps:
-        raise RunAlreadyDone(f"{root} already finished at step {resume} (run.max_steps={cfg.run.max_steps}): "
-                             "raise run.max_steps to train on, or add --config.run.fresh=True to start over")
+    resume = launcher_resume_step(root, cfg.run)
     _ensure_model(cfg.model)
     sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
@@ -375,7 +361,7 @@ def launch(cfg: Config) -> int:
         return 0
     except KeyboardInterrupt as err:
         print(f"\nprimejax: interrupted ({err or 'SIGINT'}); stopping all processes.", file=sys.stderr)
-        print(f"primejax: {_resume_hint(root)}", file=sys.stderr, flush=True)
+        print(f"primejax: {resume_hint(root)}", file=sys.stderr, flush=True)
         return 130
     finally:
         if supervisor is not None:
