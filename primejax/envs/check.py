@@ -83,4 +83,7 @@ def _renderer(cfg: Any) -> tuple[Any, str]:
         return None, f"no tokenizer at model.path {cfg.model.path} yet"
     from primejax.orchestrator.renderer import build_renderer, load_tokenizer
 
-    return build_renderer(cfg.orchestrator.renderer.name, load_tokenizer(cfg.model.path)), ""
+    try:
+        return build_renderer(cfg.orchestrator.renderer.name, load_tokenizer(cfg.model.path)), ""
+    except Exception as e:  # noqa: BLE001 - the envs are checked without their token counts
+        return None, f"the tokenizer at model.path does not load: {_one_line(e)}"

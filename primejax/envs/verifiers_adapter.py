@@ -378,7 +378,8 @@ class VerifiersEnv(Environment):
         self.policy_agent = policy_agent
         where = f"verifiers env {taskset_id!r}"
         if self.vf_env is not None:
-            self.policy_agents = parse_policy_agents(policy_agent, seat_names(self.vf_env), where)
+            self.seats = seat_names(self.vf_env)
+            self.policy_agents = parse_policy_agents(policy_agent, self.seats, where)
         elif policy_agent:
             raise ValueError(
                 f"{where}: args.policy_agent needs an Env with seats (args.env, or one the taskset ships)"
@@ -419,9 +420,14 @@ class VerifiersEnv(Environment):
         if (
             self.vf_env is not None
         ):  # the Env's own episode (verifiers_episode.py): its seats open their worlds
-            episode = Episode(self, state, model, example.info["index"])
+            # A trained seat that never got a turn (the other seat forfeited first) leaves nothing to train on:
+            # the episode is played again training the next trainable seat, once per seat at most.
+            for attempt in range(max(1, len(self.seats))):
+                episode = Episode(self, state, model, example.info["index"] + attempt)
+                messages = await episode.run(task)
+                if episode.played:
+                    break
             state["vf_episode"] = episode  # finalized after scoring (see `score`)
-            messages = await episode.run(task)
             state["world"] = episode.policy
             return messages
         world = _World(self, task)

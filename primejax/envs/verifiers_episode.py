@@ -84,6 +84,8 @@ class Interaction:
         self.world = _World(self._episode.driver, self._task)
         await self.world.open()
         self.world.name_agent(self._agent.name, self._agent.trainable)
+        if self.trained:
+            self._episode.policy = self.world
         self.world.sync(self._messages, self._sampled)
 
     async def turn(self, message: Any = None) -> Any:
@@ -188,9 +190,9 @@ class Agent:
 class Episode:
     """One episode of a verifiers Env: its agents, which seat trains, its finished traces (completion order)."""
 
-    def __init__(self, driver: VerifiersEnv, state: dict[str, Any], model: ModelCall, example_index: int):
+    def __init__(self, driver: VerifiersEnv, state: dict[str, Any], model: ModelCall, seat_index: int):
         self.driver, self.state, self.model = driver, state, model
-        self.example_index = example_index
+        self.seat_index = seat_index
         self.finished: list[_World] = []
         self.policy: _World | None = None
         self.messages: list[Message] = []
@@ -212,7 +214,7 @@ class Episode:
                 f"no trainable seat: args.policy_agent {wanted} and the env's setup left "
                 f"{[n for n in seats if agents._agents[n].trainable]} trainable"
             )
-        self._trained_seat = trainable[self.example_index % len(trainable)]
+        self._trained_seat = trainable[self.seat_index % len(trainable)]
         return self._trained_seat
 
     def claim(self, agent: Agent) -> bool:
@@ -225,18 +227,17 @@ class Episode:
     def record(self, messages: list[Message], sampled: list[bool]) -> None:
         self.messages, self.sampled = messages, sampled
 
+    @property
+    def played(self) -> bool:
+        """Whether the trained seat made a model call (a seat may never get a turn: the other forfeited)."""
+        return any(self.sampled)
+
     async def run(self, task: Any) -> list[Message]:
         vf_env = self.driver.vf_env
         agents = self.agents()
         await vf_env.setup(agents)
         self.choose_seat(agents)
         await vf_env.run(task, agents)
-        trained = [w for w in self.finished if w.trace.agent.name == self._trained_seat]
-        if not self._claimed or not trained:
-            raise RuntimeError(
-                f"{type(vf_env).__name__}.run() never ran the trained seat {self._trained_seat!r}"
-            )
-        self.policy = trained[0]
         return self.messages
 
     async def finalize(self, task: Any) -> None:

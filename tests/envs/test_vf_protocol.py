@@ -70,8 +70,14 @@ def test_kuhn_poker_self_play_trains_one_seat_the_other_plays_untrained(vf_examp
         assert seat in messages[0]["content"]  # the trained seat's own conversation (its private card)
         assert state["reward_components"]["payoff"] == reward and abs(reward) == 1.0
         assert state["metrics"] == {"forfeit": 0.0}
+    # A seat that never gets a turn (player 0 forfeits with two illegal replies) trains nothing: the episode is
+    # played again training the next seat.
+    model = Scripted(lambda messages, tools: {"role": "assistant", "content": "no idea"})
+    messages, reward, state = play(env, 1, model)
+    assert [t for t, _ in model.calls] == [False, False, True, True]
+    assert "Player 0" in messages[0]["content"] and reward == -1.0 and state["metrics"] == {"forfeit": 1.0}
     pinned = load_env("kuhn-poker", {"num_examples": 4, "policy_agent": "player1"})
-    model.calls.clear()
+    model = Scripted(lambda messages, tools: {"role": "assistant", "content": "[check]"})
     messages, reward, _ = play(pinned, 0, model)
     assert [t for t, _ in model.calls] == [False, True] and "Player 1" in messages[0]["content"]
     with pytest.raises(ValueError, match="not seats of this env"):
