@@ -71,7 +71,7 @@ class Interaction:
         self.world: _World | None = None
         self._messages = _prompt_messages(task.data)
         self._sampled = [False] * len(self._messages)
-        self._started = self._over = self._done = False
+        self._started = self._over = self._done = self._ended = False
         self._calls = 0  # an untrained seat's model calls, capped like the trained seat's (args.max_turns)
 
     @property
@@ -112,8 +112,12 @@ class Interaction:
             )
             self._messages, self._sampled = self._messages + new, self._sampled + [False] * len(new)
         before = len(self._messages)
+        # A limit or stop ended the run after the last reply: this turn reports it, as verifiers' does.
+        if self._ended:
+            self._over = True
+            return Segment(messages=[], terminated=True)
         call = self._episode.model if self.trained else self._untrained
-        self._messages, self._sampled, _ = await self._episode.driver.segment(
+        self._messages, self._sampled, self._ended = await self._episode.driver.segment(
             self.world, self._messages, self._sampled, self._episode.state, call
         )
         if self.trained:
