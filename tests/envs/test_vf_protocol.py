@@ -171,3 +171,13 @@ def test_dry_run_loads_every_env_and_reports_a_broken_one_in_seconds(tmp_path):
         for line in lines
     ), proc.stderr
     assert cpu < 10.0, f"the env check took {cpu:.1f} s of CPU ({wall:.1f} s wall)"
+
+
+def test_the_env_check_renders_the_first_prompt_an_env_sends(vf_examples):
+    """For an Env that opens the conversation itself, the check's prompt is its first model call's."""
+    from primejax.envs.check import first_prompt
+
+    messages, tools = asyncio.run(first_prompt(load_env("kuhn-poker", {"num_examples": 2})))
+    assert [m["role"] for m in messages] == ["system", "user"] and tools is None
+    assert "Kuhn poker as Player 0" in messages[0]["content"]
+    assert messages[1]["content"].startswith("Betting so far: nothing yet. You are Player 0.")
