@@ -22,20 +22,19 @@ task in process:
 Tasks that need verifiers' harness programs or a sandbox runtime run through verifiers' own rollout loop
 instead (primejax/envs/verifiers_loop.py, chosen by the env's `args.driver`).
 
-Ids resolve as verifiers' loader resolves them (`my-taskset` -> `verifiers.v1.tasksets.my_taskset` when that
-exists, else the installed `my_taskset`); an id with a dot is a module path (`verifiers.v1.tasksets.textarena`,
-`my_pkg.my_taskset`). The module exports its Taskset (and optionally its Env) via `__all__`.
+Ids (and import errors) resolve as primejax/envs/verifiers_ids.py says.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import asyncio
+import contextvars
 import json
 from typing import Any
 
 from primejax.envs.base import Environment, Example, Message, ModelCall
 from primejax.envs.verifiers_episode import Episode, parse_policy_agents, seat_names
+from primejax.envs.verifiers_ids import load_taskset, load_vf_env
 
 
 def _vf():
@@ -44,117 +43,9 @@ def _vf():
     return vf
 
 
-OLD_API_HINT = " (this package targets verifiers < 0.4; primejax speaks verifiers 0.4's verifiers.v1 API)"
-
-
-class EnvLoadError(ValueError):
-    """A verifiers taskset / env that cannot be loaded; the message is one line naming the id and the cause."""
-
-
-def _module_for(ident: str, group: str, kind: str) -> Any:
-    """The module an id names, resolved as verifiers' loader does: a dotted id is a module path; a bare id
-    (`my-taskset`, `owner/my-taskset@1.0`) is verifiers' built-in `<group>.<name>` when that exists, else the
-    installed package `<name>`. An error raised while importing it is reported as itself, not as "not
-    installed" (verifiers' loader turns any ModuleNotFoundError, a missing dependency included, into that)."""
-    if "." in ident:
-        target = ident
-    else:
-        name = ident.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
-        target = f"{group}.{name}" if importlib.util.find_spec(f"{group}.{name}") else name
-    try:
-        return importlib.import_module(target)
-    except ModuleNotFoundError as e:
-        if e.name and (target == e.name or target.startswith(e.name + ".")):
-            raise EnvLoadError(
-                f"verifiers {kind} {ident!r}: no module {target!r} is installed (install the package that "
-                f"provides it, or name a module path like my_pkg.my_{kind})"
-            ) from None
-        raise EnvLoadError(
-            f"verifiers {kind} {ident!r}: importing {target!r} failed: {type(e).__name__}: {e}"
-        ) from e
-    except Exception as e:  # noqa: BLE001 - any error inside the package is reported as that error
-        hint = OLD_API_HINT if isinstance(e, AttributeError) and "module 'verifiers'" in str(e) else ""
-        raise EnvLoadError(
-            f"verifiers {kind} {ident!r}: importing {target!r} failed: {type(e).__name__}: {e}{hint}"
-        ) from e
-
-
-def _exported(module: Any, base: type) -> list[type]:
-    """The `base` subclasses a module exports (verifiers' plugin convention: `__all__`; else its public names)."""
-    names = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]
-    found: list[type] = []
-    for n in names:
-        obj = getattr(module, n, None)
-        if isinstance(obj, type) and issubclass(obj, base) and obj is not base and obj not in found:
-            found.append(obj)
-    if not hasattr(module, "__all__"):  # public names include imports: keep the module's own classes
-        found = [c for c in found if c.__module__ == module.__name__]
-    return found
-
-
-def resolve_taskset(taskset_id: str) -> tuple[type, type | None]:
-    """The Taskset class an id names and the Env class its package ships (None: a plain taskset, which
-    verifiers runs with `SingleAgentEnv`)."""
-    vf = _vf()
-    module = _module_for(taskset_id, "verifiers.v1.tasksets", "taskset")
-    tasksets = _exported(module, vf.Taskset)
-    if len(tasksets) != 1:
-        hint = OLD_API_HINT if hasattr(module, "load_environment") else ""
-        raise EnvLoadError(
-            f"verifiers taskset {taskset_id!r}: module {module.__name__!r} must export exactly one Taskset "
-            f"subclass via __all__, found {[c.__name__ for c in tasksets]}{hint}"
-        )
-    envs = [c for c in _exported(module, vf.Env) if not _is_single_agent(c)]
-    if len(envs) > 1:
-        raise EnvLoadError(
-            f"verifiers taskset {taskset_id!r}: module {module.__name__!r} exports several Envs "
-            f"{[c.__name__ for c in envs]}; name one with args.env"
-        )
-    return tasksets[0], (envs[0] if envs else None)
-
-
-def _is_single_agent(cls: type) -> bool:
-    """verifiers' `SingleAgentEnv` itself (or a subclass that keeps its `run`): one seat on the task's prompt,
-    which the in-process driver runs directly."""
-    from verifiers.v1.envs.single_agent import SingleAgentEnv
-
-    return issubclass(cls, SingleAgentEnv) and cls.run is SingleAgentEnv.run
-
-
-def load_taskset(taskset_id: str, args: dict[str, Any]) -> Any:
-    """A verifiers taskset by id, its TasksetConfig built from `args` (validated by verifiers' pydantic model)."""
-    vf = _vf()
-    from verifiers.v1.utils.generic import concrete_type
-
-    cls, _ = resolve_taskset(taskset_id)
-    config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
-    return cls(config_cls.model_validate({**args, "id": taskset_id}))
-
-
-def _load_env(env_id: str, taskset_id: str, env_args: dict[str, Any]) -> Any:
-    """The vf.Env to run (`args.env`, else the one the taskset ships, else None), holding only its config:
-    primejax calls its `setup`/`run`/`finalize`, never its serving machinery."""
-    vf = _vf()
-    from verifiers.v1.utils.generic import concrete_type
-
-    if env_id:
-        envs = _exported(_module_for(env_id, "verifiers.v1.envs", "env"), vf.Env)
-        if len(envs) != 1:
-            raise EnvLoadError(
-                f"verifiers env {env_id!r} must export exactly one Env, found {[c.__name__ for c in envs]}"
-            )
-        cls = envs[0]
-    else:
-        cls = resolve_taskset(taskset_id)[1]
-        if cls is None:
-            return None
-    config_cls = concrete_type(cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
-    # The taskset is loaded by primejax (module paths included), so the config validates the env's own fields
-    # only; Env.__init__ would load the taskset again by verifiers' loader and every agent's harness.
-    config = config_cls.model_validate(env_args)
-    env = cls.__new__(cls)
-    env.config = config
-    return env
+#: The trace of the rollout whose tool call is running: a taskset-scoped toolset is one instance shared by every
+#: rollout, and its `State` is the calling rollout's (verifiers keys it by the per-rollout state channel).
+CALLING_TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("primejax_vf_calling_trace")
 
 
 def _to_dict(message: Any) -> Message:
@@ -226,25 +117,32 @@ class _World:
             await toolset.setup_task(self.task.data.model_copy(deep=True))
             server = MCPServer(toolset.server_name or type(toolset).__name__)
             toolset.register(server)
-            prefix = f"{toolset.server_name}_" if toolset.server_name else ""
-            for tool in await server.list_tools():
-                name = prefix + tool.name
-                self.servers[name] = (server, tool.name)
-                self.tools.append(
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": name,
-                            "description": tool.description or "",
-                            # As an MCP client receives it (verifiers' harness programs do): the wire puts
-                            # `type` first, and the schema is printed into the prompt as JSON.
-                            "parameters": {
-                                "type": tool.input_schema.get("type", "object"),
-                                **tool.input_schema,
-                            },
+            await self._advertise(toolset, server)
+        # The taskset's shared servers ride only its own tasks (verifiers' `_EpisodeAgent._shared_for`).
+        if isinstance(self.task, tuple(type(t) for t in self.env.tasks[:1])):
+            for toolset, server in await self.env.shared_toolsets():
+                await self._advertise(toolset, server)
+
+    async def _advertise(self, toolset: Any, server: Any) -> None:
+        prefix = f"{toolset.server_name}_" if toolset.server_name else ""
+        for tool in await server.list_tools():
+            name = prefix + tool.name
+            self.servers[name] = (server, tool.name)
+            self.tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": tool.description or "",
+                        # As an MCP client receives it (verifiers' harness programs do): the wire puts
+                        # `type` first, and the schema is printed into the prompt as JSON.
+                        "parameters": {
+                            "type": tool.input_schema.get("type", "object"),
+                            **tool.input_schema,
                         },
-                    }
-                )
+                    },
+                }
+            )
 
     def _share_state(self, toolset: Any) -> None:
         """verifiers syncs a toolset's State with the rollout's through an HTTP channel per call; in process the
@@ -316,6 +214,15 @@ class _World:
         return None
 
     async def call_tool(self, name: str, arguments: str) -> str:
+        token = CALLING_TRACE.set(
+            self.trace
+        )  # a shared toolset's state is this rollout's (see shared_toolsets)
+        try:
+            return await self._call_tool(name, arguments)
+        finally:
+            CALLING_TRACE.reset(token)
+
+    async def _call_tool(self, name: str, arguments: str) -> str:
         if name not in self.servers:
             return f"Error: unknown tool {name!r} (available: {sorted(self.servers)})"
         try:
@@ -364,6 +271,10 @@ class VerifiersEnv(Environment):
             raise ValueError(f"taskset {taskset_id!r} is infinite: set args.num_examples")
         self.taskset_id = taskset_id
         self.tasks = list(taskset)
+        self._taskset_toolsets = type(taskset).toolsets(taskset.config)
+        self._shared: tuple[asyncio.AbstractEventLoop, asyncio.Lock, list[tuple[Any, Any]] | None] | None = (
+            None
+        )
         if not self.tasks:
             raise ValueError(f"taskset {taskset_id!r} yielded no tasks")
         self.num_examples = len(self.tasks)
@@ -372,7 +283,7 @@ class VerifiersEnv(Environment):
             max_output_tokens,
             max_total_tokens,
         )
-        self.vf_env = _load_env(env, taskset_id, env_args or {})
+        self.vf_env = load_vf_env(env, taskset_id, env_args or {})
         # Kept for verifiers' own loop (primejax/envs/verifiers_loop.py), which rebuilds the env from them.
         self.taskset_args, self.vf_env_id, self.vf_env_args = dict(taskset_args), env, dict(env_args or {})
         self.policy_agent = policy_agent
@@ -385,6 +296,30 @@ class VerifiersEnv(Environment):
                 f"{where}: args.policy_agent needs an Env with seats (args.env, or one the taskset ships)"
             )
         self._tools: dict[int, list[dict[str, Any]] | None] = {}
+
+    async def shared_toolsets(self) -> list[tuple[Any, Any]]:
+        """The taskset's own toolsets (`Taskset.toolsets`): built and `setup` once (per event loop), no
+        `setup_task`, one in-process MCP server each, shared by every rollout; each call reads and writes the
+        calling rollout's `State` (CALLING_TRACE), as verifiers' per-rollout state channel does."""
+        if not self._taskset_toolsets:
+            return []
+        from mcp.server.mcpserver import MCPServer
+
+        loop = asyncio.get_running_loop()
+        if self._shared is None or self._shared[0] is not loop:
+            self._shared = (loop, asyncio.Lock(), None)
+        _, lock, _ = self._shared
+        async with lock:
+            if self._shared[2] is None:
+                built = []
+                for toolset in self._taskset_toolsets:
+                    _share_calling_state(toolset)
+                    await toolset.setup()
+                    server = MCPServer(toolset.server_name or type(toolset).__name__)
+                    toolset.register(server)
+                    built.append((toolset, server))
+                self._shared = (loop, lock, built)
+        return self._shared[2]
 
     # ------------------------------------------------------------------------------------------ examples
 
@@ -505,6 +440,20 @@ class VerifiersEnv(Environment):
         record_trace(state, trace)
         state.pop("world", None)  # not JSON; the trace's useful parts are copied above
         return float(trace.reward)
+
+
+def _share_calling_state(toolset: Any) -> None:
+    """A shared toolset's state channel in process: the calling rollout's trace state (CALLING_TRACE)."""
+
+    async def pull() -> Any:
+        return toolset._state_adapter.validate_python(CALLING_TRACE.get().state.model_dump())
+
+    async def push(before: bytes) -> None:
+        trace = CALLING_TRACE.get()
+        trace.state = type(trace.state).model_validate(toolset.state.model_dump())
+
+    if toolset._state_cls is not _vf().State:
+        toolset._pull_state, toolset._push_state = pull, push
 
 
 def record_trace(state: dict[str, Any], trace: Any) -> None:

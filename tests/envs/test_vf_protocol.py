@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from primejax.envs.registry import load_env
-from primejax.envs.verifiers_adapter import EnvLoadError, resolve_taskset
+from primejax.envs.verifiers_ids import EnvLoadError, resolve_taskset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,6 +96,37 @@ def test_setup_task_receives_the_task_data():
     messages, reward, _ = play(env, 1, Scripted(reply))
     assert messages[-2] == {"role": "tool", "tool_call_id": "c0", "name": "vault_open", "content": "v1:opal"}
     assert reward == 1.0
+
+
+def test_a_shared_taskset_toolset_keeps_each_rollouts_state_apart(vf_examples):
+    """verifiers' scratchpad example: one taskset-scoped server for every rollout; `roundtrip` writes the word to
+    the rollout's `State`, sleeps, reads it back. Concurrent rollouts must each read their own word."""
+    env = load_env("scratchpad", {})
+
+    def reply(messages, tools):
+        if messages[-1]["role"] == "tool":
+            return {"role": "assistant", "content": messages[-1]["content"]}
+        word = messages[-1]["content"].split('word="')[1].split('"')[0]
+        call = {
+            "id": "c0",
+            "type": "function",
+            "function": {"name": "scratchpad_roundtrip", "arguments": json.dumps({"word": word})},
+        }
+        return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+    async def one(index):
+        example, state = env.example(index), {}
+        messages = await env.rollout(example, state, Scripted(reply))
+        return messages, await env.score(example, messages, state)
+
+    async def main():
+        results = await asyncio.gather(*(one(i) for i in range(4)))
+        return results, await env.shared_toolsets()
+
+    results, shared = asyncio.run(main())
+    assert [r for _, r in results] == [1.0] * 4  # every rollout read back its own word
+    assert [m[-1]["content"] for m, _ in results] == [env.tasks[i].data.word for i in range(4)]
+    assert [type(t).__name__ for t, _ in shared] == ["ScratchpadToolset"]  # one instance for every rollout
 
 
 def test_ids_resolve_as_verifiers_resolves_them(offline_words):
