@@ -14,7 +14,8 @@ import pytest
 from primejax.utils.monitor import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# SFT, a server start and one RL step: ~4 min on an idle 2-core machine; far more beside other jobs.
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400)]
 SHORTER = [
     "--config.run.max_steps=1",
     "--config.orchestrator.batch_size=8",
@@ -47,7 +48,7 @@ def test_the_readme_walkthrough_runs(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=2300,
         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
