@@ -14,7 +14,7 @@ import pytest
 from primejax.utils.monitor import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-# SFT, a server start and one RL step: ~4 min on an idle 2-core machine; far more beside other jobs.
+# SFT, a vLLM server start and one RL step in one test: minutes, far more on a machine shared with other jobs.
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400)]
 SHORTER = [
     "--config.run.max_steps=1",
