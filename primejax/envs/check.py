@@ -80,7 +80,7 @@ def check_envs(cfg: Any) -> list[tuple[bool, str]]:
 
 def _renderer(cfg: Any) -> tuple[Any, str]:
     if not (Path(cfg.model.path) / "tokenizer_config.json").exists():
-        return None, f"no tokenizer at model.path {cfg.model.path} yet"
+        return None, f"no tokenizer at model.path ({cfg.model.path}) yet"
     from primejax.orchestrator.renderer import build_renderer, load_tokenizer
 
     try:
