@@ -232,6 +232,9 @@ def decoder_layer(
     return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), None
 
 
+# Parameters the optimizer leaves unchanged (trainer/optim.py): GLM-4.5's router correction bias steers the
+# expert choice only (moe.route stops its gradient); RL post-training keeps the released values.
+NOT_TRAINED = ("router_bias",)
 # Per-layer weights of the MLP part: stacked over the dense layers (dense MLP) or the sparse ones (experts).
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 SPARSE_MLP = (

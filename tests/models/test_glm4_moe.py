@@ -163,3 +163,37 @@ def test_glm4_moe_dense_layers_must_come_first():
     cfg = ModelConfig.from_hf_config(GLM45_AIR, mlp_only_layers=(3,))
     with pytest.raises(ValueError, match="first_k_dense_replace"):
         cfg.to_hf_config()
+
+
+def test_optimizer_step_leaves_the_correction_bias_unchanged():
+    """The bias's gradient is zero (route stops it) and it is not decayed, so an AdamW step with weight decay,
+    through the trainer's optimizer, moves every matrix but not the bias (stacked [Ls, E]: rank 2, like a matrix)."""
+    from flax import nnx
+
+    from primejax.models.sharding import init_model
+    from primejax.trainer.optim import make_optimizer
+
+    cfg = ModelConfig.from_hf_config(
+        {**GLM45_AIR, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 16, "vocab_size": 64, "n_group": 2},
+        param_dtype="float32", compute_dtype="float32", gmm_impl="xla",
+    )  # fmt: skip
+    model = init_model(cfg, None, seed=0)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 12)), jnp.int32)
+    pos, seg = jnp.arange(12, dtype=jnp.int32)[None], jnp.ones((1, 12), jnp.int32)
+
+    def loss(pure):
+        nnx.replace_by_pure_dict(s := jax.tree.map(lambda x: x, state), pure)
+        return jnp.mean(nnx.merge(graphdef, s).logits(tokens, pos, seg) ** 2)
+
+    opt = make_optimizer(dict(max_norm=1.0, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1), lambda _: 1e-2)
+    grads = jax.grad(loss)(params)
+    assert float(jnp.abs(grads["layers"]["router_bias"]).max()) == 0.0
+    updates, _ = opt.update(grads, opt.init(params), params)
+    assert float(jnp.abs(updates["layers"]["router_bias"]).max()) == 0.0
+    assert float(jnp.abs(updates["layers"]["router"]).max()) > 0.0
+    assert float(jnp.abs(updates["layers"]["shared_gate_proj"]).max()) > 0.0
+
