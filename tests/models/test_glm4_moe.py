@@ -197,3 +197,24 @@ def test_optimizer_step_leaves_the_correction_bias_unchanged():
     assert float(jnp.abs(updates["layers"]["router"]).max()) > 0.0
     assert float(jnp.abs(updates["layers"]["shared_gate_proj"]).max()) > 0.0
 
+
+
+def test_tiny_glm4_moe_build_matches_its_section_architecture(tmp_path):
+    """`model.build_tiny.family=glm4_moe` writes the GLM-4.5 structure its section's `architecture()` describes
+    (benchmarks use the latter without building)."""
+    import dataclasses
+
+    from primejax.models.tiny import TinyModelConfig
+
+    section = TinyModelConfig(enabled=True, family="glm4_moe", num_experts=8, num_experts_per_tok=2)
+    built = ModelConfig.from_model_dir(section.build(tmp_path / "m"))
+    described = section.architecture()
+    same = ("model_type", "vocab_size", "hidden_size", "num_layers", "head_dim", "tie_word_embeddings", "qk_norm",
+            "attention_bias", "attention_out_bias", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "norm_topk_prob", "mlp_only_layers", "router_scoring", "n_group", "topk_group", "routed_scaling_factor",
+            "n_shared_experts", "partial_rotary_factor")  # fmt: skip
+    for f in same:
+        assert getattr(built, f) == getattr(described, f), f
+    assert {f.name for f in dataclasses.fields(ModelConfig)} >= set(same)
+    with pytest.raises(Exception, match="num_experts"):
+        TinyModelConfig(enabled=True, family="glm4_moe", num_experts=6 + 1, num_experts_per_tok=2).check()
