@@ -64,7 +64,10 @@ def _generate(url: str):
     async def go():
         async with InferenceClient(url) as c:
             outs = await asyncio.gather(
-                *(c.generate(p, n=1, max_tokens=MAX_TOKENS, temperature=0.0, routed_experts=True) for p in PROMPTS)
+                *(
+                    c.generate(p, n=1, max_tokens=MAX_TOKENS, temperature=0.0, routed_experts=True)
+                    for p in PROMPTS
+                )
             )
         return [o[0] for o in outs]
 
@@ -82,8 +85,12 @@ def test_glm4_moe_export_is_served_with_transformers_greedy_tokens(glm_served, c
     for prompt, c in zip(PROMPTS, completions, strict=True):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids))
-            logits = hf(torch.tensor([prompt + c.completion_token_ids])).logits[0, len(prompt) - 1 : -1].double()
+            ref = hf.generate(
+                ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids)
+            )
+            logits = (
+                hf(torch.tensor([prompt + c.completion_token_ids])).logits[0, len(prompt) - 1 : -1].double()
+            )
         assert c.completion_token_ids == ref[0, len(prompt) :].tolist()
         lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.completion_token_ids)[:, None])[:, 0]
         np.testing.assert_allclose(c.completion_logprobs, lp.numpy(), atol=FP32_ATOL, rtol=0)
@@ -105,7 +112,9 @@ def test_glm4_moe_routed_experts_from_vllm_are_the_trainers_routing(glm_served, 
         p, n_c = len(prompt), len(tokens)
         raw = np.load(io.BytesIO(base64.b64decode(c.routed_experts)), allow_pickle=False)
         assert raw.shape == (n_c, 3, 2) and not raw[:, 0].any()  # layer 0 is dense (first_k_dense_replace)
-        rows = decode(c.routed_experts, n_c, shape.num_layers, shape.top_k, shape.num_experts, shape.sparse_layers)
+        rows = decode(
+            c.routed_experts, n_c, shape.num_layers, shape.top_k, shape.num_experts, shape.sparse_layers
+        )
         n = p + n_c
         seq = np.zeros((1, PAD), np.int32)
         seq[0, :n] = prompt + tokens

@@ -91,8 +91,16 @@ def test_sigmoid_group_limited_router_matches_transformers(e, k, n_group, topk_g
         groups = ours_i // (e // n_group)
         assert max(len(set(g)) for g in groups) <= topk_group
     # the correction bias changes the choice (else this test would not check it) but not the weights' source
-    free = moe.route(jnp.asarray(x), jnp.asarray(router.weight.detach().numpy().T), k, norm, scoring="sigmoid",
-                     n_group=n_group, topk_group=topk_group, scale=scale)
+    free = moe.route(
+        jnp.asarray(x),
+        jnp.asarray(router.weight.detach().numpy().T),
+        k,
+        norm,
+        scoring="sigmoid",
+        n_group=n_group,
+        topk_group=topk_group,
+        scale=scale,
+    )
     assert not np.array_equal(np.sort(np.asarray(free.topk_idx)), np.sort(ours_i))
 
 
@@ -189,14 +197,15 @@ def test_optimizer_step_leaves_the_correction_bias_unchanged():
         nnx.replace_by_pure_dict(s := jax.tree.map(lambda x: x, state), pure)
         return jnp.mean(nnx.merge(graphdef, s).logits(tokens, pos, seg) ** 2)
 
-    opt = make_optimizer(dict(max_norm=1.0, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1), lambda _: 1e-2)
+    opt = make_optimizer(
+        dict(max_norm=1.0, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1), lambda _: 1e-2
+    )
     grads = jax.grad(loss)(params)
     assert float(jnp.abs(grads["layers"]["router_bias"]).max()) == 0.0
     updates, _ = opt.update(grads, opt.init(params), params)
     assert float(jnp.abs(updates["layers"]["router_bias"]).max()) == 0.0
     assert float(jnp.abs(updates["layers"]["router"]).max()) > 0.0
     assert float(jnp.abs(updates["layers"]["shared_gate_proj"]).max()) > 0.0
-
 
 
 def test_tiny_glm4_moe_build_matches_its_section_architecture(tmp_path):
