@@ -31,6 +31,7 @@ from primejax.contracts.broadcast import (
     write_broadcast,
 )
 from primejax.contracts.rundir import RunConfig
+from primejax.inference.admin_auth import read_token
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
@@ -263,8 +264,14 @@ class Trainer:
                 import torch
 
                 device = torch.device("cuda", 0)  # JAX's first local device under the same CUDA_VISIBLE_DEVICES
+            secret = read_token(self.root)
+            if not secret:
+                raise RuntimeError(
+                    "collective weight transfer needs the run's admin secret ($PRIMEJAX_ADMIN_TOKEN or "
+                    "<run>/admin_token, written by the launcher) to authenticate the servers"
+                )
             self._sender = CollectiveSender(
-                self.root, host=b.transfer_host, port=b.transfer_port, timeout_s=b.transfer_timeout_s,
+                self.root, secret=secret, host=b.transfer_host, port=b.transfer_port, timeout_s=b.transfer_timeout_s,
                 bucket_bytes=b.bucket_mb * 2**20, num_receivers=self.num_receivers,
                 backend="nccl" if gpu else "gloo", device=device,
             )

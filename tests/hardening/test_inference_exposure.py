@@ -194,3 +194,27 @@ def test_real_server_refuses_admin_calls_without_the_secret(vllm_server):
     req = urllib.request.Request(vllm_server.base_url + "/weights_version")
     assert json.loads(urllib.request.urlopen(req, timeout=30).read())["version"] == 0
     assert os.environ.get(TOKEN_ENV)  # the session's secret, which its clients send
+
+
+ADMIN_ROUTES = sorted(r.path for r in router.routes if "POST" in getattr(r, "methods", ()))
+
+
+@pytest.mark.parametrize("root_path", ["/api", "/a/b"])
+@pytest.mark.parametrize("path", ADMIN_ROUTES)
+def test_admin_routes_need_the_secret_under_a_root_path(base_dir, root_path, path):
+    """vLLM's --root-path puts a prefix in the URL that the route paths lack: every admin route still asks for
+    the secret, reached with the prefix or without (Starlette routes both)."""
+    app = FastAPI(root_path=root_path)
+    app.include_router(router)
+    protect(app, router)
+    engine = FakeEngine()
+    app.state.primejax = AdminState(
+        engine=engine, base_dir=str(base_dir), validate=WeightDirValidator(base_dir), admin_token=SECRET
+    )
+    client = TestClient(app)
+    for url in (root_path + path, path):
+        assert client.post(url, json={}).status_code == 401, url
+        assert client.post(url, json={}, headers={HEADER: "wrong"}).status_code == 401, url
+    assert engine.calls == []
+    assert client.post(root_path + path, json={}, headers=AUTH).status_code != 401
+    assert client.get(root_path + "/liveness").status_code == 200
