@@ -69,6 +69,7 @@ async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
     from primejax.inference.process import InferenceServerProcess
     from primejax.inference.server import ServerSpec
     from primejax.orchestrator.run import policy_client
+    from primejax.utils.sections import replace_key
 
     server = None
     if cfg.inference.enabled:
@@ -77,6 +78,7 @@ async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
                                       weights_root=str(Path(weights).resolve()) if weights else "")
         server = InferenceServerProcess(spec, log_path(cfg.run_dir, "eval-inference"))
         server.start()
+        cfg = replace_key(cfg, "inference.port", spec.port)  # inference.port = 0: the port picked for it
     client = policy_client(cfg.orchestrator.client, cfg.inference)
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s, server)

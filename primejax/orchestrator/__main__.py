@@ -21,11 +21,15 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
     write_resolved_config(cfg.run_dir, "orchestrator", cfg.to_json())
+    from primejax.inference.identity import ServerIdentityError
     from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx
     from primejax.utils.disk import disk_full_line, is_disk_full
 
     try:
         asyncio.run(run_orchestrator(cfg))
+    except ServerIdentityError as e:  # nothing was sampled from it or sent to it
+        print(f"error: orchestrator: {e}", file=sys.stderr, flush=True)
+        return 1
     except OSError as e:
         if not is_disk_full(e):
             raise

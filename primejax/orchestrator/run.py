@@ -14,6 +14,7 @@ from primejax.orchestrator.config import ClientConfig
 from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.renderer import load_tokenizer
 from primejax.utils.monitor import Monitor
+from primejax.utils.sections import ConfigError
 
 if TYPE_CHECKING:
     from primejax.config import Config
@@ -21,7 +22,13 @@ if TYPE_CHECKING:
 
 def base_urls(client: ClientConfig, inference: InferenceConfig) -> list[str]:
     """`orchestrator.client.base_urls`, or the run's own inference server when that is empty."""
-    return list(client.base_urls) or [f"http://{inference.host}:{inference.port}"]
+    if client.base_urls:
+        return list(client.base_urls)
+    if not inference.port:
+        raise ConfigError("inference.port", "0 (a free port the launcher picks) is not an address: started on its "
+                          "own, the orchestrator needs the server's port (--config.inference.port=N, the port "
+                          "`python -m primejax.inference` printed) or orchestrator.client.base_urls")
+    return [f"http://{inference.host}:{inference.port}"]
 
 
 def model_vocab_size(model_path: str) -> int | None:

@@ -104,8 +104,10 @@ def _answer(token_ids, logprobs):
     ],
 )
 def test_server_answers_outside_the_vocabulary_or_non_finite_are_rejected_naming_the_server(
-    ids, lps, expected
+    ids, lps, expected, monkeypatch
 ):
+    monkeypatch.delenv("PRIMEJAX_ADMIN_TOKEN", raising=False)  # a scripted server: no identity to check
+
     async def go():
         client = InferenceClient(
             "http://srv-a:9", transport=httpx.MockTransport(_answer(ids, lps)), vocab_size=64, max_retries=0

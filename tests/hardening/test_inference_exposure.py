@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from primejax.contracts.broadcast import write_broadcast
 from primejax.inference.admin_auth import HEADER, TOKEN_ENV, protect
 from primejax.inference.client import InferenceClient
+from primejax.inference.identity import proof
 from primejax.inference.routes import AdminState, router
 from primejax.inference.weights import WeightDirValidator
 from primejax.models.tiny import build_tiny_model
@@ -145,6 +146,8 @@ def test_client_sends_absolute_paths_and_the_secret_on_admin_calls_only(tmp_path
     seen = []
 
     def handler(req):
+        if req.url.path == "/identity":  # the run's own server answers the challenge
+            return httpx.Response(200, json={"proof": proof(SECRET, req.url.params["nonce"])})
         seen.append((req.url.path, req.headers.get(HEADER), json.loads(req.content or b"null")))
         if req.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "m"}]})
