@@ -63,7 +63,9 @@ def _primejax_app(secret: str) -> FastAPI:
     app = FastAPI()
     app.include_router(router)
     protect(app, router)
-    app.state.primejax = AdminState(engine=Engine(), base_dir="/m", validate=lambda d: None, admin_token=secret)
+    app.state.primejax = AdminState(
+        engine=Engine(), base_dir="/m", validate=lambda d: None, admin_token=secret
+    )
     return app
 
 
@@ -121,10 +123,22 @@ def test_standalone_orchestrator_refuses_an_impostor_in_one_line(impostor, tmp_p
     url, seen = impostor
     port = url.rsplit(":", 1)[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "primejax.orchestrator", "--config", "configs/debug.py",
-         f"--config.run.output_dir={tmp_path}", "--config.run.name=r", f"--config.model.path={tiny_model_dir}",
-         f"--config.inference.port={port}", "--config.run.max_steps=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "primejax.orchestrator",
+            "--config",
+            "configs/debug.py",
+            f"--config.run.output_dir={tmp_path}",
+            "--config.run.name=r",
+            f"--config.model.path={tiny_model_dir}",
+            f"--config.inference.port={port}",
+            "--config.run.max_steps=1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, TOKEN_ENV: SECRET, "JAX_PLATFORMS": "cpu"},
     )
     last = proc.stderr.strip().splitlines()[-1]
