@@ -22,12 +22,13 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
     write_resolved_config(cfg.run_dir, "orchestrator", cfg.to_json())
     from primejax.inference.identity import ServerIdentityError
+    from primejax.orchestrator.failures import RolloutsFailed
     from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx
     from primejax.utils.disk import disk_full_line, is_disk_full
 
     try:
         asyncio.run(run_orchestrator(cfg))
-    except ServerIdentityError as e:  # nothing was sampled from it or sent to it
+    except (ServerIdentityError, RolloutsFailed) as e:  # one line says it all (no sample came from an impostor)
         print(f"error: orchestrator: {e}", file=sys.stderr, flush=True)
         return 1
     except OSError as e:

@@ -143,6 +143,10 @@ class OrchestratorConfig(Section):
     async_level: int = option(1, "k: step n samples from policy n-1-k or newer; 0 = synchronous", ge=0)
     max_concurrent: int = option(64, "in-flight inference requests", gt=0, le=MAX_ROWS)
     max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0, le=MAX_TOKENS)
+    max_failed_steps: int = option(
+        3, "stop the run (exit 1, quoting the first error) after this many steps in a row in which every "
+        "rollout errored; 0 = never", ge=0
+    )
     weights_poll_s: float = option(0.5, "how often to look for new STABLE broadcasts", gt=0)
     routing_replay: bool = option(
         False,
