@@ -221,3 +221,51 @@ def test_admin_routes_need_the_secret_under_a_root_path(base_dir, root_path, pat
     assert engine.calls == []
     assert client.post(root_path + path, json={}, headers=AUTH).status_code != 401
     assert client.get(root_path + "/liveness").status_code == 200
+
+
+@pytest.mark.parametrize("damage", ["no_files", "no_hashes", "unlisted_weights"])
+def test_a_stable_manifest_that_vouches_for_nothing_is_refused(base_dir, tmp_path, damage):
+    run = tmp_path / "run"
+    d = _broadcast(base_dir, run, 2)
+    manifest = json.loads((d / "STABLE").read_text())
+    if damage == "no_files":
+        manifest["files"] = {}
+    elif damage == "no_hashes":
+        for entry in manifest["files"].values():
+            entry.pop("sha256")
+    else:
+        weights = next(n for n in manifest["files"] if n.endswith(".safetensors"))
+        del manifest["files"][weights]
+    (d / "STABLE").write_text(json.dumps(manifest))
+    engine = FakeEngine()
+    client, state = _client(base_dir, engine, weights_root=str(run / "broadcasts"), require_stable=True)
+    r = client.post("/update_weights", json={"weight_dir": str(d)}, headers=AUTH)
+    assert r.status_code == 422 and "STABLE" in r.json()["error"], r.text
+    assert not [c for c in engine.calls if c[0] == "load"] and state.version == 0
+
+
+class TransferEngine(FakeEngine):
+    async def transfer_weights(self, init_info, update_info):
+        self.calls.append(("transfer",))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("dtype_names", "float64"), ("dtype_names", ["x"]), ("shapes", [["a"]]), ("shapes", [[-1]])],
+)
+def test_a_malformed_transfer_offer_is_refused_before_the_server_pauses(base_dir, field, value):
+    validator = WeightDirValidator(base_dir)
+    engine = TransferEngine()
+    client, state = _client(base_dir, engine, check_transfer=validator.check_update_info)
+    names = sorted(validator.reference)
+    info = {
+        "round_id": "1-x",
+        "names": names,
+        "dtype_names": ["float32"] * len(names),
+        "shapes": [list(validator.reference[n].shape) for n in names],
+    }
+    info[field] = value if not isinstance(value, list) else value * len(names)
+    body = {"version": 1, "init_info": {"timeout_s": 5}, "update_info": info}
+    r = client.post("/transfer_weights", json=body, headers=AUTH)
+    assert r.status_code in (400, 422), r.text
+    assert engine.calls == [] and state.version == 0
