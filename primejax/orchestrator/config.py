@@ -33,7 +33,10 @@ class EnvConfig(Section):
 class SamplingConfig(Section):
     """Sampling parameters of every rollout request."""
 
-    temperature: float = option(1.0, "sampling temperature", ge=0)
+    temperature: float = option(
+        1.0, "sampling temperature, > 0 (the trainer divides the logits by it; 0 = greedy has no logprobs to train "
+        "on)", gt=0
+    )
     top_p: float = option(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
     max_tokens: int = option(128, "completion tokens per turn", gt=0, le=MAX_TOKENS)
     max_turns: int = option(4, "model turns per rollout (multi-turn envs)", gt=0)
@@ -143,6 +146,10 @@ class OrchestratorConfig(Section):
     async_level: int = option(1, "k: step n samples from policy n-1-k or newer; 0 = synchronous", ge=0)
     max_concurrent: int = option(64, "in-flight inference requests", gt=0, le=MAX_ROWS)
     max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0, le=MAX_TOKENS)
+    max_abs_reward: float = option(
+        1e6, "a reward outside [-max_abs_reward, max_abs_reward] errors its rollout (one line); at most 1e30 so "
+        "float32 advantages cannot overflow", gt=0, le=1e30
+    )
     max_failed_steps: int = option(
         3, "stop the run (exit 1, quoting the first error) after this many steps in a row in which every "
         "rollout errored; 0 = never", ge=0

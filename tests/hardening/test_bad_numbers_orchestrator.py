@@ -60,7 +60,7 @@ class DrivenBadReward(BadReward):
 
 @pytest.mark.parametrize(
     ("env_cls", "bad"),
-    [(BadReward, b) for b in (float("nan"), float("inf"), "0.7", True, None)]
+    [(BadReward, b) for b in (float("nan"), float("inf"), "0.7", True, None, 1e308, -1e308, 2e6)]
     + [(DrivenBadReward, b) for b in (float("nan"), "0.7")],
 )
 def test_a_bad_reward_errors_its_rollout_and_the_group_goes_on(tmp_path, tokenizer, caplog, env_cls, bad):

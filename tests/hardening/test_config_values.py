@@ -17,6 +17,9 @@ NAN, INF = float("nan"), float("inf")
         ("sft.lr", NAN),
         ("trainer.loss.is_clip", NAN),
         ("orchestrator.sampling.temperature", INF),
+        ("orchestrator.sampling.temperature", 0.0),  # greedy: the trainer would divide the logits by 0
+        ("orchestrator.max_abs_reward", 1e308),  # float32 advantages would overflow
+        ("orchestrator.max_failed_steps", -1),
         ("orchestrator.client.timeout_s", NAN),
         ("inference.startup_timeout_s", INF),
         ("trainer.loss.kl_tau", NAN),
