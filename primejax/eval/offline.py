@@ -100,6 +100,11 @@ def _flags(fv: flags.FlagValues) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg, fv = parse_config(sys.argv[1:] if argv is None else argv, prog="primejax.eval",
                            doc=__doc__.split("\n\n")[1], define_flags=_flags)
+    from primejax.launcher.preflight import check_model_dir, preflight_entrypoint
+
+    preflight_entrypoint("eval", cfg.model.path)
+    if fv["weights"].value:
+        check_model_dir(fv["weights"].value, key="--weights", need_tokenizer=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     metrics = asyncio.run(run_eval(cfg, fv["weights"].value or None))

@@ -13,10 +13,12 @@ import sys
 
 from primejax.config.cli import parse_config, run_main
 from primejax.contracts.rundir import write_resolved_config
+from primejax.launcher.preflight import preflight_entrypoint
 
 
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.orchestrator", doc=__doc__.split("\n\n")[1])
+    preflight_entrypoint("orchestrator", cfg.model.path)
     # Logs go to stderr: the launcher already sends a child's output to logs/orchestrator.log.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
