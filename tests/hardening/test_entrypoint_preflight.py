@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "module", ["primejax.trainer", "primejax.orchestrator", "primejax.inference", "primejax.sft", "primejax.eval"]
+    "module",
+    ["primejax.trainer", "primejax.orchestrator", "primejax.inference", "primejax.sft", "primejax.eval"],
 )
 def test_a_missing_model_is_one_line_and_exit_2(module, tmp_path):
     missing = tmp_path / "no-such-model"
