@@ -334,6 +334,8 @@ def launch(cfg: Config) -> int:
             port = check_port(cfg.inference.host, cfg.inference.port)
             if port != cfg.inference.port:
                 cfg = _with(cfg, **{"inference.port": port})
+        # Only now (this launcher holds the run): a refused second launcher leaves the live run's record alone.
+        write_resolved_config(root, "train", cfg.to_json())
         configured_port = cfg.inference.port
         cfg, start_step = _prepare(cfg)
         if cfg.inference.enabled:  # again: the SFT warm-up may have taken minutes, and ports are shared
