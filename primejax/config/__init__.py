@@ -143,7 +143,10 @@ def _merge(dst: ConfigDict, src: dict, cls: type, prefix: str) -> None:
         kind, arg = field_kind(types[key])
         try:
             _merge_one(dst, key, value, kind, arg, path)
-        except (TypeError, ValueError) as e:  # ConfigDict refusing the value's type, tuple() of a non-list, ...
+        except (
+            TypeError,
+            ValueError,
+        ) as e:  # ConfigDict refusing the value's type, tuple() of a non-list, ...
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(path, f"bad value {value!r:.80} ({str(e)[:200]})") from None
@@ -153,8 +156,11 @@ def _merge_one(dst: ConfigDict, key: str, value: Any, kind: str, arg: Any, path:
     if kind in ("entries", "dict", "tuple"):
         want = list if kind == "tuple" else dict
         if not isinstance(value, want):
-            raise ConfigError(path, f"must be a JSON {'list' if want is list else 'object'}, got "
-                                    f"{type(value).__name__} {value!r:.80}")
+            raise ConfigError(
+                path,
+                f"must be a JSON {'list' if want is list else 'object'}, got "
+                f"{type(value).__name__} {value!r:.80}",
+            )
     if kind == "section":
         _merge(dst[key], value, arg, f"{path}.")
     elif kind == "entries":
