@@ -54,6 +54,13 @@ def read_token(root: str | Path | None = None) -> str | None:
     return None
 
 
+def server_token(root: str | Path) -> str:
+    """The secret of a server started by hand for run `root` (`python -m primejax.inference`):
+    $PRIMEJAX_ADMIN_TOKEN, else the run's `<root>/admin_token`, else a new one written there (0600), so an
+    orchestrator started by hand for the same run on this host finds it."""
+    return read_token(root) or write_run_token(root)
+
+
 def process_token() -> str:
     """This process's secret for servers it starts itself (tests, eval): $PRIMEJAX_ADMIN_TOKEN, set once here
     so that clients made later in this process send it."""

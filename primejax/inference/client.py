@@ -73,9 +73,11 @@ class InferenceClient:
         transport: httpx.AsyncBaseTransport | None = None,
         vocab_size: int | None = None,
         admin_token: str | None = None,
+        api_key: str | None = None,
     ):
         """`vocab_size`: sampled token ids must lie below it (the model's embedding rows), checked per answer.
-        `admin_token`: the servers' admin secret (default $PRIMEJAX_ADMIN_TOKEN), sent on admin calls only."""
+        `admin_token`: the servers' admin secret (default $PRIMEJAX_ADMIN_TOKEN), sent on admin calls only.
+        `api_key`: the servers' OpenAI API key (vLLM's --api-key), sent as a bearer token on every call."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
@@ -95,6 +97,7 @@ class InferenceClient:
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             transport=transport,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
 
     async def openai_endpoint(self) -> tuple[str, str]:

@@ -129,6 +129,10 @@ class ClientConfig(Section):
     base_urls: tuple = option((), "inference servers; () = the run's own server (inference.host:port)")
     timeout_s: float = option(600.0, "per-request timeout", gt=0)
     max_retries: int = option(5, "retries of a failed request", ge=0)
+    api_key_env: str = option(
+        "VLLM_API_KEY", "environment variable holding the servers' OpenAI API key (vLLM's --api-key), sent as "
+        "'Authorization: Bearer'; unset or empty = none (the key itself never goes into a config)"
+    )
 
 
 def _default_envs() -> dict[str, EnvConfig]:

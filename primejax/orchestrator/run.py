@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,8 @@ def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: 
                   admin_token: str | None = None) -> InferenceClient:
     """The live policy's client; with `vocab_size`, answers with token ids outside the vocabulary are rejected."""
     return InferenceClient(base_urls(client, inference), timeout_s=client.timeout_s, max_retries=client.max_retries,
-                           vocab_size=vocab_size, admin_token=admin_token)
+                           vocab_size=vocab_size, admin_token=admin_token,
+                           api_key=os.environ.get(client.api_key_env) if client.api_key_env else None)
 
 
 async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:

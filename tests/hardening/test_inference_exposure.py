@@ -269,3 +269,62 @@ def test_a_malformed_transfer_offer_is_refused_before_the_server_pauses(base_dir
     r = client.post("/transfer_weights", json=body, headers=AUTH)
     assert r.status_code in (400, 422), r.text
     assert engine.calls == [] and state.version == 0
+
+
+def test_the_client_sends_the_servers_api_key_from_the_configured_variable(monkeypatch):
+    """The README's advice (protect the OpenAI routes with vLLM's --api-key / $VLLM_API_KEY) works with
+    primejax's own client: it sends the key named by orchestrator.client.api_key_env on every call."""
+    from primejax.config import default_config, typed
+    from primejax.orchestrator.run import policy_client
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv("MY_VLLM_KEY", "k-123")
+    seen = []
+
+    def handler(req):
+        seen.append((req.url.path, req.headers.get("Authorization")))
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(
+            200,
+            json={
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": [1],
+                        "text": "x",
+                        "finish_reason": "stop",
+                        "logprobs": {"token_logprobs": [-0.1]},
+                    }
+                ]
+            },
+        )
+
+    c = default_config()
+    c.model.path = "m"
+    c.inference.port = 1
+    c.orchestrator.client.api_key_env = "MY_VLLM_KEY"
+    cfg = typed(c)
+    client = policy_client(cfg.orchestrator.client, cfg.inference)
+    client._http._transport = httpx.MockTransport(handler)
+
+    async def go():
+        await client.generate([1, 2], n=1, max_tokens=1, temperature=1.0)
+        await client.close()
+
+    asyncio.run(go())
+    assert seen and all(auth == "Bearer k-123" for _, auth in seen)
+
+
+def test_a_server_started_by_hand_uses_the_runs_admin_token(tmp_path, monkeypatch):
+    from primejax.inference.admin_auth import read_token, server_token, write_run_token
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    made = server_token(tmp_path / "run")  # no secret anywhere yet: one is made and recorded for the run
+    assert (
+        read_token(tmp_path / "run") == made
+        and (tmp_path / "run" / "admin_token").stat().st_mode & 0o077 == 0
+    )
+    assert server_token(tmp_path / "run") == made  # the next server (or orchestrator) by hand reads the same
+    written = write_run_token(tmp_path / "other")
+    assert server_token(tmp_path / "other") == written
