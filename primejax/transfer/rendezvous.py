@@ -6,7 +6,8 @@ replaces it. The trainer runs `StoreServer` bound to exactly `trainer.broadcast.
 participant (the trainer itself included) connects with `AuthStore`, a `torch.distributed.Store` that the
 gloo/NCCL process groups use like any other store.
 
-Each connection starts with a mutual challenge on the run's admin secret (docs/security.md):
+Each connection starts with a mutual challenge on the run's admin secret (docs/weight_transfer.md, "Who may
+join"):
   server -> client: MAGIC + nonce_s
   client -> server: nonce_c + HMAC(secret, "client" | nonce_s | nonce_c)
   server -> client: HMAC(secret, "server" | nonce_c | nonce_s)
