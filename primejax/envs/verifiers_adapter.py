@@ -267,7 +267,8 @@ class _World:
         server, tool = self.servers[name]
         try:
             result = await with_timeout(
-                server.call_tool(tool, args if isinstance(args, dict) else {}), self.env.tool_timeout_s,
+                server.call_tool(tool, args if isinstance(args, dict) else {}),
+                self.env.tool_timeout_s,
                 f"tool {name!r}",
             )
         except ToolTimeout:

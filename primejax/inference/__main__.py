@@ -33,7 +33,11 @@ def main() -> int:
     )
     preflight_entrypoint("inference", cfg.model.path, buildable=cfg.model.build_tiny.enabled)
     spec = ServerSpec.from_config(
-        cfg.inference, cfg.model.path, cfg.run.seed, run_dir=cfg.run_dir, admin_token=server_token(cfg.run_dir)
+        cfg.inference,
+        cfg.model.path,
+        cfg.run.seed,
+        run_dir=cfg.run_dir,
+        admin_token=server_token(cfg.run_dir),
     )
     if fv["dry_run"].value:
         env = spec.environ({})

@@ -66,7 +66,10 @@ def test_sft_lr_must_be_positive_when_sft_runs():
         ('{"orchestrator": {"envs": {"a": {"id": 5}}}}', "orchestrator.envs.a.id: bad value 5"),
         ('{"inference": {"port": 1e400}}', "inference.port: bad value inf"),
         ('{"orchestrator": {"algo": [1]}}', "orchestrator.algo: must be a JSON object"),
-        ('{"orchestrator": {"envs": {"a": {"args": [1]}}}}', "orchestrator.envs.a.args: must be a JSON object"),
+        (
+            '{"orchestrator": {"envs": {"a": {"args": [1]}}}}',
+            "orchestrator.envs.a.args: must be a JSON object",
+        ),
         ('{"inference": {"extra_args": "abc"}}', "inference.extra_args: must be a JSON list"),
     ],
 )
