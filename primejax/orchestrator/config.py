@@ -160,6 +160,9 @@ class OrchestratorConfig(Section):
         gt=0,
         le=1e30,
     )
+    env_timeout_s: float = option(
+        600.0, "an environment call (env_response, score) running longer errors its rollout; the rest go on", gt=0
+    )
     max_failed_steps: int = option(
         3,
         "stop the run (exit 1, quoting the first error) after this many steps in a row in which every "

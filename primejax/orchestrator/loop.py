@@ -124,7 +124,7 @@ class Orchestrator:
         self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
                                         self.tracker, max_concurrent=o.max_concurrent,
                                         max_prompt_tokens=o.max_prompt_tokens, routing=routing,
-                                        max_abs_reward=o.max_abs_reward)
+                                        max_abs_reward=o.max_abs_reward, env_timeout_s=o.env_timeout_s)
         self.pre_filters, self.post_filters = build_slots(o.filters)
         self.evaluator = build_evaluator(o, client, self.generator.renderer, self.tracker) if o.eval.interval else None
         self.num_shards = max(1, num_shards)
