@@ -161,7 +161,9 @@ class OrchestratorConfig(Section):
         le=1e30,
     )
     env_timeout_s: float = option(
-        600.0, "an environment call (env_response, score) running longer errors its rollout; the rest go on", gt=0
+        600.0,
+        "an environment call (env_response, score) running longer errors its rollout; the rest go on",
+        gt=0,
     )
     max_failed_steps: int = option(
         3,
