@@ -26,10 +26,18 @@ def main() -> int:
         sys.argv[1:], prog="primejax.train", doc=__doc__.split("\n\n")[1], define_flags=_define_flags,
         default_config_path=DEFAULT_CONFIG,
     )
-    path = write_resolved_config(cfg.run_dir, "train", cfg.to_json())
     if fv["dry_run"].value:
         print(cfg.to_json())
-        print(f"# resolved config written to {path}", file=sys.stderr)
+        # Recorded only where no live run is: a dry run must not overwrite a live run's configs/train.json.
+        from primejax.launcher.preflight import PreflightError
+        from primejax.launcher.runlock import RunLock
+
+        try:
+            with RunLock(cfg.run_dir):
+                path = write_resolved_config(cfg.run_dir, "train", cfg.to_json())
+            print(f"# resolved config written to {path}", file=sys.stderr)
+        except PreflightError as e:
+            print(f"# resolved config not recorded: {e}", file=sys.stderr)
         from primejax.envs.check import check_envs  # deferred: loading envs may import verifiers
 
         results = check_envs(cfg)

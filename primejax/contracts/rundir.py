@@ -103,10 +103,11 @@ class RunDir:
     PIDS_FILE = "pids.json"  # the launcher's live children, by name
     LOCK_FILE = ".lock"  # held (flock) by the launcher of a live run
     ADMIN_TOKEN_FILE = "admin_token"  # the inference servers' admin secret (0600)
+    TRANSFERS = "transfers"  # collective-transfer offers: owned by a live trainer, never outlive it
     # What a fresh start moves aside (configs/ is this invocation's own): only primejax's entries, anything else
     # (a user's files, a project a run directory was pointed at by mistake) is never touched.
     ENTRIES = frozenset(
-        {*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", PIDS_FILE, ADMIN_TOKEN_FILE}
+        {*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", PIDS_FILE, ADMIN_TOKEN_FILE, TRANSFERS}
     )
 
     def __init__(self, root: str | os.PathLike):
@@ -136,10 +137,6 @@ class RunDir:
         final = self.broadcasts(step)
         return final.with_name(f".{final.name}.export.tmp")
 
-    def transfers(self) -> Path:
-        """transfers/: the trainer's offers of a collective weight transfer (primejax.contracts.transfer)."""
-        return self.root / "transfers"
-
     def stale(self, stamp: str) -> Path:
         """stale/<stamp>/: the outputs of steps after a resume point, set aside (launcher.resume)."""
         return self.root / "stale" / stamp
@@ -147,6 +144,27 @@ class RunDir:
     def previous(self, stamp: str) -> Path:
         """previous/<stamp>/: an earlier run's outputs, moved aside by a fresh start in the same directory."""
         return self.root / "previous" / stamp
+
+    def transfers(self, step: int | None = None) -> Path:
+        """transfers/ or transfers/step_N.json: the trainer's offer of a collective update
+        (primejax.contracts.transfer)."""
+        root = self.root / self.TRANSFERS
+        return root if step is None else root / f"{step_name(step)}.json"
+
+    def set_aside_transfers(self, dest: str | os.PathLike) -> list[Path]:
+        """Move every offer to `dest/transfers/` (a launcher starting or resuming a run: no trainer of it is
+        alive yet, so each offer is a dead trainer's and would stall the weights' watcher); return them."""
+        root = self.transfers()
+        moved: list[Path] = []
+        if not root.is_dir():
+            return moved
+        for p in sorted(root.iterdir()):
+            if p.is_file():
+                target = Path(dest) / self.TRANSFERS / p.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                p.rename(target)
+                moved.append(target)
+        return moved
 
     def _step(self, kind: str, step: int | None) -> Path:
         return self.root / kind if step is None else self.root / kind / step_name(step)

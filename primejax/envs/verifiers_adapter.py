@@ -33,6 +33,14 @@ import json
 from typing import Any
 
 from primejax.envs.base import Environment, Example, Message, ModelCall
+from primejax.envs.tool_limits import (
+    DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+    DEFAULT_TOOL_TIMEOUT_S,
+    ToolTimeout,
+    cap_tool_output,
+    check_limits,
+    with_timeout,
+)
 from primejax.envs.verifiers_episode import Episode, parse_policy_agents, seat_names
 from primejax.envs.verifiers_ids import load_taskset, load_vf_env
 
@@ -231,13 +239,21 @@ class _World:
             return f"Error: tool arguments are not JSON ({e})"
         server, tool = self.servers[name]
         try:
-            result = await server.call_tool(tool, args if isinstance(args, dict) else {})
+            result = await with_timeout(
+                server.call_tool(tool, args if isinstance(args, dict) else {}),
+                self.env.tool_timeout_s,
+                f"tool {name!r}",
+            )
+        except ToolTimeout:
+            raise  # a hung tool errors its rollout (tool_limits.py); the others go on
         except Exception as e:  # noqa: BLE001 - a failing tool is the model's observation, as in verifiers
-            return f"Error: {type(e).__name__}: {e}"
+            return cap_tool_output(f"Error: {type(e).__name__}: {e}", self.env.max_tool_output_chars)
         blocks = getattr(result, "content", result)
         if isinstance(blocks, (list, tuple)):
-            return "\n".join(getattr(b, "text", str(b)) for b in blocks)
-        return str(blocks)
+            text = "\n".join(getattr(b, "text", str(b)) for b in blocks)
+        else:
+            text = str(blocks)
+        return cap_tool_output(text, self.env.max_tool_output_chars)  # before anything tokenizes it
 
     async def close(self) -> None:
         self.servers.clear()
@@ -262,8 +278,12 @@ class VerifiersEnv(Environment):
         env: str = "",
         env_args: dict[str, Any] | None = None,
         policy_agent: str = "",
+        max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+        tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
         **taskset_args: Any,
     ):
+        check_limits(max_tool_output_chars, tool_timeout_s)
+        self.max_tool_output_chars, self.tool_timeout_s = max_tool_output_chars, tool_timeout_s
         taskset = load_taskset(taskset_id, taskset_args)
         if num_examples is not None:
             taskset = taskset.take(num_examples)

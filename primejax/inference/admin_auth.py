@@ -55,6 +55,13 @@ def read_token(root: str | Path | None = None) -> str | None:
     return None
 
 
+def server_token(root: str | Path) -> str:
+    """The secret of a server started by hand for run `root` (`python -m primejax.inference`):
+    $PRIMEJAX_ADMIN_TOKEN, else the run's `<root>/admin_token`, else a new one written there (0600), so an
+    orchestrator started by hand for the same run on this host finds it."""
+    return read_token(root) or write_run_token(root)
+
+
 def process_token() -> str:
     """This process's secret for servers it starts itself (tests, eval): $PRIMEJAX_ADMIN_TOKEN, set once here
     so that clients made later in this process send it."""
@@ -70,14 +77,26 @@ def authorized(expected: str | None, given: str | None) -> bool:
 
 
 def protect(app: Any, router: Any) -> None:
-    """Require the admin secret on every POST route of `router` served by `app` (401 otherwise)."""
-    from fastapi.responses import JSONResponse
+    """Require the admin secret on every POST route of `router` served by `app` (401 otherwise).
 
-    admin_paths = {r.path for r in router.routes if "POST" in getattr(r, "methods", ())}
+    The check asks the app's own router which route a request reaches (Starlette's `route.matches`, the same
+    test the routing does), never compares URL strings: under vLLM's `--root-path` the URL carries a prefix
+    the route paths lack, and a string comparison let every admin call through without the secret."""
+    from fastapi.responses import JSONResponse
+    from starlette.routing import Match
+
+    admin_endpoints = {r.endpoint for r in router.routes if "POST" in getattr(r, "methods", ())}
+
+    def reaches_admin_route(scope: Any) -> bool:
+        for route in app.router.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(route, "endpoint", None) in admin_endpoints
+        return False
 
     @app.middleware("http")
     async def _require_admin(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
-        if request.method == "POST" and request.url.path in admin_paths:
+        if reaches_admin_route(request.scope):
             state = getattr(request.app.state, "primejax", None)
             expected = getattr(state, "admin_token", None) if state is not None else new_token()
             if not authorized(expected, request.headers.get(HEADER)):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from primejax.config import Config
 from primejax.contracts.rundir import RunDir, log_path, write_resolved_config
+from primejax.inference import identity
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig
 from primejax.launcher.preflight import PreflightError, preflight
@@ -129,11 +130,19 @@ class _Progress:
 
 
 class _Liveness(threading.Thread):
-    """Polls GET /liveness in the background; `last_ok` is when the server last answered 200."""
+    """Polls GET /liveness in the background; `last_ok` is when the run's own server last answered 200.
 
-    def __init__(self, base_url: str):
+    A 200 counts only from a server that answered the identity challenge (primejax.inference.identity) since
+    the last failed connection: a port another program took answers /liveness too. `impostor` says why the
+    server at the address is not the run's."""
+
+    def __init__(self, base_url: str, secret: str | None = None):
         super().__init__(name="primejax-liveness", daemon=True)
+        self.base_url = base_url
         self.url = base_url + "/liveness"
+        self.secret = secret
+        self.verified = False
+        self.impostor = ""
         self.last_ok: float | None = None
         self._stop_event = threading.Event()
 
@@ -141,11 +150,21 @@ class _Liveness(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 with urllib.request.urlopen(self.url, timeout=5) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._identified():
                         self.last_ok = time.monotonic()
             except OSError:  # URLError, HTTPError (503: engine dead), refused, timed out
-                pass
+                self.verified = False
             self._stop_event.wait(LIVENESS_POLL_S)
+
+    def _identified(self) -> bool:
+        if self.verified or not self.secret:
+            return True
+        why = identity.verify_sync(self.base_url, self.secret)
+        if why:
+            self.impostor = why
+            return False
+        self.verified = True
+        return True
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -166,7 +185,7 @@ class _InferenceSupervisor:
     def _start(self) -> ChildProcess:
         self.child = self.start_child()
         self.started = time.monotonic()
-        self.liveness = _Liveness(f"http://{self.inf.host}:{self.inf.port}")
+        self.liveness = _Liveness(f"http://{self.inf.host}:{self.inf.port}", os.environ.get(TOKEN_ENV))
         self.liveness.start()
         return self.child
 
@@ -184,6 +203,8 @@ class _InferenceSupervisor:
 
     def check(self) -> None:
         """Restart the server if it failed (raise ChildFailed when that is not allowed or too many times)."""
+        if self.liveness.impostor:  # a restart would bind the same taken port: stop the run, saying why
+            raise ChildFailed(self.child, self.child.poll(), self.liveness.impostor)
         problem = self._problem()
         if problem is None:
             return
@@ -321,7 +342,13 @@ def launch(cfg: Config) -> int:
             port = check_port(cfg.inference.host, cfg.inference.port)
             if port != cfg.inference.port:
                 cfg = _with(cfg, **{"inference.port": port})
+        # Only now (this launcher holds the run): a refused second launcher leaves the live run's record alone.
+        write_resolved_config(root, "train", cfg.to_json())
+        configured_port = cfg.inference.port
         cfg, start_step = _prepare(cfg)
+        if cfg.inference.enabled:  # again: the SFT warm-up may have taken minutes, and ports are shared
+            port = check_port(cfg.inference.host, cfg.inference.port if configured_port else 0)
+            cfg = _with(cfg, **{"inference.port": port})
         root.mkdir(parents=True, exist_ok=True)
         # A fresh admin secret per run ($PRIMEJAX_ADMIN_TOKEN when set: multi-node), in the environment of the
         # children only, never in a config or a log.

@@ -95,6 +95,7 @@ def set_aside_after(root: str | Path, step: int) -> list[Path]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 p.rename(target)
                 moved.append(target)
+    moved += RunDir(root).set_aside_transfers(dest)
     return moved
 
 

@@ -34,6 +34,7 @@ from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.evaluator import build_evaluator
+from primejax.orchestrator.failures import FailedSteps
 from primejax.orchestrator.filters import build_slots
 from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version
@@ -122,13 +123,15 @@ class Orchestrator:
         self.outages = OutageCounter(client)
         self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
                                         self.tracker, max_concurrent=o.max_concurrent,
-                                        max_prompt_tokens=o.max_prompt_tokens, routing=routing)
+                                        max_prompt_tokens=o.max_prompt_tokens, routing=routing,
+                                        max_abs_reward=o.max_abs_reward, env_timeout_s=o.env_timeout_s)
         self.pre_filters, self.post_filters = build_slots(o.filters)
         self.evaluator = build_evaluator(o, client, self.generator.renderer, self.tracker) if o.eval.interval else None
         self.num_shards = max(1, num_shards)
         self.pad_rows_to_multiple = pad_rows_to_multiple
         self.next_step = 1
         self.empty_batches = 0
+        self.failed_steps = FailedSteps(o.max_failed_steps)
         self.pre_counts: Counter = Counter()  # pre-batch filter flags of the step being generated
         self.eval_task: asyncio.Task | None = None
         self.last_step_end: float | None = None
@@ -227,6 +230,7 @@ class Orchestrator:
         groups = await self.generate_step(step)
         gen_seconds = time.perf_counter() - t_gen
         rollouts = [r for g in groups for r in g]
+        self.failed_steps.observe(step, rollouts)  # RolloutsFailed: the run stops saying why
 
         t_post = time.perf_counter()
         pre_counts = self.pre_counts

@@ -148,6 +148,9 @@ def train_sft(cfg: Config) -> Path:
 
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.sft", doc=__doc__.split("\n\n")[1])
+    from primejax.launcher.preflight import preflight_entrypoint
+
+    preflight_entrypoint("sft", cfg.model.path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.sft.steps <= 0:
         print("error: sft.steps must be > 0 for primejax.sft", file=sys.stderr)

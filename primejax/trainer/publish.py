@@ -135,9 +135,16 @@ class CollectivePublisher:
     def sender(self) -> Any:
         """The run's CollectiveSender: NCCL from the accelerator on GPU, else gloo from host memory."""
         if self._sender is None:
+            from primejax.inference.admin_auth import read_token
             from primejax.transfer.sender import CollectiveSender
 
             b = self.disk.b
+            secret = read_token(self.disk.run.root)
+            if not secret:
+                raise RuntimeError(
+                    "collective weight transfer needs the run's admin secret ($PRIMEJAX_ADMIN_TOKEN or "
+                    "<run>/admin_token, written by the launcher) to authenticate the servers"
+                )
             gpu = jax.default_backend() == "gpu"
             device = None
             if gpu:  # JAX's first local device under the same CUDA_VISIBLE_DEVICES
@@ -146,6 +153,7 @@ class CollectivePublisher:
                 device = torch.device("cuda", 0)
             self._sender = CollectiveSender(
                 self.disk.run.root,
+                secret=secret,
                 host=b.transfer_host,
                 port=b.transfer_port,
                 timeout_s=b.transfer_timeout_s,
