@@ -4,7 +4,12 @@ Token-level throughout: prompts go in as token ids and every sample comes back w
 completion ids and the sampling logprob of each completion token, taken after temperature (the server
 runs with `--logprobs-mode processed_logprobs`), which is what the trainer's importance ratio needs.
 
-Generation requests are spread over the servers (least in-flight first); admin calls go to all of them.
+Generation requests are spread over the servers (least in-flight first), and the turns of one rollout stay on
+the server its first request went to (its prompt prefix is cached there): the orchestrator opens a route per
+group with `sticky_route()`, and every request made in that context (its tasks inherit it) follows it. Admin
+calls go to every server that is up. A server whose request failed for good (unreachable, 5xx after retries)
+is marked down: no request goes there until `revive()` finds it answering again and the caller has put it
+back on the current weights (PolicyTracker.revive_replicas).
 Connection errors, timeouts and 5xx answers are retried with exponential backoff; 4xx answers are not
 (they describe a bad request, which retrying does not fix) and raise `InferenceError` with the server's
 message.
@@ -17,6 +22,7 @@ own server raises `ServerIdentityError` in one line, and no sampling or admin re
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import os
@@ -36,6 +42,15 @@ if TYPE_CHECKING:
     from primejax.inference.process import InferenceServerProcess
 
 logger = logging.getLogger("primejax.inference.client")
+
+
+#: The server the current rollout's turns go to ([None] until its first request picks one); see sticky_route().
+_ROUTE: contextvars.ContextVar[list[str | None] | None] = contextvars.ContextVar("primejax_route", default=None)
+
+
+def sticky_route() -> None:
+    """Keep every later request of the calling task (and the tasks it starts) on one server."""
+    _ROUTE.set([None])
 
 
 class InferenceError(RuntimeError):
@@ -92,6 +107,7 @@ class InferenceClient:
         self._secret = token
         self._verified: set[str] = set()
         self._in_flight = dict.fromkeys(self.base_urls, 0)
+        self.down: set[str] = set()  # servers no request goes to until revive()
         # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
@@ -108,8 +124,38 @@ class InferenceClient:
 
     # ---------------------------------------------------------------- transport
     def _pick(self) -> str:
-        least = min(self._in_flight.values())
-        return random.choice([u for u, n in self._in_flight.items() if n == least])
+        route = _ROUTE.get()
+        if route is not None and route[0] is not None and route[0] not in self.down:
+            return route[0]
+        up = {u: n for u, n in self._in_flight.items() if u not in self.down}
+        if not up:
+            raise InferenceError(f"no inference server is up (down: {sorted(self.down)})")
+        least = min(up.values())
+        url = random.choice([u for u, n in up.items() if n == least])
+        if route is not None:
+            route[0] = url
+        return url
+
+    def mark_down(self, url: str, reason: str) -> None:
+        if url not in self.down and len(self.base_urls) > 1:  # one server: nothing to route around
+            logger.warning("inference server %s is down (%s): routing around it", url, reason)
+            self.down.add(url)
+
+    async def alive(self, url: str) -> bool:
+        try:
+            r = await self._http.get(url + "/liveness", timeout=5.0)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return r.status_code == 200
+
+    async def server_version(self, url: str) -> int:
+        return int((await self._request("GET", url, "/weights_version", None, self._admin_headers))["version"])
+
+    async def revive(self, url: str) -> None:
+        """Route requests to `url` again (the caller checked it answers and serves the current weights)."""
+        if url in self.down:
+            self.down.discard(url)
+            logger.warning("inference server %s is back", url)
 
     async def _request(self, method: str, url: str, path: str, payload: dict | None = None,
                        headers: dict[str, str] | None = None) -> Any:
@@ -145,9 +191,14 @@ class InferenceClient:
         url = self._pick()
         self._in_flight[url] += 1
         try:
-            if "model" not in payload:
-                payload = {"model": await self._model_name(url), **payload}
-            out = await self._request("POST", url, path, payload)
+            try:
+                if "model" not in payload:
+                    payload = {"model": await self._model_name(url), **payload}
+                out = await self._request("POST", url, path, payload)
+            except InferenceError as e:
+                if e.status is None or e.status >= 500:
+                    self.mark_down(url, str(e)[:200])
+                raise
             if check:
                 self._check_samples(url, out)
             return out
@@ -172,8 +223,28 @@ class InferenceClient:
 
     async def _all(self, method: str, path: str, payload: dict | None = None) -> list[Any]:
         # Admin calls (and only these) carry the secret: generation may go to endpoints that are not ours.
-        return list(await asyncio.gather(*(self._request(method, u, path, payload, self._admin_headers)
-                                           for u in self.base_urls)))
+        async def one(url: str) -> Any:
+            try:
+                return await self._request(method, url, path, payload, self._admin_headers)
+            except InferenceError as e:
+                if e.status is None or e.status >= 500:
+                    self.mark_down(url, str(e)[:200])
+                raise
+
+        return list(await asyncio.gather(*(one(u) for u in self.up_urls)))
+
+    @property
+    def up_urls(self) -> list[str]:
+        return [u for u in self.base_urls if u not in self.down]
+
+    async def update_one(self, url: str, weight_dir: str | None, version: int) -> None:
+        """Put one server on `weight_dir` as `version` (None: back to the base model, version 0)."""
+        if weight_dir is None:
+            await self._request("POST", url, "/reload_weights", None, self._admin_headers)
+        else:
+            await self._request("POST", url, "/update_weights",
+                                {"weight_dir": os.path.abspath(weight_dir), "version": int(version)},
+                                self._admin_headers)
 
     async def _model_name(self, url: str) -> str:
         if self._model is None:
@@ -268,6 +339,17 @@ class InferenceClient:
             scores.append(None if entry is None else float(entry[str(tok)]["logprob"]))
         return scores
 
+    async def metrics_text(self) -> list[str | None]:
+        """Each server's Prometheus `/metrics` page (None for one that did not answer), for load-based control."""
+        async def one(url: str) -> str | None:
+            try:
+                r = await self._http.get(url + "/metrics", timeout=5.0)
+            except (httpx.TransportError, httpx.TimeoutException):
+                return None
+            return r.text if r.status_code == 200 else None
+
+        return list(await asyncio.gather(*(one(u) for u in self.base_urls)))
+
     # ---------------------------------------------------------------- admin
     async def update_weights(self, weight_dir: str, version: int) -> None:
         """Load `weight_dir` in place on every server and serve it as `version`."""
@@ -289,7 +371,7 @@ class InferenceClient:
                 raise InferenceError(f"POST {url}/transfer_weights: {r.status_code} {_message(r)}", r.status_code)
             return r.json()
 
-        await asyncio.gather(*(one(i, u) for i, u in enumerate(self.base_urls)))
+        await asyncio.gather(*(one(i, u) for i, u in enumerate(self.up_urls)))
 
     async def reload_weights(self) -> None:
         """Go back to the base model on every server (version 0)."""

@@ -45,6 +45,7 @@ class InferenceConfig(Section):
     dtype: str = option("auto", "serving dtype; auto = the checkpoint's own (config.json)")
     gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take", gt=0, le=1)
     devices: str = option("", "accelerator ids (CUDA_VISIBLE_DEVICES); '' = all")
+    replicas: int = option(1, "servers the launcher starts on this node (ports port+i, devices split evenly)", gt=0)
     extra_args: tuple = option((), "more vLLM command-line arguments")
     return_routed_experts: bool = option(
         False, "replies carry each completion token's routed experts (MoE; orchestrator.routing_replay)"

@@ -32,6 +32,7 @@ from primejax.inference import identity
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig
 from primejax.launcher.preflight import PreflightError, preflight
+from primejax.launcher.replicas import ReplicaSpec, replica_specs
 from primejax.launcher.resume import (
     RunAlreadyDone,
     keep_previous_run,
@@ -225,10 +226,10 @@ class _InferenceSupervisor:
 
 
 def _watch(children: list[ChildProcess], until_done: list[ChildProcess], progress: _Progress | None,
-           supervisor: _InferenceSupervisor | None = None) -> None:
+           supervisors: list[_InferenceSupervisor] = ()) -> None:
     """Block until every child in `until_done` exits 0; raise ChildFailed as soon as any child fails."""
     while True:
-        if supervisor is not None:
+        for supervisor in supervisors:
             supervisor.check()
         for child in children:
             code = child.poll()
@@ -328,7 +329,8 @@ def launch(cfg: Config) -> int:
     """The launcher's work (entry: `python -m primejax.train`): run the whole job; returns the exit status."""
     root = cfg.run_dir
     children: list[ChildProcess] = []
-    supervisor: _InferenceSupervisor | None = None
+    supervisors: list[_InferenceSupervisor] = []
+    replicas: list[ReplicaSpec] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -339,16 +341,16 @@ def launch(cfg: Config) -> int:
         # Before anything is moved or started: no other live run in this directory, a port the server can have.
         lock.acquire()
         if cfg.inference.enabled:
-            port = check_port(cfg.inference.host, cfg.inference.port)
-            if port != cfg.inference.port:
-                cfg = _with(cfg, **{"inference.port": port})
+            replicas = replica_specs(cfg.inference)  # one per server, ports checked (port 0: free ones)
+            if replicas[0].port != cfg.inference.port:
+                cfg = _with(cfg, **{"inference.port": replicas[0].port})
+            if len(replicas) > 1 and not cfg.orchestrator.client.base_urls:
+                cfg = _with(cfg, **{"orchestrator.client.base_urls": tuple(r.url for r in replicas)})
         # Only now (this launcher holds the run): a refused second launcher leaves the live run's record alone.
         write_resolved_config(root, "train", cfg.to_json())
-        configured_port = cfg.inference.port
         cfg, start_step = _prepare(cfg)
-        if cfg.inference.enabled:  # again: the SFT warm-up may have taken minutes, and ports are shared
-            port = check_port(cfg.inference.host, cfg.inference.port if configured_port else 0)
-            cfg = _with(cfg, **{"inference.port": port})
+        for replica in replicas:  # again: the SFT warm-up may have taken minutes, and ports are shared
+            check_port(replica.host, replica.port)
         root.mkdir(parents=True, exist_ok=True)
         # A fresh admin secret per run ($PRIMEJAX_ADMIN_TOKEN when set: multi-node), in the environment of the
         # children only, never in a config or a log.
@@ -356,25 +358,28 @@ def launch(cfg: Config) -> int:
         trainer = _start(cfg, "trainer", "primejax.trainer", cfg.trainer.devices, cfg.trainer.memory_fraction)
         orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator")
         children += [trainer, orchestrator]
-        if cfg.inference.enabled:
+        for replica in replicas:
+            replica_cfg = _with(cfg, **{"inference.port": replica.port, "inference.devices": replica.devices})
 
             def on_restart(new: ChildProcess) -> None:
-                children[:] = [c for c in children if c.name != "inference"] + [new]
+                children[:] = [c for c in children if c.name != new.name] + [new]
                 _write_pids(root, children)
 
-            def start_server(rl_cfg: Config = cfg) -> ChildProcess:
-                return _start(rl_cfg, "inference", "primejax.inference", devices=rl_cfg.inference.devices)
+            def start_server(rl_cfg: Config = replica_cfg, name: str = replica.name) -> ChildProcess:
+                return _start(rl_cfg, name, "primejax.inference", devices=rl_cfg.inference.devices)
 
-            supervisor = _InferenceSupervisor(start_server, cfg.inference, on_restart)
-            children.insert(0, supervisor.child)
+            supervisor = _InferenceSupervisor(start_server, replica_cfg.inference, on_restart)
+            supervisors.append(supervisor)
+            children.insert(len(supervisors) - 1, supervisor.child)
         _write_pids(root, children)
         print(f"primejax: run {root} started (logs in {RunDir(root).logs})", flush=True)
         for child in children:
             print(f"  {child.name:<13} pid {child.pid}  log {child.log_path}", flush=True)
         progress = _Progress(root, cfg.run.max_steps)
         progress.printed = start_step
-        watched = [c for c in children if c.name != "inference"]  # the supervisor owns the server
-        _watch(watched, [trainer, orchestrator], progress, supervisor)
+        served = {r.name for r in replicas}
+        watched = [c for c in children if c.name not in served]  # the supervisors own the servers
+        _watch(watched, [trainer, orchestrator], progress, supervisors)
         print(f"primejax: run finished: {cfg.run.max_steps} steps, outputs in {root}", flush=True)
         return 0
     except PreflightError as e:
@@ -391,7 +396,7 @@ def launch(cfg: Config) -> int:
         print(f"primejax: {resume_hint(root)}", file=sys.stderr, flush=True)
         return 130
     finally:
-        if supervisor is not None:
+        for supervisor in supervisors:
             supervisor.liveness.stop()
         stop_all(children)
         lock.release()

@@ -138,6 +138,40 @@ class ClientConfig(Section):
     )
 
 
+@section
+class PoolConfig(Section):
+    """How rollouts are dispatched (docs/rollouts.md): per step behind a barrier, or from a pool kept full."""
+
+    mode: str = option(
+        "step",
+        "step: each step's groups are generated together and the next step starts after the last one "
+        "(the baseline) | continuous: a pool of in-flight groups refilled as groups finish, each batch cut "
+        "from finished groups, unfinished ones carried into later steps under the per-sample off-policy bound",
+        choices=("step", "continuous"),
+    )
+    groups_in_flight: int = option(
+        0, "continuous: most groups in flight or finished awaiting a cut; 0 = 2 x batch_size / group_size", ge=0
+    )
+    group_timeout_s: float = option(
+        0.0, "continuous: a group running longer is cancelled and counted timed out (a hung env); 0 = never", ge=0
+    )
+
+
+@section
+class ConcurrencyConfig(Section):
+    """The in-flight request limit: fixed at orchestrator.max_concurrent, or AIMD on the servers' /metrics."""
+
+    mode: str = option("fixed", "fixed (max_concurrent) | aimd (between floor and max_concurrent)",
+                       choices=("fixed", "aimd"))
+    floor: int = option(8, "aimd: the lowest limit", gt=0)
+    initial: int = option(0, "aimd: the starting limit; 0 = floor", ge=0)
+    increase: int = option(4, "aimd: requests added per look without pressure while the limit was reached", gt=0)
+    decrease: float = option(0.7, "aimd: factor applied under pressure", gt=0, le=1)
+    kv_high: float = option(0.9, "aimd: KV-cache usage (0-1) above this is pressure", gt=0, le=1)
+    waiting_high: float = option(0.0, "aimd: a waiting queue longer than this is pressure", ge=0)
+    interval_s: float = option(1.0, "aimd: seconds between looks at /metrics", gt=0)
+
+
 def _default_envs() -> dict[str, EnvConfig]:
     return {"reverse_text": EnvConfig(id="reverse-text")}
 
@@ -187,6 +221,8 @@ class OrchestratorConfig(Section):
     eval: EvalConfig = sub(EvalConfig, "evaluation")
     checkpoint: OrchestratorCheckpointConfig = sub(OrchestratorCheckpointConfig, "orchestrator checkpoints")
     client: ClientConfig = sub(ClientConfig, "inference client")
+    pool: PoolConfig = sub(PoolConfig, "rollout dispatch (step barrier or continuous pool)")
+    concurrency: ConcurrencyConfig = sub(ConcurrencyConfig, "in-flight request limit (fixed or AIMD)")
 
     def check(self) -> None:
         if self.batch_size % self.group_size:
@@ -206,6 +242,8 @@ class OrchestratorConfig(Section):
             raise ConfigError("sampling.seed", "per-request sampling seeds need orchestrator.async_level = 0")
         if not self.envs:
             raise ConfigError("envs", "needs at least one environment")
+        if self.concurrency.mode == "aimd" and self.concurrency.floor > self.max_concurrent:
+            raise ConfigError("concurrency.floor", f"must be <= max_concurrent ({self.max_concurrent})")
         if not self.algo.type:
             raise ConfigError("algo.type", "must name an algorithm")
 
@@ -224,5 +262,7 @@ __all__ = [
     "EvalConfig",
     "OrchestratorCheckpointConfig",
     "ClientConfig",
+    "PoolConfig",
+    "ConcurrencyConfig",
     "OrchestratorConfig",
 ]

@@ -18,6 +18,7 @@ from typing import Any
 from primejax.envs.registry import load_env
 from primejax.orchestrator.algorithms import Algorithm
 from primejax.orchestrator.buffer import EnvSlot
+from primejax.orchestrator.concurrency import Limiter
 from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.renderer import Renderer
@@ -60,7 +61,8 @@ class Evaluator:
 
     async def run(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        out: dict[str, float] = {}
+        # Scored against the policy served when it started (a rollout's turns may be newer, never older).
+        out: dict[str, float] = {"eval/policy_version": float(self.generator.policy.version)}
         for slot in self.slots:
             n = self.num_examples if slot.env.num_examples is None else min(self.num_examples, slot.env.num_examples)
             groups = await asyncio.gather(*(self.generator.group(slot, i, i, self.group_size, step) for i in range(n)))
@@ -69,9 +71,11 @@ class Evaluator:
         return out
 
 
-def build_evaluator(o: OrchestratorConfig, client: Any, renderer: Renderer, policy: Any) -> Evaluator:
-    """An evaluator with its own generator (its request counters stay out of the training metrics)."""
+def build_evaluator(o: OrchestratorConfig, client: Any, renderer: Renderer, policy: Any,
+                    limiter: Limiter | None = None) -> Evaluator:
+    """An evaluator with its own generator (its request counters stay out of the training metrics); `limiter`:
+    the training generator's request limit, shared so evals and training rollouts fill one pool of requests."""
     generator = GroupGenerator(client, renderer, o.sampling, policy, max_concurrent=o.max_concurrent,
-                               max_prompt_tokens=o.max_prompt_tokens)
+                               max_prompt_tokens=o.max_prompt_tokens, limiter=limiter)
     return Evaluator(eval_slots(o), generator, num_examples=o.eval.num_examples, group_size=o.eval.group_size,
                      pass_threshold=o.eval.pass_threshold)

@@ -25,6 +25,7 @@ fails that rollout only (`rollout.error`, logged and counted). A failed first re
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import numbers
@@ -35,9 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from primejax.envs.base import Endpoint
+from primejax.inference.client import sticky_route
 from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
+from primejax.orchestrator.concurrency import Limiter
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.renderer import Renderer, parse_message
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
@@ -61,6 +64,30 @@ class SamplingClient(Protocol):
 class VersionSource(Protocol):
     @property
     def version(self) -> int: ...
+
+
+@dataclass
+class GroupTrace:
+    """What a continuous pool needs to know about one group while it runs (set per group task in TRACE):
+    the policy version read at the start of each of its requests (the oldest bounds every sample it can
+    yield) and how many of its requests the server lost (the group is then dispatched again)."""
+
+    versions: list[int] = field(default_factory=list)
+    lost: int = 0
+
+    @property
+    def oldest(self) -> int | None:
+        return min(self.versions, default=None)
+
+
+#: The running group's trace; a task inherits it from the group task that spawned it (asyncio copies contexts).
+TRACE: contextvars.ContextVar[GroupTrace | None] = contextvars.ContextVar("primejax_group_trace", default=None)
+
+
+def _note_version(version: int) -> None:
+    trace = TRACE.get()
+    if trace is not None:
+        trace.versions.append(version)
 
 
 @dataclass
@@ -106,8 +133,9 @@ def _sampler(slot: EnvSlot) -> SamplingClient | None:
 class GroupGenerator:
     def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingConfig, policy: VersionSource,
                  *, max_concurrent: int, max_prompt_tokens: int, routing: RoutingShape | None = None,
-                 max_abs_reward: float = 1e6, env_timeout_s: float = 600.0):
-        """`routing`: record the policy's routed experts of every sampled token (routing replay)."""
+                 max_abs_reward: float = 1e6, env_timeout_s: float = 600.0, limiter: Limiter | None = None):
+        """`routing`: record the policy's routed experts of every sampled token (routing replay); `limiter`: a
+        request limit shared with other generators (evaluation shares training's), else `max_concurrent`."""
         self.client = client
         self.routing = routing
         self.renderer = renderer
@@ -116,7 +144,7 @@ class GroupGenerator:
         self.max_abs_reward = max_abs_reward
         self.env_timeout_s = env_timeout_s
         self.policy = policy
-        self.semaphore = asyncio.Semaphore(max_concurrent)
+        self.semaphore = limiter or Limiter(max_concurrent)
         self.stats = GenerationStats()
 
     async def _request(self, prompt_ids: list[int], n: int, seed: int | None,
@@ -127,6 +155,7 @@ class GroupGenerator:
             # Read the version when the request starts: the gate guarantees it is fresh enough, and a weight
             # update racing the request can only make the served policy newer than the tag.
             version = self.policy.version
+            _note_version(version)
             start = time.perf_counter()
             # Only the policy's own routing is replayed: a frozen sampler's (another model) is not asked for.
             extra = {"routed_experts": True} if self.routing is not None and client is self.client else {}
@@ -174,6 +203,7 @@ class GroupGenerator:
         return (self.settings.seed * 1_000_003 + step * 10_007 + group_id * 101 + turn * 7 + member) % (2**31)
 
     async def group(self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int) -> list[Rollout]:
+        sticky_route()  # every turn of this group's rollouts on the server its first request goes to
         example = slot.env.example(index)
         rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
                             messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]
@@ -286,6 +316,7 @@ class GroupGenerator:
                                 seed=self._seed(step, rollout.group_id, 0, member))
             async with self.semaphore:
                 version = self.policy.version
+                _note_version(version)
                 sampled = await slot.env.sample_rollout(rollout.example, rollout.state, endpoint)
             for turn in sampled.turns:
                 if len(turn.completion_logprobs) != len(turn.completion_ids):

@@ -32,12 +32,15 @@ from primejax.orchestrator import metrics as M
 from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
+from primejax.orchestrator.concurrency import AIMDController, AIMDSettings, Limiter, parse_prometheus
 from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.evaluator import build_evaluator
 from primejax.orchestrator.failures import FailedSteps
 from primejax.orchestrator.filters import build_slots
-from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.policy import PolicyTracker, min_policy_version
+from primejax.orchestrator.generate import TRACE, GroupGenerator
+from primejax.orchestrator.looplag import LoopLag
+from primejax.orchestrator.policy import PolicyTracker, min_policy_version, staleness
+from primejax.orchestrator.pool import RolloutPool
 from primejax.orchestrator.renderer import build_renderer
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.samples import rollout_to_samples
@@ -70,6 +73,8 @@ class OutageCounter:
         except InferenceError as e:
             if e.status is None or e.status >= 500:
                 self.count += 1
+                if (trace := TRACE.get()) is not None:  # a continuous pool dispatches this group again
+                    trace.lost += 1
             raise
 
 
@@ -80,6 +85,11 @@ class StepResult:
     batch: list[Rollout]  # the rollouts shipped to the trainer
     samples: list[TrainingSample]
     metrics: dict[str, float] = field(default_factory=dict)
+    staleness: list[float] = field(default_factory=list)  # per sample: trainer updates behind its policy
+
+
+async def _inline(fn: Any, *args: Any) -> Any:
+    return fn(*args)
 
 
 def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
@@ -121,12 +131,32 @@ class Orchestrator:
         self.buffer = Buffer(self.slots, seed=seed, settings=o.buffer)
         self.tracker = tracker or PolicyTracker(client, self.run_dir, poll_interval_s=o.weights_poll_s)
         self.outages = OutageCounter(client)
+        c = o.concurrency
+        self.limiter = Limiter(o.max_concurrent if c.mode == "fixed" else (c.initial or c.floor))
         self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
                                         self.tracker, max_concurrent=o.max_concurrent,
                                         max_prompt_tokens=o.max_prompt_tokens, routing=routing,
-                                        max_abs_reward=o.max_abs_reward, env_timeout_s=o.env_timeout_s)
+                                        max_abs_reward=o.max_abs_reward, env_timeout_s=o.env_timeout_s,
+                                        limiter=self.limiter)
         self.pre_filters, self.post_filters = build_slots(o.filters)
-        self.evaluator = build_evaluator(o, client, self.generator.renderer, self.tracker) if o.eval.interval else None
+        # Evaluation shares the request limit (and so the servers' capacity) with training.
+        self.evaluator = (build_evaluator(o, client, self.generator.renderer, self.tracker, limiter=self.limiter)
+                          if o.eval.interval else None)
+        self.pool = None
+        if o.pool.mode == "continuous":
+            capacity = o.pool.groups_in_flight or math.ceil(2 * o.batch_size / o.group_size
+                                                             * o.buffer.oversampling_factor)
+            self.pool = RolloutPool(self._group, self.buffer.sample, self.tracker, batch_size=o.batch_size,
+                                    group_size=o.group_size, async_level=o.async_level, capacity=capacity,
+                                    oversampling=o.buffer.oversampling_factor,
+                                    group_timeout_s=o.pool.group_timeout_s)
+        self.aimd = None
+        if c.mode == "aimd":
+            settings = AIMDSettings(floor=c.floor, cap=o.max_concurrent, increase=c.increase, decrease=c.decrease,
+                                    kv_high=c.kv_high, waiting_high=c.waiting_high, interval_s=c.interval_s)
+            self.aimd = AIMDController(self.limiter, settings, self._server_metrics)
+        self.loop_lag = LoopLag()
+        self._lost_seen = 0  # requests lost to the server up to the last continuous cut
         self.num_shards = max(1, num_shards)
         self.pad_rows_to_multiple = pad_rows_to_multiple
         self.next_step = 1
@@ -218,25 +248,73 @@ class Orchestrator:
             await self.client.wait_ready(self.recovery_timeout_s)
         raise AssertionError("unreachable")
 
+    async def _server_metrics(self) -> list[dict[str, float] | None]:
+        return [None if text is None else parse_prometheus(text) for text in await self.client.metrics_text()]
+
+    async def cut_step(self, step: int) -> tuple[list[list[Rollout]], dict[str, float]]:
+        """Continuous mode: step `step`'s groups cut from the pool, on a server known to serve the tracked policy.
+
+        A server that restarted (it serves the base model) or lost its weights has made every group not yet
+        cut suspect: all of them are dispatched again, once the server answers and is set back.
+        """
+        # One server: a lost request may mean it restarted on the base weights, and groups sampled there since
+        # carry the old tags; several: the tracker routes around a replica until it is back on the weights.
+        single = len(getattr(self.client, "base_urls", ())) <= 1
+        for attempt in range(1, MAX_STEP_ATTEMPTS + 1):
+            lost_before = self.outages.count
+            try:
+                cut = await self.pool.cut(step)
+                if single and self.outages.count > self._lost_seen:
+                    self._lost_seen = self.outages.count
+                    reason = f"{self.outages.count - lost_before} requests lost"
+                    self.pool.requeue([(g[0].env, g[0].example_index) for g in cut.groups if g])
+                elif await self.tracker.server_matches():
+                    metrics = {f"pool/{k}": float(v) for k, v in cut.counts.items()}
+                    metrics["time/batch_cut_wait"] = cut.wait_s
+                    return cut.groups, metrics
+                else:
+                    reason = "the server restarted (it no longer serves the tracked weights)"
+                    self.pool.requeue([(g[0].env, g[0].example_index) for g in cut.groups if g])
+            except InferenceError as e:
+                reason = str(e)
+            if attempt == MAX_STEP_ATTEMPTS:
+                raise RuntimeError(f"step {step}: inference failed in {attempt} attempts in a row ({reason})")
+            log.warning("step %d: inference outage (%s); every unfinished group is dispatched again", step, reason)
+            self.pool.restart_all()
+            await self.client.wait_ready(self.recovery_timeout_s)
+            await self.tracker.resync()
+        raise AssertionError("unreachable")
+
     # ------------------------------------------------------------------------------------------ a step
 
     async def step(self, step: int) -> StepResult:
         t0 = time.perf_counter()
-        waited = await self.tracker.wait_for(min_policy_version(step, self.o.async_level))
-        t_gen = time.perf_counter()
         server_before = self.generator.stats.server_seconds
         tokens_before = self.generator.stats.completion_tokens
         errors_before = Counter(self.generator.stats.errors)
-        groups = await self.generate_step(step)
+        pool_metrics: dict[str, float] = {}
+        if self.pool is None:
+            waited = await self.tracker.wait_for(min_policy_version(step, self.o.async_level))
+            t_gen = time.perf_counter()
+            groups = await self.generate_step(step)
+        else:
+            t_gen = time.perf_counter()
+            groups, pool_metrics = await self.cut_step(step)
+            waited = pool_metrics["time/batch_cut_wait"]
         gen_seconds = time.perf_counter() - t_gen
         rollouts = [r for g in groups for r in g]
         self.failed_steps.observe(step, rollouts)  # RolloutsFailed: the run stops saying why
 
         t_post = time.perf_counter()
         pre_counts = self.pre_counts
+        if self.pool is not None:  # counted as groups finish; this step's share ends at the cut
+            self.pre_counts = Counter()
         batch = cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
-        samples = self.to_samples(batch)
+        # Continuous mode: packing and writing (CPU work on the whole batch) run off the event loop, so the
+        # groups still in flight are not held up meanwhile (loop_lag/*). Step mode has nothing in flight here.
+        offload = asyncio.to_thread if self.pool is not None else _inline
+        samples = await offload(self.to_samples, batch)
         if samples:
             self.empty_batches = 0
         else:
@@ -247,7 +325,7 @@ class Orchestrator:
             if self.empty_batches > MAX_EMPTY_BATCHES:
                 raise RuntimeError(f"{self.empty_batches} empty batches in a row: nothing to train on "
                                    "(check group_size, rewards and filters)")
-        self.write(step, samples, {"step": step, "policy_version": self.tracker.version})
+        await offload(self.write, step, samples, {"step": step, "policy_version": self.tracker.version})
         post_seconds = time.perf_counter() - t_post
 
         total = time.perf_counter() - t0
@@ -261,8 +339,10 @@ class Orchestrator:
         metrics = M.merge(
             M.rollout_metrics(rollouts), M.sample_metrics(step, samples),
             M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
-            M.count_metrics("errors", errors), self.buffer.step_metrics(),
+            M.count_metrics("errors", errors), self.buffer.step_metrics(), pool_metrics, self.loop_lag.take(),
             {
+                "concurrency/limit": self.limiter.limit,
+                "concurrency/in_flight_requests": self.limiter.in_flight,
                 "batch/rollouts": len(batch),
                 "policy/version": self.tracker.version,
                 "time/wait_for_weights": waited,
@@ -278,16 +358,23 @@ class Orchestrator:
                 "perf/inference_tokens_per_s": completion_tokens / max(gen_seconds, 1e-9),
             },
         )
-        return StepResult(step=step, rollouts=rollouts, batch=batch, samples=samples, metrics=metrics)
+        result = StepResult(step=step, rollouts=rollouts, batch=batch, samples=samples, metrics=metrics)
+        result.staleness = [float(staleness(step, s.policy_version)) for s in samples]
+        return result
 
     # ------------------------------------------------------------------------------------------ the run
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_step": self.next_step, "buffer": self.buffer.state_dict(include_pools=False),
-                "policy_version": self.tracker.version}
+        state = {"next_step": self.next_step, "buffer": self.buffer.state_dict(include_pools=False),
+                 "policy_version": self.tracker.version}
+        if self.pool is not None:  # groups not yet cut: dispatched again first on resume
+            state["pending"] = [list(p) for p in self.pool.pending_prompts()]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_step = int(state["next_step"])
+        if self.pool is not None:
+            self.pool.requeue([(e, i) for e, i in state.get("pending", []) if e in self.buffer.envs])
         records = state.get("records", {})
         self.buffer.load_state_dict(state["buffer"], {p: records.get(f"{p}_examples", []) for p in POOLS})
         lifted = self.buffer.lift()  # easy_fraction / hard_fraction re-enter rotation on resume
@@ -308,6 +395,7 @@ class Orchestrator:
         if self.monitor is not None:
             self.monitor.scalars(result.step, m)
             self.monitor.histogram(result.step, "reward", [r.reward for r in result.rollouts if r.ok])
+            self.monitor.histogram(result.step, "staleness", result.staleness)
             self.monitor.histogram(result.step, "advantage",
                                    [sum(r.advantages) / len(r.advantages) for r in result.batch if r.advantages])
             if result.batch:
@@ -325,6 +413,9 @@ class Orchestrator:
     async def run(self, max_steps: int) -> list[dict[str, float]]:
         """Run steps next_step..max_steps; return each step's metrics."""
         watcher = asyncio.create_task(self.tracker.watch())
+        helpers = [asyncio.create_task(self.loop_lag.run())]
+        if self.aimd is not None:
+            helpers.append(asyncio.create_task(self.aimd.run()))
         history = []
         try:
             while self.next_step <= max_steps:
@@ -346,7 +437,11 @@ class Orchestrator:
                     save_checkpoint(self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep, records)
         finally:
             watcher.cancel()
-            pending = [t for t in (watcher, self.eval_task) if t is not None]
+            for task in helpers:
+                task.cancel()
+            if self.pool is not None:
+                await self.pool.stop()
+            pending = [t for t in (watcher, self.eval_task, *helpers) if t is not None]
             if self.eval_task is not None and not self.eval_task.done():
                 self.eval_task.cancel()
             self.eval_task = None

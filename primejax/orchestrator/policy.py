@@ -172,10 +172,60 @@ class PolicyTracker:
                         "leftover); ignored", offer.step)
         return None
 
+    async def revive_replicas(self) -> list[str]:
+        """Bring back servers the client marked down (several replicas) once they answer again: each is put on
+        the tracked weights first, so a restarted replica (serving the base model) never samples under a
+        newer version's tag. Returns the servers revived."""
+        down = sorted(getattr(self.client, "down", ()))
+        revived = []
+        for url in down:
+            if not await self.client.alive(url):
+                continue
+            _, lock = self._sync()
+            async with lock:  # no update may land between loading this replica and routing to it
+                try:
+                    if int(await self.client.server_version(url)) != self._version:
+                        if self._version == 0:
+                            await self.client.update_one(url, None, 0)
+                        else:
+                            directory = broadcast_dir(self.run_dir, self._version)
+                            verify_broadcast(directory, check_hashes=False)
+                            await self.client.update_one(url, str(directory), self._version)
+                    if int(await self.client.server_version(url)) != self._version:
+                        raise RuntimeError("it does not report the tracked version after the load")
+                except Exception as e:  # noqa: BLE001 - it stays down and is tried again on the next poll
+                    log.warning("replica %s answers but could not be set to version %d: %s", url, self._version, e)
+                    continue
+                await self.client.revive(url)
+                revived.append(url)
+        return revived
+
+    async def check_replicas(self) -> list[str]:
+        """Several replicas: mark down any server that answers with another version than the tracked one (it
+        restarted between two requests, so no request failed to tell): it comes back through revive_replicas."""
+        _, lock = self._sync()
+        wrong = []
+        async with lock:  # not mid-update, when a server is legitimately ahead
+            for url in list(self.client.up_urls):
+                try:
+                    if int(await self.client.server_version(url)) != self._version:
+                        wrong.append(url)
+                except Exception:  # noqa: BLE001 - unreachable: the client marks it down on its own
+                    continue
+        for url in wrong:
+            self.client.mark_down(url, f"it no longer serves policy version {self._version}")
+        return wrong
+
     async def watch(self) -> None:
-        """Run forever: poll for new broadcasts (cancel the task to stop)."""
+        """Run forever: poll for new broadcasts, check replicas and bring back those that returned (cancel the
+        task to stop)."""
+        replicated = len(getattr(self.client, "base_urls", ())) > 1
         while True:
             await self.refresh()
+            if replicated:
+                await self.check_replicas()
+                if self.client.down:
+                    await self.revive_replicas()
             await self._sleep(self.poll_interval_s)
 
     async def wait_for(self, min_version: int) -> float:

@@ -145,3 +145,69 @@ def test_score_maps_prompt_logprobs_by_token():
             return await c.score([1, 9, 3])
 
     assert asyncio.run(go()) == [None, -1.5, -2.0]
+
+
+def test_a_rollouts_turns_stay_on_one_replica_and_new_rollouts_go_to_the_least_loaded():
+    from primejax.inference.client import sticky_route
+
+    hits: list[str] = []
+
+    async def handler(req):
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        hits.append(req.url.host)
+        await asyncio.sleep(0.01)
+        return httpx.Response(200, json=COMPLETION)
+
+    async def rollout(c, turns: int) -> None:
+        sticky_route()
+        for _ in range(turns):
+            await c.generate([1, 2, 3], n=2, max_tokens=2, temperature=1.0)
+
+    async def go():
+        async with InferenceClient(["http://a", "http://b"], transport=httpx.AsyncBaseTransport(), backoff_s=0.0) as c:
+            c._http._transport = httpx.MockTransport(handler)
+            tasks = [asyncio.create_task(rollout(c, 3)) for _ in range(2)]
+            await asyncio.gather(*tasks)
+
+    asyncio.run(go())
+    # Two rollouts started together: one per replica (least loaded), each one's three turns on its own.
+    assert sorted(hits) == ["a"] * 3 + ["b"] * 3
+    assert hits[:2] in (["a", "b"], ["b", "a"])
+
+
+def test_a_replica_that_fails_is_routed_around_until_revived():
+    dead = {"b"}
+
+    def handler(req):
+        if req.url.host in dead:
+            raise httpx.ConnectError("refused")
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        if req.url.path == "/weights_version":
+            return httpx.Response(200, json={"version": 2})
+        return httpx.Response(200, json=COMPLETION)
+
+    async def go():
+        async with _client(handler, urls=("http://a", "http://b"), max_retries=0) as c:
+            outcomes = []
+            for _ in range(6):
+                try:
+                    await c.generate([1, 2, 3], n=2, max_tokens=2, temperature=1.0)
+                    outcomes.append("ok")
+                except InferenceError:
+                    outcomes.append("lost")
+            down = set(c.down)
+            version = await c.weights_version()  # admin calls skip the down replica
+            alive_while_dead = await c.alive("http://b")
+            dead.clear()
+            alive_after = await c.alive("http://b")
+            await c.revive("http://b")
+            return outcomes, down, version, alive_while_dead, alive_after, set(c.down)
+
+    outcomes, down, version, alive_while_dead, alive_after, down_after = asyncio.run(go())
+    # Only the one request that found it dead is lost (the caller redoes it); every later one goes to "a".
+    assert outcomes.count("lost") == 1 and outcomes[outcomes.index("lost") + 1 :] == ["ok"] * (5 - outcomes.index("lost"))
+    assert down == {"http://b"} and version == 2
+    assert not alive_while_dead and alive_after
+    assert down_after == set()

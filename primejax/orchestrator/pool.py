@@ -1,0 +1,278 @@
+"""The continuous rollout pool (`orchestrator.pool.mode = "continuous"`, docs/rollouts.md).
+
+Groups are dispatched as soon as there is room, not per step: a dispatcher task keeps up to `capacity` groups
+in flight or finished-and-waiting, and each step's batch is cut from finished groups (first finished, first
+cut) as soon as they hold `batch_size` trainable rollouts; what is left waits for the next cut.
+
+The off-policy bound holds per sample. Every request of a group notes the policy version it started under
+(`generate.GroupTrace`); a group's samples are no older than its oldest request. Step n may train on samples
+of θ_{n-1-k} or newer (`policy.min_policy_version`, k = async_level), and the step being cut only grows, so a
+group whose oldest request is below the current step's bound can never be used: if it is still running its
+task is cancelled (the HTTP request is closed, which makes vLLM abort it) and counted `cancelled_stale`; if it
+already finished it is dropped (`dropped_stale`).
+
+The pool refills to `capacity` whenever there is room, so a few slow groups never hold up a cut: the cut
+takes whatever finished first and the stragglers are carried (or cancelled once stale). It does not dispatch
+while the served version v is below the current step's bound (waiting for the trainer), nor when finished
+groups already cover every step a group started now could serve (the steps up to v + 1 + k). `capacity`
+bounds the work at risk: with the trainer as the bottleneck, up to that many groups may turn stale and be
+cancelled.
+
+A group that lost a request to the server (outage, dead replica) is dispatched again with the same prompt
+(`redispatched`). The prompts of unfinished groups are part of the orchestrator checkpoint: on resume they are
+dispatched first (in-flight work is redone, not lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from primejax.orchestrator.concurrency import PRIORITY
+from primejax.orchestrator.generate import TRACE, GroupTrace
+from primejax.orchestrator.policy import min_policy_version
+from primejax.orchestrator.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+RunGroup = Callable[[str, int, int, int], Awaitable[list[Rollout]]]  # (env, index, group_id, step) -> group
+
+
+@dataclass
+class Ticket:
+    """One dispatched group."""
+
+    id: int
+    env: str
+    index: int
+    step: int  # the step being cut when it was dispatched (seeds and fault points)
+    dispatched_at: float
+    trace: GroupTrace = field(default_factory=GroupTrace)
+    task: asyncio.Task | None = None
+    rollouts: list[Rollout] | None = None
+    finished_at: float = 0.0
+
+    @property
+    def oldest(self) -> int | None:
+        return self.trace.oldest
+
+    @property
+    def trainable(self) -> int:
+        return sum(r.ok and not r.dropped for r in self.rollouts or [])
+
+
+@dataclass
+class Cut:
+    """A step's share of the pool: the groups cut (in finish order) and the wait it took."""
+
+    groups: list[list[Rollout]]
+    wait_s: float
+    counts: dict[str, float]
+
+
+class RolloutPool:
+    def __init__(
+        self,
+        run_group: RunGroup,
+        sample: Callable[[int], list[tuple[str, int]]],
+        policy: Any,
+        *,
+        batch_size: int,
+        group_size: int,
+        async_level: int,
+        capacity: int,
+        oversampling: float = 1.0,
+        group_timeout_s: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """`run_group(env, index, group_id, step)` generates and finalizes one group; `sample(n)` draws n
+        (env, index) prompts; `policy` has `.version` and `wait_for(v)` (the PolicyTracker); a group running
+        longer than `group_timeout_s` (> 0) is cancelled and counted `timed_out` (its rollouts never train)."""
+        self.run_group, self.sample, self.policy = run_group, sample, policy
+        self.group_timeout_s = group_timeout_s
+        self.batch_size, self.group_size, self.k = batch_size, group_size, async_level
+        self.capacity, self.oversampling, self.clock = max(1, capacity), oversampling, clock
+        self.running: dict[int, Ticket] = {}
+        self.done: deque[Ticket] = deque()
+        self.requeued: deque[tuple[str, int]] = deque()  # prompts dispatched first (resume, lost requests)
+        self.cut_step = 1
+        self.counts: Counter = Counter()  # since the last cut
+        self.total: Counter = Counter()
+        self._next_id = 0
+        self._cond: asyncio.Condition | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def bound(self) -> int:
+        """The oldest policy version the step being cut may train on."""
+        return min_policy_version(self.cut_step, self.k)
+
+    def pending_prompts(self) -> list[tuple[str, int]]:
+        """Prompts of every group not yet cut (requeued, finished, running), for the checkpoint."""
+        tickets = sorted([*self.done, *self.running.values()], key=lambda t: t.id)
+        return [*self.requeued, *((t.env, t.index) for t in tickets)]
+
+    def requeue(self, prompts: list[tuple[str, int]]) -> None:
+        self.requeued.extend((str(env), int(index)) for env, index in prompts)
+
+    def _need(self) -> int:
+        """Groups worth dispatching now (see module docstring)."""
+        v = self.policy.version
+        if v < self.bound:
+            return 0
+        useful_steps = v + 1 + self.k - self.cut_step + 1
+        if sum(t.trainable for t in self.done) >= useful_steps * self.batch_size:
+            return 0  # finished work already covers every step a group started now could serve
+        return max(0, self.capacity - len(self.running) - len(self.done))
+
+    # ------------------------------------------------------------------------------------------ tasks
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _notify(self) -> None:
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+
+    def start(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._dispatcher()), asyncio.create_task(self._versions())]
+
+    async def stop(self) -> None:
+        """Cancel the dispatcher and every running group (their requests are aborted)."""
+        tasks = [*self._tasks, *(t.task for t in self.running.values() if t.task is not None)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _dispatcher(self) -> None:
+        cond = self._condition()
+        while True:
+            async with cond:
+                await cond.wait_for(lambda: self._need() > 0)
+                n = self._need()
+            fresh = max(0, n - len(self.requeued))
+            prompts = [self.requeued.popleft() for _ in range(min(n, len(self.requeued)))] + self.sample(
+                fresh
+            )
+            for env, index in prompts:
+                self._dispatch(env, index)
+            await asyncio.sleep(0)  # let the new groups start before looking again
+
+    async def _versions(self) -> None:
+        """On every policy update: enforce the bound (it may have moved with the cut) and wake the dispatcher."""
+        while True:
+            await self.policy.wait_for(self.policy.version + 1)
+            self.enforce_bound()
+            await self._notify()
+
+    def _dispatch(self, env: str, index: int) -> None:
+        ticket = Ticket(
+            id=self._next_id, env=env, index=index, step=self.cut_step, dispatched_at=self.clock()
+        )
+        self._next_id += 1
+        self.running[ticket.id] = ticket
+        ticket.task = asyncio.create_task(self._run(ticket))
+        self.counts["dispatched"] += 1
+
+    async def _run(self, ticket: Ticket) -> None:
+        TRACE.set(ticket.trace)  # this task's own context: every request of the group notes its version here
+        PRIORITY.set(ticket.id)  # older groups' turns pass the request limit first
+        try:
+            group = self.run_group(ticket.env, ticket.index, ticket.id, ticket.step)
+            if self.group_timeout_s > 0:
+                group = asyncio.wait_for(group, self.group_timeout_s)
+            ticket.rollouts = await group
+        except TimeoutError:
+            log.warning(
+                "group %d (%s #%d) timed out after %.0f s: cancelled",
+                ticket.id,
+                ticket.env,
+                ticket.index,
+                self.group_timeout_s,
+            )
+            self.counts["timed_out"] += 1
+            ticket.rollouts = None
+        except asyncio.CancelledError:
+            return  # cancelled by the bound or stop(): the canceller accounted for it
+        except Exception as e:  # noqa: BLE001 - one failed group must not stop the pool
+            log.warning("group %d (%s #%d) failed: %s", ticket.id, ticket.env, ticket.index, e)
+            self.counts["errored_groups"] += 1
+            ticket.rollouts = None
+        if self.running.pop(ticket.id, None) is None:
+            return
+        ticket.finished_at = self.clock()
+        if ticket.trace.lost:
+            self.counts["redispatched"] += 1
+            self.requeued.appendleft((ticket.env, ticket.index))
+        elif ticket.rollouts is not None:
+            self.done.append(ticket)
+        await self._notify()
+
+    def enforce_bound(self) -> None:
+        """Cancel running groups and drop finished ones whose oldest request is older than the bound."""
+        bound = self.bound
+        for ticket in [t for t in self.running.values() if t.oldest is not None and t.oldest < bound]:
+            del self.running[ticket.id]
+            ticket.task.cancel()
+            self.counts["cancelled_stale"] += 1
+        stale = [t for t in self.done if t.oldest is not None and t.oldest < bound]
+        for ticket in stale:
+            self.done.remove(ticket)
+            self.counts["dropped_stale"] += 1
+
+    def restart_all(self) -> None:
+        """Throw away every group not yet cut and dispatch its prompt again (the server lost its weights)."""
+        for ticket in sorted([*self.done, *self.running.values()], key=lambda t: t.id, reverse=True):
+            if ticket.task is not None and not ticket.task.done():
+                ticket.task.cancel()
+            self.requeued.appendleft((ticket.env, ticket.index))
+            self.counts["redispatched"] += 1
+        self.running.clear()
+        self.done.clear()
+
+    # ------------------------------------------------------------------------------------------ the cut
+
+    async def cut(self, step: int) -> Cut:
+        """Wait until finished groups hold `batch_size` trainable rollouts within step `step`'s bound, and take
+        them (whole groups in finish order; the last may hold more than needed, cut_batch trims it)."""
+        self.cut_step = step
+        self.enforce_bound()
+        self.start()
+        start = self.clock()
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+            await cond.wait_for(lambda: sum(t.trainable for t in self.done) >= self.batch_size)
+        taken: list[Ticket] = []
+        count = 0
+        while count < self.batch_size:
+            ticket = self.done.popleft()
+            taken.append(ticket)
+            count += ticket.trainable
+        # Groups finished without a trainable rollout (all errored or filtered) are cut too: their rollouts
+        # belong in this step's metrics, and they must not fill the pool.
+        empty = [t for t in self.done if t.trainable == 0]
+        for t in empty:
+            self.done.remove(t)
+        counts = {
+            **self.counts,
+            "in_flight": len(self.running),
+            "carried": len(self.done),
+            "capacity": self.capacity,
+        }
+        self.total.update(self.counts)
+        self.counts = Counter()
+        await self._notify()
+        return Cut(groups=[t.rollouts for t in [*taken, *empty]], wait_s=self.clock() - start, counts=counts)
