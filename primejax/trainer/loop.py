@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wait_for_batch
+from primejax.contracts.batch import BatchFormatError, PackedBatch, prune_rollouts, read_batch, wait_for_batch
 from primejax.contracts.broadcast import (
     broadcast_dir,
     is_stable,
@@ -39,6 +39,7 @@ from primejax.models.sharding import init_model, make_mesh
 from primejax.trainer import optim
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
+from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.moe_metrics import flatten_moe_metrics
 from primejax.trainer.step import (
     TrainState,
@@ -111,9 +112,11 @@ class Trainer:
     """Holds the model, state, jitted steps and writers of one trainer process."""
 
     def __init__(self, t: TrainerConfig, model: ModelSettings, run: RunConfig, *, async_level: int = 1,
-                 num_receivers: int = 1):
+                 num_receivers: int = 1, corrections: CorrectionTable | None = None):
         """`async_level` (orchestrator.async_level): how many older broadcasts inference may still be asked for;
-        `num_receivers`: inference servers a collective transfer goes to (orchestrator.client.base_urls)."""
+        `num_receivers`: inference servers a collective transfer goes to (orchestrator.client.base_urls);
+        `corrections`: the rl loss's off-policy corrections per environment (trainer/corrections.py)."""
+        self.corrections = corrections or CorrectionTable()
         self.t, self.model_settings, self.run_cfg, self.async_level = t, model, run, async_level
         self.num_receivers = num_receivers
         self.root = run.dir
@@ -153,7 +156,8 @@ class Trainer:
         if key not in self._steps:
             fn = make_train_step(self.graphdef, self.optimizer, self.schedule, self.loss_cfg,
                                  chunk_size=self.t.logprob_chunk_size, max_segments=key,
-                                 saved_logits_max_bytes=head_saved_logits_bytes(self.t, self.mesh))
+                                 saved_logits_max_bytes=head_saved_logits_bytes(self.t, self.mesh),
+                                 corrections=self.corrections)
             self._steps[key] = jit_train_step(fn, self.state, self.mesh)
         return self._steps[key]
 
@@ -165,7 +169,12 @@ class Trainer:
         path = wait_for_batch(self.root, step, self.rank, timeout_s=t.batch_timeout_s, poll_s=0.2)
         m = self.model_cfg
         routing = (len(m.sparse_layers()), m.num_experts_per_tok) if m.num_experts else None
-        return read_batch(path, vocab_size=m.vocab_size, num_experts=m.num_experts or None, routing_shape=routing)
+        batch = read_batch(path, vocab_size=m.vocab_size, num_experts=m.num_experts or None, routing_shape=routing)
+        envs = tuple(batch.meta.get("envs") or ())
+        if envs and envs != self.corrections.env_names:
+            raise BatchFormatError(path, "meta.envs", f"{list(envs)} are not this trainer's environments "
+                                                      f"{list(self.corrections.env_names)} (orchestrator.envs)")
+        return batch
 
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         arrays = to_micro_batches(batch, self.micro_rows)
@@ -346,7 +355,8 @@ def train(cfg: Config) -> TrainState:
     root = cfg.run_dir
     root.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg.trainer, cfg.model, cfg.run, async_level=cfg.orchestrator.async_level,
-                      num_receivers=max(1, len(cfg.orchestrator.client.base_urls)))
+                      num_receivers=max(1, len(cfg.orchestrator.client.base_urls)),
+                      corrections=CorrectionTable.from_orchestrator(cfg.orchestrator))
     if trainer.rank != 0:  # one writer of the run's metrics
         return trainer.run(None)
     with Monitor.from_config(root, "trainer", cfg.monitor) as monitor:
