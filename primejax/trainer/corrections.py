@@ -89,6 +89,15 @@ def seq_sum(x: jax.Array, seg: jax.Array) -> jax.Array:
     return sums[gid]
 
 
+def seq_first(mask: jax.Array, seg: jax.Array) -> jax.Array:
+    """[B, T] bool: the first token of each segment where `mask` holds (one per segment that has one)."""
+    b, t = mask.shape
+    before = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - mask  # mask tokens earlier in the row
+    gid = seg.astype(jnp.int32) + (t + 1) * jnp.arange(b, dtype=jnp.int32)[:, None]
+    start = jax.ops.segment_min(before.reshape(-1), gid.reshape(-1), num_segments=b * (t + 1))[gid]
+    return mask & (before == start)
+
+
 def _exp(x: jax.Array) -> jax.Array:
     return jnp.exp(jnp.clip(x, -LOG_MAX, LOG_MAX))
 
@@ -132,10 +141,9 @@ def norm_sums(lp, lq, member, seg, c: CorrectionConfig) -> tuple[jax.Array, jax.
     log_r = jax.lax.stop_gradient(jnp.where(member, lp - lq, 0.0))
     acc, _ = _accept(log_r, member, seg, c)
     w = raw_is_weight(log_r, member, seg, c)
-    share = acc.astype(w.dtype)
-    if c.is_weight.level != "token":  # one vote per sequence, spread over its accepted tokens
-        share = share / jnp.maximum(seq_sum(share, seg), 1.0)
-    return jnp.sum(share * w), jnp.sum(share)
+    if c.is_weight.level != "token":  # one vote per sequence: its first accepted token
+        acc = seq_first(acc, seg)
+    return jnp.sum(jnp.where(acc, w, 0.0)), jnp.sum(acc, dtype=w.dtype)
 
 
 def token_loss(lp, lq, adv, member, seg, c: CorrectionConfig, cfg: LossConfig, norm: jax.Array | None = None):
@@ -181,7 +189,7 @@ def token_loss(lp, lq, adv, member, seg, c: CorrectionConfig, cfg: LossConfig, n
         "weight": jnp.where(member, jax.lax.stop_gradient(weight), 0.0),
         "masked": member & ~keep,
         "rejected": rejected,
-        "seq_share": fm / n_seq,  # sums to 1 over a sequence's members: counts sequences
+        "seq_first": seq_first(member, seg),  # one token per sequence: counts sequences
         "seq_all_masked": member & (kept_in_seq == 0),
         "seq_log_ratio": jax.lax.stop_gradient(mean_log_r),
         "masked_low": masked_low,
@@ -206,7 +214,7 @@ def step_norms(lp, mb: Mapping[str, jax.Array], member, table: CorrectionTable) 
     for k, c in enumerate(table.kinds):
         if c.is_weight.normalize:
             s, n = norm_sums(lp, mb["inference_logprobs"], member & (kinds == k), mb["segment_ids"], c)
-            out[f"is_norm/{k}"] = jnp.stack([s, n]).astype(jnp.float32)
+            out[f"is_norm/{k}"] = jnp.stack([s, n])
     return out
 
 
@@ -243,13 +251,12 @@ def metric_sums(info, member, log_r_sg, mb: Mapping[str, jax.Array], table: Corr
 
     def add(prefix: str, sel: jax.Array) -> None:
         out[f"corr/{prefix}/tokens"] = jnp.sum(sel, dtype=f32)
-        out[f"corr/{prefix}/seqs"] = jnp.sum(jnp.where(sel, info["seq_share"], 0.0), dtype=f32)
+        out[f"corr/{prefix}/seqs"] = jnp.sum(sel & info["seq_first"], dtype=f32)
         out[f"corr/{prefix}/weight"] = jnp.sum(jnp.where(sel, w, 0.0), dtype=f32)
         out[f"max/corr/{prefix}/weight"] = jnp.max(jnp.where(sel, w, 0.0)).astype(f32)
         out[f"corr/{prefix}/masked"] = jnp.sum(sel & info["masked"], dtype=f32)
         out[f"corr/{prefix}/rejected"] = jnp.sum(sel & info["rejected"], dtype=f32)
-        out[f"corr/{prefix}/seq_masked"] = jnp.sum(jnp.where(sel & info["seq_all_masked"], info["seq_share"], 0.0),
-                                                   dtype=f32)
+        out[f"corr/{prefix}/seq_masked"] = jnp.sum(sel & info["seq_first"] & info["seq_all_masked"], dtype=f32)
         out[f"corr/{prefix}/mismatch_kl"] = jnp.sum(jnp.where(sel, mism, 0.0), dtype=f32)
 
     env_ids = _stream(mb, "env_ids")
@@ -263,7 +270,7 @@ def metric_sums(info, member, log_r_sg, mb: Mapping[str, jax.Array], table: Corr
     lower = -jnp.inf
     for i, upper in enumerate((*HIST_EDGES, jnp.inf)):
         sel = member & (x > lower) & (x <= upper)
-        out[f"corr/hist/{i}"] = jnp.sum(jnp.where(sel, info["seq_share"], 0.0), dtype=f32)
+        out[f"corr/hist/{i}"] = jnp.sum(sel & info["seq_first"], dtype=f32)
         lower = upper
     return out
 
@@ -282,17 +289,16 @@ def finalize(sums: Mapping[str, jax.Array], table: CorrectionTable) -> dict[str,
     groups = [f"env/{n}" for n in table.env_names] + [f"staleness/{s}" for s in range(table.staleness_bins)]
     for g in groups:
         n = jnp.maximum(sums[f"corr/{g}/tokens"], 1.0)
-        seqs = jnp.maximum(sums[f"corr/{g}/seqs"], 1e-6)
+        seqs = jnp.maximum(sums[f"corr/{g}/seqs"], 1.0)
         base = f"corrections/{g}"
         out[f"{base}/tokens"] = sums[f"corr/{g}/tokens"]
         out[f"{base}/is_weight_mean"] = sums[f"corr/{g}/weight"] / n
         out[f"{base}/is_weight_max"] = sums[f"max/corr/{g}/weight"]
         out[f"{base}/masked_frac"] = sums[f"corr/{g}/masked"] / n
         out[f"{base}/rejected_frac"] = sums[f"corr/{g}/rejected"] / n
-        out[f"{base}/seq_masked_frac"] = jnp.where(sums[f"corr/{g}/seqs"] > 0.5, sums[f"corr/{g}/seq_masked"] / seqs,
-                                                   0.0)
+        out[f"{base}/seq_masked_frac"] = sums[f"corr/{g}/seq_masked"] / seqs
         out[f"{base}/mismatch_kl"] = sums[f"corr/{g}/mismatch_kl"] / n
-    total = jnp.maximum(sum(sums[f"corr/hist/{i}"] for i in range(len(HIST_EDGES) + 1)), 1e-6)
+    total = jnp.maximum(sum(sums[f"corr/hist/{i}"] for i in range(len(HIST_EDGES) + 1)), 1.0)
     for i in range(len(HIST_EDGES) + 1):
         out[f"corrections/seq_log_ratio_hist/{i:02d}"] = sums[f"corr/hist/{i}"] / total
     return out
