@@ -372,3 +372,39 @@ def test_reject_and_icepop_ranges_are_checked():
         RejectConfig(low=0.5, high=0.1)
     with pytest.raises(ConfigError, match="below high"):
         IcepopConfig(low=2.0, high=1.0)
+
+
+def test_step_with_normalized_weights_does_not_depend_on_the_micro_batch_split(tiny_cfg, make_samples):
+    """The jitted step's gradient accumulation with two envs (normalized TIS + sequence MIS, GSPO-token): the
+    forward-only pre-pass gives every micro-batch the whole step's mean weight, so 1x4 and 4x1 agree."""
+    from flax import nnx
+
+    from primejax.contracts.batch import pack_samples
+    from primejax.models.sharding import init_model
+    from primejax.trainer.step import make_grad_fn, target_logprobs, to_micro_batches
+
+    samples = make_samples(5, 8, max_len=24, streams=False)
+    for i, s in enumerate(samples):
+        s.env_index, s.policy_version = i % 2, i % 3
+    (batch,) = pack_samples(samples, seq_len=48, pad_rows_to_multiple=4, step=3, envs=("a", "b"))
+    assert batch.rows == 4 and set(np.unique(batch.staleness[batch.loss_mask])) == {0, 1, 2}
+    table = _table([CASES["mis_sequence_k1_with_tis"], CASES["gspo_token_icepop"]])
+    model = init_model(tiny_cfg, None, seed=0)
+    # a sampler near the policy: its logprobs plus noise, so every mask keeps some tokens and drops others
+    lq = np.asarray(target_logprobs(model, batch.arrays())) + np.random.default_rng(0).normal(0, 0.3, batch.tokens.shape)
+    batch.inference_logprobs = np.where(batch.loss_mask, lq, 0.0).astype(np.float32)
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    fn = jax.jit(make_grad_fn(graphdef, LossConfig(kl_tau=0.1), chunk_size=16, corrections=table))
+    results = {m: fn(params, to_micro_batches(batch, m)) for m in (4, 1)}
+    loss4, grads4, sums4, counts4 = results[4]
+    assert float(counts4["is_norm/0"][1]) > 0  # the pre-pass ran and saw accepted tokens
+    assert 0 < float(sums4["corr/env/e0/rejected"]) + float(sums4["corr/env/e1/rejected"])
+    for m in (1,):
+        loss, grads, sums, counts = results[m]
+        np.testing.assert_allclose(counts["is_norm/0"], counts4["is_norm/0"], rtol=1e-5)
+        np.testing.assert_allclose(loss, loss4, rtol=1e-5, atol=1e-6)
+        for k in sums4:
+            np.testing.assert_allclose(sums[k], sums4[k], rtol=1e-5, atol=1e-5, err_msg=k)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads4), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
