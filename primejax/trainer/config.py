@@ -125,8 +125,9 @@ class ClipRangeConfig(Section):
 
 
 def _cispo_range() -> ClipRangeConfig:
-    # MiniMax-M1 (arXiv:2506.13585) keeps no lower bound on CISPO's weight: eps_low = 1 clips at 0.
-    return ClipRangeConfig(eps_low=1.0, eps_high=4.0)
+    # MiniMax-M1 (arXiv:2506.13585) keeps no lower bound on CISPO's weight (eps_low = 1 clips at 0); the upper
+    # bound 2 is the TIS cap default (docs/algorithms.md#corrections).
+    return ClipRangeConfig(eps_low=1.0, eps_high=1.0)
 
 
 OBJECTIVES = ("dppo", "gspo", "gspo_token", "cispo")

@@ -408,3 +408,68 @@ def test_step_with_normalized_weights_does_not_depend_on_the_micro_batch_split(t
             np.testing.assert_allclose(sums[k], sums4[k], rtol=1e-5, atol=1e-5, err_msg=k)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads4), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _run_config():
+    from primejax.config import default_config, env
+
+    cfg = default_config()
+    cfg.model.path = "unused"
+    cfg.orchestrator.envs.b_env = env("reverse-text", seed=1)
+    cfg.orchestrator.envs.a_env = env("reverse-text", seed=2)
+    cfg.orchestrator.envs.a_env.algo.type = "grpo"
+    cfg.orchestrator.envs.a_env.algo.correction.objective = "gspo"
+    cfg.orchestrator.algo.correction.is_weight.level = "token"
+    return cfg
+
+
+def test_each_env_gets_its_algorithm_blocks_correction():
+    from primejax.config import typed
+
+    cfg = typed(_run_config())
+    table = CorrectionTable.from_orchestrator(cfg.orchestrator)
+    names = table.env_names
+    assert names == tuple(sorted(cfg.orchestrator.envs))
+    by_env = {n: table.kinds[k] for n, k in zip(names, table.env_kind, strict=True)}
+    assert by_env["a_env"].objective == "gspo" and by_env["a_env"].is_weight.level == "none"
+    assert by_env["b_env"].is_weight.level == "token"  # inherits orchestrator.algo whole
+    assert table.staleness_bins == cfg.orchestrator.async_level + 2
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda c: c.orchestrator.envs.a_env.algo.correction.icepop.update(enabled=True),
+         "orchestrator.envs.a_env.algo.correction.icepop.enabled"),
+        (lambda c: (c.trainer.loss.update(type="custom", import_path="m.f")), "orchestrator.envs.a_env.algo.correction"),
+        (lambda c: (c.orchestrator.envs.a_env.algo.update(type="opd"),
+                    c.orchestrator.envs.a_env.algo.teacher.update(base_url=("http://h:1/v1",))),
+         "orchestrator.envs.a_env.algo.correction"),
+    ],
+)
+def test_incompatible_run_settings_are_rejected_at_start_up(edit, key):
+    from primejax.config import typed
+
+    cfg = _run_config()
+    edit(cfg)
+    with pytest.raises(ConfigError) as e:
+        typed(cfg)
+    assert e.value.key == key and "\n" not in str(e.value)
+
+
+def test_batch_carries_env_ids_and_staleness(tmp_path):
+    from primejax.contracts.batch import BatchFormatError, TrainingSample, pack_samples, read_batch, write_batch
+
+    samples = [TrainingSample([1, 2, 3, 4], [False, True, True, True], [0.0, -1.0, -1.0, -1.0], advantages=[1.0] * 4,
+                              policy_version=v, env_index=e) for v, e in ((4, 0), (2, 1), (5, 1))]
+    (batch,) = pack_samples(samples, seq_len=16, step=6, envs=("a", "b"))
+    assert batch.meta["envs"] == ["a", "b"]
+    for seg, (v, e) in enumerate(((4, 0), (2, 1), (5, 1)), start=1):
+        assert set(batch.env_ids[batch.segment_ids == seg]) == {e}
+        assert set(batch.staleness[batch.segment_ids == seg]) == {6 - 1 - v}
+    back = read_batch(write_batch(tmp_path, 0, batch))
+    np.testing.assert_array_equal(back.env_ids, batch.env_ids)
+    np.testing.assert_array_equal(back.staleness, batch.staleness)
+    batch.env_ids[0, 1] = 2  # no third env
+    with pytest.raises(BatchFormatError, match="env_ids"):
+        write_batch(tmp_path, 1, batch)
