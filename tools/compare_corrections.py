@@ -29,19 +29,36 @@ A = "--config.orchestrator.algo.correction."
 VARIANTS: dict[str, list[str]] = {
     "dppo": [],
     "tis": [A + "is_weight.level=token", A + "is_weight.cap=2.0"],
-    "mis_seq": [A + "reject.level=sequence", A + "reject.divergence=k3", A + "reject.low=0.0",
-                A + "reject.high=0.002"],
+    "mis_seq": [
+        A + "reject.level=sequence",
+        A + "reject.divergence=k3",
+        A + "reject.low=0.0",
+        A + "reject.high=0.002",
+    ],
     "icepop": [A + "icepop.enabled=True", A + "icepop.low=0.5", A + "icepop.high=2.0"],
     "gspo": [A + "objective=gspo"],
     "cispo": [A + "objective=cispo"],
 }
-MISMATCH = ["--config.inference.dtype=bfloat16", "--config.model.compute_dtype=float32",
-            "--config.orchestrator.async_level=2"]
+MISMATCH = [
+    "--config.inference.dtype=bfloat16",
+    "--config.model.compute_dtype=float32",
+    "--config.orchestrator.async_level=2",
+]
 
 
 def run(name: str, out: Path, steps: int, extra: list[str], log) -> float:
-    cmd = [sys.executable, "-m", "primejax.train", "--config", "configs/demo.py", f"--config.run.name={name}",
-           f"--config.run.output_dir={out}", f"--config.run.max_steps={steps}", *MISMATCH, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "primejax.train",
+        "--config",
+        "configs/demo.py",
+        f"--config.run.name={name}",
+        f"--config.run.output_dir={out}",
+        f"--config.run.max_steps={steps}",
+        *MISMATCH,
+        *extra,
+    ]
     log(f"$ {' '.join(cmd)}")
     start = time.monotonic()
     with open(out / f"{name}.log", "w") as f:
@@ -63,17 +80,19 @@ def collect(run_dir: Path) -> list[dict]:
             continue
         s = t["step"]
         env = "corrections/env/reverse_text/"
-        rows.append({
-            "step": s,
-            "reward": orch.get(s, {}).get("reward/mean"),
-            "mismatch_kl": t.get("mismatch_kl"),
-            "masked_frac": t.get(env + "masked_frac"),
-            "rejected_frac": t.get(env + "rejected_frac"),
-            "seq_masked_frac": t.get(env + "seq_masked_frac"),
-            "is_weight_mean": t.get(env + "is_weight_mean"),
-            "is_weight_max": t.get(env + "is_weight_max"),
-            "grad_norm": t.get("grad_norm"),
-        })
+        rows.append(
+            {
+                "step": s,
+                "reward": orch.get(s, {}).get("reward/mean"),
+                "mismatch_kl": t.get("mismatch_kl"),
+                "masked_frac": t.get(env + "masked_frac"),
+                "rejected_frac": t.get(env + "rejected_frac"),
+                "seq_masked_frac": t.get(env + "seq_masked_frac"),
+                "is_weight_mean": t.get(env + "is_weight_mean"),
+                "is_weight_max": t.get(env + "is_weight_max"),
+                "grad_norm": t.get("grad_norm"),
+            }
+        )
     return sorted(rows, key=lambda r: r["step"])
 
 
@@ -85,9 +104,11 @@ def _mean(rows: list[dict], key: str, steps: range | None = None) -> float:
 def table(results: dict[str, list[dict]], seconds: dict[str, float], steps: int) -> str:
     last = range(steps - 4, steps + 1)
     base = _mean(results.get("dppo", []), "reward", last)
-    lines = ["| correction | reward step 1 | reward (last 5 steps) | vs dppo | mismatch KL (mean) | masked tokens | "
-             "rejected tokens | fully masked seqs | IS weight mean / max | grad norm max | time |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| correction | reward step 1 | reward (last 5 steps) | vs dppo | mismatch KL (mean) | masked tokens | "
+        "rejected tokens | fully masked seqs | IS weight mean / max | grad norm max | time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, rows in results.items():
         first = rows[0]["reward"] if rows and rows[0]["reward"] is not None else math.nan
         r_last = _mean(rows, "reward", last)
@@ -108,8 +129,11 @@ def plot(results: dict[str, list[dict]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = (("reward", "reward (mean)"), ("mismatch_kl", "trainer-vLLM mismatch KL"),
-            ("masked_frac", "masked token fraction"))
+    keys = (
+        ("reward", "reward (mean)"),
+        ("mismatch_kl", "trainer-vLLM mismatch KL"),
+        ("masked_frac", "masked token fraction"),
+    )
     fig, axes = plt.subplots(1, len(keys), figsize=(4.4 * len(keys), 3.4))
     for ax, (key, title) in zip(axes, keys, strict=True):
         for name, rows in results.items():
@@ -135,13 +159,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", default="outputs/compare_corrections")
     parser.add_argument("--only", default="", help="comma-separated subset of " + ", ".join(VARIANTS))
-    parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from finished runs")
+    parser.add_argument(
+        "--report", action="store_true", help="only rebuild the table and plot from finished runs"
+    )
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or args.steps <= 0:
-        parser.exit(2, f"error: unknown variant(s) {unknown} (known: {', '.join(VARIANTS)})\n" if unknown
-                    else "error: --steps must be > 0\n")
+        parser.exit(
+            2,
+            f"error: unknown variant(s) {unknown} (known: {', '.join(VARIANTS)})\n"
+            if unknown
+            else "error: --steps must be > 0\n",
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -155,8 +185,11 @@ def main() -> None:
         warm = RunDir(out / "warmup").sft_final
         for name in names:
             if (warm / "config.json").is_file():  # every run starts from the same SFT warm-up
-                extra = [f"--config.model.path={warm}", "--config.model.build_tiny.enabled=False",
-                         "--config.sft.steps=0"]
+                extra = [
+                    f"--config.model.path={warm}",
+                    "--config.model.build_tiny.enabled=False",
+                    "--config.sft.steps=0",
+                ]
                 seconds[name] = run(name, out, args.steps, VARIANTS[name] + extra, log)
             else:  # the first run does the warm-up (the demo's SFT) in its own run dir; keep a copy
                 seconds[name] = run(name, out, args.steps, VARIANTS[name], log)

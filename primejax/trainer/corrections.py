@@ -218,8 +218,14 @@ def step_norms(lp, mb: Mapping[str, jax.Array], member, table: CorrectionTable) 
     return out
 
 
-def table_loss(lp, mb: Mapping[str, jax.Array], member, cfg: LossConfig, table: CorrectionTable,
-               counts: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+def table_loss(
+    lp,
+    mb: Mapping[str, jax.Array],
+    member,
+    cfg: LossConfig,
+    table: CorrectionTable,
+    counts: Mapping[str, jax.Array],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token rl loss over every correction of the table, and the merged per-token indicators."""
     lq, adv, seg = mb["inference_logprobs"], mb["advantages"], mb["segment_ids"]
     if len(table.kinds) == 1:
@@ -242,7 +248,9 @@ def table_loss(lp, mb: Mapping[str, jax.Array], member, cfg: LossConfig, table: 
     return loss, info
 
 
-def metric_sums(info, member, log_r_sg, mb: Mapping[str, jax.Array], table: CorrectionTable) -> dict[str, jax.Array]:
+def metric_sums(
+    info, member, log_r_sg, mb: Mapping[str, jax.Array], table: CorrectionTable
+) -> dict[str, jax.Array]:
     """Additive sums (keys `max/...` combine by maximum) for the per-env, per-staleness and histogram metrics."""
     f32 = jnp.float32
     mism = jnp.where(member, jnp.expm1(log_r_sg) - log_r_sg, 0.0)
@@ -256,7 +264,9 @@ def metric_sums(info, member, log_r_sg, mb: Mapping[str, jax.Array], table: Corr
         out[f"max/corr/{prefix}/weight"] = jnp.max(jnp.where(sel, w, 0.0)).astype(f32)
         out[f"corr/{prefix}/masked"] = jnp.sum(sel & info["masked"], dtype=f32)
         out[f"corr/{prefix}/rejected"] = jnp.sum(sel & info["rejected"], dtype=f32)
-        out[f"corr/{prefix}/seq_masked"] = jnp.sum(sel & info["seq_first"] & info["seq_all_masked"], dtype=f32)
+        out[f"corr/{prefix}/seq_masked"] = jnp.sum(
+            sel & info["seq_first"] & info["seq_all_masked"], dtype=f32
+        )
         out[f"corr/{prefix}/mismatch_kl"] = jnp.sum(jnp.where(sel, mism, 0.0), dtype=f32)
 
     env_ids = _stream(mb, "env_ids")

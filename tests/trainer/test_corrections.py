@@ -119,6 +119,7 @@ def np_grad(lp0, b, corr_of_env, h=1e-3):
     g = np.zeros_like(lp0)
     member = b["loss_mask"] & (b["rl_weights"] != 0)
     for i, j in zip(*np.nonzero(member), strict=True):
+
         def f(delta, i=i, j=j):
             x = lp0.copy()
             x[i, j] += delta
@@ -217,14 +218,20 @@ TIS = CorrectionConfig(is_weight=ISWeightConfig(level="token", cap=1.5))
 CASES = {
     "dppo": CorrectionConfig(),
     "tis_token": TIS,
-    "tis_token_normalized": CorrectionConfig(is_weight=ISWeightConfig(level="token", cap=1.5, normalize=True)),
+    "tis_token_normalized": CorrectionConfig(
+        is_weight=ISWeightConfig(level="token", cap=1.5, normalize=True)
+    ),
     "is_sequence": CorrectionConfig(is_weight=ISWeightConfig(level="sequence", cap=3.0)),
-    "is_sequence_normalized": CorrectionConfig(is_weight=ISWeightConfig(level="sequence", cap=3.0, normalize=True)),
+    "is_sequence_normalized": CorrectionConfig(
+        is_weight=ISWeightConfig(level="sequence", cap=3.0, normalize=True)
+    ),
     "is_geometric_normalized": CorrectionConfig(
         is_weight=ISWeightConfig(level="geometric", cap=1.2, normalize=True)
     ),
     "mis_token_k1": CorrectionConfig(reject=RejectConfig(level="token", divergence="k1", low=-0.3, high=0.3)),
-    "mis_sequence_k3": CorrectionConfig(reject=RejectConfig(level="sequence", divergence="k3", low=0.0, high=0.1)),
+    "mis_sequence_k3": CorrectionConfig(
+        reject=RejectConfig(level="sequence", divergence="k3", low=0.0, high=0.1)
+    ),
     "mis_sequence_k1_with_tis": CorrectionConfig(
         is_weight=ISWeightConfig(level="token", cap=1.5, normalize=True),
         reject=RejectConfig(level="sequence", divergence="k1", low=-0.5, high=0.5),
@@ -232,15 +239,19 @@ CASES = {
     "icepop": CorrectionConfig(icepop=IcepopConfig(enabled=True, low=0.8, high=1.25)),
     "gspo": CorrectionConfig(objective="gspo", gspo=ClipRangeConfig(eps_low=0.05, eps_high=0.07)),
     "gspo_mis_sequence": CorrectionConfig(
-        objective="gspo", gspo=ClipRangeConfig(eps_low=0.05, eps_high=0.07),
+        objective="gspo",
+        gspo=ClipRangeConfig(eps_low=0.05, eps_high=0.07),
         reject=RejectConfig(level="sequence", divergence="k3", low=0.0, high=0.1),
     ),
     "gspo_token_icepop": CorrectionConfig(
-        objective="gspo_token", gspo=ClipRangeConfig(eps_low=0.05, eps_high=0.07),
+        objective="gspo_token",
+        gspo=ClipRangeConfig(eps_low=0.05, eps_high=0.07),
         icepop=IcepopConfig(enabled=True, low=0.8, high=1.25),
     ),
     "cispo": CorrectionConfig(objective="cispo", cispo=ClipRangeConfig(eps_low=0.2, eps_high=0.2)),
-    "cispo_icepop": CorrectionConfig(objective="cispo", icepop=IcepopConfig(enabled=True, low=0.8, high=1.25)),
+    "cispo_icepop": CorrectionConfig(
+        objective="cispo", icepop=IcepopConfig(enabled=True, low=0.8, high=1.25)
+    ),
 }
 
 
@@ -286,16 +297,20 @@ def test_loss_does_not_depend_on_the_micro_batch_split(name):
         for k in sums:  # metric sums are float32 (summation order differs): 1e-6
             np.testing.assert_allclose(merged[k], sums[k], rtol=1e-6, atol=1e-6, err_msg=k)
         g_whole = jax.grad(lambda x: jax_loss(x, b, envs)[0])(jnp.asarray(lp))
-        g_parts = sum(jax.grad(lambda x, r=r: jax_loss(x, b, envs, rows=slice(r, r + 1))[0])(jnp.asarray(lp))
-                      for r in range(3))
+        g_parts = sum(
+            jax.grad(lambda x, r=r: jax_loss(x, b, envs, rows=slice(r, r + 1))[0])(jnp.asarray(lp))
+            for r in range(3)
+        )
         np.testing.assert_allclose(g_parts, g_whole, rtol=0, atol=TOL)
 
 
 def test_edge_cases_empty_all_masked_zero_advantage():
     """No rl member at all; every sequence rejected; all advantages zero: finite, loss = the KL term only."""
     lp, b = make_batch(3)
-    mis = CorrectionConfig(reject=RejectConfig(level="sequence", divergence="k1", low=5.0, high=6.0),
-                           is_weight=ISWeightConfig(level="token", normalize=True))
+    mis = CorrectionConfig(
+        reject=RejectConfig(level="sequence", divergence="k1", low=5.0, high=6.0),
+        is_weight=ISWeightConfig(level="token", normalize=True),
+    )
     for variant, corr in (
         ({"loss_mask": np.zeros_like(b["loss_mask"])}, CASES["tis_token_normalized"]),
         ({}, mis),  # every sequence rejected: no accepted weight, norm falls back to 1
@@ -391,7 +406,9 @@ def test_step_with_normalized_weights_does_not_depend_on_the_micro_batch_split(t
     table = _table([CASES["mis_sequence_k1_with_tis"], CASES["gspo_token_icepop"]])
     model = init_model(tiny_cfg, None, seed=0)
     # a sampler near the policy: its logprobs plus noise, so every mask keeps some tokens and drops others
-    lq = np.asarray(target_logprobs(model, batch.arrays())) + np.random.default_rng(0).normal(0, 0.3, batch.tokens.shape)
+    lq = np.asarray(target_logprobs(model, batch.arrays())) + np.random.default_rng(0).normal(
+        0, 0.3, batch.tokens.shape
+    )
     batch.inference_logprobs = np.where(batch.loss_mask, lq, 0.0).astype(np.float32)
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
@@ -439,12 +456,21 @@ def test_each_env_gets_its_algorithm_blocks_correction():
 @pytest.mark.parametrize(
     "edit, key",
     [
-        (lambda c: c.orchestrator.envs.a_env.algo.correction.icepop.update(enabled=True),
-         "orchestrator.envs.a_env.algo.correction.icepop.enabled"),
-        (lambda c: (c.trainer.loss.update(type="custom", import_path="m.f")), "orchestrator.envs.a_env.algo.correction"),
-        (lambda c: (c.orchestrator.envs.a_env.algo.update(type="opd"),
-                    c.orchestrator.envs.a_env.algo.teacher.update(base_url=("http://h:1/v1",))),
-         "orchestrator.envs.a_env.algo.correction"),
+        (
+            lambda c: c.orchestrator.envs.a_env.algo.correction.icepop.update(enabled=True),
+            "orchestrator.envs.a_env.algo.correction.icepop.enabled",
+        ),
+        (
+            lambda c: c.trainer.loss.update(type="custom", import_path="m.f"),
+            "orchestrator.envs.a_env.algo.correction",
+        ),
+        (
+            lambda c: (
+                c.orchestrator.envs.a_env.algo.update(type="opd"),
+                c.orchestrator.envs.a_env.algo.teacher.update(base_url=("http://h:1/v1",)),
+            ),
+            "orchestrator.envs.a_env.algo.correction",
+        ),
     ],
 )
 def test_incompatible_run_settings_are_rejected_at_start_up(edit, key):
@@ -458,10 +484,25 @@ def test_incompatible_run_settings_are_rejected_at_start_up(edit, key):
 
 
 def test_batch_carries_env_ids_and_staleness(tmp_path):
-    from primejax.contracts.batch import BatchFormatError, TrainingSample, pack_samples, read_batch, write_batch
+    from primejax.contracts.batch import (
+        BatchFormatError,
+        TrainingSample,
+        pack_samples,
+        read_batch,
+        write_batch,
+    )
 
-    samples = [TrainingSample([1, 2, 3, 4], [False, True, True, True], [0.0, -1.0, -1.0, -1.0], advantages=[1.0] * 4,
-                              policy_version=v, env_index=e) for v, e in ((4, 0), (2, 1), (5, 1))]
+    samples = [
+        TrainingSample(
+            [1, 2, 3, 4],
+            [False, True, True, True],
+            [0.0, -1.0, -1.0, -1.0],
+            advantages=[1.0] * 4,
+            policy_version=v,
+            env_index=e,
+        )
+        for v, e in ((4, 0), (2, 1), (5, 1))
+    ]
     (batch,) = pack_samples(samples, seq_len=16, step=6, envs=("a", "b"))
     assert batch.meta["envs"] == ["a", "b"]
     for seg, (v, e) in enumerate(((4, 0), (2, 1), (5, 1)), start=1):
