@@ -33,7 +33,7 @@ VARIANTS: dict[str, list[str]] = {
         A + "reject.level=sequence",
         A + "reject.divergence=k3",
         A + "reject.low=0.0",
-        A + "reject.high=0.002",
+        A + "reject.high=0.02",
     ],
     "icepop": [A + "icepop.enabled=True", A + "icepop.low=0.5", A + "icepop.high=2.0"],
     "gspo": [A + "objective=gspo"],
