@@ -44,6 +44,8 @@ MISMATCH = [
     "--config.model.compute_dtype=float32",
     "--config.orchestrator.async_level=2",
 ]
+# a free port (other runs may hold 8000) and room for a slow server start on a busy machine
+HOST = ["--config.inference.port=0", "--config.inference.startup_timeout_s=1200"]
 
 
 def run(name: str, out: Path, steps: int, extra: list[str], log) -> float:
@@ -57,6 +59,7 @@ def run(name: str, out: Path, steps: int, extra: list[str], log) -> float:
         f"--config.run.output_dir={out}",
         f"--config.run.max_steps={steps}",
         *MISMATCH,
+        *HOST,
         *extra,
     ]
     log(f"$ {' '.join(cmd)}")
