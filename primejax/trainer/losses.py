@@ -5,6 +5,8 @@ d = exp(lp) - exp(lq) (docs/architecture.md#losses):
 
 - rl (DPPO + KL): masked = (A > 0 and d > dppo_mask_high) or (A <= 0 and d < -dppo_mask_low);
   loss_t = -keep * adv_tau * A * min(r, is_clip) + kl_tau * member * log_r^2, keep = member and not masked.
+  Each environment's algorithm block may replace the policy-gradient term and add masks (off-policy
+  corrections: IS weights, MIS, icepop, GSPO, CISPO; trainer/corrections.py, docs/algorithms.md#corrections).
 - ce: loss_t = -member * lp.
 - ref_kl: masked = d < -dppo_mask_low; loss_t = -keep * sg(lref - lp) * r + kl_tau * member * log_r^2.
 
@@ -37,6 +39,7 @@ from primejax.trainer.config import LossConfig
 from primejax.trainer.corrections import CorrectionTable
 
 COMPONENTS = ("rl", "ce", "ref_kl")
+
 
 @dataclasses.dataclass
 class LossInputs:
