@@ -3,11 +3,14 @@
     python tools/bench_moe.py                  # 1 GPU: gmm checks + kernels, 30B-A3B cut to a few layers at 16k
     python tools/bench_moe.py --suite gpu4     # 4 GPUs: 48-layer 30B-A3B, both expert-parallel modes
     python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
+    python tools/bench_moe.py --suite gpu1:families  # 1 GPU: GLM-4.5-Air cut to 4 layers next to Qwen3-30B-A3B
+    python tools/bench_moe.py --suite gpu4:families  # 4 GPUs: GLM-4.5-Air cut to 8 layers, expert-parallel
     python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
 
 Each step configuration runs in its own process (an OOM stays contained). The step is the trainer's own
 (`primejax.trainer.step`), fake full rows of random tokens, RL loss over every token. MFU: prime-rl's formula
-over active parameters (`ModelConfig.flops_per_token`: 6 x active matmul params + 12 L H (D/H) T) at 989
+over active parameters (`ModelConfig.flops_per_token`: 6 x active matmul params + 12 L H (D/H) T; GLM-4.5
+uses its head width, 12 L H Dh T, and counts its shared expert as active) at 989
 TFLOP/s bf16 per GPU; `MFU/2attn` halves the attention term (causal).
 """
 
@@ -23,7 +26,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.model_shapes import QWEN3  # noqa: E402
+from tools.model_shapes import GLM, QWEN3  # noqa: E402
 
 PEAK_FLOPS = 989e12
 QWEN3_30B_A3B = QWEN3["qwen3-30b-a3b"]
@@ -39,6 +42,21 @@ TINY = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=128,
 )
+# the same tiny shape in GLM-4.5's structure (2 expert groups, 1 kept)
+TINY_GLM = dict(
+    GLM["glm4.5-air"],
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    n_group=2,
+)
+SHAPES = {**QWEN3, **GLM, "tiny": TINY, "tiny-glm": TINY_GLM}
 
 
 def _step(
@@ -64,8 +82,10 @@ def _step(
     skip_if_oom="",
     micro=1,
     context=1,
+    model="",
 ):
     return dict(
+        model=model,
         context=context,
         micro=micro,
         skip_if_oom=skip_if_oom,
@@ -148,6 +168,20 @@ CONFIGS = {
         _step("moe8:16k:fsdp2", 16384, 8, pdt="bfloat16", scan=True, devices=2, rows=2),
         _step("moe8:32k:context2", 32768, 8, pdt="bfloat16", scan=True, devices=2, rows=1, context=2),
     ],
+    # GLM-4.5-Air cut to 4 layers (1 dense + 3 sparse: 8.2B params, bf16 state) next to Qwen3-30B-A3B's 8-layer row
+    # in the same call; unrolled (GLM's dense first layer cannot share a scanned layer with the sparse ones)
+    "gpu1:families": [
+        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
+        _step("glm45air4:16k:bf16state", 16384, 4, pdt="bfloat16", model="glm4.5-air"),
+        _step("glm45air4:16k:bf16state:full", 16384, 4, pdt="bfloat16", remat="full", model="glm4.5-air",
+              skip_if_oom="glm45air4:16k:bf16state"),
+    ],
+    # GLM-4.5-Air cut to 8 layers on 4 GPUs (17.5B params, bf16 state), both expert-parallel modes
+    "gpu4:families": [
+        _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
+        _step("glm45air8:16k:ep=fsdp", 16384, 8, remat="full", model="glm4.5-air", **dict(GPU4, scan=False)),
+        _step("glm45air8:16k:ep=ep", 16384, 8, remat="full", model="glm4.5-air", **dict(GPU4, scan=False, ep="ep")),
+    ],
     "smoke": [
         dict(kind="tiles", name="tiles", smoke=True),
         dict(kind="gmm", name="gmm", smoke=True),
@@ -171,6 +205,7 @@ CONFIGS = {
         _step(
             "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2
         ),
+        _step("tiny:256:glm", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-glm"),
     ],
 }
 
@@ -477,10 +512,11 @@ def tile_shape_worker(c: dict) -> dict:
 def _model_config(c: dict):
     from primejax.models.config import ModelConfig
 
-    hf = dict(
-        TINY if c.get("tiny") or c["name"].startswith("tiny") else QWEN3_30B_A3B,
-        num_hidden_layers=c["layers"],
-    )
+    tiny = c.get("tiny") or c["name"].startswith("tiny")
+    model = c.get("model") or ("tiny" if tiny else "qwen3-30b-a3b")
+    if tiny and not model.startswith("tiny"):
+        model = "tiny-glm" if model.startswith("glm") else "tiny"
+    hf = dict(SHAPES[model], num_hidden_layers=c["layers"])
     return ModelConfig.from_hf_config(
         hf,
         param_dtype=c["pdt"],

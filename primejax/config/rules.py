@@ -54,10 +54,11 @@ def _check_routing_replay(c: Config) -> None:
     from pathlib import Path
 
     from primejax.inference.routed_experts import RoutingShape
+    from primejax.models.config import MOE_MODEL_TYPES
 
     tiny = c.model.build_tiny
     if tiny.enabled and not (Path(c.model.path) / "config.json").exists():  # the launcher builds it first
-        if tiny.family != "qwen3_moe":
+        if tiny.family not in MOE_MODEL_TYPES:
             raise ConfigError("orchestrator.routing_replay", f"needs an MoE model; model.build_tiny.family is "
                                                              f"{tiny.family!r}")
         return

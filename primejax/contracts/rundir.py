@@ -34,9 +34,16 @@ class RunConfig(Section):
     output_dir: str = option("outputs", "parent of run directories")
     max_steps: int = option(20, "training steps", gt=0, le=MAX_STEPS)
     seed: int = option(0, "seed of initialization, sampling order and the server", ge=0)
-    resume_step: str = option("", "'' = fresh run, 'latest', or a step number")
+    resume_step: str = option(
+        "", "'' = the launcher resumes from the newest checkpoint pair when the run directory has one (a process "
+        "started alone starts fresh), 'latest', or a step number"
+    )
+    fresh: bool = option(False, "start over even when the run directory has a checkpoint (the old run is kept "
+                                "under previous/)")
 
     def check(self) -> None:
+        if self.fresh and self.resume_step:
+            raise ConfigError("fresh", f"contradicts run.resume_step={self.resume_step!r}: set one of them")
         if self.resume_step not in ("", "latest") and not self.resume_step.isdigit():
             raise ConfigError("resume_step", f"must be '', 'latest' or a step number, got {self.resume_step!r}")
         if not _NAME.match(self.name):

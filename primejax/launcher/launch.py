@@ -10,7 +10,9 @@ it stops every child by process group, names the one that failed with the tail o
 
 Bad input (a model directory without weights or chat template, an environment that does not import, a resume
 step with no checkpoint) is caught before anything starts: one line, exit status 2, earlier outputs untouched.
-`run.resume_step=latest` resumes both processes from the newest step they both checkpointed (primejax.launcher.resume).
+Rerunning the same command resumes both processes from the newest step they both checkpointed
+(primejax.launcher.resume; `run.resume_step` names another step, `run.fresh=True` starts over); checkpoints are
+written every `trainer.checkpoint.interval` / `orchestrator.checkpoint.interval` steps (10 by default).
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ from primejax.contracts.rundir import RunDir, log_path, write_resolved_config
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig
 from primejax.launcher.preflight import PreflightError, preflight
-from primejax.launcher.resume import common_resume_step, keep_previous_run, set_aside_after
+from primejax.launcher.resume import (
+    RunAlreadyDone,
+    keep_previous_run,
+    launcher_resume_step,
+    resume_hint,
+    set_aside_after,
+)
 from primejax.launcher.runlock import RunLock, check_port
 from primejax.models.settings import ModelSettings
 from primejax.utils.devices import accelerator_env
@@ -270,14 +278,14 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     Everything that can reject the run happens before anything in the run directory is moved or written.
     """
     root = cfg.run_dir
-    resume = common_resume_step(root, cfg.run.resume_step)
+    resume = launcher_resume_step(root, cfg.run)
     _ensure_model(cfg.model)
     sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
     reuse_sft = use_sft and resume is not None
     preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path)
     if resume is None:
-        if cfg.run.resume_step:
+        if cfg.run.resume_step and not cfg.run.fresh:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
         kept = keep_previous_run(root)
         if kept is not None:
@@ -285,8 +293,8 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     else:
         moved = set_aside_after(root, resume)
         print(f"primejax: resuming from step {resume}"
-              + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else ""),
-              flush=True)
+              + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else "")
+              + "; --config.run.fresh=True starts over", flush=True)
     changes: dict[str, object] = {"run.resume_step": "" if resume is None else str(resume)}
     if use_sft:
         if not reuse_sft:  # SFT on resume would redo work and change the policy the checkpoints continue
@@ -348,8 +356,12 @@ def launch(cfg: Config) -> int:
     except ChildFailed as err:
         _report_failure(err)
         return 1
+    except RunAlreadyDone as done:
+        print(f"primejax: {done}", flush=True)
+        return 0
     except KeyboardInterrupt as err:
         print(f"\nprimejax: interrupted ({err or 'SIGINT'}); stopping all processes.", file=sys.stderr)
+        print(f"primejax: {resume_hint(root)}", file=sys.stderr, flush=True)
         return 130
     finally:
         if supervisor is not None:

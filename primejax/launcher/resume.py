@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.launcher.preflight import PreflightError
@@ -42,6 +43,33 @@ def common_resume_step(root: str | Path, resume_step: str) -> int | None:
         raise PreflightError("run.resume_step", f"step {step} has no intact trainer and orchestrator checkpoint "
                                                 f"in {root} (both have: {common or 'none'})")
     return step
+
+
+class RunAlreadyDone(Exception):
+    """The run directory's checkpoints already reach run.max_steps: nothing to resume."""
+
+
+def launcher_resume_step(root: str | Path, run: Any) -> int | None:
+    """What the launcher resumes from (None = a fresh start). Rerunning the same command resumes: `resume_step`
+    '' means the newest intact checkpoint pair when there is one; `run.fresh` starts over. A run whose
+    checkpoint already reaches `run.max_steps` raises RunAlreadyDone."""
+    resume = common_resume_step(root, "" if run.fresh else (run.resume_step or "latest"))
+    if resume is not None and resume >= run.max_steps:
+        raise RunAlreadyDone(f"{root} already finished at step {resume} (run.max_steps={run.max_steps}): "
+                             "raise run.max_steps to train on, or add --config.run.fresh=True to start over")
+    return resume
+
+
+def resume_hint(root: str | Path) -> str:
+    """How to go on after an interruption: the same command resumes from the newest checkpoint pair."""
+    try:
+        step = common_resume_step(root, "latest")
+    except Exception:  # noqa: BLE001 - a hint must never mask the interruption
+        step = None
+    if step is None:
+        return "no checkpoint was written yet: rerunning the same command starts over"
+    return (f"rerun the same command to resume from step {step} (its newest checkpoint); "
+            "add --config.run.fresh=True to start over")
 
 
 def _stamp() -> str:

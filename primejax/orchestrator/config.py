@@ -113,7 +113,7 @@ class EvalConfig(Section):
 class OrchestratorCheckpointConfig(Section):
     """Orchestrator checkpoints (a few kB each) under checkpoints/step_N/orchestrator."""
 
-    interval: int = option(0, "save every this many steps; 0 = never", ge=0)
+    interval: int = option(10, "save every this many steps; 0 = never", ge=0)
     keep: int = option(
         0, "checkpoints kept; 0 = all (resume must pair one with any trainer checkpoint)", ge=0
     )

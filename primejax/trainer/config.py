@@ -173,7 +173,7 @@ class CorrectionConfig(Section):
 class CheckpointConfig(Section):
     """Trainer checkpoints (orbax) under checkpoints/step_N/trainer."""
 
-    interval: int = option(0, "save every this many steps; 0 = never", ge=0)
+    interval: int = option(10, "save every this many steps (and the last); 0 = never", ge=0)
     keep: int = option(2, "checkpoints kept (newest)", ge=0)
     async_save: bool = option(True, "write in the background while training continues")
 

@@ -186,7 +186,7 @@ def test_env_run_drives_the_conversation_through_the_stand_in(tool_tokenizer):
     (rollout,) = asyncio.run(gen.group(slot, 0, 0, 1, step=1))
     assert rollout.error is None, rollout.error
     users = [m["content"] for m in rollout.messages if m["role"] == "user"]
-    assert users == ["Say apple", "Guess my word.", "No. It starts with 'a'.", "No. It starts with 'ap'."]
+    assert users == ["Guess my word.", "No. It starts with 'a'.", "No. It starts with 'ap'."]
     assert [m["content"] for m in rollout.messages if m["role"] == "assistant"] == ["pear", "plum", "apple"]
     assert rollout.reward == 1.5 and rollout.num_turns == 3
     (sample,) = rollout_to_samples(rollout, "rl", 1.0, seq_len=4096)  # user turns bridged: one sample
