@@ -39,6 +39,12 @@ def check(c: Config) -> None:
         raise ConfigError(key, msg) from None
     if o.routing_replay:
         _check_routing_replay(c)
+    if c.trainer.loss.type == "custom":  # the custom loss replaces the rl component the corrections change
+        for name in o.envs:
+            if not o.env_algo(name).correction.is_default:
+                own = o.envs[name].algo.type
+                key = f"orchestrator.envs.{name}.algo.correction" if own else "orchestrator.algo.correction"
+                raise ConfigError(key, "applies to the default rl loss; trainer.loss.type = 'custom' replaces it")
 
 
 def _check_routing_replay(c: Config) -> None:

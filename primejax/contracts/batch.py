@@ -79,6 +79,8 @@ FIELDS: dict[str, np.dtype] = {
     "ref_logprobs": np.dtype(np.float32),
     # one weight stream per loss component: "<component>_weights"
     **{f"{c}_weights": np.dtype(np.float32) for c in LOSS_COMPONENTS},
+    "env_ids": np.dtype(np.int32),
+    "staleness": np.dtype(np.int32),
 }
 WEIGHT_STREAMS = tuple(f"{c}_weights" for c in LOSS_COMPONENTS)
 OPTIONAL_STREAMS = ("advantages", "ref_logprobs", *WEIGHT_STREAMS)
@@ -98,6 +100,7 @@ class TrainingSample:
     ce_weights: list[float] | None = None
     ref_kl_weights: list[float] | None = None
     policy_version: int = 0
+    env_index: int = 0  # the sample's environment: its index in the batch's meta["envs"]
     # Routing replay: uint8 [len, moe_layers, top_k] per target token, and which tokens carry a recorded routing.
     routed_experts: np.ndarray | None = None
     routed_mask: list[bool] | None = None
@@ -145,6 +148,8 @@ class PackedBatch:
     rl_weights: np.ndarray
     ce_weights: np.ndarray
     ref_kl_weights: np.ndarray
+    env_ids: np.ndarray
+    staleness: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
     routed_experts: np.ndarray | None = None  # uint8 [rows, seq_len, moe_layers, top_k] (routing replay only)
     routed_mask: np.ndarray | None = None  # bool [rows, seq_len]
@@ -189,6 +194,11 @@ class PackedBatch:
         pad = PackedBatch.empty(rows - self.rows, self.seq_len, routing_shape=self.routing_shape)
         merged = {n: np.concatenate([a, getattr(pad, n)]) for n, a in self.arrays().items()}
         return PackedBatch(**merged, meta=dict(self.meta))
+
+
+def batch_env_names(envs: Sequence[str]) -> tuple[str, ...]:
+    """The names a batch's `env_ids` index: orchestrator.envs sorted (the orchestrator and trainer agree)."""
+    return tuple(sorted(envs))
 
 
 def _weights(sample: TrainingSample) -> dict[str, np.ndarray]:
@@ -236,8 +246,13 @@ def pack_samples(
     num_shards: int = 1,
     pad_rows_to_multiple: int = 1,
     truncate: bool = False,
+    step: int = 0,
+    envs: Sequence[str] = (),
 ) -> list[PackedBatch]:
-    """Pack samples into rows of `seq_len`, one PackedBatch per data-parallel shard (see module docstring)."""
+    """Pack samples into rows of `seq_len`, one PackedBatch per data-parallel shard (see module docstring).
+
+    `step`: the trainer step the batch is for (staleness = step - 1 - policy version; 0 = not known, every
+    token on-policy); `envs`: the names `env_index` indexes, recorded as meta["envs"]."""
     if seq_len <= 0 or num_shards <= 0 or pad_rows_to_multiple <= 0:
         raise ValueError("seq_len, num_shards and pad_rows_to_multiple must be positive")
     num_truncated = 0
@@ -286,6 +301,8 @@ def pack_samples(
                     batch.ref_logprobs[row, sl] = np.asarray(s.ref_logprobs[:n], np.float32)
                 for w, values in _weights(s).items():
                     getattr(batch, w)[row, sl] = values[:n]
+                batch.env_ids[row, sl] = s.env_index
+                batch.staleness[row, sl] = max(0, step - 1 - s.policy_version) if step else 0
                 if routing is not None:
                     batch.routed_experts[row, sl] = s.routed_experts[:n]
                     batch.routed_mask[row, sl] = np.asarray(s.routed_mask[:n], bool)
@@ -304,6 +321,7 @@ def pack_samples(
             "min_policy_version": min(versions, default=0),
             "max_policy_version": max(versions, default=0),
             "present_streams": present,
+            "envs": list(envs),
         }
         out.append(batch)
     return out
@@ -449,5 +467,5 @@ def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, 
 
 __all__ = [
     "FORMAT_VERSION", "FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
-    "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch", "prune_rollouts",
+    "batch_env_names", "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch", "prune_rollouts",
 ]

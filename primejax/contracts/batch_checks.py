@@ -51,6 +51,9 @@ def check_manifest(path: Path | None, manifest: Any) -> tuple[int, int]:
         raise BatchFormatError(
             path, "rows", f"{rows} x {seq_len} tokens is more than a batch file may hold ({MAX_CELLS})"
         )
+    envs = manifest.get("meta", {}).get("envs")
+    if envs is not None and (not isinstance(envs, list) or not all(isinstance(e, str) for e in envs)):
+        raise BatchFormatError(path, "meta.envs", f"must be a list of environment names, got {envs!r}")
     max_segments = manifest.get("meta", {}).get("max_segments")
     if max_segments is not None and (not isinstance(max_segments, int) or isinstance(max_segments, bool)):
         raise BatchFormatError(path, "meta.max_segments", f"must be an integer, got {max_segments!r}")
@@ -169,6 +172,11 @@ def check_values(path: Path | None, b: Any, vocab_size: int | None, num_experts:
             raise BatchFormatError(path, name, "non-finite value")
     if not (b.temperatures[real] > 0).all() or not np.isfinite(b.temperatures[real]).all():
         raise BatchFormatError(path, "temperatures", "must be finite and > 0 on every real token")
+    envs = b.meta.get("envs") or []
+    if (b.env_ids < 0).any() or (envs and (b.env_ids >= len(envs)).any()):
+        raise BatchFormatError(path, "env_ids", f"outside [0, {len(envs) or 'envs'}) (meta.envs lists {len(envs)})")
+    if (b.staleness < 0).any():
+        raise BatchFormatError(path, "staleness", "negative staleness")
     if getattr(b, "routed_experts", None) is not None:
         _check_routed(path, b, real, starts, num_experts)
 

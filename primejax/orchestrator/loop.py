@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from primejax.contracts.batch import TrainingSample, pack_samples, step_dir, write_batch
+from primejax.contracts.batch import TrainingSample, batch_env_names, pack_samples, step_dir, write_batch
 from primejax.envs.registry import load_env
 from primejax.inference.client import InferenceError
 from primejax.inference.routed_experts import RoutingShape
@@ -202,15 +202,19 @@ class Orchestrator:
 
     def to_samples(self, batch: list[Rollout]) -> list[TrainingSample]:
         samples, r = [], self.routing
+        env_index = {name: i for i, name in enumerate(batch_env_names(self.o.envs))}  # the batch's env_ids (contracts.batch)
         for rollout in batch:
             loss_type = self.buffer.envs[rollout.env].algorithm.action_loss_type
-            samples += rollout_to_samples(rollout, loss_type, self.o.sampling.temperature, self.o.seq_len,
-                                          None if r is None else (r.num_layers, r.top_k))
+            new = rollout_to_samples(rollout, loss_type, self.o.sampling.temperature, self.o.seq_len,
+                                     None if r is None else (r.num_layers, r.top_k))
+            for sample in new:
+                sample.env_index = env_index.get(rollout.env, 0)
+            samples += new
         return samples
 
     def write(self, step: int, samples: list[TrainingSample], meta: dict[str, Any]) -> Path:
         batches = pack_samples(samples, self.o.seq_len, num_shards=self.num_shards,
-                               pad_rows_to_multiple=self.pad_rows_to_multiple)
+                               pad_rows_to_multiple=self.pad_rows_to_multiple, step=step, envs=batch_env_names(self.o.envs))
         target = step_dir(self.run_dir, step)
         # The whole step directory appears at once, so the trainer never sees some ranks' files only.
         with atomic_dir(target, overwrite=True) as tmp:

@@ -40,6 +40,7 @@ from primejax.models.sharding import axis_size, init_model, make_mesh, state_sha
 from primejax.models.transformer import Transformer
 from primejax.trainer import optim
 from primejax.trainer.config import LossConfig, TrainerConfig
+from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.logprobs import AUTO_SAVED_LOGITS_FRACTION, saved_logits_max_bytes
 from primejax.trainer.step import (
     TrainState,
@@ -136,6 +137,8 @@ class Engine:
     state: TrainState  # concrete arrays, or ShapeDtypeStructs when `abstract`
     abstract: bool
     saved_logits_bytes: int  # the LM head's budget for the whole (global) micro-batch
+    # the rl loss's off-policy corrections per environment (trainer/corrections.py); SFT steps take none
+    corrections: CorrectionTable = dataclasses.field(default_factory=CorrectionTable)
     _compiled: dict[tuple[str, int], Callable] = dataclasses.field(default_factory=dict, repr=False)
     _finite: Callable | None = dataclasses.field(default=None, repr=False)
     _logprobs: Callable | None = dataclasses.field(default=None, repr=False)
@@ -157,6 +160,7 @@ class Engine:
         devices: Sequence[Any] | None = None,
         mesh_sizes: Mapping[str, int] | None = None,
         hbm_bytes: int = 0,
+        corrections: CorrectionTable | None = None,
     ) -> Engine:
         """An engine for `model_cfg` under the trainer section `t`.
 
@@ -189,6 +193,7 @@ class Engine:
             state,
             abstract,
             _head_budget(t, mesh, hbm_bytes if abstract else None),
+            corrections or CorrectionTable(),
         )
 
     @classmethod
@@ -201,12 +206,20 @@ class Engine:
         max_steps: int = 1,
         max_positions: int = 4096,
         lr_schedule: optax.Schedule | None = None,
+        corrections: CorrectionTable | None = None,
     ) -> Engine:
         """The trainer's engine: `model.path` loaded (or initialized, see `build_model`) onto `trainer.mesh`."""
         mesh = make_mesh(**t.mesh.to_dict())
         model, model_cfg = build_model(settings, mesh, seed=seed, max_positions=max_positions)
         return cls.create(
-            t, model_cfg, model=model, mesh=mesh, seed=seed, max_steps=max_steps, lr_schedule=lr_schedule
+            t,
+            model_cfg,
+            model=model,
+            mesh=mesh,
+            seed=seed,
+            max_steps=max_steps,
+            lr_schedule=lr_schedule,
+            corrections=corrections,
         )
 
     # ------------------------------------------------------------------------------------------ compiled steps
@@ -241,6 +254,7 @@ class Engine:
                 chunk_size=self.t.logprob_chunk_size,
                 max_segments=key[1],
                 saved_logits_max_bytes=self.saved_logits_bytes,
+                corrections=self.corrections if kind == "rl" else None,
             )
             self._compiled[key] = jit_train_step(fn, self.state, self.mesh)
         return self._compiled[key]

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wait_for_batch
+from primejax.contracts.batch import BatchFormatError, PackedBatch, prune_rollouts, read_batch, wait_for_batch
 from primejax.contracts.broadcast import broadcast_dir, is_stable
 from primejax.contracts.rundir import RunConfig
 from primejax.models.settings import ModelSettings
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
+from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.engine import Engine, build_model, model_config
 from primejax.trainer.moe_metrics import flatten_moe_metrics
 from primejax.trainer.publish import make_publisher
@@ -65,15 +66,23 @@ class Trainer:
         *,
         async_level: int = 1,
         num_receivers: int = 1,
+        corrections: CorrectionTable | None = None,
     ):
         """`async_level` (orchestrator.async_level): how many older broadcasts inference may still be asked for;
-        `num_receivers`: inference servers a collective transfer goes to (orchestrator.client.base_urls)."""
+        `num_receivers`: inference servers a collective transfer goes to (orchestrator.client.base_urls);
+        `corrections`: the rl loss's off-policy corrections per environment (trainer/corrections.py)."""
+        self.corrections = corrections or CorrectionTable()
         self.t, self.model_settings, self.run_cfg, self.async_level = t, model, run, async_level
         self.num_receivers = num_receivers
         self.root = run.dir
         self.rank = jax.process_index()
         self.engine = Engine.from_settings(
-            t, model, seed=run.seed, max_steps=run.max_steps, max_positions=t.fake_data.seq_len
+            t,
+            model,
+            seed=run.seed,
+            max_steps=run.max_steps,
+            max_positions=t.fake_data.seq_len,
+            corrections=self.corrections,
         )
         self.mesh, self.model_cfg = self.engine.mesh, self.engine.model_cfg
         self.checkpointer = TrainerCheckpointer(
@@ -123,9 +132,18 @@ class Trainer:
         path = wait_for_batch(self.root, step, self.rank, timeout_s=t.batch_timeout_s, poll_s=0.2)
         m = self.model_cfg
         routing = (len(m.sparse_layers()), m.num_experts_per_tok) if m.num_experts else None
-        return read_batch(
+        batch = read_batch(
             path, vocab_size=m.vocab_size, num_experts=m.num_experts or None, routing_shape=routing
         )
+        envs = tuple(batch.meta.get("envs") or ())
+        if envs and envs != self.corrections.env_names:
+            raise BatchFormatError(
+                path,
+                "meta.envs",
+                f"{list(envs)} are not this trainer's environments "
+                f"{list(self.corrections.env_names)} (orchestrator.envs)",
+            )
+        return batch
 
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         start = time.perf_counter()
@@ -252,6 +270,7 @@ def train(cfg: Config) -> TrainState:
         cfg.run,
         async_level=cfg.orchestrator.async_level,
         num_receivers=max(1, len(cfg.orchestrator.client.base_urls)),
+        corrections=CorrectionTable.from_orchestrator(cfg.orchestrator),
     )
     if trainer.rank != 0:  # one writer of the run's metrics
         return trainer.run(None)
