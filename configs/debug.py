@@ -12,8 +12,10 @@ def get_config():
     c.model.compute_dtype = "float32"  # CPU: fp32 is faster than emulated bf16 and matches vLLM's fp32 serving
     c.orchestrator.batch_size = 16
     c.orchestrator.group_size = 4
-    c.orchestrator.seq_len = 256
-    c.orchestrator.max_prompt_tokens = 128
+    # Room for a real taskset's prompt (verifiers' textarena Hangman opens with ~400 tokens of the tiny
+    # tokenizer; a tool schema preamble takes ~1,100): `--dry_run` prints each env's first-prompt size.
+    c.orchestrator.seq_len = 1280
+    c.orchestrator.max_prompt_tokens = 1024
     c.orchestrator.sampling.max_tokens = 32
-    c.inference.max_model_len = 256
+    c.inference.max_model_len = 1280
     return c

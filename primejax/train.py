@@ -1,7 +1,8 @@
 """`python -m primejax.train --config configs/x.py [--config.KEY=VALUE ...]`: the user's main command.
 
 Starts the inference server, the orchestrator and the trainer of one run as child processes (see
-primejax/launcher/); `--dry_run` only resolves, validates, prints and records the config.
+primejax/launcher/); `--dry_run` resolves, validates, prints and records the config, then loads every environment
+and renders one prompt of each (exit 1 when one fails), without starting anything.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ DEFAULT_CONFIG = "configs/demo.py"
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_bool("dry_run", False, "resolve, validate and print the config, then exit", flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "resolve, validate and print the config, check every environment, then exit", flag_values=fv)
 
 
 def main() -> int:
@@ -25,11 +26,24 @@ def main() -> int:
         sys.argv[1:], prog="primejax.train", doc=__doc__.split("\n\n")[1], define_flags=_define_flags,
         default_config_path=DEFAULT_CONFIG,
     )
-    path = write_resolved_config(cfg.run_dir, "train", cfg.to_json())
     if fv["dry_run"].value:
         print(cfg.to_json())
-        print(f"# resolved config written to {path}", file=sys.stderr)
-        return 0
+        # Recorded only where no live run is: a dry run must not overwrite a live run's configs/train.json.
+        from primejax.launcher.preflight import PreflightError
+        from primejax.launcher.runlock import RunLock
+
+        try:
+            with RunLock(cfg.run_dir):
+                path = write_resolved_config(cfg.run_dir, "train", cfg.to_json())
+            print(f"# resolved config written to {path}", file=sys.stderr)
+        except PreflightError as e:
+            print(f"# resolved config not recorded: {e}", file=sys.stderr)
+        from primejax.envs.check import check_envs  # deferred: loading envs may import verifiers
+
+        results = check_envs(cfg)
+        for ok, line in results:
+            print(("# " if ok else "error: ") + line, file=sys.stderr, flush=True)
+        return 0 if all(ok for ok, _ in results) else 1
     from primejax.launcher.launch import launch  # deferred: the launcher imports process machinery
 
     return launch(cfg)

@@ -3,11 +3,15 @@
     python tools/bench_moe.py                  # 1 GPU: gmm checks + kernels, 30B-A3B cut to a few layers at 16k
     python tools/bench_moe.py --suite gpu4     # 4 GPUs: 48-layer 30B-A3B, both expert-parallel modes
     python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
+    python tools/bench_moe.py --suite gpu1:families  # 1 GPU: GLM-4.5-Air cut to 4 layers next to Qwen3-30B-A3B
+    python tools/bench_moe.py --suite gpu4:families  # 4 GPUs: GLM-4.5-Air cut to 8 layers, expert-parallel
     python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
 
 Each step configuration runs in its own process (an OOM stays contained). The step is the trainer's own
-(`primejax.trainer.step`), fake full rows of random tokens, RL loss over every token. MFU: prime-rl's formula
-over active parameters (`ModelConfig.flops_per_token`: 6 x active matmul params + 12 L H (D/H) T) at 989
+(built and compiled by the trainer engine, primejax/trainer/engine.py), fake full rows of random tokens, RL loss
+over every token. MFU: prime-rl's formula over active parameters (`ModelConfig.flops_per_token`: 6 x active
+matmul params + 12 L H (D/H) T; GLM-4.5 uses its head width, 12 L H Dh T, and counts its shared expert as
+active) at 989
 TFLOP/s bf16 per GPU; `MFU/2attn` halves the attention term (causal).
 """
 
@@ -23,7 +27,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.model_shapes import QWEN3  # noqa: E402
+from tools.model_shapes import GLM, QWEN3  # noqa: E402
 
 PEAK_FLOPS = 989e12
 QWEN3_30B_A3B = QWEN3["qwen3-30b-a3b"]
@@ -39,6 +43,21 @@ TINY = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=128,
 )
+# the same tiny shape in GLM-4.5's structure (2 expert groups, 1 kept)
+TINY_GLM = dict(
+    GLM["glm4.5-air"],
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    n_group=2,
+)
+SHAPES = {**QWEN3, **GLM, "tiny": TINY, "tiny-glm": TINY_GLM}
 
 
 def _step(
@@ -57,21 +76,17 @@ def _step(
     warmup=2,
     trace=False,
     scan=False,
-    guard="fused",
-    tuned=False,
     fallback=False,
-    default_tiles=False,
     skip_if_oom="",
     micro=1,
     context=1,
+    model="",
 ):
     return dict(
+        model=model,
         context=context,
         micro=micro,
         skip_if_oom=skip_if_oom,
-        default_tiles=default_tiles,
-        guard=guard,
-        tuned=tuned,
         fallback=fallback,
         kind="step",
         name=name,
@@ -97,15 +112,9 @@ GPU4 = dict(pdt="bfloat16", ep="fsdp", devices=4, rows=4, scan=True, steps=2, wa
 
 CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
-    # Rows: main's step (default tiles, unrolled layers, select guard) as the same-run baseline, then each lever.
     "gpu1": [
-        # grid_block_n 8 and 16 (the tile rasterization), untried by the first sweeps whose winners used 4
-        dict(kind="tiles", name="tiles", budget=90, gbn=[8, 16]),
-        _step("moe4:16k:main", 16384, 4, guard="select", default_tiles=True),
         _step("moe4:16k", 16384, 4, scan=True),
-        _step("moe8:16k:bf16state:main", 16384, 8, pdt="bfloat16", guard="select", default_tiles=True),
         _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
-        _step("moe8:16k:bf16state:sweep", 16384, 8, pdt="bfloat16", scan=True, tuned=True),
         _step("moe10:16k:bf16state", 16384, 10, pdt="bfloat16", scan=True),
     ],
     # an RL step of several 16k micro-batches: the optimizer update (and its finiteness check), paid once per
@@ -115,11 +124,8 @@ CONFIGS = {
         _step("moe8:16k:bf16state:x2", 16384, 8, pdt="bfloat16", scan=True, micro=2),
         _step("moe8:16k:bf16state:x4", 16384, 8, pdt="bfloat16", scan=True, micro=4),
     ],
-    "gpu1:micro8": [
-        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True, steps=5),
-        _step("moe8:16k:bf16state:x4", 16384, 8, pdt="bfloat16", scan=True, micro=4, steps=5),
-        _step("moe8:16k:bf16state:x8", 16384, 8, pdt="bfloat16", scan=True, micro=8, steps=4),
-    ],
+    # the grouped-matmul tile sweep at Qwen3-30B-A3B's expert shapes: its winners go into gmm.MEASURED_TILES
+    "gpu1:tiles": [dict(kind="tiles", name="tiles", budget=90, gbn=[8, 16])],
     "gpu1:checks": [
         dict(kind="gmm", name="gmm"),
         _step("moe4:2k", 2048, 4),
@@ -135,24 +141,31 @@ CONFIGS = {
         # fallback only if no 48-layer row fits 80 GB cards
         _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
     ],
-    # same-run baseline on one machine: main's step (select guard, one tile size) next to this branch's
-    "gpu4:compare": [
-        _step("moe48:16k:main", 16384, 48, remat="full", guard="select", default_tiles=True, **GPU4),
-        _step("moe48:16k", 16384, 48, remat="full", **GPU4),
-        _step("moe48:16k:attn:main", 16384, 48, remat="attn", guard="select", default_tiles=True, **GPU4),
-        _step("moe48:16k:attn", 16384, 48, remat="attn", **GPU4),
-    ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
     "gpu2:context": [
         _step("moe8:16k:fsdp2", 16384, 8, pdt="bfloat16", scan=True, devices=2, rows=2),
         _step("moe8:32k:context2", 32768, 8, pdt="bfloat16", scan=True, devices=2, rows=1, context=2),
     ],
+    # GLM-4.5-Air cut to 4 layers (1 dense + 3 sparse: 8.2B params, bf16 state) next to Qwen3-30B-A3B's 8-layer row
+    # in the same call; unrolled (GLM's dense first layer cannot share a scanned layer with the sparse ones)
+    "gpu1:families": [
+        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
+        _step("glm45air4:16k:bf16state", 16384, 4, pdt="bfloat16", model="glm4.5-air"),
+        _step("glm45air4:16k:bf16state:full", 16384, 4, pdt="bfloat16", remat="full", model="glm4.5-air",
+              skip_if_oom="glm45air4:16k:bf16state"),
+    ],
+    # GLM-4.5-Air cut to 8 layers on 4 GPUs (17.5B params, bf16 state), both expert-parallel modes
+    "gpu4:families": [
+        _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
+        _step("glm45air8:16k:ep=fsdp", 16384, 8, remat="full", model="glm4.5-air", **dict(GPU4, scan=False)),
+        _step("glm45air8:16k:ep=ep", 16384, 8, remat="full", model="glm4.5-air", **dict(GPU4, scan=False, ep="ep")),
+    ],
     "smoke": [
         dict(kind="tiles", name="tiles", smoke=True),
         dict(kind="gmm", name="gmm", smoke=True),
-        _step("tiny:256", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, guard="select"),
-        _step("tiny:256:tuned:scan", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, tuned=True, scan=True),
+        _step("tiny:256", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1),
+        _step("tiny:256:scan", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, scan=True),
         _step(
             "tiny:256:ep",
             256,
@@ -171,6 +184,7 @@ CONFIGS = {
         _step(
             "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2
         ),
+        _step("tiny:256:glm", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-glm"),
     ],
 }
 
@@ -477,10 +491,11 @@ def tile_shape_worker(c: dict) -> dict:
 def _model_config(c: dict):
     from primejax.models.config import ModelConfig
 
-    hf = dict(
-        TINY if c.get("tiny") or c["name"].startswith("tiny") else QWEN3_30B_A3B,
-        num_hidden_layers=c["layers"],
-    )
+    tiny = c.get("tiny") or c["name"].startswith("tiny")
+    model = c.get("model") or ("tiny" if tiny else "qwen3-30b-a3b")
+    if tiny and not model.startswith("tiny"):
+        model = "tiny-glm" if model.startswith("glm") else "tiny"
+    hf = dict(SHAPES[model], num_hidden_layers=c["layers"])
     return ModelConfig.from_hf_config(
         hf,
         param_dtype=c["pdt"],
@@ -494,62 +509,40 @@ def _model_config(c: dict):
 
 
 def step_worker(c: dict) -> dict:
+    """The trainer engine's RL step (trainer/engine.py, as `Trainer` builds it) on `devices` GPUs, timed."""
     import jax
     import numpy as np
-    import optax
-    from flax import nnx
 
-    from primejax.models import gmm
-    from primejax.models.sharding import init_model, make_mesh
-    from primejax.trainer import optim
-    from primejax.trainer import step as step_mod
-    from primejax.trainer.logprobs import saved_logits_max_bytes
-    from primejax.trainer.losses import LossConfig
+    from primejax.trainer.config import MeshConfig, TrainerConfig
+    from primejax.trainer.engine import Engine
     from tools.bench_trainer import _fake_batch
     from tools.bench_trainer_profile import _jax_peak_gib, _memory_analysis, _timed, _trace_summary
 
-    overrides = {(t["op"], t["k"], t["n"]): t["best"] for t in c.get("tiles") or []}
-    if c.get("default_tiles"):  # the untuned baseline: one tile size for every kernel
-        overrides = {key: dict(gmm.DEFAULT_TILES) for key in TILE_SHAPES}
-    gmm.set_tile_overrides(overrides)
     cfg = _model_config(c)
     rows, seq = c["rows"], c["seq"]
-    mesh = make_mesh(fsdp=-1, context=c.get("context", 1), devices=jax.devices()[: c["devices"]])
-    with jax.set_mesh(mesh):
-        model = init_model(cfg, mesh, seed=0)
-        opt = optim.make_optimizer(
-            dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0),
-            optax.constant_schedule(1e-6),
-        )
-        graphdef = nnx.graphdef(model)
-        state = step_mod.init_state(model, opt)
-        del model
-        fn = step_mod.make_train_step(
-            graphdef,
-            opt,
-            optax.constant_schedule(1e-6),
-            LossConfig(),
-            chunk_size=2048,
-            max_segments=1,
-            saved_logits_max_bytes=saved_logits_max_bytes(-1),
-            guard=c.get("guard", "fused"),
-        )
-        micro = c.get("micro", 1)  # micro-batches per optimizer step (gradient accumulation)
-        host = {
-            k: np.asarray(v).reshape(micro, rows, seq)
-            for k, v in _fake_batch(micro * rows, seq, cfg.vocab_size, "rl").items()
-            if k != "targets"
-        }
-        batch = step_mod.device_batch(host, mesh)
-        t0 = time.perf_counter()
-        step = step_mod.jit_train_step(fn, state, mesh).lower(state, batch).compile()
-        compile_s = time.perf_counter() - t0
-        box = {"s": state}
+    micro = c.get("micro", 1)  # micro-batches per optimizer step (gradient accumulation)
+    context = c.get("context", 1)
+    dp = c["devices"] // context
+    t = TrainerConfig(
+        mesh=MeshConfig(fsdp=-1, context=context),
+        micro_batch_size=max(1, rows // dp),
+        logprob_chunk_size=2048,
+    )
+    engine = Engine.create(t, cfg, seed=0, devices=jax.devices()[: c["devices"]])
+    host = {
+        k: np.asarray(v).reshape(micro, rows, seq)
+        for k, v in _fake_batch(micro * rows, seq, cfg.vocab_size, "rl").items()
+    }
+    batch = engine.device_batch(host)
+    t0 = time.perf_counter()
+    step = engine.lower(batch, "rl", 1).compile()
+    compile_s = time.perf_counter() - t0
 
-        def run(b):
-            box["s"], metrics = step(box["s"], b)
-            return metrics["loss"]
+    def run(b):
+        engine.state, metrics = step(engine.state, b)
+        return metrics["loss"]
 
+    with jax.set_mesh(engine.mesh):
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
         loss = float(run(batch))
         trace = _trace_summary(run, batch, top=60) if c.get("trace") else None
@@ -659,8 +652,7 @@ def _table(results: list[dict]) -> str:
             out.append(
                 f"{r['name']:<26}{r['devices']:>5}{r['tok_s']:>9.0f}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
                 f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
-                f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']} guard={r['guard']}"
-                f" tiles={'sweep' if r.get('tiles') else 'default' if r.get('default_tiles') else 'table'}"
+                f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']}"
                 f" context={r.get('context', 1)} compile={r['compile_s']:.0f}s"
             )
         else:
@@ -691,7 +683,7 @@ def main() -> None:
         configs = [c for c in configs if c["name"] in set(args.only.split(","))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, start, tuned = [], time.perf_counter(), None
+    results, start = [], time.perf_counter()
     for c in configs:
         left = args.budget - (time.perf_counter() - start) if args.budget else args.timeout
         if left < 20:
@@ -702,11 +694,7 @@ def main() -> None:
         if any(r["name"] == c.get("skip_if_oom") and r.get("oom") for r in results):
             results.append(dict(c, error="skipped: a config needing less memory ran out"))
             continue
-        if c.get("tuned") and tuned is not None:
-            c = dict(c, tiles=tuned)
         r = _run_child(c, min(args.timeout, left), args.smoke)
-        if r["kind"] == "tiles" and r.get("tiles"):
-            tuned = [{k: t[k] for k in ("op", "k", "n", "best")} for t in r["tiles"]]
         results.append(r)
         print(json.dumps(r)[:3000], flush=True)
         (out / "bench_moe.jsonl").open("a").write(json.dumps(r) + "\n")

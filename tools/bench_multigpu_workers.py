@@ -1,6 +1,6 @@
 """Workers of tools/bench_multigpu.py, each run in its own process (see that file for the suite).
 
-- `train_worker`: the trainer's own jitted RL step (primejax.trainer.step) on a mesh of the visible devices,
+- `train_worker`: the trainer engine's RL step (primejax/trainer/engine.py) on a mesh of the visible devices,
   fake rows, timed; then optionally an Orbax save/restore and a safetensors export of the trained state.
 - `layout_worker`: the node-layout check's trainer: sees only the GPU the launcher's own environment function
   gives it, runs steps, then reads nvidia-smi while it still holds its memory.
@@ -92,47 +92,28 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _build(c: dict):
-    """(mesh, model config, graphdef, state, compiled step, device batch, compile seconds, XLA memory)."""
-    import jax
-    import optax
-    from flax import nnx
+def _engine(c: dict, mesh: dict, lr: float = 1e-6, chunk: int = 2048):
+    """The trainer engine (trainer/engine.py) for this configuration: what `Trainer` builds from the config."""
+    from primejax.trainer.config import MeshConfig, OptimConfig, TrainerConfig
+    from primejax.trainer.engine import Engine
 
-    from primejax.models.context_parallel import check_divisible
-    from primejax.models.sharding import init_model, make_mesh
-    from primejax.trainer import optim
-    from primejax.trainer import step as step_mod
-    from primejax.trainer.logprobs import saved_logits_max_bytes
-    from primejax.trainer.losses import LossConfig
-
-    cfg = model_config(c)
-    mesh = make_mesh(data=1, fsdp=c.get("fsdp", -1), context=c.get("context", 1), tensor=c.get("tensor", 1))
-    check_divisible(cfg.num_heads, mesh.shape["tensor"], mesh.shape["context"], c["seq"])
-    sched = optax.constant_schedule(1e-6)
-    opt = optim.make_optimizer(
-        dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0), sched
+    t = TrainerConfig(
+        mesh=MeshConfig(**mesh),
+        logprob_chunk_size=chunk,
+        lm_head_saved_logits_gib=float(c.get("save_gib", -1.0)),
+        optim=OptimConfig(lr=lr),
     )
-    with jax.set_mesh(mesh):
-        model = init_model(cfg, mesh, seed=0)
-        graphdef = nnx.graphdef(model)
-        state = step_mod.init_state(model, opt, mesh=mesh)
-        del model
-        save_gib = c.get("save_gib", -1.0)
-        per_dev = saved_logits_max_bytes(save_gib)
-        budget = per_dev * step_mod.dp_size(mesh) * mesh.shape["context"]
-        fn = step_mod.make_train_step(
-            graphdef,
-            opt,
-            sched,
-            LossConfig(),
-            chunk_size=c.get("chunk", 2048),
-            max_segments=1,
-            saved_logits_max_bytes=budget,
-        )
-        batch = step_mod.device_batch(fake_rows(c["rows"], c["seq"], cfg.vocab_size), mesh)
-        t0 = time.perf_counter()
-        compiled = step_mod.jit_train_step(fn, state, mesh).lower(state, batch).compile()
-        compile_s = time.perf_counter() - t0
+    return Engine.create(t, model_config(c), seed=0)
+
+
+def _build(c: dict):
+    """(engine, compiled step, device batch, compile seconds, XLA memory)."""
+    mesh = dict(data=1, fsdp=c.get("fsdp", -1), context=c.get("context", 1), tensor=c.get("tensor", 1))
+    engine = _engine(c, mesh, chunk=c.get("chunk", 2048))
+    batch = engine.device_batch(fake_rows(c["rows"], c["seq"], engine.model_cfg.vocab_size))
+    t0 = time.perf_counter()
+    compiled = engine.lower(engine.abstract_batch(1, c["rows"], c["seq"]), "rl", 1).compile()
+    compile_s = time.perf_counter() - t0
     try:
         m = compiled.memory_analysis()
         mem = {
@@ -141,7 +122,7 @@ def _build(c: dict):
         }
     except Exception as e:  # noqa: BLE001 - informational only
         mem = {"error": repr(e)[:200]}
-    return mesh, cfg, graphdef, state, compiled, batch, compile_s, mem
+    return engine, compiled, batch, compile_s, mem
 
 
 def _steps(compiled, state, batch, warmup: int, steps: int):
@@ -164,9 +145,12 @@ def _steps(compiled, state, batch, warmup: int, steps: int):
 def train_worker(c: dict, emit) -> dict:
     import jax
 
-    mesh, cfg, graphdef, state, compiled, batch, compile_s, mem = _build(c)
+    engine, compiled, batch, compile_s, mem = _build(c)
+    mesh, cfg = engine.mesh, engine.model_cfg
     with jax.set_mesh(mesh):
-        state, dt, losses = _steps(compiled, state, batch, c.get("warmup", 1), c.get("steps", 2))
+        engine.state, dt, losses = _steps(
+            compiled, engine.state, batch, c.get("warmup", 1), c.get("steps", 2)
+        )
     n = jax.device_count()
     tokens = c["rows"] * c["seq"]
     res = dict(
@@ -187,15 +171,14 @@ def train_worker(c: dict, emit) -> dict:
     )
     if c.get("io"):
         emit(res)  # the step's figures survive a timeout in the (slower) checkpoint and export below
-        res.update(_io(c, cfg, graphdef, state, mesh))
+        res.update(_io(c, engine))
     return res
 
 
-def _io(c: dict, cfg, graphdef, state, mesh) -> dict:
+def _io(c: dict, engine) -> dict:
     """Orbax save + restore of the trained state (or its parameters) and a bf16 safetensors export, timed."""
     import jax
     import numpy as np
-    from flax import nnx
 
     from primejax.contracts.rundir import RunDir
     from primejax.models.hf_io import export_safetensors
@@ -203,6 +186,7 @@ def _io(c: dict, cfg, graphdef, state, mesh) -> dict:
 
     root = Path(c["scratch"]) / c["name"].replace(":", "_")
     shutil.rmtree(root, ignore_errors=True)
+    state = engine.state
     what = state if c["io"] == "state" else state.params
     ckpt = TrainerCheckpointer(root / "run", keep=1, async_save=False)
     out: dict = {"io_what": c["io"]}
@@ -227,10 +211,9 @@ def _io(c: dict, cfg, graphdef, state, mesh) -> dict:
         del restored
     finally:
         ckpt.close()
-    with jax.set_mesh(mesh):
-        model = nnx.merge(graphdef, state.params)
+    with jax.set_mesh(engine.mesh):
         t0 = time.perf_counter()
-        info = export_safetensors(model, cfg, root / "export", dtype="bfloat16")
+        info = export_safetensors(engine.model(), engine.model_cfg, root / "export", dtype="bfloat16")
     out["export_s"] = time.perf_counter() - t0
     out["export_gb"] = info["bytes"] / 1e9
     out["export_gb_s"] = info["bytes"] / 1e9 / out["export_s"]
@@ -293,44 +276,21 @@ def multiproc_worker(c: dict, emit) -> dict:
         if c.get("smoke"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(c["coordinator"], num_processes=c["procs"], process_id=c["pid"])
-    import optax
-    from flax import nnx
-
     from primejax.models.hf_io import export_safetensors
-    from primejax.models.sharding import init_model, make_mesh
-    from primejax.trainer import optim
-    from primejax.trainer import step as step_mod
-    from primejax.trainer.losses import LossConfig
 
-    cfg = model_config(c)
-    mesh = make_mesh(fsdp=-1)
-    sched = optax.constant_schedule(1e-4)
-    opt = optim.make_optimizer(
-        dict(lr=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0), sched
-    )
-    whole = fake_rows(c["rows"], c["seq"], cfg.vocab_size, seed=7)
+    engine = _engine(c, dict(fsdp=-1), lr=1e-4, chunk=1024)
+    whole = fake_rows(c["rows"], c["seq"], engine.model_cfg.vocab_size, seed=7)
     share = c["rows"] // c["procs"]
     mine = {k: v[:, c["pid"] * share : (c["pid"] + 1) * share] for k, v in whole.items()}
     losses = []
-    with jax.set_mesh(mesh):
-        model = init_model(cfg, mesh, seed=0)
-        graphdef = nnx.graphdef(model)
-        state = step_mod.init_state(model, opt, mesh=mesh)
-        del model
-        fn = step_mod.jit_train_step(
-            step_mod.make_train_step(graphdef, opt, sched, LossConfig(), chunk_size=1024, max_segments=1),
-            state,
-            mesh,
-        )
-        batch = step_mod.device_batch(mine, mesh)
-        for _ in range(c["steps"]):
-            state, metrics = fn(state, batch)
-            losses.append(float(metrics["loss"]))
-        model = nnx.merge(graphdef, state.params)
+    batch = engine.device_batch(mine)
+    for _ in range(c["steps"]):
+        losses.append(float(engine.run(batch, "rl", 1)["loss"]))
+    with jax.set_mesh(engine.mesh):
         # Each process writes its share of the files (as the trainer's multi-host export does).
         info = export_safetensors(
-            model,
-            cfg,
+            engine.model(),
+            engine.model_cfg,
             Path(c["export_dir"]),
             dtype="float32",
             max_shard_bytes=2**12 if c.get("smoke") else 2**26,  # several files: both processes write

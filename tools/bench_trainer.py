@@ -1,13 +1,14 @@
 """Trainer throughput on one GPU: the primejax RL/SFT step vs a plain torch + transformers step, side by side.
 
     python tools/bench_trainer.py                      # checks, then every configuration, then the table
-    python tools/bench_trainer.py --suite explore      # remat / chunk / kernel variants at 16k and 64k
     python tools/bench_trainer.py --only jax:16384:rl  # one configuration (see CONFIGS for the names)
+    python tools/bench_trainer.py --smoke              # CPU: a tiny model through the same code, in seconds
 
 Each configuration runs in its own process (clean peak-memory counters, an OOM stays contained), does
 `--warmup` steps (the first one compiles) and then `--steps` timed steps that are dispatched back to back and
 synchronized once at the end. Model: Qwen3-0.6B shape, random init. Fake data: full rows of random tokens, one
-sample per row, loss over every token. Throughput counts every token; MFU uses prime-rl's formula
+sample per row, loss over every token. The step is the trainer's own: built and compiled by the trainer engine
+(primejax/trainer/engine.py) exactly as `Trainer` and SFT build it. Throughput counts every token; MFU uses prime-rl's formula
 (`ModelConfig.flops_per_token`) over a 989 TFLOP/s bf16 peak.
 
 The torch baseline is the naive trainer step the issue describes: transformers Qwen3ForCausalLM (sdpa), bf16
@@ -29,7 +30,6 @@ if __package__ in (None, ""):  # run as a script (`python tools/bench_trainer.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.bench_trainer_checks import check_worker  # noqa: E402
 from tools.bench_trainer_profile import (  # noqa: E402
-    _jax_parts,
     _jax_peak_gib,
     _memory_analysis,
     _timed,
@@ -54,23 +54,13 @@ def _jax(
     chunk=2048,
     steps=5,
     warmup=2,
-    profile=False,
     trace=False,
-    head="default",
     tag="",
     segs=1,
-    patch=(),
-    xla_flags="",
-    scan=None,
-    hlo=False,
     save_gib=None,
 ):
-    """segs: the step's static bound on samples per row (the fake rows hold one); 0 = unknown, i.e. the
-    attention kernel's default of 64 run slots (the behaviour before the bound was passed down).
-    patch: names from PATCHES (earlier code paths, for before/after in one run); xla_flags: added to
-    XLA_FLAGS for this configuration's process; scan: ModelConfig.scan_layers (None: its default); hlo: save
-    the optimized HLO to $BENCH_TRACE_DIR; save_gib: the trainer's `lm_head_saved_logits_gib` (None: its
-    default, auto; 0: the head always recomputes its logits, the step before they could be kept)."""
+    """segs: the step's static bound on samples per row (the fake rows hold one); save_gib: the trainer's
+    `lm_head_saved_logits_gib` (None: its default, auto; 0: the head always recomputes its logits)."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
     return dict(
         kind="jax",
@@ -83,14 +73,8 @@ def _jax(
         chunk=chunk,
         steps=steps,
         warmup=warmup,
-        profile=profile,
         trace=trace,
-        head=head,
         segs=segs,
-        patch=list(patch),
-        xla_flags=xla_flags,
-        scan=scan,
-        hlo=hlo,
         save_gib=save_gib,
     )
 
@@ -108,35 +92,9 @@ def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
     )
 
 
-# The code paths before explore4 (commit 858e44c); with scan=True, that commit's step.
-_OLD = ("packed_one_sample", "head_three_pass")
-_FLAGS = {
-    "lhs": "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "nocmdbuf": "--xla_gpu_enable_command_buffer=",
-    "notriton": "--xla_gpu_enable_triton_gemm=false",
-    "cublaslt": "--xla_gpu_enable_cublaslt=true",
-    "dbuf": "--xla_gpu_enable_while_loop_double_buffering=true",
-}
-
 CONFIGS = {
-    "explore4": [
-        dict(kind="check", name="check"),
-        _jax(16384, patch=_OLD, scan=True, trace=True, hlo=True, tag="old"),
-        _jax(16384, scan=True, trace=True, tag="new"),
-        _jax(16384, patch=("packed_one_sample",), scan=True, tag="new_packed"),
-        _jax(16384, patch=("head_three_pass",), scan=True, tag="new_head3"),
-        _jax(16384, scan=False, trace=True, hlo=True, tag="unroll"),
-        _jax(32768, scan=True, tag="new"),
-        _jax(32768, scan=False, tag="unroll"),
-        _jax(65536, steps=2, scan=True, tag="new"),
-        _jax(65536, steps=2, scan=False, tag="unroll"),
-        *[_jax(16384, xla_flags=f, scan=True, tag=k) for k, f in _FLAGS.items()],
-        _jax(32768, patch=_OLD, scan=True, tag="old"),
-        _jax(4096, rows=4, tag="new"),
-        _jax(8192, rows=2, loss="ce", tag="new"),
-    ],
-    # The table of docs/benchmarks.md. "before": the step of 97003a3 (the head recomputes its logits in the
-    # backward at every size), same process setup, same run.
+    # The table of docs/benchmarks.md. "before": the head recomputes its logits in the backward at every size
+    # (`lm_head_saved_logits_gib=0`), same process setup, same run.
     "main": [
         dict(kind="check", name="check"),
         _jax(16384, trace=True),
@@ -156,92 +114,45 @@ CONFIGS = {
         _torch(8192, rows=2, ckpt=False),
         _jax(32768, save_gib=40, tag="saved"),  # beyond auto's share: what keeping the logits buys at 32k
     ],
-    # Exploration after the segment bound reached the kernel: before/after at 16k, remat choices at 16k and
-    # 64k (memory: does 64k fit an 80 GB card), the attention kernel sweep (cuDNN modes, Pallas Triton).
-    "explore3": [
-        dict(kind="check", name="check", kernels=True),
-        _jax(16384, remat="dots_no_batch_attn", trace=True, tag="dnba"),
-        _jax(16384, remat="dots_no_batch_attn", segs=0, tag="dnba_64slots"),
-        _jax(16384, remat="none", tag="none"),
-        _jax(16384, remat="attn", tag="attn"),
-        _jax(32768, remat="dots_no_batch_attn", tag="dnba"),
-        _jax(65536, remat="attn", steps=2, trace=True, tag="attn"),
-        _jax(65536, remat="dots_no_batch_attn", steps=2, tag="dnba"),
-        _jax(65536, remat="attn", steps=2, chunk=1024, tag="attn_c1024"),
-        _torch(16384, ckpt=False),
-        _torch(32768, ckpt=True),
-    ],
-    "explore2": [
-        dict(kind="check", name="check"),
-        _jax(16384, remat="none", trace=True, tag="base"),
-        _jax(16384, remat="none", head="fused", trace=True, tag="fused"),
-        _jax(16384, remat="dots_no_batch_attn", head="fused", tag="dnba"),
-        _jax(16384, remat="attn", head="fused", tag="attn"),
-        _jax(32768, remat="dots_no_batch_attn", head="fused", tag="dnba"),
-        _jax(65536, remat="attn", head="fused", steps=2, trace=True, tag="attn"),
-        _jax(65536, remat="dots_no_batch_attn", head="fused", steps=2, tag="dnba"),
-        _torch(32768, ckpt=True),
-        _torch(32768, ckpt=False),
-        _torch(65536, ckpt=True),
-    ],
-    "explore": [
-        dict(kind="check", name="check", kernels=True),
-        _jax(16384, remat="none", profile=True),
-        _jax(16384, remat="dots_no_batch"),
-        _jax(16384, remat="full"),
-        _jax(16384, remat="none", chunk=8192),
-        _jax(65536, remat="full", steps=2, profile=True),
-        _torch(16384, ckpt=True),
-        _torch(16384, ckpt=False),
+    # CPU: the same worker code on a tiny model (`--smoke`), to check the script before a GPU run.
+    "smoke": [
+        dict(c, smoke=True)
+        for c in (
+            _jax(256, attn="xla", chunk=128, steps=2, warmup=1),
+            _jax(128, rows=2, loss="ce", attn="xla", chunk=128, steps=2, warmup=1),
+            _torch(128, ckpt=False, steps=1, warmup=1),
+        )
     ],
 }
+SMOKE_MODEL = dict(
+    QWEN3_06B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    vocab_size=512,
+)
 
 
 # ----------------------------------------------------------------------------------------------- jax worker
 
 
-def _model_config(attn: str, remat: str, scan: bool | None = None):
+def _hf_shape(c: dict) -> dict:
+    return SMOKE_MODEL if c.get("smoke") else QWEN3_06B
+
+
+def _model_config(c: dict):
     from primejax.models.config import ModelConfig
 
-    extra = {} if scan is None else {"scan_layers": scan}
     return ModelConfig.from_hf_config(
-        QWEN3_06B,
+        _hf_shape(c),
         param_dtype="float32",
         compute_dtype="bfloat16",
-        attention_impl=attn,
-        remat_policy=remat,
-        **extra,
+        attention_impl=c["attn"],
+        remat_policy=c["remat"],
     )
-
-
-def _patch_packed_one_sample() -> None:
-    """Rows of one sample through cuDNN's packed mode (2 run slots), as before the plain causal path."""
-    from primejax.models import attention as at
-    from primejax.models import transformer as tr
-
-    def prepare(segment_ids, *, impl, dtype, max_segments=None):
-        if at.resolve_impl(impl, dtype) != "cudnn":
-            return None
-        return at.segment_runs(segment_ids, at.runs_for_segments(max_segments))
-
-    tr.prepare_segments = prepare
-
-
-def _patch_head_three_pass() -> None:
-    """The LM head's forward statistics as before: lse, then sum(p z) in a third read of the logits."""
-    import jax
-    import jax.numpy as jnp
-
-    from primejax.trainer import fused_head
-
-    def stats(z):
-        lse = jax.nn.logsumexp(z, axis=-1)
-        return lse, lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
-
-    fused_head._lse_and_entropy = stats
-
-
-PATCHES = {"packed_one_sample": _patch_packed_one_sample, "head_three_pass": _patch_head_three_pass}
 
 
 def _fake_batch(rows: int, seq: int, vocab: int, loss: str, seed: int = 0) -> dict:
@@ -257,7 +168,6 @@ def _fake_batch(rows: int, seq: int, vocab: int, loss: str, seed: int = 0) -> di
         "tokens": tokens,
         "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
         "segment_ids": jnp.ones((rows, seq), jnp.int32),
-        "targets": jnp.roll(tokens, -1, axis=1),
         "temperatures": ones,
         "loss_mask": jnp.ones((rows, seq), bool),
         "inference_logprobs": -jax.random.uniform(k[1], (rows, seq), minval=0.0, maxval=12.0),
@@ -270,98 +180,55 @@ def _fake_batch(rows: int, seq: int, vocab: int, loss: str, seed: int = 0) -> di
 
 
 def jax_worker(c: dict) -> dict:
-    """The trainer's own jitted step (primejax.trainer.step) on one device, fake rows, timed."""
+    """The trainer engine's step on this host's devices (mesh: `trainer.mesh` defaults), fake rows, timed."""
     import jax
     import numpy as np
-    import optax
 
-    from primejax.models.sharding import init_model, make_mesh
     from primejax.models.transformer import resolve_remat_policy
-    from primejax.trainer import optim
-    from primejax.trainer import step as step_mod
+    from primejax.trainer.config import TrainerConfig
+    from primejax.trainer.engine import Engine
     from primejax.trainer.fused_head import saved_logits_bytes
-    from primejax.trainer.logprobs import saved_logits_max_bytes
-    from primejax.trainer.losses import LossConfig
 
-    if c.get("head") == "fused":  # exploration only: the fused head before it became the default
-        from primejax.trainer.fused_head import fused_token_logprobs
-
-        step_mod.token_logprobs = fused_token_logprobs
-    for name in c.get("patch", ()):
-        PATCHES[name]()
-    cfg = _model_config(c["attn"], c["remat"], c.get("scan"))
+    cfg = _model_config(c)
     rows, seq = c["rows"], c["seq"]
-    mesh = make_mesh()
-    with jax.set_mesh(mesh):
-        model = init_model(cfg, mesh, seed=0)
-        opt = optim.make_optimizer(
-            dict(lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0),
-            optax.constant_schedule(1e-6),
-        )
-        from flax import nnx
+    t = TrainerConfig(
+        micro_batch_size=rows,
+        logprob_chunk_size=c["chunk"],
+        lm_head_saved_logits_gib=-1.0 if c.get("save_gib") is None else float(c["save_gib"]),
+    )
+    engine = Engine.create(t, cfg, seed=0)
+    kind = "sft" if c["loss"] == "ce" else "rl"
+    host = {k: np.asarray(v)[None] for k, v in _fake_batch(rows, seq, cfg.vocab_size, c["loss"]).items()}
+    batch = engine.device_batch(host)
+    t0 = time.perf_counter()
+    step = engine.lower(batch, kind, c.get("segs", 1)).compile()
+    compile_only_s = time.perf_counter() - t0
+    mem = _memory_analysis(step)
 
-        graphdef = nnx.graphdef(model)
-        state = step_mod.init_state(model, opt)
-        del model
-        # The trainer's setting: -1 = auto (a share of this device's memory), as `lm_head_saved_logits_gib`.
-        save_bytes = saved_logits_max_bytes(-1 if c.get("save_gib") is None else c["save_gib"])
-        fn = step_mod.make_train_step(
-            graphdef,
-            opt,
-            optax.constant_schedule(1e-6),
-            LossConfig(),
-            chunk_size=c["chunk"],
-            max_segments=c.get("segs", 1),
-            saved_logits_max_bytes=save_bytes,
-        )
-        host = {
-            k: np.asarray(v)[None]
-            for k, v in _fake_batch(rows, seq, cfg.vocab_size, c["loss"]).items()
-            if k != "targets"
-        }
-        batch = step_mod.device_batch(host, mesh)
-        t0 = time.perf_counter()
-        step = step_mod.jit_train_step(fn, state, mesh).lower(state, batch).compile()
-        compile_only_s = time.perf_counter() - t0
-        mem = _memory_analysis(step)
-        if c.get("hlo") and os.environ.get("BENCH_TRACE_DIR"):
-            import gzip
+    def run(batch):
+        engine.state, metrics = step(engine.state, batch)
+        return metrics["loss"]
 
-            path = Path(os.environ["BENCH_TRACE_DIR"]) / f"hlo_{c['name'].replace(':', '_')}.txt.gz"
-            path.write_bytes(gzip.compress(step.as_text().encode()))
-        box = {"s": state}
-
-        def run(batch):
-            box["s"], metrics = step(box["s"], batch)
-            return metrics["loss"]
-
+    with jax.set_mesh(engine.mesh):
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
         loss = float(run(batch))
-        tokens = rows * seq
-        res = dict(
-            tok_s=tokens / dt,
-            step_ms=dt * 1e3,
-            compile_s=compile_only_s,
-            first_step_s=first,
-            loss=loss,
-            mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS,
-            peak_gib=_jax_peak_gib(),
-            memory=mem,
-            remat_resolved=resolve_remat_policy(c["remat"], rows * seq),
-            head_saves_logits=0 < saved_logits_bytes(rows * seq, cfg.vocab_size, "bfloat16") <= save_bytes,
-        )
-        if c.get("trace"):
-            res["trace"] = _trace_summary(run, batch)
-        if c.get("profile"):
-            res["parts"] = _jax_parts(
-                cfg,
-                graphdef,
-                box["s"].params,
-                _fake_batch(rows, seq, cfg.vocab_size, c["loss"]),
-                c["chunk"],
-                opt,
-                box["s"].opt_state,
-            )
+        trace = _trace_summary(run, batch) if c.get("trace") and jax.default_backend() == "gpu" else None
+    tokens = rows * seq
+    head_bytes = saved_logits_bytes(tokens, cfg.vocab_size, "bfloat16")
+    res = dict(
+        tok_s=tokens / dt,
+        step_ms=dt * 1e3,
+        compile_s=compile_only_s,
+        first_step_s=first,
+        loss=loss,
+        mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS,
+        peak_gib=_jax_peak_gib(),
+        memory=mem,
+        remat_resolved=resolve_remat_policy(c["remat"], rows * seq),
+        head_saves_logits=0 < head_bytes <= engine.saved_logits_bytes,
+    )
+    if trace is not None:
+        res["trace"] = trace
     return res
 
 
@@ -373,7 +240,7 @@ def torch_worker(c: dict) -> dict:
     import transformers
 
     torch.manual_seed(0)
-    hf = dict(QWEN3_06B)
+    hf = dict(_hf_shape(c))
     hf.pop("model_type")
     cfg = transformers.Qwen3Config(**hf, attn_implementation="sdpa", use_cache=False)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke tests of this script only
@@ -414,7 +281,7 @@ def torch_worker(c: dict) -> dict:
     tokens = rows * seq
     from primejax.models.config import ModelConfig
 
-    fpt = ModelConfig.from_hf_config(QWEN3_06B).flops_per_token(seq)
+    fpt = ModelConfig.from_hf_config(_hf_shape(c)).flops_per_token(seq)
     return dict(
         tok_s=tokens / dt,
         step_ms=dt * 1e3,
@@ -432,8 +299,6 @@ WORKERS = {"jax": jax_worker, "torch": torch_worker, "check": check_worker}
 
 def _run_child(c: dict, timeout: float) -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.94", PYTHONUNBUFFERED="1")
-    if c.get("xla_flags"):
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + c["xla_flags"]).strip()
     cmd = [sys.executable, __file__, "--worker", json.dumps(c)]
     t0 = time.perf_counter()
     try:
@@ -463,7 +328,6 @@ def _table(results: list[dict]) -> str:
         if r["kind"] == "jax":
             remat = r.get("remat_resolved") or r["remat"]
             label = f"remat={remat} attn={r['attn']} segs={r.get('segs', 1)} chunk={r['chunk']}"
-            label += " scan" if r.get("scan") else ""
             label += " head=saved" if r.get("head_saves_logits") else " head=recompute"
             if r.get("memory", {}).get("temp") is not None:
                 label += f" temp={r['memory']['temp']:.1f}G"
@@ -483,6 +347,7 @@ def _table(results: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default="main", choices=sorted(CONFIGS))
+    ap.add_argument("--smoke", action="store_true", help="= --suite smoke (CPU: tiny model, seconds)")
     ap.add_argument("--only", default="", help="comma-separated configuration names from the suite")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
@@ -498,7 +363,7 @@ def main() -> None:
         c = json.loads(args.worker)
         print("RESULT " + json.dumps(WORKERS[c["kind"]](c)), flush=True)
         return
-    configs = CONFIGS[args.suite]
+    configs = CONFIGS["smoke" if args.smoke else args.suite]
     if args.only:
         wanted = set(args.only.split(","))
         configs = [c for c in configs if c["name"] in wanted]

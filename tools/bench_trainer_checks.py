@@ -1,10 +1,8 @@
 """GPU correctness checks of tools/bench_trainer.py: every fast path (cuDNN attention, packed and plain causal;
-the LM head, recomputing and keeping its logits) against its XLA reference, plus the attention kernel sweep.
+the LM head, recomputing and keeping its logits) against its XLA reference.
 Run in the bench's `check` worker process, on the device."""
 
 from __future__ import annotations
-
-from tools.bench_trainer_profile import _timed
 
 
 def _rel(a, b) -> float:
@@ -133,90 +131,4 @@ def check_worker(c: dict) -> dict:
         and out["overflow_flagged"] == [True, False]
         and out["causal_overflow_flagged"] == [True, False]
     )
-    if c.get("kernels"):
-        out["kernels"] = _kernel_sweep()
     return out
-
-
-def _kernel_sweep() -> dict:
-    """Attention fwd+bwd TFLOP/s: packed cuDNN at several max_segments vs cuDNN's plain causal kernel."""
-    import jax
-    import jax.numpy as jnp
-
-    from primejax.models.attention import attention
-
-    res = {}
-    for t in (16384, 65536):
-        k = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(k[0], (1, t, 16, 128), jnp.bfloat16)
-        kk = jax.random.normal(k[1], (1, t, 8, 128), jnp.bfloat16)
-        v = jax.random.normal(k[2], (1, t, 8, 128), jnp.bfloat16)
-        seg = jnp.ones((1, t), jnp.int32)
-        lens = jnp.full((1,), t, jnp.int32)
-        flops = 2 * 2 * t * t / 2 * 16 * 128 * 3.5
-        variants = {
-            f"packed_m{m}": (
-                lambda q, kk, v, m=m, seg=seg: attention(q, kk, v, seg, impl="cudnn", max_runs=m)
-            )
-            for m in (2, 64)
-        }
-        variants["plain_causal"] = lambda q, kk, v: jax.nn.dot_product_attention(
-            q, kk, v, is_causal=True, implementation="cudnn"
-        )
-        variants["padded_causal"] = lambda q, kk, v, lens=lens: jax.nn.dot_product_attention(
-            q,
-            kk,
-            v,
-            is_causal=True,
-            query_seq_lengths=lens,
-            key_value_seq_lengths=lens,
-            implementation="cudnn",
-        )
-        if t <= 16384:  # Triton kernels: slow enough at 64k to eat the sweep's time
-            variants["pallas_mha"] = lambda q, kk, v, seg=seg: _pallas_mha(q, kk, v, seg)
-            variants["pallas_mha_b64"] = lambda q, kk, v, seg=seg: _pallas_mha(q, kk, v, seg, big=True)
-        for name, fn in variants.items():
-            g = jax.jit(
-                jax.grad(
-                    lambda q, kk, v, fn=fn: jnp.sum(fn(q, kk, v).astype(jnp.float32) * 1e-3),
-                    argnums=(0, 1, 2),
-                )
-            )
-            fwd = jax.jit(fn)
-            args = (q, kk, v)
-            try:
-                tf = _timed(fwd, lambda args=args: args, 5, 2)[1]
-                tb = _timed(g, lambda args=args: args, 5, 2)[1]
-                res[f"{t}:{name}"] = dict(
-                    fwd_ms=tf * 1e3,
-                    fwd_bwd_ms=tb * 1e3,
-                    fwd_tflops=flops / 3.5 / tf / 1e12,
-                    fwd_bwd_tflops=flops / tb / 1e12,
-                )
-            except Exception as e:  # noqa: BLE001 - report and keep sweeping
-                res[f"{t}:{name}"] = dict(error=repr(e)[:300])
-    return res
-
-
-def _pallas_mha(q, k, v, seg, big=False):
-    """jax's Pallas (Triton) flash attention with segment ids; GQA by repeating k/v (the kernel has none)."""
-    import jax.numpy as jnp
-    from jax.experimental.pallas.ops.gpu import attention as pa
-
-    rep = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    blocks = (
-        pa.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
-        if big
-        else pa.BlockSizes.get_default()
-    )
-    return pa.mha(
-        q,
-        k,
-        v,
-        seg,
-        sm_scale=q.shape[-1] ** -0.5,
-        causal=True,
-        block_sizes=blocks,
-        num_warps=8 if big else None,
-    )

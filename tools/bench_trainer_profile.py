@@ -1,5 +1,5 @@
-"""Measurement helpers of tools/bench_trainer.py: timing, the profiler trace summary, XLA's memory analysis,
-per-part timings. Imported by the bench's worker processes (GPU), never by the package."""
+"""Measurement helpers of tools/bench_trainer.py: timing, the profiler trace summary, XLA's memory analysis.
+Imported by the bench's worker processes (GPU), never by the package."""
 
 from __future__ import annotations
 
@@ -95,63 +95,3 @@ def _jax_peak_gib() -> float:
 
     stats = jax.devices()[0].memory_stats() or {}  # None on CPU
     return stats.get("peak_bytes_in_use", 0) / GIB
-
-
-def _jax_parts(cfg, graphdef, params, batch, chunk, opt, opt_state) -> dict:
-    """Per-part step time (ms): each part jitted and timed alone, fwd+bwd where it has a backward."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    from primejax.models.attention import attention
-    from primejax.trainer import losses
-    from primejax.trainer import step as step_mod
-
-    token_logprobs = step_mod.token_logprobs  # whichever head the step uses
-    loss_fn = losses.make_loss_fn(losses.LossConfig())
-    rows, seq = batch["tokens"].shape
-    parts = {}
-    model = nnx.merge(graphdef, params)
-    h = jax.jit(lambda p: nnx.merge(graphdef, p)(batch["tokens"], batch["positions"], batch["segment_ids"]))(
-        params
-    )
-    w = model.lm_head_weight()
-    cot = jax.random.normal(jax.random.key(1), h.shape, jnp.bfloat16)
-
-    def body_loss(p):  # the decoder stack with a linear stand-in for the head
-        hh = nnx.merge(graphdef, p)(batch["tokens"], batch["positions"], batch["segment_ids"])
-        return jnp.sum((hh * cot).astype(jnp.float32))
-
-    f = jax.jit(jax.grad(body_loss))
-    parts["decoder_fwd_bwd"] = _timed(f, lambda: (params,), 3, 1)[1] * 1e3
-
-    def head_loss(h, w):
-        lp, ent = token_logprobs(h, w, batch["targets"], batch["temperatures"], chunk)
-        return loss_fn(lp, ent, batch, losses.global_counts(batch))[0]
-
-    f = jax.jit(jax.grad(head_loss, argnums=(0, 1)))
-    parts["lm_head_loss_fwd_bwd"] = _timed(f, lambda: (h, w), 3, 1)[1] * 1e3
-
-    k = jax.random.split(jax.random.key(2), 3)
-    q = jax.random.normal(k[0], (rows, seq, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
-    kk = jax.random.normal(k[1], (rows, seq, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
-    v = jax.random.normal(k[2], (rows, seq, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
-
-    def attn_loss(q, kk, v):
-        o = attention(q, kk, v, batch["segment_ids"], impl=cfg.attention_impl)
-        return jnp.sum((o * q).astype(jnp.float32))
-
-    f = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
-    one = _timed(f, lambda: (q, kk, v), 3, 1)[1]
-    parts["attention_fwd_bwd_x_layers"] = one * cfg.num_layers * 1e3
-    parts["attention_tflops"] = _attn_flops(rows, seq, cfg) * 3.5 / one / 1e12
-    grads = jax.tree.map(jnp.ones_like, params)
-    f = jax.jit(lambda g, s, p: optax.apply_updates(p, opt.update(g, s, p)[0]))
-    parts["optimizer"] = _timed(f, lambda: (grads, opt_state, params), 3, 1)[1] * 1e3
-    return parts
-
-
-def _attn_flops(rows, seq, cfg) -> float:
-    """Causal attention forward FLOPs (two matmuls over the lower triangle)."""
-    return 2 * 2 * rows * seq * seq / 2 * cfg.num_heads * cfg.head_dim

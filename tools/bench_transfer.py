@@ -82,6 +82,7 @@ def sender(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
 
+    from primejax.inference.admin_auth import process_token
     from primejax.models.config import ModelConfig
     from primejax.models.hf_io import export_safetensors
     from primejax.models.sharding import init_model, make_mesh
@@ -103,7 +104,7 @@ def sender(args: argparse.Namespace) -> None:
 
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-    sender = CollectiveSender(run, timeout_s=300, bucket_bytes=args.bucket_mb * 2**20, num_receivers=1,
+    sender = CollectiveSender(run, secret=process_token(), timeout_s=300, bucket_bytes=args.bucket_mb * 2**20, num_receivers=1,
                               backend="nccl" if gpu else "gloo", device=device)
     times, sends = [], []
     for r in range(args.rounds + 1):
@@ -182,6 +183,7 @@ def receiver(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file
 
     from primejax.contracts.transfer import latest_offer
+    from primejax.inference.admin_auth import process_token
     from primejax.transfer import wire
 
     run = Path(args.run_dir)
@@ -194,7 +196,7 @@ def receiver(args: argparse.Namespace) -> None:
     for r in range(args.rounds + 1):
         while (offer := latest_offer(run)) is None or offer.step != r:
             time.sleep(0.0005)
-        rx.receive(offer.init_info, offer.update_info, 1, device, params.load_weights)
+        rx.receive(offer.init_info, offer.update_info, 1, device, params.load_weights, process_token())
     collective = params.checksums()
     _wait_file(run / "collective_done.json", 600)
     request = _wait_file(run / "fs_request.json", 1800)

@@ -1,4 +1,8 @@
-"""Build a tiny random HF model + tokenizer offline: `python -m tools.make_tiny_model OUT_DIR [--family llama]`."""
+"""Build a tiny random HF model + tokenizer offline: `python -m tools.make_tiny_model OUT_DIR [--family llama]`.
+
+`--tool-tokens` adds Qwen3's tool-call tokens (`<tool_call>`, `</tool_call>`, `<tool_response>`,
+`</tool_response>`) to the tokenizer: tool-using tasksets need them, since the renderer writes tool calls and
+results with them and parses the model's calls by them."""
 
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tool-tokens", action="store_true", help="add Qwen3's tool-call tokens (tool-using tasksets)"
+    )
     p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe only")
     p.add_argument("--num-experts-per-tok", type=int, default=2, help="qwen3_moe only")
     p.add_argument("--moe-intermediate-size", type=int, default=64, help="qwen3_moe only")
@@ -38,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab_size=a.vocab_size,
         init_std=a.init_std,
         seed=a.seed,
+        tool_tokens=a.tool_tokens,
         num_experts=a.num_experts,
         num_experts_per_tok=a.num_experts_per_tok,
         moe_intermediate_size=a.moe_intermediate_size,

@@ -1,6 +1,6 @@
-"""HF config.json shapes of the Qwen3 checkpoints the benchmarks and the TPU compile tool build at random init.
+"""HF config.json shapes of the checkpoints the benchmarks and the TPU compile tool build at random init.
 
-From huggingface.co/Qwen/Qwen3-{0.6B,4B,8B} and Qwen/Qwen3-30B-A3B. A tool that needs another
+From huggingface.co/Qwen/Qwen3-{0.6B,4B,8B}, Qwen/Qwen3-30B-A3B and zai-org/GLM-4.5-Air. A tool that needs another
 `max_position_embeddings` (a longer benchmark row) overrides it: `dict(QWEN3["qwen3-4b"], max_position_embeddings=...)`.
 Plain dicts, no imports: the GPU image runs these tools without primejax's CPU-only dependencies.
 """
@@ -57,6 +57,39 @@ QWEN3: dict[str, dict[str, Any]] = {
         num_hidden_layers=48,
         num_attention_heads=32,
         num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+}
+
+# GLM-4.5-Air (glm4_moe): 128 experts top-8 + 1 shared, sigmoid routing, first layer dense, q/k/v bias, half
+# of each head rotated, 96 heads of 128 on a hidden size of 4096. Benchmarks cut it to a few layers.
+GLM: dict[str, dict[str, Any]] = {
+    "glm4.5-air": dict(
+        model_type="glm4_moe",
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=False,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        hidden_act="silu",
         tie_word_embeddings=False,
     ),
 }

@@ -80,19 +80,11 @@ def _flags(fv: flags.FlagValues) -> None:
         "--recommend: context-parallel sizes to try (a row of seq_len tokens over C chips), in order",
         flag_values=fv,
     )
-    flags.DEFINE_bool(
-        "depth_probe",
-        False,
-        "compile 2- and 4-layer versions of the step and extrapolate to the model's depth (unreliable for "
-        "unrolled layers: it overstated a 4B cell 3.7x; prefer model.scan_layers=true, as configs/tpu.py, "
-        "and a full-depth compile)",
-        flag_values=fv,
-    )
 
 
 def _model_config(cfg, name: str):
     from primejax.models.config import ModelConfig
-    from primejax.trainer.loop import model_config
+    from primejax.trainer.engine import model_config
 
     if not name:
         return model_config(cfg.model, max_positions=cfg.trainer.fake_data.seq_len)
@@ -159,45 +151,6 @@ def _recommend_meshes(chips: int, model_cfg, seq_len: int, tokens: int, tensors,
     return meshes
 
 
-# Report fields that grow with the number of decoder layers (state, saved activations, code, FLOPs).
-_PER_LAYER = (
-    "argument_bytes",
-    "output_bytes",
-    "alias_bytes",
-    "temp_bytes",
-    "generated_code_bytes",
-    "flops",
-    "estimated_seconds",
-)
-PROBE_DEPTHS = (2, 4)
-
-
-def _depth_probe(compile_at: Any, layers: int) -> dict[str, Any]:
-    """The step at `layers` layers, extrapolated linearly from compiles of the same step at PROBE_DEPTHS.
-
-    The unrolled layers are where a deep model's compile time goes; every per-layer quantity is the same
-    for each layer (same shapes, same remat), so the figures are affine in the depth.
-    """
-    lo, hi = (compile_at(n) for n in PROBE_DEPTHS)
-    if lo["out_of_memory"] or hi["out_of_memory"]:
-        return hi if hi["out_of_memory"] else lo
-    r = dict(hi)
-    scale = (layers - PROBE_DEPTHS[0]) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
-    for k in _PER_LAYER:
-        if lo[k] is not None and hi[k] is not None:
-            r[k] = lo[k] + (hi[k] - lo[k]) * scale
-    r["peak_bytes"] = (
-        r["argument_bytes"]
-        + r["temp_bytes"]
-        + r["output_bytes"]
-        - r["alias_bytes"]
-        + r["generated_code_bytes"]
-    )
-    r["compile_seconds"] = lo["compile_seconds"] + hi["compile_seconds"]
-    r["depth_probe"] = {str(n): x["peak_bytes"] for n, x in zip(PROBE_DEPTHS, (lo, hi), strict=True)}
-    return r
-
-
 def _line(r: dict[str, Any], hbm: int) -> str:
     g = lambda b: f"{b / GIB:7.2f}"  # noqa: E731
     mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
@@ -259,8 +212,6 @@ def main() -> int:
         if err := _layout_error(model_cfg, mesh, seq_len):
             raise UsageError(err)
         plans = [(mesh, model_cfg.remat_policy)]
-    if fv["depth_probe"].value:
-        print(f"figures extrapolated to {model_cfg.num_layers} layers from compiles at {PROBE_DEPTHS} layers")
     print(HEADER, flush=True)
     reports = []
     for mesh, remat in plans:
@@ -278,16 +229,7 @@ def main() -> int:
             hbm_bytes=hbm,
             mesh_sizes=mesh,
         )
-
-        def compile_at(n: int, m_cfg=m_cfg, kw=kw) -> dict[str, Any]:
-            return compile_train_step(cfg, dataclasses.replace(m_cfg, num_layers=n), devices, **kw)[
-                1
-            ].to_dict()
-
-        if fv["depth_probe"].value:
-            r = _depth_probe(compile_at, m_cfg.num_layers)
-        else:
-            r = compile_at(m_cfg.num_layers)
+        r = compile_train_step(cfg, m_cfg, devices, **kw)[1].to_dict()
         r.update(
             topology=slice_.name,
             chips=slice_.chips,

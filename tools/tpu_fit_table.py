@@ -20,7 +20,7 @@ from pathlib import Path
 GIB = 2**30
 
 
-def _cell(out: Path, config: str, probe: bool, model: str, tokens: int, topology: str) -> Path:
+def _cell(out: Path, config: str, model: str, tokens: int, topology: str) -> Path:
     path = out / f"{model}_{tokens}_{topology}.json"
     if path.is_file():
         return path
@@ -42,7 +42,7 @@ def _cell(out: Path, config: str, probe: bool, model: str, tokens: int, topology
         "--tensor_sizes=1,2",
         "--json",
         str(path),
-    ] + (["--depth_probe"] if probe else [])
+    ]
     log = path.with_suffix(".log")
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -95,12 +95,6 @@ def main() -> int:
     p.add_argument("--tokens", default="16384,65536")
     p.add_argument("--topologies", default="v5e-16,v6e-8,v5p-16")
     p.add_argument("--config", default="configs/tpu.py")
-    p.add_argument(
-        "--depth_probe",
-        action="store_true",
-        help="extrapolate from 2- and 4-layer compiles (for configs with unrolled layers; the default compiles "
-        "the whole model, which configs/tpu.py makes cheap by scanning its layers)",
-    )
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +105,7 @@ def main() -> int:
         for topo in a.topologies.split(",")
     ]
     with ThreadPoolExecutor(a.jobs) as pool:
-        paths = list(pool.map(lambda c: _cell(out, a.config, a.depth_probe, *c), cells))
+        paths = list(pool.map(lambda c: _cell(out, a.config, *c), cells))
     print(HEADER)
     for path in paths:
         print(_row(path))

@@ -120,7 +120,12 @@ def from_json(text: str) -> ConfigDict:
         tree = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError("", f"not a JSON config ({e.msg})") from None
-    tree = compat.migrate_env_algorithms(compat.migrate(tree))
+    if not isinstance(tree, dict):
+        raise ConfigError("", f"not a JSON config (the top level is a {type(tree).__name__}, not an object)")
+    try:
+        tree = compat.migrate_env_algorithms(compat.migrate(tree))
+    except (AttributeError, TypeError, KeyError) as e:  # a hostile or damaged file: say so, no traceback
+        raise ConfigError("", f"not a primejax config ({type(e).__name__}: {e})") from None
     merged = default_config()
     _merge(merged, tree, Config, "")
     return lock(merged)
@@ -129,27 +134,49 @@ def from_json(text: str) -> ConfigDict:
 def _merge(dst: ConfigDict, src: dict, cls: type, prefix: str) -> None:
     """Overlay a saved tree onto the defaults, checking every key against section `cls`."""
     types = union_types(cls)
+    if not isinstance(src, dict):
+        raise ConfigError(prefix.rstrip("."), f"must be a JSON object, got {type(src).__name__} {src!r:.80}")
     for key, value in src.items():
         path = f"{prefix}{key}"
         if key not in types:
             raise ConfigError(path, "unknown key")
         kind, arg = field_kind(types[key])
-        if kind == "section":
-            _merge(dst[key], value, arg, f"{path}.")
-        elif kind == "entries":
-            entries = ConfigDict()
-            for name, entry in value.items():
-                entries[name] = to_configdict(arg)
-                _merge(entries[name], entry, arg, f"{path}.{name}.")
-            dst[key] = entries
-        elif kind == "dict":
-            dst[key] = ConfigDict(value)
-        elif kind == "tuple":
-            dst[key] = tuple(value)
-        elif kind == "optional":
-            dst[key] = value if value is None or isinstance(value, FieldReference) else arg(value)
-        else:
-            dst[key] = arg(value) if arg is float and isinstance(value, int) else value
+        try:
+            _merge_one(dst, key, value, kind, arg, path)
+        except (
+            TypeError,
+            ValueError,
+        ) as e:  # ConfigDict refusing the value's type, tuple() of a non-list, ...
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(path, f"bad value {value!r:.80} ({str(e)[:200]})") from None
+
+
+def _merge_one(dst: ConfigDict, key: str, value: Any, kind: str, arg: Any, path: str) -> None:
+    if kind in ("entries", "dict", "tuple"):
+        want = list if kind == "tuple" else dict
+        if not isinstance(value, want):
+            raise ConfigError(
+                path,
+                f"must be a JSON {'list' if want is list else 'object'}, got "
+                f"{type(value).__name__} {value!r:.80}",
+            )
+    if kind == "section":
+        _merge(dst[key], value, arg, f"{path}.")
+    elif kind == "entries":
+        entries = ConfigDict()
+        for name, entry in value.items():
+            entries[name] = to_configdict(arg)
+            _merge(entries[name], entry, arg, f"{path}.{name}.")
+        dst[key] = entries
+    elif kind == "dict":
+        dst[key] = ConfigDict(value)
+    elif kind == "tuple":
+        dst[key] = tuple(value)
+    elif kind == "optional":
+        dst[key] = value if value is None or isinstance(value, FieldReference) else arg(value)
+    else:
+        dst[key] = arg(value) if arg is float and isinstance(value, int) else value
 
 
 __all__ = [

@@ -45,6 +45,8 @@ def load_config_file(path: str | Path) -> ConfigDict:
             return from_json(path.read_text())
         except ConfigError as e:
             raise UsageError(f"--config: {path}: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--config: {path}: not readable as a JSON config ({e})") from None
     spec = importlib.util.spec_from_file_location(f"primejax_config_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise UsageError(f"--config: cannot import {path}")

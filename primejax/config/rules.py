@@ -39,6 +39,12 @@ def check(c: Config) -> None:
         raise ConfigError(key, msg) from None
     if o.routing_replay:
         _check_routing_replay(c)
+    if c.trainer.loss.type == "custom":  # the custom loss replaces the rl component the corrections change
+        for name in o.envs:
+            if not o.env_algo(name).correction.is_default:
+                own = o.envs[name].algo.type
+                key = f"orchestrator.envs.{name}.algo.correction" if own else "orchestrator.algo.correction"
+                raise ConfigError(key, "applies to the default rl loss; trainer.loss.type = 'custom' replaces it")
 
 
 def _check_routing_replay(c: Config) -> None:
@@ -48,10 +54,11 @@ def _check_routing_replay(c: Config) -> None:
     from pathlib import Path
 
     from primejax.inference.routed_experts import RoutingShape
+    from primejax.models.config import MOE_MODEL_TYPES
 
     tiny = c.model.build_tiny
     if tiny.enabled and not (Path(c.model.path) / "config.json").exists():  # the launcher builds it first
-        if tiny.family != "qwen3_moe":
+        if tiny.family not in MOE_MODEL_TYPES:
             raise ConfigError("orchestrator.routing_replay", f"needs an MoE model; model.build_tiny.family is "
                                                              f"{tiny.family!r}")
         return

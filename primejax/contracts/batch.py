@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from primejax.contracts.batch_checks import (
+    BatchFormatError,
     check_headers,
     check_manifest,
     check_values,
@@ -63,6 +64,9 @@ from primejax.utils.io import atomic_write_bytes
 FORMAT_VERSION = 1
 MANIFEST_KEY = "__manifest__"
 
+# The loss components (trainer/losses.py), each normalized by its own token count and selected per token by
+# its weight stream; the trainer's losses and the orchestrator's loss types read this one tuple.
+LOSS_COMPONENTS = ("rl", "ce", "ref_kl")
 # name -> dtype of every [rows, seq_len] array of a PackedBatch, in file order.
 FIELDS: dict[str, np.dtype] = {
     "tokens": np.dtype(np.int32),
@@ -73,22 +77,13 @@ FIELDS: dict[str, np.dtype] = {
     "advantages": np.dtype(np.float32),
     "temperatures": np.dtype(np.float32),
     "ref_logprobs": np.dtype(np.float32),
-    "rl_weights": np.dtype(np.float32),
-    "ce_weights": np.dtype(np.float32),
-    "ref_kl_weights": np.dtype(np.float32),
+    # one weight stream per loss component: "<component>_weights"
+    **{f"{c}_weights": np.dtype(np.float32) for c in LOSS_COMPONENTS},
+    "env_ids": np.dtype(np.int32),
+    "staleness": np.dtype(np.int32),
 }
-OPTIONAL_STREAMS = ("advantages", "ref_logprobs", "rl_weights", "ce_weights", "ref_kl_weights")
-WEIGHT_STREAMS = ("rl_weights", "ce_weights", "ref_kl_weights")
-
-
-class BatchFormatError(ValueError):
-    """A batch file or sample that violates the contract. Names the file (if any) and the field."""
-
-    def __init__(self, path: str | Path | None, field_name: str, message: str):
-        self.path = None if path is None else str(path)
-        self.field = field_name
-        where = f"{self.path}: " if self.path else ""
-        super().__init__(f"{where}field {field_name!r}: {message}")
+WEIGHT_STREAMS = tuple(f"{c}_weights" for c in LOSS_COMPONENTS)
+OPTIONAL_STREAMS = ("advantages", "ref_logprobs", *WEIGHT_STREAMS)
 
 
 @dataclass
@@ -105,6 +100,7 @@ class TrainingSample:
     ce_weights: list[float] | None = None
     ref_kl_weights: list[float] | None = None
     policy_version: int = 0
+    env_index: int = 0  # the sample's environment: its index in the batch's meta["envs"]
     # Routing replay: uint8 [len, moe_layers, top_k] per target token, and which tokens carry a recorded routing.
     routed_experts: np.ndarray | None = None
     routed_mask: list[bool] | None = None
@@ -152,6 +148,8 @@ class PackedBatch:
     rl_weights: np.ndarray
     ce_weights: np.ndarray
     ref_kl_weights: np.ndarray
+    env_ids: np.ndarray
+    staleness: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
     routed_experts: np.ndarray | None = None  # uint8 [rows, seq_len, moe_layers, top_k] (routing replay only)
     routed_mask: np.ndarray | None = None  # bool [rows, seq_len]
@@ -196,6 +194,11 @@ class PackedBatch:
         pad = PackedBatch.empty(rows - self.rows, self.seq_len, routing_shape=self.routing_shape)
         merged = {n: np.concatenate([a, getattr(pad, n)]) for n, a in self.arrays().items()}
         return PackedBatch(**merged, meta=dict(self.meta))
+
+
+def batch_env_names(envs: Sequence[str]) -> tuple[str, ...]:
+    """The names a batch's `env_ids` index: orchestrator.envs sorted (the orchestrator and trainer agree)."""
+    return tuple(sorted(envs))
 
 
 def _weights(sample: TrainingSample) -> dict[str, np.ndarray]:
@@ -243,8 +246,13 @@ def pack_samples(
     num_shards: int = 1,
     pad_rows_to_multiple: int = 1,
     truncate: bool = False,
+    step: int = 0,
+    envs: Sequence[str] = (),
 ) -> list[PackedBatch]:
-    """Pack samples into rows of `seq_len`, one PackedBatch per data-parallel shard (see module docstring)."""
+    """Pack samples into rows of `seq_len`, one PackedBatch per data-parallel shard (see module docstring).
+
+    `step`: the trainer step the batch is for (staleness = step - 1 - policy version; 0 = not known, every
+    token on-policy); `envs`: the names `env_index` indexes, recorded as meta["envs"]."""
     if seq_len <= 0 or num_shards <= 0 or pad_rows_to_multiple <= 0:
         raise ValueError("seq_len, num_shards and pad_rows_to_multiple must be positive")
     num_truncated = 0
@@ -293,6 +301,8 @@ def pack_samples(
                     batch.ref_logprobs[row, sl] = np.asarray(s.ref_logprobs[:n], np.float32)
                 for w, values in _weights(s).items():
                     getattr(batch, w)[row, sl] = values[:n]
+                batch.env_ids[row, sl] = s.env_index
+                batch.staleness[row, sl] = max(0, step - 1 - s.policy_version) if step else 0
                 if routing is not None:
                     batch.routed_experts[row, sl] = s.routed_experts[:n]
                     batch.routed_mask[row, sl] = np.asarray(s.routed_mask[:n], bool)
@@ -311,6 +321,7 @@ def pack_samples(
             "min_policy_version": min(versions, default=0),
             "max_policy_version": max(versions, default=0),
             "present_streams": present,
+            "envs": list(envs),
         }
         out.append(batch)
     return out
@@ -343,7 +354,7 @@ def write_batch(step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[
     path = Path(step_dir) / f"rank_{rank}.npz"
     # The checks the trainer runs on reading, run before writing: a bad value fails here, naming its step.
     meta = {**batch.meta, **(meta or {})}
-    check_values(path, batch, None, BatchFormatError, num_experts=meta.get("num_experts"))
+    check_values(path, batch, None, num_experts=meta.get("num_experts"))
     manifest = {
         "format_version": FORMAT_VERSION,
         "rows": batch.rows,
@@ -378,7 +389,7 @@ def read_batch(
     with data:
         if MANIFEST_KEY not in names:
             raise BatchFormatError(path, MANIFEST_KEY, "missing (not a primejax batch file)")
-        check_headers(path, data.zip, {MANIFEST_KEY: (np.dtype(np.uint8), None)}, BatchFormatError)
+        check_headers(path, data.zip, {MANIFEST_KEY: (np.dtype(np.uint8), None)})
         try:
             manifest = json.loads(_load(data, path, MANIFEST_KEY).tobytes().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -388,11 +399,11 @@ def read_batch(
         version = manifest.get("format_version")
         if version != FORMAT_VERSION:
             raise BatchFormatError(path, "format_version", f"expected {FORMAT_VERSION}, got {version!r}")
-        shape = check_manifest(path, manifest, BatchFormatError)
+        shape = check_manifest(path, manifest)
         # Shapes and dtypes from the .npy headers first: nothing is decompressed for a file that lies.
         headers = {name: (dtype, shape) for name, dtype in FIELDS.items()}
-        headers.update(routed_headers(path, manifest, shape, names, BatchFormatError))
-        check_headers(path, data.zip, headers, BatchFormatError)
+        headers.update(routed_headers(path, manifest, shape, names))
+        check_headers(path, data.zip, headers)
         arrays = {}
         for name in headers:
             a = _load(data, path, name)
@@ -404,7 +415,7 @@ def read_batch(
     if batch.routing_shape is not None and batch.routing_shape != routing_shape:
         raise BatchFormatError(path, "routed_experts", f"[moe_layers, top_k] = {list(batch.routing_shape)}, the "
                                f"model routes {'no experts (dense)' if routing_shape is None else list(routing_shape)}")
-    check_values(path, batch, vocab_size, BatchFormatError, num_experts=num_experts)
+    check_values(path, batch, vocab_size, num_experts=num_experts)
     # Computed, never trusted below the data: an understated count made a custom loss skip whole samples. A
     # larger claim (every rank's files carry the largest count over all ranks, so all compile one step) is
     # kept, up to one sample per token.
@@ -456,5 +467,5 @@ def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, 
 
 __all__ = [
     "FORMAT_VERSION", "FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
-    "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch", "prune_rollouts",
+    "batch_env_names", "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch", "prune_rollouts",
 ]

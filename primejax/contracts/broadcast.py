@@ -51,7 +51,9 @@ def _manifest(directory: Path, step: int, hash_files: bool) -> dict[str, Any]:
             if hash_files:
                 entry["sha256"] = _file_sha256(p)
             files[str(p.relative_to(directory))] = entry
-    return {"format_version": FORMAT_VERSION, "step": step, "files": files}
+    # `hashed: false` is the trainer's explicit opt-out (trainer.broadcast.hash = False); a manifest that lacks
+    # hashes without saying so is incomplete or hand-made, and a verifying reader refuses it.
+    return {"format_version": FORMAT_VERSION, "step": step, "files": files, "hashed": hash_files}
 
 
 def write_broadcast(
@@ -102,12 +104,24 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 
 
 def verify_broadcast(directory: str | Path, check_hashes: bool = True) -> dict[str, Any]:
-    """Check every file of the manifest exists with its size (and sha256); return the manifest."""
+    """Check every file of the manifest exists with its size (and sha256); return the manifest.
+
+    A manifest that lists no weights, leaves a weights file of the directory out, or (with `check_hashes`)
+    has an entry without its sha256 is refused: it would vouch for weights it never described."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise BroadcastError(f"{directory}: format_version {manifest.get('format_version')!r} != {FORMAT_VERSION}")
-    for name, entry in manifest["files"].items():
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not any(str(n).endswith(".safetensors") for n in files):
+        raise BroadcastError(f"{directory}: the {STABLE} manifest lists no .safetensors file")
+    unlisted = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in files)
+    if unlisted:
+        raise BroadcastError(f"{directory}: {unlisted[0]} is not in the {STABLE} manifest")
+    for name, entry in files.items():
+        hashed = manifest.get("hashed", True) is not False
+        if not isinstance(entry, dict) or (check_hashes and hashed and not isinstance(entry.get("sha256"), str)):
+            raise BroadcastError(f"{directory}: the {STABLE} manifest entry of {name} has no sha256")
         p = directory / name
         if not p.is_file():
             raise BroadcastError(f"{directory}: missing file {name}")

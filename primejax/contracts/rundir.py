@@ -7,7 +7,9 @@
       checkpoints/step_N/{trainer,orchestrator}/
       sft/final/                    the SFT warm-up's model
       tensorboard/<process>/        metrics/<process>.jsonl        logs/<process>.log
-      pids.json  .lock              the launcher's children; its lock on the directory
+      transfers/                    collective weight-transfer offers (primejax.contracts.transfer)
+      stale/<time>/  previous/<time>/  what a resume set aside; an earlier run's outputs (launcher.resume)
+      pids.json  .lock  admin_token the launcher's children; its lock on the directory; the admin secret
 
 `RunDir` names every one of these paths and `step_name` / `parse_step` / `step_dirs` are the one spelling
 and reading of `step_N`; no other module spells them. `RunConfig` is the `run` config section.
@@ -34,17 +36,31 @@ class RunConfig(Section):
     output_dir: str = option("outputs", "parent of run directories")
     max_steps: int = option(20, "training steps", gt=0, le=MAX_STEPS)
     seed: int = option(0, "seed of initialization, sampling order and the server", ge=0)
-    resume_step: str = option("", "'' = fresh run, 'latest', or a step number")
+    resume_step: str = option(
+        "", "'' = the launcher resumes from the newest checkpoint pair when the run directory has one (a process "
+        "started alone starts fresh), 'latest', or a step number"
+    )
+    fresh: bool = option(False, "start over even when the run directory has a checkpoint (the old run is kept "
+                                "under previous/)")
 
     def check(self) -> None:
+        if self.fresh and self.resume_step:
+            raise ConfigError("fresh", f"contradicts run.resume_step={self.resume_step!r}: set one of them")
         if self.resume_step not in ("", "latest") and not self.resume_step.isdigit():
-            raise ConfigError("resume_step", f"must be '', 'latest' or a step number, got {self.resume_step!r}")
+            raise ConfigError(
+                "resume_step", f"must be '', 'latest' or a step number, got {self.resume_step!r}"
+            )
         if not _NAME.match(self.name):
-            raise ConfigError("name", "must be a plain directory name (letters, digits, '_', '-', '.', not starting "
-                                      f"with '.' or '-', no '/' or '~'), got {self.name!r}")
+            raise ConfigError(
+                "name",
+                "must be a plain directory name (letters, digits, '_', '-', '.', not starting "
+                f"with '.' or '-', no '/' or '~'), got {self.name!r}",
+            )
         out = self.output_dir
         if not out or out.startswith("~") or Path(out).resolve() == Path(Path(out).resolve().anchor):
-            raise ConfigError("output_dir", f"must be a directory below the filesystem root (no '~'), got {out!r}")
+            raise ConfigError(
+                "output_dir", f"must be a directory below the filesystem root (no '~'), got {out!r}"
+            )
 
     @property
     def dir(self) -> Path:
@@ -86,10 +102,13 @@ class RunDir:
     STEP_DIRS = (ROLLOUTS, BROADCASTS, CHECKPOINTS)
     PIDS_FILE = "pids.json"  # the launcher's live children, by name
     LOCK_FILE = ".lock"  # held (flock) by the launcher of a live run
+    ADMIN_TOKEN_FILE = "admin_token"  # the inference servers' admin secret (0600)
+    TRANSFERS = "transfers"  # collective-transfer offers: owned by a live trainer, never outlive it
     # What a fresh start moves aside (configs/ is this invocation's own): only primejax's entries, anything else
     # (a user's files, a project a run directory was pointed at by mistake) is never touched.
-    ENTRIES = frozenset({*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", PIDS_FILE,
-                         "admin_token"})
+    ENTRIES = frozenset(
+        {*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", PIDS_FILE, ADMIN_TOKEN_FILE, TRANSFERS}
+    )
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
@@ -113,6 +132,40 @@ class RunDir:
         path = self._step(self.CHECKPOINTS, step)
         return path / process if process else path
 
+    def broadcast_export_tmp(self, step: int) -> Path:
+        """The temp directory several trainer processes fill with their shares of broadcasts/step_N."""
+        final = self.broadcasts(step)
+        return final.with_name(f".{final.name}.export.tmp")
+
+    def stale(self, stamp: str) -> Path:
+        """stale/<stamp>/: the outputs of steps after a resume point, set aside (launcher.resume)."""
+        return self.root / "stale" / stamp
+
+    def previous(self, stamp: str) -> Path:
+        """previous/<stamp>/: an earlier run's outputs, moved aside by a fresh start in the same directory."""
+        return self.root / "previous" / stamp
+
+    def transfers(self, step: int | None = None) -> Path:
+        """transfers/ or transfers/step_N.json: the trainer's offer of a collective update
+        (primejax.contracts.transfer)."""
+        root = self.root / self.TRANSFERS
+        return root if step is None else root / f"{step_name(step)}.json"
+
+    def set_aside_transfers(self, dest: str | os.PathLike) -> list[Path]:
+        """Move every offer to `dest/transfers/` (a launcher starting or resuming a run: no trainer of it is
+        alive yet, so each offer is a dead trainer's and would stall the weights' watcher); return them."""
+        root = self.transfers()
+        moved: list[Path] = []
+        if not root.is_dir():
+            return moved
+        for p in sorted(root.iterdir()):
+            if p.is_file():
+                target = Path(dest) / self.TRANSFERS / p.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                p.rename(target)
+                moved.append(target)
+        return moved
+
     def _step(self, kind: str, step: int | None) -> Path:
         return self.root / kind if step is None else self.root / kind / step_name(step)
 
@@ -121,8 +174,12 @@ class RunDir:
         """The SFT warm-up's exported model, where RL starts from."""
         return self.root / "sft" / "final"
 
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
     def log(self, process: str) -> Path:
-        return self.root / "logs" / f"{process}.log"
+        return self.logs / f"{process}.log"
 
     def metrics(self, process: str) -> Path:
         return self.root / "metrics" / f"{process}.jsonl"
@@ -137,6 +194,10 @@ class RunDir:
     @property
     def lock_file(self) -> Path:
         return self.root / self.LOCK_FILE
+
+    @property
+    def admin_token(self) -> Path:
+        return self.root / self.ADMIN_TOKEN_FILE
 
 
 def run_dir(run: RunConfig) -> Path:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from primejax.contracts.rundir import RunDir
 from primejax.utils.io import atomic_write_json
 
 _PREFIX, _SUFFIX = "step_", ".json"
@@ -29,11 +30,11 @@ class Offer:
 
 
 def transfers_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "transfers"
+    return RunDir(run_dir).transfers()
 
 
 def offer_path(run_dir: str | Path, step: int) -> Path:
-    return transfers_root(run_dir) / f"{_PREFIX}{step}{_SUFFIX}"
+    return RunDir(run_dir).transfers(step)
 
 
 def write_offer(run_dir: str | Path, offer: Offer) -> Path:
@@ -53,8 +54,9 @@ def remove_offer(run_dir: str | Path, step: int) -> None:
         pass
 
 
-def latest_offer(run_dir: str | Path) -> Offer | None:
-    """The newest readable offer, or None. An unreadable one (removed while read, malformed) is skipped."""
+def latest_offer(run_dir: str | Path, skip: frozenset[int] | set[int] = frozenset()) -> Offer | None:
+    """The newest readable offer whose step is not in `skip` (offers already tried), or None. An unreadable one
+    (removed while read, malformed) is skipped."""
     root = transfers_root(run_dir)
     if not root.is_dir():
         return None
@@ -63,7 +65,7 @@ def latest_offer(run_dir: str | Path) -> Offer | None:
         digits = p.name.removeprefix(_PREFIX).removesuffix(_SUFFIX)
         if p.name.startswith(_PREFIX) and p.name.endswith(_SUFFIX) and digits.isdigit():
             steps.append(int(digits))
-    for step in sorted(steps, reverse=True):
+    for step in sorted(set(steps) - set(skip), reverse=True):
         try:
             raw = json.loads(offer_path(run_dir, step).read_text())
             return Offer(int(raw["step"]), dict(raw["init_info"]), dict(raw["update_info"]))

@@ -15,26 +15,34 @@ task in process:
   Limits: `max_turns` (also capped by `orchestrator.sampling.max_turns`), `max_output_tokens`,
   `max_total_tokens` (soft by one turn, as verifiers').
 - scoring: `await task.score(trace)` on a trace holding the conversation, its state and stop condition.
-- `env = "<vf Env id or module>"`: the Env's own `run(task, agents)` drives the episode; each agent's
-  `interaction(task)` is a primejax stand-in whose `turn(message)` runs one agent segment (model calls until
-  a reply without tool calls) through the orchestrator. The `policy_agent` (default `assistant`, else the
-  first declared) is trained; other agents sample from the same server untrained.
+- Envs: the Env a taskset package ships (e.g. verifiers' `textarena`: the game engine plays the user), or
+  `args.env = "<vf Env id or module>"`, runs its own `setup` / `run(task, agents)` / `finalize` episode; its
+  seats are primejax's (primejax/envs/verifiers_episode.py: which seat trains, `args.policy_agent`).
 
 Tasks that need verifiers' harness programs or a sandbox runtime run through verifiers' own rollout loop
 instead (primejax/envs/verifiers_loop.py, chosen by the env's `args.driver`).
 
-An id with a dot (`my_pkg.my_taskset`) is imported as a module path; verifiers' own loader only resolves
-bare package names (`my-taskset` -> `my_taskset` or `verifiers.v1.tasksets.my_taskset`).
+Ids (and import errors) resolve as primejax/envs/verifiers_ids.py says.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
+import asyncio
+import contextvars
 import json
 from typing import Any
 
 from primejax.envs.base import Environment, Example, Message, ModelCall
+from primejax.envs.tool_limits import (
+    DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+    DEFAULT_TOOL_TIMEOUT_S,
+    ToolTimeout,
+    cap_tool_output,
+    check_limits,
+    with_timeout,
+)
+from primejax.envs.verifiers_episode import Episode, parse_policy_agents, seat_names
+from primejax.envs.verifiers_ids import load_taskset, load_vf_env
 
 
 def _vf():
@@ -43,55 +51,9 @@ def _vf():
     return vf
 
 
-def _exported_subclass(module: Any, base: type, what: str) -> type:
-    """The single `base` subclass a module exports via `__all__` (verifiers' plugin convention)."""
-    names = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]
-    found = {
-        obj
-        for n in names
-        if isinstance(obj := getattr(module, n, None), type)
-        and issubclass(obj, base)
-        and obj is not base
-        and obj.__module__ == module.__name__
-    }
-    if len(found) != 1:
-        raise TypeError(
-            f"{what} module {module.__name__!r} must export exactly one {base.__name__} subclass, "
-            f"found {sorted(c.__name__ for c in found)}"
-        )
-    return found.pop()
-
-
-def load_taskset(taskset_id: str, args: dict[str, Any]) -> Any:
-    """A verifiers taskset by id, its TasksetConfig built from `args` (validated by verifiers' pydantic model)."""
-    vf = _vf()
-    from verifiers.v1.utils.generic import concrete_type
-
-    if "." in taskset_id:
-        cls = _exported_subclass(importlib.import_module(taskset_id), vf.Taskset, "taskset")
-        config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
-        return cls(config_cls.model_validate({**args, "id": taskset_id}))
-    config_cls = vf.taskset_config_type(taskset_id)
-    return vf.load_taskset(config_cls.model_validate({**args, "id": taskset_id}))
-
-
-def _load_env(env_id: str, taskset_id: str, taskset_args: dict[str, Any], env_args: dict[str, Any]) -> Any:
-    """A vf.Env holding only its config: primejax calls its `setup`/`run`, never its serving machinery."""
-    vf = _vf()
-    from verifiers.v1.utils.generic import concrete_type
-
-    if "." in env_id:
-        cls = _exported_subclass(importlib.import_module(env_id), vf.Env, "env")
-    else:
-        cls = vf.environment_class(taskset_id, env_id)
-    config_cls = concrete_type(cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
-    # The taskset is loaded by primejax (module paths included), so the config validates the env's own fields
-    # only; Env.__init__ would load the taskset again by verifiers' loader and every agent's harness, and
-    # the stand-in needs only the config that `setup`/`run` read.
-    config = config_cls.model_validate(env_args)
-    env = cls.__new__(cls)
-    env.config = config
-    return env
+#: The trace of the rollout whose tool call is running: a taskset-scoped toolset is one instance shared by every
+#: rollout, and its `State` is the calling rollout's (verifiers keys it by the per-rollout state channel).
+CALLING_TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("primejax_vf_calling_trace")
 
 
 def _to_dict(message: Any) -> Message:
@@ -150,6 +112,7 @@ class _World:
         self.servers: dict[str, tuple[Any, Any]] = {}  # advertised name -> (mcp server, tool name)
         self.tools: list[dict[str, Any]] = []
         self.sampled: list[bool] = []
+        self.scored = False
 
     async def open(self) -> None:
         from mcp.server.mcpserver import MCPServer
@@ -157,28 +120,37 @@ class _World:
         for toolset in type(self.task).toolsets(self.task.config):
             self._share_state(toolset)
             await toolset.setup()
-            await toolset.setup_task(self.task)
+            # As verifiers hands a tool server its rollout's task: the TaskData, a copy (it crosses a process
+            # boundary there).
+            await toolset.setup_task(self.task.data.model_copy(deep=True))
             server = MCPServer(toolset.server_name or type(toolset).__name__)
             toolset.register(server)
-            prefix = f"{toolset.server_name}_" if toolset.server_name else ""
-            for tool in await server.list_tools():
-                name = prefix + tool.name
-                self.servers[name] = (server, tool.name)
-                self.tools.append(
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": name,
-                            "description": tool.description or "",
-                            # As an MCP client receives it (verifiers' harness programs do): the wire puts
-                            # `type` first, and the schema is printed into the prompt as JSON.
-                            "parameters": {
-                                "type": tool.input_schema.get("type", "object"),
-                                **tool.input_schema,
-                            },
+            await self._advertise(toolset, server)
+        # The taskset's shared servers ride only its own tasks (verifiers' `_EpisodeAgent._shared_for`).
+        if isinstance(self.task, tuple(type(t) for t in self.env.tasks[:1])):
+            for toolset, server in await self.env.shared_toolsets():
+                await self._advertise(toolset, server)
+
+    async def _advertise(self, toolset: Any, server: Any) -> None:
+        prefix = f"{toolset.server_name}_" if toolset.server_name else ""
+        for tool in await server.list_tools():
+            name = prefix + tool.name
+            self.servers[name] = (server, tool.name)
+            self.tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": tool.description or "",
+                        # As an MCP client receives it (verifiers' harness programs do): the wire puts
+                        # `type` first, and the schema is printed into the prompt as JSON.
+                        "parameters": {
+                            "type": tool.input_schema.get("type", "object"),
+                            **tool.input_schema,
                         },
-                    }
-                )
+                    },
+                }
+            )
 
     def _share_state(self, toolset: Any) -> None:
         """verifiers syncs a toolset's State with the rollout's through an HTTP channel per call; in process the
@@ -250,6 +222,15 @@ class _World:
         return None
 
     async def call_tool(self, name: str, arguments: str) -> str:
+        token = CALLING_TRACE.set(
+            self.trace
+        )  # a shared toolset's state is this rollout's (see shared_toolsets)
+        try:
+            return await self._call_tool(name, arguments)
+        finally:
+            CALLING_TRACE.reset(token)
+
+    async def _call_tool(self, name: str, arguments: str) -> str:
         if name not in self.servers:
             return f"Error: unknown tool {name!r} (available: {sorted(self.servers)})"
         try:
@@ -258,13 +239,21 @@ class _World:
             return f"Error: tool arguments are not JSON ({e})"
         server, tool = self.servers[name]
         try:
-            result = await server.call_tool(tool, args if isinstance(args, dict) else {})
+            result = await with_timeout(
+                server.call_tool(tool, args if isinstance(args, dict) else {}),
+                self.env.tool_timeout_s,
+                f"tool {name!r}",
+            )
+        except ToolTimeout:
+            raise  # a hung tool errors its rollout (tool_limits.py); the others go on
         except Exception as e:  # noqa: BLE001 - a failing tool is the model's observation, as in verifiers
-            return f"Error: {type(e).__name__}: {e}"
+            return cap_tool_output(f"Error: {type(e).__name__}: {e}", self.env.max_tool_output_chars)
         blocks = getattr(result, "content", result)
         if isinstance(blocks, (list, tuple)):
-            return "\n".join(getattr(b, "text", str(b)) for b in blocks)
-        return str(blocks)
+            text = "\n".join(getattr(b, "text", str(b)) for b in blocks)
+        else:
+            text = str(blocks)
+        return cap_tool_output(text, self.env.max_tool_output_chars)  # before anything tokenizes it
 
     async def close(self) -> None:
         self.servers.clear()
@@ -289,8 +278,12 @@ class VerifiersEnv(Environment):
         env: str = "",
         env_args: dict[str, Any] | None = None,
         policy_agent: str = "",
+        max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+        tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
         **taskset_args: Any,
     ):
+        check_limits(max_tool_output_chars, tool_timeout_s)
+        self.max_tool_output_chars, self.tool_timeout_s = max_tool_output_chars, tool_timeout_s
         taskset = load_taskset(taskset_id, taskset_args)
         if num_examples is not None:
             taskset = taskset.take(num_examples)
@@ -298,6 +291,10 @@ class VerifiersEnv(Environment):
             raise ValueError(f"taskset {taskset_id!r} is infinite: set args.num_examples")
         self.taskset_id = taskset_id
         self.tasks = list(taskset)
+        self._taskset_toolsets = type(taskset).toolsets(taskset.config)
+        self._shared: tuple[asyncio.AbstractEventLoop, asyncio.Lock, list[tuple[Any, Any]] | None] | None = (
+            None
+        )
         if not self.tasks:
             raise ValueError(f"taskset {taskset_id!r} yielded no tasks")
         self.num_examples = len(self.tasks)
@@ -306,11 +303,43 @@ class VerifiersEnv(Environment):
             max_output_tokens,
             max_total_tokens,
         )
-        self.vf_env = _load_env(env, taskset_id, taskset_args, env_args or {}) if env else None
+        self.vf_env = load_vf_env(env, taskset_id, env_args or {})
         # Kept for verifiers' own loop (primejax/envs/verifiers_loop.py), which rebuilds the env from them.
         self.taskset_args, self.vf_env_id, self.vf_env_args = dict(taskset_args), env, dict(env_args or {})
         self.policy_agent = policy_agent
+        where = f"verifiers env {taskset_id!r}"
+        if self.vf_env is not None:
+            self.seats = seat_names(self.vf_env)
+            self.policy_agents = parse_policy_agents(policy_agent, self.seats, where)
+        elif policy_agent:
+            raise ValueError(
+                f"{where}: args.policy_agent needs an Env with seats (args.env, or one the taskset ships)"
+            )
         self._tools: dict[int, list[dict[str, Any]] | None] = {}
+
+    async def shared_toolsets(self) -> list[tuple[Any, Any]]:
+        """The taskset's own toolsets (`Taskset.toolsets`): built and `setup` once (per event loop), no
+        `setup_task`, one in-process MCP server each, shared by every rollout; each call reads and writes the
+        calling rollout's `State` (CALLING_TRACE), as verifiers' per-rollout state channel does."""
+        if not self._taskset_toolsets:
+            return []
+        from mcp.server.mcpserver import MCPServer
+
+        loop = asyncio.get_running_loop()
+        if self._shared is None or self._shared[0] is not loop:
+            self._shared = (loop, asyncio.Lock(), None)
+        _, lock, _ = self._shared
+        async with lock:
+            if self._shared[2] is None:
+                built = []
+                for toolset in self._taskset_toolsets:
+                    _share_calling_state(toolset)
+                    await toolset.setup()
+                    server = MCPServer(toolset.server_name or type(toolset).__name__)
+                    toolset.register(server)
+                    built.append((toolset, server))
+                self._shared = (loop, lock, built)
+        return self._shared[2]
 
     # ------------------------------------------------------------------------------------------ examples
 
@@ -343,16 +372,26 @@ class VerifiersEnv(Environment):
 
     async def rollout(self, example: Example, state: dict[str, Any], model: ModelCall) -> list[Message]:
         task = self.tasks[example.info["index"]]
+        if (
+            self.vf_env is not None
+        ):  # the Env's own episode (verifiers_episode.py): its seats open their worlds
+            # A trained seat that never got a turn (the other seat forfeited first) leaves nothing to train on:
+            # the episode is played again training the next trainable seat, once per seat at most.
+            for attempt in range(max(1, len(self.seats))):
+                episode = Episode(self, state, model, example.info["index"] + attempt)
+                messages = await episode.run(task)
+                if episode.played:
+                    break
+            state["vf_episode"] = episode  # finalized after scoring (see `score`)
+            state["world"] = episode.policy
+            return messages
         world = _World(self, task)
         await world.open()
         self._tools[example.info["index"]] = world.tools or None
         state["world"] = world
         try:
-            if self.vf_env is None:
-                messages, sampled = list(example.prompt), [False] * len(example.prompt)
-                messages, sampled, _ = await self.segment(world, messages, sampled, state, model)
-            else:
-                messages, sampled = await self._run_env(task, world, state, model)
+            messages, sampled = list(example.prompt), [False] * len(example.prompt)
+            messages, sampled, _ = await self.segment(world, messages, sampled, state, model)
         finally:
             await world.close()
         world.sync(messages, sampled)
@@ -402,86 +441,6 @@ class VerifiersEnv(Environment):
                 return messages, sampled, False
             messages, sampled = messages + results, sampled + [False] * len(results)
 
-    async def _run_env(
-        self, task: Any, world: _World, state: dict[str, Any], model: ModelCall
-    ) -> tuple[list[Message], list[bool]]:
-        vf = _vf()
-        from verifiers.v1.agent import Segment
-
-        driver = self
-        names = list(vf.Agents(self.vf_env.config, lambda name, spec: name)._agents)
-        policy = self.policy_agent or ("assistant" if "assistant" in names else names[0])
-        if policy not in names:
-            raise ValueError(f"env.policy_agent: {policy!r} is not an agent of this env (agents: {names})")
-        record: dict[str, Any] = {"messages": [], "sampled": []}
-
-        class Interaction:
-            def __init__(self, agent: Agent, task: Any):
-                self.agent, self.terminated = agent, False
-                self.world = world if agent.name == policy else _World(driver, task)
-                data = task.data
-                self.messages: list[Message] = (
-                    [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
-                )
-                if data.prompt:
-                    self.messages += (
-                        [{"role": "user", "content": data.prompt}]
-                        if isinstance(data.prompt, str)
-                        else [_to_dict(m) for m in data.prompt]
-                    )
-                self.sampled = [False] * len(self.messages)
-
-            async def turn(self, message: Any = None) -> Any:
-                if self.terminated:
-                    return Segment(messages=[], terminated=True)
-                if message is not None:
-                    new = (
-                        [{"role": "user", "content": message}]
-                        if isinstance(message, str)
-                        else [_to_dict(m) for m in message]
-                    )
-                    self.messages, self.sampled = self.messages + new, self.sampled + [False] * len(new)
-                before = len(self.messages)
-                if self.agent.name == policy:
-                    call = model
-                else:
-
-                    async def call(messages, tools=None):
-                        return await model(messages, tools, trainable=False)
-
-                self.messages, self.sampled, self.terminated = await driver.segment(
-                    self.world, self.messages, self.sampled, state, call
-                )
-                if self.agent.name == policy:
-                    record["messages"], record["sampled"] = self.messages, self.sampled
-                produced = [
-                    world.message_adapter.validate_python(_vf_message(m)) for m in self.messages[before:]
-                ]
-                return Segment(messages=produced, terminated=self.terminated and not produced)
-
-        class Agent:
-            def __init__(self, name: str):
-                self.name, self.trainable = name, name == policy
-
-            @contextlib.asynccontextmanager
-            async def interaction(self, task: Any):
-                inter = Interaction(self, task)
-                if inter.world is not world:
-                    await inter.world.open()
-                inter.world.name_agent(self.name, self.trainable)
-                try:
-                    yield inter
-                finally:
-                    finished.append(inter.world)  # the episode's traces, in completion order
-
-        finished: list[_World] = []
-        agents_by_name = {n: Agent(n) for n in names}
-        agents = vf.Agents(self.vf_env.config, lambda name, spec: agents_by_name[name])
-        await self.vf_env.setup(agents)
-        await self.vf_env.run(task, agents)
-        state["vf_episode"] = finished  # judged after scoring, by `Env.finalize` (see `score`)
-        return record["messages"], record["sampled"]
-
     # ------------------------------------------------------------------------------------------ scoring
 
     async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
@@ -493,13 +452,28 @@ class VerifiersEnv(Environment):
                 [m.get("role") == "assistant" and i >= len(example.prompt) for i, m in enumerate(messages)],
             )
         trace = world.trace
-        trace.is_completed = trace.ok = True
-        await world.task.score(trace)
-        if (finished := state.pop("vf_episode", None)) is not None:
-            await _finalize_episode(self.vf_env, world, finished)
+        if not world.scored:  # an Env's interactions were scored when they closed, as verifiers does
+            trace.is_completed = trace.ok = True
+            await world.task.score(trace)
+        if (episode := state.pop("vf_episode", None)) is not None:
+            await episode.finalize(self.tasks[example.info["index"]])
         record_trace(state, trace)
         state.pop("world", None)  # not JSON; the trace's useful parts are copied above
         return float(trace.reward)
+
+
+def _share_calling_state(toolset: Any) -> None:
+    """A shared toolset's state channel in process: the calling rollout's trace state (CALLING_TRACE)."""
+
+    async def pull() -> Any:
+        return toolset._state_adapter.validate_python(CALLING_TRACE.get().state.model_dump())
+
+    async def push(before: bytes) -> None:
+        trace = CALLING_TRACE.get()
+        trace.state = type(trace.state).model_validate(toolset.state.model_dump())
+
+    if toolset._state_cls is not _vf().State:
+        toolset._pull_state, toolset._push_state = pull, push
 
 
 def record_trace(state: dict[str, Any], trace: Any) -> None:
@@ -507,27 +481,6 @@ def record_trace(state: dict[str, Any], trace: Any) -> None:
     state["stop_condition"] = trace.stop_condition
     state["reward_components"] = {k: r.score for k, r in trace.rewards.items() if r is not None}
     state["metrics"] = {k: v for k, v in trace.metrics.items() if v is not None}
-
-
-async def _finalize_episode(vf_env: Any, policy: _World, finished: list[_World]) -> None:
-    """verifiers' end of an episode (`Env.run_episode`): every agent run's trace is judged by its own task,
-    then `Env.finalize(task, episode)` judges across agents over the episode's traces in completion order; what
-    it records on the policy trace (`record_reward` / `record_metric`) counts in the rollout's reward. A raise
-    fails the episode there, and the rollout here."""
-    from verifiers.v1.episode import EnvInfo, Episode
-    from verifiers.v1.trace import TraceTask
-
-    for w in finished:
-        if w is not policy:
-            w.trace.is_completed = w.trace.ok = True
-            await w.task.score(w.trace)
-    task = policy.task
-    episode = Episode(
-        env=EnvInfo(id=vf_env.config.env_id),
-        task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-        traces=[w.trace for w in finished],
-    )
-    await vf_env.finalize(task, episode)
 
 
 def load(taskset_id: str, **args: Any) -> VerifiersEnv:

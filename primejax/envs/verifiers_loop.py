@@ -312,10 +312,10 @@ class VerifiersLoopEnv(VerifiersEnv):
             sampling=vf.Sampling(**sampling),
         )
         episode = await env.run_episode(self.tasks[example.info["index"]], ctx)
-        return episode_to_rollout(episode, self.policy_agent, state)
+        return episode_to_rollout(episode, getattr(self, "policy_agents", []), state)
 
 
-def episode_to_rollout(episode: Any, policy_agent: str, state: dict[str, Any]) -> SampledRollout:
+def episode_to_rollout(episode: Any, policy_agents: list[str], state: dict[str, Any]) -> SampledRollout:
     """The policy agent's trace of a verifiers episode as primejax turns: along the trace's main branch, each
     sampled message node's prompt is every token before its completion span (earlier nodes' ids + its own
     generation-prompt scaffold), its completion the masked span, its logprobs the node's, as recorded."""
@@ -328,7 +328,9 @@ def episode_to_rollout(episode: Any, policy_agent: str, state: dict[str, Any]) -
             f"verifiers episode failed: {errors}" + (f" ({trace_errors})" if trace_errors else "")
         )
     traces = [
-        t for t in episode.traces if t.agent.trainable and (not policy_agent or t.agent.name == policy_agent)
+        t
+        for t in episode.traces
+        if t.agent.trainable and (not policy_agents or t.agent.name in policy_agents)
     ]
     if len(traces) != 1:
         raise RuntimeError(

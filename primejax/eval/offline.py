@@ -69,6 +69,7 @@ async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
     from primejax.inference.process import InferenceServerProcess
     from primejax.inference.server import ServerSpec
     from primejax.orchestrator.run import policy_client
+    from primejax.utils.sections import replace_key
 
     server = None
     if cfg.inference.enabled:
@@ -77,6 +78,7 @@ async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
                                       weights_root=str(Path(weights).resolve()) if weights else "")
         server = InferenceServerProcess(spec, log_path(cfg.run_dir, "eval-inference"))
         server.start()
+        cfg = replace_key(cfg, "inference.port", spec.port)  # inference.port = 0: the port picked for it
     client = policy_client(cfg.orchestrator.client, cfg.inference)
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s, server)
@@ -98,6 +100,11 @@ def _flags(fv: flags.FlagValues) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg, fv = parse_config(sys.argv[1:] if argv is None else argv, prog="primejax.eval",
                            doc=__doc__.split("\n\n")[1], define_flags=_flags)
+    from primejax.launcher.preflight import check_model_dir, preflight_entrypoint
+
+    preflight_entrypoint("eval", cfg.model.path)
+    if fv["weights"].value:
+        check_model_dir(fv["weights"].value, key="--weights", need_tokenizer=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     metrics = asyncio.run(run_eval(cfg, fv["weights"].value or None))

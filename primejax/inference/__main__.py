@@ -13,8 +13,9 @@ from pathlib import Path
 from absl import flags
 
 from primejax.config.cli import parse_config, run_main
-from primejax.inference.admin_auth import TOKEN_ENV
+from primejax.inference.admin_auth import TOKEN_ENV, server_token
 from primejax.inference.server import ServerSpec, exec_server
+from primejax.launcher.preflight import preflight_entrypoint
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -30,7 +31,14 @@ def main() -> int:
     cfg, fv = parse_config(
         argv, prog="primejax.inference", doc=__doc__.split("\n\n")[1], define_flags=_define_flags
     )
-    spec = ServerSpec.from_config(cfg.inference, cfg.model.path, cfg.run.seed, run_dir=cfg.run_dir)
+    preflight_entrypoint("inference", cfg.model.path, buildable=cfg.model.build_tiny.enabled)
+    spec = ServerSpec.from_config(
+        cfg.inference,
+        cfg.model.path,
+        cfg.run.seed,
+        run_dir=cfg.run_dir,
+        admin_token=server_token(cfg.run_dir),
+    )
     if fv["dry_run"].value:
         env = spec.environ({})
         env[TOKEN_ENV] = "<hidden>"  # the admin secret is never printed or logged

@@ -17,11 +17,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from primejax.contracts.rundir import RunDir
+
 TOKEN_ENV = "PRIMEJAX_ADMIN_TOKEN"
 WEIGHTS_ROOT_ENV = "PRIMEJAX_WEIGHTS_ROOT"  # loads must resolve inside this directory ('' = anywhere)
 REQUIRE_STABLE_ENV = "PRIMEJAX_REQUIRE_STABLE"  # "1": only broadcasts with a STABLE manifest load
 HEADER = "X-Primejax-Admin-Token"
-TOKEN_FILE = "admin_token"
 
 
 def new_token() -> str:
@@ -32,9 +33,9 @@ def write_run_token(root: str | Path) -> str:
     """The run's admin secret: $PRIMEJAX_ADMIN_TOKEN when set (multi-node), else a new one; written to
     `<root>/admin_token` (0600) for processes started by hand on this host."""
     token = os.environ.get(TOKEN_ENV) or new_token()
-    path = Path(root) / TOKEN_FILE
+    path = RunDir(root).admin_token
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{TOKEN_FILE}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
@@ -48,10 +49,17 @@ def read_token(root: str | Path | None = None) -> str | None:
         return os.environ[TOKEN_ENV]
     if root is not None:
         try:
-            return (Path(root) / TOKEN_FILE).read_text().strip() or None
+            return RunDir(root).admin_token.read_text().strip() or None
         except OSError:
             return None
     return None
+
+
+def server_token(root: str | Path) -> str:
+    """The secret of a server started by hand for run `root` (`python -m primejax.inference`):
+    $PRIMEJAX_ADMIN_TOKEN, else the run's `<root>/admin_token`, else a new one written there (0600), so an
+    orchestrator started by hand for the same run on this host finds it."""
+    return read_token(root) or write_run_token(root)
 
 
 def process_token() -> str:
@@ -69,14 +77,26 @@ def authorized(expected: str | None, given: str | None) -> bool:
 
 
 def protect(app: Any, router: Any) -> None:
-    """Require the admin secret on every POST route of `router` served by `app` (401 otherwise)."""
-    from fastapi.responses import JSONResponse
+    """Require the admin secret on every POST route of `router` served by `app` (401 otherwise).
 
-    admin_paths = {r.path for r in router.routes if "POST" in getattr(r, "methods", ())}
+    The check asks the app's own router which route a request reaches (Starlette's `route.matches`, the same
+    test the routing does), never compares URL strings: under vLLM's `--root-path` the URL carries a prefix
+    the route paths lack, and a string comparison let every admin call through without the secret."""
+    from fastapi.responses import JSONResponse
+    from starlette.routing import Match
+
+    admin_endpoints = {r.endpoint for r in router.routes if "POST" in getattr(r, "methods", ())}
+
+    def reaches_admin_route(scope: Any) -> bool:
+        for route in app.router.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(route, "endpoint", None) in admin_endpoints
+        return False
 
     @app.middleware("http")
     async def _require_admin(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
-        if request.method == "POST" and request.url.path in admin_paths:
+        if reaches_admin_route(request.scope):
             state = getattr(request.app.state, "primejax", None)
             expected = getattr(state, "admin_token", None) if state is not None else new_token()
             if not authorized(expected, request.headers.get(HEADER)):

@@ -13,6 +13,10 @@ back on the current weights (PolicyTracker.revive_replicas).
 Connection errors, timeouts and 5xx answers are retried with exponential backoff; 4xx answers are not
 (they describe a bad request, which retrying does not fix) and raise `InferenceError` with the server's
 message.
+
+Every server's identity is checked before the first request to it and again after a connection to it failed
+(a challenge on the run's admin secret, primejax.inference.identity): a URL answered by anything but the run's
+own server raises `ServerIdentityError` in one line, and no sampling or admin request reaches it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from primejax.inference import identity
 from primejax.inference.admin_auth import HEADER, read_token
+from primejax.inference.identity import ServerIdentityError
 from primejax.inference.routed_experts import request_fields as routed_request_fields
 
 if TYPE_CHECKING:
@@ -82,9 +88,11 @@ class InferenceClient:
         transport: httpx.AsyncBaseTransport | None = None,
         vocab_size: int | None = None,
         admin_token: str | None = None,
+        api_key: str | None = None,
     ):
         """`vocab_size`: sampled token ids must lie below it (the model's embedding rows), checked per answer.
-        `admin_token`: the servers' admin secret (default $PRIMEJAX_ADMIN_TOKEN), sent on admin calls only."""
+        `admin_token`: the servers' admin secret (default $PRIMEJAX_ADMIN_TOKEN), sent on admin calls only.
+        `api_key`: the servers' OpenAI API key (vLLM's --api-key), sent as a bearer token on every call."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
@@ -95,6 +103,9 @@ class InferenceClient:
         self.vocab_size = vocab_size
         token = admin_token or read_token()
         self._admin_headers = {HEADER: token} if token else {}
+        # Without a secret there is no identity to check (a server of one's own started by hand without one).
+        self._secret = token
+        self._verified: set[str] = set()
         self._in_flight = dict.fromkeys(self.base_urls, 0)
         self.down: set[str] = set()  # servers no request goes to until revive()
         # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
@@ -102,6 +113,7 @@ class InferenceClient:
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             transport=transport,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
 
     async def openai_endpoint(self) -> tuple[str, str]:
@@ -154,8 +166,10 @@ class InferenceClient:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
             try:
+                await self._ensure_identity(url)
                 r = await self._http.request(method, url + path, json=payload, headers=headers)
             except (httpx.TransportError, httpx.TimeoutException) as e:
+                self._verified.discard(url)  # whoever answers next on this address is checked again
                 last = e
                 logger.warning("%s %s%s: %s (attempt %d)", method, url, path, type(e).__name__, attempt + 1)
                 continue
@@ -167,6 +181,11 @@ class InferenceClient:
                 raise InferenceError(f"{method} {url}{path}: {r.status_code} {_message(r)}", r.status_code)
             return r.json() if r.content else None
         raise InferenceError(f"{method} {url}{path} failed after {self.max_retries + 1} attempts: {last}") from last
+
+    async def _ensure_identity(self, url: str) -> None:
+        if self._secret and url not in self._verified:
+            await identity.verify(self._http, url, self._secret)
+            self._verified.add(url)
 
     async def _balanced(self, path: str, payload: dict, check: bool = False) -> Any:
         url = self._pick()
@@ -345,6 +364,7 @@ class InferenceClient:
         async def one(i: int, url: str) -> Any:
             body = {"version": int(version), "init_info": {**init_info, "rank_offset": 1 + i},
                     "update_info": update_info}
+            await self._ensure_identity(url)
             r = await self._http.post(url + "/transfer_weights", json=body, headers=self._admin_headers,
                                       timeout=float(init_info.get("timeout_s", 60.0)) + 120.0)
             if r.status_code >= 400:
@@ -378,9 +398,12 @@ class InferenceClient:
                 try:
                     r = await self._http.get(url + "/liveness", timeout=5.0)
                     if r.status_code == 200:
+                        self._verified.discard(url)
+                        await self._ensure_identity(url)  # ServerIdentityError: not the run's server
                         pending.discard(url)
                     elif r.status_code == 404:
-                        raise InferenceError(f"{url} has no /liveness: not a primejax inference server?", 404)
+                        raise ServerIdentityError(f"the server at {url} is not this run's inference server: "
+                                                  "it has no /liveness route (another program holds the port?)")
                 except (httpx.TransportError, httpx.TimeoutException):
                     pass
             if pending:

@@ -27,6 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from primejax.inference import identity
 from primejax.inference.admin_auth import confine
 from primejax.inference.weights import WeightDirError, check_stable, version_from_dir
 
@@ -193,6 +194,15 @@ async def resume(request: Request) -> JSONResponse:
         state.user_paused = False
         await state.engine.resume()
     return JSONResponse({"status": "resumed"})
+
+
+@router.get(identity.ROUTE)
+async def prove_identity(request: Request, nonce: str = "") -> JSONResponse:
+    """Answer the client's challenge with the run's secret (primejax.inference.identity): proves this is the
+    run's own server without sending the secret."""
+    if not 8 <= len(nonce) <= 128:
+        return _error(HTTPStatus.BAD_REQUEST, "nonce: 8 to 128 characters")
+    return JSONResponse({"proof": identity.proof(_state(request).admin_token or "", nonce)})
 
 
 @router.get("/liveness")

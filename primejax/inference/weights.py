@@ -139,7 +139,13 @@ class WeightDirValidator:
         validate_weight_dir(weight_dir, self.reference, self.tied)
 
     def check_update_info(self, update_info: dict) -> None:
-        """A collective update must carry exactly the served model's tensors, by name and shape (dtype free)."""
+        """A collective update must carry exactly the served model's tensors, by name and shape, each in a dtype
+        the wire carries (checked here, before the server pauses: a bad one would fail mid-round)."""
+        from primejax.transfer.wire import metas_from_update_info
+
+        for meta in metas_from_update_info(update_info):  # ValueError: lengths, dtype names, non-integer dims
+            if any(d < 0 for d in meta.shape):
+                raise WeightDirError(f"{meta.name}: negative dimension in {list(meta.shape)}")
         names, shapes = update_info["names"], update_info["shapes"]
         if not isinstance(names, list) or not isinstance(shapes, list) or len(names) != len(shapes):
             raise WeightDirError("'names' and 'shapes' must be lists of equal length")

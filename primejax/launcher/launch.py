@@ -10,7 +10,9 @@ it stops every child by process group, names the one that failed with the tail o
 
 Bad input (a model directory without weights or chat template, an environment that does not import, a resume
 step with no checkpoint) is caught before anything starts: one line, exit status 2, earlier outputs untouched.
-`run.resume_step=latest` resumes both processes from the newest step they both checkpointed (primejax.launcher.resume).
+Rerunning the same command resumes both processes from the newest step they both checkpointed
+(primejax.launcher.resume; `run.resume_step` names another step, `run.fresh=True` starts over); checkpoints are
+written every `trainer.checkpoint.interval` / `orchestrator.checkpoint.interval` steps (10 by default).
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from pathlib import Path
 
 from primejax.config import Config
 from primejax.contracts.rundir import RunDir, log_path, write_resolved_config
+from primejax.inference import identity
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig
 from primejax.launcher.preflight import PreflightError, preflight
 from primejax.launcher.replicas import ReplicaSpec, replica_specs
-from primejax.launcher.resume import common_resume_step, keep_previous_run, set_aside_after
-from primejax.launcher.runlock import RunLock
+from primejax.launcher.resume import (
+    RunAlreadyDone,
+    keep_previous_run,
+    launcher_resume_step,
+    resume_hint,
+    set_aside_after,
+)
+from primejax.launcher.runlock import RunLock, check_port
 from primejax.models.settings import ModelSettings
 from primejax.utils.devices import accelerator_env
 from primejax.utils.io import atomic_write_json
@@ -122,11 +131,19 @@ class _Progress:
 
 
 class _Liveness(threading.Thread):
-    """Polls GET /liveness in the background; `last_ok` is when the server last answered 200."""
+    """Polls GET /liveness in the background; `last_ok` is when the run's own server last answered 200.
 
-    def __init__(self, base_url: str):
+    A 200 counts only from a server that answered the identity challenge (primejax.inference.identity) since
+    the last failed connection: a port another program took answers /liveness too. `impostor` says why the
+    server at the address is not the run's."""
+
+    def __init__(self, base_url: str, secret: str | None = None):
         super().__init__(name="primejax-liveness", daemon=True)
+        self.base_url = base_url
         self.url = base_url + "/liveness"
+        self.secret = secret
+        self.verified = False
+        self.impostor = ""
         self.last_ok: float | None = None
         self._stop_event = threading.Event()
 
@@ -134,11 +151,21 @@ class _Liveness(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 with urllib.request.urlopen(self.url, timeout=5) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._identified():
                         self.last_ok = time.monotonic()
             except OSError:  # URLError, HTTPError (503: engine dead), refused, timed out
-                pass
+                self.verified = False
             self._stop_event.wait(LIVENESS_POLL_S)
+
+    def _identified(self) -> bool:
+        if self.verified or not self.secret:
+            return True
+        why = identity.verify_sync(self.base_url, self.secret)
+        if why:
+            self.impostor = why
+            return False
+        self.verified = True
+        return True
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -159,7 +186,7 @@ class _InferenceSupervisor:
     def _start(self) -> ChildProcess:
         self.child = self.start_child()
         self.started = time.monotonic()
-        self.liveness = _Liveness(f"http://{self.inf.host}:{self.inf.port}")
+        self.liveness = _Liveness(f"http://{self.inf.host}:{self.inf.port}", os.environ.get(TOKEN_ENV))
         self.liveness.start()
         return self.child
 
@@ -177,6 +204,8 @@ class _InferenceSupervisor:
 
     def check(self) -> None:
         """Restart the server if it failed (raise ChildFailed when that is not allowed or too many times)."""
+        if self.liveness.impostor:  # a restart would bind the same taken port: stop the run, saying why
+            raise ChildFailed(self.child, self.child.poll(), self.liveness.impostor)
         problem = self._problem()
         if problem is None:
             return
@@ -271,14 +300,14 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     Everything that can reject the run happens before anything in the run directory is moved or written.
     """
     root = cfg.run_dir
-    resume = common_resume_step(root, cfg.run.resume_step)
+    resume = launcher_resume_step(root, cfg.run)
     _ensure_model(cfg.model)
     sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
     reuse_sft = use_sft and resume is not None
     preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path)
     if resume is None:
-        if cfg.run.resume_step:
+        if cfg.run.resume_step and not cfg.run.fresh:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
         kept = keep_previous_run(root)
         if kept is not None:
@@ -286,8 +315,8 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     else:
         moved = set_aside_after(root, resume)
         print(f"primejax: resuming from step {resume}"
-              + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else ""),
-              flush=True)
+              + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else "")
+              + "; --config.run.fresh=True starts over", flush=True)
     changes: dict[str, object] = {"run.resume_step": "" if resume is None else str(resume)}
     if use_sft:
         if not reuse_sft:  # SFT on resume would redo work and change the policy the checkpoints continue
@@ -317,7 +346,11 @@ def launch(cfg: Config) -> int:
                 cfg = _with(cfg, **{"inference.port": replicas[0].port})
             if len(replicas) > 1 and not cfg.orchestrator.client.base_urls:
                 cfg = _with(cfg, **{"orchestrator.client.base_urls": tuple(r.url for r in replicas)})
+        # Only now (this launcher holds the run): a refused second launcher leaves the live run's record alone.
+        write_resolved_config(root, "train", cfg.to_json())
         cfg, start_step = _prepare(cfg)
+        for replica in replicas:  # again: the SFT warm-up may have taken minutes, and ports are shared
+            check_port(replica.host, replica.port)
         root.mkdir(parents=True, exist_ok=True)
         # A fresh admin secret per run ($PRIMEJAX_ADMIN_TOKEN when set: multi-node), in the environment of the
         # children only, never in a config or a log.
@@ -339,7 +372,7 @@ def launch(cfg: Config) -> int:
             supervisors.append(supervisor)
             children.insert(len(supervisors) - 1, supervisor.child)
         _write_pids(root, children)
-        print(f"primejax: run {root} started (logs in {root / 'logs'})", flush=True)
+        print(f"primejax: run {root} started (logs in {RunDir(root).logs})", flush=True)
         for child in children:
             print(f"  {child.name:<13} pid {child.pid}  log {child.log_path}", flush=True)
         progress = _Progress(root, cfg.run.max_steps)
@@ -355,8 +388,12 @@ def launch(cfg: Config) -> int:
     except ChildFailed as err:
         _report_failure(err)
         return 1
+    except RunAlreadyDone as done:
+        print(f"primejax: {done}", flush=True)
+        return 0
     except KeyboardInterrupt as err:
         print(f"\nprimejax: interrupted ({err or 'SIGINT'}); stopping all processes.", file=sys.stderr)
+        print(f"primejax: {resume_hint(root)}", file=sys.stderr, flush=True)
         return 130
     finally:
         for supervisor in supervisors:

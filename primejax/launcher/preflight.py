@@ -18,7 +18,9 @@ class PreflightError(ConfigError):
     """Bad input found before the run started; printed as one line, exit status 2."""
 
 
-def check_model_dir(path: str | Path, *, need_weights: bool = True, key: str = "model.path") -> None:
+def check_model_dir(
+    path: str | Path, *, need_weights: bool = True, key: str = "model.path", need_tokenizer: bool = True
+) -> None:
     """An HF model directory: config.json, safetensors weights, a tokenizer with a chat template."""
     path = Path(path)
     if not path.is_dir():
@@ -31,6 +33,8 @@ def check_model_dir(path: str | Path, *, need_weights: bool = True, key: str = "
         raise PreflightError(key, f"{path / 'config.json'} is not valid JSON ({e.msg})") from None
     if need_weights and not any(path.glob("*.safetensors")):
         raise PreflightError(key, f"{str(path)!r} has no *.safetensors weights")
+    if not need_tokenizer:
+        return
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise PreflightError(key, f"{str(path)!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
     if not _has_chat_template(path):
@@ -73,6 +77,23 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def preflight_entrypoint(process: str, model_path: str | Path, *, buildable: bool = False) -> None:
+    """What a standalone entrypoint reads, checked before it starts (one line, exit 2, no traceback): the
+    same model-directory rules as the launcher's, limited to what `process` uses. `buildable`: a missing
+    directory is fine, the process builds the tiny model there (model.build_tiny)."""
+    if buildable and not (Path(model_path) / "config.json").exists():
+        return
+    needs = {  # process: (weights, tokenizer with chat template)
+        "trainer": (True, False),
+        "orchestrator": (False, True),
+        "inference": (True, True),
+        "sft": (True, True),
+        "eval": (True, True),
+    }
+    weights, tokenizer = needs[process]
+    check_model_dir(model_path, need_weights=weights, need_tokenizer=tokenizer)
 
 
 def preflight(envs: dict[str, EnvConfig], model_path: str | Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.launcher.preflight import PreflightError
@@ -44,6 +45,33 @@ def common_resume_step(root: str | Path, resume_step: str) -> int | None:
     return step
 
 
+class RunAlreadyDone(Exception):
+    """The run directory's checkpoints already reach run.max_steps: nothing to resume."""
+
+
+def launcher_resume_step(root: str | Path, run: Any) -> int | None:
+    """What the launcher resumes from (None = a fresh start). Rerunning the same command resumes: `resume_step`
+    '' means the newest intact checkpoint pair when there is one; `run.fresh` starts over. A run whose
+    checkpoint already reaches `run.max_steps` raises RunAlreadyDone."""
+    resume = common_resume_step(root, "" if run.fresh else (run.resume_step or "latest"))
+    if resume is not None and resume >= run.max_steps:
+        raise RunAlreadyDone(f"{root} already finished at step {resume} (run.max_steps={run.max_steps}): "
+                             "raise run.max_steps to train on, or add --config.run.fresh=True to start over")
+    return resume
+
+
+def resume_hint(root: str | Path) -> str:
+    """How to go on after an interruption: the same command resumes from the newest checkpoint pair."""
+    try:
+        step = common_resume_step(root, "latest")
+    except Exception:  # noqa: BLE001 - a hint must never mask the interruption
+        step = None
+    if step is None:
+        return "no checkpoint was written yet: rerunning the same command starts over"
+    return (f"rerun the same command to resume from step {step} (its newest checkpoint); "
+            "add --config.run.fresh=True to start over")
+
+
 def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
@@ -51,7 +79,7 @@ def _stamp() -> str:
 def set_aside_after(root: str | Path, step: int) -> list[Path]:
     """Move the outputs of steps > `step` to `stale/<time>/`, drop interrupted temp writes; return what moved."""
     root = Path(root)
-    dest = root / "stale" / _stamp()
+    dest = RunDir(root).stale(_stamp())
     moved = []
     for kind in STEP_DIRS:
         directory = root / kind
@@ -67,6 +95,7 @@ def set_aside_after(root: str | Path, step: int) -> list[Path]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 p.rename(target)
                 moved.append(target)
+    moved += RunDir(root).set_aside_transfers(dest)
     return moved
 
 
@@ -80,7 +109,7 @@ def keep_previous_run(root: str | Path) -> Path | None:
     entries = [p for p in root.iterdir() if p.name in RUN_ENTRIES]
     if not entries:
         return None
-    dest = root / "previous" / _stamp()
+    dest = RunDir(root).previous(_stamp())
     dest.mkdir(parents=True, exist_ok=True)
     for p in entries:
         p.rename(dest / p.name)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from primejax.contracts.rundir import RunDir
+from primejax.inference.server import free_port
 from primejax.launcher.preflight import PreflightError
 
 LOCK_FILE = RunDir.LOCK_FILE
@@ -57,12 +58,6 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def check_port(host: str, port: int, key: str = "inference.port") -> int:

@@ -15,13 +15,13 @@ Implementations (`impl`):
   Segments are maximal runs of equal ids (packing keeps samples contiguous), padding included; a row may
   hold at most `max_runs` runs, and a row with more gets NaN outputs rather than silently wrong ones.
   The run slots are a cost, not just a bound: cuDNN sizes its softmax statistics as [B * max_runs, H, T]
-  and its backward pre-pass (dO.O, plus the fp32 dQ accumulator) works per slot over the whole row, so 64
-  slots cost 36 ms per 16k step on an H200 where 2 cost ~1 (docs/benchmarks.md). Callers that know how many
+  and its backward pre-pass (dO.O, plus the fp32 dQ accumulator) works per slot over the whole row, so every
+  slot costs time (docs/benchmarks.md measures it): callers that know how many
   samples a row packs say so (`runs_for_segments`), and a model describes the runs once per forward pass
   (`prepare_segments`) instead of once per layer. Rows of at most one sample (plus trailing padding) skip
   the packed mode: plain causal attention over the whole row is exact for every real token (padding comes
-  after it, so causality already hides it) and cuDNN's plain causal kernel is ~4% faster than packed with
-  2 slots (6.73 vs 6.98 ms per layer fwd+bwd at 16k, H200).
+  after it, so causality already hides it), and cuDNN's plain causal kernel is faster than the packed one
+  with 2 slots (docs/benchmarks.md).
 - "splash": Pallas splash attention for TPU, with native segment ids and a causal block-sparse mask, run in
   shard_map under a mesh (models/splash_attention.py).
 - "auto": cudnn on GPU, splash on TPU, xla elsewhere. The backend is the active mesh's platform when there

@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for the Qwen3 / Qwen2 / Llama decoder families.
+"""Model configuration: one frozen dataclass for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 decoder families.
 
 Built from (and written back to) a Hugging Face `config.json`, so a checkpoint directory alone describes the
 model. Training-side choices (dtypes, attention kernel, remat policy) are not part of the HF config and come
@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 # Remat policies, applied per decoder layer (see `transformer.resolve_remat_policy`):
 #   none           keep every activation (fastest, most memory)
@@ -27,18 +26,29 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #                  the long rows fit: see transformer.resolve_remat_policy and docs/benchmarks.md)
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "attn_offload", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
-_ARCHITECTURES = {
+# The model families (HF model_type -> its transformers class): the one list of them.
+ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
+# How a MoE router turns its logits into experts and combine weights (models/moe.py `route`):
+#   softmax  Qwen3-MoE: softmax over all experts, top-k of the probabilities
+#   sigmoid  GLM-4.5 / DeepSeek-V3: a sigmoid score per expert; the top-k is chosen on score + a fixed
+#            correction bias (e_score_correction_bias) among the experts of the topk_group best of n_group
+#            groups; the combine weights are the chosen scores (renormalized if norm_topk_prob) times
+#            routed_scaling_factor
+ROUTER_SCORING = ("softmax", "sigmoid")
 # Grouped-matmul implementations for the experts (models/gmm.py): "xla" = jax.lax.ragged_dot (any backend),
 # "mgpu" = the Pallas Mosaic-GPU kernels (Hopper), "auto" = mgpu on a Hopper GPU, xla elsewhere.
 GMM_IMPLS = ("xla", "mgpu", "auto")
-# How the experts are laid out over the mesh (models/moe.py): "replicated" = no mesh axis (GSPMD gathers
-# as for any weight), "fsdp" = experts split over fsdp and all-gathered per layer with every token kept on
-# its device, "ep" = experts split over fsdp and tokens exchanged (all-gather in, reduce-scatter out).
+# How the experts are laid out over the mesh (models/moe.py): "fsdp" = experts split over their mesh axis and
+# all-gathered per layer with every token kept on its device, "ep" = experts split over that axis and tokens
+# exchanged (all-gather in, reduce-scatter out).
 EXPERT_PARALLEL = ("fsdp", "ep")
 
 
@@ -80,6 +90,15 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     gmm_impl: str = "auto"
     expert_parallel: str = "fsdp"
+    router_scoring: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    # Shared experts (glm4_moe): one dense SwiGLU of width moe_intermediate_size * n_shared_experts that every
+    # token of a sparse layer goes through, added to the routed experts' output.
+    n_shared_experts: int = 0
+    # Rotary embedding on the first head_dim * partial_rotary_factor dims of q/k only (GLM-4.5: 0.5).
+    partial_rotary_factor: float = 1.0
     # Fields of the source config.json we do not model but must write back unchanged (token ids, etc.).
     hf_extra: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -112,12 +131,32 @@ class ModelConfig:
                 raise ValueError("moe_intermediate_size and decoder_sparse_step must be positive with num_experts > 0")
             if self.scan_layers and 0 < len(self.sparse_layers()) < self.num_layers:
                 raise ValueError("scan_layers=True needs every layer dense or every layer sparse (mlp_only_layers)")
+        if self.router_scoring not in ROUTER_SCORING:
+            raise ValueError(f"router_scoring={self.router_scoring!r} is not one of {ROUTER_SCORING}")
+        if self.num_experts and (self.n_group < 1 or self.num_experts % self.n_group
+                                 or not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(
+                f"n_group={self.n_group} must divide num_experts={self.num_experts} and topk_group="
+                f"{self.topk_group} be in [1, n_group]"
+            )
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("group-limited routing scores a group by its two best experts: >= 2 experts per group")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim={self.rotary_dim}: must be "
+                f"even and in (0, head_dim={self.head_dim}]"
+            )
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in ("default", "llama3"):
                 raise NotImplementedError(
                     f"rope scaling type {rope_type!r} is not implemented (supported: default, llama3)"
                 )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each q/k head that rotary embedding rotates (as transformers: int(Dh * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def __hash__(self) -> int:
         # rope_scaling is a dict; hash a canonical JSON form so the config can be a static jit argument.
@@ -145,6 +184,8 @@ class ModelConfig:
         hidden = int(hf["hidden_size"])
         if model_type == "qwen2":
             qkv_bias, out_bias = True, False
+        elif model_type == "glm4_moe":  # GLM-4.5: attention_bias puts a bias on q/k/v only, never on o_proj
+            qkv_bias, out_bias = bool(hf.get("attention_bias", False)), False
         else:
             qkv_bias = out_bias = bool(hf.get("attention_bias", False))
         known = {
@@ -167,6 +208,11 @@ class ModelConfig:
                 decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
                 mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
             )
+        if model_type == "glm4_moe":
+            known |= {"n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "n_shared_experts",
+                      "first_k_dense_replace", "use_qk_norm", "partial_rotary_factor", "hidden_act"}
+            moe = _glm4_moe_fields(hf)
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -180,7 +226,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
@@ -211,7 +257,7 @@ class ModelConfig:
             rope_params["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
         hf: dict[str, Any] = dict(self.hf_extra)
         hf.update(
-            architectures=[_ARCHITECTURES[self.model_type]],
+            architectures=[ARCHITECTURES[self.model_type]],
             model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -232,6 +278,9 @@ class ModelConfig:
         )
         if self.model_type != "qwen2":
             hf["attention_bias"] = self.attention_bias
+        if self.model_type == "glm4_moe":
+            hf.update(_glm4_moe_hf(self))
+            rope_params["partial_rotary_factor"] = self.partial_rotary_factor
         if self.model_type == "qwen3_moe":
             hf.update(
                 num_experts=self.num_experts,
@@ -280,7 +329,7 @@ class ModelConfig:
 
     def _moe_params(self, *, active: bool) -> int:
         """Expert + router weights of all sparse layers; `active`: only the top-k experts a token uses."""
-        experts = self.num_experts_per_tok if active else self.num_experts
+        experts = (self.num_experts_per_tok if active else self.num_experts) + self.n_shared_experts
         per_layer = 3 * self.hidden_size * self.moe_intermediate_size * experts + self.hidden_size * self.num_experts
         return len(self.sparse_layers()) * per_layer
 
@@ -289,8 +338,10 @@ class ModelConfig:
 
         6 * matmul params + 12 * layers * heads * (hidden / heads) * seq_len. The attention term uses
         hidden/heads, not head_dim, exactly as prime-rl (and torchtitan) do, so MFU numbers are comparable.
+        GLM-4.5 uses its own head width (12 * layers * heads * head_dim * seq_len: QK^T and PV, forward and
+        backward): its 96 heads of 128 are three times its hidden size of 4096, which hidden/heads would miss.
         """
-        per_head = self.hidden_size // self.num_heads
+        per_head = self.head_dim if self.model_type == "glm4_moe" else self.hidden_size // self.num_heads
         return float(6 * self.num_matmul_params() + 12 * self.num_layers * self.num_heads * per_head * seq_len)
 
     def num_params(self) -> int:
@@ -305,10 +356,54 @@ class ModelConfig:
             per_layer += d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         mlp = len(self.dense_layers()) * 3 * d * self.intermediate_size + self._moe_params(active=False)
+        if self.router_scoring == "sigmoid":  # e_score_correction_bias
+            mlp += len(self.sparse_layers()) * self.num_experts
         return self.num_layers * per_layer + mlp + self.vocab_size * d + head + d
 
     def num_matmul_params_per_layer(self) -> int:
         return (self.num_matmul_params() - self.hidden_size * self.vocab_size) // self.num_layers
+
+
+def _glm4_moe_fields(hf: dict) -> dict[str, Any]:
+    """ModelConfig fields of a GLM-4.5 `config.json` (transformers' Glm4MoeConfig; its defaults where absent).
+
+    The first `first_k_dense_replace` layers are dense (mlp_only_layers), every later one sparse. MTP layers
+    (`num_nextn_predict_layers`, stored after the last decoder layer) are speculative-decoding heads: RL trains
+    the decoder alone, so they are neither loaded nor exported (docs/models.md).
+    """
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    return dict(
+        num_experts=int(hf["n_routed_experts"] if "n_routed_experts" in hf else hf["num_local_experts"]),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", 1408)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        mlp_only_layers=tuple(range(int(hf.get("first_k_dense_replace", 1)))),
+        router_scoring="sigmoid",
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        n_shared_experts=int(hf.get("n_shared_experts") or 0),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))),
+    )
+
+
+def _glm4_moe_hf(cfg: ModelConfig) -> dict[str, Any]:
+    k = len(cfg.mlp_only_layers)
+    if cfg.mlp_only_layers != tuple(range(k)) or cfg.decoder_sparse_step != 1:
+        raise ValueError("glm4_moe: the dense layers must be the first ones (first_k_dense_replace)")
+    return dict(
+        n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob,
+        first_k_dense_replace=k,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        n_shared_experts=cfg.n_shared_experts,
+        use_qk_norm=cfg.qk_norm,
+        partial_rotary_factor=cfg.partial_rotary_factor,
+    )
 
 
 def _read_rope(hf: dict) -> tuple[float, dict | None]:

@@ -28,17 +28,12 @@ from __future__ import annotations
 
 import jax
 
-from primejax.models.sharding import constrain, current_mesh
-
-AXIS = "context"
+from primejax.models.sharding import axis_size, constrain, current_mesh
 
 
 def context_size() -> int:
-    """Devices the active mesh splits a row's tokens over (1 without a mesh or without the axis)."""
-    mesh = current_mesh()
-    if mesh is None or AXIS not in mesh.axis_names:
-        return 1
-    return int(mesh.shape[AXIS])
+    """Devices the active mesh splits a row's tokens (the logical `seq` axis) over; 1 without a mesh."""
+    return axis_size(current_mesh(), "seq")
 
 
 def to_heads(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

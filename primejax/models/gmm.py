@@ -72,29 +72,22 @@ def _tiles(bm: int, bn: int, bk: int = 64, stages: int = 4, gbn: int = 1) -> dic
 DEFAULT_TILES = _tiles(128, 128)
 
 
-# H100 80GB, jax 0.11.2, 131,072 rows (16k tokens x top-8) over 128 uniformly loaded experts, the fastest of 42-87
-# tile sizes per kernel (tools/bench_moe.py's tile sweep, 2026-11-26); ms: default tiles -> these.
+# Qwen3-30B-A3B's expert shapes (16k tokens x top-8 rows over 128 experts): per kernel, the fastest tile sizes of
+# a sweep on an H100 whose outputs equal the default tiles' (each beat DEFAULT_TILES; docs/moe.md has the sweep).
 MEASURED_TILES: dict[tuple[str, int, int], dict[str, int]] = {
-    ("fwd", 2048, 1536): _tiles(128, 192, gbn=4),  # gate_up forward      3.04 -> 1.59 ms (271 -> 517 TFLOP/s)
-    ("dlhs", 1536, 2048): _tiles(192, 128, gbn=4),  # gate_up input grad  3.13 -> 1.93 ms (263 -> 427)
-    ("wgrad", 2048, 1536): _tiles(128, 192),  # gate_up weight grad       1.57 -> 1.38 ms (524 -> 597)
-    ("fwd", 768, 2048): _tiles(192, 128, gbn=4),  # down forward          1.82 -> 1.27 ms (227 -> 325)
-    ("dlhs", 2048, 768): _tiles(128, 192, gbn=4),  # down input grad      1.50 -> 0.81 ms (275 -> 509)
-    ("wgrad", 768, 2048): _tiles(192, 128),  # down weight grad           0.85 -> 0.77 ms (486 -> 535)
+    ("fwd", 2048, 1536): _tiles(128, 192, gbn=4),  # gate_up forward
+    ("dlhs", 1536, 2048): _tiles(192, 128, gbn=4),  # gate_up input grad
+    ("wgrad", 2048, 1536): _tiles(128, 192),  # gate_up weight grad
+    ("fwd", 768, 2048): _tiles(192, 128, gbn=4),  # down forward
+    ("dlhs", 2048, 768): _tiles(128, 192, gbn=4),  # down input grad
+    ("wgrad", 768, 2048): _tiles(192, 128),  # down weight grad
 }
-_tile_overrides: dict[tuple[str, int, int], dict[str, int]] = {}
 
 
 def tiles_for(op: str, k: int, n: int) -> dict[str, int]:
     """The tile arguments used for kernel `op` contracting `k` into `n` outputs (see MEASURED_TILES)."""
     key = (op, k, n)
-    return dict(_tile_overrides.get(key) or MEASURED_TILES.get(key) or DEFAULT_TILES)
-
-
-def set_tile_overrides(table: dict[tuple[str, int, int], dict[str, int]]) -> None:
-    """Replace the measured table for calls traced from now on (benchmarks sweeping tile sizes)."""
-    _tile_overrides.clear()
-    _tile_overrides.update(table)
+    return dict(MEASURED_TILES.get(key) or DEFAULT_TILES)
 
 
 def _with_padding_group(lhs, rhs, group_sizes):

@@ -100,7 +100,15 @@ _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "up_proj": ("mlp.up_proj.weight", _transpose, _transpose),
     "down_proj": ("mlp.down_proj.weight", _transpose, _transpose),
     "router": ("mlp.gate.weight", _transpose, _transpose),
+    # glm4_moe: the sigmoid router's correction bias and the shared experts
+    "router_bias": ("mlp.gate.e_score_correction_bias", _same, _same),
+    "shared_gate_proj": ("mlp.shared_experts.gate_proj.weight", _transpose, _transpose),
+    "shared_up_proj": ("mlp.shared_experts.up_proj.weight", _transpose, _transpose),
+    "shared_down_proj": ("mlp.shared_experts.down_proj.weight", _transpose, _transpose),
 }
+# Written in fp32 whatever the export dtype, as transformers (`_keep_in_fp32_modules_strict`) and vLLM keep
+# them: the correction bias decides between experts whose scores differ by less than bf16 resolves.
+FP32_TENSORS = ("router_bias",)
 # ours [E, D, 2, I] / [E, I, D] per sparse layer -> per expert: [(HF suffix with {e}, ours -> HF [out, in])]
 _EXPERT_TENSORS: dict[str, list[tuple[str, Callable[[np.ndarray, int], np.ndarray]]]] = {
     "experts_gate_up": [
@@ -178,6 +186,11 @@ def hf_tensor_plan(model: Transformer, cfg: ModelConfig) -> list[tuple[nnx.Varia
     return plan
 
 
+def export_dtype(our_name: str, dtype: str) -> str:
+    """The dtype parameter `our_name` ("layers.q_proj", ...) is exported in when the export dtype is `dtype`."""
+    return "float32" if our_name.removeprefix("layers.") in FP32_TENSORS else dtype
+
+
 def _to_numpy(x: jax.Array, dtype) -> np.ndarray:
     if dtype is not None and x.dtype != dtype:
         x = x.astype(dtype)  # cast on device: halves the transfer for bf16 export
@@ -198,8 +211,8 @@ def state_to_hf_tensors(model: Transformer, cfg: ModelConfig, dtype: str | None 
     """
     jdtype = None if dtype is None else jnp.dtype(dtype)
     for our_name, var in param_variables(model).items():
-        value = _to_numpy(var[...], jdtype)
         short = our_name.removeprefix("layers.")
+        value = _to_numpy(var[...], jnp.dtype(jnp.float32) if short in FP32_TENSORS and jdtype else jdtype)
         if short in _EXPERT_TENSORS:
             names = iter(_hf_names(our_name, cfg))
             for layer_value in value:
@@ -355,7 +368,7 @@ def export_safetensors(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     variables = param_variables(model)
-    itemsize = {k: (np.dtype(v.dtype) if dtype is None else np.dtype(_NP_DTYPES[dtype])).itemsize
+    itemsize = {k: (np.dtype(v.dtype) if dtype is None else np.dtype(_NP_DTYPES[export_dtype(k, dtype)])).itemsize
                 for k, v in variables.items()}
     sizes = []
     for our_name, var in variables.items():

@@ -1,4 +1,8 @@
-"""Qwen3-MoE sparse block: fp32 top-k softmax router, dropless experts by grouped matmul, routing replay.
+"""Sparse MoE block (Qwen3-MoE, GLM-4.5): fp32 router, dropless experts by grouped matmul, routing replay.
+
+Routers (ModelConfig.router_scoring): Qwen3-MoE's top-k softmax, or GLM-4.5's sigmoid scores with a fixed
+correction bias, group-limited top-k and a routed scaling factor; GLM-4.5's shared experts are a dense SwiGLU
+added in `moe_block`.
 
 Weights of one sparse layer (stacked over the sparse layers in DecoderStack):
   router   [D, E]           experts_gate_up [E, D, 2, I] (gate first, as HF's fused gate_up_proj)
@@ -35,9 +39,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from primejax.models.gmm import grouped_matmul
-from primejax.models.sharding import current_mesh, logical_to_spec
+from primejax.models.sharding import constrain, current_mesh, logical_to_spec, mesh_axes
 
-EP_AXIS = "fsdp"  # the mesh axis experts are split over (sharding.SHARDING_RULES["experts"])
+(EP_AXIS,) = mesh_axes("experts")  # the one mesh axis experts are split over (the sharding table)
 # Checkpoint names of the grouped matmuls' outputs: remat policies that keep the weight matmuls' outputs keep
 # these too (transformer._saves_attention_and_weight_dots); the kernels are custom calls, not dot_general, so
 # jax's dots policies alone would re-run them in the backward pass.
@@ -48,7 +52,7 @@ class RouterOut(NamedTuple):
     """Per-layer routing results kept for metrics and losses (all fp32 / int32, shapes [N, ...])."""
 
     logits: jax.Array  # [N, E] fp32 router logits
-    probs: jax.Array  # [N, E] fp32 softmax
+    probs: jax.Array  # [N, E] fp32 softmax (sigmoid router: the scores normalized to sum 1, for the aux loss)
     topk_idx: jax.Array  # [N, k] int32 experts used
     scores: jax.Array  # [N, k] fp32 combine weights
 
@@ -60,18 +64,52 @@ def route(
     norm_topk_prob: bool,
     replay_idx: jax.Array | None = None,
     replay_mask: jax.Array | None = None,
+    *,
+    scoring: str = "softmax",
+    bias_e: jax.Array | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scale: float = 1.0,
 ) -> RouterOut:
-    """Top-k softmax routing in fp32 (HF Qwen3MoeTopKRouter), optionally replaying recorded experts."""
+    """Top-k routing in fp32, optionally replaying recorded experts.
+
+    softmax (HF Qwen3MoeTopKRouter): top-k of the softmax probabilities. sigmoid (HF Glm4MoeTopkRouter): scores
+    s = sigmoid(logits); the experts are chosen on s + bias_e (the correction bias steers the choice only, it
+    is not trained: stop_gradient) among the `topk_group` groups whose two best experts score highest; the
+    combine weights are s at the chosen experts. Replayed tokens take the recorded experts and the weights
+    at those experts, so the router still gets a gradient through them.
+    """
     logits = jnp.einsum("nd,de->ne", h_nd.astype(jnp.float32), router_de.astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_p, top_i = jax.lax.top_k(probs, top_k)
+    if scoring == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, choice = probs, probs
+    else:
+        weights = jax.nn.sigmoid(logits)
+        probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        choice = weights if bias_e is None else weights + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
+        if n_group > 1:
+            choice = _group_limited(choice, n_group, topk_group)
+    _, top_i = jax.lax.top_k(choice, top_k)
     if replay_idx is not None:
-        replay_idx = replay_idx.astype(jnp.int32)
-        top_i = jnp.where(replay_mask[:, None], replay_idx, top_i)
-        top_p = jnp.take_along_axis(probs, top_i, axis=-1)  # gradient flows to the router through these
+        top_i = jnp.where(replay_mask[:, None], replay_idx.astype(jnp.int32), top_i)
+    top_p = jnp.take_along_axis(weights, top_i, axis=-1)  # the router's gradient flows through these
     if norm_topk_prob:
-        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        # GLM-4.5 adds 1e-20 to the denominator; a softmax top-k sum is never that small.
+        top_p = top_p / (jnp.sum(top_p, axis=-1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    if scale != 1.0:
+        top_p = top_p * scale
     return RouterOut(logits, probs, top_i.astype(jnp.int32), top_p)
+
+
+def _group_limited(choice_ne: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """`choice` with every expert outside the `topk_group` best groups set to -inf (a group's score is the sum
+    of its two best experts' choice values, as DeepSeek-V3's and GLM-4.5's noaux_tc routing)."""
+    n, e = choice_ne.shape
+    grouped = choice_ne.reshape(n, n_group, e // n_group)
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
+    _, best = jax.lax.top_k(group_score, topk_group)
+    keep = jnp.any(best[:, :, None] == jnp.arange(n_group)[None, None, :], axis=1)  # [N, G]
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, e)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -163,10 +201,10 @@ def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: 
             x_nd, route_out.topk_idx, route_out.scores, gate_up, down
         )
     if gate_up.shape[0] % n_ep:
-        raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over fsdp={n_ep}")
+        raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over {EP_AXIS}={n_ep}")
     e_local = gate_up.shape[0] // n_ep
     if EP_AXIS not in (tok_axes if isinstance(tok_axes, tuple) else (tok_axes,)):
-        raise ValueError("expert_parallel='ep' needs the token batch split over the fsdp axis")
+        raise ValueError(f"expert_parallel='ep' needs the token batch split over the {EP_AXIS} axis")
 
     def ep(x, idx, sc, gu, dn):
         # All tokens of the fsdp group, each device's experts on them, partial sums scattered back.
@@ -193,18 +231,34 @@ def moe_block(
     mode: str,
     replay_idx: jax.Array | None = None,
     replay_mask: jax.Array | None = None,
+    scoring: str = "softmax",
+    n_group: int = 1,
+    topk_group: int = 1,
+    scale: float = 1.0,
 ) -> tuple[jax.Array, RouterOut]:
-    """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens)."""
+    """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens).
+
+    `p` holds one sparse layer's router, experts and, when present, `router_bias` [E] (the sigmoid router's
+    correction bias) and the shared experts `shared_gate_proj`/`shared_up_proj` [D, Fs], `shared_down_proj`
+    [Fs, D].
+    """
     b, t, d = h_btd.shape
     dt = h_btd.dtype
     x = h_btd.reshape(b * t, d)
     ri = None if replay_idx is None else replay_idx.reshape(b * t, top_k)
     rm = None if replay_mask is None else replay_mask.reshape(b * t)
-    r = route(x, p["router"], top_k, norm_topk_prob, ri, rm)
+    r = route(x, p["router"], top_k, norm_topk_prob, ri, rm, scoring=scoring, bias_e=p.get("router_bias"),
+              n_group=n_group, topk_group=topk_group, scale=scale)
     # HF casts the combine weights to the hidden dtype before weighting the experts' outputs.
     r_used = r._replace(scores=r.scores.astype(dt))
     y = experts_forward(x, r_used, p["experts_gate_up"].astype(dt), p["experts_down"].astype(dt), impl, mode)
-    return y.reshape(b, t, d), r
+    y_btd = y.reshape(b, t, d)
+    if "shared_gate_proj" in p:
+        g_btf = jnp.einsum("btd,df->btf", h_btd, p["shared_gate_proj"].astype(dt))
+        u_btf = jnp.einsum("btd,df->btf", h_btd, p["shared_up_proj"].astype(dt))
+        a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
+        y_btd = y_btd + jnp.einsum("btf,fd->btd", a_btf, p["shared_down_proj"].astype(dt))
+    return y_btd, r
 
 
 # ---------------------------------------------------------------------- statistics and auxiliary losses

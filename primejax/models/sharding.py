@@ -75,6 +75,24 @@ def _rule(name: str | None, rules: dict) -> tuple[str, ...]:
     return (target,) if isinstance(target, str) else tuple(target)
 
 
+def mesh_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes a logical axis is split over, by the table: every module outside it names logical axes
+    (`mesh_axes("experts")`, `mesh_axes("seq")`), so moving an axis is an edit of the table alone."""
+    return _rule(logical, SHARDING_RULES)
+
+
+def spec_entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+    """One PartitionSpec entry for `axes`: None, the single name, or the tuple (the spelling JAX compares)."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def axis_size(mesh: Mesh | jax.sharding.AbstractMesh | None, logical: str) -> int:
+    """How many ways `mesh` splits the logical axis `logical` (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape.get(a, 1) for a in mesh_axes(logical))
+
+
 def logical_to_spec(
     logical_axes: LogicalAxes,
     shape: Sequence[int] | None = None,
@@ -110,7 +128,9 @@ def logical_to_spec(
     return PartitionSpec(*entries)
 
 
-def mesh_sizes(n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1, *, context: int = 1) -> dict[str, int]:
+def mesh_sizes(
+    n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1, *, context: int = 1
+) -> dict[str, int]:
     """The ("data", "fsdp", "context", "tensor") sizes for `n_devices`, the one -1 (if any) filled in with the
     remaining devices; ValueError (one line) when they do not cover exactly `n_devices`."""
     sizes = [data, fsdp, context, tensor]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from primejax.models.sharding import current_mesh, logical_to_spec
+from primejax.models.sharding import current_mesh, logical_to_spec, mesh_axes
 
 RESIDUALS = "splash_residuals"  # checkpoint name of the kernel's saved forward results
 _ALIGN = 128  # the kernel's smallest block: rows are padded to a multiple of it
@@ -92,7 +92,7 @@ def head_axes(num_kv_heads: int, mesh) -> tuple[str, ...] | None:
     Heads not split over `context` mean every device of a context group runs its rows' attention in full:
     correct, but C times the work and a gather of the heads the all-to-all had split.
     """
-    axes = tuple(a for a in ("tensor", "context") if mesh.shape.get(a, 1) > 1)
+    axes = tuple(a for a in mesh_axes("attn_kv_heads") if mesh.shape.get(a, 1) > 1)
     while axes and num_kv_heads % math.prod(mesh.shape[a] for a in axes):
         axes = axes[:-1]
     return axes or None

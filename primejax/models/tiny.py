@@ -18,7 +18,10 @@ from typing import Any, Literal
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
 
-Family = Literal["qwen3", "llama", "qwen3_moe"]
+Family = Literal["qwen3", "llama", "qwen3_moe", "glm4_moe"]
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe")  # the builder's subset of config.ARCHITECTURES
+# The RoPE base of every tiny model: written to its config.json and used by `TinyModelConfig.architecture`.
+ROPE_THETA = 1_000_000.0
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -162,10 +165,14 @@ def build_tiny_model(
     mlp_only_layers: tuple[int, ...] = (),
     extra_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random-init tiny Qwen3, Llama or Qwen3-MoE model (fp32 safetensors) plus tokenizer to `out_dir`.
+    """Write a random-init tiny Qwen3, Llama, Qwen3-MoE or GLM-4.5 MoE model (fp32 safetensors) plus tokenizer
+    to `out_dir`.
 
-    The MoE arguments apply to family "qwen3_moe" (norm_topk_prob on, as in Qwen3-30B-A3B); its router is
-    drawn wider (std 0.5) than the rest so routing is decided clearly, not by near-ties.
+    The MoE arguments apply to families "qwen3_moe" (norm_topk_prob on, as in Qwen3-30B-A3B) and "glm4_moe"
+    (GLM-4.5's structure: the first layer dense (unless mlp_only_layers says otherwise, as a prefix), one shared
+    expert, q/k/v bias, half the head dims rotated, sigmoid routing over 2 expert groups of which 1 is kept,
+    routed scaling 2.5, a random correction bias (std 0.1; HF starts it at 0)). Routers are drawn wider
+    (std 0.5) than the rest so routing is decided clearly, not by near-ties.
 
     `tokenizer` "bpe" trains a byte-level BPE of `vocab_size` tokens (default 384); "bytes" is character-level
     (one token per byte) padded to `vocab_size`. The model's vocab equals the tokenizer's size, so every id the
@@ -209,7 +216,7 @@ def build_tiny_model(
         bos_token_id=ids[ENDOFTEXT],
         eos_token_id=ids[IM_END],
         pad_token_id=ids[ENDOFTEXT],
-        rope_theta=1_000_000.0,
+        rope_theta=ROPE_THETA,
     )
     if family == "qwen3":
         config = transformers.Qwen3Config(**common)
@@ -224,19 +231,40 @@ def build_tiny_model(
             mlp_only_layers=list(mlp_only_layers),
         )
         model_cls = transformers.Qwen3MoeForCausalLM
+    elif family == "glm4_moe":
+        common.pop("rope_theta")
+        config = transformers.Glm4MoeConfig(
+            **common,
+            rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.5),
+            n_routed_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=True,
+            first_k_dense_replace=len(mlp_only_layers) if mlp_only_layers else 1,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            attention_bias=True,
+            num_nextn_predict_layers=0,
+        )
+        model_cls = transformers.Glm4MoeForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
     else:
-        raise ValueError(f"unknown family {family!r} (expected 'qwen3', 'llama' or 'qwen3_moe')")
+        raise ValueError(f"unknown family {family!r} (expected one of {FAMILIES})")
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "glm4_moe"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):
                     p.normal_(0.0, 0.5)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.1)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=ids[ENDOFTEXT],
         eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
@@ -288,7 +316,7 @@ class TinyModelConfig(Section):
     """`model.build_tiny`: a tiny random model + tokenizer built at `model.path` when it is missing (offline)."""
 
     enabled: bool = option(False, "build the model when model.path has no config.json")
-    family: str = option("qwen3", "architecture", choices=("qwen3", "llama", "qwen3_moe"))
+    family: str = option("qwen3", "architecture", choices=FAMILIES)
     tied: bool = option(True, "tie the LM head to the embedding")
     hidden_size: int = option(64, "model width", gt=0)
     num_layers: int = option(2, "decoder layers", gt=0)
@@ -299,9 +327,9 @@ class TinyModelConfig(Section):
     seed: int = option(0, "random init seed")
     tokenizer: str = option("bpe", "bpe: byte-level BPE; bytes: one token per character", choices=TOKENIZERS)
     vocab_size: int = option(0, f"tokens; 0 = {DEFAULT_VOCAB_SIZE} (bpe) or {BYTES_VOCAB_SIZE} (bytes)", ge=0)
-    num_experts: int = option(8, "qwen3_moe: experts per sparse layer (docs/moe.md)", gt=0, le=256)
-    num_experts_per_tok: int = option(2, "qwen3_moe: experts each token is routed to", gt=0)
-    moe_intermediate_size: int = option(64, "qwen3_moe: expert MLP width", gt=0)
+    num_experts: int = option(8, "qwen3_moe/glm4_moe: experts per sparse layer (docs/moe.md)", gt=0, le=256)
+    num_experts_per_tok: int = option(2, "qwen3_moe/glm4_moe: experts each token is routed to", gt=0)
+    moe_intermediate_size: int = option(64, "qwen3_moe/glm4_moe: expert MLP width", gt=0)
     tool_tokens: bool = option(False, "add Qwen3's <tool_call>/<tool_response> tokens (tool-using envs)")
 
     def check(self) -> None:
@@ -309,6 +337,8 @@ class TinyModelConfig(Section):
             raise ConfigError("num_experts_per_tok", f"must be <= num_experts ({self.num_experts})")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("num_kv_heads", f"must divide num_heads ({self.num_heads})")
+        if self.family == "glm4_moe" and (self.num_experts % 2 or self.num_experts < 4):
+            raise ConfigError("num_experts", "glm4_moe routes over 2 expert groups: an even number, at least 4")
         if self.tokenizer == "bytes" and 0 < self.vocab_size < BYTES_VOCAB_SIZE:
             raise ConfigError("vocab_size", f"a byte tokenizer has {BYTES_VOCAB_SIZE} tokens at least")
 
@@ -329,26 +359,32 @@ class TinyModelConfig(Section):
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            rope_theta=10000.0,
+            rope_theta=ROPE_THETA,
             rope_scaling=None,
             rms_norm_eps=1e-6,
             tie_word_embeddings=self.tied,
             qk_norm=self.family in ("qwen3", "qwen3_moe"),
-            attention_bias=False,
+            attention_bias=self.family == "glm4_moe",
             max_position_embeddings=max_positions,
             **self._moe_fields(),
             **overrides,
         )
 
     def _moe_fields(self) -> dict:
-        if self.family != "qwen3_moe":
+        if self.family not in ("qwen3_moe", "glm4_moe"):
             return {}
-        return dict(
+        moe = dict(
             num_experts=self.num_experts,
             num_experts_per_tok=self.num_experts_per_tok,
             moe_intermediate_size=self.moe_intermediate_size,
             norm_topk_prob=True,
         )
+        if self.family == "glm4_moe":  # build_tiny_model's GLM-4.5 structure
+            moe.update(
+                mlp_only_layers=(0,), router_scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                n_shared_experts=1, partial_rotary_factor=0.5,
+            )  # fmt: skip
+        return moe
 
     def build(self, out_dir: str | Path) -> Path:
         """Write the model to `out_dir` (the one place this section becomes `build_tiny_model` arguments)."""

@@ -1,4 +1,4 @@
-"""Causal decoder for the Qwen3 / Qwen2 / Llama families (Flax NNX).
+"""Causal decoder for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 families (Flax NNX).
 
 Layer parameters are stacked on a leading `layers` axis and the forward pass applies one pure layer function
 per layer, unrolled by default or as a `lax.scan` (`ModelConfig.scan_layers`: traced and compiled once however
@@ -10,9 +10,11 @@ Weights are stored in einsum-friendly layouts, shapes named by their axes:
   gate/up_proj [L, D, F]        down_proj [L, F, D]    lm_head [D, V] (absent when tied)
 Letters: B batch, T sequence, D hidden, H query heads, K kv heads, Dh head dim, F MLP width, V vocab.
 
-Mixture of experts (qwen3_moe, models/moe.py): the dense MLP weights are stacked over the dense layers only
-and the sparse layers' weights over the sparse layers only (router [Ls, D, E], experts_gate_up
-[Ls, E, D, 2, I], experts_down [Ls, E, I, D]); attention weights stay stacked over all L layers.
+Mixture of experts (qwen3_moe, glm4_moe; models/moe.py): the dense MLP weights are stacked over the dense
+layers only and the sparse layers' weights over the sparse layers only (router [Ls, D, E], experts_gate_up
+[Ls, E, D, 2, I], experts_down [Ls, E, I, D]; glm4_moe adds router_bias [Ls, E] (fp32) and the shared experts
+shared_gate_proj/shared_up_proj [Ls, D, Fs], shared_down_proj [Ls, Fs, D]); attention weights stay stacked
+over all L layers.
 """
 
 from __future__ import annotations
@@ -90,10 +92,9 @@ _REMAT_POLICIES = {
     "attn": _saves_attention,
     "dots_no_batch_attn": _saves_attention_and_weight_dots,
 }
-# "auto": the fastest policy measured per micro-batch size (Qwen3-0.6B shape, H200, docs/benchmarks.md).
-# Saving the weight matmuls' outputs as well as attention's is faster than no remat at all up to 32k tokens
-# (fewer fp32 temporaries written than plain autodiff keeps), but costs ~1 GiB per 1k tokens; beyond that
-# only attention's outputs are kept and the cheap matmuls are re-run.
+# "auto": save the weight matmuls' outputs as well as attention's up to 32k tokens per micro-batch (it writes
+# fewer fp32 temporaries than plain autodiff keeps, so it is also faster than no remat), but that costs ~1 GiB
+# per 1k tokens; beyond it keep only attention's outputs and re-run the cheap matmuls (docs/benchmarks.md).
 AUTO_REMAT_MAX_TOKENS_FOR_DOTS = 32768
 
 
@@ -121,8 +122,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [Dh/2] (float32), with llama3 frequency-dependent scaling when configured."""
-    dim = cfg.head_dim
+    """Inverse frequencies [R/2] (float32) for the R = cfg.rotary_dim rotated dims, with llama3
+    frequency-dependent scaling when configured."""
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     inv_freq = inv_freq.astype(np.float32)
     scaling = cfg.rope_scaling
@@ -142,16 +144,21 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_tables(positions: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, Dh] for the half-split (rotate_half) convention HF uses for these families."""
+    """cos, sin [B, T, R] (R = rotary_dim) for the half-split (rotate_half) convention HF uses for these
+    families."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
-def apply_rope(x_btnh: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
-    half = x_btnh.shape[-1] // 2
+def apply_rope(x_btnh: jax.Array, cos_btr: jax.Array, sin_btr: jax.Array) -> jax.Array:
+    """Rotate the first R = cos.shape[-1] dims of each head (all of them unless partial rotary); the rest pass."""
+    r = cos_btr.shape[-1]
+    if r < x_btnh.shape[-1]:
+        return jnp.concatenate([apply_rope(x_btnh[..., :r], cos_btr, sin_btr), x_btnh[..., r:]], axis=-1)
+    half = r // 2
     rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
-    return x_btnh * cos_btd[:, :, None] + rotated * sin_btd[:, :, None]
+    return x_btnh * cos_btr[:, :, None] + rotated * sin_btr[:, :, None]
 
 
 def decoder_layer(
@@ -205,6 +212,10 @@ def decoder_layer(
             mode=cfg.expert_parallel,
             replay_idx=None if replay is None else replay[0],
             replay_mask=None if replay is None else replay[1],
+            scoring=cfg.router_scoring,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            scale=cfg.routed_scaling_factor,
         )
         valid = segment_ids > 0
         stats = {
@@ -220,9 +231,15 @@ def decoder_layer(
     return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), None
 
 
+# Parameters the optimizer leaves unchanged (trainer/optim.py): GLM-4.5's router correction bias steers the
+# expert choice only (moe.route stops its gradient); RL post-training keeps the released values.
+NOT_TRAINED = ("router_bias",)
 # Per-layer weights of the MLP part: stacked over the dense layers (dense MLP) or the sparse ones (experts).
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
-SPARSE_MLP = ("router", "experts_gate_up", "experts_down")
+SPARSE_MLP = (
+    "router", "router_bias", "experts_gate_up", "experts_down", "shared_gate_proj", "shared_up_proj",
+    "shared_down_proj",
+)
 
 
 class DecoderStack(nnx.Module):
@@ -270,6 +287,15 @@ class DecoderStack(nnx.Module):
             self.experts_down = _param(
                 rngs, (ns, e, i, d), (lay, "experts", "expert_mlp", "expert_embed"), dt
             )
+            if cfg.router_scoring == "sigmoid":
+                # fp32 whatever param_dtype, as HF and vLLM keep it: it decides near-ties between experts.
+                # HF zero-initializes it; small random values make tests exercise it.
+                self.router_bias = _param(rngs, (ns, e), (lay, None), jnp.float32)
+            if cfg.n_shared_experts:
+                fs = i * cfg.n_shared_experts
+                self.shared_gate_proj = _param(rngs, (ns, d, fs), (lay, "embed", "mlp"), dt)
+                self.shared_up_proj = _param(rngs, (ns, d, fs), (lay, "embed", "mlp"), dt)
+                self.shared_down_proj = _param(rngs, (ns, fs, d), (lay, "mlp", "embed"), dt)
 
     def stacked_params(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}

@@ -13,19 +13,26 @@ import sys
 
 from primejax.config.cli import parse_config, run_main
 from primejax.contracts.rundir import write_resolved_config
+from primejax.launcher.preflight import preflight_entrypoint
 
 
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.orchestrator", doc=__doc__.split("\n\n")[1])
+    preflight_entrypoint("orchestrator", cfg.model.path)
     # Logs go to stderr: the launcher already sends a child's output to logs/orchestrator.log.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the step lines
     write_resolved_config(cfg.run_dir, "orchestrator", cfg.to_json())
+    from primejax.inference.identity import ServerIdentityError
+    from primejax.orchestrator.failures import RolloutsFailed
     from primejax.orchestrator.run import run_orchestrator  # deferred: pulls in transformers and httpx
     from primejax.utils.disk import disk_full_line, is_disk_full
 
     try:
         asyncio.run(run_orchestrator(cfg))
+    except (ServerIdentityError, RolloutsFailed) as e:  # one line says it all (no sample came from an impostor)
+        print(f"error: orchestrator: {e}", file=sys.stderr, flush=True)
+        return 1
     except OSError as e:
         if not is_disk_full(e):
             raise

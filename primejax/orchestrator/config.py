@@ -33,7 +33,12 @@ class EnvConfig(Section):
 class SamplingConfig(Section):
     """Sampling parameters of every rollout request."""
 
-    temperature: float = option(1.0, "sampling temperature", ge=0)
+    temperature: float = option(
+        1.0,
+        "sampling temperature, > 0 (the trainer divides the logits by it; 0 = greedy has no logprobs to train "
+        "on)",
+        gt=0,
+    )
     top_p: float = option(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
     max_tokens: int = option(128, "completion tokens per turn", gt=0, le=MAX_TOKENS)
     max_turns: int = option(4, "model turns per rollout (multi-turn envs)", gt=0)
@@ -113,7 +118,7 @@ class EvalConfig(Section):
 class OrchestratorCheckpointConfig(Section):
     """Orchestrator checkpoints (a few kB each) under checkpoints/step_N/orchestrator."""
 
-    interval: int = option(0, "save every this many steps; 0 = never", ge=0)
+    interval: int = option(10, "save every this many steps; 0 = never", ge=0)
     keep: int = option(
         0, "checkpoints kept; 0 = all (resume must pair one with any trainer checkpoint)", ge=0
     )
@@ -126,6 +131,11 @@ class ClientConfig(Section):
     base_urls: tuple = option((), "inference servers; () = the run's own server (inference.host:port)")
     timeout_s: float = option(600.0, "per-request timeout", gt=0)
     max_retries: int = option(5, "retries of a failed request", ge=0)
+    api_key_env: str = option(
+        "VLLM_API_KEY",
+        "environment variable holding the servers' OpenAI API key (vLLM's --api-key), sent as "
+        "'Authorization: Bearer'; unset or empty = none (the key itself never goes into a config)",
+    )
 
 
 @section
@@ -177,6 +187,24 @@ class OrchestratorConfig(Section):
     async_level: int = option(1, "k: step n samples from policy n-1-k or newer; 0 = synchronous", ge=0)
     max_concurrent: int = option(64, "in-flight inference requests", gt=0, le=MAX_ROWS)
     max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0, le=MAX_TOKENS)
+    max_abs_reward: float = option(
+        1e6,
+        "a reward outside [-max_abs_reward, max_abs_reward] errors its rollout (one line); at most 1e30 so "
+        "float32 advantages cannot overflow",
+        gt=0,
+        le=1e30,
+    )
+    env_timeout_s: float = option(
+        600.0,
+        "an environment call (env_response, score) running longer errors its rollout; the rest go on",
+        gt=0,
+    )
+    max_failed_steps: int = option(
+        3,
+        "stop the run (exit 1, quoting the first error) after this many steps in a row in which every "
+        "rollout errored; 0 = never",
+        ge=0,
+    )
     weights_poll_s: float = option(0.5, "how often to look for new STABLE broadcasts", gt=0)
     routing_replay: bool = option(
         False,

@@ -104,14 +104,18 @@ class GenerationStats:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
-def checked_reward(value: Any) -> float:
-    """An environment's reward as a float; ValueError for a non-numeric (a string, a bool) or non-finite one, so
-    that rollout is errored instead of turning its group's advantages into NaN."""
+def checked_reward(value: Any, max_abs: float = 1e6) -> float:
+    """An environment's reward as a float; ValueError for a non-numeric (a string, a bool), non-finite or out of
+    range (|reward| > `max_abs`, `orchestrator.max_abs_reward`) one, so that rollout is errored instead of
+    turning its group's advantages into NaN or overflowing float32 (a finite 1e308 does)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"reward must be a real number, got {type(value).__name__} {value!r}")
     reward = float(value)
     if not math.isfinite(reward):
         raise ValueError(f"reward must be finite, got {reward}")
+    if abs(reward) > max_abs:
+        raise ValueError(f"reward must be within [-{max_abs:g}, {max_abs:g}] (orchestrator.max_abs_reward), got "
+                         f"{reward:g}")
     return reward
 
 
@@ -129,7 +133,7 @@ def _sampler(slot: EnvSlot) -> SamplingClient | None:
 class GroupGenerator:
     def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingConfig, policy: VersionSource,
                  *, max_concurrent: int, max_prompt_tokens: int, routing: RoutingShape | None = None,
-                 limiter: Limiter | None = None):
+                 max_abs_reward: float = 1e6, env_timeout_s: float = 600.0, limiter: Limiter | None = None):
         """`routing`: record the policy's routed experts of every sampled token (routing replay); `limiter`: a
         request limit shared with other generators (evaluation shares training's), else `max_concurrent`."""
         self.client = client
@@ -137,6 +141,8 @@ class GroupGenerator:
         self.renderer = renderer
         self.settings = settings
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_abs_reward = max_abs_reward
+        self.env_timeout_s = env_timeout_s
         self.policy = policy
         self.semaphore = limiter or Limiter(max_concurrent)
         self.stats = GenerationStats()
@@ -229,6 +235,14 @@ class GroupGenerator:
         ))
         return rollouts
 
+    async def _env_call(self, call: Any, what: str) -> Any:
+        """An environment call bounded by `orchestrator.env_timeout_s`: a hung one errors its rollout alone."""
+        try:
+            return await asyncio.wait_for(call, self.env_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"environment {what} did not answer within {self.env_timeout_s:g} s "
+                               "(orchestrator.env_timeout_s)") from None
+
     async def _settle(self, slot: EnvSlot, rollout: Rollout, stage: _Stage,
                       play: Callable[[], Awaitable[None]]) -> None:
         """Run a rollout's turns (`play`, which keeps `stage` current), then score it and let the algorithm
@@ -239,7 +253,9 @@ class GroupGenerator:
                 raise RuntimeError("the environment finished without calling the model")
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
             stage.name = "score"
-            rollout.reward = checked_reward(await slot.env.score(rollout.example, rollout.messages, rollout.state))
+            rollout.reward = checked_reward(await self._env_call(slot.env.score(rollout.example, rollout.messages,
+                                                                                rollout.state), "score"),
+                                            self.max_abs_reward)
             stage.name = "algorithm"
             await slot.algorithm.finalize_rollout(rollout)
         except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
@@ -265,7 +281,9 @@ class GroupGenerator:
                 if len(rollout.steps) >= max_turns:
                     break
                 stage.name = "env"
-                new = await slot.env.env_response(rollout.example, rollout.messages, rollout.state)
+                new = await self._env_call(
+                    slot.env.env_response(rollout.example, rollout.messages, rollout.state), "env_response"
+                )
                 if not new:
                     break
                 rollout.messages.extend(new)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from primejax.contracts.batch import TrainingSample, pack_samples, step_dir, write_batch
+from primejax.contracts.batch import TrainingSample, batch_env_names, pack_samples, step_dir, write_batch
 from primejax.envs.registry import load_env
 from primejax.inference.client import InferenceError
 from primejax.inference.routed_experts import RoutingShape
@@ -35,6 +35,7 @@ from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from primejax.orchestrator.concurrency import AIMDController, AIMDSettings, Limiter, parse_prometheus
 from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.evaluator import build_evaluator
+from primejax.orchestrator.failures import FailedSteps
 from primejax.orchestrator.filters import build_slots
 from primejax.orchestrator.generate import TRACE, GroupGenerator
 from primejax.orchestrator.looplag import LoopLag
@@ -135,6 +136,7 @@ class Orchestrator:
         self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
                                         self.tracker, max_concurrent=o.max_concurrent,
                                         max_prompt_tokens=o.max_prompt_tokens, routing=routing,
+                                        max_abs_reward=o.max_abs_reward, env_timeout_s=o.env_timeout_s,
                                         limiter=self.limiter)
         self.pre_filters, self.post_filters = build_slots(o.filters)
         # Evaluation shares the request limit (and so the servers' capacity) with training.
@@ -159,6 +161,7 @@ class Orchestrator:
         self.pad_rows_to_multiple = pad_rows_to_multiple
         self.next_step = 1
         self.empty_batches = 0
+        self.failed_steps = FailedSteps(o.max_failed_steps)
         self.pre_counts: Counter = Counter()  # pre-batch filter flags of the step being generated
         self.eval_task: asyncio.Task | None = None
         self.last_step_end: float | None = None
@@ -199,15 +202,19 @@ class Orchestrator:
 
     def to_samples(self, batch: list[Rollout]) -> list[TrainingSample]:
         samples, r = [], self.routing
+        env_index = {name: i for i, name in enumerate(batch_env_names(self.o.envs))}  # the batch's env_ids (contracts.batch)
         for rollout in batch:
             loss_type = self.buffer.envs[rollout.env].algorithm.action_loss_type
-            samples += rollout_to_samples(rollout, loss_type, self.o.sampling.temperature, self.o.seq_len,
-                                          None if r is None else (r.num_layers, r.top_k))
+            new = rollout_to_samples(rollout, loss_type, self.o.sampling.temperature, self.o.seq_len,
+                                     None if r is None else (r.num_layers, r.top_k))
+            for sample in new:
+                sample.env_index = env_index.get(rollout.env, 0)
+            samples += new
         return samples
 
     def write(self, step: int, samples: list[TrainingSample], meta: dict[str, Any]) -> Path:
         batches = pack_samples(samples, self.o.seq_len, num_shards=self.num_shards,
-                               pad_rows_to_multiple=self.pad_rows_to_multiple)
+                               pad_rows_to_multiple=self.pad_rows_to_multiple, step=step, envs=batch_env_names(self.o.envs))
         target = step_dir(self.run_dir, step)
         # The whole step directory appears at once, so the trainer never sees some ranks' files only.
         with atomic_dir(target, overwrite=True) as tmp:
@@ -300,6 +307,7 @@ class Orchestrator:
             waited = pool_metrics["time/batch_cut_wait"]
         gen_seconds = time.perf_counter() - t_gen
         rollouts = [r for g in groups for r in g]
+        self.failed_steps.observe(step, rollouts)  # RolloutsFailed: the run stops saying why
 
         t_post = time.perf_counter()
         pre_counts = self.pre_counts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Iterable
@@ -37,6 +38,26 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     if clean:
         out["rollouts/truncated_fraction"] = sum(r.truncated for r in clean) / len(clean)
     out.update(tool_metrics(clean))
+    out.update(env_signal_metrics(clean))
+    return out
+
+
+def env_signal_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """An environment's own reward components and metrics (verifiers' `trace.rewards` / `trace.metrics`, which
+    the adapter puts in `state`), averaged per env: `reward_parts/<env>/<name>`, `env_metrics/<env>/<name>`;
+    and the share of each stop condition, `stop/<env>/<condition>`. A rollout lacking a name does not count."""
+    out: dict[str, float] = {}
+    for env in sorted({r.env for r in rollouts}):
+        mine = [r for r in rollouts if r.env == env]
+        for key, prefix in (("reward_components", "reward_parts"), ("metrics", "env_metrics")):
+            values: dict[str, list[float]] = {}
+            for r in mine:
+                for name, value in (r.state.get(key) or {}).items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                        values.setdefault(str(name), []).append(float(value))
+            out.update({f"{prefix}/{env}/{name}": statistics.fmean(v) for name, v in sorted(values.items())})
+        stops = Counter(str(r.state["stop_condition"]) for r in mine if r.state.get("stop_condition"))
+        out.update({f"stop/{env}/{cond}": n / len(mine) for cond, n in sorted(stops.items())})
     return out
 
 

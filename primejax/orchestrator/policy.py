@@ -32,6 +32,17 @@ from primejax.contracts.transfer import Offer, latest_offer
 log = logging.getLogger(__name__)
 
 
+async def rendezvous_listening(offer: Offer, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts connections at the offer's rendezvous address (its trainer is alive)."""
+    try:
+        host, port = str(offer.init_info["master_address"]), int(offer.init_info["master_port"])
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (TimeoutError, OSError, KeyError, TypeError, ValueError):
+        return False
+    writer.close()
+    return True
+
+
 def min_policy_version(step: int, async_level: int) -> int:
     """The oldest policy version step `step` (1-based) may sample from."""
     return max(0, step - 1 - async_level)
@@ -47,12 +58,14 @@ class PolicyTracker:
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  clock: Callable[[], float] = time.monotonic,
                  latest_step: Callable[[Path], int | None] = latest_stable_step,
-                 offers: Callable[[Path], Offer | None] = latest_offer):
+                 offers: Callable[[Path, set[int]], Offer | None] = latest_offer,
+                 owner_alive: Callable[[Offer], Awaitable[bool]] | None = None):
         self.client = client
         self.run_dir = Path(run_dir)
         self.poll_interval_s = poll_interval_s
         self._version = initial_version
         self._sleep, self._clock, self._latest_step, self._offers = sleep, clock, latest_step, offers
+        self._owner_alive = owner_alive or rendezvous_listening
         self._changed: asyncio.Condition | None = None
         self._lock: asyncio.Lock | None = None
         self.updates = 0
@@ -116,7 +129,7 @@ class PolicyTracker:
         changed, lock = self._sync()
         async with lock:
             step = self._latest_step(self.run_dir)
-            offer = self._offers(self.run_dir)
+            offer = await self._live_offer()
             start = self._clock()
             if offer is not None and offer.step > self._version and offer.step >= (step or 0) \
                     and offer.step not in self.failed_offers:
@@ -146,6 +159,18 @@ class PolicyTracker:
             changed.notify_all()
         log.info("inference server now serves policy version %d", step)
         return True
+
+    async def _live_offer(self) -> Offer | None:
+        """The newest offer not tried yet whose trainer is alive. An offer nobody listens for (a crashed trainer's
+        leftover) is skipped at once: handing it to the server would pause it for the transfer timeout, and
+        waiting on it would hide the live trainer's own offers of earlier steps."""
+        while (offer := self._offers(self.run_dir, self.failed_offers)) is not None:
+            if await self._owner_alive(offer):
+                return offer
+            self.failed_offers.add(offer.step)
+            log.warning("collective offer of step %d: no trainer listens at its rendezvous (a dead trainer's "
+                        "leftover); ignored", offer.step)
+        return None
 
     async def revive_replicas(self) -> list[str]:
         """Bring back servers the client marked down (several replicas) once they answer again: each is put on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from primejax.orchestrator.config import ClientConfig
 from primejax.orchestrator.loop import Orchestrator
 from primejax.orchestrator.renderer import load_tokenizer
 from primejax.utils.monitor import Monitor
+from primejax.utils.sections import ConfigError
 
 if TYPE_CHECKING:
     from primejax.config import Config
@@ -21,7 +23,13 @@ if TYPE_CHECKING:
 
 def base_urls(client: ClientConfig, inference: InferenceConfig) -> list[str]:
     """`orchestrator.client.base_urls`, or the run's own inference server when that is empty."""
-    return list(client.base_urls) or [f"http://{inference.host}:{inference.port}"]
+    if client.base_urls:
+        return list(client.base_urls)
+    if not inference.port:
+        raise ConfigError("inference.port", "0 (a free port the launcher picks) is not an address: started on its "
+                          "own, the orchestrator needs the server's port (--config.inference.port=N, the port "
+                          "`python -m primejax.inference` printed) or orchestrator.client.base_urls")
+    return [f"http://{inference.host}:{inference.port}"]
 
 
 def model_vocab_size(model_path: str) -> int | None:
@@ -37,7 +45,8 @@ def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: 
                   admin_token: str | None = None) -> InferenceClient:
     """The live policy's client; with `vocab_size`, answers with token ids outside the vocabulary are rejected."""
     return InferenceClient(base_urls(client, inference), timeout_s=client.timeout_s, max_retries=client.max_retries,
-                           vocab_size=vocab_size, admin_token=admin_token)
+                           vocab_size=vocab_size, admin_token=admin_token,
+                           api_key=os.environ.get(client.api_key_env) if client.api_key_env else None)
 
 
 async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:

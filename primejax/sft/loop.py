@@ -1,9 +1,9 @@
 """`python -m primejax.sft --config configs/x.py`: supervised fine-tuning on chat data, the same trainer code.
 
 Reads `sft.data_path` (chat JSONL) or generates demonstrations from an environment's answers (`sft.from_env`),
-trains `sft.steps` steps of the ce loss on assistant tokens with the trainer's jitted step, mesh, optimizer and
-HF export, and writes the result as an HF directory to `<run>/sft/final` (fp32, so RL continues from exact
-master weights). The launcher runs it as a warm-up before RL when `sft.steps > 0`.
+trains `sft.steps` steps of the ce loss on assistant tokens with the trainer's engine (trainer/engine.py: its
+mesh, optimizer and compiled "sft" step) and HF export, and writes the result as an HF directory to
+`<run>/sft/final` (fp32, so RL continues from exact master weights). The launcher runs it as a warm-up before RL when `sft.steps > 0`.
 """
 
 from __future__ import annotations
@@ -71,8 +71,11 @@ def load_samples(s: SftConfig, envs: dict[str, EnvConfig], tokenizer) -> list:
     samples = []
     for lineno, conversation, tools in lines:
         try:
-            samples.append(conversation_to_sample(tokenizer, conversation, max_len=s.seq_len, renderer=renderer,
-                                                  tools=tools))
+            samples.append(
+                conversation_to_sample(
+                    tokenizer, conversation, max_len=s.seq_len, renderer=renderer, tools=tools
+                )
+            )
         except Exception as e:  # noqa: BLE001 - the template rejecting a conversation is bad data too
             detail = str(e) if isinstance(e, SFTDataError) else f"{type(e).__name__}: {e}"
             raise SFTDataError(f"{s.data_path}:{lineno}: {detail}") from None
@@ -81,28 +84,14 @@ def load_samples(s: SftConfig, envs: dict[str, EnvConfig], tokenizer) -> list:
 
 def train_sft(cfg: Config) -> Path:
     """The SFT process's work (entry: `python -m primejax.sft`); returns the exported HF directory."""
-    import jax
-    import numpy as np
-    from flax import nnx
     from transformers import AutoTokenizer
 
     from primejax.contracts.batch import pack_samples
-    from primejax.models.hf_io import export_safetensors, load_model
-    from primejax.models.sharding import make_mesh
+    from primejax.models.hf_io import export_safetensors
     from primejax.sft.data import SFTDataError
-    from primejax.trainer.config import LossConfig
+    from primejax.trainer.engine import Engine
     from primejax.trainer.moe_metrics import flatten_moe_metrics
-    from primejax.trainer.optim import make_optimizer, make_schedule
-    from primejax.trainer.step import (
-        device_batch,
-        dp_size,
-        head_saved_logits_bytes,
-        init_state,
-        jit_train_step,
-        make_train_step,
-        to_micro_batches,
-        tree_all_finite,
-    )
+    from primejax.trainer.optim import make_schedule
     from primejax.utils.io import atomic_dir
     from primejax.utils.monitor import Monitor
 
@@ -113,17 +102,12 @@ def train_sft(cfg: Config) -> Path:
         raise SFTDataError("no SFT examples to train on")
     log.info("SFT on %d conversations, %d steps of %d", len(samples), s.steps, s.batch_size)
 
-    mesh = make_mesh(**cfg.trainer.mesh.to_dict())
-    model, model_cfg = load_model(m.path, mesh=mesh, **m.overrides())
-    schedule = make_schedule(s.lr, "constant")
-    optimizer = make_optimizer(cfg.trainer.optim, schedule)
-    graphdef, _ = nnx.split(model)
-    state = init_state(model, optimizer, cfg.run.seed)
-    step_fn = jit_train_step(
-        make_train_step(graphdef, optimizer, schedule, LossConfig(), chunk_size=cfg.trainer.logprob_chunk_size,
-                        saved_logits_max_bytes=head_saved_logits_bytes(cfg.trainer, mesh)),
-        state, mesh,
+    # The trainer's engine (mesh, optimizer, compiled step) with SFT's constant learning rate; its "sft" step
+    # trains the ce weights of the packed batch whatever `trainer.loss` says about the rl loss.
+    engine = Engine.from_settings(
+        cfg.trainer, m, seed=cfg.run.seed, lr_schedule=make_schedule(s.lr, "constant")
     )
+    model_cfg = engine.model_cfg
     rng = random.Random(cfg.run.seed)
     order: list[int] = []
     skipped = 0
@@ -135,18 +119,17 @@ def train_sft(cfg: Config) -> Path:
                 rng.shuffle(more)
                 order += more
             chosen, order = order[: s.batch_size], order[s.batch_size :]
-            shards = pack_samples([samples[i] for i in chosen], s.seq_len, num_shards=dp_size(mesh))
-            arrays = [to_micro_batches(b, cfg.trainer.micro_batch_size) for b in shards]
-            local = {k: np.concatenate([a[k] for a in arrays], axis=1) for k in arrays[0]}
+            (batch,) = pack_samples([samples[i] for i in chosen], s.seq_len)
             t0 = time.perf_counter()
-            state, metrics = step_fn(state, device_batch(local, mesh))
-            metrics, hists = flatten_moe_metrics(jax.device_get(metrics), model_cfg.sparse_layers())
+            metrics, tokens = engine.train(batch, "sft")
+            metrics, hists = flatten_moe_metrics(metrics, model_cfg.sparse_layers())
             for name, values in hists.items():
                 monitor.histogram(step, name, values)
             if int(metrics["nonfinite"]):
                 skipped += 1
-                log.warning("sft step %d: non-finite loss, gradient or update; skipped (%d so far)", step, skipped)
-            tokens = int(local["tokens"].size)
+                log.warning(
+                    "sft step %d: non-finite loss, gradient or update; skipped (%d so far)", step, skipped
+                )
             dt = time.perf_counter() - t0
             monitor.scalars(step, {**metrics, "perf/tokens_per_s": tokens / dt, "time/step_s": dt})
             if step == 1 or step % 10 == 0 or step == s.steps:
@@ -154,18 +137,20 @@ def train_sft(cfg: Config) -> Path:
 
     if skipped == s.steps:
         raise SFTError(f"every one of the {s.steps} SFT steps was non-finite: nothing was trained")
-    if not bool(jax.jit(tree_all_finite)(state.params)):
+    if not engine.params_finite():
         raise SFTError("the SFT parameters are non-finite (NaN/inf): not writing them")
     out = sft_output_dir(root)
-    trained = nnx.merge(graphdef, state.params)
     with atomic_dir(out, overwrite=True) as tmp:
-        export_safetensors(trained, model_cfg, tmp, dtype=None, src_dir=m.path)
+        export_safetensors(engine.model(), model_cfg, tmp, dtype=None, src_dir=m.path)
     log.info("SFT model written to %s", out)
     return out
 
 
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.sft", doc=__doc__.split("\n\n")[1])
+    from primejax.launcher.preflight import preflight_entrypoint
+
+    preflight_entrypoint("sft", cfg.model.path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.sft.steps <= 0:
         print("error: sft.steps must be > 0 for primejax.sft", file=sys.stderr)

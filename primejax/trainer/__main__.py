@@ -13,11 +13,14 @@ import sys
 
 from primejax.config.cli import parse_config, run_main
 from primejax.contracts.rundir import write_resolved_config
+from primejax.launcher.preflight import preflight_entrypoint
 from primejax.utils.devices import accelerator_env
 
 
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.trainer", doc=__doc__.split("\n\n")[1])
+    if cfg.model.path:  # '' = fake-data mode on a random model (trainer.fake_data)
+        preflight_entrypoint("trainer", cfg.model.path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Only the trainer's GPUs, JAX's share of them bounded: before JAX initializes its backends (imports below).
     os.environ.update(accelerator_env(cfg.trainer.devices, cfg.trainer.memory_fraction, os.environ))

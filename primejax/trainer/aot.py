@@ -1,9 +1,8 @@
 """Ahead-of-time compilation of the trainer's real step for devices this process need not have.
 
-`compile_train_step` builds what `trainer.loop.Trainer` builds — the model graph, optimizer, loss and remat
-policy from the config, the mesh, and the jitted step of `step.make_train_step` with the state's shardings
-pinned — but from abstract values (`jax.ShapeDtypeStruct`s carrying `NamedSharding`s) instead of weights,
-so no parameter is ever allocated. Given TPU devices from a topology description
+`compile_train_step` builds the trainer's own engine (trainer/engine.py: model graph, optimizer, loss, remat
+policy, mesh and the jitted step with the state's shardings pinned) in its abstract form — the state as
+`jax.ShapeDtypeStruct`s carrying `NamedSharding`s instead of weights, so no parameter is ever allocated. Given TPU devices from a topology description
 (`jax.experimental.topologies.get_topology_desc`), XLA compiles the step for that TPU slice on a CPU host,
 and the compiled executable reports per-device memory and FLOPs (tools/tpu_compile.py, docs/tpu.md).
 The attention kernel follows the mesh's platform (`attention.resolve_impl`), so "auto" compiles the TPU
@@ -20,25 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from primejax.contracts.batch import FIELDS
 from primejax.models.config import ModelConfig
-from primejax.models.context_parallel import check_divisible
-from primejax.models.sharding import make_mesh, state_shardings
-from primejax.models.transformer import Transformer, resolve_remat_policy
-from primejax.trainer import optim
-from primejax.trainer.logprobs import AUTO_SAVED_LOGITS_FRACTION
-from primejax.trainer.step import (
-    TrainState,
-    batch_sharding,
-    dp_size,
-    jit_train_step,
-    make_train_step,
-    opt_state_shardings,
-)
+from primejax.models.transformer import resolve_remat_policy
+from primejax.trainer.engine import Engine
+from primejax.trainer.step import dp_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,33 +74,6 @@ class CompileReport:
         return d
 
 
-def _sds(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def abstract_state(model_cfg: ModelConfig, optimizer, mesh, seed: int = 0) -> tuple[nnx.GraphDef, TrainState]:
-    """(graphdef, TrainState of ShapeDtypeStructs) in the layout `step.init_state` gives the real state."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
-    shardings = nnx.to_pure_dict(state_shardings(state, mesh))
-    params = jax.tree.map(_sds, nnx.to_pure_dict(state), shardings)
-    opt_state = jax.tree.map(
-        _sds, jax.eval_shape(optimizer.init, params), opt_state_shardings(optimizer, params, mesh)
-    )
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(seed)))
-    return graphdef, TrainState(
-        params, opt_state, _sds(jax.ShapeDtypeStruct((), jnp.int32), replicated), _sds(rng, replicated)
-    )
-
-
-def abstract_batch(mesh, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """The step's [M, R, T] batch arrays (contracts.batch.FIELDS), rows over the data-parallel axes."""
-    sh = batch_sharding(mesh)
-    return {
-        k: jax.ShapeDtypeStruct((micro_batches, rows, seq_len), dt, sharding=sh) for k, dt in FIELDS.items()
-    }
-
-
 def compile_train_step(
     cfg,
     model_cfg: ModelConfig,
@@ -138,27 +96,20 @@ def compile_train_step(
     on auto (the trainer asks the runtime, which a topology description does not have).
     """
     t = cfg.trainer
-    mesh = make_mesh(**(mesh_sizes or t.mesh.to_dict()), devices=devices)
-    context = mesh.shape.get("context", 1)
-    check_divisible(model_cfg.num_heads, mesh.shape.get("tensor", 1), context, seq_len)
-    optimizer, schedule = optim.from_config(t.optim, t.scheduler, cfg.run.max_steps)
-    loss_cfg = t.loss
-    graphdef, state = abstract_state(model_cfg, optimizer, mesh, cfg.run.seed)
-    gib = t.lm_head_saved_logits_gib
-    per_device = int(gib * 2**30) if gib >= 0 else int(AUTO_SAVED_LOGITS_FRACTION * hbm_bytes)
-    rows = (micro_batch_size or t.micro_batch_size) * dp_size(mesh)
-    # as trainer.step.head_saved_logits_bytes: the head sees rows over the data-parallel axes, tokens over context
-    step = make_train_step(
-        graphdef,
-        optimizer,
-        schedule,
-        loss_cfg,
-        chunk_size=t.logprob_chunk_size,
-        max_segments=max_segments,
-        saved_logits_max_bytes=per_device * dp_size(mesh) * context,
+    engine = Engine.create(
+        t,
+        model_cfg,
+        abstract=True,
+        devices=devices,
+        mesh_sizes=mesh_sizes,
+        seed=cfg.run.seed,
+        max_steps=cfg.run.max_steps,
+        hbm_bytes=hbm_bytes,
     )
+    mesh, state = engine.mesh, engine.state
+    rows = (micro_batch_size or t.micro_batch_size) * dp_size(mesh)
     start = time.perf_counter()
-    batch = abstract_batch(mesh, micro_batches, rows, seq_len)
+    batch = engine.abstract_batch(micro_batches, rows, seq_len)
     remat = resolve_remat_policy(model_cfg.remat_policy, rows * seq_len)
     common = dict(
         mesh=dict(mesh.shape),
@@ -168,8 +119,8 @@ def compile_train_step(
         rows=rows,
         seq_len=seq_len,
     )
+    lowered = engine.lower(batch, "rl", max_segments)
     with jax.set_mesh(mesh):
-        lowered = jit_train_step(step, state, mesh).lower(state, batch)
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:

@@ -44,7 +44,7 @@ def trainer_ckpt_dir(run_dir: str | Path, step: int) -> Path:
 
 def complete_steps(run_dir: str | Path, verified: bool = False) -> list[int]:
     """Steps with a completion marker; with `verified`, only those whose files still match it."""
-    steps = [s for s, p in step_dirs(RunDir(run_dir).checkpoints()) if (p / "trainer" / META).is_file()]
+    steps = [s for s, _ in step_dirs(RunDir(run_dir).checkpoints()) if (trainer_ckpt_dir(run_dir, s) / META).is_file()]
     if verified:
         steps = [s for s in steps if checkpoint_problem(run_dir, s) is None]
     return steps

@@ -18,7 +18,7 @@ class MeshConfig(Section):
     tensor: int = option(1, "tensor-parallel size")
 
     def check(self) -> None:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
+        sizes = self.to_dict()  # every axis this section declares (models/sharding.py names what they split)
         for axis, size in sizes.items():
             if size == 0 or size < -1:
                 raise ConfigError(axis, f"must be a positive size or -1 (the rest), got {size}")
@@ -74,10 +74,106 @@ class LossConfig(Section):
 
 
 @section
+class ISWeightConfig(Section):
+    """Importance weight sg(pi_theta / mu) on the rl policy-gradient term (docs/algorithms.md#corrections)."""
+
+    level: str = option(
+        "none",
+        "none | token (TIS) | sequence (product of token ratios) | geometric (their geometric mean)",
+        choices=("none", "token", "sequence", "geometric"),
+    )
+    cap: float = option(2.0, "truncation: weights above this become this (TIS)", gt=0)
+    normalize: bool = option(
+        False, "divide by the weights' mean over the whole step (tokens or sequences); one extra forward pass"
+    )
+
+
+@section
+class RejectConfig(Section):
+    """Masked importance sampling (MIS): drop tokens or whole sequences whose divergence leaves [low, high]."""
+
+    level: str = option("none", "none | token | sequence (the sequence's mean divergence)",
+                        choices=("none", "token", "sequence"))
+    divergence: str = option("k1", "k1 = log(pi/mu); k3 = pi/mu - 1 - log(pi/mu) (>= 0)", choices=("k1", "k3"))
+    low: float = option(-0.693, "lowest accepted divergence (k1: log 0.5)")
+    high: float = option(0.693, "highest accepted divergence (k1: log 2)")
+
+    def check(self) -> None:
+        if not self.low < self.high:
+            raise ConfigError("low", f"must be below high ({self.high}), got {self.low}")
+
+
+@section
+class IcepopConfig(Section):
+    """IcePop: drop tokens whose ratio pi/mu leaves [low, high]."""
+
+    enabled: bool = option(False, "mask tokens whose ratio leaves [low, high]")
+    low: float = option(0.5, "lowest accepted ratio", ge=0)
+    high: float = option(5.0, "highest accepted ratio", gt=0)
+
+    def check(self) -> None:
+        if not self.low < self.high:
+            raise ConfigError("low", f"must be below high ({self.high}), got {self.low}")
+
+
+@section
+class ClipRangeConfig(Section):
+    """A ratio clip range [1 - eps_low, 1 + eps_high]."""
+
+    eps_low: float = option(3e-4, "the range's lower side: 1 - eps_low", ge=0)
+    eps_high: float = option(4e-4, "the range's upper side: 1 + eps_high", ge=0)
+
+
+def _cispo_range() -> ClipRangeConfig:
+    # MiniMax-M1 (arXiv:2506.13585) keeps no lower bound on CISPO's weight (eps_low = 1 clips at 0); the upper
+    # bound 2 is the TIS cap default (docs/algorithms.md#corrections).
+    return ClipRangeConfig(eps_low=1.0, eps_high=1.0)
+
+
+OBJECTIVES = ("dppo", "gspo", "gspo_token", "cispo")
+
+
+@section
+class CorrectionConfig(Section):
+    """Off-policy / mismatch corrections of the rl loss for the tokens of one algorithm block (one env).
+
+    The trainer's rl loss per token is -keep * adv_tau * pg + kl_tau * log(pi/mu)^2; `objective` picks pg,
+    the masks multiply keep (docs/algorithms.md#corrections has every formula, its source and when to use it).
+    """
+
+    objective: str = option(
+        "dppo",
+        "dppo: A*min(pi/mu, is_clip) with DPPO's masks; gspo / gspo_token: sequence ratio, clipped; "
+        "cispo: sg(clipped pi/mu)*A*log pi",
+        choices=OBJECTIVES,
+    )
+    is_weight: ISWeightConfig = sub(ISWeightConfig, "importance weight (dppo objective only)")
+    reject: RejectConfig = sub(RejectConfig, "masked importance sampling (MIS)")
+    icepop: IcepopConfig = sub(IcepopConfig, "IcePop's two-sided token ratio mask")
+    gspo: ClipRangeConfig = sub(ClipRangeConfig, "gspo / gspo_token: the sequence ratio's clip range")
+    cispo: ClipRangeConfig = option(doc="cispo: the IS weight's clip range", factory=_cispo_range)
+
+    def check(self) -> None:
+        if self.objective != "dppo" and self.is_weight.level != "none":
+            raise ConfigError("is_weight.level", f"must be 'none' with objective {self.objective!r}: its ratio "
+                                                 "already is the importance weight")
+        if self.is_weight.normalize and self.is_weight.level == "none":
+            raise ConfigError("is_weight.normalize", "needs is_weight.level (token, sequence or geometric)")
+        if self.objective == "gspo" and (self.icepop.enabled or self.reject.level == "token"):
+            key = "icepop.enabled" if self.icepop.enabled else "reject.level"
+            raise ConfigError(key, "a token mask inside gspo's sequence ratio still trains the masked tokens "
+                                   "through it: use objective 'gspo_token' or reject.level 'sequence'")
+
+    @property
+    def is_default(self) -> bool:
+        return self == CorrectionConfig()
+
+
+@section
 class CheckpointConfig(Section):
     """Trainer checkpoints (orbax) under checkpoints/step_N/trainer."""
 
-    interval: int = option(0, "save every this many steps; 0 = never", ge=0)
+    interval: int = option(10, "save every this many steps (and the last); 0 = never", ge=0)
     keep: int = option(2, "checkpoints kept (newest)", ge=0)
     async_save: bool = option(True, "write in the background while training continues")
 
@@ -163,6 +259,12 @@ __all__ = [
     "OptimConfig",
     "SchedulerConfig",
     "LossConfig",
+    "CorrectionConfig",
+    "ISWeightConfig",
+    "RejectConfig",
+    "IcepopConfig",
+    "ClipRangeConfig",
+    "OBJECTIVES",
     "CheckpointConfig",
     "FakeDataConfig",
     "BroadcastConfig",

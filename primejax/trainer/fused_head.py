@@ -17,9 +17,9 @@ times in total instead of many. The gradient matches the autodiff path to bf16 r
 (tests/perf/test_fast_paths.py).
 
 When memory allows (`saved_logits_max_bytes`), the head runs as one block and the forward keeps its fp32
-logits for the backward: the recompute matmul goes (2·T·D·V FLOPs, 7 ms of a 346 ms Qwen3-0.6B step at 16k
-tokens on an H200) for the fp32 logits plus their bf16 gradient held at once, 6 bytes per logit
-(15 GB at 16k tokens and a 152k vocabulary). The saved logits are the ones the recompute would produce, so
+logits for the backward: the recompute matmul goes (2·T·D·V FLOPs) for the fp32 logits plus their bf16
+gradient held at once, 6 bytes per logit (15 GB at 16k tokens and a 152k vocabulary); docs/benchmarks.md
+has the measured trade. The saved logits are the ones the recompute would produce, so
 values and gradients are those of the recomputing head.
 """
 

@@ -1,12 +1,15 @@
 """Target-token logprobs and entropies from hidden states, without materializing [tokens, vocab] fp32 logits.
 
-With a 150k vocabulary a 64k-token row has ~40 GB of fp32 logits, so the LM head is applied one chunk of
-positions at a time inside a `lax.scan`. Each chunk's body is wrapped in `jax.checkpoint`, so the backward
-pass keeps only the chunk's hidden states and recomputes its logits: peak memory is one chunk of logits in
-both directions. The batch dimension is never chunked, so data-parallel sharding of the rows is untouched.
+With a 150k vocabulary a 64k-token row has ~40 GB of fp32 logits, so the trainer's head (`token_logprobs`,
+implemented in fused_head.py) runs over chunks of positions with a hand-written backward, and keeps a
+micro-batch's fp32 logits for that backward only when they fit the `saved_logits_max_bytes` budget
+(`saved_logits_max_bytes()` turns `trainer.lm_head_saved_logits_gib` into it); otherwise the backward
+recomputes each chunk's logits. Under context parallelism each device's share of a row is a row of its own
+(`fold_context`). The batch dimension is never chunked, so data-parallel sharding of the rows is untouched.
 
-The matmul runs in the hidden states' dtype (the model's compute dtype) with fp32 accumulation; the
-temperature scaling, log-softmax and entropy run in fp32.
+`token_logprobs_autodiff` (chunks under `jax.checkpoint`, autodiff backward) and `token_logprobs_reference`
+(full logits) are the versions tests compare it against. Matmuls run in the hidden states' dtype with fp32
+accumulation; temperature scaling, log-softmax and entropy run in fp32.
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ from primejax.models.precision import accumulating_einsum, accumulation_dtype
 from primejax.trainer.fused_head import fused_token_logprobs, split_into_chunks
 
 # "auto" budget for the head's saved logits: a quarter of the memory JAX's allocator may use on the device
-# (`bytes_limit`, 75% of the card by default). On an 80 GB H100 that is 15 GiB: micro-batches up to ~17k
-# tokens at Qwen3's 152k vocabulary keep their logits; longer micro-batches recompute them (measurements:
-# docs/benchmarks.md).
+# (`bytes_limit`), leaving the rest to the state and activations: keeping the logits removes the head's
+# recompute matmul, but only a budget that leaves the step room to fit is a gain (docs/benchmarks.md).
 AUTO_SAVED_LOGITS_FRACTION = 0.25
 
 
@@ -63,7 +65,7 @@ def token_logprobs(
     """(logprobs, entropy), both fp32 [B, T]: log softmax(h @ W / temp)[target] and the entropy of that softmax.
 
     The trainer's head: the same chunking with a hand-written backward (`fused_head`), which keeps the
-    backward matmuls in the compute dtype; on an H200 at 16k tokens it cut the step by 8% (docs/benchmarks.md).
+    backward matmuls in the compute dtype (bf16 tensor-core rate; docs/benchmarks.md measures it).
     `saved_logits_max_bytes`: keep the fp32 logits for the backward instead of recomputing them when they
     fit (see `fused_head.fused_token_logprobs`).
     `token_logprobs_autodiff` is the autodiff version it is tested against.

@@ -10,50 +10,24 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.experimental import multihost_utils
 
-from primejax.contracts.batch import PackedBatch, prune_rollouts, read_batch, wait_for_batch
-from primejax.contracts.broadcast import (
-    broadcast_dir,
-    is_stable,
-    prune_broadcasts,
-    publish_broadcast,
-    write_broadcast,
-)
+from primejax.contracts.batch import BatchFormatError, PackedBatch, prune_rollouts, read_batch, wait_for_batch
+from primejax.contracts.broadcast import broadcast_dir, is_stable
 from primejax.contracts.rundir import RunConfig
-from primejax.models.attention import resolve_impl
-from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
 from primejax.models.settings import ModelSettings
-from primejax.models.sharding import init_model, make_mesh
-from primejax.trainer import optim
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
+from primejax.trainer.corrections import CorrectionTable
+from primejax.trainer.engine import Engine, build_model, model_config
 from primejax.trainer.moe_metrics import flatten_moe_metrics
-from primejax.trainer.step import (
-    TrainState,
-    device_batch,
-    dp_size,
-    head_saved_logits_bytes,
-    init_state,
-    jit_train_step,
-    make_train_step,
-    max_segments_bucket,
-    to_micro_batches,
-    tree_all_finite,
-)
-from primejax.transfer.device import hf_device_tensors
-from primejax.transfer.sender import CollectiveSender, to_torch
+from primejax.trainer.publish import make_publisher
+from primejax.trainer.step import TrainState
 from primejax.utils.faults import fault_point
 from primejax.utils.monitor import Monitor
 
@@ -65,32 +39,6 @@ log = logging.getLogger("primejax.trainer")
 
 class NonFiniteError(RuntimeError):
     """A step produced a NaN/inf loss or gradient and `trainer.on_nonfinite` is "stop"."""
-
-
-def model_config(m: ModelSettings, *, max_positions: int = 4096) -> ModelConfig:
-    """The model's shape and training choices, as `build_model` makes them, without touching any weights."""
-    if not m.path:
-        return m.build_tiny.architecture(max_positions=max(4096, max_positions), **m.overrides())
-    if not (Path(m.path) / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
-    return ModelConfig.from_model_dir(m.path, **m.overrides())
-
-
-def build_model(m: ModelSettings, mesh: jax.sharding.Mesh, *, seed: int = 0,
-                max_positions: int = 4096) -> tuple[nnx.Module, ModelConfig]:
-    """Load `model.path` (HF safetensors); a directory with only config.json gets random weights (benchmarks)."""
-    overrides = m.overrides()
-    if not m.path:  # fake-data mode without a model: the build_tiny shape, random weights
-        model_cfg = m.build_tiny.architecture(max_positions=max(4096, max_positions), **overrides)
-        return init_model(model_cfg, mesh, seed), model_cfg
-    path = Path(m.path)
-    if any(path.glob("*.safetensors")):
-        return load_model(path, mesh=mesh, **overrides)
-    if (path / "config.json").is_file():
-        model_cfg = ModelConfig.from_model_dir(path, **overrides)
-        log.info("no safetensors in %s: random init (benchmark use)", path)
-        return init_model(model_cfg, mesh, seed), model_cfg
-    raise FileNotFoundError(f"model.path {m.path!r} has no config.json")
 
 
 def fake_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) -> PackedBatch:
@@ -110,24 +58,36 @@ def fake_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) ->
 class Trainer:
     """Holds the model, state, jitted steps and writers of one trainer process."""
 
-    def __init__(self, t: TrainerConfig, model: ModelSettings, run: RunConfig, *, async_level: int = 1,
-                 num_receivers: int = 1):
+    def __init__(
+        self,
+        t: TrainerConfig,
+        model: ModelSettings,
+        run: RunConfig,
+        *,
+        async_level: int = 1,
+        num_receivers: int = 1,
+        corrections: CorrectionTable | None = None,
+    ):
         """`async_level` (orchestrator.async_level): how many older broadcasts inference may still be asked for;
-        `num_receivers`: inference servers a collective transfer goes to (orchestrator.client.base_urls)."""
+        `num_receivers`: inference servers a collective transfer goes to (orchestrator.client.base_urls);
+        `corrections`: the rl loss's off-policy corrections per environment (trainer/corrections.py)."""
+        self.corrections = corrections or CorrectionTable()
         self.t, self.model_settings, self.run_cfg, self.async_level = t, model, run, async_level
         self.num_receivers = num_receivers
         self.root = run.dir
         self.rank = jax.process_index()
-        self.mesh = make_mesh(**t.mesh.to_dict())
-        self.model, self.model_cfg = build_model(model, self.mesh, seed=run.seed, max_positions=t.fake_data.seq_len)
-        self.graphdef = nnx.graphdef(self.model)
-        self.optimizer, self.schedule = optim.from_config(t.optim, t.scheduler, run.max_steps)
-        self.loss_cfg = t.loss
-        self.state: TrainState = init_state(self.model, self.optimizer, run.seed, mesh=self.mesh)
-        del self.model  # the state owns the parameters from here on
-        self.micro_rows = t.micro_batch_size * dp_size(self.mesh) // jax.process_count()
-        self._steps: dict[int, Callable] = {}
-        self.checkpointer = TrainerCheckpointer(self.root, keep=t.checkpoint.keep, async_save=t.checkpoint.async_save)
+        self.engine = Engine.from_settings(
+            t,
+            model,
+            seed=run.seed,
+            max_steps=run.max_steps,
+            max_positions=t.fake_data.seq_len,
+            corrections=self.corrections,
+        )
+        self.mesh, self.model_cfg = self.engine.mesh, self.engine.model_cfg
+        self.checkpointer = TrainerCheckpointer(
+            self.root, keep=t.checkpoint.keep, async_save=t.checkpoint.async_save
+        )
         self.start_step = 0
         resume = resolve_resume_step(self.root, run.resume_step)
         if resume is not None:
@@ -135,140 +95,85 @@ class Trainer:
             self.start_step = int(meta["step"])
             log.info("resumed from checkpoint step %d", self.start_step)
         self.skipped_steps = 0
-        self._all_finite = jax.jit(tree_all_finite)
         self.export_enabled = not t.fake_data.enabled or t.fake_data.export
-        self._sender: CollectiveSender | None = None
-        if resume is not None and self.export_enabled and not is_stable(broadcast_dir(self.root, self.start_step)):
+        self.publisher = make_publisher(
+            t.broadcast,
+            self.root,
+            self.model_cfg,
+            async_level=async_level,
+            max_steps=run.max_steps,
+            checkpoint_interval=t.checkpoint.interval,
+            num_receivers=num_receivers,
+            src_dir=model.path or None,
+        )
+        if (
+            resume is not None
+            and self.export_enabled
+            and not is_stable(broadcast_dir(self.root, self.start_step))
+        ):
             # The orchestrator must serve θ_start before it samples the next step; the broadcast of it was
             # likely pruned (or set aside by the launcher) in the run that died, so write it again.
             self.export(self.start_step, disk_only=True)
 
-    def step_fn(self, max_segments: int) -> Callable:
-        # The bound on samples per row is static: the custom loss loops over them and cuDNN attention sizes
-        # its per-row work by it (a loose bound costs time: docs/benchmarks.md). Elsewhere it changes nothing,
-        # so one compiled step serves every batch.
-        m = self.model_cfg
-        uses_segments = resolve_impl(m.attention_impl, jnp.dtype(m.compute_dtype)) == "cudnn"
-        key = max_segments if self.loss_cfg.type == "custom" or uses_segments else 0
-        if key not in self._steps:
-            fn = make_train_step(self.graphdef, self.optimizer, self.schedule, self.loss_cfg,
-                                 chunk_size=self.t.logprob_chunk_size, max_segments=key,
-                                 saved_logits_max_bytes=head_saved_logits_bytes(self.t, self.mesh))
-            self._steps[key] = jit_train_step(fn, self.state, self.mesh)
-        return self._steps[key]
+    @property
+    def state(self) -> TrainState:
+        return self.engine.state
+
+    @state.setter
+    def state(self, value: TrainState) -> None:
+        self.engine.state = value
 
     def next_batch(self, step: int, rng: np.random.Generator) -> PackedBatch:
         t = self.t
         if t.fake_data.enabled:
-            return fake_batch(rng, t.fake_data.rows // jax.process_count(), t.fake_data.seq_len,
-                              self.model_cfg.vocab_size)
+            return fake_batch(
+                rng, t.fake_data.rows // jax.process_count(), t.fake_data.seq_len, self.model_cfg.vocab_size
+            )
         path = wait_for_batch(self.root, step, self.rank, timeout_s=t.batch_timeout_s, poll_s=0.2)
         m = self.model_cfg
         routing = (len(m.sparse_layers()), m.num_experts_per_tok) if m.num_experts else None
-        return read_batch(path, vocab_size=m.vocab_size, num_experts=m.num_experts or None, routing_shape=routing)
+        batch = read_batch(
+            path, vocab_size=m.vocab_size, num_experts=m.num_experts or None, routing_shape=routing
+        )
+        envs = tuple(batch.meta.get("envs") or ())
+        if envs and envs != self.corrections.env_names:
+            raise BatchFormatError(
+                path,
+                "meta.envs",
+                f"{list(envs)} are not this trainer's environments "
+                f"{list(self.corrections.env_names)} (orchestrator.envs)",
+            )
+        return batch
 
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
-        arrays = to_micro_batches(batch, self.micro_rows)
-        max_segments = int(batch.meta.get("max_segments") or max_segments_bucket(batch))
-        fn = self.step_fn(1 << max(0, (max_segments - 1).bit_length()))
         start = time.perf_counter()
-        with jax.set_mesh(self.mesh):
-            self.state, metrics = fn(self.state, device_batch(arrays, self.mesh))
-            metrics, self.histograms = flatten_moe_metrics(jax.device_get(metrics), self.model_cfg.sparse_layers())
+        metrics, tokens = self.engine.train(batch, "rl")
+        metrics, self.histograms = flatten_moe_metrics(metrics, self.model_cfg.sparse_layers())
         seconds = time.perf_counter() - start
-        # prime-rl's throughput: every token of the step's micro-batches, padding included.
-        tokens = arrays["tokens"].size * jax.process_count()
         seq_len = batch.seq_len
         flops = self.model_cfg.flops_per_token(seq_len) * tokens / seconds
-        metrics.update({
-            "perf/step_s": seconds,
-            "perf/tokens_per_s": tokens / seconds,
-            "perf/mfu": flops / (self.t.peak_flops * jax.device_count()),
-            "perf/tokens": float(tokens),
-            "batch/num_samples": float(batch.meta.get("num_samples", 0)),
-            "batch/padding_frac": float(1.0 - (batch.segment_ids > 0).mean()),
-        })
+        metrics.update(
+            {
+                "perf/step_s": seconds,
+                "perf/tokens_per_s": tokens / seconds,
+                "perf/mfu": flops / (self.t.peak_flops * jax.device_count()),
+                "perf/tokens": float(tokens),
+                "batch/num_samples": float(batch.meta.get("num_samples", 0)),
+                "batch/padding_frac": float(1.0 - (batch.segment_ids > 0).mean()),
+            }
+        )
         if "max_policy_version" in batch.meta:
             metrics["batch/min_policy_version"] = float(batch.meta["min_policy_version"])
         return metrics
 
     def export(self, step: int, disk_only: bool = False) -> dict[str, float]:
-        """Hand θ_step to inference: write broadcasts/step_<step>/, or in collective mode send it (and write it
-        too at checkpoint steps, after the orchestrator's last step, and when the transfer failed); prune what
-        inference can no longer ask for.
-
-        With several processes each writes its share of the safetensors files into one shared temp directory
-        (every process joins each tensor's gather), and process 0 publishes it once all have written; such
-        trainers always use the filesystem (a collective send would need every process to agree on its outcome).
-        """
+        """Hand θ_step to inference through the run's publisher (trainer/publish.py: broadcasts/step_<step>/ on
+        disk, or a collective send with the disk copy where one is needed) and prune what inference can no
+        longer ask for. `disk_only`: write the disk copy whatever the mode (the re-export on resume)."""
         if not self.export_enabled:
             return {}
         self.check_finite_params(step, "exporting")
-        b = self.t.broadcast
-        model = nnx.merge(self.graphdef, self.state.params)
-        metrics: dict[str, float] = {}
-        tensors = None
-        # The orchestrator's last step samples from θ_{max_steps-1-async_level} or newer and then stops
-        # listening: sending a newer step would wait out the whole transfer timeout for nobody.
-        last_sampled = self.run_cfg.max_steps - 1 - self.async_level
-        if b.mode == "collective" and jax.process_count() == 1 and step <= last_sampled and not disk_only:
-            sender = self.collective_sender()
-            if sender.backend == "nccl":  # accelerator arrays straight into NCCL, no host copy
-                sent = sender.send_lazy(step, *hf_device_tensors(model, self.model_cfg, b.dtype))
-            else:
-                tensors = list(state_to_hf_tensors(model, self.model_cfg, b.dtype))  # the step's one gather
-                sent = sender.send(step, [(n, to_torch(a)) for n, a in tensors])
-            metrics.update(sender.last if sent else {"transfer/failed": 1.0})
-            interval = self.t.checkpoint.interval
-            if sent and not (interval > 0 and step % interval == 0):
-                prune_broadcasts(self.root, step - self.async_level)
-                return metrics
-        src = self.model_settings.path or None
-        start = time.perf_counter()
-
-        def write(d: Path) -> dict:
-            return export_safetensors(model, self.model_cfg, d, dtype=b.dtype, src_dir=src,
-                                      max_shard_bytes=int(b.max_shard_mb * 2**20),
-                                      writer=(self.rank, jax.process_count()), tensors=tensors)
-
-        if jax.process_count() == 1:
-            _, info = write_broadcast(self.root, step, write, hash_files=b.hash)
-        else:
-            final = broadcast_dir(self.root, step)
-            tmp = final.with_name(f".{final.name}.export.tmp")
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            multihost_utils.sync_global_devices(f"primejax export dir {step}")
-            info = write(tmp)
-            log.info("export step %d: process %d wrote %.3g of %.3g GB", step, self.rank,
-                     info["bytes_written"] / 1e9, info["bytes"] / 1e9)
-            multihost_utils.sync_global_devices(f"primejax export written {step}")
-            if self.rank != 0:
-                return {}
-            publish_broadcast(self.root, step, tmp, hash_files=b.hash)
-        seconds = time.perf_counter() - start
-        prune_broadcasts(self.root, step - self.async_level)
-        return {**metrics, "export/seconds": seconds, "export/gb": info["bytes"] / 1e9,
-                "export/gb_per_s": info["bytes"] / 1e9 / max(seconds, 1e-9)}
-
-    def collective_sender(self) -> CollectiveSender:
-        """The run's sender (single-process trainers): NCCL from the accelerator on GPU, else gloo from host
-        memory."""
-        if self._sender is None:
-            b = self.t.broadcast
-            gpu = jax.default_backend() == "gpu"
-            device = None
-            if gpu:
-                import torch
-
-                device = torch.device("cuda", 0)  # JAX's first local device under the same CUDA_VISIBLE_DEVICES
-            self._sender = CollectiveSender(
-                self.root, host=b.transfer_host, port=b.transfer_port, timeout_s=b.transfer_timeout_s,
-                bucket_bytes=b.bucket_mb * 2**20, num_receivers=self.num_receivers,
-                backend="nccl" if gpu else "gloo", device=device,
-            )
-        return self._sender
+        return self.publisher.publish(step, self.engine.model(), disk_only=disk_only)
 
     def prune_consumed(self, step: int) -> None:
         """Delete consumed batches nothing will read again (after step `step`, which every rank has read).
@@ -288,16 +193,16 @@ class Trainer:
     def check_finite_params(self, step: int, doing: str) -> None:
         """Raise NonFiniteError rather than write non-finite parameters anywhere (the step guard skips updates
         that would make them; this holds whatever the cause, e.g. a restored checkpoint)."""
-        with jax.set_mesh(self.mesh):
-            ok = bool(self._all_finite(self.state.params))
-        if not ok:
+        if not self.engine.params_finite():
             raise NonFiniteError(f"step {step}: the parameters are non-finite (NaN/inf); not {doing} them")
 
     def maybe_checkpoint(self, step: int, final: bool = False) -> None:
         interval = self.t.checkpoint.interval
         if interval > 0 and (step % interval == 0 or final):
             self.check_finite_params(step, "checkpointing")
-            self.checkpointer.save(step, self.state, {"data_step": step + 1, "model_path": self.model_settings.path})
+            self.checkpointer.save(
+                step, self.state, {"data_step": step + 1, "model_path": self.model_settings.path}
+            )
 
     def run(self, monitor: Monitor | None = None) -> TrainState:
         max_steps = self.run_cfg.max_steps
@@ -313,12 +218,19 @@ class Trainer:
                 fault_point("trainer.after_update", step)
                 if metrics["nonfinite"]:
                     if self.t.on_nonfinite == "stop":
-                        raise NonFiniteError(f"step {step}: non-finite loss, gradient or update "
-                                             f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']})")
+                        raise NonFiniteError(
+                            f"step {step}: non-finite loss, gradient or update "
+                            f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']})"
+                        )
                     self.skipped_steps += 1
-                    log.warning("step %d: non-finite loss, gradient or update (loss=%s, grad_norm=%s); update "
-                                "skipped (%d skipped so far)", step, metrics["loss"], metrics["grad_norm"],
-                                self.skipped_steps)
+                    log.warning(
+                        "step %d: non-finite loss, gradient or update (loss=%s, grad_norm=%s); update "
+                        "skipped (%d skipped so far)",
+                        step,
+                        metrics["loss"],
+                        metrics["grad_norm"],
+                        self.skipped_steps,
+                    )
                 metrics["skipped_steps"] = float(self.skipped_steps)
                 metrics.update(self.export(step))
                 # Logged before the checkpoint: once θ_step is published the orchestrator moves on, and a run
@@ -327,9 +239,16 @@ class Trainer:
                     monitor.scalars(step, metrics)
                     for name, values in getattr(self, "histograms", {}).items():
                         monitor.histogram(step, name, values)
-                log.info("step %d/%d loss %.4g grad_norm %.3g tok/s %.0f mfu %.2f%% mismatch_kl %.2e",
-                         step, max_steps, metrics["loss"], metrics["grad_norm"],
-                         metrics["perf/tokens_per_s"], 100 * metrics["perf/mfu"], metrics["mismatch_kl"])
+                log.info(
+                    "step %d/%d loss %.4g grad_norm %.3g tok/s %.0f mfu %.2f%% mismatch_kl %.2e",
+                    step,
+                    max_steps,
+                    metrics["loss"],
+                    metrics["grad_norm"],
+                    metrics["perf/tokens_per_s"],
+                    100 * metrics["perf/mfu"],
+                    metrics["mismatch_kl"],
+                )
                 self.maybe_checkpoint(step, final=step == max_steps)
                 self.prune_consumed(step)
                 last = step
@@ -345,15 +264,23 @@ def train(cfg: Config) -> TrainState:
     """The trainer process's work (entry: `python -m primejax.trainer`); returns the final state."""
     root = cfg.run_dir
     root.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg.trainer, cfg.model, cfg.run, async_level=cfg.orchestrator.async_level,
-                      num_receivers=max(1, len(cfg.orchestrator.client.base_urls)))
+    trainer = Trainer(
+        cfg.trainer,
+        cfg.model,
+        cfg.run,
+        async_level=cfg.orchestrator.async_level,
+        num_receivers=max(1, len(cfg.orchestrator.client.base_urls)),
+        corrections=CorrectionTable.from_orchestrator(cfg.orchestrator),
+    )
     if trainer.rank != 0:  # one writer of the run's metrics
         return trainer.run(None)
     with Monitor.from_config(root, "trainer", cfg.monitor) as monitor:
         return trainer.run(monitor)
 
 
-def distributed_settings(d: DistributedConfig, environ: Mapping[str, str] | None = None) -> tuple[str, int, int]:
+def distributed_settings(
+    d: DistributedConfig, environ: Mapping[str, str] | None = None
+) -> tuple[str, int, int]:
     """(coordinator address, process count, process id): the config, overridden per host by the environment.
 
     One resolved config serves every host of a multi-node run; each host sets its own `PRIMEJAX_PROCESS_ID`
@@ -375,4 +302,12 @@ def maybe_init_distributed(d: DistributedConfig) -> None:
         jax.distributed.initialize(address or None, num_processes=num_processes, process_id=process_id)
 
 
-__all__: list[Any] = ["Trainer", "train", "fake_batch", "build_model", "model_config", "NonFiniteError", "maybe_init_distributed"]
+__all__: list[Any] = [
+    "Trainer",
+    "train",
+    "fake_batch",
+    "build_model",
+    "model_config",
+    "NonFiniteError",
+    "maybe_init_distributed",
+]

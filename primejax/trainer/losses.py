@@ -5,6 +5,8 @@ d = exp(lp) - exp(lq) (docs/architecture.md#losses):
 
 - rl (DPPO + KL): masked = (A > 0 and d > dppo_mask_high) or (A <= 0 and d < -dppo_mask_low);
   loss_t = -keep * adv_tau * A * min(r, is_clip) + kl_tau * member * log_r^2, keep = member and not masked.
+  Each environment's algorithm block may replace the policy-gradient term and add masks (off-policy
+  corrections: IS weights, MIS, icepop, GSPO, CISPO; trainer/corrections.py, docs/algorithms.md#corrections).
 - ce: loss_t = -member * lp.
 - ref_kl: masked = d < -dppo_mask_low; loss_t = -keep * sg(lref - lp) * r + kl_tau * member * log_r^2.
 
@@ -32,11 +34,10 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from primejax.contracts.batch import LOSS_COMPONENTS as COMPONENTS
+from primejax.trainer import corrections
 from primejax.trainer.config import LossConfig
-
-COMPONENTS = ("rl", "ce", "ref_kl")
-
-
+from primejax.trainer.corrections import CorrectionTable
 
 
 @dataclasses.dataclass
@@ -88,19 +89,6 @@ def _kl_term(log_r: jax.Array, member: jax.Array, kl_tau: float) -> jax.Array:
     return kl_tau * jnp.where(member, log_r * log_r, 0.0)
 
 
-def rl_token_loss(lp, lq, adv, member, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Default (DPPO + KL) per-token rl loss (unweighted) and the masking indicators."""
-    log_r = jnp.where(member, lp - lq, 0.0)  # where: padding lq = 0 must not produce exp overflow
-    r = jnp.exp(log_r)
-    d = jnp.exp(lp) - jnp.exp(lq)
-    pos = adv > 0
-    masked_high = member & pos & (d > cfg.dppo_mask_high)
-    masked_low = member & ~pos & (d < -cfg.dppo_mask_low)
-    keep = member & ~(masked_high | masked_low)
-    pg = jnp.where(keep, cfg.adv_tau * adv * jnp.minimum(r, cfg.is_clip), 0.0)
-    return -pg + _kl_term(log_r, member, cfg.kl_tau), {"masked_low": masked_low, "masked_high": masked_high}
-
-
 def ref_kl_token_loss(lp, lq, lref, member, cfg: LossConfig) -> tuple[jax.Array, jax.Array]:
     log_r = jnp.where(member, lp - lq, 0.0)
     r = jnp.exp(log_r)
@@ -133,25 +121,32 @@ def _custom_rl(fn: CustomLoss, kwargs: dict, lp, mb, member, max_segments: int):
     return jnp.sum(loss), sums
 
 
-def make_loss_fn(cfg: LossConfig, max_segments: int = 0) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+def make_loss_fn(
+    cfg: LossConfig, max_segments: int = 0, table: CorrectionTable | None = None
+) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
     """Build loss(lp, entropy, micro_batch, counts) -> (normalized loss share, additive metric sums).
 
-    `max_segments` bounds the packed sequences per row (a custom loss iterates over them).
+    `max_segments` bounds the packed sequences per row (a custom loss iterates over them). `table`: the
+    off-policy corrections of the rl component per environment (corrections.py; default: plain DPPO + KL).
+    Metric sums are additive over micro-batches except `max/...` keys (`corrections.merge_sums`).
     """
+    table = table or CorrectionTable()
     custom = load_custom_loss(cfg.import_path) if cfg.type == "custom" else None
     kwargs = cfg.kwargs
 
     def loss_fn(lp, entropy, mb, counts):
         members = member_masks(mb)
-        lq, adv = mb["inference_logprobs"], mb["advantages"]
+        lq = mb["inference_logprobs"]
         sums: dict[str, jax.Array] = {}
         total = jnp.zeros((), jnp.float32)
 
         if custom is None:
-            rl_tok, ind = rl_token_loss(lp, lq, adv, members["rl"], cfg)
+            rl_tok, ind = corrections.table_loss(lp, mb, members["rl"], cfg, table, counts)
             rl_sum = jnp.sum(mb["rl_weights"] * rl_tok)
             sums["masked_low"] = jnp.sum(ind["masked_low"], dtype=jnp.float32)
             sums["masked_high"] = jnp.sum(ind["masked_high"], dtype=jnp.float32)
+            log_r_rl = jnp.where(members["rl"], jax.lax.stop_gradient(lp) - lq, 0.0)
+            sums.update(corrections.metric_sums(ind, members["rl"], log_r_rl, mb, table))
         else:
             rl_sum, custom_sums = _custom_rl(custom, kwargs, lp, mb, members["rl"], max_segments)
             sums.update(custom_sums)
@@ -179,7 +174,9 @@ def make_loss_fn(cfg: LossConfig, max_segments: int = 0) -> Callable[..., tuple[
     return loss_fn
 
 
-def finalize_metrics(sums: Mapping[str, jax.Array], counts: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+def finalize_metrics(
+    sums: Mapping[str, jax.Array], counts: Mapping[str, jax.Array], table: CorrectionTable | None = None
+) -> dict[str, jax.Array]:
     """Turn the step's accumulated sums into logged metrics (still arrays: no host sync)."""
     def mean(num, den):
         return num / jnp.maximum(den, 1.0)
@@ -190,6 +187,8 @@ def finalize_metrics(sums: Mapping[str, jax.Array], counts: Mapping[str, jax.Arr
     if "masked_low" in sums:
         out["masked_low_frac"] = mean(sums["masked_low"], counts["rl"])
         out["masked_high_frac"] = mean(sums["masked_high"], counts["rl"])
+    if "corr/hist/0" in sums:
+        out.update(corrections.finalize(sums, table or CorrectionTable()))
     out["ref_kl_masked_low_frac"] = mean(sums["ref_kl_masked_low"], counts["ref_kl"])
     for c in COMPONENTS:
         out[f"tokens/{c}"] = counts[c]

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import optax
 
+from primejax.models.transformer import NOT_TRAINED
 from primejax.trainer.config import OptimConfig, SchedulerConfig
 
 
@@ -41,8 +42,14 @@ def make_schedule(
 
 
 def _decay_mask(params: Any) -> Any:
-    # Norm scales and biases (rank < 2) are not decayed, the usual AdamW practice for transformers.
-    return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+    # Norm scales and biases (rank < 2) are not decayed, the usual AdamW practice for transformers; nor are the
+    # parameters no step may move (transformer.NOT_TRAINED: their gradient is zero by construction, and decay
+    # alone would shrink them).
+    def decays(path, p) -> bool:
+        name = getattr(path[-1], "key", getattr(path[-1], "name", None)) if path else None
+        return getattr(p, "ndim", 0) >= 2 and name not in NOT_TRAINED
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(optim: OptimConfig | Mapping[str, Any], schedule: optax.Schedule) -> optax.GradientTransformation:

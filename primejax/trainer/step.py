@@ -1,4 +1,4 @@
-"""One optimizer step over a step's micro-batches, as a single jitted function.
+"""One optimizer step over a step's micro-batches: the step's math, unjitted (trainer/engine.py compiles it).
 
 The step's batch arrives as [M, R, T] arrays (M micro-batches of R packed rows). Before the micro-batch loop
 the step counts every loss component's member tokens over the whole step (N_c, see losses.py), then a
@@ -7,8 +7,8 @@ share; the sum is therefore exactly the gradient of the step's loss, whatever M 
 clip + AdamW update, guarded against non-finite values (the update is skipped and `nonfinite` = 1).
 
 The state lives in fp32 (master weights, `model.param_dtype`), the model casts to its compute dtype inside
-(bf16 by default); the remat policy and the attention kernel are model config. Rows are sharded over
-("data", "fsdp"); parameters by the model's sharding rules. The state is donated, and everything returned
+(bf16 by default); the remat policy and the attention kernel are model config. Rows are sharded like the
+logical `batch` axis (models/sharding.py); parameters by the model's sharding rules. The state is donated, and everything returned
 is an array (metrics included), so the host never waits inside a step.
 """
 
@@ -26,10 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS, PackedBatch
 from primejax.models.moe import max_violation
-from primejax.trainer.logprobs import saved_logits_max_bytes, token_logprobs
-from primejax.trainer.losses import LossConfig, finalize_metrics, global_counts, make_loss_fn
-
-BATCH_AXES = ("data", "fsdp")
+from primejax.models.sharding import axis_size, mesh_axes, spec_entry
+from primejax.trainer.corrections import CorrectionTable, merge_sums, step_norms
+from primejax.trainer.logprobs import token_logprobs
+from primejax.trainer.losses import LossConfig, finalize_metrics, global_counts, make_loss_fn, member_masks
 
 
 @struct.dataclass
@@ -69,7 +69,7 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, me
     """
     replicated = NamedSharding(mesh, PartitionSpec())
     shape = jax.eval_shape(optimizer.init, params)
-    param_sh = jax.tree.map(lambda p: _named(p, mesh), params)
+    param_sh = jax.tree.map(lambda p: leaf_sharding(p, mesh), params)
     return optax.tree_map_params(
         optimizer, lambda _, sh: sh, shape, param_sh, transform_non_params=lambda _: replicated
     )
@@ -158,6 +158,28 @@ def guarded_update(
     return _tree_where(ok, p2, params), _tree_where(ok, s2, opt_state), ok
 
 
+def _forward(graphdef, params, mb, chunk_size, max_segments, saved_logits_max_bytes):
+    """(target logprobs, entropies, shifted streams, MoE stats) of one micro-batch."""
+    model = nnx.merge(graphdef, params)
+    hidden_btd, moe_stats = model.forward_with_aux(
+        mb["tokens"],
+        mb["positions"],
+        mb["segment_ids"],
+        max_segments=max_segments or None,
+        replay=replay_inputs(mb),
+    )
+    targets, streams = shift_targets(mb)
+    lp, ent = token_logprobs(
+        hidden_btd,
+        model.lm_head_weight(),
+        targets,
+        streams["temperatures"],
+        chunk_size,
+        saved_logits_max_bytes,
+    )
+    return lp, ent, streams, moe_stats
+
+
 def _micro_loss_fn(
     graphdef: nnx.GraphDef,
     loss_fn: Callable,
@@ -167,29 +189,28 @@ def _micro_loss_fn(
     loss_cfg: LossConfig | None = None,
 ) -> Callable:
     def micro_loss(params, mb, counts, micro_share=1.0):
-        model = nnx.merge(graphdef, params)
-        hidden_btd, moe_stats = model.forward_with_aux(
-            mb["tokens"],
-            mb["positions"],
-            mb["segment_ids"],
-            max_segments=max_segments or None,
-            replay=replay_inputs(mb),
-        )
-        targets, streams = shift_targets(mb)
-        lp, ent = token_logprobs(
-            hidden_btd,
-            model.lm_head_weight(),
-            targets,
-            streams["temperatures"],
-            chunk_size,
-            saved_logits_max_bytes,
-        )
+        lp, ent, streams, moe_stats = _forward(graphdef, params, mb, chunk_size, max_segments, saved_logits_max_bytes)
         loss, sums = loss_fn(lp, ent, streams, counts)
         if moe_stats:
             loss, sums = _add_moe_terms(loss, sums, moe_stats, loss_cfg or LossConfig(), micro_share)
         return loss, sums
 
     return micro_loss
+
+
+def _norm_prepass(graphdef, table: CorrectionTable, chunk_size, max_segments, saved_logits_max_bytes) -> Callable:
+    """The whole step's IS-weight sums (corrections.step_norms) from a forward-only pass over its micro-batches:
+    a normalized weight needs them before the first micro-batch's gradient (docs/algorithms.md#corrections)."""
+
+    def prepass(params, batch):
+        def one(mb):
+            lp, _, streams, _ = _forward(graphdef, params, mb, chunk_size, max_segments, saved_logits_max_bytes)
+            return step_norms(jax.lax.stop_gradient(lp), streams, member_masks(streams)["rl"], table)
+
+        per_micro = jax.lax.map(one, batch)
+        return {k: jnp.sum(v, axis=0) for k, v in per_micro.items()}
+
+    return prepass
 
 
 def _add_moe_terms(loss, sums, stats, loss_cfg: LossConfig, micro_share):
@@ -219,6 +240,7 @@ def make_grad_fn(
     chunk_size: int = 1024,
     max_segments: int = 0,
     saved_logits_max_bytes: int = 0,
+    corrections: CorrectionTable | None = None,
 ) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any, dict[str, jax.Array], dict[str, jax.Array]]]:
     """accumulate(params, batch[M, R, T]) -> (loss, fp32 grads, metric sums, component counts) of the whole step.
 
@@ -226,10 +248,15 @@ def make_grad_fn(
     them and the attention kernel sizes its per-row work by it (see `max_segments_bucket`).
     `saved_logits_max_bytes`: the LM head keeps a micro-batch's fp32 logits for the backward pass when they
     fit in this many bytes, instead of recomputing them (`logprobs.token_logprobs`).
+    `corrections`: the rl loss's off-policy corrections per environment (trainer/corrections.py).
     """
+    table = corrections or CorrectionTable()
+    prepass = (
+        _norm_prepass(graphdef, table, chunk_size, max_segments, saved_logits_max_bytes) if table.needs_norm else None
+    )
     micro_loss = _micro_loss_fn(
         graphdef,
-        make_loss_fn(loss_cfg, max_segments),
+        make_loss_fn(loss_cfg, max_segments, table),
         chunk_size,
         max_segments,
         saved_logits_max_bytes,
@@ -240,6 +267,8 @@ def make_grad_fn(
     def accumulate(params, batch):
         _, whole = shift_targets({k: batch[k].reshape(-1, batch[k].shape[-1]) for k in FIELDS})
         counts = global_counts(whole)
+        if prepass is not None:
+            counts.update(prepass(params, batch))
         if jax.tree.leaves(batch)[0].shape[0] == 1:
             # One micro-batch: no fp32 accumulator to zero and add into (a full extra copy of the
             # parameters, ~2.4 GB for a 0.6B model, live through the backward pass).
@@ -252,11 +281,12 @@ def make_grad_fn(
             grads_acc, loss_acc, sums_acc = carry
             (loss, sums), grads = grad_fn(params, mb, counts, share)
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-            return (grads_acc, loss_acc + loss, jax.tree.map(jnp.add, sums_acc, sums)), None
+            return (grads_acc, loss_acc + loss, merge_sums(sums_acc, sums)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         first = jax.tree.map(lambda v: v[0], batch)
         sums_shape = jax.eval_shape(lambda: micro_loss(params, first, counts, share)[1])
+        # max/ sums start at 0 too: the values they hold (IS weights) are >= 0
         sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
         (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
         return loss, grads, sums, counts
@@ -274,6 +304,7 @@ def make_train_step(
     max_segments: int = 0,
     saved_logits_max_bytes: int = 0,
     guard: str = "fused",
+    corrections: CorrectionTable | None = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) step function train_step(state, batch[M, R, T]) -> (state, metrics).
 
@@ -287,6 +318,7 @@ def make_train_step(
         chunk_size=chunk_size,
         max_segments=max_segments,
         saved_logits_max_bytes=saved_logits_max_bytes,
+        corrections=corrections,
     )
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -305,7 +337,7 @@ def make_train_step(
             step=state.step + finite.astype(jnp.int32),
             rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]),
         )
-        metrics = finalize_metrics(sums, counts)
+        metrics = finalize_metrics(sums, counts, corrections)
         metrics.update({k: v for k, v in sums.items() if k.startswith("moe/")})  # arrays [Ls] / [Ls, E]
         metrics.update(
             loss=loss, grad_norm=grad_norm, lr=schedule(state.step), nonfinite=(~finite).astype(jnp.int32)
@@ -332,16 +364,13 @@ def target_logprobs(model: nnx.Module, arrays: Mapping[str, jax.Array], chunk_si
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[M, R, T] arrays: rows over the data-parallel axes, micro-batch and sequence axes whole."""
-    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, _context_axis(mesh)))
+    seq = spec_entry(mesh_axes("seq")) if axis_size(mesh, "seq") > 1 else None  # context parallelism
+    return NamedSharding(mesh, PartitionSpec(None, spec_entry(mesh_axes("batch")), seq))
 
 
-def _context_axis(mesh: Mesh) -> str | None:
-    """The mesh axis a row's tokens are split over (context parallelism), None when there is none."""
-    return "context" if mesh.shape.get("context", 1) > 1 else None
-
-
-def _named(x: jax.Array, mesh: Mesh) -> NamedSharding:
-    sh = x.sharding
+def leaf_sharding(x: Any, mesh: Mesh) -> NamedSharding:
+    """`x`'s NamedSharding where it has one on `mesh` (arrays or ShapeDtypeStructs), else replicated."""
+    sh = getattr(x, "sharding", None)
     if isinstance(sh, NamedSharding) and sh.mesh.shape_tuple == mesh.shape_tuple:
         return sh
     return NamedSharding(mesh, PartitionSpec())  # created outside the mesh (scalars, RNG): replicate
@@ -352,32 +381,11 @@ def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
 
     The jitted step returns mesh shardings; feeding it the same kind avoids a second compilation.
     """
-    return jax.device_put(state, jax.tree.map(lambda x: _named(x, mesh), state))
-
-
-def jit_train_step(step_fn: Callable, state: TrainState, mesh: Mesh) -> Callable:
-    """jit with the state's shardings (see shard_state) pinned on input and output, and the state donated."""
-    state_sh = jax.tree.map(lambda x: _named(x, mesh), state)
-    return jax.jit(
-        step_fn,
-        in_shardings=(state_sh, batch_sharding(mesh)),
-        out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=(0,),
-    )
-
-
-def head_saved_logits_bytes(trainer_cfg: Any, mesh: Mesh) -> int:
-    """The step's `saved_logits_max_bytes` for the whole micro-batch from the per-device setting.
-
-    The head sees the global micro-batch, whose rows are split over the data-parallel axes (and their tokens
-    over `context`), so the budget scales with their sizes.
-    """
-    per_device = saved_logits_max_bytes(trainer_cfg.lm_head_saved_logits_gib)
-    return per_device * dp_size(mesh) * mesh.shape.get("context", 1)
+    return jax.device_put(state, jax.tree.map(lambda x: leaf_sharding(x, mesh), state))
 
 
 def dp_size(mesh: Mesh) -> int:
-    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    return axis_size(mesh, "batch")
 
 
 def to_micro_batches(batch: PackedBatch, micro_batch_rows: int) -> dict[str, np.ndarray]:
@@ -399,7 +407,7 @@ def max_segments_bucket(batch: PackedBatch) -> int:
 def device_batch(arrays: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Place this process's rows as the global [M, R, T] batch (every process passes its own rank file)."""
     sh = batch_sharding(mesh)
-    context = mesh.shape.get("context", 1)
+    context = axis_size(mesh, "seq")
     t = arrays["tokens"].shape[-1]
     if t % context:
         raise ValueError(f"trainer.mesh.context={context} must divide the row length {t}")

@@ -1,9 +1,11 @@
 """The trainer's side of a collective weight update (`trainer.broadcast.mode = "collective"`).
 
-One `CollectiveSender` per trainer process 0 hosts the rendezvous store for the whole run. `send(step, ...)`
+One `CollectiveSender` per trainer process 0 hosts the rendezvous store for the whole run (bound to `host` only;
+every participant, this process included, answers a challenge on the run's secret: transfer/rendezvous.py). `send(step, ...)`
 runs one round: write the offer (primejax.contracts.transfer) -> (first round, or after a failure: wait for
 every inference server to join the group) -> broadcast the HF tensors in packed buckets -> wait for every
-server's acknowledgement -> delete the offer.
+server's acknowledgement (each server first checks what it received against the digest the sender publishes
+after the last bucket) -> delete the offer.
 Any failure or timeout returns False (the caller then writes the filesystem broadcast instead); nothing here
 blocks longer than `timeout_s` per phase.
 
@@ -57,6 +59,7 @@ class CollectiveSender:
         self,
         run_dir: str | Path,
         *,
+        secret: str,
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 60.0,
@@ -68,8 +71,10 @@ class CollectiveSender:
         self.run_dir = Path(run_dir)
         self.host, self.timeout_s, self.bucket_bytes = host, timeout_s, bucket_bytes
         self.num_receivers, self.backend, self.device = num_receivers, backend, device
-        self.store = wire.host_store(host, port, timeout_s)
-        self.port = self.store.port
+        self.server = wire.host_store(host, port, secret)
+        self.port = self.server.port
+        self.secret = secret
+        self.store: Any = None  # this process's own authenticated client of the server
         self.last: dict[str, float] = {}
         self.group: wire.TorchGroup | None = None
         self.group_id = ""
@@ -99,6 +104,8 @@ class CollectiveSender:
         write_offer(self.run_dir, offer)
         try:
             if self.group is None:
+                if self.store is None:
+                    self.store = wire.client_store(self.host, self.port, self.secret, self.timeout_s)
                 self.group = wire.open_group(
                     self.store,
                     self.group_id,
@@ -109,7 +116,9 @@ class CollectiveSender:
                     self.device,
                 )
             t_join = time.perf_counter()
-            nbytes = wire.send(self.group, tensors, metas, self.bucket_bytes)
+            digest = wire.new_digest()
+            nbytes = wire.send(self.group, tensors, metas, self.bucket_bytes, digest)
+            self.group.store.set(wire.digest_key(round_id), digest.hexdigest())
             self.group.store.wait(
                 [wire.ack_key(round_id, r) for r in range(1, 1 + self.num_receivers)],
                 datetime.timedelta(seconds=self.timeout_s),

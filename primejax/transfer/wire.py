@@ -7,13 +7,17 @@ the bound still goes in), the same cut rule as vLLM's packed NCCL broadcast
 (`vllm/distributed/weight_transfer/packed_tensor.py`), so both sides cut identical buckets from the metadata
 alone. Each bucket is one `broadcast` from rank 0 (the trainer) to every inference worker.
 
-Rendezvous: the trainer hosts a torch `TCPStore` for the whole run. A process group (gloo on CPU, NCCL on
+Rendezvous: the trainer hosts a store for the whole run (primejax.transfer.rendezvous: bound to the configured
+host only, every participant answers a challenge on the run's secret). A process group (gloo on CPU, NCCL on
 GPU) lives under the store prefix `group/<group_id>/` and serves round after round (creating an NCCL
 communicator costs far more than moving a small model); after any failure both sides drop it and the next
 round opens a new one under a new id, so a failed round leaves nothing behind. Every collective has a
 timeout, so a dead or stalled peer turns into an exception on both sides, never a hang. After loading, each
 receiver sets `received/<round_id>/<rank>` in the group's store; the trainer treats a round without every
-acknowledgement as failed (and falls back to the filesystem).
+acknowledgement as failed (and falls back to the filesystem). Integrity: the sender hashes every bucket as it
+sends it and, after the last one, sets `digest/<round_id>` in the (authenticated) store; a receiver compares it
+with its own hash of what arrived before it acknowledges, so a server whose bytes differ reports the round as
+failed and its version does not move.
 
 torch is imported inside the functions: the trainer's other code paths never need it.
 """
@@ -21,6 +25,7 @@ torch is imported inside the functions: the trainer's other code paths never nee
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -82,8 +87,9 @@ def buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[int]]:
 class TorchGroup:
     """A torch.distributed process group object (gloo or NCCL) used without the global default group."""
 
-    def __init__(self, pg: Any, rank: int, store: Any):
-        self.pg, self.rank, self.store = pg, rank, store
+    def __init__(self, pg: Any, rank: int, store: Any, base: Any = None):
+        # `base` keeps the Python store object alive: torch's trampoline needs it for as long as `store` is used.
+        self.pg, self.rank, self.store, self.base = pg, rank, store, base
 
     def broadcast(self, tensor: Any, src: int = 0) -> None:
         import torch.distributed as dist
@@ -93,19 +99,43 @@ class TorchGroup:
         self.pg.broadcast([tensor], opts).wait()
 
 
-def host_store(host: str, port: int, timeout_s: float) -> Any:
-    """The trainer's TCPStore server (port 0 = any free port; read `.port`)."""
-    import torch.distributed as dist
+def host_store(host: str, port: int, secret: str) -> Any:
+    """The trainer's rendezvous server, bound to `host` only (port 0 = any free port; read `.port`)."""
+    from primejax.transfer.rendezvous import StoreServer
 
-    return dist.TCPStore(
-        host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-    )
+    return StoreServer(host, port, secret)
 
 
-def client_store(host: str, port: int, timeout_s: float) -> Any:
-    import torch.distributed as dist
+def client_store(host: str, port: int, secret: str, timeout_s: float) -> Any:
+    """A participant's authenticated connection to the rendezvous (raises RendezvousAuthError for an impostor)."""
+    from primejax.transfer.rendezvous import connect_store
 
-    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+    return connect_store(host, port, secret, timeout_s)
+
+
+def digest_key(round_id: str) -> str:
+    return f"digest/{round_id}"
+
+
+def _hash_bucket(h: Any, buf: Any) -> None:
+    """Feed one bucket to `h`: its bytes on the host; on a GPU a fingerprint computed there (two int64 sums of
+    its 16-bit words, plain and position-weighted, in chunks) so that verifying costs no host copy."""
+    import torch
+
+    if not buf.is_cuda:
+        h.update(buf.numpy().data)
+        return
+    words = buf[: buf.numel() // 2 * 2].view(torch.int16)
+    chunk = 1 << 24
+    for start in range(0, words.numel(), chunk):
+        w = words[start : start + chunk].to(torch.int64)
+        pos = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
+        h.update(torch.stack([w.sum(), (w * pos).sum()]).cpu().numpy().tobytes())
+    h.update(buf[buf.numel() // 2 * 2 :].cpu().numpy().tobytes())
+
+
+def new_digest() -> Any:
+    return hashlib.blake2b(digest_size=32)
 
 
 def open_group(
@@ -136,15 +166,22 @@ def open_group(
         torch.cuda.synchronize(device)
     else:
         raise ValueError(f"unknown transfer backend {backend!r} (gloo | nccl)")
-    return TorchGroup(pg, rank, prefixed)
+    return TorchGroup(pg, rank, prefixed, store)
 
 
 def _as_bytes(tensor: Any) -> Any:
     return tensor.contiguous().view(-1).view(__import__("torch").uint8)
 
 
-def send(group: TorchGroup, tensors: Iterable[Any], metas: Sequence[TensorMeta], bucket_bytes: int) -> int:
-    """Rank 0: broadcast `tensors` (torch, matching `metas` in order, dtype and shape) bucket by bucket.
+def send(
+    group: TorchGroup,
+    tensors: Iterable[Any],
+    metas: Sequence[TensorMeta],
+    bucket_bytes: int,
+    digest: Any = None,
+) -> int:
+    """Rank 0: broadcast `tensors` (torch, matching `metas` in order, dtype and shape) bucket by bucket,
+    feeding each bucket to `digest` (a hashlib object) when given.
 
     Returns the bytes sent. Raises ValueError naming the first tensor that disagrees with its metadata (the
     receivers cut buckets from the metadata, so a mismatch would otherwise split the stream differently).
@@ -164,6 +201,8 @@ def send(group: TorchGroup, tensors: Iterable[Any], metas: Sequence[TensorMeta],
             parts.append(_as_bytes(t))
         buf = parts[0] if len(parts) == 1 else torch.cat(parts)
         group.broadcast(buf, src=0)
+        if digest is not None:
+            _hash_bucket(digest, buf)
         if buf.is_cuda:
             # The bucket's sources may be DLPack views of JAX buffers: once released here JAX may reuse their
             # memory on its own stream, so every queued read of them (cat, broadcast) must be done first.
@@ -178,8 +217,10 @@ def receive(
     bucket_bytes: int,
     device: Any,
     load: Callable[[list[tuple[str, Any]]], Any],
+    digest: Any = None,
 ) -> int:
-    """A receiver: for each bucket, receive it into a fresh buffer and call `load([(name, tensor), ...])`.
+    """A receiver: for each bucket, receive it into a fresh buffer, feed it to `digest` (when given) and call
+    `load([(name, tensor), ...])`.
 
     The tensors are views of the bucket's buffer; a fresh buffer per bucket keeps them valid for loaders
     that hold on to them (vLLM's layerwise reload buffers a layer's weights until the layer is complete).
@@ -191,6 +232,8 @@ def receive(
         sizes = [metas[i].nbytes for i in idx]
         buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         group.broadcast(buf, src=0)
+        if digest is not None:
+            _hash_bucket(digest, buf)
         out = []
         for i, part in zip(idx, buf.split(sizes), strict=True):
             m = metas[i]
@@ -222,7 +265,10 @@ class Receiver:
         rank: int,
         device: Any,
         load: Callable[[list[tuple[str, Any]]], Any],
+        secret: str | None,
     ) -> int:
+        """Receive one round; raises (and acknowledges nothing) when the rendezvous is not this run's (`secret`
+        is the run's admin secret) or when what arrived differs from the sender's digest."""
         metas = metas_from_update_info(update_info)
         timeout_s = float(init_info.get("timeout_s", 60.0))
         key = (
@@ -236,16 +282,23 @@ class Receiver:
         try:
             if self.group is None or self.key != key:
                 self.group = None
-                store = client_store(key[0], key[1], timeout_s)
+                store = client_store(key[0], key[1], secret or "", timeout_s)
                 self.group = open_group(store, key[2], rank, key[4], timeout_s, key[5], device)
                 self.key = key
+            h = new_digest()
             n = receive(
-                self.group, metas, int(init_info.get("bucket_bytes", DEFAULT_BUCKET_BYTES)), device, load
+                self.group, metas, int(init_info.get("bucket_bytes", DEFAULT_BUCKET_BYTES)), device, load, h
             )
             if key[5] == "nccl":
                 import torch
 
                 torch.cuda.synchronize(device)
+            expected = bytes(self.group.store.get(digest_key(update_info["round_id"]))).decode()
+            if expected != h.hexdigest():
+                raise ValueError(
+                    f"round {update_info['round_id']}: the weights received differ from what the trainer sent "
+                    "(digest mismatch); not acknowledged"
+                )
             self.group.store.set(ack_key(update_info["round_id"], rank), "1")
             return n
         except BaseException:

@@ -23,7 +23,6 @@ import signal
 from pathlib import Path
 
 ENV_VAR = "PRIMEJAX_FAULTS"
-PIDS_FILE = "pids.json"  # primejax.contracts.rundir.RunDir.PIDS_FILE (not imported: this module stays dependency-free)
 
 log = logging.getLogger("primejax.faults")
 _fired: set[str] = set()
@@ -51,7 +50,9 @@ def fault_point(name: str, step: int, *, run_dir: str | Path | None = None, path
     if action == "kill:self":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action.startswith(("kill:", "stop:")):
-        pids = json.loads((Path(run_dir or ".") / PIDS_FILE).read_text())
+        from primejax.contracts.rundir import RunDir  # here: armed faults only, the module stays import-light
+
+        pids = json.loads(RunDir(run_dir or ".").pids_file.read_text())
         verb, child = action.split(":", 1)
         os.killpg(int(pids[child]), signal.SIGKILL if verb == "kill" else signal.SIGSTOP)
     elif action == "enospc":

@@ -65,6 +65,18 @@ def test_verifiers_v1_surface():
     assert "self._pull_state()" in inspect.getsource(ServerBase._with_state)
     assert "_push_state(before)" in inspect.getsource(ServerBase._with_state)
     assert "_agents" in inspect.getsource(vf.Agents.__init__)
+    # The Env protocol primejax serves in process (primejax/envs/verifiers_episode.py, verifiers_ids.py).
+    from verifiers.v1.agent import Interaction
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.envs.single_agent import SingleAgentEnv
+    from verifiers.v1.interception.server import InterceptionServer
+
+    assert callable(agent_config_fields) and "agents.agent.run(task)" in inspect.getsource(SingleAgentEnv.run)
+    assert {"setup", "run", "finalize"} <= set(vars(vf.Env)) and "traces" in vf.Episode.model_fields
+    assert {"trace", "turn", "close", "send", "steer"} <= set(vars(Interaction))
+    # A tool server's setup_task receives the rollout's TaskData (what the state channel's /task route serves).
+    assert "setup_task(task)" in inspect.getsource(ServerBase._setup_task_from_channel)
+    assert "session.trace.task.data" in inspect.getsource(InterceptionServer.handle_task_get)
 
 
 def test_mcp_server_surface():

@@ -186,7 +186,7 @@ def test_env_run_drives_the_conversation_through_the_stand_in(tool_tokenizer):
     (rollout,) = asyncio.run(gen.group(slot, 0, 0, 1, step=1))
     assert rollout.error is None, rollout.error
     users = [m["content"] for m in rollout.messages if m["role"] == "user"]
-    assert users == ["Say apple", "Guess my word.", "No. It starts with 'a'.", "No. It starts with 'ap'."]
+    assert users == ["Guess my word.", "No. It starts with 'a'.", "No. It starts with 'ap'."]
     assert [m["content"] for m in rollout.messages if m["role"] == "assistant"] == ["pear", "plum", "apple"]
     assert rollout.reward == 1.5 and rollout.num_turns == 3
     (sample,) = rollout_to_samples(rollout, "rl", 1.0, seq_len=4096)  # user turns bridged: one sample
@@ -257,3 +257,35 @@ def test_env_finalize_judges_the_episode_after_each_trace_is_scored(tool_tokeniz
 def test_env_finalize_raising_fails_the_rollout(tool_tokenizer):
     rollout = _run_judged(tool_tokenizer, 2, ["stone"])  # index 2 is "stone": finalize raises
     assert rollout.reward is None and "finalize refuses stones" in rollout.error
+
+
+def test_a_huge_tool_result_is_cut_before_tokenizing_with_a_marker_the_model_sees(tool_tokenizer):
+    env = load_env(TASKSET, {"size": 2})
+    script = [call("calc_mul", a=123, b=456), env.example(0).answer]
+    rollout, client, _, _ = run_group(tool_tokenizer, script, max_tool_output_chars=2)
+    tool = next(m for m in rollout.messages if m["role"] == "tool")
+    assert tool["content"] == "56\n[tool output truncated: 2 of 5 characters shown]"
+    assert "tool output truncated" in tool_tokenizer.decode(client.prompts[1])
+
+
+def test_a_hung_tool_errors_its_rollout_within_the_timeout(tool_tokenizer, monkeypatch):
+    import asyncio as aio
+
+    from primejax.envs import verifiers_adapter
+
+    async def hang(self, name, arguments):
+        await aio.Event().wait()  # never set: a tool that never answers
+
+    real = verifiers_adapter._World.call_tool
+
+    async def hung_call(self, name, arguments):
+        server, tool = self.servers[name]
+        monkeypatch.setattr(server, "call_tool", lambda *a, **k: hang(None, None, None))
+        return await real(self, name, arguments)
+
+    monkeypatch.setattr(verifiers_adapter._World, "call_tool", hung_call)
+    env = load_env(TASKSET, {"size": 2})
+    script = [call("calc_mul", a=2, b=3), env.example(0).answer]
+    rollout, _, gen, _ = run_group(tool_tokenizer, script, tool_timeout_s=0.2)
+    assert rollout.error is not None and "did not answer within 0.2 s (tool_timeout_s)" in rollout.error
+    assert sum(gen.stats.errors.values()) >= 1

@@ -73,7 +73,7 @@ def test_env_run_rollouts_on_vllm_match_the_server_and_echo_trains_user_turns(vl
         assert r.error is None, r.error
         # A random model never names the word: the user's three rounds (more calls if it wrote a broken tool call).
         users = [m["content"] for m in r.messages if m["role"] == "user"]
-        assert users[1:] == [
+        assert users == [
             "Guess my word.",
             f"No. It starts with {r.example.answer[:1]!r}.",
             f"No. It starts with {r.example.answer[:2]!r}.",

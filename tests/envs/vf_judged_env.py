@@ -10,7 +10,10 @@ from tests.envs.vf_guess_env import GuessEnvConfig
 
 class JudgedGuessEnv(vf.Env[GuessEnvConfig]):
     async def run(self, task, agents):
-        async with agents.assistant.interaction(task) as assistant:
+        # The word game is the user's side: the seat's task has no prompt (verifiers' user-sim contract), so the
+        # first turn(message) opens the exchange.
+        seat = type(task)(task.data.model_copy(update={"prompt": None}), task.config)
+        async with agents.assistant.interaction(seat) as assistant:
             segment = await assistant.turn("Guess my word.")
             for hint in range(1, self.config.rounds):
                 if segment.terminated or task.data.answer in segment.last_reply:

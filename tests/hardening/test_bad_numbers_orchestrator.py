@@ -60,7 +60,7 @@ class DrivenBadReward(BadReward):
 
 @pytest.mark.parametrize(
     ("env_cls", "bad"),
-    [(BadReward, b) for b in (float("nan"), float("inf"), "0.7", True, None)]
+    [(BadReward, b) for b in (float("nan"), float("inf"), "0.7", True, None, 1e308, -1e308, 2e6)]
     + [(DrivenBadReward, b) for b in (float("nan"), "0.7")],
 )
 def test_a_bad_reward_errors_its_rollout_and_the_group_goes_on(tmp_path, tokenizer, caplog, env_cls, bad):
@@ -104,8 +104,10 @@ def _answer(token_ids, logprobs):
     ],
 )
 def test_server_answers_outside_the_vocabulary_or_non_finite_are_rejected_naming_the_server(
-    ids, lps, expected
+    ids, lps, expected, monkeypatch
 ):
+    monkeypatch.delenv("PRIMEJAX_ADMIN_TOKEN", raising=False)  # a scripted server: no identity to check
+
     async def go():
         client = InferenceClient(
             "http://srv-a:9", transport=httpx.MockTransport(_answer(ids, lps)), vocab_size=64, max_retries=0
@@ -118,3 +120,23 @@ def test_server_answers_outside_the_vocabulary_or_non_finite_are_rejected_naming
     with pytest.raises(InferenceError) as err:
         asyncio.run(go())
     assert "server http://srv-a:9" in str(err.value) and expected in str(err.value)
+
+
+class HungScore(BadReward):
+    """Member-1 rollouts' scoring never answers (a judge that hangs)."""
+
+    async def score(self, example, messages, state):
+        if len(messages[-1]["content"]) == 5:
+            await asyncio.Event().wait()
+        return await self.inner.score(example, messages, state)
+
+
+def test_a_hung_environment_call_errors_its_rollout_and_the_group_goes_on(tmp_path, tokenizer):
+    register_env("test-hung-score", lambda: HungScore(None))
+    cfg = small_config(tmp_path / "run", env_id="test-hung-score", batch_size=8, group_size=4)
+    cfg.orchestrator.env_timeout_s = 0.5
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    orch.resume("")
+    (metrics,) = asyncio.run(orch.run(1))
+    assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2
+    assert read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz").meta["num_samples"] == 6

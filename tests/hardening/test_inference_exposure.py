@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from primejax.contracts.broadcast import write_broadcast
 from primejax.inference.admin_auth import HEADER, TOKEN_ENV, protect
 from primejax.inference.client import InferenceClient
+from primejax.inference.identity import proof
 from primejax.inference.routes import AdminState, router
 from primejax.inference.weights import WeightDirValidator
 from primejax.models.tiny import build_tiny_model
@@ -145,6 +146,8 @@ def test_client_sends_absolute_paths_and_the_secret_on_admin_calls_only(tmp_path
     seen = []
 
     def handler(req):
+        if req.url.path == "/identity":  # the run's own server answers the challenge
+            return httpx.Response(200, json={"proof": proof(SECRET, req.url.params["nonce"])})
         seen.append((req.url.path, req.headers.get(HEADER), json.loads(req.content or b"null")))
         if req.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "m"}]})
@@ -194,3 +197,134 @@ def test_real_server_refuses_admin_calls_without_the_secret(vllm_server):
     req = urllib.request.Request(vllm_server.base_url + "/weights_version")
     assert json.loads(urllib.request.urlopen(req, timeout=30).read())["version"] == 0
     assert os.environ.get(TOKEN_ENV)  # the session's secret, which its clients send
+
+
+ADMIN_ROUTES = sorted(r.path for r in router.routes if "POST" in getattr(r, "methods", ()))
+
+
+@pytest.mark.parametrize("root_path", ["/api", "/a/b"])
+@pytest.mark.parametrize("path", ADMIN_ROUTES)
+def test_admin_routes_need_the_secret_under_a_root_path(base_dir, root_path, path):
+    """vLLM's --root-path puts a prefix in the URL that the route paths lack: every admin route still asks for
+    the secret, reached with the prefix or without (Starlette routes both)."""
+    app = FastAPI(root_path=root_path)
+    app.include_router(router)
+    protect(app, router)
+    engine = FakeEngine()
+    app.state.primejax = AdminState(
+        engine=engine, base_dir=str(base_dir), validate=WeightDirValidator(base_dir), admin_token=SECRET
+    )
+    client = TestClient(app)
+    for url in (root_path + path, path):
+        assert client.post(url, json={}).status_code == 401, url
+        assert client.post(url, json={}, headers={HEADER: "wrong"}).status_code == 401, url
+    assert engine.calls == []
+    assert client.post(root_path + path, json={}, headers=AUTH).status_code != 401
+    assert client.get(root_path + "/liveness").status_code == 200
+
+
+@pytest.mark.parametrize("damage", ["no_files", "no_hashes", "unlisted_weights"])
+def test_a_stable_manifest_that_vouches_for_nothing_is_refused(base_dir, tmp_path, damage):
+    run = tmp_path / "run"
+    d = _broadcast(base_dir, run, 2)
+    manifest = json.loads((d / "STABLE").read_text())
+    if damage == "no_files":
+        manifest["files"] = {}
+    elif damage == "no_hashes":
+        for entry in manifest["files"].values():
+            entry.pop("sha256")
+    else:
+        weights = next(n for n in manifest["files"] if n.endswith(".safetensors"))
+        del manifest["files"][weights]
+    (d / "STABLE").write_text(json.dumps(manifest))
+    engine = FakeEngine()
+    client, state = _client(base_dir, engine, weights_root=str(run / "broadcasts"), require_stable=True)
+    r = client.post("/update_weights", json={"weight_dir": str(d)}, headers=AUTH)
+    assert r.status_code == 422 and "STABLE" in r.json()["error"], r.text
+    assert not [c for c in engine.calls if c[0] == "load"] and state.version == 0
+
+
+class TransferEngine(FakeEngine):
+    async def transfer_weights(self, init_info, update_info):
+        self.calls.append(("transfer",))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("dtype_names", "float64"), ("dtype_names", ["x"]), ("shapes", [["a"]]), ("shapes", [[-1]])],
+)
+def test_a_malformed_transfer_offer_is_refused_before_the_server_pauses(base_dir, field, value):
+    validator = WeightDirValidator(base_dir)
+    engine = TransferEngine()
+    client, state = _client(base_dir, engine, check_transfer=validator.check_update_info)
+    names = sorted(validator.reference)
+    info = {
+        "round_id": "1-x",
+        "names": names,
+        "dtype_names": ["float32"] * len(names),
+        "shapes": [list(validator.reference[n].shape) for n in names],
+    }
+    info[field] = value if not isinstance(value, list) else value * len(names)
+    body = {"version": 1, "init_info": {"timeout_s": 5}, "update_info": info}
+    r = client.post("/transfer_weights", json=body, headers=AUTH)
+    assert r.status_code in (400, 422), r.text
+    assert engine.calls == [] and state.version == 0
+
+
+def test_the_client_sends_the_servers_api_key_from_the_configured_variable(monkeypatch):
+    """The README's advice (protect the OpenAI routes with vLLM's --api-key / $VLLM_API_KEY) works with
+    primejax's own client: it sends the key named by orchestrator.client.api_key_env on every call."""
+    from primejax.config import default_config, typed
+    from primejax.orchestrator.run import policy_client
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv("MY_VLLM_KEY", "k-123")
+    seen = []
+
+    def handler(req):
+        seen.append((req.url.path, req.headers.get("Authorization")))
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(
+            200,
+            json={
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": [1],
+                        "text": "x",
+                        "finish_reason": "stop",
+                        "logprobs": {"token_logprobs": [-0.1]},
+                    }
+                ]
+            },
+        )
+
+    c = default_config()
+    c.model.path = "m"
+    c.inference.port = 1
+    c.orchestrator.client.api_key_env = "MY_VLLM_KEY"
+    cfg = typed(c)
+    client = policy_client(cfg.orchestrator.client, cfg.inference)
+    client._http._transport = httpx.MockTransport(handler)
+
+    async def go():
+        await client.generate([1, 2], n=1, max_tokens=1, temperature=1.0)
+        await client.close()
+
+    asyncio.run(go())
+    assert seen and all(auth == "Bearer k-123" for _, auth in seen)
+
+
+def test_a_server_started_by_hand_uses_the_runs_admin_token(tmp_path, monkeypatch):
+    from primejax.inference.admin_auth import read_token, server_token, write_run_token
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    made = server_token(tmp_path / "run")  # no secret anywhere yet: one is made and recorded for the run
+    assert (
+        read_token(tmp_path / "run") == made
+        and (tmp_path / "run" / "admin_token").stat().st_mode & 0o077 == 0
+    )
+    assert server_token(tmp_path / "run") == made  # the next server (or orchestrator) by hand reads the same
+    written = write_run_token(tmp_path / "other")
+    assert server_token(tmp_path / "other") == written

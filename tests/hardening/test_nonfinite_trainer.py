@@ -15,8 +15,9 @@ from flax import nnx
 from primejax.contracts.batch import pack_samples
 from primejax.models.sharding import init_model, make_mesh
 from primejax.trainer import optim
+from primejax.trainer.engine import jit_train_step
 from primejax.trainer.losses import LossConfig
-from primejax.trainer.step import device_batch, init_state, jit_train_step, make_train_step, to_micro_batches
+from primejax.trainer.step import device_batch, init_state, make_train_step, to_micro_batches
 
 # The trainer tests' tiny model and random samples (their conftest, loaded by path: module names clash).
 _spec = importlib.util.spec_from_file_location(

@@ -113,3 +113,55 @@ def test_keep_previous_run_moves_only_what_primejax_created(tmp_path):
     assert sorted(p.name for p in kept.iterdir()) == ["logs", "metrics", "pids.json", "rollouts"]
     assert (tmp_path / ".git").is_dir() and (tmp_path / "src").is_dir() and (tmp_path / "README.md").is_file()
     assert keep_previous_run(tmp_path) is None  # nothing of primejax's left to keep
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_refused_second_launcher_leaves_the_live_runs_recorded_config(tmp_path, dry_run):
+    import os
+    from pathlib import Path
+
+    root = tmp_path / "runs" / "r"
+    (root / "configs").mkdir(parents=True)
+    record = root / "configs" / "train.json"
+    record.write_text('{"live": true}')
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from primejax.launcher.runlock import RunLock; "
+            "RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()",
+            str(root),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "primejax.train",
+                "--config",
+                "configs/debug.py",
+                f"--config.run.output_dir={tmp_path / 'runs'}",
+                "--config.run.name=r",
+                *(["--dry_run"] if dry_run else []),
+            ],
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        assert proc.returncode == (0 if dry_run else 2), proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        if dry_run:  # the dry run still prints its config and checks the environments
+            assert any("in use by a live run" in ln for ln in lines), lines
+        else:
+            assert "in use by a live run" in lines[-1]
+        assert record.read_text() == '{"live": true}'
+    finally:
+        holder.stdin.close()
+        holder.wait(30)

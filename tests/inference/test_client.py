@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from primejax.inference.admin_auth import TOKEN_ENV
 from primejax.inference.client import InferenceClient, InferenceError
 
 COMPLETION = {
@@ -19,6 +20,13 @@ COMPLETION = {
     ]
 }
 MODELS = {"data": [{"id": "served-model"}]}
+
+
+@pytest.fixture(autouse=True)
+def _no_run_secret(monkeypatch):
+    """These scripted servers test parsing and retries; the identity challenge (which needs the run's secret,
+    set in this process by any test that started a server) has its own tests (tests/hardening)."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
 
 
 def _client(handler, urls=("http://a",), **kw) -> InferenceClient:

@@ -20,6 +20,7 @@ from vllm_reference import HFReference, write_perturbed
 
 from primejax.contracts.transfer import latest_offer
 from primejax.inference import InferenceClient
+from primejax.inference.admin_auth import process_token
 from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec
 from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
@@ -153,7 +154,9 @@ def test_moe_collective_update_equals_the_new_model(moe_server, moe_dirs, tmp_pa
     a, b = moe_dirs
     model, cfg = load_model(b, param_dtype="float32")
     named = list(state_to_hf_tensors(model, cfg, "float32"))
-    sender = CollectiveSender(tmp_path / "run", timeout_s=60.0, bucket_bytes=64 * 1024)
+    sender = CollectiveSender(
+        tmp_path / "run", secret=process_token(), timeout_s=60.0, bucket_bytes=64 * 1024
+    )
     result: dict = {}
 
     async def go():

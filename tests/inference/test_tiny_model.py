@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import string
 
@@ -65,3 +66,16 @@ def test_variants_load_in_transformers(tmp_path, family, tied):
 def test_head_dim_below_vllm_cpu_minimum_is_refused(tmp_path):
     with pytest.raises(ValueError, match="head_dim"):
         build_tiny_model(tmp_path / "m", head_dim=16)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_build_tiny_architecture_is_the_built_models_config(tmp_path, family):
+    """`model.build_tiny.architecture()` (fake-data runs, AOT compiles) describes exactly the model `build()`
+    writes: the same ModelConfig as reading its config.json back, RoPE base included."""
+    from primejax.models.config import ModelConfig
+    from primejax.models.tiny import TinyModelConfig
+
+    tiny = TinyModelConfig(family=family, tied=False)
+    built = ModelConfig.from_model_dir(tiny.build(tmp_path / "m"))
+    described = tiny.architecture(max_positions=built.max_position_embeddings)
+    assert dataclasses.replace(described, hf_extra=built.hf_extra) == built

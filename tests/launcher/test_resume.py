@@ -63,3 +63,24 @@ def test_fresh_start_keeps_the_previous_run(tmp_path):
     kept = keep_previous_run(tmp_path)
     assert (kept / "metrics" / "trainer.jsonl").read_text() == "old\n"
     assert not (tmp_path / "metrics").exists() and (tmp_path / "configs" / "train.json").exists()
+
+
+def test_the_launcher_resumes_by_default_and_fresh_starts_over(tmp_path):
+    from types import SimpleNamespace
+
+    from primejax.launcher.resume import RunAlreadyDone, launcher_resume_step, resume_hint
+
+    def run(**kw):
+        return SimpleNamespace(**{"resume_step": "", "fresh": False, "max_steps": 20, **kw})
+
+    assert launcher_resume_step(tmp_path, run()) is None  # nothing to resume: a fresh start
+    assert "starts over" in resume_hint(tmp_path)
+    for s in (10, 20):
+        _trainer_ckpt(tmp_path, s)
+        _orch_ckpt(tmp_path, s)
+    assert launcher_resume_step(tmp_path, run(max_steps=40)) == 20  # a plain rerun resumes the newest pair
+    assert launcher_resume_step(tmp_path, run(max_steps=40, resume_step="10")) == 10
+    assert launcher_resume_step(tmp_path, run(max_steps=40, fresh=True)) is None
+    with pytest.raises(RunAlreadyDone, match="already finished at step 20.*run.fresh=True"):
+        launcher_resume_step(tmp_path, run())
+    assert resume_hint(tmp_path).startswith("rerun the same command to resume from step 20")

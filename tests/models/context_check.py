@@ -22,11 +22,11 @@ from conftest import random_samples, tiny_config  # noqa: E402
 from primejax.contracts.batch import pack_samples  # noqa: E402
 from primejax.models.sharding import init_model, make_mesh  # noqa: E402
 from primejax.trainer import optim  # noqa: E402
+from primejax.trainer.engine import jit_train_step
 from primejax.trainer.losses import LossConfig  # noqa: E402
 from primejax.trainer.step import (  # noqa: E402
     device_batch,
     init_state,
-    jit_train_step,
     make_grad_fn,
     make_train_step,
     to_micro_batches,

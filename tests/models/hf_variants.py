@@ -65,8 +65,26 @@ VARIANTS = {
         dict(tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
              norm_topk_prob=False, decoder_sparse_step=2, num_hidden_layers=4),
     ),
+    # GLM-4.5 MoE: sigmoid router with correction bias, group-limited top-k (4 groups, 2 kept), routed scaling,
+    # a shared expert, the first layer dense, q/k/v bias, partial rotary (0.5); and tied embeddings with qk
+    # norm, two shared experts, ungrouped routing, no renormalization, full rotary, every layer sparse.
+    "glm4_moe_g4_dense1": (
+        transformers.Glm4MoeConfig,
+        transformers.Glm4MoeForCausalLM,
+        dict(tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_shared_experts=1,
+             norm_topk_prob=True, attention_bias=True, num_hidden_layers=3, num_nextn_predict_layers=0),
+    ),
+    "glm4_moe_tied_qknorm": (
+        transformers.Glm4MoeConfig,
+        transformers.Glm4MoeForCausalLM,
+        dict(tie_word_embeddings=True, n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+             n_group=1, topk_group=1, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2,
+             norm_topk_prob=False, use_qk_norm=True, attention_bias=False, num_nextn_predict_layers=0,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)),
+    ),
 }
-MOE_VARIANTS = [v for v in VARIANTS if v.startswith("qwen3_moe")]
+MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe"))]
 
 
 def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.PreTrainedModel:
@@ -85,5 +103,8 @@ def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.P
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # HF starts it at zero; GLM-4.5's are not
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(out_dir)
     return model

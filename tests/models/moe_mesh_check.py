@@ -1,6 +1,6 @@
 """Run in a subprocess by test_moe_mesh.py with 8 emulated CPU devices (XLA flags must precede jax's start).
 
-Usage: python moe_mesh_check.py HF_DIR OUT_JSON. For each expert-parallel mode and mesh, the logits, loss and
+Usage: python moe_mesh_check.py HF_DIR OUT_JSON [CASE,CASE...]. For each expert-parallel mode and mesh, the logits, loss and
 every parameter gradient of a tiny Qwen3-MoE against the single-device values, and the experts' sharding.
 Then routing replay through the trainer's gradient function (trainer.step: a batch's routed experts ->
 replay_inputs -> moe.route) on FSDP, expert-parallel and context-parallel meshes against one device, with
@@ -160,7 +160,7 @@ def _split(model):
     return _replay_fn(graphdef), nnx.to_pure_dict(params)
 
 
-def _replay(hf_dir: str) -> dict:
+def _replay(hf_dir: str, only: set[str] | None = None) -> dict:
     dtypes = dict(param_dtype="float32", compute_dtype="float32")
     single, cfg = load_model(hf_dir, **dtypes)
     batch = _replay_batch(cfg)
@@ -189,6 +189,8 @@ def _replay(hf_dir: str) -> dict:
     }
     out["tokens"] = REPLAY_ROWS * REPLAY_SEQ
     for name, (mode, sizes, scan) in REPLAY_CASES.items():
+        if only is not None and name not in only:
+            continue
         mesh = make_mesh(**sizes)
         model, _ = load_model(hf_dir, mesh=mesh, expert_parallel=mode, scan_layers=scan, **dtypes)
         got = _replay_run(*_split(model), batch, mesh)
@@ -203,13 +205,16 @@ def _replay(hf_dir: str) -> dict:
     return out
 
 
-def main(hf_dir: str, out_path: str) -> None:
+def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
+    """`only`: the names of the cases (of CASES and REPLAY_CASES) to run; all when None."""
     assert jax.device_count() == 8, jax.devices()
     batch = _batch()
     single, _ = load_model(hf_dir, param_dtype="float32", compute_dtype="float32")
     ref_loss, ref_logits, ref_load, ref_grads = _loss_and_grads(single, *batch)
     result = {"ref_load_total": float(ref_load.sum()), "cases": {}}
     for name, (mode, sizes) in CASES.items():
+        if only is not None and name not in only:
+            continue
         mesh = make_mesh(**sizes)
         model, _ = load_model(
             hf_dir, mesh=mesh, param_dtype="float32", compute_dtype="float32", expert_parallel=mode
@@ -224,10 +229,10 @@ def main(hf_dir: str, out_path: str) -> None:
             grad_diff=max(float(np.abs(grads[k] - ref_grads[k]).max()) for k in ref_grads),
             experts_spec=[list(e) if isinstance(e, tuple) else e for e in spec],
         )
-    result["replay"] = _replay(hf_dir)
+    result["replay"] = _replay(hf_dir, only)
     with open(out_path, "w") as f:
         json.dump(result, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None)

@@ -33,7 +33,8 @@ TOKENS = np.random.default_rng(0).integers(0, 512, size=(2, 24))
 
 @pytest.mark.parametrize(
     "variant",
-    ["qwen3_tied", "qwen3_untied", "llama_rope3", "qwen2_bias", "qwen3_moe_e8k2_tied", "qwen3_moe_e6k3_step2"],
+    ["qwen3_tied", "qwen3_untied", "llama_rope3", "qwen2_bias", "qwen3_moe_e8k2_tied", "qwen3_moe_e6k3_step2",
+     "glm4_moe_g4_dense1", "glm4_moe_tied_qknorm"],
 )
 def test_round_trip_is_bit_identical_and_loads_in_transformers(variant, hf_model_dir, tmp_path):
     src, torch_model = hf_model_dir(variant)
@@ -133,3 +134,26 @@ def test_moe_export_is_per_expert_and_fused_checkpoints_load(hf_model_dir, tmp_p
         if hasattr(var, "shape"):
             np.testing.assert_array_equal(np.asarray(getattr(fused.layers, name)[...]), np.asarray(var[...]),
                                           err_msg=name)
+
+
+def test_glm4_moe_bf16_export_keeps_the_correction_bias_fp32(hf_model_dir, tmp_path):
+    """A bf16 export writes GLM-4.5's e_score_correction_bias in fp32 (as transformers and vLLM keep it: it
+    decides near-ties between experts), every other tensor in bf16; the config round-trips the family's keys."""
+    src, _ = hf_model_dir("glm4_moe_g4_dense1")
+    model, cfg = load_model(src, param_dtype="bfloat16")
+    assert model.layers.router_bias[...].dtype == np.float32  # never rounded at load either
+    export_safetensors(model, cfg, tmp_path, src_dir=src)
+    tensors, ref = _read_dir(tmp_path), _read_dir(src)
+    for name, t in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            np.testing.assert_array_equal(t, ref[name], err_msg=name)
+        else:
+            assert t.dtype == np.dtype(ml_dtypes.bfloat16), name
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in tensors
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    src_cfg = json.loads((src / "config.json").read_text())
+    for key in ("n_routed_experts", "n_group", "topk_group", "first_k_dense_replace", "routed_scaling_factor",
+                "n_shared_experts", "partial_rotary_factor", "use_qk_norm", "attention_bias", "norm_topk_prob",
+                "num_nextn_predict_layers"):
+        assert hf_cfg[key] == src_cfg[key], key
+    assert hf_cfg["architectures"] == ["Glm4MoeForCausalLM"]

@@ -30,8 +30,9 @@ def trainer_step(tiny_model_dir):
     from primejax.models.config import ModelConfig
     from primejax.models.sharding import init_model, make_mesh
     from primejax.trainer import optim
+    from primejax.trainer.engine import jit_train_step
     from primejax.trainer.losses import LossConfig
-    from primejax.trainer.step import init_state, jit_train_step, make_train_step
+    from primejax.trainer.step import init_state, make_train_step
 
     cfg = ModelConfig.from_model_dir(tiny_model_dir, param_dtype="float32", compute_dtype="float32",
                                      attention_impl="xla")

@@ -18,7 +18,8 @@ _SCRIPT = textwrap.dedent(
     from primejax.models.sharding import init_model, make_mesh
     from primejax.trainer import optim
     from primejax.trainer.losses import LossConfig
-    from primejax.trainer.step import (device_batch, init_state, jit_train_step, make_train_step,
+    from primejax.trainer.engine import jit_train_step
+    from primejax.trainer.step import (device_batch, init_state, make_train_step,
                                        to_micro_batches)
 
     assert jax.device_count() == 4

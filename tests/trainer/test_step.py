@@ -15,11 +15,11 @@ from flax import nnx
 from primejax.contracts.batch import TrainingSample, pack_samples
 from primejax.models.sharding import init_model, make_mesh
 from primejax.trainer import optim
+from primejax.trainer.engine import jit_train_step
 from primejax.trainer.losses import LossConfig
 from primejax.trainer.step import (
     device_batch,
     init_state,
-    jit_train_step,
     make_grad_fn,
     make_train_step,
     target_logprobs,

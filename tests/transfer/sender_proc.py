@@ -13,6 +13,7 @@ import sys
 
 from safetensors.numpy import load_file
 
+from primejax.inference.admin_auth import process_token
 from primejax.transfer import wire
 from primejax.transfer.sender import CollectiveSender, to_torch
 
@@ -42,7 +43,9 @@ def main() -> int:
             broadcast(self, tensor, src)
 
         wire.TorchGroup.broadcast = faulty
-    sender = CollectiveSender(a.run_dir, timeout_s=a.timeout, bucket_bytes=a.bucket_bytes)
+    sender = CollectiveSender(
+        a.run_dir, secret=process_token(), timeout_s=a.timeout, bucket_bytes=a.bucket_bytes
+    )
     ok = sender.send(a.step, named)
     print("SENT" if ok else "FAILED", flush=True)
     return 0 if ok else 1

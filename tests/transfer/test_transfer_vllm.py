@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from primejax.contracts.broadcast import write_broadcast
 from primejax.contracts.transfer import latest_offer
 from primejax.inference import InferenceClient
-from primejax.inference.admin_auth import HEADER, read_token
+from primejax.inference.admin_auth import HEADER, process_token, read_token
 from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
 from primejax.orchestrator.policy import PolicyTracker
 from primejax.transfer.sender import CollectiveSender, to_torch
@@ -78,7 +78,7 @@ def _perturbed(base_dir: Path, seed: int, dtype: str) -> tuple[object, object, l
 
 async def _collective(url: str, run_dir: Path, step: int, named, timeout_s: float = 30.0) -> dict:
     """Send `named` from this process (a thread) while the server receives it through /transfer_weights."""
-    sender = CollectiveSender(run_dir, timeout_s=timeout_s, bucket_bytes=64 * 1024)
+    sender = CollectiveSender(run_dir, secret=process_token(), timeout_s=timeout_s, bucket_bytes=64 * 1024)
     result = {}
     thread = threading.Thread(
         target=lambda: result.update(ok=sender.send(step, [(n, to_torch(a)) for n, a in named]))

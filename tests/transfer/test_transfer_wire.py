@@ -14,6 +14,8 @@ from primejax.contracts.transfer import latest_offer
 from primejax.transfer import wire
 from primejax.transfer.sender import CollectiveSender, tensor_metas, to_torch
 
+SECRET = "the-run-secret"
+
 
 def _named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
@@ -46,7 +48,7 @@ def test_gloo_rounds_are_bit_exact_acknowledged_and_reuse_the_group(tmp_path):
     from primejax.contracts.transfer import latest_offer
 
     rounds = [_named(1), _named(2)]
-    sender = CollectiveSender(tmp_path, timeout_s=10, bucket_bytes=256)
+    sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=10, bucket_bytes=256)
     receiver = wire.Receiver()
     got: list[list[tuple[str, torch.Tensor]]] = []
     groups = []
@@ -64,6 +66,7 @@ def test_gloo_rounds_are_bit_exact_acknowledged_and_reuse_the_group(tmp_path):
                 1,
                 "cpu",
                 lambda pairs, out=out: out.extend((n, t.clone()) for n, t in pairs),
+                SECRET,
             )
             got.append(out)
             groups.append(receiver.group)
@@ -105,7 +108,7 @@ def test_to_torch_keeps_bf16_bits():
 
 
 def test_sender_without_receivers_gives_up_after_its_timeout_and_removes_the_offer(tmp_path):
-    sender = CollectiveSender(tmp_path, timeout_s=1.5, bucket_bytes=1024)
+    sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=1.5, bucket_bytes=1024)
     seen = {}
 
     def watch():

@@ -25,13 +25,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from primejax.contracts.batch import LOSS_COMPONENTS
 from primejax.orchestrator.rollout import Rollout
+from primejax.trainer.config import CorrectionConfig
 from primejax.utils.sections import ConfigError, Section, option, section, sub
 
 if TYPE_CHECKING:
     from primejax.orchestrator.config import SamplingConfig
 
-LOSS_TYPES = ("rl", "ce", "ref_kl")
+LOSS_TYPES = LOSS_COMPONENTS  # a sample trains one loss component (contracts/batch.py)
 
 
 @section
@@ -73,6 +75,9 @@ class AlgorithmConfig(Section):
     name: ClassVar[str] = "any algorithm"
     type: str = option("grpo", "the registered algorithm (grpo, max_rl, echo, opd, opsd, sft, or your own)")
     sampling: SamplingSourceConfig = sub(SamplingSourceConfig, "the sampling source")
+    correction: CorrectionConfig = sub(
+        CorrectionConfig, "off-policy corrections of the rl loss on this block's tokens (docs/algorithms.md)"
+    )
 
     def check(self) -> None:
         if self.type in _ALGORITHMS:  # one registered later (by an env module) is checked when it is built
@@ -112,6 +117,9 @@ class Algorithm:
             raise ConfigError("type", f"{config.type!r} trains with {cls.action_loss_type}: frozen-model sampling "
                                       "can only feed the ce loss (rl and ref_kl need the live policy's sampling "
                                       "logprobs)")
+        if cls.action_loss_type != "rl" and not config.correction.is_default:
+            raise ConfigError("correction", f"corrects the rl loss, and {config.type!r} trains with "
+                                            f"{cls.action_loss_type}: leave it at its defaults")
 
     def __init__(self, config: AlgorithmConfig, *, policy_client: Any = None, tokenizer: Any = None,
                  sampling: SamplingConfig | None = None):

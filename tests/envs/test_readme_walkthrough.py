@@ -1,0 +1,63 @@
+"""The README's walkthrough (install to a tool-using verifiers run) runs as written: its commands, in a scratch
+directory, with fewer steps (2 SFT steps, 1 RL step, small batches). The install line is what CI ran already."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from primejax.utils.monitor import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+# SFT, a vLLM server start and one RL step in one test: minutes, far more on a machine shared with other jobs.
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400)]
+SHORTER = [
+    "--config.run.max_steps=1",
+    "--config.orchestrator.batch_size=8",
+    "--config.orchestrator.group_size=4",
+    "--config.sft.batch_size=4",
+    "--config.inference.port=0",
+]
+
+
+def walkthrough() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Walkthrough: from install to a tool-using verifiers run") :]
+    return re.search(r"```bash\n(.*?)\n```", section, re.DOTALL).group(1)
+
+
+def test_the_readme_walkthrough_runs(tmp_path):
+    script = walkthrough()
+    assert script.startswith("bash tools/install.sh\n")
+    script = script.removeprefix("bash tools/install.sh\n").replace(
+        "--config.sft.steps=40", "--config.sft.steps=2"
+    )
+    lines = script.splitlines()
+    last = max(i for i, line in enumerate(lines) if "primejax.train" in line)
+    lines[last] += " " + " ".join(SHORTER)
+    for name in (".venv", "configs"):  # the commands are relative to the repository root
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "outputs").mkdir()
+    proc = subprocess.run(
+        ["bash", "-e", "-c", "\n".join(lines)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=2300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    demos = [
+        json.loads(line) for line in (tmp_path / "outputs" / "tool_demos.jsonl").read_text().splitlines()
+    ]
+    assert len(demos) == 64 and all(d["messages"][-3]["tool_calls"] and d["tools"] for d in demos)
+    run = tmp_path / "outputs" / "verifiers-tools"
+    assert (run / "sft" / "final" / "config.json").exists()
+    (step,) = read_jsonl(run / "metrics" / "orchestrator.jsonl")
+    assert step["step"] == 1 and step["rollouts/errored"] == 0
+    assert "tools/well_formed_fraction" in step

@@ -1,0 +1,3 @@
+from kuhn_poker.taskset import KuhnPokerEnv, KuhnPokerTaskset
+
+__all__ = ["KuhnPokerEnv", "KuhnPokerTaskset"]

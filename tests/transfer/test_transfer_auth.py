@@ -1,0 +1,143 @@
+"""The collective transfer's rendezvous answers only the run: strangers cannot read keys, receive weights or
+register as rank 0; the store binds only where configured; a round whose bytes differ from the sender's
+digest is not acknowledged."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from primejax.contracts.transfer import latest_offer
+from primejax.transfer import rendezvous, wire
+from primejax.transfer.sender import CollectiveSender
+
+SECRET = "the-run-secret"
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [("a", torch.randn(33, 7, generator=g)), ("b", torch.randn(100, generator=g).to(torch.bfloat16))]
+
+
+def _wait_offer(run_dir, step: int):
+    deadline = time.monotonic() + 20
+    while (offer := latest_offer(run_dir)) is None or offer.step != step:
+        assert time.monotonic() < deadline, "no offer"
+        time.sleep(0.01)  # polling a file another thread writes: the wait ends on the file, not on the clock
+    return offer
+
+
+def _serve(run_dir, secret, got, errors, step=1):
+    offer = _wait_offer(run_dir, step)
+    out: list = []
+    try:
+        wire.Receiver().receive(
+            offer.init_info,
+            offer.update_info,
+            1,
+            "cpu",
+            lambda p: out.extend((n, t.clone()) for n, t in p),
+            secret,
+        )
+        got.append(out)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        errors.append(e)
+
+
+def test_a_stranger_cannot_list_read_or_write_keys(tmp_path):
+    server = rendezvous.StoreServer("127.0.0.1", 0, SECRET)
+    try:
+        member = rendezvous.connect_store("127.0.0.1", server.port, SECRET, 5.0)
+        member.set("group/x//0/0", b"rank0-address")
+        # torch's own TCPStore client (what the stranger used): the challenge is not its protocol
+        with pytest.raises(Exception):  # noqa: B017, PT011 - any failure to talk is what is wanted
+            s = torch.distributed.TCPStore(
+                "127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=3)
+            )
+            s.list_keys()
+        # a client that knows the protocol but not the secret
+        with pytest.raises(rendezvous.RendezvousAuthError):
+            rendezvous.connect_store("127.0.0.1", server.port, "a-guess", 5.0)
+        # raw bytes: a request frame in place of the challenge answer reads nothing back
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+            raw.recv(64)
+            raw.sendall(b"\x00\x00\x00\x10" + b'{"op":"num_keys"}'.ljust(60))
+            assert raw.recv(4096) == b""
+        assert server.refused >= 2
+        assert member.get("group/x//0/0") == b"rank0-address"  # nobody re-registered rank 0
+        assert member.num_keys() == 1
+    finally:
+        server.close()
+
+
+def test_the_store_binds_only_the_configured_address():
+    server = rendezvous.StoreServer("127.0.0.1", 0, SECRET)
+    try:
+        # 127.0.0.2 is this host's loopback too: a socket bound to every interface would accept it
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.2", server.port), timeout=3).close()
+        socket.create_connection(("127.0.0.1", server.port), timeout=3).close()
+    finally:
+        server.close()
+
+
+def test_a_receiver_refuses_an_impostor_store():
+    impostor = rendezvous.StoreServer("127.0.0.1", 0, "not-the-run-secret")
+    try:
+        with pytest.raises(rendezvous.RendezvousAuthError):
+            rendezvous.connect_store("127.0.0.1", impostor.port, SECRET, 5.0)
+    finally:
+        impostor.close()
+
+
+def test_a_stranger_receives_no_weights_and_the_run_still_transfers(tmp_path):
+    sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=10, bucket_bytes=256)
+    got, errors = [], []
+    stranger = threading.Thread(target=_serve, args=(tmp_path, "a-guess", got, errors))
+    stranger.start()
+    member = threading.Thread(target=_serve, args=(tmp_path, SECRET, got, errors))
+    member.start()
+    assert sender.send(1, _named())
+    stranger.join(20)
+    member.join(20)
+    assert len(got) == 1 and len(errors) == 1
+    assert isinstance(errors[0], rendezvous.RendezvousAuthError)
+    for (_, a), (_, b) in zip(got[0], _named(), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_bytes_that_differ_from_the_senders_digest_are_not_acknowledged(tmp_path, monkeypatch):
+    """The sender publishes its digest after the last bucket; a receiver whose bytes hash differently (here:
+    the wire altered one byte of the first bucket on the way in) raises and never acknowledges, so the
+    sender reports the round failed (and the trainer falls back to the filesystem)."""
+    real_receive = wire.receive
+
+    def tampered(group, metas, bucket_bytes, device, load, digest=None):
+        real_broadcast = group.broadcast
+        first = [True]
+
+        def broadcast(tensor, src=0):
+            real_broadcast(tensor, src)
+            if first[0]:
+                tensor[0] ^= 1
+                first[0] = False
+
+        group.broadcast = broadcast
+        try:
+            return real_receive(group, metas, bucket_bytes, device, load, digest)
+        finally:
+            group.broadcast = real_broadcast
+
+    monkeypatch.setattr(wire, "receive", tampered)
+    sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=3, bucket_bytes=256)
+    got, errors = [], []
+    t = threading.Thread(target=_serve, args=(tmp_path, SECRET, got, errors))
+    t.start()
+    assert sender.send(1, _named()) is False
+    t.join(20)
+    assert not got and len(errors) == 1 and "digest mismatch" in str(errors[0])
