@@ -22,6 +22,7 @@ SHORTER = [
     "--config.orchestrator.group_size=4",
     "--config.sft.batch_size=4",
     "--config.inference.port=0",
+    "--config.inference.startup_timeout_s=900",  # a loaded 2-core machine took over 300 s to start the server
 ]
 
 
