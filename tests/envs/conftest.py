@@ -21,12 +21,20 @@ def make_words_corpus(root: Path, words: list[str]) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def words_corpus_root(tmp_path_factory) -> Path:
+    """One corpus directory for the whole session: NLTK binds its `words` reader to the directory it first loads
+    from and later refuses that directory once it is off `nltk.data.path` (its path security), so every test
+    must name the same one."""
+    return make_words_corpus(tmp_path_factory.mktemp("nltk_data"), ["apple"])
+
+
 @pytest.fixture
-def offline_words(tmp_path, monkeypatch):
+def offline_words(words_corpus_root, monkeypatch):
     """Hangman's word list: one word, so a scripted player can win."""
     import nltk
 
-    root = make_words_corpus(tmp_path / "nltk_data", ["apple"])
+    root = words_corpus_root
     monkeypatch.setenv("NLTK_DATA", str(root))
     monkeypatch.setattr(nltk.data, "path", [str(root), *nltk.data.path])
     return ["apple"]
