@@ -84,7 +84,7 @@ def main() -> None:
     )
     args = p.parse_args()
     rows = []
-    warm = args.out / "step" / "sft" / "final"
+    warm = RunDir(args.out / "step").sft_final()
     for mode in ("step", "continuous"):
         extra = (
             []

@@ -92,7 +92,8 @@ def test_spec_from_config():
                                                                      ("--foo",))
 
 
-def test_module_entry_prints_the_server_command(tmp_path):
+def test_module_entry_prints_the_server_command(tmp_path, tiny_model_dir):
+    # a real model directory: the entrypoint runs the launcher's model preflight before printing anything
     import subprocess
 
     cfg = tmp_path / "c.py"
@@ -100,7 +101,7 @@ def test_module_entry_prints_the_server_command(tmp_path):
         "from primejax.config import default_config\n"
         "def get_config():\n"
         "    c = default_config()\n"
-        f"    c.model.path = {str(tmp_path / 'm')!r}\n"
+        f"    c.model.path = {str(tiny_model_dir)!r}\n"
         "    return c\n"
     )
     out = subprocess.run(
