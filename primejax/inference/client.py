@@ -44,13 +44,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("primejax.inference.client")
 
 
-#: The server the current rollout's turns go to ([None] until its first request picks one); see sticky_route().
-_ROUTE: contextvars.ContextVar[list[str | None] | None] = contextvars.ContextVar("primejax_route", default=None)
+#: The server each client sends the current rollout's turns to (empty until a client's first request picks one);
+#: see sticky_route(). Keyed by client: a rollout also talks to other clients (an opd teacher, a frozen source)
+#: whose servers are not the policy's.
+_ROUTE: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("primejax_route", default=None)
 
 
 def sticky_route() -> None:
-    """Keep every later request of the calling task (and the tasks it starts) on one server."""
-    _ROUTE.set([None])
+    """Keep every later request of the calling task (and the tasks it starts) on one server per client."""
+    _ROUTE.set({})
 
 
 class InferenceError(RuntimeError):
@@ -125,15 +127,16 @@ class InferenceClient:
     # ---------------------------------------------------------------- transport
     def _pick(self) -> str:
         route = _ROUTE.get()
-        if route is not None and route[0] is not None and route[0] not in self.down:
-            return route[0]
+        held = None if route is None else route.get(id(self))
+        if held is not None and held not in self.down:
+            return held
         up = {u: n for u, n in self._in_flight.items() if u not in self.down}
         if not up:
             raise InferenceError(f"no inference server is up (down: {sorted(self.down)})")
         least = min(up.values())
         url = random.choice([u for u, n in up.items() if n == least])
         if route is not None:
-            route[0] = url
+            route[id(self)] = url
         return url
 
     def mark_down(self, url: str, reason: str) -> None:

@@ -176,6 +176,34 @@ def test_a_rollouts_turns_stay_on_one_replica_and_new_rollouts_go_to_the_least_l
     assert hits[:2] in (["a", "b"], ["b", "a"])
 
 
+def test_a_sticky_rollout_reaches_a_second_clients_own_server():
+    """An opd rollout samples from the policy and scores on the teacher inside one sticky route: the teacher's
+    client must pick among its own servers, not follow the route the policy's client set."""
+    from primejax.inference.client import sticky_route
+
+    hits: list[str] = []
+
+    def handler(req):
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        hits.append(req.url.host)
+        if req.url.host == "teacher":
+            return httpx.Response(200, json={"choices": [{"prompt_logprobs": [None, {"2": {"logprob": -0.5}}]}]})
+        return httpx.Response(200, json=COMPLETION)
+
+    async def go():
+        async with _client(handler, urls=("http://policy",)) as policy, _client(handler, urls=("http://teacher",)) \
+                as teacher:
+            sticky_route()
+            await policy.generate([1, 2, 3], n=2, max_tokens=2, temperature=1.0)
+            scores = await teacher.score([1, 2])
+            await policy.generate([1, 2, 3], n=2, max_tokens=2, temperature=1.0)
+            return scores
+
+    assert asyncio.run(go()) == [None, -0.5]
+    assert hits == ["policy", "teacher", "policy"]
+
+
 def test_a_replica_that_fails_is_routed_around_until_revived():
     dead = {"b"}
 
