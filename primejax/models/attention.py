@@ -105,8 +105,8 @@ def attention(
 ) -> jax.Array:
     """Packed causal GQA attention.
 
-    q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K; segment_ids: int32 [B, T].
-    Returns [B, T, H, Dh] in q's dtype. `positions` are not needed by any mask here (see module docstring)
+    q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K (v may be narrower: [B, T, K, Dv]);
+    segment_ids: int32 [B, T]. Returns [B, T, H, Dv] in q's dtype. `positions` are not needed by any mask here (see module docstring)
     and are accepted so every kernel shares one signature. `interpret` runs Pallas kernels in interpreter
     mode (for tests off-TPU). cudnn only: `max_runs` bounds the runs of equal segment ids per row, and
     `runs` (from `prepare_segments`, computed once for all layers) replaces both that bound and the per-call
@@ -118,6 +118,15 @@ def attention(
     impl = "splash" if interpret and impl == "splash" else resolve_impl(impl, q.dtype)
     if impl == "xla":
         return _xla_attention(q, k, v, segment_ids, scale)
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:
+        # Values narrower than queries/keys (multi-head latent attention: Dv 128 against Dn+Dr 192): the fused
+        # kernels take one head width, so v is zero-padded to it and the padding's outputs dropped.
+        if dv > q.shape[-1]:
+            raise ValueError(f"value head width {dv} exceeds the query/key width {q.shape[-1]}")
+        pad = [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - dv)]
+        return attention(q, k, jnp.pad(v, pad), segment_ids, impl=impl, scale=scale, max_runs=max_runs,
+                         runs=runs, interpret=interpret)[..., :dv]
     if impl == "cudnn":
         if runs is not None:
             return _cudnn_attention(q, k, v, runs, scale)
@@ -138,7 +147,7 @@ def _xla_attention(q, k, v, segment_ids, scale):
     s_bkgts = jnp.where(mask_b11ts, s_bkgts, jnp.finfo(jnp.float32).min)
     p_bkgts = jax.nn.softmax(s_bkgts, axis=-1).astype(v.dtype)
     o_btkgd = jnp.einsum("bkgts,bskd->btkgd", p_bkgts, v)
-    return o_btkgd.reshape(b, t, h, d).astype(q.dtype)
+    return o_btkgd.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
 
 
 class SegmentRuns(NamedTuple):

@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 decoder families.
+"""Model configuration: one frozen dataclass for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 / DeepSeek-V3
+decoder families.
 
 Built from (and written back to) a Hugging Face `config.json`, so a checkpoint directory alone describes the
 model. Training-side choices (dtypes, attention kernel, remat policy) are not part of the HF config and come
@@ -33,9 +34,10 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
-MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 # How a MoE router turns its logits into experts and combine weights (models/moe.py `route`):
 #   softmax  Qwen3-MoE: softmax over all experts, top-k of the probabilities
 #   sigmoid  GLM-4.5 / DeepSeek-V3: a sigmoid score per expert; the top-k is chosen on score + a fixed
@@ -99,6 +101,14 @@ class ModelConfig:
     n_shared_experts: int = 0
     # Rotary embedding on the first head_dim * partial_rotary_factor dims of q/k only (GLM-4.5: 0.5).
     partial_rotary_factor: float = 1.0
+    # Multi-head latent attention (deepseek_v3, models/mla.py), on when kv_lora_rank > 0. head_dim is then the
+    # rope part of a query/key head (qk_rope_head_dim, as transformers sets it), qk_nope_head_dim its other
+    # part, v_head_dim a value head; q_lora_rank 0 stands for DeepSeek's None (q_proj without a bottleneck).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # DeepSeek's rope layout: interleaved pairs (models/layers.py)
     # Fields of the source config.json we do not model but must write back unchanged (token ids, etc.).
     hf_extra: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -148,10 +158,46 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if rope_type not in ("default", "llama3"):
+            supported = ("default", "llama3", "yarn") if self.mla else ("default", "llama3")
+            if rope_type not in supported:
                 raise NotImplementedError(
-                    f"rope scaling type {rope_type!r} is not implemented (supported: default, llama3)"
+                    f"rope scaling type {rope_type!r} is not implemented for {self.model_type} (supported: "
+                    f"{', '.join(supported)})"
                 )
+        if self.mla:
+            self._check_mla()
+        elif self.model_type == "deepseek_v3":
+            raise ValueError("deepseek_v3 needs kv_lora_rank > 0 (multi-head latent attention)")
+
+    def _check_mla(self) -> None:
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                f"multi-head latent attention expands its latent to every head: num_key_value_heads="
+                f"{self.num_kv_heads} must equal num_attention_heads={self.num_heads}"
+            )
+        if self.attention_bias or self.attention_out_bias or self.qk_norm or self.partial_rotary_factor != 1.0:
+            raise NotImplementedError(
+                "multi-head latent attention with attention_bias, qk norm or partial rotary is not implemented"
+            )
+        if self.qk_nope_head_dim <= 0 or self.v_head_dim <= 0 or self.q_lora_rank < 0:
+            raise ValueError("multi-head latent attention needs qk_nope_head_dim > 0 and v_head_dim > 0")
+        if self.v_head_dim > self.qk_head_dim:
+            raise ValueError(f"v_head_dim={self.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim")
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (deepseek_v3) instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of a query/key head (MLA: nope + rope parts)."""
+        return self.qk_nope_head_dim + self.head_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of a value head (and of the attention output per head)."""
+        return self.v_head_dim if self.mla else self.head_dim
 
     @property
     def rotary_dim(self) -> int:
@@ -182,9 +228,12 @@ class ModelConfig:
         rope_theta, rope_scaling = _read_rope(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
+        head_dim = int(hf.get("head_dim") or hidden // num_heads)
+        if model_type == "deepseek_v3":  # the rotated part of a head (transformers sets head_dim to it too)
+            head_dim = int(hf.get("qk_rope_head_dim", 64))
         if model_type == "qwen2":
             qkv_bias, out_bias = True, False
-        elif model_type == "glm4_moe":  # GLM-4.5: attention_bias puts a bias on q/k/v only, never on o_proj
+        elif model_type in ("glm4_moe", "deepseek_v3"):  # GLM-4.5: a bias on q/k/v only, never on o_proj
             qkv_bias, out_bias = bool(hf.get("attention_bias", False)), False
         else:
             qkv_bias = out_bias = bool(hf.get("attention_bias", False))
@@ -213,6 +262,9 @@ class ModelConfig:
                       "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "n_shared_experts",
                       "first_k_dense_replace", "use_qk_norm", "partial_rotary_factor", "hidden_act"}
             moe = _glm4_moe_fields(hf)
+        if model_type == "deepseek_v3":
+            known |= _DEEPSEEK_V3_KEYS
+            moe = _deepseek_v3_fields(hf)
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -221,7 +273,7 @@ class ModelConfig:
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -281,6 +333,8 @@ class ModelConfig:
         if self.model_type == "glm4_moe":
             hf.update(_glm4_moe_hf(self))
             rope_params["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.model_type == "deepseek_v3":
+            hf.update(_deepseek_v3_hf(self))
         if self.model_type == "qwen3_moe":
             hf.update(
                 num_experts=self.num_experts,
@@ -321,11 +375,18 @@ class ModelConfig:
         norms and biases are not, as in prime-rl's MFU accounting.
         """
         d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = d * h * hd + 2 * d * k * hd + h * hd * d
+        attn = self._mla_params() if self.mla else d * h * hd + 2 * d * k * hd + h * hd * d
         mlp = 3 * d * self.intermediate_size
         return self.num_layers * attn + len(self.dense_layers()) * mlp + self._moe_params(active=True) + (
             d * self.vocab_size
         )
+
+    def _mla_params(self) -> int:
+        """One layer's multi-head latent attention matmul weights (q path, kv_a, kv_b, o_proj)."""
+        d, h, rq, rkv = self.hidden_size, self.num_heads, self.q_lora_rank, self.kv_lora_rank
+        q = d * rq + rq * h * self.qk_head_dim if rq else d * h * self.qk_head_dim
+        kv = d * (rkv + self.head_dim) + rkv * h * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + h * self.v_head_dim * d
 
     def _moe_params(self, *, active: bool) -> int:
         """Expert + router weights of all sparse layers; `active`: only the top-k experts a token uses."""
@@ -340,7 +401,12 @@ class ModelConfig:
         hidden/heads, not head_dim, exactly as prime-rl (and torchtitan) do, so MFU numbers are comparable.
         GLM-4.5 uses its own head width (12 * layers * heads * head_dim * seq_len: QK^T and PV, forward and
         backward): its 96 heads of 128 are three times its hidden size of 4096, which hidden/heads would miss.
+        DeepSeek-V3 (MLA, trained decompressed) counts QK^T over Dn + Dr and PV over Dv per head:
+        6 * layers * heads * (Dn + Dr + Dv) * seq_len (V3: 192 + 128 against hidden/heads = 56).
         """
+        if self.mla:
+            per_token = 6 * self.num_layers * self.num_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+            return float(6 * self.num_matmul_params() + per_token)
         per_head = self.head_dim if self.model_type == "glm4_moe" else self.hidden_size // self.num_heads
         return float(6 * self.num_matmul_params() + 12 * self.num_layers * self.num_heads * per_head * seq_len)
 
@@ -348,6 +414,8 @@ class ModelConfig:
         """All parameters as stored (embedding once when tied, norms and biases included)."""
         d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 2 * d
+        if self.mla:  # its matmuls plus the latent norms
+            per_layer = self._mla_params() + self.q_lora_rank + self.kv_lora_rank + 2 * d
         if self.qk_norm:
             per_layer += 2 * hd
         if self.attention_bias:
@@ -364,33 +432,36 @@ class ModelConfig:
         return (self.num_matmul_params() - self.hidden_size * self.vocab_size) // self.num_layers
 
 
-def _glm4_moe_fields(hf: dict) -> dict[str, Any]:
-    """ModelConfig fields of a GLM-4.5 `config.json` (transformers' Glm4MoeConfig; its defaults where absent).
+def _sigmoid_moe_fields(hf: dict, defaults: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig MoE fields of a GLM-4.5 or DeepSeek-V3 `config.json` (the same router and layer layout;
+    `defaults`: the transformers config class's values for absent keys).
 
     The first `first_k_dense_replace` layers are dense (mlp_only_layers), every later one sparse. MTP layers
     (`num_nextn_predict_layers`, stored after the last decoder layer) are speculative-decoding heads: RL trains
     the decoder alone, so they are neither loaded nor exported (docs/models.md).
     """
-    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+
+    def get(key):
+        return hf[key] if hf.get(key) is not None else defaults[key]
+
     return dict(
         num_experts=int(hf["n_routed_experts"] if "n_routed_experts" in hf else hf["num_local_experts"]),
-        num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 1408)),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        mlp_only_layers=tuple(range(int(hf.get("first_k_dense_replace", 1)))),
+        num_experts_per_tok=int(get("num_experts_per_tok")),
+        moe_intermediate_size=int(get("moe_intermediate_size")),
+        norm_topk_prob=bool(get("norm_topk_prob")),
+        mlp_only_layers=tuple(range(int(get("first_k_dense_replace")))),
         router_scoring="sigmoid",
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        n_shared_experts=int(hf.get("n_shared_experts") or 0),
-        partial_rotary_factor=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))),
+        routed_scaling_factor=float(get("routed_scaling_factor")),
+        n_group=int(get("n_group")),
+        topk_group=int(get("topk_group")),
+        n_shared_experts=int(get("n_shared_experts")),
     )
 
 
-def _glm4_moe_hf(cfg: ModelConfig) -> dict[str, Any]:
+def _sigmoid_moe_hf(cfg: ModelConfig) -> dict[str, Any]:
     k = len(cfg.mlp_only_layers)
     if cfg.mlp_only_layers != tuple(range(k)) or cfg.decoder_sparse_step != 1:
-        raise ValueError("glm4_moe: the dense layers must be the first ones (first_k_dense_replace)")
+        raise ValueError(f"{cfg.model_type}: the dense layers must be the first ones (first_k_dense_replace)")
     return dict(
         n_routed_experts=cfg.num_experts,
         num_experts_per_tok=cfg.num_experts_per_tok,
@@ -401,8 +472,67 @@ def _glm4_moe_hf(cfg: ModelConfig) -> dict[str, Any]:
         n_group=cfg.n_group,
         topk_group=cfg.topk_group,
         n_shared_experts=cfg.n_shared_experts,
-        use_qk_norm=cfg.qk_norm,
-        partial_rotary_factor=cfg.partial_rotary_factor,
+    )
+
+
+# transformers' Glm4MoeConfig defaults (n_shared_experts as primejax read it before: absent = none)
+_GLM4_MOE_DEFAULTS = dict(
+    num_experts_per_tok=8, moe_intermediate_size=1408, norm_topk_prob=True, first_k_dense_replace=1,
+    routed_scaling_factor=1.0, n_group=1, topk_group=1, n_shared_experts=0,
+)  # fmt: skip
+
+
+def _glm4_moe_fields(hf: dict) -> dict[str, Any]:
+    """ModelConfig fields of a GLM-4.5 `config.json`: the sigmoid MoE plus partial rotary."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    return dict(
+        _sigmoid_moe_fields(hf, _GLM4_MOE_DEFAULTS),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))),
+    )
+
+
+def _glm4_moe_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(_sigmoid_moe_hf(cfg), use_qk_norm=cfg.qk_norm, partial_rotary_factor=cfg.partial_rotary_factor)
+
+
+# transformers' DeepseekV3Config defaults for absent keys
+_DEEPSEEK_V3_DEFAULTS = dict(
+    num_experts_per_tok=8, moe_intermediate_size=2048, norm_topk_prob=True, first_k_dense_replace=3,
+    routed_scaling_factor=2.5, n_group=8, topk_group=4, n_shared_experts=1,
+)  # fmt: skip
+_DEEPSEEK_V3_KEYS = {
+    "n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "routed_scaling_factor", "n_group", "topk_group", "n_shared_experts", "first_k_dense_replace", "hidden_act",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
+    "rope_interleave",
+}
+
+
+def _deepseek_v3_fields(hf: dict) -> dict[str, Any]:
+    """ModelConfig fields of a DeepSeek-V3 `config.json`: multi-head latent attention plus the sigmoid MoE.
+    q_lora_rank null (no query bottleneck) is stored as 0; the MTP layers are skipped as for GLM-4.5."""
+    if hf.get("attention_bias"):
+        raise NotImplementedError("deepseek_v3 with attention_bias=true is not implemented")
+    return dict(
+        _sigmoid_moe_fields(hf, _DEEPSEEK_V3_DEFAULTS),
+        q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0),
+        kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),
+        v_head_dim=int(hf.get("v_head_dim", 128)),
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+    )
+
+
+def _deepseek_v3_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(
+        _sigmoid_moe_hf(cfg),
+        q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.head_dim,
+        v_head_dim=cfg.v_head_dim,
+        qk_head_dim=cfg.qk_head_dim,
+        rope_interleave=cfg.rope_interleave,
     )
 
 

@@ -40,6 +40,9 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,  # norm scales are tiny; replicate
+    # multi-head latent attention's compressed q / kv ranks (models/mla.py): the input dimension of q_b_proj
+    # and kv_b_proj, split like `embed` (FSDP), which those weights do not have
+    "latent": ("fsdp", "context"),
     # MoE experts (models/moe.py): the expert axis is split over fsdp (expert parallelism; how tokens meet
     # their experts is ModelConfig.expert_parallel); inside an expert nothing is split.
     "experts": "fsdp",

@@ -1,4 +1,4 @@
-"""Causal decoder for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 families (Flax NNX).
+"""Causal decoder for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 / DeepSeek-V3 families (Flax NNX).
 
 Layer parameters are stacked on a leading `layers` axis and the forward pass applies one pure layer function
 per layer, unrolled by default or as a `lax.scan` (`ModelConfig.scan_layers`: traced and compiled once however
@@ -15,6 +15,9 @@ layers only and the sparse layers' weights over the sparse layers only (router [
 [Ls, E, D, 2, I], experts_down [Ls, E, I, D]; glm4_moe adds router_bias [Ls, E] (fp32) and the shared experts
 shared_gate_proj/shared_up_proj [Ls, D, Fs], shared_down_proj [Ls, Fs, D]); attention weights stay stacked
 over all L layers.
+
+DeepSeek-V3 (deepseek_v3) replaces q/k/v_proj with multi-head latent attention's weights (models/mla.py); its
+MoE layers are GLM-4.5's (sigmoid router with the correction bias, groups, shared experts).
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import Offloadable, checkpoint_name
 
 from primejax.models.attention import SegmentRuns, attention, prepare_segments, resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import to_heads, to_tokens
+from primejax.models.layers import apply_rope, rms_norm, rope_tables
+from primejax.models.mla import attention_scale as mla_attention_scale
+from primejax.models.mla import mla_qkv
 from primejax.models.moe import GMM_OUTPUTS, expert_load, load_balance_loss, moe_block, router_z_loss
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
@@ -114,51 +119,20 @@ def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None
     return nnx.Param(value, logical_axes=axes)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF RMSNorm: normalize in fp32, cast back, then scale in the compute dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return y.astype(x.dtype) * weight.astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [R/2] (float32) for the R = cfg.rotary_dim rotated dims, with llama3
-    frequency-dependent scaling when configured."""
-    dim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    inv_freq = inv_freq.astype(np.float32)
-    scaling = cfg.rope_scaling
-    if scaling is None or scaling.get("rope_type", "default") == "default":
-        return inv_freq
-    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
-    factor = float(scaling["factor"])
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * np.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_tables(positions: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, R] (R = rotary_dim) for the half-split (rotate_half) convention HF uses for these
-    families."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
-def apply_rope(x_btnh: jax.Array, cos_btr: jax.Array, sin_btr: jax.Array) -> jax.Array:
-    """Rotate the first R = cos.shape[-1] dims of each head (all of them unless partial rotary); the rest pass."""
-    r = cos_btr.shape[-1]
-    if r < x_btnh.shape[-1]:
-        return jnp.concatenate([apply_rope(x_btnh[..., :r], cos_btr, sin_btr), x_btnh[..., r:]], axis=-1)
-    half = r // 2
-    rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
-    return x_btnh * cos_btr[:, :, None] + rotated * sin_btr[:, :, None]
+def _gqa_qkv(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, cos, sin):
+    """q [B, T, H, Dh], k/v [B, T, K, Dh] of grouped-query attention (every family but deepseek_v3)."""
+    dt, eps = h_btd.dtype, cfg.rms_norm_eps
+    q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt))
+    k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt))
+    v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt))
+    if cfg.attention_bias:
+        q_btnh = q_btnh + p["q_bias"].astype(dt)
+        k_btkh = k_btkh + p["k_bias"].astype(dt)
+        v_btkh = v_btkh + p["v_bias"].astype(dt)
+    if cfg.qk_norm:
+        q_btnh = rms_norm(q_btnh, p["q_norm"], eps)
+        k_btkh = rms_norm(k_btkh, p["k_norm"], eps)
+    return apply_rope(q_btnh, cos, sin), apply_rope(k_btkh, cos, sin), v_btkh
 
 
 def decoder_layer(
@@ -181,20 +155,16 @@ def decoder_layer(
     eps = cfg.rms_norm_eps
 
     h_btd = rms_norm(x_btd, p["attn_norm"], eps)
-    q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt))
-    k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt))
-    v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt))
-    if cfg.attention_bias:
-        q_btnh = q_btnh + p["q_bias"].astype(dt)
-        k_btkh = k_btkh + p["k_bias"].astype(dt)
-        v_btkh = v_btkh + p["v_bias"].astype(dt)
-    if cfg.qk_norm:
-        q_btnh = rms_norm(q_btnh, p["q_norm"], eps)
-        k_btkh = rms_norm(k_btkh, p["k_norm"], eps)
+    if cfg.mla:
+        q_btnh, k_btkh, v_btkh = mla_qkv(cfg, p, h_btd, cos, sin)
+        scale = mla_attention_scale(cfg)
+    else:
+        q_btnh, k_btkh, v_btkh = _gqa_qkv(cfg, p, h_btd, cos, sin)
+        scale = None
     # Whole rows, heads split, for the kernel: under context parallelism an all-to-all (context_parallel.py).
-    q_btnh, k_btkh, v_btkh = to_heads(apply_rope(q_btnh, cos, sin), apply_rope(k_btkh, cos, sin), v_btkh)
+    q_btnh, k_btkh, v_btkh = to_heads(q_btnh, k_btkh, v_btkh)
 
-    o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl, runs=runs)
+    o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl, runs=runs, scale=scale)
     o_btnh = to_tokens(checkpoint_name(o_btnh, ATTN_OUT))
     o_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt))
     if cfg.attention_out_bias:
@@ -258,10 +228,13 @@ class DecoderStack(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         lay = "layers"
         self.attn_norm = _param(rngs, (n, d), (lay, "norm"), dt, ones=True)
-        self.q_proj = _param(rngs, (n, d, h, hd), (lay, "embed", "q_heads", "head_dim"), dt)
-        self.k_proj = _param(rngs, (n, d, k, hd), (lay, "embed", "kv_heads", "head_dim"), dt)
-        self.v_proj = _param(rngs, (n, d, k, hd), (lay, "embed", "kv_heads", "head_dim"), dt)
-        self.o_proj = _param(rngs, (n, h, hd, d), (lay, "q_heads", "head_dim", "embed"), dt)
+        if cfg.mla:
+            self._init_mla(cfg, rngs, dt)
+        else:
+            self.q_proj = _param(rngs, (n, d, h, hd), (lay, "embed", "q_heads", "head_dim"), dt)
+            self.k_proj = _param(rngs, (n, d, k, hd), (lay, "embed", "kv_heads", "head_dim"), dt)
+            self.v_proj = _param(rngs, (n, d, k, hd), (lay, "embed", "kv_heads", "head_dim"), dt)
+            self.o_proj = _param(rngs, (n, h, hd, d), (lay, "q_heads", "head_dim", "embed"), dt)
         if cfg.attention_bias:
             # HF zero-initializes biases; small random values make tests exercise them.
             self.q_bias = _param(rngs, (n, h, hd), (lay, "q_heads", "head_dim"), dt)
@@ -296,6 +269,24 @@ class DecoderStack(nnx.Module):
                 self.shared_gate_proj = _param(rngs, (ns, d, fs), (lay, "embed", "mlp"), dt)
                 self.shared_up_proj = _param(rngs, (ns, d, fs), (lay, "embed", "mlp"), dt)
                 self.shared_down_proj = _param(rngs, (ns, fs, d), (lay, "mlp", "embed"), dt)
+
+    def _init_mla(self, cfg: ModelConfig, rngs: nnx.Rngs, dt) -> None:
+        """Multi-head latent attention's weights (models/mla.py). The latent ranks are a weight's input
+        dimension where `embed` is not: they take its FSDP split (the `latent` rule)."""
+        n, d, h, lay = cfg.num_layers, cfg.hidden_size, cfg.num_heads, "layers"
+        rq, rkv, dn, dr, dv = (
+            cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim
+        )  # fmt: skip
+        if rq:
+            self.q_a_proj = _param(rngs, (n, d, rq), (lay, "embed", None), dt)
+            self.q_a_norm = _param(rngs, (n, rq), (lay, "norm"), dt, ones=True)
+            self.q_b_proj = _param(rngs, (n, rq, h, dn + dr), (lay, "latent", "q_heads", "head_dim"), dt)
+        else:
+            self.q_proj = _param(rngs, (n, d, h, dn + dr), (lay, "embed", "q_heads", "head_dim"), dt)
+        self.kv_a_proj = _param(rngs, (n, d, rkv + dr), (lay, "embed", None), dt)
+        self.kv_a_norm = _param(rngs, (n, rkv), (lay, "norm"), dt, ones=True)
+        self.kv_b_proj = _param(rngs, (n, rkv, h, dn + dv), (lay, "latent", "q_heads", "head_dim"), dt)
+        self.o_proj = _param(rngs, (n, h, dv, d), (lay, "q_heads", "head_dim", "embed"), dt)
 
     def stacked_params(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}

@@ -83,8 +83,29 @@ VARIANTS = {
              norm_topk_prob=False, use_qk_norm=True, attention_bias=False, num_nextn_predict_layers=0,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)),
     ),
+    # DeepSeek-V3: multi-head latent attention with a query bottleneck (q_lora_rank), interleaved rope, 8 experts
+    # top-2 in 4 groups of which 2 are kept, a shared expert, the first layer dense, untied; and without the
+    # query bottleneck (q_proj), half-split rope, value heads as wide as query heads, ungrouped routing, no
+    # renormalization, every layer sparse, tied. num_key_value_heads = num_attention_heads (MLA).
+    "deepseek_v3_qlora": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(tie_word_embeddings=False, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+             qk_nope_head_dim=32, qk_rope_head_dim=16, head_dim=16, v_head_dim=24, rope_interleave=True, n_routed_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+             routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True, num_hidden_layers=3,
+             num_nextn_predict_layers=0),
+    ),
+    "deepseek_v3_noqlora_tied": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(tie_word_embeddings=True, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
+             qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=16, v_head_dim=32, rope_interleave=False, n_routed_experts=6,
+             num_experts_per_tok=3, moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=0,
+             routed_scaling_factor=1.0, n_shared_experts=2, norm_topk_prob=False, num_nextn_predict_layers=0),
+    ),
 }
-MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe"))]
+MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe", "deepseek_v3"))]
 
 
 def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.PreTrainedModel:
