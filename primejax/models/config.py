@@ -158,7 +158,7 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            supported = ("default", "llama3", "yarn") if self.mla else ("default", "llama3")
+            supported = ("default", "llama3", "yarn") if self.model_type == "deepseek_v3" else ("default", "llama3")
             if rope_type not in supported:
                 raise NotImplementedError(
                     f"rope scaling type {rope_type!r} is not implemented for {self.model_type} (supported: "
@@ -222,6 +222,9 @@ class ModelConfig:
             raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is implemented")
         if hf.get("mlp_bias", False):
             raise NotImplementedError("mlp_bias=true is not implemented")
+        if hf.get("quantization_config"):
+            method = hf["quantization_config"].get("quant_method", "?")
+            raise NotImplementedError(f"quantized checkpoints ({method}) are not loaded: convert the weights to bf16 first")
         if hf.get("use_sliding_window", False):
             raise NotImplementedError("sliding-window attention (use_sliding_window=true) is not implemented")
 
@@ -504,7 +507,7 @@ _DEEPSEEK_V3_KEYS = {
     "n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "routed_scaling_factor", "n_group", "topk_group", "n_shared_experts", "first_k_dense_replace", "hidden_act",
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
-    "rope_interleave",
+    "rope_interleave", "scoring_func", "topk_method", "moe_layer_freq",
 }
 
 
@@ -513,6 +516,10 @@ def _deepseek_v3_fields(hf: dict) -> dict[str, Any]:
     q_lora_rank null (no query bottleneck) is stored as 0; the MTP layers are skipped as for GLM-4.5."""
     if hf.get("attention_bias"):
         raise NotImplementedError("deepseek_v3 with attention_bias=true is not implemented")
+    # The original checkpoint's keys transformers ignores but whose other values mean another model.
+    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if hf.get(key, value) != value:
+            raise NotImplementedError(f"deepseek_v3 with {key}={hf[key]!r} is not implemented (only {value!r})")
     return dict(
         _sigmoid_moe_fields(hf, _DEEPSEEK_V3_DEFAULTS),
         q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0),

@@ -114,7 +114,9 @@ def rope_tables(positions: jax.Array, cfg, dtype) -> tuple[jax.Array, jax.Array]
     return cos.astype(dtype), sin.astype(dtype)
 
 
-def apply_rope(x_btnh: jax.Array, cos_btr: jax.Array, sin_btr: jax.Array, *, interleaved: bool = False) -> jax.Array:
+def apply_rope(
+    x_btnh: jax.Array, cos_btr: jax.Array, sin_btr: jax.Array, *, interleaved: bool = False
+) -> jax.Array:
     """Rotate the first R = cos.shape[-1] dims of each head (all of them unless partial rotary); the rest pass.
 
     `interleaved` (DeepSeek's rope_interleave): the rotated dims are first de-interleaved to [evens, odds],

@@ -36,7 +36,9 @@ def attention_scale(cfg) -> float:
     return scale
 
 
-def mla_qkv(cfg, p: dict[str, jax.Array], h_btd: jax.Array, cos, sin) -> tuple[jax.Array, jax.Array, jax.Array]:
+def mla_qkv(
+    cfg, p: dict[str, jax.Array], h_btd: jax.Array, cos, sin
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, Dn+Dr] and v [B, T, H, Dv] of one layer (`p`: its weights) from normed hidden states."""
     dt, eps = h_btd.dtype, cfg.rms_norm_eps
     dn, rkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank

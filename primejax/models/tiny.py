@@ -18,8 +18,11 @@ from typing import Any, Literal
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
 
-Family = Literal["qwen3", "llama", "qwen3_moe", "glm4_moe"]
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe")  # the builder's subset of config.ARCHITECTURES
+Family = Literal["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3"]
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3")  # the builder's subset of config.ARCHITECTURES
+# deepseek_v3's latent widths: vLLM's CPU MLA decode kernel is compiled for a latent cache of 512 + 64 only
+# (DeepSeek-V2/V3's kv_lora_rank + qk_rope_head_dim), so a tiny model vLLM serves keeps them.
+MLA_KV_LORA_RANK, MLA_ROPE_HEAD_DIM = 512, 64
 # The RoPE base of every tiny model: written to its config.json and used by `TinyModelConfig.architecture`.
 ROPE_THETA = 1_000_000.0
 
@@ -165,8 +168,12 @@ def build_tiny_model(
     mlp_only_layers: tuple[int, ...] = (),
     extra_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random-init tiny Qwen3, Llama, Qwen3-MoE or GLM-4.5 MoE model (fp32 safetensors) plus tokenizer
-    to `out_dir`.
+    """Write a random-init tiny Qwen3, Llama, Qwen3-MoE, GLM-4.5 MoE or DeepSeek-V3 model (fp32 safetensors) plus
+    tokenizer to `out_dir`.
+
+    "deepseek_v3" has GLM-4.5's MoE structure below (without the q/k/v bias and partial rotary) and multi-head
+    latent attention: query bottleneck hidden/2, latent 512 + rope key 64 (vLLM's CPU MLA kernel needs them),
+    `head_dim` for the unrotated query/key part and the values, interleaved rope; num_kv_heads is ignored.
 
     The MoE arguments apply to families "qwen3_moe" (norm_topk_prob on, as in Qwen3-30B-A3B) and "glm4_moe"
     (GLM-4.5's structure: the first layer dense (unless mlp_only_layers says otherwise, as a prefix), one shared
@@ -249,6 +256,25 @@ def build_tiny_model(
             num_nextn_predict_layers=0,
         )
         model_cls = transformers.Glm4MoeForCausalLM
+    elif family == "deepseek_v3":
+        common.pop("rope_theta")
+        common.update(num_key_value_heads=num_heads, head_dim=MLA_ROPE_HEAD_DIM)
+        config = transformers.DeepseekV3Config(
+            **common,
+            **_deepseek_v3_shape(hidden_size, head_dim),
+            rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA),
+            n_routed_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=True,
+            first_k_dense_replace=len(mlp_only_layers) if mlp_only_layers else 1,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=0,
+        )
+        model_cls = transformers.DeepseekV3ForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
@@ -257,7 +283,7 @@ def build_tiny_model(
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    if family in ("qwen3_moe", "glm4_moe"):
+    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):
@@ -306,6 +332,15 @@ TINY_MOE: MappingProxyType[str, Any] = MappingProxyType(
 )
 
 
+def _deepseek_v3_shape(hidden_size: int, head_dim: int) -> dict[str, Any]:
+    """build_tiny_model's multi-head latent attention: a query bottleneck of hidden/2, vLLM's CPU latent widths
+    (MLA_KV_LORA_RANK + MLA_ROPE_HEAD_DIM), and `head_dim` for the unrotated query/key part and the values."""
+    return dict(
+        q_lora_rank=max(hidden_size // 2, 16), kv_lora_rank=MLA_KV_LORA_RANK, qk_rope_head_dim=MLA_ROPE_HEAD_DIM,
+        qk_nope_head_dim=head_dim, v_head_dim=head_dim, rope_interleave=True,
+    )  # fmt: skip
+
+
 def build_tiny_moe(out_dir: str | Path, **overrides: Any) -> Path:
     """`build_tiny_model` with the `TINY_MOE` arguments, any of them (or others) replaced by `overrides`."""
     return build_tiny_model(out_dir, **{**TINY_MOE, **overrides})
@@ -327,9 +362,9 @@ class TinyModelConfig(Section):
     seed: int = option(0, "random init seed")
     tokenizer: str = option("bpe", "bpe: byte-level BPE; bytes: one token per character", choices=TOKENIZERS)
     vocab_size: int = option(0, f"tokens; 0 = {DEFAULT_VOCAB_SIZE} (bpe) or {BYTES_VOCAB_SIZE} (bytes)", ge=0)
-    num_experts: int = option(8, "qwen3_moe/glm4_moe: experts per sparse layer (docs/moe.md)", gt=0, le=256)
-    num_experts_per_tok: int = option(2, "qwen3_moe/glm4_moe: experts each token is routed to", gt=0)
-    moe_intermediate_size: int = option(64, "qwen3_moe/glm4_moe: expert MLP width", gt=0)
+    num_experts: int = option(8, "MoE families: experts per sparse layer (docs/moe.md)", gt=0, le=256)
+    num_experts_per_tok: int = option(2, "MoE families: experts each token is routed to", gt=0)
+    moe_intermediate_size: int = option(64, "MoE families: expert MLP width", gt=0)
     tool_tokens: bool = option(False, "add Qwen3's <tool_call>/<tool_response> tokens (tool-using envs)")
 
     def check(self) -> None:
@@ -337,8 +372,8 @@ class TinyModelConfig(Section):
             raise ConfigError("num_experts_per_tok", f"must be <= num_experts ({self.num_experts})")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("num_kv_heads", f"must divide num_heads ({self.num_heads})")
-        if self.family == "glm4_moe" and (self.num_experts % 2 or self.num_experts < 4):
-            raise ConfigError("num_experts", "glm4_moe routes over 2 expert groups: an even number, at least 4")
+        if self.family in ("glm4_moe", "deepseek_v3") and (self.num_experts % 2 or self.num_experts < 4):
+            raise ConfigError("num_experts", f"{self.family} routes over 2 expert groups: an even number, at least 4")
         if self.tokenizer == "bytes" and 0 < self.vocab_size < BYTES_VOCAB_SIZE:
             raise ConfigError("vocab_size", f"a byte tokenizer has {BYTES_VOCAB_SIZE} tokens at least")
 
@@ -350,6 +385,7 @@ class TinyModelConfig(Section):
         """The `ModelConfig` this section describes, without building anything (benchmarks with no model dir)."""
         from primejax.models.config import ModelConfig
 
+        fields = {**self._moe_fields(), **self._mla_fields()}
         return ModelConfig(
             model_type=self.family,
             vocab_size=self.resolved_vocab_size,
@@ -357,8 +393,8 @@ class TinyModelConfig(Section):
             intermediate_size=self.intermediate_size,
             num_layers=self.num_layers,
             num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
+            num_kv_heads=self.num_heads if self.family == "deepseek_v3" else self.num_kv_heads,
+            head_dim=MLA_ROPE_HEAD_DIM if self.family == "deepseek_v3" else self.head_dim,
             rope_theta=ROPE_THETA,
             rope_scaling=None,
             rms_norm_eps=1e-6,
@@ -366,12 +402,18 @@ class TinyModelConfig(Section):
             qk_norm=self.family in ("qwen3", "qwen3_moe"),
             attention_bias=self.family == "glm4_moe",
             max_position_embeddings=max_positions,
-            **self._moe_fields(),
-            **overrides,
+            **{**fields, **overrides},
         )
 
+    def _mla_fields(self) -> dict:
+        if self.family != "deepseek_v3":
+            return {}
+        shape = _deepseek_v3_shape(self.hidden_size, self.head_dim)
+        shape.pop("qk_rope_head_dim")  # ModelConfig.head_dim
+        return shape
+
     def _moe_fields(self) -> dict:
-        if self.family not in ("qwen3_moe", "glm4_moe"):
+        if self.family not in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
             return {}
         moe = dict(
             num_experts=self.num_experts,
@@ -379,11 +421,13 @@ class TinyModelConfig(Section):
             moe_intermediate_size=self.moe_intermediate_size,
             norm_topk_prob=True,
         )
-        if self.family == "glm4_moe":  # build_tiny_model's GLM-4.5 structure
+        if self.family in ("glm4_moe", "deepseek_v3"):  # build_tiny_model's GLM-4.5 / DeepSeek-V3 structure
             moe.update(
                 mlp_only_layers=(0,), router_scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                n_shared_experts=1, partial_rotary_factor=0.5,
+                n_shared_experts=1,
             )  # fmt: skip
+        if self.family == "glm4_moe":
+            moe.update(partial_rotary_factor=0.5)
         return moe
 
     def build(self, out_dir: str | Path) -> Path:

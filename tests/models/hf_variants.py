@@ -19,6 +19,11 @@ _COMMON = dict(
     rms_norm_eps=1e-6,
 )
 
+# YaRN as DeepSeek-V3 configures it, stretched so the test positions (up to 40) cross its ramp, with the
+# cos/sin factor and the softmax mscale both away from 1 (mscale != mscale_all_dim).
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+             mscale_all_dim=0.8, beta_fast=32, beta_slow=1)
+
 # name -> (config class, model class, config kwargs)
 VARIANTS = {
     "qwen3_tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True)),
@@ -85,8 +90,8 @@ VARIANTS = {
     ),
     # DeepSeek-V3: multi-head latent attention with a query bottleneck (q_lora_rank), interleaved rope, 8 experts
     # top-2 in 4 groups of which 2 are kept, a shared expert, the first layer dense, untied; and without the
-    # query bottleneck (q_proj), half-split rope, value heads as wide as query heads, ungrouped routing, no
-    # renormalization, every layer sparse, tied. num_key_value_heads = num_attention_heads (MLA).
+    # query bottleneck (q_proj), half-split rope, value heads as wide as query heads, yarn rope scaling, ungrouped routing,
+    # no renormalization, every layer sparse, tied. num_key_value_heads = num_attention_heads (MLA).
     "deepseek_v3_qlora": (
         transformers.DeepseekV3Config,
         transformers.DeepseekV3ForCausalLM,
@@ -102,7 +107,8 @@ VARIANTS = {
         dict(tie_word_embeddings=True, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
              qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=16, v_head_dim=32, rope_interleave=False, n_routed_experts=6,
              num_experts_per_tok=3, moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=0,
-             routed_scaling_factor=1.0, n_shared_experts=2, norm_topk_prob=False, num_nextn_predict_layers=0),
+             routed_scaling_factor=1.0, n_shared_experts=2, norm_topk_prob=False, num_nextn_predict_layers=0,
+             rope_parameters=_YARN),
     ),
 }
 MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe", "deepseek_v3"))]

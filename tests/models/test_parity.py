@@ -41,7 +41,9 @@ def test_logits_match_transformers_fp32(variant, hf_model_dir):
     print(f"{variant}: max abs logits diff vs transformers = {err:.2e}")
 
 
-@pytest.mark.parametrize("variant", ["qwen3_tied", "llama_rope3", "glm4_moe_g4_dense1"])
+@pytest.mark.parametrize(
+    "variant", ["qwen3_tied", "llama_rope3", "glm4_moe_g4_dense1", "deepseek_v3_qlora", "deepseek_v3_noqlora_tied"]
+)
 def test_packed_rows_equal_per_sample_logits(variant, hf_model_dir):
     """Three samples packed in one row (plus padding) and one alone in another row give each sample's
     own transformers logits: no attention across segments, positions restart per sample."""
