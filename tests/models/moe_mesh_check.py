@@ -229,6 +229,9 @@ def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
             grad_diff=max(float(np.abs(grads[k] - ref_grads[k]).max()) for k in ref_grads),
             experts_spec=[list(e) if isinstance(e, tuple) else e for e in spec],
         )
+        if hasattr(model.layers, "kv_b_proj"):  # multi-head latent attention: latent over fsdp, heads over tensor
+            kv_b = model.layers.kv_b_proj[...].sharding.spec
+            result["cases"][name]["kv_b_spec"] = [list(e) if isinstance(e, tuple) else e for e in kv_b]
     result["replay"] = _replay(hf_dir, only)
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -21,6 +21,12 @@ TOL = 1e-5
 GLM_CASES = ("ep@data2_fsdp4", "fsdp@data2_fsdp2_tensor2")
 
 
+# DeepSeek-V3 (multi-head latent attention, the GLM router): a tensor-parallel mesh (heads over tensor, the
+# latent rank over fsdp), and routing replay through the trainer's step with each row split over 4 devices
+# (context parallelism: MLA's q/k and narrower v re-split by heads).
+DEEPSEEK_CASES = ("fsdp@data2_fsdp2_tensor2", "fsdp@data2_context4")
+
+
 @pytest.fixture(scope="module")
 def results(hf_model_dir, tmp_path_factory):
     return _run_check(hf_model_dir("qwen3_moe_e8k2_tied")[0], tmp_path_factory)
@@ -105,3 +111,15 @@ def test_glm4_moe_on_meshes_equals_single_device(glm_results):
     assert rep["replayed_positions"] >= 100 and rep["free_lp_diff"] > 1e-2, rep  # the replay matters
     r = rep["cases"]["ep@data2_fsdp4"]
     assert r["lp_diff"] <= TOL and r["loss_rel"] <= 2e-6 and r["grads_max_rel"] <= TOL and r["load_equal"], r
+
+
+def test_deepseek_v3_on_meshes_equals_single_device(hf_model_dir, tmp_path_factory):
+    res = _run_check(hf_model_dir("deepseek_v3_qlora")[0], tmp_path_factory, DEEPSEEK_CASES)
+    r = res["cases"]["fsdp@data2_fsdp2_tensor2"]
+    assert r["logits_diff"] <= TOL and r["loss_diff"] <= TOL and r["grad_diff"] <= TOL and r["load_equal"], r
+    assert r["kv_b_spec"] == [None, "fsdp", "tensor", None], r["kv_b_spec"]
+    rep = res["replay"]
+    assert rep["replayed_positions"] >= 100 and rep["free_lp_diff"] > 1e-2, rep  # the replay matters
+    r = rep["cases"]["fsdp@data2_context4"]
+    assert r["lp_diff"] <= TOL and r["loss_rel"] <= 2e-6 and r["grads_max_rel"] <= TOL and r["load_equal"], r
+    print(f"deepseek_v3 meshes: {res['cases']} replay {rep['cases']}")
