@@ -34,6 +34,19 @@ On disk
 arrays it holds `__manifest__`, a JSON document (as uint8) with the format version, each field's dtype, shape
 and sha256, and the writer's metadata. `read_batch` checks all of it and raises `BatchFormatError` naming the
 file and the field; nothing malformed reaches the jitted step.
+
+Format versions
+---------------
+A reader accepts exactly its own `FORMAT_VERSION` and converts nothing: batch files live for a few steps of
+one run, so a file of another version is a leftover of another primejax (a run resumed across an upgrade),
+refused on the version before any field is looked at. Any change to what a file holds (an array of FIELDS,
+the optional routed pair, a meta key the trainer reads, a stream's meaning) bumps the version and adds a line
+here; tests/contracts/test_batch.py pins each version's arrays and meta keys.
+
+- 1: tokens, positions, segment_ids, loss_mask, inference_logprobs, advantages, temperatures, ref_logprobs,
+  the three weight streams; optional routed_experts + routed_mask.
+- 2: + env_ids (int32, the token's environment, an index into meta["envs"]) and staleness (int32, trainer
+  step - 1 - the sampling policy's version), which the rl loss corrections read per environment and staleness.
 """
 
 from __future__ import annotations
@@ -61,7 +74,7 @@ from primejax.contracts.batch_checks import (
 from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.utils.io import atomic_write_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # see "Format versions" above
 MANIFEST_KEY = "__manifest__"
 
 # The loss components (trainer/losses.py), each normalized by its own token count and selected per token by
@@ -398,7 +411,8 @@ def read_batch(
             raise BatchFormatError(path, MANIFEST_KEY, f"must be a JSON object, got {type(manifest).__name__}")
         version = manifest.get("format_version")
         if version != FORMAT_VERSION:
-            raise BatchFormatError(path, "format_version", f"expected {FORMAT_VERSION}, got {version!r}")
+            raise BatchFormatError(path, "format_version", f"expected {FORMAT_VERSION}, got {version!r} (written by "
+                                   "another primejax version; batch files are not converted)")
         shape = check_manifest(path, manifest)
         # Shapes and dtypes from the .npy headers first: nothing is decompressed for a file that lies.
         headers = {name: (dtype, shape) for name, dtype in FIELDS.items()}
