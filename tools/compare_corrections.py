@@ -1,4 +1,4 @@
-"""Off-policy corrections side by side on CPU: `python -m tools.compare_corrections [--steps 40] [--only a,b]`.
+"""Off-policy corrections side by side on CPU: `python -m tools.compare_corrections [--steps 40] [--only a,b] [--report]`.
 
 The offline demo (configs/demo.py, reverse-text on a tiny character-level Qwen3) with a deliberately
 mismatched sampler: vLLM serves in bfloat16 while the trainer computes in float32, and the orchestrator runs
