@@ -531,8 +531,12 @@ def _deepseek_v3_fields(hf: dict) -> dict[str, Any]:
 
 
 def _deepseek_v3_hf(cfg: ModelConfig) -> dict[str, Any]:
+    # scoring_func / topk_method: transformers ignores them (its router is always this one) but vLLM's
+    # DeepseekV2 model reads them, with softmax and no correction bias as its defaults: written always.
     return dict(
         _sigmoid_moe_hf(cfg),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
         q_lora_rank=cfg.q_lora_rank or None,
         kv_lora_rank=cfg.kv_lora_rank,
         qk_nope_head_dim=cfg.qk_nope_head_dim,

