@@ -26,6 +26,9 @@ import jax.numpy as jnp
 from primejax.models.layers import apply_rope, rms_norm, yarn_mscale
 
 
+LATENT_NORM_EPS = 1e-6
+
+
 def attention_scale(cfg) -> float:
     """Softmax scale of MLA: (Dn + Dr)^-0.5, times mscale^2 with yarn rope scaling (mscale_all_dim)."""
     scale = cfg.qk_head_dim**-0.5
@@ -40,7 +43,9 @@ def mla_qkv(
     cfg, p: dict[str, jax.Array], h_btd: jax.Array, cos, sin
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, Dn+Dr] and v [B, T, H, Dv] of one layer (`p`: its weights) from normed hidden states."""
-    dt, eps = h_btd.dtype, cfg.rms_norm_eps
+    # transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps (DeepSeek's
+    # own code does the same); vLLM uses rms_norm_eps. The released configs set 1e-6 for both.
+    dt, eps = h_btd.dtype, LATENT_NORM_EPS
     dn, rkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
         cq_btr = rms_norm(jnp.einsum("btd,dr->btr", h_btd, p["q_a_proj"].astype(dt)), p["q_a_norm"], eps)
