@@ -315,7 +315,8 @@ class GroupGenerator:
             endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
                                 temperature=s.temperature, top_p=s.top_p,
                                 max_turns=self._max_turns(slot),
-                                seed=self._seed(step, rollout.group_id, 0, member))
+                                seed=self._seed(step, rollout.group_id, 0, member),
+                                env_timeout_s=self.env_timeout_s)
             async with self.semaphore:
                 version = self.policy.version
                 _note_version(version)

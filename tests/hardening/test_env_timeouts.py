@@ -46,3 +46,69 @@ def test_a_hung_episode_errors_its_rollout_and_the_rest_finish(hang_at, stage, t
     assert len(failed) == 4 and all("(orchestrator.env_timeout_s)" in m for m in failed), failed
     # the other four played both turns; the hung four got as far as their hang
     assert len(client.requests) == 4 * 2 + 4 * {"setup": 0, "step": 1, "step_then_score": 1}.get(hang_at, 2)
+
+
+class EchoModel:
+    """Replies with the word the prompt asks for ("Say <word>")."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.eos = tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def reply(self, prompt_token_ids):
+        word = self.tok.decode(prompt_token_ids).rsplit("Say ", 1)[1].split("<|im_end|>", 1)[0]
+        return self.tok.encode(word, add_special_tokens=False) + [self.eos]
+
+
+class Version:
+    version = 1
+
+
+class Scorer:
+    async def finalize_rollout(self, rollout):
+        rollout.assign_advantages(1.0)
+
+
+@pytest.mark.slow  # verifiers' own loop: a harness program per rollout (tens of seconds on a loaded CPU)
+def test_verifiers_own_loop_bounds_the_envs_scoring(tiny_model_dir):
+    """verifiers' own loop (`args.driver` auto: the reward needs the runtime) takes `env_timeout_s` as its own
+    deadline for the env's stages without model calls (task setup, scoring, finalize): the hung judge fails its
+    episode and that rollout errors; the other group's rollout is scored."""
+    from primejax.envs.registry import load_env
+    from primejax.envs.verifiers_loop import VerifiersLoopEnv
+    from primejax.orchestrator.buffer import EnvSlot
+    from primejax.orchestrator.config import SamplingConfig
+    from primejax.orchestrator.generate import GroupGenerator
+    from primejax.orchestrator.renderer import build_renderer, load_tokenizer
+    from tools.bench_vf_driver import InstantServer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    env = load_env("tests.hardening.vf_hang_loop_taskset", {})
+    assert isinstance(env, VerifiersLoopEnv)
+
+    async def main():
+        async with InstantServer(EchoModel(tokenizer), str(tiny_model_dir)) as server:
+            settings = SamplingConfig(max_tokens=16, max_turns=2)
+            gen = GroupGenerator(
+                server,
+                build_renderer("auto", tokenizer),
+                settings,
+                Version(),
+                max_concurrent=4,
+                max_prompt_tokens=4096,
+                env_timeout_s=5.0,
+            )
+            slot = EnvSlot(name="judged", env=env, weight=1.0, algorithm=Scorer())
+            try:
+                groups = await asyncio.wait_for(
+                    asyncio.gather(gen.group(slot, 0, 0, 1, step=1), gen.group(slot, 1, 1, 1, step=1)), 180
+                )
+            finally:
+                await env.aclose()
+            return [g[0] for g in groups], gen.stats
+
+    (apple, river), stats = asyncio.run(main())
+    assert apple.error is None and apple.reward == 1.0, apple.error
+    assert river.error == (
+        "env: RuntimeError: verifiers' task scoring did not finish within its deadline (orchestrator.env_timeout_s)"
+    )
+    assert stats.errors.get("env") == 1, stats.errors
