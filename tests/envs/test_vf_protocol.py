@@ -175,8 +175,9 @@ def test_dry_run_reports_each_broken_env_in_one_line_before_rendering_the_others
         "    c = default_config()\n"
         f"    c.run.output_dir = {str(tmp_path)!r}\n"
         f"    c.model.path = {str(tiny_model_dir)!r}\n"
-        "    c.orchestrator.envs.broken = env('tests.envs.vf_broken_taskset')\n"
-        "    c.orchestrator.envs.raising = env('tests.envs.vf_raising_taskset')\n"
+        # named to sort after the healthy `reverse_text` (config order): the broken ones must still come first
+        "    c.orchestrator.envs.z_broken = env('tests.envs.vf_broken_taskset')\n"
+        "    c.orchestrator.envs.z_raising = env('tests.envs.vf_raising_taskset')\n"
         "    return c\n"
     )
     proc = subprocess.run(
@@ -191,10 +192,10 @@ def test_dry_run_reports_each_broken_env_in_one_line_before_rendering_the_others
     lines = [line for line in proc.stderr.splitlines() if " env " in f" {line}"]
     assert len(lines) == 3, proc.stderr
     broken, raising, healthy = lines
-    assert broken.startswith("error: env broken (tests.envs.vf_broken_taskset): cannot load:"), broken
+    assert broken.startswith("error: env z_broken (tests.envs.vf_broken_taskset): cannot load:"), broken
     assert "No module named 'primejax_missing_dependency'" in broken
     assert raising == (
-        "error: env raising (tests.envs.vf_raising_taskset): cannot load: "
+        "error: env z_raising (tests.envs.vf_raising_taskset): cannot load: "
         "FileNotFoundError: tasks.jsonl: the taskset's data file is missing"
     ), raising
     assert healthy.startswith("# env reverse_text (reverse-text): ok, "), healthy
