@@ -36,6 +36,7 @@ class EnvClock:
     def __init__(self, timeout_s: float, what: str):
         self.timeout_s, self.what = timeout_s, what
         self.expired = False
+        self._running = False  # between `run`'s start and end: a call ending later (a task the env leaked) re-arms nothing
         self._held = 0  # model / tool calls in flight (an episode's seats may call concurrently)
         self._cancels = 0
         self._task: asyncio.Task | None = None
@@ -47,6 +48,7 @@ class EnvClock:
         self._task, self._loop = asyncio.current_task(), asyncio.get_running_loop()
         baseline = self._task.cancelling()
         token = _CURRENT.set(self)
+        self._running = True
         self._arm()
         try:
             result = await call
@@ -55,6 +57,7 @@ class EnvClock:
                 raise self._error() from None
             raise
         finally:
+            self._running = False
             self._stop()
             _CURRENT.reset(token)
         if self._settle() <= baseline and self.expired:  # the env swallowed the cancellation and returned
@@ -71,9 +74,8 @@ class EnvClock:
             yield
         finally:
             self._held -= 1
-            if self._held == 0 and not self.expired and self._loop is not None and self._task is not None:
-                if not self._task.done():
-                    self._arm()
+            if self._held == 0 and self._running and not self.expired:
+                self._arm()
 
     def _error(self) -> EnvTimeout:
         return EnvTimeout(
@@ -91,6 +93,8 @@ class EnvClock:
             self._timer = None
 
     def _expire(self) -> None:
+        if not self._running:
+            return
         self.expired = True
         self._cancels += 1
         self._task.cancel()
