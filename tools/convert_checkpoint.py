@@ -15,13 +15,18 @@ import shutil
 import sys
 from pathlib import Path
 
-from primejax.models.checkpoint import restore_params, save_params, saved_param_dtype
-from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, load_model
-from primejax.utils.io import atomic_dir
+from primejax.launcher.preflight import preflight_tool
+
+# The model code (JAX, Orbax) is imported where it is used: a bad argument is refused in a second, not after
+# seconds of imports.
 
 
 def to_hf(orbax_dir: str, config: str, out: str, dtype: str | None, overwrite: bool = False) -> dict:
+    from primejax.models.checkpoint import restore_params, saved_param_dtype
+    from primejax.models.config import ModelConfig
+    from primejax.models.hf_io import export_safetensors
+    from primejax.utils.io import atomic_dir
+
     config_path = Path(config)
     model_dir = config_path if config_path.is_dir() else config_path.parent
     param_dtype = saved_param_dtype(orbax_dir) or "float32"
@@ -32,6 +37,9 @@ def to_hf(orbax_dir: str, config: str, out: str, dtype: str | None, overwrite: b
 
 
 def to_orbax(hf_dir: str, out: str, param_dtype: str, overwrite: bool = False) -> None:
+    from primejax.models.checkpoint import save_params
+    from primejax.models.hf_io import load_model
+
     model, _ = load_model(hf_dir, param_dtype=param_dtype)
     out_path = Path(out)
     if out_path.exists():
@@ -60,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     b.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
+    # The model directory it reads, checked as the entrypoints check theirs: one line and exit 2, no traceback.
+    if args.cmd == "to-hf":  # --config: the architecture only (a directory or its config.json)
+        arch = Path(args.config)
+        preflight_tool("--config", arch.parent if arch.name == "config.json" else arch, weights=False)
+    else:
+        preflight_tool("--hf", args.hf, weights=True)
     try:
         if args.cmd == "to-hf":
             dtype = None if args.dtype == "keep" else args.dtype
