@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from primejax.models.layers import apply_rope, rms_norm, yarn_mscale
 
-
 LATENT_NORM_EPS = 1e-6
 
 
