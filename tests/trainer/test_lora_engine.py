@@ -109,3 +109,31 @@ def test_lora_step_allocates_no_full_size_gradient():
         if name == "full":
             weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.state.params))
     assert temp["full"] - temp["lora"] >= weights, (temp, weights)  # at least one model-sized gradient less
+
+
+def test_lora_engine_from_hf_weights_exports_the_merged_model(tiny_untied_model_dir, tmp_path, batch):
+    """`Engine.from_settings` with `model.lora`: HF weights frozen, fresh adapters; after a step the engine's
+    model (what the publisher and the SFT export write) is the merged one, equal to the adapted forward."""
+    import jax.numpy as jnp
+
+    from primejax.models.hf_io import export_safetensors, load_model
+    from primejax.models.settings import ModelSettings
+
+    settings = ModelSettings(
+        path=str(tiny_untied_model_dir), compute_dtype="float32", lora=lora.LoraConfig(rank=4, alpha=8.0)
+    )
+    engine = Engine.from_settings(TrainerConfig(micro_batch_size=8, logprob_chunk_size=16), settings, seed=2)
+    assert engine.model_cfg.lora_rank == 4 and "embed" in engine.frozen
+    metrics, _ = engine.train(batch, "sft")
+    assert int(metrics["nonfinite"]) == 0
+    export_safetensors(engine.model(), lora.without_lora(engine.model_cfg), tmp_path / "hf", dtype="float32")
+    merged, _ = load_model(tmp_path / "hf", param_dtype="float32", compute_dtype="float32")
+    tokens = jnp.asarray(batch.tokens[:2, :24])
+    pos, seg = jnp.tile(jnp.arange(24, dtype=jnp.int32), (2, 1)), jnp.ones((2, 24), jnp.int32)
+    want = jax.jit(lambda m: m.logits(tokens, pos, seg))(engine.lora_model())
+    got = jax.jit(lambda m: m.logits(tokens, pos, seg))(merged)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    base, _ = load_model(tiny_untied_model_dir, param_dtype="float32", compute_dtype="float32")
+    assert not np.allclose(
+        np.asarray(got), np.asarray(jax.jit(lambda m: m.logits(tokens, pos, seg))(base)), atol=1e-5
+    )
