@@ -40,10 +40,10 @@ def main() -> int:
             print(f"# resolved config not recorded: {e}", file=sys.stderr)
         from primejax.envs.check import check_envs  # deferred: loading envs may import verifiers
 
-        results = check_envs(cfg)
-        for ok, line in results:
+        def report(ok: bool, line: str) -> None:  # each env's line as soon as it is known
             print(("# " if ok else "error: ") + line, file=sys.stderr, flush=True)
-        return 0 if all(ok for ok, _ in results) else 1
+
+        return 0 if all(ok for ok, _ in check_envs(cfg, report)) else 1
     from primejax.launcher.launch import launch  # deferred: the launcher imports process machinery
 
     return launch(cfg)

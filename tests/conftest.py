@@ -2,10 +2,14 @@
 
 A vLLM server takes 25-40 s to start on our 2-core machines, so each variant starts at most once per test
 session (lazily, on first use) and is always stopped at the end, by PID, even when tests fail.
+
+Tests marked `slow` (their own servers, several processes, minutes each) form the extended tier: they are
+skipped unless `PRIMEJAX_SLOW=1` is set, so the README's test command stays within CI's budget.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +22,16 @@ from primejax.inference.server import ServerSpec
 from primejax.models.tiny import build_tiny_model
 
 SERVER_STARTUP_TIMEOUT_S = 300.0
+SLOW_TIER_ENV = "PRIMEJAX_SLOW"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(SLOW_TIER_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"extended tier: set {SLOW_TIER_ENV}=1 to run")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
 
 
 def free_port() -> int:

@@ -156,27 +156,29 @@ def _model_config(c: dict):
 
 
 def _fake_batch(rows: int, seq: int, vocab: int, loss: str, seed: int = 0) -> dict:
+    """Random rows of every batch field (contracts.batch.FIELDS): the ones the step's cost depends on filled,
+    the rest zeros of their dtype, so a field the contract gains reaches the benchmarks without an edit here."""
     import jax
     import jax.numpy as jnp
 
+    from primejax.contracts.batch import FIELDS
+
     k = jax.random.split(jax.random.key(seed), 3)
-    tokens = jax.random.randint(k[0], (rows, seq), 0, vocab, dtype=jnp.int32)
     ones = jnp.ones((rows, seq), jnp.float32)
     zeros = jnp.zeros((rows, seq), jnp.float32)
     rl = loss == "rl"
-    return {
-        "tokens": tokens,
+    filled = {
+        "tokens": jax.random.randint(k[0], (rows, seq), 0, vocab, dtype=jnp.int32),
         "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
         "segment_ids": jnp.ones((rows, seq), jnp.int32),
         "temperatures": ones,
         "loss_mask": jnp.ones((rows, seq), bool),
         "inference_logprobs": -jax.random.uniform(k[1], (rows, seq), minval=0.0, maxval=12.0),
-        "ref_logprobs": zeros,
         "advantages": jax.random.normal(k[2], (rows, seq)),
         "rl_weights": ones if rl else zeros,
         "ce_weights": zeros if rl else ones,
-        "ref_kl_weights": zeros,
     }
+    return {name: filled.get(name, jnp.zeros((rows, seq), dtype)) for name, dtype in FIELDS.items()}
 
 
 def jax_worker(c: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Off-policy corrections side by side on CPU: `python -m tools.compare_corrections [--steps 40] [--only a,b]`.
+"""Off-policy corrections side by side on CPU: `python -m tools.compare_corrections [--steps 40] [--only a,b] [--report]`.
 
 The offline demo (configs/demo.py, reverse-text on a tiny character-level Qwen3) with a deliberately
 mismatched sampler: vLLM serves in bfloat16 while the trainer computes in float32, and the orchestrator runs
@@ -100,28 +100,57 @@ def collect(run_dir: Path) -> list[dict]:
 
 
 def _mean(rows: list[dict], key: str, steps: range | None = None) -> float:
+    """Mean over the steps that logged `key`; nan when none did (a NaN the run logged stays NaN)."""
     vals = [r[key] for r in rows if r.get(key) is not None and (steps is None or r["step"] in steps)]
     return statistics.fmean(vals) if vals else math.nan
 
 
+def _max(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    if any(not math.isfinite(v) for v in vals):  # max() would drop a NaN depending on its position
+        return math.nan
+    return max(vals, default=math.nan)
+
+
+def _f(x: float, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
 def table(results: dict[str, list[dict]], seconds: dict[str, float], steps: int) -> str:
-    last = range(steps - 4, steps + 1)
-    base = _mean(results.get("dppo", []), "reward", last)
+    """One row per run with trainer steps; each run's last 5 steps are its own (a shorter run is marked).
+
+    A run directory with no trainer step yet (still starting, or failed before step 1) gets no row of
+    numbers but a line under the table: a report made while a run is starting once showed such a run as a
+    row of NaNs, which read as a diverged run."""
+    done = {n: rows for n, rows in results.items() if rows}
+    base_rows = done.get("dppo", [])
+    base = (
+        _mean(base_rows, "reward", range(base_rows[-1]["step"] - 4, base_rows[-1]["step"] + 1))
+        if base_rows
+        else math.nan
+    )
     lines = [
         "| correction | reward step 1 | reward (last 5 steps) | vs dppo | mismatch KL (mean) | masked tokens | "
         "rejected tokens | fully masked seqs | IS weight mean / max | grad norm max | time |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, rows in results.items():
-        first = rows[0]["reward"] if rows and rows[0]["reward"] is not None else math.nan
-        r_last = _mean(rows, "reward", last)
-        gmax = max((r["grad_norm"] for r in rows if r.get("grad_norm") is not None), default=math.nan)
-        wmax = max((r["is_weight_max"] for r in rows if r.get("is_weight_max") is not None), default=math.nan)
+    for name, rows in done.items():
+        last_step = rows[-1]["step"]
+        label = name if last_step >= steps else f"{name} (steps 1-{last_step} of {steps})"
+        first = rows[0]["reward"] if rows[0]["step"] == 1 and rows[0]["reward"] is not None else math.nan
+        r_last = _mean(rows, "reward", range(last_step - 4, last_step + 1))
+        secs = seconds.get(name) if last_step >= steps else None
         lines.append(
-            f"| {name} | {first:.3f} | {r_last:.3f} | {r_last - base:+.3f} | {_mean(rows, 'mismatch_kl'):.2e} | "
+            f"| {label} | {first:.3f} | {r_last:.3f} | {r_last - base:+.3f} | {_mean(rows, 'mismatch_kl'):.2e} | "
             f"{_mean(rows, 'masked_frac'):.3f} | {_mean(rows, 'rejected_frac'):.3f} | "
-            f"{_mean(rows, 'seq_masked_frac'):.3f} | {_mean(rows, 'is_weight_mean'):.3f} / {wmax:.2f} | "
-            f"{gmax:.2f} | {seconds.get(name, math.nan):.0f}s |"
+            f"{_mean(rows, 'seq_masked_frac'):.3f} | {_mean(rows, 'is_weight_mean'):.3f} / "
+            f"{_max(rows, 'is_weight_max'):.2f} | {_max(rows, 'grad_norm'):.2f} | {_f(secs, '.0f')}{'s' if secs else ''} |"
+        )
+    missing = [n for n, rows in results.items() if not rows]
+    if missing:
+        lines.append("")
+        lines.append(
+            f"No trainer step yet (running, or failed before step 1; see <name>.log): {', '.join(missing)}"
         )
     return "\n".join(lines) + "\n"
 
@@ -159,7 +188,12 @@ def plot(results: dict[str, list[dict]], out: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="RL steps per run (default 40; --report: the longest finished run's)",
+    )
     parser.add_argument("--out", default="outputs/compare_corrections")
     parser.add_argument("--only", default="", help="comma-separated subset of " + ", ".join(VARIANTS))
     parser.add_argument(
@@ -168,7 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
-    if unknown or args.steps <= 0:
+    if unknown or (args.steps is not None and args.steps <= 0):
         parser.exit(
             2,
             f"error: unknown variant(s) {unknown} (known: {', '.join(VARIANTS)})\n"
@@ -186,6 +220,7 @@ def main() -> None:
         seconds = json.loads((out / "seconds.json").read_text())
     if not args.report:
         warm = RunDir(out / "warmup").sft_final
+        steps = args.steps or 40
         for name in names:
             if (warm / "config.json").is_file():  # every run starts from the same SFT warm-up
                 extra = [
@@ -193,14 +228,17 @@ def main() -> None:
                     "--config.model.build_tiny.enabled=False",
                     "--config.sft.steps=0",
                 ]
-                seconds[name] = run(name, out, args.steps, VARIANTS[name] + extra, log)
+                seconds[name] = run(name, out, steps, VARIANTS[name] + extra, log)
             else:  # the first run does the warm-up (the demo's SFT) in its own run dir; keep a copy
-                seconds[name] = run(name, out, args.steps, VARIANTS[name], log)
+                seconds[name] = run(name, out, steps, VARIANTS[name], log)
                 shutil.copytree(RunDir(out / name).sft_final, warm)
             atomic_write_text(out / "seconds.json", json.dumps(seconds))
     results = {n: collect(out / n) for n in VARIANTS if RunDir(out / n).metrics("trainer").is_file()}
     atomic_write_text(out / "compare.json", json.dumps(results, indent=1))
-    md = table(results, seconds, args.steps)
+    steps = args.steps or (
+        max((r[-1]["step"] for r in results.values() if r), default=40) if args.report else 40
+    )
+    md = table(results, seconds, steps)
     atomic_write_text(out / "compare.md", md)
     print(md)
     print(plot(results, out))

@@ -17,14 +17,18 @@ import shutil
 import sys
 from pathlib import Path
 
-from primejax.models.checkpoint import restore_params, save_params, saved_param_dtype
-from primejax.models.config import ModelConfig
-from primejax.models.hf_io import export_safetensors, load_model
-from primejax.models.lora_io import AdapterError, merge_peft
-from primejax.utils.io import atomic_dir
+from primejax.launcher.preflight import preflight_tool
+
+# The model code (JAX, Orbax) is imported where it is used: a bad argument is refused in a second, not after
+# seconds of imports.
 
 
 def to_hf(orbax_dir: str, config: str, out: str, dtype: str | None, overwrite: bool = False) -> dict:
+    from primejax.models.checkpoint import restore_params, saved_param_dtype
+    from primejax.models.config import ModelConfig
+    from primejax.models.hf_io import export_safetensors
+    from primejax.utils.io import atomic_dir
+
     config_path = Path(config)
     model_dir = config_path if config_path.is_dir() else config_path.parent
     param_dtype = saved_param_dtype(orbax_dir) or "float32"
@@ -35,6 +39,9 @@ def to_hf(orbax_dir: str, config: str, out: str, dtype: str | None, overwrite: b
 
 
 def to_orbax(hf_dir: str, out: str, param_dtype: str, overwrite: bool = False) -> None:
+    from primejax.models.checkpoint import save_params
+    from primejax.models.hf_io import load_model
+
     model, _ = load_model(hf_dir, param_dtype=param_dtype)
     out_path = Path(out)
     if out_path.exists():
@@ -69,6 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "keep"])
     c.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
+    # The model directory it reads, checked as the entrypoints check theirs: one line and exit 2, no traceback.
+    if args.cmd == "to-hf":  # --config: the architecture only (a directory or its config.json)
+        arch = Path(args.config)
+        preflight_tool("--config", arch.parent if arch.name == "config.json" else arch, weights=False)
+    elif args.cmd == "merge-lora":
+        preflight_tool("--base", args.base, weights=True)
+    else:
+        preflight_tool("--hf", args.hf, weights=True)
+    from primejax.models.lora_io import AdapterError
+
     try:
         if args.cmd == "to-hf":
             dtype = None if args.dtype == "keep" else args.dtype
@@ -78,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{stats['seconds']:.2f} s"
             )
         elif args.cmd == "merge-lora":
+            from primejax.models.lora_io import merge_peft
+
             dtype = None if args.dtype == "keep" else args.dtype
             stats = merge_peft(args.base, args.adapter, args.out, dtype=dtype, overwrite=args.overwrite)
             print(f"wrote {args.out}: {stats['bytes'] / 2**20:.1f} MiB merged, {stats['seconds']:.2f} s")

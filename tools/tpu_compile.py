@@ -38,6 +38,7 @@ from typing import Any
 from absl import flags
 
 from primejax.config.cli import UsageError, parse_config, run_main
+from primejax.launcher.preflight import preflight_tool
 from tools.model_shapes import QWEN3
 from tools.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
 
@@ -173,6 +174,8 @@ def main() -> int:
     cfg, fv = parse_config(
         sys.argv[1:], prog="tools.tpu_compile", doc=__doc__.split("\n\n")[1], define_flags=_flags
     )
+    if cfg.model.path and not fv["model"].value:  # the shape is model.path's config.json (no weights read)
+        preflight_tool("model.path", cfg.model.path, weights=False)
     if not fv["topology"].value:
         raise UsageError("--topology is required (e.g. v5p-16)")
     try:

@@ -34,6 +34,19 @@ On disk
 arrays it holds `__manifest__`, a JSON document (as uint8) with the format version, each field's dtype, shape
 and sha256, and the writer's metadata. `read_batch` checks all of it and raises `BatchFormatError` naming the
 file and the field; nothing malformed reaches the jitted step.
+
+Format versions
+---------------
+A reader accepts exactly its own `FORMAT_VERSION` and converts nothing: batch files live for a few steps of
+one run, so a file of another version is a leftover of another primejax (a run resumed across an upgrade),
+refused on the version before any field is looked at. Any change to what a file holds (an array of FIELDS,
+the optional routed pair, a meta key the trainer reads, a stream's meaning) bumps the version and adds a line
+here; tests/contracts/test_batch.py pins each version's arrays and meta keys.
+
+- 1: tokens, positions, segment_ids, loss_mask, inference_logprobs, advantages, temperatures, ref_logprobs,
+  the three weight streams; optional routed_experts + routed_mask.
+- 2: + env_ids (int32, the token's environment, an index into meta["envs"]) and staleness (int32, trainer
+  step - 1 - the sampling policy's version), which the rl loss corrections read per environment and staleness.
 """
 
 from __future__ import annotations
@@ -61,7 +74,7 @@ from primejax.contracts.batch_checks import (
 from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.utils.io import atomic_write_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # see "Format versions" above
 MANIFEST_KEY = "__manifest__"
 
 # The loss components (trainer/losses.py), each normalized by its own token count and selected per token by
@@ -119,7 +132,9 @@ class TrainingSample:
             if stream is not None and len(stream) != n:
                 raise BatchFormatError(where, name, f"length {len(stream)} != len(token_ids) {n}")
         if self.loss_mask[0]:
-            raise BatchFormatError(where, "loss_mask", "the first token has no predictor and cannot be trained")
+            raise BatchFormatError(
+                where, "loss_mask", "the first token has no predictor and cannot be trained"
+            )
         if not self.temperature > 0:
             raise BatchFormatError(where, "temperature", f"must be > 0, got {self.temperature}")
         if (self.routed_experts is None) != (self.routed_mask is None):
@@ -127,10 +142,16 @@ class TrainingSample:
         if self.routed_experts is not None:
             e = self.routed_experts
             if not isinstance(e, np.ndarray) or e.dtype != np.uint8 or e.ndim != 3 or e.shape[0] != n:
-                raise BatchFormatError(where, "routed_experts", f"must be uint8 [{n}, moe_layers, top_k], got "
-                                       f"{getattr(e, 'dtype', type(e).__name__)} {getattr(e, 'shape', '')}")
+                raise BatchFormatError(
+                    where,
+                    "routed_experts",
+                    f"must be uint8 [{n}, moe_layers, top_k], got "
+                    f"{getattr(e, 'dtype', type(e).__name__)} {getattr(e, 'shape', '')}",
+                )
             if len(self.routed_mask) != n:
-                raise BatchFormatError(where, "routed_mask", f"length {len(self.routed_mask)} != len(token_ids) {n}")
+                raise BatchFormatError(
+                    where, "routed_mask", f"length {len(self.routed_mask)} != len(token_ids) {n}"
+                )
 
 
 @dataclass
@@ -175,8 +196,13 @@ class PackedBatch:
         return out
 
     @classmethod
-    def empty(cls, rows: int, seq_len: int, meta: dict[str, Any] | None = None,
-              routing_shape: tuple[int, int] | None = None) -> PackedBatch:
+    def empty(
+        cls,
+        rows: int,
+        seq_len: int,
+        meta: dict[str, Any] | None = None,
+        routing_shape: tuple[int, int] | None = None,
+    ) -> PackedBatch:
         """All-padding rows: segment 0, no loss, temperature 1 (and no recorded routing, when `routing_shape`)."""
         arrays = {name: np.zeros((rows, seq_len), dtype) for name, dtype in FIELDS.items()}
         arrays["temperatures"][:] = 1.0
@@ -205,10 +231,17 @@ def _weights(sample: TrainingSample) -> dict[str, np.ndarray]:
     n = len(sample)
     if all(getattr(sample, w) is None for w in WEIGHT_STREAMS):
         # The plain-GRPO hot path: no stream shipped means rl on every trainable token.
-        return {"rl_weights": np.ones(n, np.float32), "ce_weights": np.zeros(n, np.float32),
-                "ref_kl_weights": np.zeros(n, np.float32)}
-    return {w: np.zeros(n, np.float32) if getattr(sample, w) is None else np.asarray(getattr(sample, w), np.float32)
-            for w in WEIGHT_STREAMS}
+        return {
+            "rl_weights": np.ones(n, np.float32),
+            "ce_weights": np.zeros(n, np.float32),
+            "ref_kl_weights": np.zeros(n, np.float32),
+        }
+    return {
+        w: np.zeros(n, np.float32)
+        if getattr(sample, w) is None
+        else np.asarray(getattr(sample, w), np.float32)
+        for w in WEIGHT_STREAMS
+    }
 
 
 def _routing_shape(samples: Sequence[TrainingSample]) -> tuple[int, int] | None:
@@ -218,8 +251,12 @@ def _routing_shape(samples: Sequence[TrainingSample]) -> tuple[int, int] | None:
     completion when routing replay is on)."""
     shapes = {None if s.routed_experts is None else tuple(s.routed_experts.shape[1:]) for s in samples}
     if len(shapes) > 1:
-        raise BatchFormatError(None, "routed_experts", f"samples disagree on [moe_layers, top_k] (or on having "
-                                                       f"routed experts at all): {sorted(map(str, shapes))}")
+        raise BatchFormatError(
+            None,
+            "routed_experts",
+            f"samples disagree on [moe_layers, top_k] (or on having "
+            f"routed experts at all): {sorted(map(str, shapes))}",
+        )
     return shapes.pop() if shapes else None
 
 
@@ -261,8 +298,11 @@ def pack_samples(
         s.validate(i)
         if len(s) > seq_len:
             if not truncate:
-                raise BatchFormatError(f"sample {i}", "token_ids",
-                                       f"length {len(s)} exceeds seq_len {seq_len} (pass truncate=True to cut it)")
+                raise BatchFormatError(
+                    f"sample {i}",
+                    "token_ids",
+                    f"length {len(s)} exceeds seq_len {seq_len} (pass truncate=True to cut it)",
+                )
             num_truncated += 1
         lengths.append(min(len(s), seq_len))
 
@@ -308,8 +348,14 @@ def pack_samples(
                     batch.routed_mask[row, sl] = np.asarray(s.routed_mask[:n], bool)
                 versions.append(s.policy_version)
                 offset += n
-        present = sorted({name for i in (m for r in rows for m in row_members[r])
-                          for name in OPTIONAL_STREAMS if getattr(samples[i], name) is not None})
+        present = sorted(
+            {
+                name
+                for i in (m for r in rows for m in row_members[r])
+                for name in OPTIONAL_STREAMS
+                if getattr(samples[i], name) is not None
+            }
+        )
         batch.meta = {
             "shard": shard,
             "num_shards": num_shards,
@@ -342,13 +388,18 @@ def _sha256(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def write_batch(step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[str, Any] | None = None) -> Path:
+def write_batch(
+    step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[str, Any] | None = None
+) -> Path:
     """Write `batch` as `<step_dir>/rank_<rank>.npz` atomically. `meta` (JSON-serializable) joins batch.meta."""
     arrays = batch.arrays()
     for name, dtype in FIELDS.items():
         if arrays[name].dtype != dtype or arrays[name].shape != arrays["tokens"].shape:
-            raise BatchFormatError(None, name, f"expected {dtype} {arrays['tokens'].shape}, "
-                                               f"got {arrays[name].dtype} {arrays[name].shape}")
+            raise BatchFormatError(
+                None,
+                name,
+                f"expected {dtype} {arrays['tokens'].shape}, got {arrays[name].dtype} {arrays[name].shape}",
+            )
     if (batch.routed_experts is None) != (batch.routed_mask is None):
         raise BatchFormatError(None, "routed_experts", "routed_experts and routed_mask come together")
     path = Path(step_dir) / f"rank_{rank}.npz"
@@ -359,7 +410,9 @@ def write_batch(step_dir: str | Path, rank: int, batch: PackedBatch, meta: dict[
         "format_version": FORMAT_VERSION,
         "rows": batch.rows,
         "seq_len": batch.seq_len,
-        "fields": {n: {"dtype": a.dtype.str, "shape": list(a.shape), "sha256": _sha256(a)} for n, a in arrays.items()},
+        "fields": {
+            n: {"dtype": a.dtype.str, "shape": list(a.shape), "sha256": _sha256(a)} for n, a in arrays.items()
+        },
         "meta": meta,
     }
     buf = io.BytesIO()
@@ -385,7 +438,9 @@ def read_batch(
         data = np.load(path, allow_pickle=False)
         names = set(data.files)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise BatchFormatError(path, "<file>", f"unreadable or truncated npz ({type(e).__name__}: {e})") from None
+        raise BatchFormatError(
+            path, "<file>", f"unreadable or truncated npz ({type(e).__name__}: {e})"
+        ) from None
     with data:
         if MANIFEST_KEY not in names:
             raise BatchFormatError(path, MANIFEST_KEY, "missing (not a primejax batch file)")
@@ -395,10 +450,17 @@ def read_batch(
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise BatchFormatError(path, MANIFEST_KEY, f"not valid JSON ({e})") from None
         if not isinstance(manifest, dict):
-            raise BatchFormatError(path, MANIFEST_KEY, f"must be a JSON object, got {type(manifest).__name__}")
+            raise BatchFormatError(
+                path, MANIFEST_KEY, f"must be a JSON object, got {type(manifest).__name__}"
+            )
         version = manifest.get("format_version")
         if version != FORMAT_VERSION:
-            raise BatchFormatError(path, "format_version", f"expected {FORMAT_VERSION}, got {version!r}")
+            raise BatchFormatError(
+                path,
+                "format_version",
+                f"expected {FORMAT_VERSION}, got {version!r} (written by "
+                "another primejax version; batch files are not converted)",
+            )
         shape = check_manifest(path, manifest)
         # Shapes and dtypes from the .npy headers first: nothing is decompressed for a file that lies.
         headers = {name: (dtype, shape) for name, dtype in FIELDS.items()}
@@ -413,16 +475,21 @@ def read_batch(
             arrays[name] = a
     batch = PackedBatch(**arrays, meta=dict(manifest.get("meta", {})))
     if batch.routing_shape is not None and batch.routing_shape != routing_shape:
-        raise BatchFormatError(path, "routed_experts", f"[moe_layers, top_k] = {list(batch.routing_shape)}, the "
-                               f"model routes {'no experts (dense)' if routing_shape is None else list(routing_shape)}")
+        raise BatchFormatError(
+            path,
+            "routed_experts",
+            f"[moe_layers, top_k] = {list(batch.routing_shape)}, the "
+            f"model routes {'no experts (dense)' if routing_shape is None else list(routing_shape)}",
+        )
     check_values(path, batch, vocab_size, num_experts=num_experts)
     # Computed, never trusted below the data: an understated count made a custom loss skip whole samples. A
     # larger claim (every rank's files carry the largest count over all ranks, so all compile one step) is
     # kept, up to one sample per token.
     claimed = batch.meta.get("max_segments") or 0
     if claimed > batch.seq_len:
-        raise BatchFormatError(path, "meta.max_segments", f"{claimed} is more than a row of {batch.seq_len} "
-                                                          "tokens can hold")
+        raise BatchFormatError(
+            path, "meta.max_segments", f"{claimed} is more than a row of {batch.seq_len} tokens can hold"
+        )
     batch.meta["max_segments"] = max(claimed, segment_count(batch.segment_ids))
     return batch
 
@@ -466,6 +533,17 @@ def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, 
 
 
 __all__ = [
-    "FORMAT_VERSION", "FIELDS", "BatchFormatError", "TrainingSample", "PackedBatch", "pack_samples",
-    "batch_env_names", "step_dir", "batch_path", "write_batch", "read_batch", "wait_for_batch", "prune_rollouts",
+    "FORMAT_VERSION",
+    "FIELDS",
+    "BatchFormatError",
+    "TrainingSample",
+    "PackedBatch",
+    "pack_samples",
+    "batch_env_names",
+    "step_dir",
+    "batch_path",
+    "write_batch",
+    "read_batch",
+    "wait_for_batch",
+    "prune_rollouts",
 ]

@@ -56,6 +56,8 @@ class Endpoint:
     top_p: float
     max_turns: int
     seed: int | None = None
+    # orchestrator.env_timeout_s: bounds the env's own stages (task setup, scoring, finalize), not model calls
+    env_timeout_s: float | None = None
 
 
 @dataclass

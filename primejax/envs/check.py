@@ -6,6 +6,7 @@ up to its first model call, whose messages are the prompt rendered."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,40 +42,46 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def check_envs(cfg: Any) -> list[tuple[bool, str]]:
-    """(ok, line) per `orchestrator.envs` entry of a typed config."""
+def check_envs(cfg: Any, report: Callable[[bool, str], None] | None = None) -> list[tuple[bool, str]]:
+    """(ok, line) per `orchestrator.envs` entry of a typed config. `report` is called with each line as soon
+    as it is known: an env that fails to load is reported before the tokenizer (transformers, torch: seconds)
+    is loaded to render the others' prompts."""
     from primejax.envs.registry import load_env
 
+    def done(name: str, ok: bool, line: str) -> None:
+        lines[name] = (ok, line)
+        if report is not None:
+            report(ok, line)
+
     o = cfg.orchestrator
-    loaded: dict[str, Environment] = {}
     lines: dict[str, tuple[bool, str]] = {}
-    for name, entry in o.envs.items():
+    prompts: dict[str, tuple[str, list[Message], list[dict[str, Any]] | None]] = {}
+    for name, entry in o.envs.items():  # load and open every env first: its failures need no tokenizer
         try:
-            loaded[name] = load_env(entry.id, dict(entry.args))
+            env = load_env(entry.id, dict(entry.args))
         except Exception as e:  # noqa: BLE001 - every env problem is one line, the check goes on
-            lines[name] = (False, f"env {name} ({entry.id}): cannot load: {_one_line(e)}")
-    renderer = None
-    if loaded:
-        renderer, why = _renderer(cfg)
-    for name, env in loaded.items():
-        entry = o.envs[name]
+            done(name, False, f"env {name} ({entry.id}): cannot load: {_one_line(e)}")
+            continue
         size = "unbounded" if env.num_examples is None else f"{env.num_examples} examples"
         try:
-            messages, tools = asyncio.run(first_prompt(env))
+            prompts[name] = (size, *asyncio.run(first_prompt(env)))
         except Exception as e:  # noqa: BLE001
-            lines[name] = (
+            done(
+                name,
                 False,
                 f"env {name} ({entry.id}): loads ({size}) but its first prompt fails: {_one_line(e)}",
             )
-            continue
+    renderer, why = _renderer(cfg) if prompts else (None, "")
+    for name, (size, messages, tools) in prompts.items():
+        entry = o.envs[name]
         if renderer is None:
-            lines[name] = (True, f"env {name} ({entry.id}): ok, {size}; prompt not rendered ({why})")
+            done(name, True, f"env {name} ({entry.id}): ok, {size}; prompt not rendered ({why})")
             continue
         n = len(renderer.render_ids(messages, tools))
         ok = n <= o.max_prompt_tokens
         verdict = "ok" if ok else f"first prompt over orchestrator.max_prompt_tokens={o.max_prompt_tokens}"
         tooled = f", {len(tools)} tools" if tools else ""
-        lines[name] = (ok, f"env {name} ({entry.id}): {verdict}, {size}, first prompt {n} tokens{tooled}")
+        done(name, ok, f"env {name} ({entry.id}): {verdict}, {size}, first prompt {n} tokens{tooled}")
     return [lines[name] for name in o.envs]
 
 

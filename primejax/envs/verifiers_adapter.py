@@ -32,6 +32,7 @@ import contextvars
 import json
 from typing import Any
 
+from primejax.envs import env_clock
 from primejax.envs.base import Environment, Example, Message, ModelCall
 from primejax.envs.tool_limits import (
     DEFAULT_MAX_TOOL_OUTPUT_CHARS,
@@ -239,11 +240,12 @@ class _World:
             return f"Error: tool arguments are not JSON ({e})"
         server, tool = self.servers[name]
         try:
-            result = await with_timeout(
-                server.call_tool(tool, args if isinstance(args, dict) else {}),
-                self.env.tool_timeout_s,
-                f"tool {name!r}",
-            )
+            with env_clock.paused():  # a tool call has its own limit (tool_timeout_s), not the env's
+                result = await with_timeout(
+                    server.call_tool(tool, args if isinstance(args, dict) else {}),
+                    self.env.tool_timeout_s,
+                    f"tool {name!r}",
+                )
         except ToolTimeout:
             raise  # a hung tool errors its rollout (tool_limits.py); the others go on
         except Exception as e:  # noqa: BLE001 - a failing tool is the model's observation, as in verifiers

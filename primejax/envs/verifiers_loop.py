@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 DRIVERS = ("auto", "in_process", "verifiers")
 #: verifiers' own harness for a plain chat loop with MCP tools (its default, `bash`, is a coding agent).
 DEFAULT_HARNESS = "null"
+#: The stages of a verifiers rollout that run the env's code and no model call: bounded by env_timeout_s.
+ENV_STAGES = ("setup", "finalize", "scoring")
 
 
 def load(
@@ -216,7 +218,7 @@ class VerifiersLoopEnv(VerifiersEnv):
         self = cls.__new__(cls)
         self.__dict__.update(env.__dict__)
         self.harness, self.harness_args, self.runtime = harness, dict(harness_args), runtime
-        self._loop_envs: dict[int, Any] = {}
+        self._loop_envs: dict[tuple[int, float | None], Any] = {}
         self._serving: dict[int, tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack]] = {}
         self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         ensure_uv()
@@ -226,10 +228,13 @@ class VerifiersLoopEnv(VerifiersEnv):
         self._build(self.max_turns)  # a bad harness / runtime / env arg fails at load, one line
         return self
 
-    def _build(self, max_turns: int) -> Any:
-        """verifiers' Env for this taskset, every agent seat on the chosen harness and runtime."""
-        if max_turns in self._loop_envs:
-            return self._loop_envs[max_turns]
+    def _build(self, max_turns: int, env_timeout_s: float | None = None) -> Any:
+        """verifiers' Env for this taskset, every agent seat on the chosen harness and runtime. `env_timeout_s`
+        (orchestrator.env_timeout_s) becomes verifiers' own deadlines for the env's code that makes no model call:
+        each seat's task setup, finalize and scoring, and the Env's finalize (a hung one fails the episode, so its
+        rollout errors); the agent's solve attempt (model and tool calls) keeps verifiers' own limits."""
+        if (max_turns, env_timeout_s) in self._loop_envs:
+            return self._loop_envs[max_turns, env_timeout_s]
         vf = _vf()
         from verifiers.v1.configs.agent import agent_config_fields
         from verifiers.v1.utils.generic import concrete_type
@@ -249,6 +254,9 @@ class VerifiersLoopEnv(VerifiersEnv):
             "max_output_tokens": self.max_output_tokens,
             "max_total_tokens": self.max_total_tokens,
         }
+        if env_timeout_s is not None:
+            seat["timeout"] = dict.fromkeys(ENV_STAGES, env_timeout_s)
+            env_args["timeout"] = {**env_args.get("timeout", {}), "finalize": env_timeout_s}
         roles = agent_config_fields(config_cls.model_validate(env_args))
         taskset_args = {**self.taskset_args, "id": taskset}
         try:
@@ -258,7 +266,7 @@ class VerifiersLoopEnv(VerifiersEnv):
         except Exception as e:  # noqa: BLE001 - any bad harness / runtime / env arg: one line naming the key
             raise ValueError(f"verifiers env {self.taskset_id!r}: {_one_line(e, set(roles))}") from None
         env = env_cls(config)
-        self._loop_envs[max_turns] = env
+        self._loop_envs[max_turns, env_timeout_s] = env
         return env
 
     async def _serve(self, env: Any) -> None:
@@ -292,7 +300,8 @@ class VerifiersLoopEnv(VerifiersEnv):
         vf = _vf()
         from verifiers.v1.clients import ModelContext, TrainClientConfig
 
-        env = self._build(endpoint.max_turns)  # already this env's cap and the orchestrator's, >= 1
+        # max_turns: already this env's cap and the orchestrator's, >= 1
+        env = self._build(endpoint.max_turns, endpoint.env_timeout_s)
         await self._serve(env)
         sampling = {
             "temperature": endpoint.temperature,
@@ -337,6 +346,13 @@ def episode_to_rollout(episode: Any, policy_agents: list[str], state: dict[str, 
             f"the verifiers episode has {len(traces)} trainable traces; this driver trains exactly one"
         )
     trace = traces[0]
+    # verifiers stops a trace whose stage deadline expired (a stop, not a failure: its reward may be unscored);
+    # the env's stages run under orchestrator.env_timeout_s (VerifiersLoopEnv._build), so the rollout errors.
+    stage = trace.stop_condition.removesuffix("_timeout") if trace.stop_condition else ""
+    if stage in ENV_STAGES:
+        raise RuntimeError(
+            f"verifiers' task {stage} did not finish within its deadline (orchestrator.env_timeout_s)"
+        )
     parents = {n.parent for n in trace.nodes if n.parent is not None}
     leaves = [i for i in range(len(trace.nodes)) if i not in parents]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from primejax.orchestrator.config import EnvConfig
@@ -28,18 +29,29 @@ def check_model_dir(
     if not (path / "config.json").is_file():
         raise PreflightError(key, f"{str(path)!r} has no config.json (not an HF model directory)")
     try:
-        json.loads((path / "config.json").read_text())
+        hf_config = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise PreflightError(key, f"{path / 'config.json'} is not valid JSON ({e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PreflightError(key, f"{path / 'config.json'} is unreadable ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise PreflightError(
+            key, f"{path / 'config.json'} must hold a JSON object, got {type(hf_config).__name__}"
+        )
     if need_weights and not any(path.glob("*.safetensors")):
         raise PreflightError(key, f"{str(path)!r} has no *.safetensors weights")
     if not need_tokenizer:
         return
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise PreflightError(key, f"{str(path)!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+        raise PreflightError(
+            key, f"{str(path)!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)"
+        )
     if not _has_chat_template(path):
-        raise PreflightError(key, f"the tokenizer in {str(path)!r} has no chat template "
-                                  "(chat_template.jinja or tokenizer_config.json's chat_template)")
+        raise PreflightError(
+            key,
+            f"the tokenizer in {str(path)!r} has no chat template "
+            "(chat_template.jinja or tokenizer_config.json's chat_template)",
+        )
 
 
 def _has_chat_template(path: Path) -> bool:
@@ -67,9 +79,11 @@ def check_env_ids(envs: dict[str, EnvConfig]) -> None:
             candidates = [module, f"verifiers.v1.tasksets.{module}"]
         if not any(_importable(m) for m in candidates):
             module = candidates[0]
-            raise PreflightError(f"orchestrator.envs.{name}.id",
-                                 f"{env_id!r} is neither a builtin ({', '.join(sorted(builtins))}) nor an importable "
-                                 f"module ({module!r} not found)")
+            raise PreflightError(
+                f"orchestrator.envs.{name}.id",
+                f"{env_id!r} is neither a builtin ({', '.join(sorted(builtins))}) nor an importable "
+                f"module ({module!r} not found)",
+            )
 
 
 def _importable(module: str) -> bool:
@@ -94,6 +108,16 @@ def preflight_entrypoint(process: str, model_path: str | Path, *, buildable: boo
     }
     weights, tokenizer = needs[process]
     check_model_dir(model_path, need_weights=weights, need_tokenizer=tokenizer)
+
+
+def preflight_tool(key: str, model_path: str | Path, *, weights: bool, tokenizer: bool = False) -> None:
+    """A tool's model-directory argument (`key`: the flag or config key naming it), checked with the launcher's
+    rules before the tool imports or loads anything: one line `error: KEY: ...` on stderr, exit status 2."""
+    try:
+        check_model_dir(model_path, need_weights=weights, need_tokenizer=tokenizer, key=key)
+    except PreflightError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def preflight(envs: dict[str, EnvConfig], model_path: str | Path) -> None:

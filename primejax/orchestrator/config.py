@@ -196,7 +196,8 @@ class OrchestratorConfig(Section):
     )
     env_timeout_s: float = option(
         600.0,
-        "an environment call (env_response, score) running longer errors its rollout; the rest go on",
+        "an environment call (env_response, score), or a stretch of an env-driven episode's own code between "
+        "its model and tool calls, running longer errors its rollout; the rest go on",
         gt=0,
     )
     max_failed_steps: int = option(

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from primejax.envs.base import Endpoint
+from primejax.envs.env_clock import EnvClock
 from primejax.inference.client import sticky_route
 from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.routed_experts import decode as decode_routed
@@ -214,7 +215,8 @@ class GroupGenerator:
             await asyncio.gather(*(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts)))
             return rollouts
         try:
-            prompt_ids = self.renderer.render_ids(example.prompt, await slot.env.tools(example))
+            prompt_ids = self.renderer.render_ids(example.prompt, await self._env_call(slot.env.tools(example),
+                                                                                        "tools"))
             if len(prompt_ids) > self.max_prompt_tokens:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens > max_prompt_tokens")
             completions, version = await self._request(prompt_ids, group_size, self._seed(step, group_id, 0, 0),
@@ -313,7 +315,8 @@ class GroupGenerator:
             endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
                                 temperature=s.temperature, top_p=s.top_p,
                                 max_turns=self._max_turns(slot),
-                                seed=self._seed(step, rollout.group_id, 0, member))
+                                seed=self._seed(step, rollout.group_id, 0, member),
+                                env_timeout_s=self.env_timeout_s)
             async with self.semaphore:
                 version = self.policy.version
                 _note_version(version)
@@ -378,7 +381,16 @@ class GroupGenerator:
             stage.name = "env"
             return message
 
+        # The env's own code (its setup, steps between turns, scoring on close) runs under env_timeout_s; the
+        # clock stops during the model calls it makes back (primejax/envs/env_clock.py).
+        clock = EnvClock(self.env_timeout_s, repr(slot.name))
+
+        async def timed_call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                             trainable: bool = True) -> dict[str, Any] | None:
+            with clock.paused():
+                return await call(messages, tools, trainable=trainable)
+
         async def play() -> None:
-            rollout.messages = list(await slot.env.rollout(rollout.example, rollout.state, call))
+            rollout.messages = list(await clock.run(slot.env.rollout(rollout.example, rollout.state, timed_call)))
 
         await self._settle(slot, rollout, stage, play)

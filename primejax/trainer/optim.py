@@ -42,12 +42,13 @@ def make_schedule(
 
 
 def _decay_mask(params: Any) -> Any:
-    # Norm scales and biases (rank < 2) are not decayed, the usual AdamW practice for transformers; nor are the
-    # parameters no step may move (transformer.NOT_TRAINED: their gradient is zero by construction, and decay
-    # alone would shrink them).
+    # Norm scales and biases are not decayed, the usual AdamW practice for transformers; nor are the parameters
+    # no step may move (transformer.NOT_TRAINED: their gradient is zero by construction, and decay alone would
+    # shrink them). Decided by name, not rank: the layers are stacked, so a norm scale is [layers, hidden] and a
+    # q bias [layers, heads, head_dim], as many dimensions as a matrix.
     def decays(path, p) -> bool:
-        name = getattr(path[-1], "key", getattr(path[-1], "name", None)) if path else None
-        return getattr(p, "ndim", 0) >= 2 and name not in NOT_TRAINED
+        name = str(getattr(path[-1], "key", getattr(path[-1], "name", ""))) if path else ""
+        return getattr(p, "ndim", 0) >= 2 and name not in NOT_TRAINED and not name.endswith(("norm", "bias"))
 
     return jax.tree_util.tree_map_with_path(decays, params)
 

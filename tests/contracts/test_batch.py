@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from primejax.contracts.batch import (
     FIELDS,
+    FORMAT_VERSION,
+    MANIFEST_KEY,
     BatchFormatError,
     PackedBatch,
     TrainingSample,
@@ -22,8 +26,12 @@ def make_sample(rng: np.random.Generator, n: int, prompt: int = 3, vocab: int = 
     mask = [False] * prompt + [True] * (n - prompt)
     lps = [0.0] * prompt + list(-rng.random(n - prompt))
     return TrainingSample(
-        token_ids=list(rng.integers(0, vocab, n)), loss_mask=mask, inference_logprobs=lps,
-        advantages=[float(rng.normal())] * n, temperature=float(rng.uniform(0.5, 1.5)), **kw,
+        token_ids=list(rng.integers(0, vocab, n)),
+        loss_mask=mask,
+        inference_logprobs=lps,
+        advantages=[float(rng.normal())] * n,
+        temperature=float(rng.uniform(0.5, 1.5)),
+        **kw,
     )
 
 
@@ -173,7 +181,101 @@ def test_prune_rollouts_removes_each_ranks_file_then_the_step(tmp_path):
             write_batch(step_dir(tmp_path, step), rank, PackedBatch.empty(2, 8))
     (tmp_path / "rollouts" / ".step_4.abc.tmp").mkdir()
     assert prune_rollouts(tmp_path, 0, 2) == []  # rank 1's files keep steps 1 and 2
-    assert not (step_dir(tmp_path, 1) / "rank_0.npz").exists() and (step_dir(tmp_path, 1) / "rank_1.npz").exists()
+    assert (
+        not (step_dir(tmp_path, 1) / "rank_0.npz").exists()
+        and (step_dir(tmp_path, 1) / "rank_1.npz").exists()
+    )
     assert prune_rollouts(tmp_path, 1, 2) == [1, 2]
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [".step_4.abc.tmp", "step_3"]
     assert prune_rollouts(tmp_path / "nothing", 0, 9) == []
+
+
+# What each batch format version holds (primejax/contracts/batch.py, "Format versions"): the arrays with their
+# dtypes, the optional routed pair, and the meta keys pack_samples writes. Pinned here so that a change to
+# the file's content without a FORMAT_VERSION bump fails; a new version gets a new entry, old ones stay.
+_V1_ARRAYS = {
+    "tokens": "<i4",
+    "positions": "<i4",
+    "segment_ids": "<i4",
+    "loss_mask": "|b1",
+    "inference_logprobs": "<f4",
+    "advantages": "<f4",
+    "temperatures": "<f4",
+    "ref_logprobs": "<f4",
+    "rl_weights": "<f4",
+    "ce_weights": "<f4",
+    "ref_kl_weights": "<f4",
+}
+_V1_META = {
+    "shard",
+    "num_shards",
+    "num_samples",
+    "num_tokens",
+    "num_loss_tokens",
+    "num_truncated",
+    "max_segments",
+    "min_policy_version",
+    "max_policy_version",
+    "present_streams",
+}
+FORMATS = {
+    1: {"arrays": _V1_ARRAYS, "routed": {"routed_experts": "|u1", "routed_mask": "|b1"}, "meta": _V1_META},
+    2: {
+        "arrays": {**_V1_ARRAYS, "env_ids": "<i4", "staleness": "<i4"},
+        "routed": {"routed_experts": "|u1", "routed_mask": "|b1"},
+        "meta": _V1_META | {"envs"},
+    },
+}
+
+
+def _manifest(path) -> dict:
+    with np.load(path, allow_pickle=False) as d:
+        return json.loads(d[MANIFEST_KEY].tobytes().decode("utf-8"))
+
+
+def test_the_format_version_names_what_a_file_holds(tmp_path):
+    """The arrays, the routed pair and the meta keys of a written file are those pinned for FORMAT_VERSION."""
+    assert FORMAT_VERSION == max(FORMATS), "a new format version needs its entry in FORMATS"
+    want = FORMATS[FORMAT_VERSION]
+    rng = np.random.default_rng(0)
+    plain = pack_samples([make_sample(rng, 9), make_sample(rng, 6)], seq_len=16, step=3, envs=["a"])[0]
+    routed = pack_samples(
+        [
+            make_sample(
+                rng,
+                8,
+                routed_experts=np.tile(np.arange(2, dtype=np.uint8), (8, 2, 1)),
+                routed_mask=[False] + [True] * 7,
+            )
+        ],
+        seq_len=16,
+    )[0]
+    m = _manifest(write_batch(step_dir(tmp_path, 1), 0, plain))
+    assert {n: f["dtype"] for n, f in m["fields"].items()} == want["arrays"]
+    assert set(m["meta"]) == want["meta"]
+    assert m["format_version"] == FORMAT_VERSION
+    m = _manifest(write_batch(step_dir(tmp_path, 2), 0, routed))
+    assert {n: f["dtype"] for n, f in m["fields"].items()} == {**want["arrays"], **want["routed"]}
+
+
+def test_a_version_1_file_is_refused_on_its_version(written):
+    """A leftover file of format 1 (no env_ids / staleness) fails on format_version, not on a missing field."""
+    _, path = written
+    old = 1
+
+    def downgrade(arrays):
+        manifest = json.loads(arrays[MANIFEST_KEY].tobytes().decode("utf-8"))
+        for name in set(manifest["fields"]) - set(FORMATS[old]["arrays"]):
+            arrays.pop(name)
+            manifest["fields"].pop(name)
+        manifest["format_version"] = old
+        manifest["meta"] = {k: v for k, v in manifest["meta"].items() if k in FORMATS[old]["meta"] | {"step"}}
+        arrays[MANIFEST_KEY] = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
+
+    _rewrite(path, downgrade)
+    with pytest.raises(
+        BatchFormatError,
+        match=rf"field 'format_version': expected {FORMAT_VERSION}, got {old} "
+        r"\(written by another primejax version",
+    ):
+        read_batch(path)

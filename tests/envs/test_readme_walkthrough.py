@@ -15,7 +15,7 @@ from primejax.utils.monitor import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 # SFT, a vLLM server start and one RL step in one test: minutes, far more on a machine shared with other jobs.
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 SHORTER = [
     "--config.run.max_steps=1",
     "--config.orchestrator.batch_size=8",

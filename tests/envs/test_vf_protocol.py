@@ -9,7 +9,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -165,21 +164,22 @@ def test_an_import_error_inside_a_taskset_package_is_reported_as_itself(tmp_path
         load_env("surely-not-a-taskset", {})
 
 
-def test_dry_run_loads_every_env_and_reports_a_broken_one_in_seconds(tmp_path):
-    """`primejax.train --dry_run` on a config with a healthy builtin env and a taskset whose import fails:
-    exit 1, one line per env. The bound is on the check's own CPU time (the test machine runs other jobs)."""
-    config = tmp_path / "two_envs.py"
+def test_dry_run_reports_each_broken_env_in_one_line_before_rendering_the_others(tmp_path, tiny_model_dir):
+    """`primejax.train --dry_run` on a config with a healthy builtin env, a taskset whose import fails and one
+    whose loading raises: exit 1, one line per env, the broken ones' lines first (printed before the tokenizer
+    is loaded to render the healthy env's prompt). How fast is measured in docs/benchmarks.md, not here."""
+    config = tmp_path / "three_envs.py"
     config.write_text(
         "from primejax.config import default_config, env\n\n"
         "def get_config():\n"
         "    c = default_config()\n"
         f"    c.run.output_dir = {str(tmp_path)!r}\n"
-        "    c.model.path = 'not-built-yet'\n"
-        "    c.orchestrator.envs.broken = env('tests.envs.vf_broken_taskset')\n"
+        f"    c.model.path = {str(tiny_model_dir)!r}\n"
+        # named to sort after the healthy `reverse_text` (config order): the broken ones must still come first
+        "    c.orchestrator.envs.z_broken = env('tests.envs.vf_broken_taskset')\n"
+        "    c.orchestrator.envs.z_raising = env('tests.envs.vf_raising_taskset')\n"
         "    return c\n"
     )
-    start = time.perf_counter()
-    before = __import__("resource").getrusage(__import__("resource").RUSAGE_CHILDREN)
     proc = subprocess.run(
         [sys.executable, "-m", "primejax.train", "--config", str(config), "--dry_run"],
         cwd=ROOT,
@@ -187,21 +187,19 @@ def test_dry_run_loads_every_env_and_reports_a_broken_one_in_seconds(tmp_path):
         text=True,
         timeout=300,
     )
-    after = __import__("resource").getrusage(__import__("resource").RUSAGE_CHILDREN)
-    wall, cpu = (
-        time.perf_counter() - start,
-        (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     json.loads(proc.stdout)  # the resolved config is still printed
     lines = [line for line in proc.stderr.splitlines() if " env " in f" {line}"]
-    assert any(line.startswith("# env reverse_text (reverse-text): ok") for line in lines), proc.stderr
-    assert any(
-        line.startswith("error: env broken (tests.envs.vf_broken_taskset): cannot load:")
-        and "No module named 'primejax_missing_dependency'" in line
-        for line in lines
-    ), proc.stderr
-    assert cpu < 10.0, f"the env check took {cpu:.1f} s of CPU ({wall:.1f} s wall)"
+    assert len(lines) == 3, proc.stderr
+    broken, raising, healthy = lines
+    assert broken.startswith("error: env z_broken (tests.envs.vf_broken_taskset): cannot load:"), broken
+    assert "No module named 'primejax_missing_dependency'" in broken
+    assert raising == (
+        "error: env z_raising (tests.envs.vf_raising_taskset): cannot load: "
+        "FileNotFoundError: tasks.jsonl: the taskset's data file is missing"
+    ), raising
+    assert healthy.startswith("# env reverse_text (reverse-text): ok, "), healthy
+    assert "first prompt" in healthy, healthy
 
 
 def test_the_env_check_renders_the_first_prompt_an_env_sends(vf_examples):
