@@ -21,6 +21,7 @@ the step as a constant); `join_params` puts them back together for the forward p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -48,7 +49,7 @@ class LoraConfig(Section):
     alpha: float = option(
         16.0, "adapter scale numerator: outputs are scaled by alpha / rank (PEFT's lora_alpha)", gt=0
     )
-    dropout: float = option(0.0, "dropout on the adapters' input: not implemented, must be 0", ge=0, le=0)
+    dropout: float = option(0.0, "dropout on the adapters' input: not implemented, must be 0", ge=0)
     target_modules: tuple[str, ...] = option(
         DEFAULT_TARGETS,
         "weights that get adapters: q/k/v/o_proj, the dense MLP's gate/up/down_proj, experts (one adapter per "
@@ -63,6 +64,8 @@ class LoraConfig(Section):
     )
 
     def check(self) -> None:
+        if self.dropout:
+            raise ConfigError("dropout", f"LoRA dropout is not implemented: must be 0, got {self.dropout}")
         if self.rank and not self.target_modules:
             raise ConfigError("target_modules", "LoRA needs at least one target module")
         if len(set(self.target_modules)) != len(self.target_modules):
@@ -263,13 +266,20 @@ def without_lora(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, lora_rank=0, lora_alpha=0.0, lora_targets=(), lora_init="kaiming")
 
 
-def merged_model(params: dict, cfg: ModelConfig) -> nnx.Module:
-    """A plain Transformer (no adapters) whose weights are `merge_adapters(params)` (jitted, sharding kept)."""
+@functools.lru_cache(maxsize=8)
+def _merger(cfg: ModelConfig) -> tuple[nnx.GraphDef, Any]:
+    """(the plain model's graph, the jitted merge) for `cfg`: built once, every export after reuses them."""
     from primejax.models.hf_io import abstract_model
 
-    plain = without_lora(cfg)
-    graphdef = nnx.graphdef(abstract_model(plain))
-    return nnx.merge(graphdef, jax.jit(lambda p: merge_adapters(p, cfg))(params))
+    return nnx.graphdef(abstract_model(without_lora(cfg))), jax.jit(
+        functools.partial(merge_adapters, cfg=cfg)
+    )
+
+
+def merged_model(params: dict, cfg: ModelConfig) -> nnx.Module:
+    """A plain Transformer (no adapters) whose weights are `merge_adapters(params)` (jitted, sharding kept)."""
+    graphdef, merge = _merger(cfg)
+    return nnx.merge(graphdef, merge(params))
 
 
 def stack_adapters(layers: nnx.Module, cfg: ModelConfig) -> dict[str, AdapterSpec]:
@@ -279,7 +289,12 @@ def stack_adapters(layers: nnx.Module, cfg: ModelConfig) -> dict[str, AdapterSpe
         for k, v in vars(layers).items()
         if isinstance(v, nnx.Param) and not isinstance(v, LoraParam)
     }
-    return adapted_weights(cfg, base)
+    specs = adapted_weights(cfg, base)
+    if cfg.lora_rank and not specs:
+        raise ValueError(
+            f"model.lora.target_modules {list(cfg.lora_targets)} match no weight of this {cfg.model_type} model"
+        )
+    return specs
 
 
 def fill_adapters(model: nnx.Module, seed: int = 0, mesh: Any = None) -> nnx.Module:

@@ -4,6 +4,8 @@ adapters are fp32 and shaped like PEFT's; the `model.lora` section rejects what 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from primejax.models import lora
 from primejax.models.config import ModelConfig
 from primejax.models.settings import ModelSettings
 from primejax.models.sharding import init_model
+from primejax.models.transformer import Transformer
 from primejax.utils.sections import ConfigError
 
 MOE = dict(model_type="qwen3_moe", num_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -113,7 +116,7 @@ def test_adapter_shapes_init_and_peft_fan_in():
 
 
 def test_lora_section_rejects_what_is_not_implemented():
-    with pytest.raises(ConfigError, match="dropout"):
+    with pytest.raises(ConfigError, match="dropout: LoRA dropout is not implemented"):
         lora.LoraConfig(rank=8, dropout=0.1)
     with pytest.raises(ConfigError, match="target_modules"):
         lora.LoraConfig(rank=8, target_modules=("q_proj", "lm_head"))
@@ -123,3 +126,6 @@ def test_lora_section_rejects_what_is_not_implemented():
     on = ModelSettings(lora=lora.LoraConfig(rank=8, alpha=32.0))
     assert on.overrides()["lora_rank"] == 8 and on.overrides()["lora_targets"] == lora.DEFAULT_TARGETS
     assert "router" not in lora.DEFAULT_TARGETS
+    dense_router = dataclasses.replace(_cfg("dense"), lora_targets=("router",))
+    with pytest.raises(ValueError, match=r"target_modules \['router'\] match no weight of this qwen3 model"):
+        nnx.eval_shape(lambda: Transformer(dense_router, rngs=nnx.Rngs(0)))
