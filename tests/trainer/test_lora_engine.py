@@ -7,7 +7,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import random_samples, tiny_config
 
 from primejax.contracts.batch import pack_samples
 from primejax.models import lora
@@ -30,13 +29,13 @@ def _shapes(tree) -> list[tuple[int, ...]]:
 
 
 @pytest.fixture(scope="module")
-def batch():
-    (b,) = pack_samples(random_samples(7, 8), 48)
+def batch(make_samples):
+    (b,) = pack_samples(make_samples(7, 8), 48)
     return b
 
 
-def test_lora_rl_and_sft_steps_train_only_the_adapters(batch, tmp_path):
-    cfg = tiny_config(**LORA, lora_targets=lora.DEFAULT_TARGETS)
+def test_lora_rl_and_sft_steps_train_only_the_adapters(batch, tmp_path, make_config):
+    cfg = make_config(**LORA, lora_targets=lora.DEFAULT_TARGETS)
     engine = Engine.create(TrainerConfig(micro_batch_size=2, logprob_chunk_size=16), cfg, seed=3)
     adapters = engine.state.params
     assert set(adapters["layers"]) == {
@@ -76,8 +75,8 @@ def test_lora_rl_and_sft_steps_train_only_the_adapters(batch, tmp_path):
     ckpt.close()
 
 
-def test_lora_moe_step_trains_expert_adapters_only(batch):
-    cfg = tiny_config(**LORA, **MOE, lora_targets=("q_proj", "experts"))
+def test_lora_moe_step_trains_expert_adapters_only(batch, make_config):
+    cfg = make_config(**LORA, **MOE, lora_targets=("q_proj", "experts"))
     engine = Engine.create(TrainerConfig(micro_batch_size=4, logprob_chunk_size=16), cfg, seed=1)
     assert set(engine.state.params["layers"]) == {
         "q_proj_lora_a", "q_proj_lora_b", "experts_gate_up_lora_a", "experts_gate_up_lora_b",
@@ -95,7 +94,7 @@ def test_lora_moe_step_trains_expert_adapters_only(batch):
     np.testing.assert_array_equal(after["experts_down_lora_a"], adapters0["layers"]["experts_down_lora_a"])
 
 
-def test_lora_step_allocates_no_full_size_gradient():
+def test_lora_step_allocates_no_full_size_gradient(make_config):
     """The compiled step's temporaries: full fine-tuning holds a gradient (and AdamW's update) of every weight,
     the LoRA step none, on a model whose MLP weights dominate everything else. Both hold the same copies of
     the weights (XLA:CPU's per-layer slices and transposes), so the difference is what is compared."""
@@ -103,7 +102,7 @@ def test_lora_step_allocates_no_full_size_gradient():
     t = TrainerConfig(micro_batch_size=1, logprob_chunk_size=16)
     temp, weights = {}, 0
     for name, extra in (("full", {}), ("lora", dict(**LORA, lora_targets=lora.DEFAULT_TARGETS))):
-        engine = Engine.create(t, tiny_config(**wide, **extra), abstract=True)
+        engine = Engine.create(t, make_config(**wide, **extra), abstract=True)
         compiled = engine.lower(engine.abstract_batch(1, 1, 32), "rl").compile()
         temp[name] = compiled.memory_analysis().temp_size_in_bytes
         if name == "full":
