@@ -2,10 +2,12 @@
 
   python -m tools.convert_checkpoint to-hf --orbax CKPT --config MODEL_DIR --out OUT [--dtype bfloat16|float32|keep]
   python -m tools.convert_checkpoint to-orbax --hf MODEL_DIR --out CKPT [--param-dtype float32|bfloat16]
+  python -m tools.convert_checkpoint merge-lora --base MODEL_DIR --adapter ADAPTER_DIR --out OUT [--dtype ...]
 
 An Orbax parameter checkpoint does not describe the architecture: `--config` names an HF directory (or a
 config.json) for it, and tokenizer / generation files found there are copied into the output. The output
-directory appears atomically (written under a temporary name, then renamed).
+directory appears atomically (written under a temporary name, then renamed). `merge-lora` writes the base HF
+model with a PEFT LoRA adapter directory merged in (W + s·A·B; models/lora_io.py, docs/lora.md).
 """
 
 from __future__ import annotations
@@ -67,13 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     b.add_argument("--overwrite", action="store_true")
+    c = sub.add_parser("merge-lora", help="HF base model + PEFT LoRA adapter -> merged HF safetensors directory")
+    c.add_argument("--base", required=True, help="HF model directory the adapter was trained on")
+    c.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json + safetensors)")
+    c.add_argument("--out", required=True)
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "keep"])
+    c.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     # The model directory it reads, checked as the entrypoints check theirs: one line and exit 2, no traceback.
     if args.cmd == "to-hf":  # --config: the architecture only (a directory or its config.json)
         arch = Path(args.config)
         preflight_tool("--config", arch.parent if arch.name == "config.json" else arch, weights=False)
+    elif args.cmd == "merge-lora":
+        preflight_tool("--base", args.base, weights=True)
     else:
         preflight_tool("--hf", args.hf, weights=True)
+    from primejax.models.lora_io import AdapterError
+
     try:
         if args.cmd == "to-hf":
             dtype = None if args.dtype == "keep" else args.dtype
@@ -82,10 +94,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"wrote {args.out}: {stats['bytes'] / 2**20:.1f} MiB in {stats['files']} file(s), "
                 f"{stats['seconds']:.2f} s"
             )
+        elif args.cmd == "merge-lora":
+            from primejax.models.lora_io import merge_peft
+
+            dtype = None if args.dtype == "keep" else args.dtype
+            stats = merge_peft(args.base, args.adapter, args.out, dtype=dtype, overwrite=args.overwrite)
+            print(f"wrote {args.out}: {stats['bytes'] / 2**20:.1f} MiB merged, {stats['seconds']:.2f} s")
         else:
             to_orbax(args.hf, args.out, args.param_dtype, args.overwrite)
             print(f"wrote {args.out}")
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError, AdapterError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -52,6 +52,10 @@ GMM_IMPLS = ("xla", "mgpu", "auto")
 # all-gathered per layer with every token kept on its device, "ep" = experts split over that axis and tokens
 # exchanged (all-gather in, reduce-scatter out).
 EXPERT_PARALLEL = ("fsdp", "ep")
+# LoRA adapter targets (models/lora.py, docs/lora.md): the attention projections, the dense MLP's, every
+# expert of the sparse layers (per-expert adapters on gate, up and down) and the MoE router.
+LORA_INITS = ("kaiming", "gaussian")  # the adapters' A (B starts at zero): models/lora.py
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts", "router")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,12 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # DeepSeek's rope layout: interleaved pairs (models/layers.py)
+    # LoRA (training-side, from the `model.lora` section; never written to config.json): rank 0 = no adapters.
+    # The adapters are separate parameters next to the frozen weights they adapt (models/lora.py).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    lora_init: str = "kaiming"
     # Fields of the source config.json we do not model but must write back unchanged (token ids, etc.).
     hf_extra: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -149,6 +159,9 @@ class ModelConfig:
                 f"n_group={self.n_group} must divide num_experts={self.num_experts} and topk_group="
                 f"{self.topk_group} be in [1, n_group]"
             )
+        if self.lora_rank < 0 or self.lora_init not in LORA_INITS or any(t not in LORA_TARGETS for t in self.lora_targets):
+            raise ValueError(f"lora_rank={self.lora_rank} / lora_targets={self.lora_targets}: rank >= 0, targets "
+                             f"among {LORA_TARGETS}")
         if self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError("group-limited routing scores a group by its two best experts: >= 2 experts per group")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
@@ -166,6 +179,8 @@ class ModelConfig:
                 )
         if self.mla:
             self._check_mla()
+            if self.lora_rank:
+                raise NotImplementedError("LoRA on multi-head latent attention (deepseek_v3) is not implemented")
         elif self.model_type == "deepseek_v3":
             raise ValueError("deepseek_v3 needs kv_lora_rank > 0 (multi-head latent attention)")
 
@@ -198,6 +213,11 @@ class ModelConfig:
     def v_dim(self) -> int:
         """Width of a value head (and of the attention output per head)."""
         return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def lora_scale(self) -> float:
+        """The adapters' output scale alpha / rank (PEFT's `scaling`)."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
     @property
     def rotary_dim(self) -> int:

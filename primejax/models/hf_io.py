@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from primejax.models.config import ModelConfig
+from primejax.models.lora import LoraParam
 from primejax.models.sharding import param_spec
 from primejax.models.transformer import DENSE_MLP, SPARSE_MLP, Transformer
 
@@ -140,10 +141,11 @@ _TOP_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
 
 
 def param_variables(model: Transformer) -> dict[str, nnx.Variable]:
-    """Our parameters by dotted name ("embed", "layers.q_proj", ...), in a fixed order."""
+    """Our parameters by dotted name ("embed", "layers.q_proj", ...), in a fixed order. LoRA adapters are not
+    HF model tensors (models/lora_io.py writes them the PEFT way)."""
     out = {name: getattr(model, name) for name in _TOP_TENSORS if hasattr(model, name)}
     for name, var in vars(model.layers).items():
-        if isinstance(var, nnx.Param):
+        if isinstance(var, nnx.Param) and not isinstance(var, LoraParam):
             out[f"layers.{name}"] = var
     return out
 

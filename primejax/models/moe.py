@@ -154,10 +154,14 @@ def _permute_bwd(res, g):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0, all_local=True):
+def _experts_local(
+    x_nd, topk_idx, scores, gate_up, down, adapters=None, *, impl, expert_offset=0, all_local=True, lora_scale=0.0
+):
     """Dropless expert MLP of N tokens on the experts [expert_offset, expert_offset + E_local) held here.
 
     Pairs routed to other experts are sorted past the local groups: the grouped matmul leaves them zero.
+    `adapters`: the per-expert LoRA (gate_up A [E, D, 2, r], B [E, 2, r, I], down A [E, I, r], B [E, r, D];
+    models/lora.py), applied as s·(x·A)·B by grouped matmuls of their own.
     """
     n, d = x_nd.shape
     k = topk_idx.shape[1]
@@ -173,9 +177,16 @@ def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0,
     xs = _dispatch(x_nd, order, inv, k)  # [N*k, D], sorted by expert
     full = all_local  # every pair has a local expert: the groups cover all rows
     h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
+    if adapters is not None:
+        h = h + _expert_gate_up_delta(xs, adapters, group_sizes, lora_scale)
     h = checkpoint_name(h, GMM_OUTPUTS[0])
     a = jax.nn.silu(h[:, :i]) * h[:, i:]
     ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [N*k, D]
+    if adapters is not None:
+        _, _, a_down, b_down = adapters
+        # The rank-r matmuls use XLA's ragged_dot: the Mosaic kernels' tiles are sized for model widths.
+        t = grouped_matmul(a, a_down, group_sizes, "xla") * jnp.asarray(lora_scale, a.dtype)
+        ys = ys + grouped_matmul(t, b_down, group_sizes, "xla")
     ys = checkpoint_name(ys, GMM_OUTPUTS[1])
     y_nkd = _permute(ys, inv, order).reshape(n, k, d)  # back to (token, slot) order
     return jnp.einsum(
@@ -183,8 +194,22 @@ def _experts_local(x_nd, topk_idx, scores, gate_up, down, impl, expert_offset=0,
     ).astype(ys.dtype)
 
 
-def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: str) -> jax.Array:
-    """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out`."""
+def _expert_gate_up_delta(xs, adapters, group_sizes, scale):
+    """[N*k, 2I]: each pair's gate and up adapters' s·(x·A)·B, laid out like the fused gate_up output."""
+    a_gu, b_gu, _, _ = adapters
+    e, d, two, r = a_gu.shape
+    t = grouped_matmul(xs, a_gu.reshape(e, d, two * r), group_sizes, "xla") * jnp.asarray(scale, xs.dtype)
+    return jnp.concatenate(
+        [grouped_matmul(t[:, c * r : (c + 1) * r], b_gu[:, c], group_sizes, "xla") for c in range(two)], axis=-1
+    )
+
+
+def experts_forward(
+    x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: str, adapters=None, lora_scale: float = 0.0
+) -> jax.Array:
+    """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out` (and per-expert
+    `adapters`, split over devices like the experts)."""
+    extra = () if adapters is None else (adapters,)
     mesh = current_mesh()
     # The tokens are a [B, T] batch flattened: rows split over (data, fsdp), a row's tokens over context, so
     # the flat axis is split over all three in that order. Specifying fewer axes would make the shard_map
@@ -192,13 +217,16 @@ def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: 
     # context parallelism).
     tok_axes = None if mesh is None else logical_to_spec(("batch_context",), x_nd.shape, mesh)[0]
     if tok_axes is None:
-        return _experts_local(x_nd, route_out.topk_idx, route_out.scores, gate_up, down, impl)
+        return _experts_local(
+            x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra, impl=impl, lora_scale=lora_scale
+        )
     tok = P(tok_axes, None)
     n_ep = mesh.shape[EP_AXIS]
     if mode == "fsdp" or n_ep == 1:
-        fn = functools.partial(_experts_local, impl=impl)
-        return jax.shard_map(fn, in_specs=(tok, tok, tok, P(), P()), out_specs=tok, check_vma=False)(
-            x_nd, route_out.topk_idx, route_out.scores, gate_up, down
+        fn = functools.partial(_experts_local, impl=impl, lora_scale=lora_scale)
+        specs = (tok, tok, tok, P(), P(), *[P()] * len(extra))
+        return jax.shard_map(fn, in_specs=specs, out_specs=tok, check_vma=False)(
+            x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra
         )
     if gate_up.shape[0] % n_ep:
         raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over {EP_AXIS}={n_ep}")
@@ -206,18 +234,21 @@ def experts_forward(x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: 
     if EP_AXIS not in (tok_axes if isinstance(tok_axes, tuple) else (tok_axes,)):
         raise ValueError(f"expert_parallel='ep' needs the token batch split over the {EP_AXIS} axis")
 
-    def ep(x, idx, sc, gu, dn):
+    def ep(x, idx, sc, gu, dn, *ad):
         # All tokens of the fsdp group, each device's experts on them, partial sums scattered back.
         xg = jax.lax.all_gather(x, EP_AXIS, tiled=True)
         ig = jax.lax.all_gather(idx, EP_AXIS, tiled=True)
         sg = jax.lax.all_gather(sc, EP_AXIS, tiled=True)
         off = jax.lax.axis_index(EP_AXIS) * e_local
-        y = _experts_local(xg, ig, sg, gu, dn, impl, expert_offset=off, all_local=False)
+        y = _experts_local(
+            xg, ig, sg, gu, dn, *ad, impl=impl, expert_offset=off, all_local=False, lora_scale=lora_scale
+        )
         return jax.lax.psum_scatter(y, EP_AXIS, scatter_dimension=0, tiled=True)
 
     ex = P(EP_AXIS)
-    return jax.shard_map(ep, in_specs=(tok, tok, tok, ex, ex), out_specs=tok, check_vma=False)(
-        x_nd, route_out.topk_idx, route_out.scores, gate_up, down
+    specs = (tok, tok, tok, ex, ex, *[ex] * len(extra))
+    return jax.shard_map(ep, in_specs=specs, out_specs=tok, check_vma=False)(
+        x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra
     )
 
 
@@ -235,23 +266,29 @@ def moe_block(
     n_group: int = 1,
     topk_group: int = 1,
     scale: float = 1.0,
+    lora_scale: float = 0.0,
 ) -> tuple[jax.Array, RouterOut]:
     """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens).
 
     `p` holds one sparse layer's router, experts and, when present, `router_bias` [E] (the sigmoid router's
     correction bias) and the shared experts `shared_gate_proj`/`shared_up_proj` [D, Fs], `shared_down_proj`
-    [Fs, D].
+    [Fs, D]; LoRA adapters of the router and experts (models/lora.py) scaled by `lora_scale`.
     """
+    from primejax.models import lora
+
     b, t, d = h_btd.shape
     dt = h_btd.dtype
     x = h_btd.reshape(b * t, d)
     ri = None if replay_idx is None else replay_idx.reshape(b * t, top_k)
     rm = None if replay_mask is None else replay_mask.reshape(b * t)
-    r = route(x, p["router"], top_k, norm_topk_prob, ri, rm, scoring=scoring, bias_e=p.get("router_bias"),
+    r = route(x, lora.router_weight(p, lora_scale), top_k, norm_topk_prob, ri, rm, scoring=scoring, bias_e=p.get("router_bias"),
               n_group=n_group, topk_group=topk_group, scale=scale)
     # HF casts the combine weights to the hidden dtype before weighting the experts' outputs.
     r_used = r._replace(scores=r.scores.astype(dt))
-    y = experts_forward(x, r_used, p["experts_gate_up"].astype(dt), p["experts_down"].astype(dt), impl, mode)
+    y = experts_forward(
+        x, r_used, p["experts_gate_up"].astype(dt), p["experts_down"].astype(dt), impl, mode,
+        lora.expert_adapters(p, dt), lora_scale,
+    )  # fmt: skip
     y_btd = y.reshape(b, t, d)
     if "shared_gate_proj" in p:
         g_btf = jnp.einsum("btd,df->btf", h_btd, p["shared_gate_proj"].astype(dt))

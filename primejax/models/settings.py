@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from primejax.models.config import ATTENTION_IMPLS, EXPERT_PARALLEL, GMM_IMPLS, REMAT_POLICIES
+from primejax.models.lora import LoraConfig
 from primejax.models.tiny import TinyModelConfig
 from primejax.utils.sections import Section, option, section, sub
 
@@ -33,13 +34,18 @@ class ModelSettings(Section):
         "needs every layer dense or every layer sparse)",
     )
     gmm_impl: str = option(
-        "auto", "MoE grouped matmul (auto: Mosaic GPU kernels on Hopper, XLA ragged_dot elsewhere)", choices=GMM_IMPLS
+        "auto",
+        "MoE grouped matmul (auto: Mosaic GPU kernels on Hopper, XLA ragged_dot elsewhere)",
+        choices=GMM_IMPLS,
     )
     expert_parallel: str = option(
         "fsdp",
         "MoE experts over devices: fsdp (expert weights sharded like FSDP, all-gathered; no token traffic) or ep "
         "(experts split over the fsdp axis, tokens exchanged in shard_map); docs/moe.md",
         choices=EXPERT_PARALLEL,
+    )
+    lora: LoraConfig = sub(
+        LoraConfig, "low-rank adapters: train only them, the weights stay frozen (docs/lora.md)"
     )
 
     def overrides(self) -> dict[str, Any]:
@@ -52,6 +58,7 @@ class ModelSettings(Section):
             "scan_layers": self.scan_layers,
             "gmm_impl": self.gmm_impl,
             "expert_parallel": self.expert_parallel,
+            **self.lora.model_overrides(),
         }
 
 

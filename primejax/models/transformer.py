@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import Offloadable, checkpoint_name
 
+from primejax.models import lora
 from primejax.models.attention import SegmentRuns, attention, prepare_segments, resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import to_heads, to_tokens
@@ -120,11 +121,12 @@ def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None
 
 
 def _gqa_qkv(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, cos, sin):
-    """q [B, T, H, Dh], k/v [B, T, K, Dh] of grouped-query attention (every family but deepseek_v3)."""
-    dt, eps = h_btd.dtype, cfg.rms_norm_eps
-    q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt))
-    k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt))
-    v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt))
+    """q [B, T, H, Dh], k/v [B, T, K, Dh] of grouped-query attention (every family but deepseek_v3), with the
+    LoRA adapters (models/lora.py) of the projections that have them."""
+    dt, eps, s = h_btd.dtype, cfg.rms_norm_eps, cfg.lora_scale
+    q_btnh = lora.with_adapter(jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt)), h_btd, p, "q_proj", s)
+    k_btkh = lora.with_adapter(jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt)), h_btd, p, "k_proj", s)
+    v_btkh = lora.with_adapter(jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt)), h_btd, p, "v_proj", s)
     if cfg.attention_bias:
         q_btnh = q_btnh + p["q_bias"].astype(dt)
         k_btkh = k_btkh + p["k_bias"].astype(dt)
@@ -153,6 +155,7 @@ def decoder_layer(
     """
     dt = x_btd.dtype
     eps = cfg.rms_norm_eps
+    s = cfg.lora_scale  # adapters (models/lora.py) add s·(x·A)·B to the weights that have them
 
     h_btd = rms_norm(x_btd, p["attn_norm"], eps)
     if cfg.mla:
@@ -166,7 +169,7 @@ def decoder_layer(
 
     o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl, runs=runs, scale=scale)
     o_btnh = to_tokens(checkpoint_name(o_btnh, ATTN_OUT))
-    o_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt))
+    o_btd = lora.with_adapter(jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt)), o_btnh, p, "o_proj", s)
     if cfg.attention_out_bias:
         o_btd = o_btd + p["o_bias"].astype(dt)
     x_btd = constrain(x_btd + o_btd, ("batch", "seq", "act_embed"))
@@ -186,6 +189,7 @@ def decoder_layer(
             n_group=cfg.n_group,
             topk_group=cfg.topk_group,
             scale=cfg.routed_scaling_factor,
+            lora_scale=s,
         )
         valid = segment_ids > 0
         stats = {
@@ -194,10 +198,10 @@ def decoder_layer(
             "z_loss": router_z_loss(r, valid),
         }
         return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), stats
-    g_btf = jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt))
-    u_btf = jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt))
+    g_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt)), h_btd, p, "gate_proj", s)
+    u_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt)), h_btd, p, "up_proj", s)
     a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
-    y_btd = jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt))
+    y_btd = lora.with_adapter(jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt)), a_btf, p, "down_proj", s)
     return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), None
 
 
@@ -269,6 +273,11 @@ class DecoderStack(nnx.Module):
                 self.shared_gate_proj = _param(rngs, (ns, d, fs), (lay, "embed", "mlp"), dt)
                 self.shared_up_proj = _param(rngs, (ns, d, fs), (lay, "embed", "mlp"), dt)
                 self.shared_down_proj = _param(rngs, (ns, fs, d), (lay, "mlp", "embed"), dt)
+        # LoRA adapters (fp32 LoraParams named after the weight they adapt), when `cfg.lora_rank` > 0
+        specs = lora.stack_adapters(self, cfg)
+        if specs:
+            for name, var in lora.adapter_params(specs, rngs.params(), cfg.lora_init).items():
+                setattr(self, name, var)
 
     def _init_mla(self, cfg: ModelConfig, rngs: nnx.Rngs, dt) -> None:
         """Multi-head latent attention's weights (models/mla.py). The latent ranks are a weight's input
@@ -337,10 +346,11 @@ class DecoderStack(nnx.Module):
                 rp = None if replay is None else (replay[0][:, :, j], replay[1])
             else:
                 j, mlp_keys, rp = dense.index(i), DENSE_MLP, None
+            # an adapter goes with the weight it adapts (lora.base_name)
             p = {
-                k: v[j] if k in mlp_keys else v[i]
+                k: v[j] if b in mlp_keys else v[i]
                 for k, v in per_layer.items()
-                if k in mlp_keys or (k not in DENSE_MLP and k not in SPARSE_MLP)
+                if (b := lora.base_name(k)) in mlp_keys or (b not in DENSE_MLP and b not in SPARSE_MLP)
             }
             x_btd, st = step(x_btd, p, rp)
             if st is not None:

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS, PackedBatch
+from primejax.models import lora
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import check_divisible
@@ -80,20 +81,25 @@ def build_model(
     from primejax.models.hf_io import load_model
 
     if m.path and any(Path(m.path).glob("*.safetensors")):
-        return load_model(Path(m.path), mesh=mesh, **m.overrides())
+        model, cfg = load_model(Path(m.path), mesh=mesh, **m.overrides())
+        return lora.fill_adapters(model, seed, mesh), cfg  # HF weights hold no adapters: fresh ones
     model_cfg = model_config(m, max_positions=max_positions)
     if m.path:
         log.info("no safetensors in %s: random init (benchmark use)", m.path)
     return init_model(model_cfg, mesh, seed), model_cfg
 
 
-def jit_train_step(step_fn: Callable, state: TrainState, mesh: Mesh) -> Callable:
+def jit_train_step(step_fn: Callable, state: TrainState, mesh: Mesh, frozen: Any = None) -> Callable:
     """jit with the state's shardings pinned on input and output (so a step's output feeds the next one without
-    a second compilation), the batch's rows over the data-parallel axes, and the state donated."""
+    a second compilation), the batch's rows over the data-parallel axes, and the state donated. With LoRA the
+    step takes the frozen weights as a third argument, in their own shardings and never donated."""
     state_sh = jax.tree.map(lambda x: leaf_sharding(x, mesh), state)
+    in_sh = (state_sh, batch_sharding(mesh))
+    if frozen is not None:
+        in_sh += (jax.tree.map(lambda x: leaf_sharding(x, mesh), frozen),)
     return jax.jit(
         step_fn,
-        in_shardings=(state_sh, batch_sharding(mesh)),
+        in_shardings=in_sh,
         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,),
     )
@@ -105,18 +111,26 @@ def _sds(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
 
 def abstract_state(
     model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int = 0
-) -> tuple[nnx.GraphDef, TrainState]:
-    """(graphdef, TrainState of ShapeDtypeStructs) in the layout `step.init_state` gives the real state."""
+) -> tuple[nnx.GraphDef, TrainState, dict | None]:
+    """(graphdef, TrainState of ShapeDtypeStructs, frozen weights or None) in the layout `step.init_state`
+    gives the real state (with LoRA the state holds the adapters and the frozen weights come apart)."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     shardings = nnx.to_pure_dict(state_shardings(state, mesh))
     params = jax.tree.map(_sds, nnx.to_pure_dict(state), shardings)
+    frozen = None
+    if model_cfg.lora_rank:
+        params, frozen = lora.split_adapters(params)
     opt_state = jax.tree.map(
         _sds, jax.eval_shape(optimizer.init, params), opt_state_shardings(optimizer, params, mesh)
     )
     replicated = NamedSharding(mesh, PartitionSpec())
     rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(seed)))
-    return graphdef, TrainState(
-        params, opt_state, _sds(jax.ShapeDtypeStruct((), jnp.int32), replicated), _sds(rng, replicated)
+    return (
+        graphdef,
+        TrainState(
+            params, opt_state, _sds(jax.ShapeDtypeStruct((), jnp.int32), replicated), _sds(rng, replicated)
+        ),
+        frozen,
     )
 
 
@@ -139,6 +153,9 @@ class Engine:
     saved_logits_bytes: int  # the LM head's budget for the whole (global) micro-batch
     # the rl loss's off-policy corrections per environment (trainer/corrections.py); SFT steps take none
     corrections: CorrectionTable = dataclasses.field(default_factory=CorrectionTable)
+    # LoRA (`model.lora`, models/lora.py): the state's params are the adapters and these the frozen weights
+    # (in `model.param_dtype`), a constant input of every step; None without LoRA.
+    frozen: dict | None = None
     _compiled: dict[tuple[str, int], Callable] = dataclasses.field(default_factory=dict, repr=False)
     _finite: Callable | None = dataclasses.field(default=None, repr=False)
     _logprobs: Callable | None = dataclasses.field(default=None, repr=False)
@@ -176,13 +193,18 @@ class Engine:
             optimizer, schedule = optim.from_config(t.optim, t.scheduler, max_steps)
         else:
             optimizer, schedule = optim.make_optimizer(t.optim, lr_schedule), lr_schedule
+        frozen = None
         if abstract:
-            graphdef, state = abstract_state(model_cfg, optimizer, mesh, seed)
+            graphdef, state, frozen = abstract_state(model_cfg, optimizer, mesh, seed)
         else:
             if model is None:
                 model = init_model(model_cfg, mesh, seed)
             graphdef = nnx.graphdef(model)
-            state = init_state(model, optimizer, seed, mesh=mesh)
+            if model_cfg.lora_rank:
+                adapters, frozen = lora.split_adapters(nnx.to_pure_dict(nnx.state(model)))
+                state = init_state(adapters, optimizer, seed, mesh=mesh)
+            else:
+                state = init_state(model, optimizer, seed, mesh=mesh)
         return cls(
             t,
             model_cfg,
@@ -194,6 +216,7 @@ class Engine:
             abstract,
             _head_budget(t, mesh, hbm_bytes if abstract else None),
             corrections or CorrectionTable(),
+            frozen,
         )
 
     @classmethod
@@ -256,14 +279,14 @@ class Engine:
                 saved_logits_max_bytes=self.saved_logits_bytes,
                 corrections=self.corrections if kind == "rl" else None,
             )
-            self._compiled[key] = jit_train_step(fn, self.state, self.mesh)
+            self._compiled[key] = jit_train_step(fn, self.state, self.mesh, self.frozen)
         return self._compiled[key]
 
     def lower(self, batch: Mapping[str, Any], kind: str = "rl", max_segments: int = 0) -> jax.stages.Lowered:
         """The step lowered for `batch` (arrays or ShapeDtypeStructs): `.compile()` gives the executable and its
         memory and cost analyses (AOT, benchmarks); calling it runs exactly what `step_fn` runs."""
         with jax.set_mesh(self.mesh):
-            return self.step_fn(kind, max_segments).lower(self.state, batch)
+            return self.step_fn(kind, max_segments).lower(self.state, batch, *self._frozen_arg())
 
     def abstract_batch(self, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The step's [M, R, T] batch arrays (contracts.batch.FIELDS) as ShapeDtypeStructs with their sharding."""
@@ -294,7 +317,7 @@ class Engine:
     def run(self, arrays: Mapping[str, jax.Array], kind: str = "rl", max_segments: int = 0) -> dict[str, Any]:
         """One step on placed arrays: the state advances; the metrics come back as device arrays (no sync)."""
         with jax.set_mesh(self.mesh):
-            self.state, metrics = self.step_fn(kind, max_segments)(self.state, arrays)
+            self.state, metrics = self.step_fn(kind, max_segments)(self.state, arrays, *self._frozen_arg())
         return metrics
 
     def train(self, batch: PackedBatch, kind: str = "rl") -> tuple[dict[str, np.ndarray], int]:
@@ -320,11 +343,27 @@ class Engine:
             graphdef = self.graphdef
             self._logprobs = jax.jit(lambda p, a: target_logprobs(nnx.merge(graphdef, p), a, chunk))
         with jax.set_mesh(self.mesh):
-            return self._logprobs(self.state.params, dict(arrays))
+            return self._logprobs(self.params(), dict(arrays))
+
+    def _frozen_arg(self) -> tuple:
+        return () if self.frozen is None else (self.frozen,)
+
+    def params(self) -> dict:
+        """Every parameter of the model (with LoRA: the adapters joined with the frozen weights)."""
+        return self.state.params if self.frozen is None else lora.join_params(self.state.params, self.frozen)
 
     def model(self) -> nnx.Module:
-        """The model with the state's current parameters (for export and evaluation)."""
-        return nnx.merge(self.graphdef, self.state.params)
+        """The model with the state's current parameters (for export and evaluation). With LoRA, the merged
+        model (every adapted weight W + s·A·B, no adapters): what an HF export or a full-weight sync carries;
+        `lora_model()` is the model with its adapters apart."""
+        if self.frozen is None:
+            return nnx.merge(self.graphdef, self.state.params)
+        with jax.set_mesh(self.mesh):
+            return lora.merged_model(self.params(), self.model_cfg)
+
+    def lora_model(self) -> nnx.Module:
+        """The model with its adapters as separate parameters (LoRA engines; PEFT export reads them)."""
+        return nnx.merge(self.graphdef, self.params())
 
 
 def _head_budget(t: TrainerConfig, mesh: Mesh, hbm_bytes: int | None) -> int:

@@ -200,9 +200,10 @@ class Trainer:
         interval = self.t.checkpoint.interval
         if interval > 0 and (step % interval == 0 or final):
             self.check_finite_params(step, "checkpointing")
-            self.checkpointer.save(
-                step, self.state, {"data_step": step + 1, "model_path": self.model_settings.path}
-            )
+            meta = {"data_step": step + 1, "model_path": self.model_settings.path}
+            if self.model_settings.lora.enabled:  # the state holds the adapters only: name what they adapt
+                meta["lora"] = self.model_settings.lora.to_dict()
+            self.checkpointer.save(step, self.state, meta)
 
     def run(self, monitor: Monitor | None = None) -> TrainState:
         max_steps = self.run_cfg.max_steps

@@ -25,6 +25,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS, PackedBatch
+from primejax.models.lora import join_params
 from primejax.models.moe import max_violation
 from primejax.models.sharding import axis_size, mesh_axes, spec_entry
 from primejax.trainer.corrections import CorrectionTable, merge_sums, step_norms
@@ -41,11 +42,12 @@ class TrainState:
 
 
 def init_state(
-    model: nnx.Module, optimizer: optax.GradientTransformation, seed: int = 0, mesh: Mesh | None = None
+    model: nnx.Module | dict, optimizer: optax.GradientTransformation, seed: int = 0, mesh: Mesh | None = None
 ) -> TrainState:
-    """Fresh state from the model's parameters. With a mesh (default: the parameters' own, if they have one)
-    every leaf gets a NamedSharding on it, the layout the jitted step returns (see shard_state)."""
-    params = nnx.to_pure_dict(nnx.state(model))
+    """Fresh state from the model's parameters (or the trained ones as a pure dict: LoRA's adapters). With a
+    mesh (default: the parameters' own, if they have one) every leaf gets a NamedSharding on it, the layout the
+    jitted step returns (see shard_state)."""
+    params = model if isinstance(model, dict) else nnx.to_pure_dict(nnx.state(model))
     if mesh is None:
         meshes = [x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding)]
         mesh = meshes[0] if meshes else None
@@ -188,8 +190,10 @@ def _micro_loss_fn(
     saved_logits_max_bytes: int,
     loss_cfg: LossConfig | None = None,
 ) -> Callable:
-    def micro_loss(params, mb, counts, micro_share=1.0):
-        lp, ent, streams, moe_stats = _forward(graphdef, params, mb, chunk_size, max_segments, saved_logits_max_bytes)
+    def micro_loss(params, mb, counts, micro_share=1.0, frozen=None):
+        # LoRA: `params` are the adapters (the only differentiated argument), `frozen` the rest of the model
+        whole = params if frozen is None else join_params(params, frozen)
+        lp, ent, streams, moe_stats = _forward(graphdef, whole, mb, chunk_size, max_segments, saved_logits_max_bytes)
         loss, sums = loss_fn(lp, ent, streams, counts)
         if moe_stats:
             loss, sums = _add_moe_terms(loss, sums, moe_stats, loss_cfg or LossConfig(), micro_share)
@@ -242,7 +246,8 @@ def make_grad_fn(
     saved_logits_max_bytes: int = 0,
     corrections: CorrectionTable | None = None,
 ) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any, dict[str, jax.Array], dict[str, jax.Array]]]:
-    """accumulate(params, batch[M, R, T]) -> (loss, fp32 grads, metric sums, component counts) of the whole step.
+    """accumulate(params, batch[M, R, T], frozen=None) -> (loss, fp32 grads, metric sums, component counts) of
+    the whole step; gradients of `params` only (with LoRA, `frozen` holds the model's other weights).
 
     `max_segments` (static, 0 = unknown) bounds the samples packed in one row: the custom loss iterates over
     them and the attention kernel sizes its per-row work by it (see `max_segments_bucket`).
@@ -264,28 +269,28 @@ def make_grad_fn(
     )
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def accumulate(params, batch):
+    def accumulate(params, batch, frozen=None):
         _, whole = shift_targets({k: batch[k].reshape(-1, batch[k].shape[-1]) for k in FIELDS})
         counts = global_counts(whole)
         if prepass is not None:
-            counts.update(prepass(params, batch))
+            counts.update(prepass(params if frozen is None else join_params(params, frozen), batch))
         if jax.tree.leaves(batch)[0].shape[0] == 1:
             # One micro-batch: no fp32 accumulator to zero and add into (a full extra copy of the
             # parameters, ~2.4 GB for a 0.6B model, live through the backward pass).
-            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda v: v[0], batch), counts, 1.0)
+            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda v: v[0], batch), counts, 1.0, frozen)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums, counts
 
         share = 1.0 / jax.tree.leaves(batch)[0].shape[0]
 
         def body(carry, mb):
             grads_acc, loss_acc, sums_acc = carry
-            (loss, sums), grads = grad_fn(params, mb, counts, share)
+            (loss, sums), grads = grad_fn(params, mb, counts, share, frozen)
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
             return (grads_acc, loss_acc + loss, merge_sums(sums_acc, sums)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         first = jax.tree.map(lambda v: v[0], batch)
-        sums_shape = jax.eval_shape(lambda: micro_loss(params, first, counts, share)[1])
+        sums_shape = jax.eval_shape(lambda: micro_loss(params, first, counts, share, frozen)[1])
         # max/ sums start at 0 too: the values they hold (IS weights) are >= 0
         sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
         (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
@@ -306,7 +311,10 @@ def make_train_step(
     guard: str = "fused",
     corrections: CorrectionTable | None = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
-    """The (unjitted) step function train_step(state, batch[M, R, T]) -> (state, metrics).
+    """The (unjitted) step function train_step(state, batch[M, R, T], frozen=None) -> (state, metrics).
+
+    With LoRA the state's params are the adapters and `frozen` the model's other weights (models/lora.py):
+    only the adapters get gradients and optimizer state.
 
     `guard`: how a non-finite update is skipped (`guarded_update`; "select" is the plain reference version).
     """
@@ -321,8 +329,10 @@ def make_train_step(
         corrections=corrections,
     )
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, sums, counts = accumulate(state.params, batch)
+    def train_step(
+        state: TrainState, batch: dict[str, jax.Array], frozen: Any = None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss, grads, sums, counts = accumulate(state.params, batch, frozen)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
