@@ -20,7 +20,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
-pytestmark = pytest.mark.vllm
+# Extended tier (PRIMEJAX_SLOW=1): two whole runs at once. The default tier keeps the parts it relies on: the
+# impostor-server and identity tests (tests/hardening/test_server_identity.py) and the port checks.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_two_runs_at_once_each_use_their_own_server(tmp_path, tiny_model_dir):

@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from fault_harness import (
     MAX_STEPS,
     assert_params_equal,
@@ -94,6 +95,7 @@ def test_orchestrator_killed_before_batch_rename_then_corrupted_batch(shared_ser
     assert_params_equal(final_params(root, MAX_STEPS), reference.params)
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): two more whole runs
 def test_inference_hung_mid_generation(shared_server, fault_dir, reference):
     """The launcher's own vLLM server hangs (SIGSTOP of its whole process group: alive, sockets open, no
     answers) while step 2's requests are in flight. The launcher sees /liveness go silent for
@@ -110,6 +112,7 @@ def test_inference_hung_mid_generation(shared_server, fault_dir, reference):
     assert_params_equal(final_params(result.run_dir, MAX_STEPS), reference.params)
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): two more whole runs
 def test_inference_killed_mid_generation(shared_server, fault_dir, reference):
     """The launcher's own vLLM server is killed (SIGKILL, whole process group) while step 2's requests are in
     flight. The launcher restarts it, the orchestrator redoes step 2 once the server is back (after putting θ_1

@@ -85,7 +85,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def moe_server(request, moe_dirs, tmp_path_factory):
     """(dtype, base_url): a vLLM server on A; one at a time (pytest tears one param down before the next)."""
     spec = ServerSpec(model=str(moe_dirs[0]), port=_free_port(), dtype=request.param, max_model_len=256)

@@ -25,7 +25,8 @@ from primejax.inference.server import ServerSpec
 from primejax.models.hf_io import export_safetensors, load_model
 from primejax.models.tiny import build_tiny_model
 
-pytestmark = pytest.mark.vllm
+# Extended tier (PRIMEJAX_SLOW=1): each family starts its own vLLM server.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPTS = [[5, 17, 42, 99, 7], [120, 3, 3, 64, 250, 11, 2], [300, 301, 302]]
 MAX_TOKENS = 16
