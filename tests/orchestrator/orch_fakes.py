@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from ml_collections import ConfigDict
+from safetensors.numpy import save_file
 
 from primejax.config import default_config
+from primejax.contracts.broadcast import write_broadcast
 
 
 @dataclass
@@ -109,3 +114,14 @@ def make_orchestrator(cfg: ConfigDict, **kwargs: Any):
     return Orchestrator(c.orchestrator, seed=c.run.seed, num_shards=c.trainer.distributed.num_processes,
                         pad_rows_to_multiple=c.trainer.micro_batch_size,
                         recovery_timeout_s=2 * c.inference.startup_timeout_s, **kwargs)
+
+
+def fake_broadcast(run_dir: Path, step: int) -> None:
+    """A fake trainer's broadcast of step `step`: a config.json and one small .safetensors file, the least the
+    orchestrator's STABLE-manifest check accepts (a directory without weights is refused and retried)."""
+
+    def write(d: Path) -> None:
+        (d / "config.json").write_text(json.dumps({"step": step}))
+        save_file({"step": np.full((1,), step, np.float32)}, str(d / "model.safetensors"))
+
+    write_broadcast(run_dir, step, write)

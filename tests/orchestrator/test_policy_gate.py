@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
-from orch_fakes import FakeClient, FakeClock, make_orchestrator, small_config
+from orch_fakes import FakeClient, FakeClock, fake_broadcast, make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
-from primejax.contracts.broadcast import write_broadcast
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version, staleness
 
 MAX_STEPS = 6
@@ -27,7 +25,7 @@ class FakeTrainer:
             while not step_dir(self.run_dir, n).exists():
                 await self.clock.sleep(0.1)
             await self.clock.sleep(self.train_time)
-            write_broadcast(self.run_dir, n, lambda d, n=n: (d / "config.json").write_text(json.dumps({"step": n})))
+            fake_broadcast(self.run_dir, n)
 
 
 class StepRecorder:

@@ -5,12 +5,10 @@ cancelled), checkpoint/resume re-dispatching unfinished groups, a hung group tim
 from __future__ import annotations
 
 import asyncio
-import json
 
-from orch_fakes import FakeClient, FakeClock, make_orchestrator, small_config
+from orch_fakes import FakeClient, FakeClock, fake_broadcast, make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
-from primejax.contracts.broadcast import write_broadcast
 from primejax.envs.registry import register_env
 from primejax.envs.reverse_text import ReverseText
 from primejax.orchestrator.checkpoint import load_checkpoint
@@ -49,9 +47,7 @@ class Trainer:
             while not step_dir(self.run_dir, n).exists():
                 await self.clock.sleep(0.05)
             await self.clock.sleep(self.train_time)
-            write_broadcast(
-                self.run_dir, n, lambda d, n=n: (d / "config.json").write_text(json.dumps({"step": n}))
-            )
+            fake_broadcast(self.run_dir, n)
 
 
 def run_continuous(tmp_path, tokenizer, *, k: int, steps: int = STEPS, **pool):
@@ -83,8 +79,9 @@ def test_continuous_pool_keeps_every_sample_within_the_bound_and_cancels_stale_g
         assert history[n - 1]["staleness/max"] <= k
     cancelled = sum(m.get("pool/cancelled_stale", 0) for m in history)
     # The slow requests outlive the update they started before: their groups were cancelled, and with them
-    # their requests (the client saw each cancellation), not left running to be thrown away at the end.
-    assert cancelled > 0 and client.cancelled >= cancelled
+    # their requests (the client saw them cancelled), not left running to be thrown away at the end. A group
+    # cancelled before its request started (queued behind the pool's limit) has no request to cancel.
+    assert cancelled > 0 and 0 < client.cancelled <= cancelled
     assert all("time/batch_cut_wait" in m and "pool/in_flight" in m for m in history)
 
 
