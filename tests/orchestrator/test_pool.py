@@ -79,9 +79,10 @@ def test_continuous_pool_keeps_every_sample_within_the_bound_and_cancels_stale_g
         assert history[n - 1]["staleness/max"] <= k
     cancelled = sum(m.get("pool/cancelled_stale", 0) for m in history)
     # The slow requests outlive the update they started before: their groups were cancelled, and with them
-    # their requests (the client saw them cancelled), not left running to be thrown away at the end. A group
-    # cancelled before its request started (queued behind the pool's limit) has no request to cancel.
-    assert cancelled > 0 and 0 < client.cancelled <= cancelled
+    # their requests (the client saw them cancelled), not left running to be thrown away at the end. The two
+    # counts differ either way: a group cancelled before its request started has none to cancel, and the
+    # requests still running when the run ends are cancelled too.
+    assert cancelled > 0 and client.cancelled > 0
     assert all("time/batch_cut_wait" in m and "pool/in_flight" in m for m in history)
 
 
