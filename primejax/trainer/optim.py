@@ -47,7 +47,9 @@ def _decay_mask(params: Any) -> Any:
     # shrink them). Decided by name, not rank: the layers are stacked, so a norm scale is [layers, hidden] and a
     # q bias [layers, heads, head_dim], as many dimensions as a matrix.
     def decays(path, p) -> bool:
-        name = str(getattr(path[-1], "key", getattr(path[-1], "name", ""))) if path else ""
+        # the parameter's own name: the last path entry, past the `.value` of an nnx variable's pytree node
+        names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        name = next((n for n in reversed(names) if n and n != "value"), "")
         return getattr(p, "ndim", 0) >= 2 and name not in NOT_TRAINED and not name.endswith(("norm", "bias"))
 
     return jax.tree_util.tree_map_with_path(decays, params)
