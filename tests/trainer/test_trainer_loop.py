@@ -109,7 +109,8 @@ def test_consumed_rollouts_after_the_newest_checkpoint_stay(tmp_path, model_dir,
     (run / "checkpoints" / "step_2" / "trainer" / META).write_text("{}")  # newest finished checkpoint: 2
     trainer.prune_consumed(5)
     assert left() == [".step_7.x.tmp", "step_3", "step_4", "step_5", "step_6"]
-    trainer_of(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=2)).prune_consumed(5)  # no checkpoints
+    # checkpoints off (they are on by default): keep_rollouts alone counts
+    trainer_of(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=2, **{"checkpoint.interval": 0})).prune_consumed(5)
     assert left() == [".step_7.x.tmp", "step_4", "step_5", "step_6"]
 
 
