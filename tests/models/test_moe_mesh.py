@@ -99,6 +99,7 @@ def test_each_device_runs_experts_on_its_own_tokens_only(case, results):
     assert results["replay"]["cases"][case]["expert_tokens_per_device"] == [expected]
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): one more 8-device subprocess per family
 def test_glm4_moe_on_meshes_equals_single_device(glm_results):
     """GLM-4.5's logits, loss with the auxiliary losses, expert load and every gradient on an expert-parallel and
     a tensor-parallel mesh; routing replay through the trainer's step on the expert-parallel one."""
@@ -113,6 +114,7 @@ def test_glm4_moe_on_meshes_equals_single_device(glm_results):
     assert r["lp_diff"] <= TOL and r["loss_rel"] <= 2e-6 and r["grads_max_rel"] <= TOL and r["load_equal"], r
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): one more 8-device subprocess per family
 def test_deepseek_v3_on_meshes_equals_single_device(hf_model_dir, tmp_path_factory):
     res = _run_check(hf_model_dir("deepseek_v3_qlora")[0], tmp_path_factory, DEEPSEEK_CASES)
     r = res["cases"]["fsdp@data2_fsdp2_tensor2"]
