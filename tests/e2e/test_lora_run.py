@@ -38,6 +38,9 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Compl
             "--config.sft.steps=4", "--config.sft.from_env=reverse_text", "--config.sft.batch_size=16",
             "--config.sft.num_examples=64", "--config.sft.seq_len=128",
             "--config.trainer.optim.lr=1e-3", "--config.inference.startup_timeout_s=900",
+            # on-policy: every batch comes from the trainer's current policy, so the mismatch KL measures the
+            # adapter sync alone (with async_level 1 it also holds one step of policy lag)
+            "--config.orchestrator.async_level=0",
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=2400, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
@@ -54,17 +57,15 @@ def test_server_started_with_lora_and_loaded_each_adapter_by_version(lora_run):
     _, run = lora_run
     inference = (run / "logs" / "inference.log").read_text()
     assert "'enable_lora': True" in inference
-    loaded = {
-        int(v): name
-        for v, name in re.findall(r"serving policy version (\d+) as LoRA adapter (\S+)", inference)
-    }
+    # vLLM's own log line for each adapter the primejax route loaded (the route's name: policy-v<version>)
+    loaded = {int(v) for v in re.findall(r"Loaded new LoRA adapter: name 'policy-v(\d+)'", inference)}
     served = [
         int(v)
         for v in re.findall(
             r"now serves policy version (\d+)", (run / "logs" / "orchestrator.log").read_text()
         )
     ]
-    assert served and all(loaded.get(v) == f"policy-v{v}" for v in served), (served, loaded)
+    assert served and set(served) <= loaded, (served, loaded)
     # the trainer published adapters, never full weights
     assert not list((run / "broadcasts").rglob("model*.safetensors"))
     assert list((run / "broadcasts").rglob("adapter_model.safetensors"))
@@ -74,8 +75,8 @@ def test_later_steps_sampled_from_an_adapter_with_tiny_mismatch(lora_run):
     _, run = lora_run
     k = json.loads((run / "configs" / "orchestrator.json").read_text())["orchestrator"]["async_level"]
     orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
-    assert orch[-1]["policy/min_version"] >= max(1, STEPS - 1 - k)  # the last batch came from an adapter
+    assert orch[-1]["policy/min_version"] == STEPS - 1 - k >= 1  # the last batch came from an adapter
     trainer = read_jsonl(run / "metrics" / "trainer.jsonl")
     assert [r["step"] for r in trainer] == list(range(1, STEPS + 1))
     kls = [r["mismatch_kl"] for r in trainer]
-    assert all(0.0 <= kl <= 1e-4 for kl in kls), kls
+    assert all(0.0 <= kl <= 1e-5 for kl in kls), kls
