@@ -20,7 +20,7 @@ import pytest
 
 from primejax.utils.monitor import read_jsonl
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2700)]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
