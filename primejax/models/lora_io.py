@@ -94,7 +94,9 @@ def export_peft(
     return Path(out_dir)
 
 
-def write_peft(adapters: dict, cfg: ModelConfig, directory: str | os.PathLike, *, base_model: str = "") -> int:
+def write_peft(
+    adapters: dict, cfg: ModelConfig, directory: str | os.PathLike, *, base_model: str = ""
+) -> int:
     """Write the PEFT files into an existing directory (the trainer's broadcast writes through its own temp
     directory); return the bytes written."""
     layers = {k: np.asarray(jax.device_get(v), np.float32) for k, v in adapters["layers"].items()}
