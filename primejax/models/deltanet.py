@@ -20,12 +20,19 @@ in (j, i] makes it zero: the intra-chunk decays are masked by "same segment", th
 read only by the positions still in the segment the previous chunk ended with, and a key writes into the
 state leaving the chunk only if it is in the chunk's last segment. Segments are contiguous runs of equal ids
 (the trainer's packing); padding (id 0) is a segment of its own whose outputs the caller masks.
+
+Context parallelism is refused (one line at trace time): a row split by token over devices would need each
+device's incoming state from the previous device (a scan over the devices, or each device's chunk summary
+passed along), which is not written yet; the head-split all-to-all softmax attention uses
+(models/context_parallel.py) would work for DeltaNet too but is not wired.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from primejax.models.context_parallel import context_size
 
 CHUNK = 64  # tokens per chunk (transformers' and FLA's default)
 _L2_EPS = 1e-6  # as transformers' l2norm (and FLA)
@@ -124,6 +131,11 @@ def gated_rms_norm(x: jax.Array, weight: jax.Array, gate: jax.Array, eps: float)
 
 def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """One Gated DeltaNet token mixer [B, T, D] -> [B, T, D] with one layer's weights `p` (transformer.py)."""
+    if context_size() > 1:
+        raise NotImplementedError(
+            "context parallelism over Gated DeltaNet layers (qwen3_5_text) is not implemented: the recurrent "
+            "state would have to pass between the devices that split a row"
+        )
     dt = h_btd.dtype
     hk, hv, dk, dv = (
         cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
