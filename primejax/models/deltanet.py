@@ -89,7 +89,9 @@ def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK) -> jax.A
     same = seg[..., :, None] == seg[..., None, :]  # [B, 1, N, C, C]
     keep = causal & same
     diff = cum[..., :, None] - cum[..., None, :]
-    decay = jnp.exp(jnp.where(keep, diff, -jnp.inf))  # [B, H, N, C, C]: 0 across a reset or above the diagonal
+    decay = jnp.exp(
+        jnp.where(keep, diff, -jnp.inf)
+    )  # [B, H, N, C, C]: 0 across a reset or above the diagonal
     carry_in = (seg == prev_last[..., None]).astype(f32)  # reads the incoming state
     carry_out = (seg == last[..., None]).astype(f32)  # writes into the outgoing state
 
@@ -101,7 +103,9 @@ def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK) -> jax.A
     attn = jnp.einsum("...id,...jd->...ij", q, k, precision=hi) * decay
     e_cum = jnp.exp(cum) * carry_in
     new_v = jax.scipy.linalg.solve_triangular(ut, v_beta, lower=True, unit_diagonal=True)
-    k_cumdecay = jax.scipy.linalg.solve_triangular(ut, k_beta * e_cum[..., None], lower=True, unit_diagonal=True)
+    k_cumdecay = jax.scipy.linalg.solve_triangular(
+        ut, k_beta * e_cum[..., None], lower=True, unit_diagonal=True
+    )
     q_dec = q * e_cum[..., None]
     k_dec = k * (jnp.exp(cum[..., -1:] - cum) * carry_out)[..., None]
     chunk_decay = jnp.exp(cum[..., -1]) * (last == prev_last).astype(f32)  # [B, H, N]
@@ -149,7 +153,9 @@ def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: 
     z = jnp.einsum("btd,dnh->btnh", h_btd, p["lin_z"].astype(dt))
     beta = jax.nn.sigmoid(jnp.einsum("btd,dn->btn", h_btd, p["lin_b"].astype(dt)))
     a = jnp.einsum("btd,dn->btn", h_btd, p["lin_a"].astype(dt)).astype(jnp.float32)
-    g = -jnp.exp(p["lin_A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["lin_dt_bias"].astype(jnp.float32))
+    g = -jnp.exp(p["lin_A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a + p["lin_dt_bias"].astype(jnp.float32)
+    )
     if hv != hk:
         q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
     q = _l2norm(q.astype(jnp.float32)) * dk**-0.5

@@ -38,8 +38,8 @@ from safetensors.numpy import save_file
 
 from primejax.models.config import ModelConfig
 from primejax.models.lora import LoraParam
-from primejax.models.sharding import param_spec
 from primejax.models.qwen3_5 import language_model_name
+from primejax.models.sharding import param_spec
 from primejax.models.transformer import Transformer, stacked_over
 
 # Files copied next to exported weights so the directory is a complete model for transformers / vLLM.

@@ -24,7 +24,12 @@ _DEFAULTS = dict(
     linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
     linear_num_value_heads=32, head_dim=256,
 )  # fmt: skip
-QWEN3_5_KEYS = set(_DEFAULTS) | {"layer_types", "full_attention_interval", "partial_rotary_factor", "hidden_act"}
+QWEN3_5_KEYS = set(_DEFAULTS) | {
+    "layer_types",
+    "full_attention_interval",
+    "partial_rotary_factor",
+    "hidden_act",
+}
 # The multimodal checkpoint's language-model tensor prefix, for the text model's `model.` one.
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 
@@ -34,7 +39,9 @@ def text_config_of(hf: dict) -> dict:
     top-level `tie_word_embeddings`, which transformers reads there)."""
     text = dict(hf.get("text_config") or {})
     if not text:
-        raise ValueError(f"model_type {hf.get('model_type')!r} without a text_config: not a Qwen3.5 checkpoint")
+        raise ValueError(
+            f"model_type {hf.get('model_type')!r} without a text_config: not a Qwen3.5 checkpoint"
+        )
     if "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     text["model_type"] = "qwen3_5_text"
@@ -64,7 +71,9 @@ def qwen3_5_fields(hf: dict) -> dict[str, Any]:
         linear_num_value_heads=get("linear_num_value_heads"),
         attn_output_gate=True,
         norm_offset=True,
-        partial_rotary_factor=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
+        partial_rotary_factor=float(
+            params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        ),
     )
 
 
@@ -85,7 +94,9 @@ def check_hybrid(cfg) -> None:
     if cfg.model_type != "qwen3_5_text":
         raise ValueError(f"layer_types is a qwen3_5_text field, not {cfg.model_type}'s")
     if len(cfg.layer_types) != cfg.num_layers or any(t not in LAYER_TYPES for t in cfg.layer_types):
-        raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the {cfg.num_layers} layers")
+        raise ValueError(
+            f"layer_types must give one of {LAYER_TYPES} for each of the {cfg.num_layers} layers"
+        )
     if cfg.linear_attention_layers():
         dims = (cfg.linear_conv_kernel_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                 cfg.linear_num_key_heads, cfg.linear_num_value_heads)  # fmt: skip

@@ -4,6 +4,10 @@ transformers per sample, the multimodal checkpoint's language model, config acco
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +42,7 @@ def _recurrence(q, k, v, g, beta, seg):
     return out
 
 
-@pytest.mark.parametrize("chunk", [4, 16, 64])
+@pytest.mark.parametrize("chunk", [8, 64])
 def test_chunked_rule_equals_recurrence_with_segment_resets(chunk):
     """Segments start inside chunks, span chunk boundaries and fill whole chunks; padding (0) closes rows."""
     rng = np.random.default_rng(0)
@@ -54,12 +58,14 @@ def test_chunked_rule_equals_recurrence_with_segment_resets(chunk):
     seg[0, :5], seg[0, 5:37], seg[0, 37:66] = 1, 2, 3
     seg[1, :] = 1
     ref = _recurrence(q, k, v, g, beta, seg)
-    ours = np.asarray(gated_delta_rule(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), seg, chunk=chunk))
+    rule = jax.jit(gated_delta_rule, static_argnames="chunk")
+    ours = np.asarray(rule(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), seg, chunk=chunk))
     err = float(np.abs(ours - ref).max())
     assert err < 1e-4, f"chunk {chunk}: chunked vs recurrent max abs diff {err:.2e}"
     # Without the resets the packed samples would read each other's state.
-    mixed = np.asarray(gated_delta_rule(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)),
-                                        np.ones_like(seg), chunk=chunk))
+    mixed = np.asarray(
+        rule(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), np.ones_like(seg), chunk=chunk)
+    )
     assert np.abs(mixed[0, 5:37] - ref[0, 5:37]).max() > 1e-2
 
 
@@ -68,8 +74,9 @@ def test_conv_does_not_cross_segments():
     x = jnp.asarray(rng.normal(size=(1, 9, 5)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)
     seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 2, 0]])
-    packed = causal_conv(x, w, seg)
-    alone = causal_conv(x[:, 3:8], w, jnp.ones((1, 5), jnp.int32))
+    conv = jax.jit(causal_conv)
+    packed = conv(x, w, seg)
+    alone = conv(x[:, 3:8], w, jnp.ones((1, 5), jnp.int32))
     np.testing.assert_allclose(packed[:, 3:8], alone, atol=1e-6)
 
 
@@ -83,7 +90,9 @@ def _hf_logits(model, tokens):
         return model(input_ids=torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5_hybrid", "qwen3_5_alt_tied"])
+@pytest.mark.parametrize(
+    "variant", ["qwen3_5_hybrid", pytest.param("qwen3_5_alt_tied", marks=pytest.mark.slow)]
+)
 def test_long_packed_rows_equal_per_sample_transformers_logits(variant, hf_model_dir):
     """Rows of 160 tokens (three 64-token chunks): samples start mid-chunk and span chunk boundaries."""
     model_dir, torch_model = hf_model_dir(variant)
@@ -122,12 +131,18 @@ def test_multimodal_checkpoint_loads_its_language_model(hf_model_dir, tmp_path):
     tensors = {}
     for f in src.glob("*.safetensors"):
         for name, t in load_file(f).items():
-            tensors[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
+            tensors[
+                name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+            ] = t
     tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    wrapper = dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"],
-                   tie_word_embeddings=text_cfg.pop("tie_word_embeddings"), text_config=text_cfg,
-                   vision_config=dict(model_type="qwen3_5_vision", depth=1))
+    wrapper = dict(
+        model_type="qwen3_5",
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        tie_word_embeddings=text_cfg.pop("tie_word_embeddings"),
+        text_config=text_cfg,
+        vision_config=dict(model_type="qwen3_5_vision", depth=1),
+    )
     (tmp_path / "config.json").write_text(json.dumps(wrapper))
     model, cfg = load_model(tmp_path, param_dtype="float32", compute_dtype="float32")
     assert cfg.model_type == "qwen3_5_text" and cfg.to_hf_config()["architectures"] == ["Qwen3_5ForCausalLM"]
@@ -147,13 +162,32 @@ def test_param_count_equals_transformers(variant, hf_model_dir):
 
 def _qwen3_5_9b() -> dict:
     """Qwen3.5-9B's text_config (the published config.json's shape)."""
-    return dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
-                num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-                linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-                linear_num_key_heads=16, linear_num_value_heads=32, full_attention_interval=4,
-                tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=262144,
-                rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
-                                     mrope_section=[11, 11, 10], mrope_interleaved=True))
+    return dict(
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        full_attention_interval=4,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000000.0,
+            partial_rotary_factor=0.25,
+            mrope_section=[11, 11, 10],
+            mrope_interleaved=True,
+        ),
+    )
 
 
 def test_qwen3_5_9b_config_round_trip_flops_and_params():
@@ -196,3 +230,69 @@ def test_context_parallel_refused_for_deltanet_layers(monkeypatch):
     monkeypatch.setattr(deltanet, "context_size", lambda: 2)
     with pytest.raises(NotImplementedError, match="context parallelism"):
         deltanet.gated_deltanet(cfg, {}, jnp.zeros((1, 4, 8)), jnp.ones((1, 4), jnp.int32))
+
+
+@pytest.mark.slow
+def test_meshes_equal_one_device_and_context_split_is_refused(hf_model_dir, tmp_path):
+    """8 emulated devices (qwen3_5_mesh_check.py in a subprocess): fsdp x tensor meshes give the single
+    device's logits, loss and every gradient; a mesh splitting rows by token fails with the one line."""
+    model_dir, _ = hf_model_dir("qwen3_5_hybrid")
+    out = tmp_path / "result.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    script = Path(__file__).with_name("qwen3_5_mesh_check.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    for name, r in res["cases"].items():
+        assert r["logits_diff"] <= 1e-5 and r["loss_diff"] <= 1e-5, (name, r)
+        assert r["grad_diff"] <= 1e-5, (name, r)
+        assert r["lin_z_spec"][2] == "tensor" and r["lin_out_spec"][1] == "tensor", (name, r)
+        print(
+            f"{name}: logits {r['logits_diff']:.1e}, loss {r['loss_diff']:.1e}, gradients {r['grad_diff']:.1e}"
+        )
+    assert res["context_error"] and "context parallelism" in res["context_error"]
+
+
+def test_tiny_qwen3_5_build_matches_its_section_and_transformers(tmp_path):
+    """`model.build_tiny.family=qwen3_5_text` writes the structure its section's `architecture()` describes,
+    and primejax's logits on it equal transformers' (fp32)."""
+    import transformers
+
+    from primejax.models.tiny import TinyModelConfig
+
+    section = TinyModelConfig(enabled=True, family="qwen3_5_text", num_layers=2, num_heads=2, num_kv_heads=1)
+    path = section.build(tmp_path / "m")
+    built, described = ModelConfig.from_model_dir(path), section.architecture()
+    for f in (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "layer_types",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "attn_output_gate",
+        "norm_offset",
+        "partial_rotary_factor",
+        "qk_norm",
+        "tie_word_embeddings",
+    ):
+        assert getattr(built, f) == getattr(described, f), f
+    assert built.layer_types == ("linear_attention", "full_attention")
+    model, _ = load_model(path, param_dtype="float32", compute_dtype="float32")
+    tokens = np.random.default_rng(0).integers(0, built.vocab_size, size=(1, 24)).astype(np.int32)
+    ours = np.asarray(_logits(model, tokens, np.arange(24, dtype=np.int32)[None], np.ones_like(tokens)))
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert float(np.abs(ours - _hf_logits(torch_model, tokens)).max()) <= TOL
