@@ -2,7 +2,7 @@
 
 Usage: python qwen3_5_mesh_check.py HF_DIR OUT_JSON. The tiny Qwen3.5 hybrid's logits, loss and every
 parameter gradient on packed rows (segments crossing the 64-token DeltaNet chunks) under FSDP and tensor
-parallel meshes against one device, the DeltaNet weights' shardings, and the one-line refusal of a mesh
+parallel mesh against one device, the DeltaNet weights' shardings, and the one-line refusal of a mesh
 that splits rows by token (context parallelism).
 """
 
@@ -19,7 +19,7 @@ from flax import nnx
 from primejax.models.hf_io import load_model
 from primejax.models.sharding import make_mesh
 
-MESHES = {"fsdp4_tensor2": dict(fsdp=4, tensor=2), "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2)}
+MESHES = {"data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2)}
 FP32 = dict(param_dtype="float32", compute_dtype="float32")
 
 
