@@ -18,6 +18,8 @@ over all L layers.
 
 DeepSeek-V3 (deepseek_v3) replaces q/k/v_proj with multi-head latent attention's weights (models/mla.py); its
 MoE layers are GLM-4.5's (sigmoid router with the correction bias, groups, shared experts).
+Qwen3.5 (qwen3_5_text) mixes Gated DeltaNet layers (models/deltanet.py) with gated full-attention ones: each
+kind's weights are stacked over its own layers (`stacked_over`), the norms and MLP over all.
 """
 
 from __future__ import annotations
@@ -227,6 +229,9 @@ def decoder_layer(
 # Parameters the optimizer leaves unchanged (trainer/optim.py): GLM-4.5's router correction bias steers the
 # expert choice only (moe.route stops its gradient); RL post-training keeps the released values.
 NOT_TRAINED = ("router_bias",)
+# Trained but not weight-decayed beyond norms and biases (trainer/optim.py): Gated DeltaNet's log decay rate
+# (decay would pull A = exp(A_log) toward 1, changing every layer's memory length; Mamba and FLA exempt it too).
+NOT_DECAYED = ("lin_A_log",)
 # Per-layer weights of the MLP part: stacked over the dense layers (dense MLP) or the sparse ones (experts).
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 SPARSE_MLP = (

@@ -298,3 +298,23 @@ def test_tiny_qwen3_5_build_matches_its_section_and_transformers(tmp_path):
     ours = np.asarray(_logits(model, tokens, np.arange(24, dtype=np.int32)[None], np.ones_like(tokens)))
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert float(np.abs(ours - _hf_logits(torch_model, tokens)).max()) <= TOL
+
+
+def test_weight_decay_spares_the_deltanet_decay_rates_norm_and_dt_bias():
+    """AdamW decay (trainer/optim.py) moves the DeltaNet matrices and conv, not A_log, dt_bias or its norm."""
+    from primejax.models.sharding import init_model
+    from primejax.models.tiny import TinyModelConfig
+    from primejax.trainer import optim
+
+    cfg = TinyModelConfig(family="qwen3_5_text", vocab_size=128, hidden_size=32, head_dim=32).architecture()
+    params = nnx.state(init_model(cfg, None, seed=0), nnx.Param)
+    opt = optim.make_optimizer(
+        dict(max_norm=0.0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.5), optim.make_schedule(1.0)
+    )
+    updates, _ = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params)
+    moved = {}
+    for path, u in jax.tree_util.tree_leaves_with_path(updates):
+        names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        moved[[n for n in names if n and n != "value"][-1]] = bool(np.any(np.asarray(u) != 0))
+    assert moved["lin_qkv"] and moved["lin_conv"] and moved["lin_out"] and moved["q_proj"]
+    assert not (moved["lin_A_log"] or moved["lin_dt_bias"] or moved["lin_norm"] or moved["attn_norm"])
