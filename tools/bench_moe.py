@@ -5,6 +5,7 @@
     python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
     python tools/bench_moe.py --suite gpu1:families  # 1 GPU: GLM-4.5-Air cut to 4 layers next to Qwen3-30B-A3B
     python tools/bench_moe.py --suite gpu4:families  # 4 GPUs: GLM-4.5-Air cut to 8 layers, expert-parallel
+    python tools/bench_moe.py --suite gpu1:qwen3_5  # 1 GPU: Qwen3.5-9B cut to 8 layers next to Qwen3-8B cut to 8
     python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
     python tools/bench_moe.py --suite lora:gpu4   # 48-layer 30B-A3B LoRA (experts adapted) next to full FT
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.model_shapes import DEEPSEEK, GLM, QWEN3  # noqa: E402
+from tools.model_shapes import DEEPSEEK, GLM, QWEN3, QWEN3_5  # noqa: E402
 
 PEAK_FLOPS = 989e12
 QWEN3_30B_A3B = QWEN3["qwen3-30b-a3b"]
@@ -55,7 +56,16 @@ TINY_DEEPSEEK = dict(
     topk_group=1,
     first_k_dense_replace=1,
 )
-SHAPES = {**QWEN3, **GLM, **DEEPSEEK, "tiny": TINY, "tiny-glm": TINY_GLM, "tiny-deepseek": TINY_DEEPSEEK}
+# Qwen3.5's hybrid structure (3 DeltaNet layers then full attention; a 2-layer cut is one of each)
+TINY_QWEN3_5 = dict(
+    QWEN3_5["qwen3.5-9b"], vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+    linear_value_head_dim=32, full_attention_interval=2,
+)  # fmt: skip
+SHAPES = {
+    **QWEN3, **GLM, **DEEPSEEK, **QWEN3_5, "tiny": TINY, "tiny-glm": TINY_GLM, "tiny-deepseek": TINY_DEEPSEEK,
+    "tiny-qwen3.5": TINY_QWEN3_5,
+}  # fmt: skip
 
 
 def _step(
@@ -168,6 +178,13 @@ CONFIGS = {
         _step("moe8:16k:bf16state:4gpu", 16384, 8, pdt="bfloat16", scan=True, devices=4, rows=4, steps=2, warmup=1),
         _step("dsv3_4:16k:ep=fsdp", 16384, 4, remat="full", model="deepseek-v3", **dict(GPU4, scan=False)),
     ],
+    # Qwen3.5-9B cut to 8 layers (6 Gated DeltaNet + 2 full attention, 3.7B params with its 248k-token vocab,
+    # bf16 state) next to Qwen3-8B cut to 8 layers in the same call; unrolled (a hybrid stack cannot scan)
+    "gpu1:qwen3_5": [
+        _step("qwen3_8b_8:16k:bf16state", 16384, 8, pdt="bfloat16", model="qwen3-8b"),
+        _step("qwen35_9b_8:16k:bf16state", 16384, 8, pdt="bfloat16", model="qwen3.5-9b"),
+        _step("qwen35_9b_8:16k:bf16state:full", 16384, 8, pdt="bfloat16", remat="full", model="qwen3.5-9b"),
+    ],
     # LoRA rank 16 on Qwen3-30B-A3B, all 48 layers, experts included (per-expert adapters), the base frozen in bf16
     # (61 GB): one suite per GPU count, to find the fewest it fits on; "lora:gpu4" has the full fine-tune next to it.
     "lora:gpu1": [_step("moe48:16k:lora16", 16384, 48, remat="full", lora=16, **dict(GPU4, devices=1, rows=1))],
@@ -210,6 +227,7 @@ CONFIGS = {
         ),
         _step("tiny:256:glm", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-glm"),
         _step("tiny:256:deepseek", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-deepseek"),
+        _step("tiny:256:qwen3_5", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-qwen3.5"),
     ],
 }
 
@@ -587,7 +605,8 @@ def step_worker(c: dict) -> dict:
         lora.update(_export_times(engine, cfg, full=False))
     tokens = c.get("micro", 1) * rows * seq
     n_dev = c["devices"]
-    attn = 12 * cfg.num_layers * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
+    # the softmax attention term of flops_per_token (Qwen3.5's DeltaNet layers have none)
+    attn = 12 * len(cfg.full_attention_layers()) * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
     flops = cfg.flops_per_token(seq)
     return dict(
         tok_s=tokens / dt,

@@ -58,6 +58,8 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     # multi-head latent attention's compressed q / kv ranks (models/mla.py): the input dimension of q_b_proj
     # and kv_b_proj, split like `embed` (FSDP), which those weights do not have
     "latent": ("fsdp", "context"),
+    # Gated DeltaNet's value heads (qwen3_5_text, models/deltanet.py): z and out_proj split by head over tensor
+    "linear_heads": "tensor",
     # MoE experts (models/moe.py): the expert axis is split over fsdp (expert parallelism; how tokens meet
     # their experts is ModelConfig.expert_parallel); inside an expert nothing is split.
     "experts": "fsdp",
