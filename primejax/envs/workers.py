@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -96,7 +97,7 @@ class WorkerPool:
         )  # fmt: skip
         p = _Proc(next(self._numbers), proc)
         init = {"env_id": self.env_id, "args": self.args, "env_timeout_s": self.env_timeout_s,
-                "sys_path": [s for s in sys.path if s]}  # fmt: skip
+                "sys_path": [s or os.getcwd() for s in sys.path]}  # fmt: skip
         proc.stdin.write((json.dumps(init) + "\n").encode())
         line = await proc.stdout.readline()
         try:
