@@ -270,6 +270,8 @@ class WorkerEnv(Environment):
         return answer.get("result")
 
     async def tools(self, example: Example) -> list[dict[str, Any]] | None:
+        if type(self.local).tools is Environment.tools:  # the base class's: no tools, no round trip
+            return None
         index = self._index(example)
         if index not in self._tools:
             scratch: dict[str, Any] = {}
@@ -280,6 +282,8 @@ class WorkerEnv(Environment):
         return self._tools[index]
 
     async def env_response(self, example: Example, messages: list[Message], state: dict[str, Any]) -> Any:
+        if type(self.local).env_response is Environment.env_response:
+            return None
         return await self._call("env_response", example, state, messages)
 
     async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
