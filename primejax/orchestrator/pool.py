@@ -61,9 +61,14 @@ class Ticket:
     def oldest(self) -> int | None:
         return self.trace.oldest
 
-    @property
-    def trainable(self) -> int:
-        return sum(r.ok and not r.dropped for r in self.rollouts or [])
+    #: Trainable rollouts, counted once when the group finished (its filters ran before): the pool's wait
+    #: conditions sum it over every finished group at each group's end, which at 10,000 rollouts in flight made
+    #: a per-rollout count the loop's largest own cost (docs/rollouts.md).
+    trainable: int = 0
+
+    def finish(self, rollouts: list[Rollout] | None) -> None:
+        self.rollouts = rollouts
+        self.trainable = sum(r.ok and not r.dropped for r in rollouts or [])
 
 
 @dataclass
@@ -202,7 +207,7 @@ class RolloutPool:
             group = self.run_group(ticket.env, ticket.index, ticket.id, ticket.step)
             if self.group_timeout_s > 0:
                 group = asyncio.wait_for(group, self.group_timeout_s)
-            ticket.rollouts = await group
+            ticket.finish(await group)
         except TimeoutError:
             log.warning(
                 "group %d (%s #%d) timed out after %.0f s: cancelled",
