@@ -24,8 +24,8 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -32,7 +32,9 @@ DEFAULT_THREADS = 8
 _MAX_PENDING_BYTES = 2 * 2**30  # host copies waiting for their write, at most
 
 
-def _layout(shards: RowShards, max_shard_bytes: int) -> tuple[list[tuple[str, bytes, int]], dict[str, str], list]:
+def _layout(
+    shards: RowShards, max_shard_bytes: int
+) -> tuple[list[tuple[str, bytes, int]], dict[str, str], list]:
     """([(file name, header bytes, file size)], weight map, per tensor (file index, absolute data offset))."""
     metas = shards.metas
     files = plan_files([(m.name, m.nbytes) for m in metas], max_shard_bytes)
@@ -44,7 +46,11 @@ def _layout(shards: RowShards, max_shard_bytes: int) -> tuple[list[tuple[str, by
         at = 0
         for n in names:
             m = metas[by_name[n]]
-            header[n] = {"dtype": _ST_DTYPES[m.dtype], "shape": list(m.shape), "data_offsets": [at, at + m.nbytes]}
+            header[n] = {
+                "dtype": _ST_DTYPES[m.dtype],
+                "shape": list(m.shape),
+                "data_offsets": [at, at + m.nbytes],
+            }
             where[by_name[n]] = (f, at)
             at += m.nbytes
             weight_map[n] = fname
@@ -94,7 +100,12 @@ def export_parallel(
     total = sum(m.nbytes for m in shards.metas)
     if me == 0:
         write_export_metadata(out_dir, cfg, weight_map, total, dtype, src_dir)
-    return {"bytes": total, "bytes_written": written, "files": len(files), "seconds": time.perf_counter() - start}
+    return {
+        "bytes": total,
+        "bytes_written": written,
+        "files": len(files),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _write_pieces(shards: RowShards, fds: dict[int, int], where: list, threads: int) -> int:

@@ -117,7 +117,10 @@ class Assembler:
         n = rows(m)
         if piece.stop - piece.start == n:
             return m.name, data.view(dtype).view(m.shape)
-        buf, missing = self.partial.get(piece.tensor) or (torch.empty(m.shape, dtype=dtype, device=self.device), n)
+        buf, missing = self.partial.get(piece.tensor) or (
+            torch.empty(m.shape, dtype=dtype, device=self.device),
+            n,
+        )
         buf[piece.start : piece.stop].view(-1).copy_(data.view(dtype))
         missing -= piece.stop - piece.start
         if missing:

@@ -30,7 +30,6 @@ from primejax.models.hf_io import export_dtype, hf_tensor_plan, param_variables
 from primejax.transfer.lanes import Piece
 from primejax.transfer.wire import TensorMeta
 
-
 _CONVERTERS: dict[tuple, Any] = {}
 
 
@@ -73,7 +72,9 @@ class RowShards:
             d = export_dtype(ours[k], dtype)
             stacked = names[0].startswith("model.layers.")
             lead = (1 if stacked else 0) + (1 if per_slice > 1 else 0)
-            shape = tuple(int(x) for x in jax.eval_shape(_converter(to_hf, cfg, d, stacked, None, w), w).shape)
+            shape = tuple(
+                int(x) for x in jax.eval_shape(_converter(to_hf, cfg, d, stacked, None, w), w).shape
+            )
             mesh = w.sharding.mesh if isinstance(w.sharding, NamedSharding) else None
             n = 1 if mesh is None else mesh.size
             split = mesh is not None and len(shape) > lead and shape[lead] % n == 0 and n > 1
@@ -99,8 +100,10 @@ class RowShards:
                 out += [Piece(p.first + i, p.owner, 0, rows) for i in range(len(p.names))]
                 continue
             blocks = sorted(
-                {(idx[p.lead].start or 0, idx[p.lead].stop or rows, dev.process_index)
-                 for dev, idx in p.sharding.devices_indices_map(p.shape).items()}
+                {
+                    (idx[p.lead].start or 0, idx[p.lead].stop or rows, dev.process_index)
+                    for dev, idx in p.sharding.devices_indices_map(p.shape).items()
+                }
             )
             for i in range(len(p.names)):
                 out += [Piece(p.first + i, proc, a, b) for a, b, proc in blocks]

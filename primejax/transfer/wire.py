@@ -251,7 +251,9 @@ def receive_lanes(
         buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         groups[k].broadcast(buf, src=0)
         _hash_bucket(digests[k], buf)
-        done = [t for i, part in zip(idx, buf.split(sizes), strict=True) if (t := assembler.add(pieces[i], part))]
+        done = [
+            t for i, part in zip(idx, buf.split(sizes), strict=True) if (t := assembler.add(pieces[i], part))
+        ]
         if done:
             load(done)
         received += buf.numel()
