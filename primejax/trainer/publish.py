@@ -166,10 +166,10 @@ class CollectivePublisher:
                 )
             gpu = jax.default_backend() == "gpu"
             device = None
-            if gpu:  # JAX's first local device under the same CUDA_VISIBLE_DEVICES
+            if gpu:  # JAX's first local device (its CUDA ordinal: a process may use one GPU of several visible)
                 import torch
 
-                device = torch.device("cuda", 0)
+                device = torch.device("cuda", getattr(jax.local_devices()[0], "local_hardware_id", None) or 0)
             rank, senders = self.disk.rank, self.disk.processes
             kw = dict(
                 secret=secret,
