@@ -56,9 +56,26 @@ def _trainers(run: Path, model: Path, step: int, mode: str) -> list[subprocess.P
             PRIMEJAX_PROCESS_ID=str(pid),
             PYTHONPATH=str(REPO),
         )
-        cmd = [sys.executable, str(HERE / "trainer_proc.py"), str(run), str(model), str(step), "--mode", mode,
-               "--receivers", str(REPLICAS), "--workers-per-server", str(TP), "--seed", "7", "--timeout", "300"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            str(HERE / "trainer_proc.py"),
+            str(run),
+            str(model),
+            str(step),
+            "--mode",
+            mode,
+            "--receivers",
+            str(REPLICAS),
+            "--workers-per-server",
+            str(TP),
+            "--seed",
+            "7",
+            "--timeout",
+            "300",
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     return procs
 
 
@@ -81,7 +98,9 @@ async def _greedy(urls: list[str], prompts: list[list[int]]) -> list[list[tuple[
     out = []
     for url in urls:
         async with InferenceClient(url) as c:
-            outs = await asyncio.gather(*(c.generate(p, n=1, max_tokens=12, temperature=0.0) for p in prompts))
+            outs = await asyncio.gather(
+                *(c.generate(p, n=1, max_tokens=12, temperature=0.0) for p in prompts)
+            )
         out.append([(o[0].completion_token_ids, o[0].completion_logprobs) for o in outs])
     return out
 
@@ -98,16 +117,30 @@ async def _orchestrate(run: Path, urls: list[str], step: int, deadline: float) -
 @pytest.fixture
 def replicas(tmp_path):
     process_token()
-    model = build_tiny_model(tmp_path / "model", tied=False, seed=4, hidden_size=64, head_dim=32, num_heads=4,
-                             num_kv_heads=2, intermediate_size=128)
+    model = build_tiny_model(
+        tmp_path / "model",
+        tied=False,
+        seed=4,
+        hidden_size=64,
+        head_dim=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
     procs = []
     try:
         for i in range(REPLICAS):
             extra, env = (), {}
             if TP > 1:  # one core per worker; the two replicas share the machine's two
                 extra, env = ("--tensor-parallel-size", str(TP)), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-            spec = ServerSpec(model=str(model), port=free_port(), dtype="float32", max_model_len=512,
-                              extra_args=extra, env=env)
+            spec = ServerSpec(
+                model=str(model),
+                port=free_port(),
+                dtype="float32",
+                max_model_len=512,
+                extra_args=extra,
+                env=env,
+            )
             proc = InferenceServerProcess(spec, tmp_path / f"inference_{i}.log")
             proc.start()
             procs.append((spec, proc))
