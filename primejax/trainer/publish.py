@@ -146,9 +146,8 @@ class CollectivePublisher:
         self.disk, self.num_receivers = disk, num_receivers
         self.checkpoint_interval, self.last_sampled_step = checkpoint_interval, last_sampled_step
         self._sender: Any = None
-        self.new_group = (
-            True  # several senders: the next round opens a new group (first round, after a failure)
-        )
+        # Several senders: whether the next round opens new groups (the first round, after any failure).
+        self.new_group = True
         self.group_id = ""
 
     def sender(self) -> Any:
@@ -166,7 +165,7 @@ class CollectivePublisher:
                 )
             gpu = jax.default_backend() == "gpu"
             device = None
-            if gpu:  # JAX's first local device (its CUDA ordinal: a process may use one GPU of several visible)
+            if gpu:  # JAX's first local device, by its CUDA ordinal (one GPU of several visible)
                 import torch
 
                 device = torch.device("cuda", getattr(jax.local_devices()[0], "local_hardware_id", None) or 0)
