@@ -15,7 +15,7 @@ at random init (bf16):
     NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py --senders 1,2 --receivers 2 --shapes qwen3-8b,qwen3-30b-a3b
     python tools/bench_transfer.py --export --processes 4 --shapes qwen3-8b --tmp /path/on/local/disk
     python tools/bench_transfer.py --senders 1,2 --receivers 2 --smoke      # CPU, gloo, tiny shapes
-    python tools/bench_transfer.py --export --processes 1,2 --smoke          # CPU
+    python tools/bench_transfer.py --export --processes 1,2 --cpu --shapes qwen3-0.6b   # CPU, real shapes
 
 Per row: one warm-up round, then `--rounds` timed rounds of process 0's `publish`; the median is reported.
 """
@@ -70,7 +70,7 @@ def _free_port() -> int:
 def sender(a: argparse.Namespace) -> None:
     import jax
 
-    gpu = not a.smoke
+    gpu = not (a.smoke or a.cpu)
     if a.nproc > 1 or gpu:
         kw = {"local_device_ids": [a.pid]} if gpu else {}
         jax.distributed.initialize(a.coordinator, a.nproc, a.pid, **kw)
@@ -116,7 +116,7 @@ def receiver(a: argparse.Namespace) -> None:
     from primejax.inference.admin_auth import process_token
     from primejax.transfer import wire
 
-    gpu = not a.smoke
+    gpu = not (a.smoke or a.cpu)
     device = torch.device("cuda", a.gpu) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
@@ -156,7 +156,7 @@ def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
-    if a.smoke:
+    if a.smoke or a.cpu:
         env["JAX_PLATFORMS"] = "cpu"
     common = [
         sys.executable,
@@ -172,6 +172,7 @@ def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
         "--receivers",
         str(a.receivers),
     ] + (["--smoke"] if a.smoke else [])
+    common += ["--cpu"] if a.cpu else []
     coord = f"127.0.0.1:{_free_port()}"
     rx = []
     if not a.export:
@@ -214,6 +215,7 @@ def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (proves the script)")
+    ap.add_argument("--cpu", action="store_true", help="CPU, gloo, the real shapes")
     ap.add_argument("--export", action="store_true", help="the filesystem export (gather vs parallel)")
     ap.add_argument("--shapes", default="qwen3-8b,qwen3-30b-a3b")
     ap.add_argument("--senders", default="1,2", help="collective rows: trainer processes (one GPU each)")
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=1)
     ap.add_argument("--gpu", type=int, default=0)
     a = ap.parse_args(argv)
-    a.bucket_mb = a.bucket_mb or (1 if a.smoke else 1024)
+    a.bucket_mb = a.bucket_mb or (1 if a.smoke else 256 if a.cpu else 1024)
     if a.role == "sender":
         sender(a)
         return 0
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = _row(a, shape, n, run)
             print(json.dumps({"shape": shape, "processes": n, **res}), flush=True)
             table.append((shape, n, res))
-    where = "CPU smoke (gloo, tiny shapes)" if a.smoke else "GPU"
+    where = "CPU smoke (gloo, tiny shapes)" if a.smoke else "CPU (gloo)" if a.cpu else "GPU"
     if a.export:
         print(f"\n{where}: filesystem export, median of {a.rounds} after a warm-up\n")
         print(
