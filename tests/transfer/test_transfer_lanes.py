@@ -145,3 +145,37 @@ def test_two_senders_two_receivers_bit_exact_over_two_rounds(tmp_path):
                 assert out[name].dtype == t.dtype and out[name].shape == t.shape
                 assert torch.equal(out[name].view(torch.uint8), t.view(torch.uint8)), name
     assert s1.last["transfer/gb"] > 0 and s0.last["transfer/gb"] > 0
+
+
+def test_a_sender_that_never_sends_fails_the_round_for_every_sender_and_receiver(tmp_path):
+    """Sender 1 of 2 never joins (a dead trainer process): each receiver's round raises (nothing is
+    acknowledged, so a server restores or reports unhealthy) and sender 0 reports failure (the fallback) after its
+    timeout instead of hanging."""
+    named = _named(3)
+    pieces = _pieces(named)
+    s0 = CollectiveSender(tmp_path, secret=SECRET, timeout_s=3, bucket_bytes=300, num_receivers=2, senders=2)
+    errors: list[BaseException] = []
+
+    def receive(rank: int) -> None:
+        deadline = time.monotonic() + 20
+        while (offer := latest_offer(tmp_path)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        try:
+            wire.Receiver().receive(
+                offer.init_info, offer.update_info, rank, "cpu", lambda pairs: None, SECRET
+            )
+        except BaseException as e:  # noqa: BLE001 - the expected failure, checked below
+            errors.append(e)
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    mine = (named[p.tensor][1][p.start : p.stop] for p in pieces if p.sender == 0)
+    assert s0.send_lazy(1, tensor_metas(named), mine, pieces=pieces, ids=("g2", "1-y")) is False
+    assert time.monotonic() - t0 < 30
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 2
+    assert latest_offer(tmp_path) is None
