@@ -4,6 +4,9 @@
     python tools/bench_transfer.py --smoke                                               # CPU (gloo), tiny shapes
     python tools/bench_transfer.py --cpu --sizes 0.6b                                    # CPU (gloo), real shapes
 
+Multi-process trainers (several senders -> tensor-parallel receivers; the filesystem export, gather vs
+parallel): `--senders ...` / `--export ...`, run by tools/bench_transfer_multi.py (its docstring has the commands).
+
 Two processes per model size. The sender is a primejax trainer stand-in: a Qwen3-shaped model (random bf16
 weights) in JAX on GPU 0, sent each round with `primejax.transfer.sender.CollectiveSender` from
 `primejax.transfer.device.hf_device_tensors` (jitted HF-layout conversion, DLPack into torch, packed buckets).
@@ -241,6 +244,10 @@ def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
 
 
 def main() -> int:
+    if any(a.startswith("--senders") or a == "--export" for a in sys.argv[1:]):
+        from tools.bench_transfer_multi import main as multi
+
+        return multi(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (proves the script)")
     ap.add_argument("--cpu", action="store_true", help="CPU, gloo, the real shapes")

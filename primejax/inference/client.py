@@ -378,12 +378,14 @@ class InferenceClient:
         ))
 
     async def transfer_weights(self, version: int, init_info: dict, update_info: dict) -> None:
-        """Receive `version` collectively on every server (the trainer is sending); server i joins as rank 1 + i.
+        """Receive `version` collectively on every server (the trainer is sending); the workers of server i join
+        as ranks 1 + i * workers_per_server + their own rank (a tensor-parallel server has several).
 
         Not retried: a round is one rendezvous with the trainer and cannot be joined twice.
         """
         async def one(i: int, url: str) -> Any:
-            body = {"version": int(version), "init_info": {**init_info, "rank_offset": 1 + i},
+            workers = int(init_info.get("workers_per_server", 1))
+            body = {"version": int(version), "init_info": {**init_info, "rank_offset": 1 + i * workers},
                     "update_info": update_info}
             await self._ensure_identity(url)
             r = await self._http.post(url + "/transfer_weights", json=body, headers=self._admin_headers,

@@ -182,6 +182,8 @@ def _transfer_engine_cls() -> type:
         timeout_s: float = 60.0
         bucket_bytes: int = wire.DEFAULT_BUCKET_BYTES
         backend: str = "gloo"
+        senders: int = 1  # trainer processes, one lane each (primejax.transfer.lanes)
+        workers_per_server: int = 1
 
     @dataclass(kw_only=True)
     class UpdateInfo(WeightTransferUpdateInfo):
@@ -189,6 +191,8 @@ def _transfer_engine_cls() -> type:
         names: list
         dtype_names: list
         shapes: list
+        senders: int = 1
+        pieces: list | None = None  # [tensor, sender, first row, end row]; None = whole tensors from sender 0
 
     class PrimejaxWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Receives one round of HF tensors from the primejax trainer (`primejax.transfer.wire.Receiver`) and

@@ -141,8 +141,10 @@ class WeightDirValidator:
     def check_update_info(self, update_info: dict) -> None:
         """A collective update must carry exactly the served model's tensors, by name and shape, each in a dtype
         the wire carries (checked here, before the server pauses: a bad one would fail mid-round)."""
+        from primejax.transfer.lanes import pieces_of
         from primejax.transfer.wire import metas_from_update_info
 
+        pieces_of(update_info, metas_from_update_info(update_info))  # ValueError: pieces that miss or overlap rows
         for meta in metas_from_update_info(update_info):  # ValueError: lengths, dtype names, non-integer dims
             if any(d < 0 for d in meta.shape):
                 raise WeightDirError(f"{meta.name}: negative dimension in {list(meta.shape)}")

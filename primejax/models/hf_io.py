@@ -25,6 +25,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -352,7 +353,8 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
-def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+def plan_files(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """The export's safetensors files: tensor names per file, in order (shared with transfer/fs_export.py)."""
     shards: list[list[str]] = [[]]
     used = 0
     for name, nbytes in sizes:
@@ -397,7 +399,7 @@ def export_safetensors(
         per_tensor = int(np.prod(var.shape)) * itemsize[our_name]
         names = _hf_names(our_name, cfg)
         sizes += [(n, per_tensor // len(names)) for n in names]
-    shards = _plan_shards(sizes, max_shard_bytes)
+    shards = plan_files(sizes, max_shard_bytes)
     file_of = {n: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards) for n in s}
 
     pending: dict[str, np.ndarray] = {}
@@ -420,12 +422,19 @@ def export_safetensors(
     if rank != 0:
         return dict(info, seconds=time.perf_counter() - start)
 
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     stored = dtype or str(np.dtype(next(iter(variables.values())).dtype))
+    write_export_metadata(out_dir, cfg, file_of, total, stored, src_dir)
+    return dict(info, seconds=time.perf_counter() - start)
+
+
+def write_export_metadata(
+    out_dir: Path, cfg: ModelConfig, weight_map: dict[str, str], total: int, stored: str, src_dir: Any
+) -> None:
+    """The index, config.json and the source's generation/tokenizer files of an export (one writer)."""
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_config(dtype=stored), indent=2) + "\n")
     if src_dir is not None:
         for fname in AUX_FILES:
             if (Path(src_dir) / fname).is_file():
                 shutil.copy2(Path(src_dir) / fname, out_dir / fname)
-    return dict(info, seconds=time.perf_counter() - start)

@@ -193,6 +193,16 @@ class BroadcastConfig(Section):
         "docs/lora.md), 'merged' the merged full weights",
         choices=("adapter", "merged"),
     )
+    export: str = option(
+        "parallel",
+        "filesystem export: parallel = each process writes its own row blocks into the files (threads, pwrite); "
+        "gather = each tensor gathered to the host and whole files written (docs/weight_transfer.md)",
+        choices=("parallel", "gather"),
+    )
+    export_threads: int = option(8, "parallel export: writer threads per process", gt=0)
+    workers_per_server: int = option(
+        1, "collective: inference workers per server (its tensor- x pipeline-parallel size); each one receives", gt=0
+    )
 
 
 @section

@@ -272,7 +272,7 @@ def train(cfg: Config) -> TrainState:
         cfg.model,
         cfg.run,
         async_level=cfg.orchestrator.async_level,
-        num_receivers=max(1, len(cfg.orchestrator.client.base_urls)),
+        num_receivers=max(1, len(cfg.orchestrator.client.base_urls)) * cfg.trainer.broadcast.workers_per_server,
         corrections=CorrectionTable.from_orchestrator(cfg.orchestrator),
     )
     if trainer.rank != 0:  # one writer of the run's metrics

@@ -1,12 +1,13 @@
 """Weight publishing: how θ_step reaches the inference servers, behind one interface.
 
 `Publisher.publish(step, model)` hands the model's weights for `step` to inference and returns the step's
-metrics. Two implementations (docs/weight_transfer.md):
+metrics. Three implementations (docs/weight_transfer.md, docs/lora.md):
 
-- `FilesystemPublisher`: `broadcasts/step_N/` as HF safetensors + STABLE (contracts/broadcast.py). One process
-  writes it through a temp directory; with several processes each writes its share of the files into one
-  shared temp directory (every process joins each tensor's gather) and process 0 publishes it once all have
-  written.
+- `FilesystemPublisher`: `broadcasts/step_N/` as HF safetensors + STABLE (contracts/broadcast.py), written
+  through a temp directory. `trainer.broadcast.export = "parallel"` (default): every process writes the row
+  blocks its devices hold into the shared files (transfer/fs_export.py); "gather": each tensor is gathered to
+  the host and each process writes whole files (its share). With several processes process 0 publishes the
+  directory once all have written.
 - `AdapterPublisher` (LoRA with `trainer.broadcast.lora = "adapter"`): `broadcasts/step_N/` as a PEFT adapter
   directory (megabytes), which the server loads next to its frozen base under a versioned name
   (inference/adapters.py, docs/lora.md). The collective mode does not carry adapters: with LoRA it falls back
@@ -14,8 +15,8 @@ metrics. Two implementations (docs/weight_transfer.md):
 - `CollectivePublisher`: sends the weights through vLLM's weight-transfer engine (transfer/sender.py) and
   writes the disk copy only where one is needed: at checkpoint steps (a resumed run reloads from disk), for a
   step no one will sample from any more, when asked (`disk_only`, the re-export on resume) and as the fallback
-  when a transfer fails. Single-process trainers only: a collective send would need every process to agree on
-  its outcome.
+  when a transfer fails. With several processes each sends its own row blocks over its own lane
+  (transfer/lanes.py) and all agree on the round's outcome (any sender failed: all write the broadcast).
 
 Both prune the broadcasts inference can no longer be asked for (older than step - async_level).
 """
@@ -23,12 +24,14 @@ Both prune the broadcasts inference can no longer be asked for (older than step 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
@@ -73,6 +76,18 @@ class FilesystemPublisher:
         start = time.perf_counter()
 
         def write(d: Path) -> dict:
+            if self.b.export == "parallel":
+                from primejax.transfer.fs_export import export_parallel
+
+                return export_parallel(
+                    model,
+                    self.model_cfg,
+                    d,
+                    dtype=self.b.dtype,
+                    src_dir=self.src_dir,
+                    max_shard_bytes=int(self.b.max_shard_mb * 2**20),
+                    threads=self.b.export_threads,
+                )
             return export_safetensors(
                 model,
                 self.model_cfg,
@@ -182,6 +197,9 @@ class CollectivePublisher:
         self.disk, self.num_receivers = disk, num_receivers
         self.checkpoint_interval, self.last_sampled_step = checkpoint_interval, last_sampled_step
         self._sender: Any = None
+        # Several senders: whether the next round opens new groups (the first round, after any failure).
+        self.new_group = True
+        self.group_id = ""
 
     def sender(self) -> Any:
         """The run's CollectiveSender: NCCL from the accelerator on GPU, else gloo from host memory."""
@@ -198,26 +216,70 @@ class CollectivePublisher:
                 )
             gpu = jax.default_backend() == "gpu"
             device = None
-            if gpu:  # JAX's first local device under the same CUDA_VISIBLE_DEVICES
+            if gpu:  # JAX's first local device, by its CUDA ordinal (one GPU of several visible)
                 import torch
 
-                device = torch.device("cuda", 0)
-            self._sender = CollectiveSender(
-                self.disk.run.root,
+                device = torch.device("cuda", getattr(jax.local_devices()[0], "local_hardware_id", None) or 0)
+            rank, senders = self.disk.rank, self.disk.processes
+            kw = dict(
                 secret=secret,
                 host=b.transfer_host,
-                port=b.transfer_port,
                 timeout_s=b.transfer_timeout_s,
                 bucket_bytes=b.bucket_mb * 2**20,
                 num_receivers=self.num_receivers,
                 backend="nccl" if gpu else "gloo",
                 device=device,
+                lane=rank,
+                senders=senders,
+                workers_per_server=b.workers_per_server,
             )
+            if senders == 1:
+                self._sender = CollectiveSender(self.disk.run.root, port=b.transfer_port, **kw)
+            else:  # process 0 hosts the rendezvous; the others learn its port
+                port = b.transfer_port
+                if rank == 0:
+                    self._sender = CollectiveSender(self.disk.run.root, port=port, **kw)
+                    port = self._sender.port
+                port = int(multihost_utils.broadcast_one_to_all(np.int32(port)))
+                if rank != 0:
+                    self._sender = CollectiveSender(self.disk.run.root, port=port, **kw)
         return self._sender
+
+    def _round_ids(self, step: int) -> tuple[str, str]:
+        """(group id, round id), the same on every process: process 0's random bytes, broadcast."""
+        raw = np.frombuffer(os.urandom(12), np.uint8) if self.disk.rank == 0 else np.zeros(12, np.uint8)
+        raw = np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8).tobytes().hex()
+        if self.new_group:
+            self.group_id, self.new_group = raw[:12], False
+        return self.group_id, f"{step}-{raw[12:]}"
+
+    def _send_sharded(self, step: int, model: nnx.Module) -> bool:
+        """Every process sends its own row blocks (transfer/shards.py); True only when every sender succeeded."""
+        from primejax.transfer.sender import to_torch
+        from primejax.transfer.shards import RowShards
+
+        sender = self.sender()
+        shards = RowShards(model, self.disk.model_cfg, self.disk.b.dtype)
+        ids = self._round_ids(step)
+        tensors = (t if sender.backend == "nccl" else to_torch(t) for _, t in shards.local())
+        ok = sender.send_lazy(step, shards.metas, tensors, pieces=shards.pieces(), ids=ids)
+        agreed = bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
+        if not agreed:
+            sender.group, self.new_group = None, True
+        return agreed
 
     def publish(self, step: int, model: nnx.Module, *, disk_only: bool = False) -> dict[str, float]:
         if disk_only or step > self.last_sampled_step:
             return self.disk.publish(step, model)
+        if self.disk.processes > 1:
+            sent = self._send_sharded(step, model)
+            metrics = dict(self.sender().last) if sent else {"transfer/failed": 1.0}
+            interval = self.checkpoint_interval
+            if sent and not (interval > 0 and step % interval == 0):
+                if self.disk.rank == 0:
+                    prune_broadcasts(self.disk.run.root, step - self.disk.async_level)
+                return metrics
+            return {**metrics, **self.disk.publish(step, model)}
         from primejax.transfer.sender import to_torch
 
         sender, cfg, dtype = self.sender(), self.disk.model_cfg, self.disk.b.dtype
@@ -248,8 +310,8 @@ def make_publisher(
     num_receivers: int = 1,
     src_dir: str | None = None,
 ) -> Publisher:
-    """The run's publisher from `trainer.broadcast`: collective only for a single-process trainer; LoRA adapters
-    always through the filesystem."""
+    """The run's publisher from `trainer.broadcast` (`num_receivers`: inference workers, every server's);
+    LoRA adapters always through the filesystem."""
     if publishes_adapters(b, model_cfg):
         if b.mode == "collective":
             log.warning(
@@ -258,7 +320,7 @@ def make_publisher(
             )
         return AdapterPublisher(root, model_cfg, b, async_level=async_level, base_model=src_dir or "")
     disk = FilesystemPublisher(root, model_cfg, b, async_level=async_level, src_dir=src_dir)
-    if b.mode != "collective" or jax.process_count() > 1:
+    if b.mode != "collective":
         return disk
     return CollectivePublisher(
         disk,

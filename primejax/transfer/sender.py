@@ -55,6 +55,10 @@ def tensor_metas(named: Sequence[tuple[str, Any]]) -> list[wire.TensorMeta]:
 
 
 class CollectiveSender:
+    """One trainer process's sender. Lane 0 (process 0, or the only process) hosts the rendezvous store and
+    writes the offer; lane k > 0 (process k of a multi-process trainer) connects to lane 0's store at
+    `port` and sends its own pieces over its own group (primejax.transfer.lanes)."""
+
     def __init__(
         self,
         run_dir: str | Path,
@@ -67,12 +71,16 @@ class CollectiveSender:
         num_receivers: int = 1,
         backend: str = "gloo",
         device: Any = None,
+        lane: int = 0,
+        senders: int = 1,
+        workers_per_server: int = 1,
     ):
         self.run_dir = Path(run_dir)
         self.host, self.timeout_s, self.bucket_bytes = host, timeout_s, bucket_bytes
         self.num_receivers, self.backend, self.device = num_receivers, backend, device
-        self.server = wire.host_store(host, port, secret)
-        self.port = self.server.port
+        self.lane, self.senders, self.workers_per_server = lane, senders, workers_per_server
+        self.server = wire.host_store(host, port, secret) if lane == 0 else None
+        self.port = self.server.port if self.server is not None else port
         self.secret = secret
         self.store: Any = None  # this process's own authenticated client of the server
         self.last: dict[str, float] = {}
@@ -88,27 +96,50 @@ class CollectiveSender:
             "timeout_s": self.timeout_s,
             "bucket_bytes": self.bucket_bytes,
             "backend": self.backend,
+            "senders": self.senders,
+            "workers_per_server": self.workers_per_server,
         }
 
     def send(self, step: int, named: Sequence[tuple[str, Any]]) -> bool:
         """One round for `step` with `named` = [(HF name, torch tensor)]; True when every server acknowledged."""
         return self.send_lazy(step, tensor_metas(named), (t for _, t in named))
 
-    def send_lazy(self, step: int, metas: Sequence[wire.TensorMeta], tensors: Iterable[Any]) -> bool:
-        """Like `send`, with the tensors produced one by one (e.g. converted on device as they are sent)."""
-        round_id = f"{step}-{uuid.uuid4().hex[:12]}"
-        if self.group is None:
-            self.group_id = uuid.uuid4().hex[:12]
-        offer = Offer(step, self.init_info(), wire.update_info(round_id, metas))
+    def send_lazy(
+        self,
+        step: int,
+        metas: Sequence[wire.TensorMeta],
+        tensors: Iterable[Any],
+        *,
+        pieces: Sequence[Any] | None = None,
+        ids: tuple[str, str] | None = None,
+    ) -> bool:
+        """Like `send`, with the tensors produced one by one (e.g. converted on device as they are sent).
+
+        Several senders: `metas` are the round's tensors, `pieces` (primejax.transfer.lanes.Piece) say who sends
+        which rows, `tensors` are this lane's pieces in order, and `ids` = (group id, round id), the same on
+        every sender (a new group id after any failed round)."""
+        if ids is not None:
+            if ids[0] != self.group_id:
+                self.group = None
+            self.group_id, round_id = ids
+        else:
+            round_id = f"{step}-{uuid.uuid4().hex[:12]}"
+            if self.group is None:
+                self.group_id = uuid.uuid4().hex[:12]
+        info = wire.update_info(round_id, metas)
+        if pieces is not None:
+            info.update(senders=self.senders, pieces=[[p.tensor, p.sender, p.start, p.stop] for p in pieces])
+        lane_metas = list(metas) if pieces is None else wire.lane_metas(metas, pieces, self.lane)
         t0 = time.perf_counter()
-        write_offer(self.run_dir, offer)
+        if self.lane == 0:
+            write_offer(self.run_dir, Offer(step, self.init_info(), info))
         try:
             if self.group is None:
                 if self.store is None:
                     self.store = wire.client_store(self.host, self.port, self.secret, self.timeout_s)
                 self.group = wire.open_group(
                     self.store,
-                    self.group_id,
+                    wire.lane_group_id(self.group_id, self.lane),
                     0,
                     1 + self.num_receivers,
                     self.timeout_s,
@@ -117,25 +148,28 @@ class CollectiveSender:
                 )
             t_join = time.perf_counter()
             digest = wire.new_digest()
-            nbytes = wire.send(self.group, tensors, metas, self.bucket_bytes, digest)
-            self.group.store.set(wire.digest_key(round_id), digest.hexdigest())
-            self.group.store.wait(
+            nbytes = wire.send(self.group, tensors, lane_metas, self.bucket_bytes, digest)
+            self.store.set(wire.lane_digest_key(round_id, self.lane), digest.hexdigest())
+            self.store.wait(
                 [wire.ack_key(round_id, r) for r in range(1, 1 + self.num_receivers)],
                 datetime.timedelta(seconds=self.timeout_s),
             )
         except Exception as e:  # noqa: BLE001 - any failure means: fall back to the filesystem for this step
             self.group = None
             log.warning(
-                "step %d: collective weight transfer failed after %.1f s (%s: %s); falling back to the "
-                "filesystem broadcast",
+                "step %d: collective weight transfer (sender %d of %d) failed after %.1f s (%s: %s); falling back "
+                "to the filesystem broadcast",
                 step,
+                self.lane,
+                self.senders,
                 time.perf_counter() - t0,
                 type(e).__name__,
                 str(e)[:300],
             )
             return False
         finally:
-            remove_offer(self.run_dir, step)
+            if self.lane == 0:
+                remove_offer(self.run_dir, step)
         t1 = time.perf_counter()
         self.last = {
             "transfer/seconds": t1 - t0,
@@ -145,8 +179,10 @@ class CollectiveSender:
             "transfer/gb_per_s": nbytes / 1e9 / max(t1 - t_join, 1e-9),
         }
         log.info(
-            "step %d: weights sent collectively (%.3f GB in %.3f s, join %.3f s)",
+            "step %d: weights sent collectively (sender %d of %d: %.3f GB in %.3f s, join %.3f s)",
             step,
+            self.lane,
+            self.senders,
             nbytes / 1e9,
             t1 - t0,
             t_join - t0,

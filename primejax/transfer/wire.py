@@ -211,52 +211,85 @@ def send(
     return sent
 
 
-def receive(
-    group: TorchGroup,
-    metas: Sequence[TensorMeta],
-    bucket_bytes: int,
-    device: Any,
-    load: Callable[[list[tuple[str, Any]]], Any],
-    digest: Any = None,
-) -> int:
-    """A receiver: for each bucket, receive it into a fresh buffer, feed it to `digest` (when given) and call
-    `load([(name, tensor), ...])`.
-
-    The tensors are views of the bucket's buffer; a fresh buffer per bucket keeps them valid for loaders
-    that hold on to them (vLLM's layerwise reload buffers a layer's weights until the layer is complete).
-    """
-    import torch
-
-    received = 0
-    for idx in buckets(metas, bucket_bytes):
-        sizes = [metas[i].nbytes for i in idx]
-        buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        group.broadcast(buf, src=0)
-        if digest is not None:
-            _hash_bucket(digest, buf)
-        out = []
-        for i, part in zip(idx, buf.split(sizes), strict=True):
-            m = metas[i]
-            out.append((m.name, part.view(getattr(torch, m.dtype)).view(m.shape)))
-        load(out)
-        received += buf.numel()
-    return received
-
-
 def ack_key(round_id: str, rank: int) -> str:
     return f"received/{round_id}/{rank}"
 
 
+def lane_group_id(group_id: str, lane: int) -> str:
+    """The process group of sender `lane` (primejax.transfer.lanes): one per sender, all in one store."""
+    return f"{group_id}/{lane}"
+
+
+def lane_digest_key(round_id: str, lane: int) -> str:
+    return f"{digest_key(round_id)}/{lane}"
+
+
+def receive_lanes(
+    groups: Sequence[TorchGroup],
+    metas: Sequence[TensorMeta],
+    update_info: dict[str, Any],
+    bucket_bytes: int,
+    device: Any,
+    load: Callable[[list[tuple[str, Any]]], Any],
+    digests: Sequence[Any],
+) -> int:
+    """A receiver's round over every sender's lane (primejax.transfer.lanes): each bucket into a fresh buffer,
+    fed to its lane's digest; `load` gets the tensors that became whole, as the lanes' schedule completes them."""
+    import torch
+
+    from primejax.transfer import lanes
+
+    senders, pieces = lanes.pieces_of(update_info, metas)
+    if senders != len(groups):
+        raise ValueError(f"round of {senders} senders received over {len(groups)} groups")
+    per_lane = lanes.lane_buckets(metas, pieces, senders, bucket_bytes)
+    assembler = lanes.Assembler(metas, device)
+    received = 0
+    for k, j in lanes.schedule(per_lane):
+        idx = per_lane[k][j]
+        sizes = [lanes.piece_bytes(metas[pieces[i].tensor], pieces[i]) for i in idx]
+        buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        groups[k].broadcast(buf, src=0)
+        _hash_bucket(digests[k], buf)
+        done = [
+            t for i, part in zip(idx, buf.split(sizes), strict=True) if (t := assembler.add(pieces[i], part))
+        ]
+        if done:
+            load(done)
+        received += buf.numel()
+    assembler.check_done()
+    return received
+
+
+def lane_metas(metas: Sequence[TensorMeta], pieces: Sequence[Any], lane: int) -> list[TensorMeta]:
+    """What sender `lane` sends, piece by piece, as tensor metadata (a row block's own shape), so `send` checks
+    each block and cuts the lane's buckets exactly where the receivers do."""
+    from primejax.transfer.lanes import rows
+
+    out = []
+    for p in pieces:
+        if p.sender == lane:
+            m = metas[p.tensor]
+            whole = p.stop - p.start == rows(m)
+            out.append(m if whole else TensorMeta(m.name, m.dtype, (p.stop - p.start, *m.shape[1:])))
+    return out
+
+
 class Receiver:
-    """An inference worker's side of the rounds: joins (and keeps) the trainer's group, receives, acknowledges.
+    """An inference worker's side of the rounds: joins (and keeps) every sender's group, receives, acknowledges.
 
     Shared by primejax's vLLM engine (`primejax.inference.vllm_ext`) and the GPU benchmark's receiver, so the
     benchmark measures the code the server runs.
     """
 
     def __init__(self) -> None:
-        self.group: TorchGroup | None = None
+        self.groups: list[TorchGroup] | None = None
         self.key: tuple | None = None
+
+    @property
+    def group(self) -> TorchGroup | None:
+        """Lane 0's group (the single-sender round's only one)."""
+        return self.groups[0] if self.groups else None
 
     def receive(
         self,
@@ -268,7 +301,7 @@ class Receiver:
         secret: str | None,
     ) -> int:
         """Receive one round; raises (and acknowledges nothing) when the rendezvous is not this run's (`secret`
-        is the run's admin secret) or when what arrived differs from the sender's digest."""
+        is the run's admin secret) or when what arrived differs from a sender's digest."""
         metas = metas_from_update_info(update_info)
         timeout_s = float(init_info.get("timeout_s", 60.0))
         key = (
@@ -278,29 +311,34 @@ class Receiver:
             rank,
             int(init_info["world_size"]),
             init_info.get("backend", "gloo"),
+            int(init_info.get("senders", 1)),
         )
         try:
-            if self.group is None or self.key != key:
-                self.group = None
+            if self.groups is None or self.key != key:
+                self.groups = None
                 store = client_store(key[0], key[1], secret or "", timeout_s)
-                self.group = open_group(store, key[2], rank, key[4], timeout_s, key[5], device)
+                self.groups = [
+                    open_group(store, lane_group_id(key[2], k), rank, key[4], timeout_s, key[5], device)
+                    for k in range(key[6])
+                ]
                 self.key = key
-            h = new_digest()
-            n = receive(
-                self.group, metas, int(init_info.get("bucket_bytes", DEFAULT_BUCKET_BYTES)), device, load, h
-            )
+            digests = [new_digest() for _ in self.groups]
+            bucket_bytes = int(init_info.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+            n = receive_lanes(self.groups, metas, update_info, bucket_bytes, device, load, digests)
             if key[5] == "nccl":
                 import torch
 
                 torch.cuda.synchronize(device)
-            expected = bytes(self.group.store.get(digest_key(update_info["round_id"]))).decode()
-            if expected != h.hexdigest():
-                raise ValueError(
-                    f"round {update_info['round_id']}: the weights received differ from what the trainer sent "
-                    "(digest mismatch); not acknowledged"
-                )
-            self.group.store.set(ack_key(update_info["round_id"], rank), "1")
+            store = self.groups[0].base
+            for k, h in enumerate(digests):
+                expected = bytes(store.get(lane_digest_key(update_info["round_id"], k))).decode()
+                if expected != h.hexdigest():
+                    raise ValueError(
+                        f"round {update_info['round_id']}: the weights received from sender {k} differ from what "
+                        "it sent (digest mismatch); not acknowledged"
+                    )
+            store.set(ack_key(update_info["round_id"], rank), "1")
             return n
         except BaseException:
-            self.group = None  # a failed round poisons the group: the next one opens a new group
+            self.groups = None  # a failed round poisons the groups: the next one opens new ones
             raise

@@ -115,9 +115,10 @@ def test_bytes_that_differ_from_the_senders_digest_are_not_acknowledged(tmp_path
     """The sender publishes its digest after the last bucket; a receiver whose bytes hash differently (here:
     the wire altered one byte of the first bucket on the way in) raises and never acknowledges, so the
     sender reports the round failed (and the trainer falls back to the filesystem)."""
-    real_receive = wire.receive
+    real_receive = wire.receive_lanes
 
-    def tampered(group, metas, bucket_bytes, device, load, digest=None):
+    def tampered(groups, metas, update_info, bucket_bytes, device, load, digests):
+        group = groups[0]
         real_broadcast = group.broadcast
         first = [True]
 
@@ -129,11 +130,11 @@ def test_bytes_that_differ_from_the_senders_digest_are_not_acknowledged(tmp_path
 
         group.broadcast = broadcast
         try:
-            return real_receive(group, metas, bucket_bytes, device, load, digest)
+            return real_receive(groups, metas, update_info, bucket_bytes, device, load, digests)
         finally:
             group.broadcast = real_broadcast
 
-    monkeypatch.setattr(wire, "receive", tampered)
+    monkeypatch.setattr(wire, "receive_lanes", tampered)
     sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=3, bucket_bytes=256)
     got, errors = [], []
     t = threading.Thread(target=_serve, args=(tmp_path, SECRET, got, errors))

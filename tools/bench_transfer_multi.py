@@ -1,0 +1,277 @@
+"""Weight transfer from a multi-process trainer (run through tools/bench_transfer.py; docs/weight_transfer.md).
+
+Two benchmarks with the trainer's own publisher (primejax.trainer.publish), model shapes of tools/model_shapes.py
+at random init (bf16):
+
+- `--senders 1,2 --receivers 2`: seconds per collective update from S trainer processes (jax.distributed, one
+  GPU each: GPUs 0..S-1) to R stand-in receivers (GPUs 2, 3): the workers of one tensor-parallel (TP = R)
+  server, each running `primejax.transfer.wire.Receiver` (the code of primejax's vLLM engine) and keeping its
+  own TP slice of every tensor (column-parallel rows, row-parallel columns, as vLLM's loaders narrow), copied
+  into preallocated buffers. S = 1 is today's one-sender path (the whole model converted and sent from one
+  GPU); S = 2 sends each process's row blocks over its own lane.
+- `--export --processes P`: the filesystem export, GB/s, gather (each tensor all-gathered to the host, whole
+  files) vs parallel (each process pwrites its own row blocks), P processes with one GPU each, into `--tmp`.
+
+    NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py --senders 1,2 --receivers 2 --shapes qwen3-8b,qwen3-30b-a3b
+    python tools/bench_transfer.py --export --processes 4 --shapes qwen3-8b --tmp /path/on/local/disk
+    python tools/bench_transfer.py --senders 1,2 --receivers 2 --smoke      # CPU, gloo, tiny shapes
+    python tools/bench_transfer.py --export --processes 1,2 --cpu --shapes qwen3-0.6b   # CPU, real shapes
+
+Per row: one warm-up round, then `--rounds` timed rounds of process 0's `publish`; the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.model_shapes import QWEN3  # noqa: E402
+
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=2048,
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+ROW = ("o_proj", "down_proj")
+
+
+def _shape(name: str, smoke: bool) -> dict:
+    s = dict(QWEN3[name])
+    if smoke:
+        s.update({k: v for k, v in TINY.items() if k in s or k in ("head_dim",)})
+    return s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sender(a: argparse.Namespace) -> None:
+    import jax
+
+    gpu = not (a.smoke or a.cpu)
+    if a.nproc > 1 or gpu:
+        kw = {"local_device_ids": [a.pid]} if gpu else {}
+        jax.distributed.initialize(a.coordinator, a.nproc, a.pid, **kw)
+    from primejax.models.config import ModelConfig
+    from primejax.models.sharding import init_model, make_mesh
+    from primejax.trainer.config import BroadcastConfig
+    from primejax.trainer.publish import FilesystemPublisher, make_publisher
+
+    cfg = ModelConfig.from_hf_config(_shape(a.shape, a.smoke), param_dtype="bfloat16")
+    model = init_model(cfg, make_mesh(fsdp=-1), seed=0)
+    jax.block_until_ready(jax.tree.leaves(model))
+    run = Path(a.run_dir)
+    rows = {}
+    if a.export:
+        for mode in ("gather", "parallel"):
+            b = BroadcastConfig(mode="filesystem", export=mode, hash=False)
+            pub = FilesystemPublisher(run / mode, cfg, b, async_level=0)
+            rows[mode] = [pub.publish(r, model) for r in range(a.rounds + 1)][1:]
+    else:
+        b = BroadcastConfig(
+            mode="collective", bucket_mb=a.bucket_mb, transfer_timeout_s=600, workers_per_server=a.receivers
+        )
+        pub = make_publisher(
+            b, run, cfg, async_level=1, max_steps=10**6, checkpoint_interval=0, num_receivers=a.receivers
+        )
+        times = []
+        for r in range(a.rounds + 1):
+            t0 = time.perf_counter()
+            m = pub.publish(r, model)
+            if "transfer/failed" in m:
+                raise RuntimeError(f"round {r} failed")
+            times.append(time.perf_counter() - t0)
+        rows["collective"] = times[1:]
+        rows["gb_sent"] = m["transfer/gb"]
+    if a.pid == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+
+
+def receiver(a: argparse.Namespace) -> None:
+    import torch
+
+    from primejax.contracts.transfer import latest_offer
+    from primejax.inference.admin_auth import process_token
+    from primejax.transfer import wire
+
+    gpu = not (a.smoke or a.cpu)
+    device = torch.device("cuda", a.gpu) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    tp_rank, tp = a.rank - 1, a.receivers
+    store: dict[str, torch.Tensor] = {}
+
+    def load(pairs) -> None:
+        for name, t in pairs:
+            if t.dim() > 1 and any(k in name for k in COLUMN):
+                n = t.shape[0] // tp
+                t = t[tp_rank * n : (tp_rank + 1) * n]
+            elif t.dim() > 1 and any(k in name for k in ROW):
+                n = t.shape[1] // tp
+                t = t[:, tp_rank * n : (tp_rank + 1) * n]
+            if name not in store:
+                store[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+            store[name].copy_(t, non_blocking=True)
+
+    rx = wire.Receiver()
+    run = Path(a.run_dir)
+    for r in range(a.rounds + 1):
+        deadline = time.monotonic() + 900
+        while (offer := latest_offer(run)) is None or offer.step != r:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no offer for round {r}")
+            time.sleep(0.0005)
+        rx.receive(offer.init_info, offer.update_info, a.rank, device, load, process_token())
+
+
+def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
+    from primejax.inference.admin_auth import process_token
+
+    process_token()  # every child inherits the run's secret
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    if a.smoke or a.cpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    common = [
+        sys.executable,
+        __file__,
+        "--shape",
+        shape,
+        "--run-dir",
+        run,
+        "--rounds",
+        str(a.rounds),
+        "--bucket-mb",
+        str(a.bucket_mb),
+        "--receivers",
+        str(a.receivers),
+    ] + (["--smoke"] if a.smoke else [])
+    common += ["--cpu"] if a.cpu else []
+    coord = f"127.0.0.1:{_free_port()}"
+    rx = []
+    if not a.export:
+        gpus = [int(g) for g in a.receiver_gpus.split(",")]
+        rx = [
+            subprocess.Popen(
+                common + ["--role", "receiver", "--rank", str(r), "--gpu", str(gpus[r - 1])], env=env
+            )
+            for r in range(1, a.receivers + 1)
+        ]
+    tx = [
+        subprocess.Popen(
+            common
+            + ["--role", "sender", "--pid", str(k), "--nproc", str(nproc), "--coordinator", coord]
+            + (["--export"] if a.export else []),
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(nproc)
+    ]
+    try:
+        out, _ = tx[0].communicate(timeout=a.timeout)
+        for p in tx[1:] + rx:
+            p.wait(timeout=300)
+        if any(p.returncode for p in tx + rx):
+            raise RuntimeError(
+                f"{shape}, {nproc} processes: a process failed ({[p.returncode for p in tx + rx]})"
+            )
+        return json.loads(
+            [x for x in out.splitlines() if x.startswith("RESULT ")][-1].removeprefix("RESULT ")
+        )
+    finally:
+        for p in tx + rx:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (proves the script)")
+    ap.add_argument("--cpu", action="store_true", help="CPU, gloo, the real shapes")
+    ap.add_argument("--export", action="store_true", help="the filesystem export (gather vs parallel)")
+    ap.add_argument("--shapes", default="qwen3-8b,qwen3-30b-a3b")
+    ap.add_argument("--senders", default="1,2", help="collective rows: trainer processes (one GPU each)")
+    ap.add_argument("--processes", default="4", help="export rows: trainer processes (one GPU each)")
+    ap.add_argument(
+        "--receivers", type=int, default=2, help="tensor-parallel workers of the receiving server"
+    )
+    ap.add_argument("--receiver-gpus", default="2,3")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=0, help="default 1024 GPU, 1 smoke")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--tmp", default=None)
+    ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
+    ap.add_argument("--shape", default="")
+    ap.add_argument("--run-dir", default="")
+    ap.add_argument("--pid", type=int, default=0)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--coordinator", default="")
+    ap.add_argument("--rank", type=int, default=1)
+    ap.add_argument("--gpu", type=int, default=0)
+    a = ap.parse_args(argv)
+    a.bucket_mb = a.bucket_mb or (1 if a.smoke else 256 if a.cpu else 1024)
+    if a.role == "sender":
+        sender(a)
+        return 0
+    if a.role == "receiver":
+        receiver(a)
+        return 0
+    table = []
+    counts = a.processes if a.export else a.senders
+    for shape in a.shapes.split(","):
+        for n in (int(x) for x in counts.split(",")):
+            with tempfile.TemporaryDirectory(prefix="bench-transfer-", dir=a.tmp) as run:
+                res = _row(a, shape, n, run)
+            print(json.dumps({"shape": shape, "processes": n, **res}), flush=True)
+            table.append((shape, n, res))
+    where = "CPU smoke (gloo, tiny shapes)" if a.smoke else "CPU (gloo)" if a.cpu else "GPU"
+    if a.export:
+        print(f"\n{where}: filesystem export, median of {a.rounds} after a warm-up\n")
+        print(
+            "| shape | processes | GB | gather s | gather GB/s | parallel s | parallel GB/s |\n|---|---|---|---|---|---|---|"
+        )
+        for shape, n, res in table:
+            g, p = (statistics.median(m["export/seconds"] for m in res[k]) for k in ("gather", "parallel"))
+            gb = res["parallel"][0]["export/gb"]
+            print(f"| {shape} | {n} | {gb:.2f} | {g:.2f} | {gb / g:.2f} | {p:.2f} | {gb / p:.2f} |")
+    else:
+        print(
+            f"\n{where}: collective update to {a.receivers} TP workers, bucket {a.bucket_mb} MiB, median of "
+            f"{a.rounds} after a warm-up\n"
+        )
+        print("| shape | senders | s/update | GB sent by process 0 |\n|---|---|---|---|")
+        for shape, n, res in table:
+            print(f"| {shape} | {n} | {statistics.median(res['collective']):.3f} | {res['gb_sent']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
