@@ -269,7 +269,10 @@ class RolloutPool:
         async with cond:
             cond.notify_all()
             await cond.wait_for(
-                lambda: sum(t.trainable for t in self.done) >= self.batch_size or self._empty() >= self.capacity
+                lambda: (
+                    sum(t.trainable for t in self.done) >= self.batch_size
+                    or self._empty() >= 2 * self.capacity
+                )  # dispatch stopped: only failed groups (`_need`)
             )
         taken: list[Ticket] = []
         count = 0

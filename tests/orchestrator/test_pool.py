@@ -140,3 +140,29 @@ def test_a_hung_group_times_out_and_the_pool_refills(tmp_path, tokenizer):
     assert sum(m.get("pool/timed_out", 0) for m in history) > 0
     for n in (1, 2, 3):
         assert read_batch(step_dir(run_dir, n) / "rank_0.npz").meta["num_samples"] == 8
+
+
+class FailingFirst(ReverseText):
+    """Scoring raises for the first `n` rollouts (whole groups errored), then works."""
+
+    def __init__(self, n: int):
+        super().__init__(min_len=3, max_len=6)
+        self.left = n
+
+    async def score(self, example, messages, state):
+        if self.left > 0:
+            self.left -= 1
+            raise ValueError("broken for now")
+        return await super().score(example, messages, state)
+
+
+def test_failed_groups_do_not_fill_the_pool_and_stall_it(tmp_path, tokenizer):
+    register_env("failing-first", lambda **_: FailingFirst(8))
+    run_dir = tmp_path / "run"
+    cfg = small_config(run_dir, env_id="failing-first", batch_size=8, group_size=4)
+    cfg.orchestrator.pool.mode = "continuous"
+    cfg.orchestrator.pool.groups_in_flight = 2  # the two all-errored groups would hold every slot
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=run_dir)
+    history = asyncio.run(asyncio.wait_for(orch.run(2), 60))
+    assert sum(m["errors/score"] for m in history if "errors/score" in m) == 8
+    assert [m["batch/rollouts"] for m in history] == [8, 8]
