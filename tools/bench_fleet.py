@@ -40,6 +40,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
 from primejax.config import default_config, typed  # noqa: E402
 from primejax.contracts.batch import step_dir  # noqa: E402
 from primejax.contracts.broadcast import write_broadcast  # noqa: E402
@@ -309,7 +312,13 @@ async def trainer(run_dir: Path, steps: int, step_s: float, scale: float, clock,
         if n > 1:  # before the first batch every trainer waits
             idle.append(clock() - start)
         await asyncio.sleep(step_s * scale)
-        write_broadcast(run_dir, n, lambda d, n=n: (d / "config.json").write_text(json.dumps({"step": n})))
+        write_broadcast(run_dir, n, lambda d, n=n: _fake_weights(d, n))
+
+
+def _fake_weights(d: Path, n: int) -> None:
+    """The least a broadcast must hold (the STABLE manifest check wants a .safetensors file)."""
+    (d / "config.json").write_text(json.dumps({"step": n}))
+    save_file({"step": np.full((1,), n, np.float32)}, str(d / "model.safetensors"))
 
 
 def orchestrator_config(run_dir: Path, mode: str, servers: int, args: argparse.Namespace, work: Workload):

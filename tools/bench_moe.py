@@ -5,7 +5,9 @@
     python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
     python tools/bench_moe.py --suite gpu1:families  # 1 GPU: GLM-4.5-Air cut to 4 layers next to Qwen3-30B-A3B
     python tools/bench_moe.py --suite gpu4:families  # 4 GPUs: GLM-4.5-Air cut to 8 layers, expert-parallel
+    python tools/bench_moe.py --suite gpu1:qwen3_5  # 1 GPU: Qwen3.5-9B cut to 8 layers next to Qwen3-8B cut to 8
     python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
+    python tools/bench_moe.py --suite lora:gpu4   # 48-layer 30B-A3B LoRA (experts adapted) next to full FT
 
 Each step configuration runs in its own process (an OOM stays contained). The step is the trainer's own
 (built and compiled by the trainer engine, primejax/trainer/engine.py), fake full rows of random tokens, RL loss
@@ -27,7 +29,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.model_shapes import DEEPSEEK, GLM, QWEN3  # noqa: E402
+from tools.model_shapes import DEEPSEEK, GLM, QWEN3, QWEN3_5  # noqa: E402
 
 PEAK_FLOPS = 989e12
 QWEN3_30B_A3B = QWEN3["qwen3-30b-a3b"]
@@ -54,7 +56,16 @@ TINY_DEEPSEEK = dict(
     topk_group=1,
     first_k_dense_replace=1,
 )
-SHAPES = {**QWEN3, **GLM, **DEEPSEEK, "tiny": TINY, "tiny-glm": TINY_GLM, "tiny-deepseek": TINY_DEEPSEEK}
+# Qwen3.5's hybrid structure (3 DeltaNet layers then full attention; a 2-layer cut is one of each)
+TINY_QWEN3_5 = dict(
+    QWEN3_5["qwen3.5-9b"], vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+    linear_value_head_dim=32, full_attention_interval=2,
+)  # fmt: skip
+SHAPES = {
+    **QWEN3, **GLM, **DEEPSEEK, **QWEN3_5, "tiny": TINY, "tiny-glm": TINY_GLM, "tiny-deepseek": TINY_DEEPSEEK,
+    "tiny-qwen3.5": TINY_QWEN3_5,
+}  # fmt: skip
 
 
 def _step(
@@ -78,8 +89,11 @@ def _step(
     micro=1,
     context=1,
     model="",
+    lora=0,
 ):
+    """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md)."""
     return dict(
+        lora=lora,
         model=model,
         context=context,
         micro=micro,
@@ -164,6 +178,30 @@ CONFIGS = {
         _step("moe8:16k:bf16state:4gpu", 16384, 8, pdt="bfloat16", scan=True, devices=4, rows=4, steps=2, warmup=1),
         _step("dsv3_4:16k:ep=fsdp", 16384, 4, remat="full", model="deepseek-v3", **dict(GPU4, scan=False)),
     ],
+    # Qwen3.5-9B cut to 8 layers (6 Gated DeltaNet + 2 full attention, 3.7B params with its 248k-token vocab,
+    # bf16 state) next to Qwen3-8B cut to 8 layers in the same call; unrolled (a hybrid stack cannot scan)
+    "gpu1:qwen3_5": [
+        _step("qwen3_8b_8:16k:bf16state", 16384, 8, pdt="bfloat16", model="qwen3-8b"),
+        _step("qwen35_9b_8:16k:bf16state", 16384, 8, pdt="bfloat16", model="qwen3.5-9b"),
+        _step("qwen35_9b_8:16k:bf16state:full", 16384, 8, pdt="bfloat16", remat="full", model="qwen3.5-9b"),
+    ],
+    # LoRA rank 16 on Qwen3-30B-A3B, all 48 layers, experts included (per-expert adapters), the base frozen in bf16
+    # (61 GB): one suite per GPU count, to find the fewest it fits on; "lora:gpu4" has the full fine-tune next to it.
+    "lora:gpu1": [_step("moe48:16k:lora16", 16384, 48, remat="full", lora=16, **dict(GPU4, devices=1, rows=1))],
+    "lora:gpu2": [
+        _step("moe48:16k:lora16:2gpu", 16384, 48, remat="full", lora=16, **dict(GPU4, devices=2, rows=2))
+    ],
+    "lora:gpu4": [
+        _step("moe48:16k:lora16:4gpu", 16384, 48, remat="full", lora=16, **GPU4),
+        _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
+    ],
+    "smoke:lora": [
+        _step("tiny:256:lora", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, lora=8, pdt="bfloat16"),
+        _step(
+            "tiny:256:lora:ep", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, lora=8, pdt="bfloat16", ep="ep",
+            devices=4, rows=4, scan=True, remat="full",
+        ),  # fmt: skip
+    ],
     "smoke": [
         dict(kind="tiles", name="tiles", smoke=True),
         dict(kind="gmm", name="gmm", smoke=True),
@@ -189,6 +227,7 @@ CONFIGS = {
         ),
         _step("tiny:256:glm", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-glm"),
         _step("tiny:256:deepseek", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-deepseek"),
+        _step("tiny:256:qwen3_5", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-qwen3.5"),
     ],
 }
 
@@ -500,8 +539,14 @@ def _model_config(c: dict):
     if tiny and not model.startswith("tiny"):
         model = {"glm": "tiny-glm", "dee": "tiny-deepseek"}.get(model[:3], "tiny")
     hf = dict(SHAPES[model], num_hidden_layers=c["layers"])
+    lora = {}
+    if c.get("lora"):
+        from primejax.models.lora import DEFAULT_TARGETS
+
+        lora = dict(lora_rank=c["lora"], lora_alpha=2.0 * c["lora"], lora_targets=DEFAULT_TARGETS)
     return ModelConfig.from_hf_config(
         hf,
+        **lora,
         param_dtype=c["pdt"],
         compute_dtype="bfloat16",
         attention_impl=c["attn"],
@@ -542,17 +587,26 @@ def step_worker(c: dict) -> dict:
     step = engine.lower(batch, "rl", 1).compile()
     compile_s = time.perf_counter() - t0
 
+    frozen = engine._frozen_arg()  # LoRA: the frozen weights are the step's third argument
+
     def run(b):
-        engine.state, metrics = step(engine.state, b)
+        engine.state, metrics = step(engine.state, b, *frozen)
         return metrics["loss"]
 
     with jax.set_mesh(engine.mesh):
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
         loss = float(run(batch))
         trace = _trace_summary(run, batch, top=60) if c.get("trace") else None
+    lora = {}
+    if c.get("lora"):  # the adapters (experts' included) and their broadcast, as the trainer publishes it
+        from tools.bench_trainer import _export_times
+
+        lora = dict(adapter_params=sum(int(x.size) for x in jax.tree.leaves(engine.state.params)))
+        lora.update(_export_times(engine, cfg, full=False))
     tokens = c.get("micro", 1) * rows * seq
     n_dev = c["devices"]
-    attn = 12 * cfg.num_layers * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
+    # the softmax attention term of flops_per_token (Qwen3.5's DeltaNet layers have none)
+    attn = 12 * len(cfg.full_attention_layers()) * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
     flops = cfg.flops_per_token(seq)
     return dict(
         tok_s=tokens / dt,
@@ -569,6 +623,7 @@ def step_worker(c: dict) -> dict:
         params=cfg.num_params(),
         device=str(jax.devices()[0].device_kind),
         trace=trace,
+        **lora,
     )
 
 
@@ -658,6 +713,11 @@ def _table(results: list[dict]) -> str:
                 f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
                 f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']}"
                 f" context={r.get('context', 1)} compile={r['compile_s']:.0f}s"
+                + (
+                    f" adapter={r['adapter_export_mb']:.0f}MB export={r['adapter_export_s']:.1f}s"
+                    if r.get("adapter_export_s") is not None
+                    else ""
+                )
             )
         else:
             out.append(
@@ -681,7 +741,7 @@ def main() -> None:
         c = json.loads(args.worker)
         print("RESULT " + json.dumps(WORKERS[c["kind"]](c)), flush=True)
         return
-    suite = "smoke" if args.smoke else args.suite
+    suite = "smoke" if args.smoke and not args.suite.startswith("smoke") else args.suite
     configs = CONFIGS[suite]
     if args.only:
         configs = [c for c in configs if c["name"] in set(args.only.split(","))]
@@ -698,7 +758,7 @@ def main() -> None:
         if any(r["name"] == c.get("skip_if_oom") and r.get("oom") for r in results):
             results.append(dict(c, error="skipped: a config needing less memory ran out"))
             continue
-        r = _run_child(c, min(args.timeout, left), args.smoke)
+        r = _run_child(c, min(args.timeout, left), args.smoke or suite.startswith("smoke"))
         results.append(r)
         print(json.dumps(r)[:3000], flush=True)
         (out / "bench_moe.jsonl").open("a").write(json.dumps(r) + "\n")

@@ -134,3 +134,32 @@ DEEPSEEK: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
     ),
 }
+
+
+# Qwen3.5 (qwen3_5_text, the language model of the multimodal checkpoints): transformers 5.17's Qwen3_5TextConfig
+# defaults, which its docstring calls "Qwen3.5-9B style" (not checked against the Hub: no model hub here).
+# 3 Gated DeltaNet layers then one gated full-attention layer; 16 key / 32 value DeltaNet heads of 128; full
+# attention 16 heads of 256 over 4 kv heads, a quarter of each head rotated.
+QWEN3_5: dict[str, dict[str, Any]] = {
+    "qwen3.5-9b": dict(
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        full_attention_interval=4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+    ),
+}

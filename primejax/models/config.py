@@ -35,8 +35,11 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+# Multimodal checkpoints whose language model primejax trains (models/qwen3_5.py `text_config_of`).
+QWEN3_5_WRAPPERS = ("qwen3_5",)
 MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 # How a MoE router turns its logits into experts and combine weights (models/moe.py `route`):
 #   softmax  Qwen3-MoE: softmax over all experts, top-k of the probabilities
@@ -113,6 +116,18 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # DeepSeek's rope layout: interleaved pairs (models/layers.py)
+    # Qwen3.5's hybrid stack (qwen3_5_text; models/deltanet.py, models/qwen3_5.py): each layer's token mixer,
+    # "full_attention" or "linear_attention" (Gated DeltaNet); () = every layer full attention. The linear_*
+    # fields size the DeltaNet layers. attn_output_gate: q_proj also gives a per-head sigmoid gate on the
+    # attention output; norm_offset: RMSNorm weights are stored zero-centered and applied as 1 + w.
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    attn_output_gate: bool = False
+    norm_offset: bool = False
     # LoRA (training-side, from the `model.lora` section; never written to config.json): rank 0 = no adapters.
     # The adapters are separate parameters next to the frozen weights they adapt (models/lora.py).
     lora_rank: int = 0
@@ -177,6 +192,10 @@ class ModelConfig:
                     f"rope scaling type {rope_type!r} is not implemented for {self.model_type} (supported: "
                     f"{', '.join(supported)})"
                 )
+        if self.layer_types:
+            from primejax.models.qwen3_5 import check_hybrid
+
+            check_hybrid(self)
         if self.mla:
             self._check_mla()
             if self.lora_rank:
@@ -203,6 +222,17 @@ class ModelConfig:
     def mla(self) -> bool:
         """Multi-head latent attention (deepseek_v3) instead of grouped-query attention."""
         return self.kv_lora_rank > 0
+
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the (softmax) attention layers: their attention weights are stacked in this order."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "full_attention")
+
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers (qwen3_5_text): their weights are stacked in this order."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "full_attention"
 
     @property
     def qk_head_dim(self) -> int:
@@ -236,6 +266,11 @@ class ModelConfig:
     def from_hf_config(cls, hf: dict, **overrides: Any) -> ModelConfig:
         """Map an HF `config.json` dict to a ModelConfig; `overrides` set fields (dtypes, attention_impl, ...)."""
         model_type = hf.get("model_type")
+        if model_type in QWEN3_5_WRAPPERS:
+            from primejax.models.qwen3_5 import text_config_of
+
+            hf = text_config_of(hf)
+            model_type = hf["model_type"]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"HF model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
         if hf.get("hidden_act", "silu") != "silu":
@@ -288,6 +323,11 @@ class ModelConfig:
         if model_type == "deepseek_v3":
             known |= _DEEPSEEK_V3_KEYS
             moe = _deepseek_v3_fields(hf)
+        if model_type == "qwen3_5_text":
+            from primejax.models.qwen3_5 import QWEN3_5_KEYS, qwen3_5_fields
+
+            known |= QWEN3_5_KEYS
+            moe = qwen3_5_fields(hf)
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -301,7 +341,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_5_text") or bool(hf.get("use_qk_norm", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
@@ -358,6 +398,11 @@ class ModelConfig:
             rope_params["partial_rotary_factor"] = self.partial_rotary_factor
         if self.model_type == "deepseek_v3":
             hf.update(_deepseek_v3_hf(self))
+        if self.model_type == "qwen3_5_text":
+            from primejax.models.qwen3_5 import qwen3_5_hf
+
+            hf.update(qwen3_5_hf(self))
+            rope_params["partial_rotary_factor"] = self.partial_rotary_factor
         if self.model_type == "qwen3_moe":
             hf.update(
                 num_experts=self.num_experts,
@@ -399,10 +444,20 @@ class ModelConfig:
         """
         d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = self._mla_params() if self.mla else d * h * hd + 2 * d * k * hd + h * hd * d
+        if self.attn_output_gate:  # q_proj's second half: the output gate
+            attn += d * h * hd
         mlp = 3 * d * self.intermediate_size
-        return self.num_layers * attn + len(self.dense_layers()) * mlp + self._moe_params(active=True) + (
-            d * self.vocab_size
-        )
+        return len(self.full_attention_layers()) * attn + self._linear_attention_params(
+            matmul=True
+        ) + len(self.dense_layers()) * mlp + self._moe_params(active=True) + (d * self.vocab_size)
+
+    def _linear_attention_params(self, *, matmul: bool) -> int:
+        """The Gated DeltaNet layers' weights (qwen3_5_text): all, or only those in matmuls."""
+        if not self.layer_types:
+            return 0
+        from primejax.models.qwen3_5 import deltanet_params
+
+        return len(self.linear_attention_layers()) * deltanet_params(self, matmul=matmul)
 
     def _mla_params(self) -> int:
         """One layer's multi-head latent attention matmul weights (q path, kv_a, kv_b, o_proj)."""
@@ -431,25 +486,32 @@ class ModelConfig:
             per_token = 6 * self.num_layers * self.num_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
             return float(6 * self.num_matmul_params() + per_token)
         per_head = self.head_dim if self.model_type == "glm4_moe" else self.hidden_size // self.num_heads
-        return float(6 * self.num_matmul_params() + 12 * self.num_layers * self.num_heads * per_head * seq_len)
+        full = len(self.full_attention_layers())
+        linear = 0.0
+        if self.layer_types:
+            from primejax.models.qwen3_5 import deltanet_flops_per_token
+
+            linear = len(self.linear_attention_layers()) * deltanet_flops_per_token(self)
+        return float(6 * self.num_matmul_params() + 12 * full * self.num_heads * per_head * seq_len + linear)
 
     def num_params(self) -> int:
         """All parameters as stored (embedding once when tied, norms and biases included)."""
         d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 2 * d
+        per_layer = d * h * hd * (2 if self.attn_output_gate else 1) + 2 * d * k * hd + h * hd * d
         if self.mla:  # its matmuls plus the latent norms
-            per_layer = self._mla_params() + self.q_lora_rank + self.kv_lora_rank + 2 * d
+            per_layer = self._mla_params() + self.q_lora_rank + self.kv_lora_rank
         if self.qk_norm:
             per_layer += 2 * hd
         if self.attention_bias:
             per_layer += (h + 2 * k) * hd
         if self.attention_out_bias:
             per_layer += d
+        attention = len(self.full_attention_layers()) * per_layer + self._linear_attention_params(matmul=False)
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         mlp = len(self.dense_layers()) * 3 * d * self.intermediate_size + self._moe_params(active=False)
         if self.router_scoring == "sigmoid":  # e_score_correction_bias
             mlp += len(self.sparse_layers()) * self.num_experts
-        return self.num_layers * per_layer + mlp + self.vocab_size * d + head + d
+        return attention + self.num_layers * 2 * d + mlp + self.vocab_size * d + head + d
 
     def num_matmul_params_per_layer(self) -> int:
         return (self.num_matmul_params() - self.hidden_size * self.vocab_size) // self.num_layers

@@ -39,8 +39,9 @@ from safetensors.numpy import save_file
 
 from primejax.models.config import ModelConfig
 from primejax.models.lora import LoraParam
+from primejax.models.qwen3_5 import language_model_name
 from primejax.models.sharding import param_spec
-from primejax.models.transformer import DENSE_MLP, SPARSE_MLP, Transformer
+from primejax.models.transformer import Transformer, stacked_over
 
 # Files copied next to exported weights so the directory is a complete model for transformers / vLLM.
 AUX_FILES = (
@@ -83,8 +84,9 @@ def _transpose(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 # ours (in DecoderStack) -> (HF suffix under model.layers.{i}., to_hf, from_hf)
 _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "attn_norm": ("input_layernorm.weight", _same, _same),
+    # Qwen3.5 (attn_output_gate): each head's rows are [query | output gate], kept together per head
     "q_proj": ("self_attn.q_proj.weight", _to_out_in,
-               lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, c.qk_head_dim)),
+               lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, -1)),
     "k_proj": ("self_attn.k_proj.weight", _to_out_in,
                lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim)),
     "v_proj": ("self_attn.v_proj.weight", _to_out_in,
@@ -106,6 +108,18 @@ _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "kv_a_norm": ("self_attn.kv_a_layernorm.weight", _same, _same),
     "kv_b_proj": ("self_attn.kv_b_proj.weight", _to_out_in,
                   lambda w, c: w.T.reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)),
+    # qwen3_5_text: Gated DeltaNet (models/deltanet.py); conv1d.weight is [C, 1, Kc]
+    "lin_qkv": ("linear_attn.in_proj_qkv.weight", _transpose, _transpose),
+    "lin_conv": ("linear_attn.conv1d.weight", lambda w, c: w.T[:, None, :], lambda w, c: w[:, 0, :].T),
+    "lin_z": ("linear_attn.in_proj_z.weight", _to_out_in,
+              lambda w, c: w.T.reshape(c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim)),
+    "lin_a": ("linear_attn.in_proj_a.weight", _transpose, _transpose),
+    "lin_b": ("linear_attn.in_proj_b.weight", _transpose, _transpose),
+    "lin_A_log": ("linear_attn.A_log", _same, _same),
+    "lin_dt_bias": ("linear_attn.dt_bias", _same, _same),
+    "lin_norm": ("linear_attn.norm.weight", _same, _same),
+    "lin_out": ("linear_attn.out_proj.weight", _heads_to_out_in,
+                lambda w, c: w.T.reshape(c.linear_num_value_heads, c.linear_value_head_dim, c.hidden_size)),
     "mlp_norm": ("post_attention_layernorm.weight", _same, _same),
     "gate_proj": ("mlp.gate_proj.weight", _transpose, _transpose),
     "up_proj": ("mlp.up_proj.weight", _transpose, _transpose),
@@ -153,11 +167,7 @@ def param_variables(model: Transformer) -> dict[str, nnx.Variable]:
 
 def _layer_indices(short: str, cfg: ModelConfig) -> tuple[int, ...]:
     """The model layers a stacked layer parameter covers, in stacking order."""
-    if short in DENSE_MLP:
-        return cfg.dense_layers()
-    if short in SPARSE_MLP:
-        return cfg.sparse_layers()
-    return tuple(range(cfg.num_layers))
+    return stacked_over(cfg, short)
 
 
 def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
@@ -322,6 +332,7 @@ class _SafetensorsReader:
         self.weight_map: dict[str, str] = weight_map
 
     def __call__(self, name: str) -> np.ndarray:
+        name = language_model_name(name, self.weight_map)  # a multimodal Qwen3.5 checkpoint's language model
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} not found in the safetensors of {str(self.dir)!r}")
         return self._handles[self.weight_map[name]].get_tensor(name)

@@ -19,10 +19,15 @@ import numpy as np
 ROPE_TYPES = ("default", "llama3", "yarn")
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF RMSNorm: normalize in fp32, cast back, then scale in the compute dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: bool = False) -> jax.Array:
+    """HF RMSNorm: normalize in fp32, cast back, then scale in the compute dtype.
+
+    `offset` (Qwen3.5's zero-centered norm): the scale is 1 + weight, applied in fp32 before the cast, as
+    transformers' Qwen3_5RMSNorm does."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return y.astype(x.dtype) * weight.astype(x.dtype)
 
 

@@ -18,8 +18,8 @@ from typing import Any, Literal
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
 
-Family = Literal["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3"]
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3")  # the builder's subset of config.ARCHITECTURES
+Family = Literal["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text"]
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text")  # the builder's subset of config.ARCHITECTURES
 # deepseek_v3's latent widths: vLLM's CPU MLA decode kernel is compiled for a latent cache of 512 + 64 only
 # (DeepSeek-V2/V3's kv_lora_rank + qk_rope_head_dim), so a tiny model vLLM serves keeps them.
 MLA_KV_LORA_RANK, MLA_ROPE_HEAD_DIM = 512, 64
@@ -168,8 +168,8 @@ def build_tiny_model(
     mlp_only_layers: tuple[int, ...] = (),
     extra_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random-init tiny Qwen3, Llama, Qwen3-MoE, GLM-4.5 MoE or DeepSeek-V3 model (fp32 safetensors) plus
-    tokenizer to `out_dir`.
+    """Write a random-init tiny Qwen3, Llama, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3 or Qwen3.5 (`_qwen3_5_shape`)
+    model (fp32 safetensors) plus tokenizer to `out_dir`.
 
     "deepseek_v3" has GLM-4.5's MoE structure below (without the q/k/v bias and partial rotary) and multi-head
     latent attention: query bottleneck hidden/2, latent 512 + rope key 64 (vLLM's CPU MLA kernel needs them),
@@ -275,6 +275,14 @@ def build_tiny_model(
             num_nextn_predict_layers=0,
         )
         model_cls = transformers.DeepseekV3ForCausalLM
+    elif family == "qwen3_5_text":
+        common.pop("rope_theta")
+        config = transformers.Qwen3_5TextConfig(
+            **common,
+            **_qwen3_5_shape(num_layers, num_heads, head_dim),
+            rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.25),
+        )
+        model_cls = transformers.Qwen3_5ForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
@@ -313,7 +321,7 @@ def build_tiny_model(
 
 
 # The tiny Qwen3-MoE that the vLLM-facing MoE tests (routed-expert capture, weight updates) and
-# tools/moe_replay_kl.py build: heads wide enough for vLLM's CPU kernels, 8 experts top-2, untied.
+# mismatch-KL measurement of docs/moe.md build: heads wide enough for vLLM's CPU kernels, 8 experts top-2, untied.
 TINY_MOE: MappingProxyType[str, Any] = MappingProxyType(
     dict(
         family="qwen3_moe",
@@ -338,6 +346,17 @@ def _deepseek_v3_shape(hidden_size: int, head_dim: int) -> dict[str, Any]:
     return dict(
         q_lora_rank=max(hidden_size // 2, 16), kv_lora_rank=MLA_KV_LORA_RANK, qk_rope_head_dim=MLA_ROPE_HEAD_DIM,
         qk_nope_head_dim=head_dim, v_head_dim=head_dim, rope_interleave=True,
+    )  # fmt: skip
+
+
+def _qwen3_5_shape(num_layers: int, num_heads: int, head_dim: int) -> dict[str, Any]:
+    """build_tiny_model's Qwen3.5 hybrid: full attention every 4th layer and last (so 2 layers are one of each),
+    Gated DeltaNet with num_heads key heads and twice as many value heads of head_dim, conv kernel 4."""
+    every = min(4, num_layers)
+    return dict(
+        layer_types=["linear_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)],
+        linear_num_key_heads=num_heads, linear_num_value_heads=2 * num_heads, linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
     )  # fmt: skip
 
 
@@ -385,7 +404,7 @@ class TinyModelConfig(Section):
         """The `ModelConfig` this section describes, without building anything (benchmarks with no model dir)."""
         from primejax.models.config import ModelConfig
 
-        fields = {**self._moe_fields(), **self._mla_fields()}
+        fields = {**self._moe_fields(), **self._mla_fields(), **self._qwen3_5_fields()}
         return ModelConfig(
             model_type=self.family,
             vocab_size=self.resolved_vocab_size,
@@ -399,11 +418,18 @@ class TinyModelConfig(Section):
             rope_scaling=None,
             rms_norm_eps=1e-6,
             tie_word_embeddings=self.tied,
-            qk_norm=self.family in ("qwen3", "qwen3_moe"),
+            qk_norm=self.family in ("qwen3", "qwen3_moe", "qwen3_5_text"),
             attention_bias=self.family == "glm4_moe",
             max_position_embeddings=max_positions,
             **{**fields, **overrides},
         )
+
+    def _qwen3_5_fields(self) -> dict:
+        if self.family != "qwen3_5_text":
+            return {}
+        shape = _qwen3_5_shape(self.num_layers, self.num_heads, self.head_dim)
+        shape["layer_types"] = tuple(shape["layer_types"])
+        return dict(shape, attn_output_gate=True, norm_offset=True, partial_rotary_factor=0.25)
 
     def _mla_fields(self) -> dict:
         if self.family != "deepseek_v3":

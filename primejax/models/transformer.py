@@ -18,6 +18,8 @@ over all L layers.
 
 DeepSeek-V3 (deepseek_v3) replaces q/k/v_proj with multi-head latent attention's weights (models/mla.py); its
 MoE layers are GLM-4.5's (sigmoid router with the correction bias, groups, shared experts).
+Qwen3.5 (qwen3_5_text) mixes Gated DeltaNet layers (models/deltanet.py) with gated full-attention ones: each
+kind's weights are stacked over its own layers (`stacked_over`), the norms and MLP over all.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from primejax.models import lora
 from primejax.models.attention import SegmentRuns, attention, prepare_segments, resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import to_heads, to_tokens
+from primejax.models.deltanet import gated_deltanet
 from primejax.models.layers import apply_rope, rms_norm, rope_tables
 from primejax.models.mla import attention_scale as mla_attention_scale
 from primejax.models.mla import mla_qkv
@@ -111,10 +114,11 @@ def resolve_remat_policy(policy: str, tokens: int) -> str:
     return "dots_no_batch_attn" if tokens <= AUTO_REMAT_MAX_TOKENS_FOR_DOTS else "attn"
 
 
-def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, ones=False):
+def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, ones=False,
+           zeros=False):
     assert len(shape) == len(axes), (shape, axes)
-    if ones:
-        value = jnp.ones(shape, dtype)
+    if ones or zeros:
+        value = jnp.ones(shape, dtype) if ones else jnp.zeros(shape, dtype)
     else:
         value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, logical_axes=axes)
@@ -122,9 +126,13 @@ def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None
 
 def _gqa_qkv(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, cos, sin):
     """q [B, T, H, Dh], k/v [B, T, K, Dh] of grouped-query attention (every family but deepseek_v3), with the
-    LoRA adapters (models/lora.py) of the projections that have them."""
+    LoRA adapters (models/lora.py) of the projections that have them, and Qwen3.5's output gate [B, T, H, Dh]
+    (the second half of each head's q_proj columns; None without `attn_output_gate`)."""
     dt, eps, s = h_btd.dtype, cfg.rms_norm_eps, cfg.lora_scale
     q_btnh = lora.with_adapter(jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt)), h_btd, p, "q_proj", s)
+    gate_btnh = None
+    if cfg.attn_output_gate:
+        q_btnh, gate_btnh = q_btnh[..., : cfg.head_dim], q_btnh[..., cfg.head_dim :]
     k_btkh = lora.with_adapter(jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt)), h_btd, p, "k_proj", s)
     v_btkh = lora.with_adapter(jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt)), h_btd, p, "v_proj", s)
     if cfg.attention_bias:
@@ -132,9 +140,32 @@ def _gqa_qkv(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, cos, sin):
         k_btkh = k_btkh + p["k_bias"].astype(dt)
         v_btkh = v_btkh + p["v_bias"].astype(dt)
     if cfg.qk_norm:
-        q_btnh = rms_norm(q_btnh, p["q_norm"], eps)
-        k_btkh = rms_norm(k_btkh, p["k_norm"], eps)
-    return apply_rope(q_btnh, cos, sin), apply_rope(k_btkh, cos, sin), v_btkh
+        q_btnh = rms_norm(q_btnh, p["q_norm"], eps, offset=cfg.norm_offset)
+        k_btkh = rms_norm(k_btkh, p["k_norm"], eps, offset=cfg.norm_offset)
+    return apply_rope(q_btnh, cos, sin), apply_rope(k_btkh, cos, sin), v_btkh, gate_btnh
+
+
+def _attention(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, cos, sin, runs) -> jax.Array:
+    """The softmax attention token mixer [B, T, D] -> [B, T, D] (GQA or MLA, with Qwen3.5's output gate)."""
+    dt, s = h_btd.dtype, cfg.lora_scale
+    gate_btnh = None
+    if cfg.mla:
+        q_btnh, k_btkh, v_btkh = mla_qkv(cfg, p, h_btd, cos, sin)
+        scale = mla_attention_scale(cfg)
+    else:
+        q_btnh, k_btkh, v_btkh, gate_btnh = _gqa_qkv(cfg, p, h_btd, cos, sin)
+        scale = None
+    # Whole rows, heads split, for the kernel: under context parallelism an all-to-all (context_parallel.py).
+    q_btnh, k_btkh, v_btkh = to_heads(q_btnh, k_btkh, v_btkh)
+
+    o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl, runs=runs, scale=scale)
+    o_btnh = to_tokens(checkpoint_name(o_btnh, ATTN_OUT))
+    if gate_btnh is not None:
+        o_btnh = o_btnh * jax.nn.sigmoid(gate_btnh)
+    o_btd = lora.with_adapter(jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt)), o_btnh, p, "o_proj", s)
+    if cfg.attention_out_bias:
+        o_btd = o_btd + p["o_bias"].astype(dt)
+    return o_btd
 
 
 def decoder_layer(
@@ -157,24 +188,14 @@ def decoder_layer(
     eps = cfg.rms_norm_eps
     s = cfg.lora_scale  # adapters (models/lora.py) add s·(x·A)·B to the weights that have them
 
-    h_btd = rms_norm(x_btd, p["attn_norm"], eps)
-    if cfg.mla:
-        q_btnh, k_btkh, v_btkh = mla_qkv(cfg, p, h_btd, cos, sin)
-        scale = mla_attention_scale(cfg)
+    h_btd = rms_norm(x_btd, p["attn_norm"], eps, offset=cfg.norm_offset)
+    if "lin_qkv" in p:  # Qwen3.5's Gated DeltaNet layers (models/deltanet.py)
+        o_btd = gated_deltanet(cfg, p, h_btd, segment_ids)
     else:
-        q_btnh, k_btkh, v_btkh = _gqa_qkv(cfg, p, h_btd, cos, sin)
-        scale = None
-    # Whole rows, heads split, for the kernel: under context parallelism an all-to-all (context_parallel.py).
-    q_btnh, k_btkh, v_btkh = to_heads(q_btnh, k_btkh, v_btkh)
-
-    o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids, impl=cfg.attention_impl, runs=runs, scale=scale)
-    o_btnh = to_tokens(checkpoint_name(o_btnh, ATTN_OUT))
-    o_btd = lora.with_adapter(jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt)), o_btnh, p, "o_proj", s)
-    if cfg.attention_out_bias:
-        o_btd = o_btd + p["o_bias"].astype(dt)
+        o_btd = _attention(cfg, p, h_btd, segment_ids, cos, sin, runs)
     x_btd = constrain(x_btd + o_btd, ("batch", "seq", "act_embed"))
 
-    h_btd = rms_norm(x_btd, p["mlp_norm"], eps)
+    h_btd = rms_norm(x_btd, p["mlp_norm"], eps, offset=cfg.norm_offset)
     if "router" in p:
         y_btd, r = moe_block(
             h_btd,
@@ -208,12 +229,36 @@ def decoder_layer(
 # Parameters the optimizer leaves unchanged (trainer/optim.py): GLM-4.5's router correction bias steers the
 # expert choice only (moe.route stops its gradient); RL post-training keeps the released values.
 NOT_TRAINED = ("router_bias",)
+# Trained but not weight-decayed beyond norms and biases (trainer/optim.py): Gated DeltaNet's log decay rate
+# (decay would pull A = exp(A_log) toward 1, changing every layer's memory length; Mamba and FLA exempt it too).
+NOT_DECAYED = ("lin_A_log",)
 # Per-layer weights of the MLP part: stacked over the dense layers (dense MLP) or the sparse ones (experts).
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 SPARSE_MLP = (
     "router", "router_bias", "experts_gate_up", "experts_down", "shared_gate_proj", "shared_up_proj",
     "shared_down_proj",
 )
+# Per-layer weights of the token mixer, stacked over the layers of their kind (cfg.layer_types): softmax
+# attention's over the full-attention layers (all of them but in Qwen3.5's hybrid stack), Gated DeltaNet's
+# over the linear-attention ones. Letters: C = 2 Hk dk + Hv dv conv channels, Kc the conv kernel.
+#   lin_qkv [Ll, D, C]  lin_conv [Ll, Kc, C]  lin_z [Ll, D, Hv, dv]  lin_a/lin_b [Ll, D, Hv]
+#   lin_A_log/lin_dt_bias [Ll, Hv]  lin_norm [Ll, dv]  lin_out [Ll, Hv, dv, D]
+FULL_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
+LINEAR_ATTN = ("lin_qkv", "lin_conv", "lin_z", "lin_a", "lin_b", "lin_A_log", "lin_dt_bias", "lin_norm", "lin_out")
+
+
+def stacked_over(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The model layers a stacked per-layer weight (or its adapter) covers, in stacking order."""
+    base = lora.base_name(name)
+    if base in DENSE_MLP:
+        return cfg.dense_layers()
+    if base in SPARSE_MLP:
+        return cfg.sparse_layers()
+    if base in FULL_ATTN and cfg.layer_types:
+        return cfg.full_attention_layers()
+    if base in LINEAR_ATTN:
+        return cfg.linear_attention_layers()
+    return tuple(range(cfg.num_layers))
 
 
 class DecoderStack(nnx.Module):
@@ -231,11 +276,16 @@ class DecoderStack(nnx.Module):
         )
         dt = jnp.dtype(cfg.param_dtype)
         lay = "layers"
-        self.attn_norm = _param(rngs, (n, d), (lay, "norm"), dt, ones=True)
+        unit = dict(zeros=True) if cfg.norm_offset else dict(ones=True)  # Qwen3.5's norms apply 1 + w
+        self.attn_norm = _param(rngs, (n, d), (lay, "norm"), dt, **unit)
+        if cfg.linear_attention_layers():
+            self._init_deltanet(cfg, rngs, dt)
+        n = len(cfg.full_attention_layers())  # the attention weights' stack
         if cfg.mla:
             self._init_mla(cfg, rngs, dt)
         else:
-            self.q_proj = _param(rngs, (n, d, h, hd), (lay, "embed", "q_heads", "head_dim"), dt)
+            qw = 2 * hd if cfg.attn_output_gate else hd  # Qwen3.5: [query | output gate] per head
+            self.q_proj = _param(rngs, (n, d, h, qw), (lay, "embed", "q_heads", "head_dim"), dt)
             self.k_proj = _param(rngs, (n, d, k, hd), (lay, "embed", "kv_heads", "head_dim"), dt)
             self.v_proj = _param(rngs, (n, d, k, hd), (lay, "embed", "kv_heads", "head_dim"), dt)
             self.o_proj = _param(rngs, (n, h, hd, d), (lay, "q_heads", "head_dim", "embed"), dt)
@@ -247,9 +297,10 @@ class DecoderStack(nnx.Module):
         if cfg.attention_out_bias:
             self.o_bias = _param(rngs, (n, d), (lay, "norm"), dt)
         if cfg.qk_norm:
-            self.q_norm = _param(rngs, (n, hd), (lay, "head_dim"), dt, ones=True)
-            self.k_norm = _param(rngs, (n, hd), (lay, "head_dim"), dt, ones=True)
-        self.mlp_norm = _param(rngs, (n, d), (lay, "norm"), dt, ones=True)
+            self.q_norm = _param(rngs, (n, hd), (lay, "head_dim"), dt, **unit)
+            self.k_norm = _param(rngs, (n, hd), (lay, "head_dim"), dt, **unit)
+        n = cfg.num_layers
+        self.mlp_norm = _param(rngs, (n, d), (lay, "norm"), dt, **unit)
         nd, ns = len(cfg.dense_layers()), len(cfg.sparse_layers())
         if nd:
             self.gate_proj = _param(rngs, (nd, d, f), (lay, "embed", "mlp"), dt)
@@ -278,6 +329,27 @@ class DecoderStack(nnx.Module):
         if specs:
             for name, var in lora.adapter_params(specs, rngs.params(), cfg.lora_init).items():
                 setattr(self, name, var)
+
+    def _init_deltanet(self, cfg: ModelConfig, rngs: nnx.Rngs, dt) -> None:
+        """Gated DeltaNet's weights (models/deltanet.py), stacked over the linear-attention layers. The fused
+        q/k/v channels are not split over `tensor` (its conv and head split cross the column blocks)."""
+        n, d, lay = len(cfg.linear_attention_layers()), cfg.hidden_size, "layers"
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        c = 2 * hk * dk + hv * dv
+        self.lin_qkv = _param(rngs, (n, d, c), (lay, "embed", None), dt)
+        self.lin_conv = _param(rngs, (n, cfg.linear_conv_kernel_dim, c), (lay, None, None), dt)
+        self.lin_z = _param(rngs, (n, d, hv, dv), (lay, "embed", "linear_heads", "head_dim"), dt)
+        self.lin_a = _param(rngs, (n, d, hv), (lay, "embed", None), dt)
+        self.lin_b = _param(rngs, (n, d, hv), (lay, "embed", None), dt)
+        # A = exp(A_log) in [1, 16] and dt_bias = 1 as transformers initializes them (HF: A uniform(0, 16))
+        self.lin_A_log = nnx.Param(
+            jnp.log(jax.random.uniform(rngs.params(), (n, hv), jnp.float32, 1.0, 16.0)).astype(dt),
+            logical_axes=(lay, "norm"),
+        )
+        self.lin_dt_bias = _param(rngs, (n, hv), (lay, "norm"), dt, ones=True)
+        self.lin_norm = _param(rngs, (n, dv), (lay, "norm"), dt, ones=True)
+        self.lin_out = _param(rngs, (n, hv, dv, d), (lay, "linear_heads", "head_dim", "embed"), dt)
 
     def _init_mla(self, cfg: ModelConfig, rngs: nnx.Rngs, dt) -> None:
         """Multi-head latent attention's weights (models/mla.py). The latent ranks are a weight's input
@@ -338,20 +410,14 @@ class DecoderStack(nnx.Module):
             return [a[0] for a in jax.lax.split(v, [1] * v.shape[0], axis=0)]
 
         per_layer = {k: split(v) for k, v in stacked.items()}
-        dense = cfg.dense_layers()
+        covers = {k: stacked_over(cfg, k) for k in stacked}  # an adapter goes with the weight it adapts
         per_stats = []
         for i in range(cfg.num_layers):
-            if i in sparse:
-                j, mlp_keys = sparse.index(i), SPARSE_MLP
-                rp = None if replay is None else (replay[0][:, :, j], replay[1])
-            else:
-                j, mlp_keys, rp = dense.index(i), DENSE_MLP, None
-            # an adapter goes with the weight it adapts (lora.base_name)
-            p = {
-                k: v[j] if b in mlp_keys else v[i]
-                for k, v in per_layer.items()
-                if (b := lora.base_name(k)) in mlp_keys or (b not in DENSE_MLP and b not in SPARSE_MLP)
-            }
+            rp = None
+            if i in sparse and replay is not None:
+                rp = (replay[0][:, :, sparse.index(i)], replay[1])
+            # the weights this layer has (a sparse layer no dense MLP, a DeltaNet layer no q_proj, ...)
+            p = {k: v[covers[k].index(i)] for k, v in per_layer.items() if i in covers[k]}
             x_btd, st = step(x_btd, p, rp)
             if st is not None:
                 per_stats.append(st)
@@ -367,7 +433,8 @@ class Transformer(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
         self.layers = DecoderStack(cfg, rngs=rngs)
-        self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), dt, ones=True)
+        self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), dt, ones=not cfg.norm_offset,
+                                 zeros=cfg.norm_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
 
@@ -412,7 +479,7 @@ class Transformer(nnx.Module):
         cos, sin = rope_tables(positions, cfg, dt)
         runs = prepare_segments(segment_ids, impl=cfg.attention_impl, dtype=dt, max_segments=max_segments)
         x_btd, stats = self.layers(x_btd, segment_ids, cos, sin, runs, replay)
-        h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps)
+        h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps, offset=cfg.norm_offset)
         if runs is not None:  # once here rather than per layer: rows the kernel could not describe
             h_btd = jnp.where(runs.overflow[:, None, None], jnp.nan, h_btd)
         return h_btd, stats

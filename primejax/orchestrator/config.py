@@ -172,6 +172,19 @@ class ConcurrencyConfig(Section):
     interval_s: float = option(1.0, "aimd: seconds between looks at /metrics", gt=0)
 
 
+@section
+class EnvWorkersConfig(Section):
+    """Environment code in worker processes (docs/rollouts.md#environment-workers), off the event loop."""
+
+    num: int = option(
+        0,
+        "worker processes per environment running its tools, env_response, scoring and (env-driven) episodes; "
+        "0 = in the orchestrator's process",
+        ge=0,
+        le=256,
+    )
+
+
 def _default_envs() -> dict[str, EnvConfig]:
     return {"reverse_text": EnvConfig(id="reverse-text")}
 
@@ -224,6 +237,7 @@ class OrchestratorConfig(Section):
     client: ClientConfig = sub(ClientConfig, "inference client")
     pool: PoolConfig = sub(PoolConfig, "rollout dispatch (step barrier or continuous pool)")
     concurrency: ConcurrencyConfig = sub(ConcurrencyConfig, "in-flight request limit (fixed or AIMD)")
+    env_workers: EnvWorkersConfig = sub(EnvWorkersConfig, "environment worker processes")
 
     def check(self) -> None:
         if self.batch_size % self.group_size:
@@ -265,5 +279,6 @@ __all__ = [
     "ClientConfig",
     "PoolConfig",
     "ConcurrencyConfig",
+    "EnvWorkersConfig",
     "OrchestratorConfig",
 ]

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from primejax.envs.registry import load_env
+from primejax.envs.workers import in_workers
 from primejax.orchestrator.algorithms import Algorithm
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.concurrency import Limiter
@@ -29,7 +30,9 @@ def eval_slots(o: OrchestratorConfig) -> list[EnvSlot]:
     """`orchestrator.eval.envs`, or the training envs when it is empty; no credit is assigned in evals."""
     entries = o.eval.envs if o.eval.envs else o.envs
     scorer = Algorithm(o.algo)
-    return [EnvSlot(name=name, env=load_env(e.id, dict(e.args)), weight=e.weight, algorithm=scorer)
+    return [EnvSlot(name=name, env=in_workers(load_env(e.id, dict(e.args)), e.id, dict(e.args), o.env_workers.num,
+                                              o.env_timeout_s, f"eval/{name}"),
+                    weight=e.weight, algorithm=scorer)
             for name, e in entries.items()]
 
 

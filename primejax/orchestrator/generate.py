@@ -266,6 +266,9 @@ class GroupGenerator:
             self.stats.count_error(stage.name)
             log.warning("rollout failed at %s (%s #%d): %s\n%s", stage.name, slot.name, rollout.example_index, e,
                         traceback.format_exc(limit=3))
+        finally:
+            if (forget := getattr(slot.env, "forget", None)) is not None:  # an env in workers drops its state
+                forget(rollout.state)
 
     async def _finish(self, slot: EnvSlot, rollout: Rollout, prompt_ids: list[int], completion: Any,
                       version: int, step: int, member: int) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from primejax.contracts.batch import TrainingSample, batch_env_names, pack_samples, step_dir, write_batch
 from primejax.envs.registry import load_env
+from primejax.envs.workers import WorkerEnv, in_workers
 from primejax.inference.client import InferenceError
 from primejax.inference.routed_experts import RoutingShape
 from primejax.orchestrator import metrics as M
@@ -96,7 +97,8 @@ def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
     """One slot per `orchestrator.envs` entry: the environment and its (possibly overridden) algorithm."""
     slots = []
     for name, entry in o.envs.items():
-        env = load_env(entry.id, dict(entry.args))
+        env = in_workers(load_env(entry.id, dict(entry.args)), entry.id, dict(entry.args), o.env_workers.num,
+                         o.env_timeout_s, name)
         algo = o.env_algo(name)
         algorithm = build_algorithm(algo.type, algo, sampling=o.sampling, **resources)
         slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm))
@@ -344,6 +346,7 @@ class Orchestrator:
             M.rollout_metrics(rollouts), M.sample_metrics(step, samples),
             M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
             M.count_metrics("errors", errors), self.buffer.step_metrics(), pool_metrics, self.loop_lag.take(),
+            self._env_worker_metrics(),
             {
                 "concurrency/limit": self.limiter.limit,
                 "concurrency/in_flight_requests": self.limiter.in_flight,
@@ -406,6 +409,10 @@ class Orchestrator:
                 example = result.batch[0]
                 self.monitor.text(result.step, "rollout", json.dumps(example.messages, indent=1)[:4000])
 
+    def _env_worker_metrics(self) -> dict[str, float]:
+        workers = [slot.env for slot in self.slots if isinstance(slot.env, WorkerEnv)]
+        return {"env_workers/replaced": float(sum(w.take_replaced() for w in workers))} if workers else {}
+
     async def close(self) -> None:
         """Close the algorithms' own model clients (frozen teachers / samplers) and what the environments hold
         open (verifiers' serving resources); the policy client is the caller's."""
@@ -413,6 +420,9 @@ class Orchestrator:
             await slot.algorithm.close()
             if (aclose := getattr(slot.env, "aclose", None)) is not None:  # duck-typed test envs have none
                 await aclose()
+        for slot in self.evaluator.slots if self.evaluator is not None else []:  # their env workers, if any
+            if isinstance(slot.env, WorkerEnv):
+                await slot.env.aclose()
 
     async def run(self, max_steps: int) -> list[dict[str, float]]:
         """Run steps next_step..max_steps; return each step's metrics."""
@@ -422,6 +432,9 @@ class Orchestrator:
             helpers.append(asyncio.create_task(self.aimd.run()))
         history = []
         try:
+            # Env workers load their envs before the first rollout (not inside its env_timeout_s); a bad env fails here.
+            eval_slots = self.evaluator.slots if self.evaluator is not None else []
+            await asyncio.gather(*(s.env.pool.start() for s in [*self.slots, *eval_slots] if isinstance(s.env, WorkerEnv)))
             while self.next_step <= max_steps:
                 result = await self.step(self.next_step)
                 if self.eval_task is not None and self.eval_task.done():

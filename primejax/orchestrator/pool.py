@@ -61,9 +61,14 @@ class Ticket:
     def oldest(self) -> int | None:
         return self.trace.oldest
 
-    @property
-    def trainable(self) -> int:
-        return sum(r.ok and not r.dropped for r in self.rollouts or [])
+    #: Trainable rollouts, counted once when the group finished (its filters ran before): the pool's wait
+    #: conditions sum it over every finished group at each group's end, which at 10,000 rollouts in flight made
+    #: a per-rollout count the loop's largest own cost (docs/rollouts.md).
+    trainable: int = 0
+
+    def finish(self, rollouts: list[Rollout] | None) -> None:
+        self.rollouts = rollouts
+        self.trainable = sum(r.ok and not r.dropped for r in rollouts or [])
 
 
 @dataclass
@@ -130,7 +135,16 @@ class RolloutPool:
         useful_steps = v + 1 + self.k - self.cut_step + 1
         if sum(t.trainable for t in self.done) >= useful_steps * self.batch_size:
             return 0  # finished work already covers every step a group started now could serve
-        return max(0, self.capacity - len(self.running) - len(self.done))
+        # A finished group without a trainable rollout (all errored: a hung env worker, a failing env) holds no
+        # batch room; it is cut with the next batch. Up to `capacity` of them are free, so a few errors cannot
+        # fill the pool and stall it, while an env that fails every rollout still stops dispatching (the cut then
+        # goes on with what it has, see `cut`).
+        empty = self._empty()
+        held = len(self.running) + len(self.done) - empty + max(0, empty - self.capacity)
+        return max(0, self.capacity - held)
+
+    def _empty(self) -> int:
+        return sum(t.trainable == 0 for t in self.done)
 
     # ------------------------------------------------------------------------------------------ tasks
 
@@ -193,7 +207,7 @@ class RolloutPool:
             group = self.run_group(ticket.env, ticket.index, ticket.id, ticket.step)
             if self.group_timeout_s > 0:
                 group = asyncio.wait_for(group, self.group_timeout_s)
-            ticket.rollouts = await group
+            ticket.finish(await group)
         except TimeoutError:
             log.warning(
                 "group %d (%s #%d) timed out after %.0f s: cancelled",
@@ -254,10 +268,12 @@ class RolloutPool:
         cond = self._condition()
         async with cond:
             cond.notify_all()
-            await cond.wait_for(lambda: sum(t.trainable for t in self.done) >= self.batch_size)
+            await cond.wait_for(
+                lambda: sum(t.trainable for t in self.done) >= self.batch_size or self._empty() >= self.capacity
+            )
         taken: list[Ticket] = []
         count = 0
-        while count < self.batch_size:
+        while count < self.batch_size and self.done:  # short only when the pool filled with failed groups
             ticket = self.done.popleft()
             taken.append(ticket)
             count += ticket.trainable

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 
-from primejax.models.transformer import NOT_TRAINED
+from primejax.models.transformer import NOT_DECAYED, NOT_TRAINED
 from primejax.trainer.config import OptimConfig, SchedulerConfig
 
 
@@ -50,7 +50,8 @@ def _decay_mask(params: Any) -> Any:
         # the parameter's own name: the last path entry, past the `.value` of an nnx variable's pytree node
         names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
         name = next((n for n in reversed(names) if n and n != "value"), "")
-        return getattr(p, "ndim", 0) >= 2 and name not in NOT_TRAINED and not name.endswith(("norm", "bias"))
+        excluded = name in NOT_TRAINED or name in NOT_DECAYED or name.endswith(("norm", "bias"))
+        return getattr(p, "ndim", 0) >= 2 and not excluded
 
     return jax.tree_util.tree_map_with_path(decays, params)
 

@@ -83,6 +83,35 @@ def run_group(tokenizer, script: list[str], max_turns=8, **args):
     return rollout, client, gen, env
 
 
+def test_a_verifiers_task_runs_the_same_in_an_env_worker(tool_tokenizer):
+    """orchestrator.env_workers: toolsets, their state, stops and scoring in a worker process, the model calls
+    (and the malformed-call count) here."""
+    from primejax.envs.workers import in_workers
+
+    env = in_workers(load_env(TASKSET, {"size": 2}), TASKSET, {"size": 2}, 1, 60.0)
+    script = [call("calc_mul", a=2, b=3), "<tool_call>\n{bad json\n</tool_call>", call("calc_history_len"),
+              env.example(0).answer]  # fmt: skip
+    client = ScriptedClient(tool_tokenizer, script)
+    gen = GroupGenerator(client, build_renderer("auto", tool_tokenizer), SamplingConfig(max_tokens=64), Version(),
+                         max_concurrent=4, max_prompt_tokens=4096)  # fmt: skip
+    slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=Scorer())
+
+    async def main():
+        try:
+            return await gen.group(slot, 0, 0, 1, step=1)
+        finally:
+            await env.aclose()
+
+    (rollout,) = asyncio.run(main())
+    assert rollout.error is None, rollout.error
+    tools = [m["content"] for m in rollout.messages if m["role"] == "tool"]
+    assert tools[0] == "6" and tools[1].startswith("Error: could not parse this tool call (invalid_json)")
+    assert tools[2] == "1 1"  # the toolset instance and its State survived between calls in the worker
+    assert rollout.reward == 1.0 and rollout.state["reward_components"] == {"correct": 1.0}
+    assert rollout.state["num_malformed_tool_calls"] == 1 and gen.stats.errors["malformed_tool_call"] == 1
+    assert all("calc_mul" in tool_tokenizer.decode(p) for p in client.prompts)  # tools listed by the worker
+
+
 def test_auto_renderer_is_the_renderers_package_qwen3(tool_tokenizer):
     renderer = build_renderer("auto", tool_tokenizer)
     assert isinstance(renderer, PackageRenderer) and renderer.family == "qwen3"

@@ -110,6 +110,23 @@ VARIANTS = {
              routed_scaling_factor=1.0, n_shared_experts=2, norm_topk_prob=False, num_nextn_predict_layers=0,
              rope_parameters=_YARN),
     ),
+    # Qwen3.5 hybrid: three Gated DeltaNet layers then full attention (the default pattern), 4 value heads
+    # over 2 key heads, quarter rotary, untied; and an alternating pattern starting with full attention, equal
+    # head counts, narrower keys than values, a 3-wide conv, half rotary, tied.
+    "qwen3_5_hybrid": (
+        transformers.Qwen3_5TextConfig,
+        transformers.Qwen3_5ForCausalLM,
+        dict(tie_word_embeddings=False, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4),
+    ),
+    "qwen3_5_alt_tied": (
+        transformers.Qwen3_5TextConfig,
+        transformers.Qwen3_5ForCausalLM,
+        dict(tie_word_embeddings=True, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=2,
+             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3,
+             layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
 }
 MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe", "deepseek_v3"))]
 

@@ -1,0 +1,165 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3.5's hybrid stack (as transformers 5.17's
+`Qwen3_5GatedDeltaNet`), with packed segments.
+
+One layer: `in_proj_qkv` -> a short causal depthwise conv (kernel `linear_conv_kernel_dim`, SiLU) -> q, k, v
+heads; beta = sigmoid(b), the log decay g = -exp(A_log) * softplus(a + dt_bias); q and k L2-normalized, q
+scaled by dk^-0.5; the gated delta rule (per value head, state S [dk, dv]):
+
+    S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t
+
+then an RMSNorm per value head gated by silu(z) and `out_proj`. Query/key heads are repeated to the value
+heads (head h reads key head h // (Hv / Hk)).
+
+The rule runs in chunked form (the UT transform of the DeltaNet paper, as transformers' reference and FLA's
+kernels): within a chunk of `CHUNK` tokens everything is a few [C, C] / [C, dk] matmuls and one unit lower
+triangular solve; a `lax.scan` carries the state across chunks. XLA only (no Pallas kernel yet).
+
+Packed rows: a segment start resets the state and the conv's history, so each sample sees exactly what it
+would see alone. In the chunked form every decay between positions i >= j is exp(cum_i - cum_j), and a reset
+in (j, i] makes it zero: the intra-chunk decays are masked by "same segment", the state entering a chunk is
+read only by the positions still in the segment the previous chunk ended with, and a key writes into the
+state leaving the chunk only if it is in the chunk's last segment. Segments are contiguous runs of equal ids
+(the trainer's packing); padding (id 0) is a segment of its own whose outputs the caller masks.
+
+Context parallelism is refused (one line at trace time): a row split by token over devices would need each
+device's incoming state from the previous device (a scan over the devices, or each device's chunk summary
+passed along), which is not written yet; the head-split all-to-all softmax attention uses
+(models/context_parallel.py) would work for DeltaNet too but is not wired.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from primejax.models.context_parallel import context_size
+
+CHUNK = 64  # tokens per chunk (transformers' and FLA's default)
+_L2_EPS = 1e-6  # as transformers' l2norm (and FLA)
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+def causal_conv(x_btc: jax.Array, w_kc: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Depthwise causal conv [B, T, C] with kernel w [K, C] (w[K-1] on the current token), SiLU after.
+
+    An input from another segment counts as zero: a sample starts with the zero history it has alone.
+    """
+    k = w_kc.shape[0]
+    out = x_btc * w_kc[k - 1]
+    for lag in range(1, k):
+        shifted = jnp.pad(x_btc, ((0, 0), (lag, 0), (0, 0)))[:, : x_btc.shape[1]]
+        seg = jnp.pad(segment_ids, ((0, 0), (lag, 0)), constant_values=-1)[:, : x_btc.shape[1]]
+        same = (seg == segment_ids)[:, :, None]
+        out = out + jnp.where(same, shifted, 0).astype(x_btc.dtype) * w_kc[k - 1 - lag]
+    return jax.nn.silu(out)
+
+
+def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK) -> jax.Array:
+    """Chunked gated delta rule over packed rows.
+
+    q, k [B, T, H, dk] (already L2-normalized and q scaled), v [B, T, H, dv], g (log decay, <= 0) and beta
+    [B, T, H], segment_ids [B, T]. All math in fp32; returns [B, T, H, dv] float32.
+    """
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    f32 = jnp.float32
+    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
+    n = (t + pad) // chunk
+
+    # [B, H, N, C, ...]
+    def chunks(x):
+        return jnp.moveaxis(x.reshape(b, n, chunk, h, *x.shape[3:]), 3, 1)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    g, beta = chunks(g[..., None])[..., 0], chunks(beta[..., None])[..., 0]
+    seg = segment_ids.reshape(b, 1, n, chunk)
+    prev_last = jnp.concatenate([jnp.full((b, 1, 1), -1, seg.dtype), seg[:, :, :-1, -1]], axis=2)  # [B,1,N]
+    last = seg[..., -1]  # [B, 1, N]
+
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    same = seg[..., :, None] == seg[..., None, :]  # [B, 1, N, C, C]
+    keep = causal & same
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = jnp.exp(
+        jnp.where(keep, diff, -jnp.inf)
+    )  # [B, H, N, C, C]: 0 across a reset or above the diagonal
+    carry_in = (seg == prev_last[..., None]).astype(f32)  # reads the incoming state
+    carry_out = (seg == last[..., None]).astype(f32)  # writes into the outgoing state
+
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    hi = jax.lax.Precision.HIGHEST
+    ut = jnp.einsum("...id,...jd->...ij", k_beta, k, precision=hi) * decay
+    ut = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), ut, 0) + jnp.eye(chunk, dtype=f32)
+    attn = jnp.einsum("...id,...jd->...ij", q, k, precision=hi) * decay
+    e_cum = jnp.exp(cum) * carry_in
+    new_v = jax.scipy.linalg.solve_triangular(ut, v_beta, lower=True, unit_diagonal=True)
+    k_cumdecay = jax.scipy.linalg.solve_triangular(
+        ut, k_beta * e_cum[..., None], lower=True, unit_diagonal=True
+    )
+    q_dec = q * e_cum[..., None]
+    k_dec = k * (jnp.exp(cum[..., -1:] - cum) * carry_out)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1]) * (last == prev_last).astype(f32)  # [B, H, N]
+
+    def step(state, xs):  # state [B, H, dk, dv]
+        nv, kc, qd, kd, at, cd = xs
+        v_new = nv - jnp.einsum("bhcd,bhde->bhce", kc, state, precision=hi)
+        out = jnp.einsum("bhcd,bhde->bhce", qd, state, precision=hi) + jnp.einsum(
+            "bhij,bhje->bhie", at, v_new, precision=hi
+        )
+        state = state * cd[..., None, None] + jnp.einsum("bhcd,bhce->bhde", kd, v_new, precision=hi)
+        return state, out
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_v, k_cumdecay, q_dec, k_dec, attn, chunk_decay))
+    _, out = jax.lax.scan(step, jnp.zeros((b, h, dk, dv), f32), xs)  # [N, B, H, C, dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return jnp.moveaxis(out, 1, 2)
+
+
+def gated_rms_norm(x: jax.Array, weight: jax.Array, gate: jax.Array, eps: float) -> jax.Array:
+    """transformers' Qwen3_5RMSNormGated: normalize in fp32, scale by `weight` in x's dtype, times silu(gate)."""
+    x32 = x.astype(jnp.float32)
+    y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = weight.astype(x.dtype) * y
+    return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """One Gated DeltaNet token mixer [B, T, D] -> [B, T, D] with one layer's weights `p` (transformer.py)."""
+    if context_size() > 1:
+        raise NotImplementedError(
+            "context parallelism over Gated DeltaNet layers (qwen3_5_text) is not implemented: the recurrent "
+            "state would have to pass between the devices that split a row"
+        )
+    dt = h_btd.dtype
+    hk, hv, dk, dv = (
+        cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    )  # fmt: skip
+    b, t, _ = h_btd.shape
+    qkv = jnp.einsum("btd,dc->btc", h_btd, p["lin_qkv"].astype(dt))
+    qkv = causal_conv(qkv, p["lin_conv"].astype(dt), segment_ids)
+    q = qkv[..., : hk * dk].reshape(b, t, hk, dk)
+    k = qkv[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
+    v = qkv[..., 2 * hk * dk :].reshape(b, t, hv, dv)
+    z = jnp.einsum("btd,dnh->btnh", h_btd, p["lin_z"].astype(dt))
+    beta = jax.nn.sigmoid(jnp.einsum("btd,dn->btn", h_btd, p["lin_b"].astype(dt)))
+    a = jnp.einsum("btd,dn->btn", h_btd, p["lin_a"].astype(dt)).astype(jnp.float32)
+    g = -jnp.exp(p["lin_A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a + p["lin_dt_bias"].astype(jnp.float32)
+    )
+    if hv != hk:
+        q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
+    q = _l2norm(q.astype(jnp.float32)) * dk**-0.5
+    k = _l2norm(k.astype(jnp.float32))
+    o = gated_delta_rule(q, k, v, g, beta, segment_ids).astype(dt)
+    o = gated_rms_norm(o, p["lin_norm"], z, cfg.rms_norm_eps)
+    return jnp.einsum("btnh,nhd->btd", o, p["lin_out"].astype(dt))

@@ -1,0 +1,105 @@
+"""Environment work in worker processes (orchestrator.env_workers): real worker processes, a scripted stand-in
+model (tests/orchestrator/orch_fakes.py FakeClient, no vLLM: what is tested is the env side)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from orch_fakes import FakeClient, make_orchestrator, small_config
+
+from primejax.contracts.batch import read_batch, step_dir
+from primejax.envs.registry import load_env
+from primejax.envs.workers import EnvWorkerError, WorkerEnv, in_workers
+from primejax.orchestrator.buffer import EnvSlot
+from primejax.orchestrator.config import SamplingConfig
+from primejax.orchestrator.generate import GroupGenerator
+from primejax.orchestrator.renderer import build_renderer
+
+
+class Version:
+    version = 0
+
+
+def test_a_hung_env_worker_errors_its_rollouts_is_replaced_and_the_pool_refills(tmp_path, tokenizer):
+    run_dir = tmp_path / "run"
+    cfg = small_config(run_dir, env_id="worker_envs:load_hang_once", batch_size=8, group_size=4)
+    cfg.orchestrator.envs.reverse_text.args = {"marker": str(tmp_path / "hung")}
+    cfg.orchestrator.env_workers.num = 2
+    cfg.orchestrator.env_timeout_s = 2.0
+    cfg.orchestrator.pool.mode = "continuous"
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=run_dir)
+    env = orch.slots[0].env
+    assert isinstance(env, WorkerEnv)
+
+    async def main():
+        try:
+            history = await asyncio.wait_for(orch.run(3), 60)
+            await asyncio.wait_for(env.pool.settled(), 30)
+            return history, [p.pid for p in env.pool.procs]
+        finally:
+            await orch.close()
+
+    history, pids = asyncio.run(main())
+    assert (tmp_path / "hung").exists()  # the hang happened (in a worker: this process went on)
+    assert sum(m.get("errors/score", 0) for m in history) >= 1  # its rollout errored, counted
+    assert sum(m.get("env_workers/replaced", 0) for m in history) == 1
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert [m["batch/rollouts"] for m in history] == [8, 8, 8]  # the pool refilled: every batch is full
+    for n in (1, 2, 3):
+        assert read_batch(step_dir(run_dir, n) / "rank_0.npz").meta["num_samples"] > 0
+
+
+def _generator(tokenizer, client):
+    return GroupGenerator(
+        client,
+        build_renderer("auto", tokenizer),
+        SamplingConfig(max_tokens=16),
+        Version(),
+        max_concurrent=8,
+        max_prompt_tokens=128,
+        env_timeout_s=5.0,
+    )
+
+
+def test_an_env_driven_episode_runs_in_a_worker_and_its_model_calls_come_back(tokenizer):
+    local = load_env("worker_envs:load_tool_episode")
+    env = in_workers(local, "worker_envs:load_tool_episode", {}, 1, 5.0)
+    slot = EnvSlot(name="tool", env=env, weight=1.0, algorithm=_Algo())
+    gen = _generator(tokenizer, FakeClient(tokenizer, replies=lambda prompt, member: f"ok {member}"))
+
+    async def main():
+        try:
+            return await gen.group(slot, 3, 0, 2, 1)
+        finally:
+            await env.aclose()
+
+    rollouts = asyncio.run(main())
+    for r in rollouts:
+        assert r.error is None, r.error
+        assert len(r.steps) == 2  # both model calls made here, with trajectory steps
+        assert r.reward == 3.0  # the live counter kept in the worker between rollout and score
+        assert r.state["env_pid"] == r.state["score_pid"] != os.getpid()
+        assert r.state["seen_output_tokens"] == r.num_completion_tokens  # our state reached the env
+        assert "live" not in r.state  # non-JSON state stayed in the worker
+        assert f"from {r.state['env_pid']}" in r.messages[2]["content"]
+    assert gen.stats.requests == 3  # the group's shared first request, then one each
+
+
+def test_an_env_that_fails_to_load_in_a_worker_says_so_in_one_line(tokenizer):
+    env = in_workers(load_env("reverse-text"), "reverse-text", {"min_len": 0}, 1, 5.0)
+
+    async def main():
+        try:
+            await env.score(env.example(0), [], {})
+        finally:
+            await env.aclose()
+
+    with pytest.raises(EnvWorkerError, match="could not load the env: ValueError: reverse-text needs"):
+        asyncio.run(main())
+
+
+class _Algo:
+    async def finalize_rollout(self, rollout):
+        return None
