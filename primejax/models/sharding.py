@@ -19,15 +19,30 @@ carrying `out_sharding` eagerly at construction, which then requires a mesh even
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
-from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from primejax.utils.sections import ConfigError, Section, option
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+# JAX and flax are imported inside the functions that use them: the trainer's config (trainer/config.py) takes
+# its mesh section from this module and stays importable without starting a backend.
+if TYPE_CHECKING:
+    import jax
+    from flax import nnx
+    from jax.sharding import Mesh, PartitionSpec
+
+# The mesh axes, in device-array order: default size (-1 = all remaining devices) and what the size means.
+# The one declaration of a mesh axis: MESH_AXES, the trainer's `trainer.mesh` section (MeshConfig below),
+# mesh_sizes and make_mesh are built from it, so a new axis is a line here plus the rules that use it.
+MESH_AXIS_TABLE: dict[str, tuple[int, str]] = {
+    "data": (1, "data-parallel replicas"),
+    "fsdp": (-1, "fully-sharded data-parallel size"),
+    "context": (1, "context-parallel size: a row's tokens split over this many devices"),
+    "tensor": (1, "tensor-parallel size"),
+}
+MESH_AXES = tuple(MESH_AXIS_TABLE)
 
 # logical axis -> mesh axis (or axes, or None = replicated)
 SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -108,6 +123,8 @@ def logical_to_spec(
     size 1 are dropped and so are axes that do not divide the dimension (e.g. 2 kv heads on tensor=4): that
     dimension is then replicated over them rather than padded.
     """
+    from jax.sharding import PartitionSpec
+
     rules = SHARDING_RULES if rules is None else rules
     used: dict[str, str] = {}
     entries: list[str | tuple[str, ...] | None] = []
@@ -131,49 +148,92 @@ def logical_to_spec(
     return PartitionSpec(*entries)
 
 
-def mesh_sizes(
-    n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1, *, context: int = 1
-) -> dict[str, int]:
-    """The ("data", "fsdp", "context", "tensor") sizes for `n_devices`, the one -1 (if any) filled in with the
-    remaining devices; ValueError (one line) when they do not cover exactly `n_devices`."""
-    sizes = [data, fsdp, context, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(
-            f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} context={context} tensor={tensor}"
-        )
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if n_devices % known:
-            raise ValueError(f"{n_devices} devices are not divisible by data*tensor*... = {known}")
-        sizes[sizes.index(-1)] = n_devices // known
-    if math.prod(sizes) != n_devices:
-        raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x context={sizes[2]} x tensor={sizes[3]} needs "
-            f"{math.prod(sizes)} devices, "
-            f"have {n_devices}"
-        )
-    return dict(zip(MESH_AXES, sizes, strict=True))
+def _check_sizes(sizes: Mapping[str, int]) -> None:
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(axis, f"must be a positive size or -1 (the rest), got {size}")
+    if sum(s == -1 for s in sizes.values()) > 1:
+        raise ConfigError("", "at most one axis may be -1")
 
 
-def make_mesh(
-    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None, *, context: int = 1
-) -> Mesh:
-    """A ("data", "fsdp", "context", "tensor") mesh; one size may be -1 (= all remaining devices).
+def mesh_section(table: Mapping[str, tuple[int, str]] = MESH_AXIS_TABLE) -> type[Section]:
+    """The config section of a mesh table: one int option per axis (its default and doc), sizes checked."""
+
+    def check(self) -> None:
+        _check_sizes(self.to_dict())
+
+    fields = [(axis, int, option(default, doc)) for axis, (default, doc) in table.items()]
+    namespace = {
+        "check": check,
+        "__doc__": "Device mesh axes; -1 = all remaining devices (at most one axis).",
+    }
+    cls = dataclasses.make_dataclass(
+        "MeshConfig", fields, bases=(Section,), namespace=namespace, frozen=True, kw_only=True
+    )
+    cls.__module__ = __name__
+    return cls
+
+
+# `trainer.mesh` (trainer/config.py re-exports it): its keys are MESH_AXES.
+MeshConfig = mesh_section()
+
+
+def mesh_sizes(n_devices: int, *positional: int, **sizes: int) -> dict[str, int]:
+    """Every axis's size for `n_devices` (sizes by keyword, or positionally in MESH_AXES order; unnamed axes
+    take their table default), the one -1 (if any) filled in with the remaining devices; ValueError (one line)
+    when they do not cover exactly `n_devices`."""
+    if len(positional) > len(MESH_AXES):
+        raise TypeError(f"at most {len(MESH_AXES)} positional mesh sizes ({', '.join(MESH_AXES)})")
+    given = dict(zip(MESH_AXES, positional, strict=False))
+    for axis, size in sizes.items():
+        if axis not in MESH_AXIS_TABLE:
+            raise ValueError(f"unknown mesh axis {axis!r} (one of {', '.join(MESH_AXES)})")
+        if axis in given:
+            raise TypeError(f"mesh axis {axis!r} given twice")
+        given[axis] = size
+    out = {axis: given.get(axis, default) for axis, (default, _) in MESH_AXIS_TABLE.items()}
+    named = " ".join(f"{a}={s}" for a, s in out.items())
+    if sum(s == -1 for s in out.values()) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {named}")
+    known = math.prod(s for s in out.values() if s != -1)
+    for axis, size in out.items():
+        if size == -1:
+            if n_devices % known:
+                raise ValueError(
+                    f"{n_devices} devices are not divisible by the other axes' product {known} ({named})"
+                )
+            out[axis] = n_devices // known
+    if math.prod(out.values()) != n_devices:
+        shape = " x ".join(f"{a}={s}" for a, s in out.items())
+        raise ValueError(f"mesh {shape} needs {math.prod(out.values())} devices, have {n_devices}")
+    return out
+
+
+def make_mesh(*positional: int, devices: Sequence | None = None, **sizes: int) -> Mesh:
+    """A mesh over MESH_AXES (sizes as in `mesh_sizes`; one may be -1 = all remaining devices).
 
     Axes are Auto (GSPMD propagation): the model relies on sharding constraints, not explicit-sharding types.
     """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
     devices = list(jax.devices() if devices is None else devices)
-    sizes = list(mesh_sizes(len(devices), data, fsdp, tensor, context=context).values())
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    shape = list(mesh_sizes(len(devices), *positional, **sizes).values())
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def current_mesh() -> jax.sharding.AbstractMesh | None:
+    import jax
+
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty else mesh
 
 
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     """Sharding constraint by logical axes under the active mesh (`jax.set_mesh`); a no-op without one."""
+    import jax
+
     mesh = current_mesh()
     if mesh is None:
         return x
@@ -181,6 +241,8 @@ def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
 
 
 def param_spec(var: nnx.Variable, mesh: Mesh | None = None) -> PartitionSpec:
+    from jax.sharding import PartitionSpec
+
     axes = var.get_metadata().get("logical_axes")
     if axes is None:
         return PartitionSpec()
@@ -189,6 +251,9 @@ def param_spec(var: nnx.Variable, mesh: Mesh | None = None) -> PartitionSpec:
 
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     """The NamedSharding of every variable in `state` (same tree), from its logical axes and the rules."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
 
     def one(var):
         return var.replace(NamedSharding(mesh, param_spec(var, mesh)))
@@ -198,6 +263,9 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
 
 def create_sharded(constructor: Callable[[], nnx.Module], mesh: Mesh | None) -> nnx.Module:
     """Build a module with every parameter created directly in its sharded layout (never whole on one device)."""
+    import jax
+    from flax import nnx
+
     # Always under jit, also without a mesh: one compiled program instead of many eager ops, and values
     # bit-identical whatever the mesh (threefry is partitionable, so sharding does not change the draws).
     graphdef, abstract_state = nnx.split(nnx.eval_shape(constructor))
@@ -211,6 +279,8 @@ def create_sharded(constructor: Callable[[], nnx.Module], mesh: Mesh | None) -> 
 
 def init_model(cfg, mesh: Mesh | None, seed: int = 0):
     """A randomly initialized Transformer (HF-style normal(0.02) weights, unit norms), sharded by the rules."""
+    from flax import nnx
+
     from primejax.models.transformer import Transformer
 
     return create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)), mesh)

@@ -313,7 +313,7 @@ def build_tiny_model(
 
 
 # The tiny Qwen3-MoE that the vLLM-facing MoE tests (routed-expert capture, weight updates) and
-# tools/moe_replay_kl.py build: heads wide enough for vLLM's CPU kernels, 8 experts top-2, untied.
+# mismatch-KL measurement of docs/moe.md build: heads wide enough for vLLM's CPU kernels, 8 experts top-2, untied.
 TINY_MOE: MappingProxyType[str, Any] = MappingProxyType(
     dict(
         family="qwen3_moe",

@@ -5,25 +5,8 @@ Light on purpose (no JAX import): the launcher and `--help=keys` read it without
 
 from __future__ import annotations
 
+from primejax.models.sharding import MeshConfig  # built from the mesh-axis table: a new axis is one file
 from primejax.utils.sections import MAX_ROWS, MAX_TOKENS, ConfigError, Section, option, section, sub
-
-
-@section
-class MeshConfig(Section):
-    """Device mesh axes; -1 = all remaining devices (at most one axis)."""
-
-    data: int = option(1, "data-parallel replicas")
-    fsdp: int = option(-1, "fully-sharded data-parallel size")
-    context: int = option(1, "context-parallel size: a row's tokens split over this many devices")
-    tensor: int = option(1, "tensor-parallel size")
-
-    def check(self) -> None:
-        sizes = self.to_dict()  # every axis this section declares (models/sharding.py names what they split)
-        for axis, size in sizes.items():
-            if size == 0 or size < -1:
-                raise ConfigError(axis, f"must be a positive size or -1 (the rest), got {size}")
-        if sum(s == -1 for s in sizes.values()) > 1:
-            raise ConfigError("", "at most one axis may be -1")
 
 
 @section

@@ -19,7 +19,7 @@ from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.renderer import build_renderer, load_tokenizer
 from primejax.orchestrator.samples import rollout_to_samples
-from tools.bench_vf_driver import InstantModel, InstantServer
+from tests.envs.instant_model import InstantModel, InstantServer
 
 TASKSET = "tests.envs.vf_calc_taskset"
 
@@ -128,7 +128,7 @@ class EchoModel:
         return self.tok.encode(word, add_special_tokens=False) + [self.eos]
 
     async def generate(self, prompt_token_ids, *, n, **_):
-        from tools.bench_vf_driver import Done
+        from tests.envs.instant_model import Done
 
         ids = self.reply(list(prompt_token_ids))
         return [Done(list(prompt_token_ids), ids, [-0.1] * len(ids)) for _ in range(n)]

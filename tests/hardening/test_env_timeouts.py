@@ -79,7 +79,7 @@ def test_verifiers_own_loop_bounds_the_envs_scoring(tiny_model_dir):
     from primejax.orchestrator.config import SamplingConfig
     from primejax.orchestrator.generate import GroupGenerator
     from primejax.orchestrator.renderer import build_renderer, load_tokenizer
-    from tools.bench_vf_driver import InstantServer
+    from tests.envs.instant_model import InstantServer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     env = load_env("tests.hardening.vf_hang_loop_taskset", {})
