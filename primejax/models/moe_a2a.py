@@ -19,7 +19,8 @@ experts), so the receive buffer holds P * C rows whatever the routing. Two excha
 - "padded": `jax.lax.all_to_all` of a [P, C, D] buffer per device (each peer's slot sized for the worst case,
   unused rows zero): P * C * D elements each way, min(k, E_local) * P / k times the routed rows. Portable (the
   CPU path; the tests' reference).
-- "auto": padded on CPU, ragged elsewhere.
+- "auto": padded on CPU, ragged elsewhere (the mesh's platform: an ahead-of-time TPU compile on a CPU host
+  takes ragged).
 
 Both build the same receive layout up to where the rows sit, and the expert MLP sorts its rows by expert, so
 they give the same result. Memory per device and sparse layer (worst-case buffers): the receive buffer and
@@ -47,7 +48,10 @@ def resolve_a2a(impl: str) -> str:
     if impl not in A2A_IMPLS:
         raise ValueError(f"a2a_impl={impl!r} is not one of {A2A_IMPLS}")
     if impl == "auto":
-        return "padded" if jax.default_backend() == "cpu" else "ragged"
+        # the mesh's platform first: a step compiled ahead of time for TPU on a CPU host takes the TPU path
+        from primejax.models.attention import _mesh_platform
+
+        return "padded" if (_mesh_platform() or jax.default_backend()) == "cpu" else "ragged"
     return impl
 
 
