@@ -2,6 +2,7 @@
 
     python tools/bench_moe.py                  # 1 GPU: gmm checks + kernels, 30B-A3B cut to a few layers at 16k
     python tools/bench_moe.py --suite gpu4     # 4 GPUs: 48-layer 30B-A3B, both expert-parallel modes
+    python tools/bench_moe.py --suite gpu4:ep  # 4 GPUs: 48-layer 30B-A3B, expert parallelism by all-to-all vs fsdp
     python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
     python tools/bench_moe.py --suite gpu1:families  # 1 GPU: GLM-4.5-Air cut to 4 layers next to Qwen3-30B-A3B
     python tools/bench_moe.py --suite gpu4:families  # 4 GPUs: GLM-4.5-Air cut to 8 layers, expert-parallel
@@ -152,6 +153,13 @@ CONFIGS = {
         # fallback only if no 48-layer row fits 80 GB cards
         _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
     ],
+    # expert parallelism by all-to-all token exchange (models/moe_a2a.py: ragged_all_to_all on GPU) next to the
+    # fsdp expert mode in the same call, 48 layers; then the portable padded exchange if the budget allows
+    "gpu4:ep": [
+        _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
+        _step("moe48:16k:ep=a2a", 16384, 48, remat="full", **dict(GPU4, ep="a2a")),
+        _step("moe48:16k:ep=a2a:padded", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded")),
+    ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
     "gpu2:context": [
@@ -222,6 +230,10 @@ CONFIGS = {
             pdt="bfloat16",
             remat="full",
         ),
+        _step(
+            "tiny:256:a2a", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, ep="a2a", devices=4, rows=4,
+            scan=True, pdt="bfloat16", remat="full",
+        ),  # fmt: skip
         _step(
             "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2
         ),
@@ -552,7 +564,9 @@ def _model_config(c: dict):
         attention_impl=c["attn"],
         remat_policy=c["remat"],
         gmm_impl=c["gmm"],
-        expert_parallel=c["ep"],
+        # "a2a:padded": expert_parallel a2a with that exchange (models/moe_a2a.py)
+        expert_parallel=c["ep"].partition(":")[0],
+        a2a_impl=c["ep"].partition(":")[2] or "auto",
         scan_layers=bool(c.get("scan")),
     )
 

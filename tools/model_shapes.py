@@ -60,6 +60,21 @@ QWEN3: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         tie_word_embeddings=False,
     ),
+    # Qwen3-235B-A22B's config.json: 94 sparse layers, 128 experts top-8, 64 query / 4 kv heads of 128.
+    "qwen3-235b-a22b": dict(
+        _BASE,
+        model_type="qwen3_moe",
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 
 # GLM-4.5-Air (glm4_moe): 128 experts top-8 + 1 shared, sigmoid routing, first layer dense, q/k/v bias, half

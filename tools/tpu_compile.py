@@ -39,6 +39,7 @@ from absl import flags
 
 from primejax.config.cli import UsageError, parse_config, run_main
 from primejax.launcher.preflight import preflight_tool
+from tools.hlo_collectives import collective_bytes
 from tools.model_shapes import QWEN3
 from tools.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
 
@@ -232,7 +233,10 @@ def main() -> int:
             hbm_bytes=hbm,
             mesh_sizes=mesh,
         )
-        r = compile_train_step(cfg, m_cfg, devices, **kw)[1].to_dict()
+        compiled, report = compile_train_step(cfg, m_cfg, devices, **kw)
+        r = report.to_dict()
+        # what the step moves between chips, by collective kind (tools/hlo_collectives.py)
+        r["collective_bytes"] = collective_bytes(compiled.as_text()) if compiled is not None else {}
         r.update(
             topology=slice_.name,
             chips=slice_.chips,
@@ -243,6 +247,9 @@ def main() -> int:
         )
         reports.append(r)
         print(_line(r, hbm), flush=True)
+        if r["collective_bytes"]:
+            moved = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(r["collective_bytes"].items()))
+            print(f"{'':>16} collectives, GiB per chip per step: {moved}", flush=True)
         if fv["recommend"].value and r["fits"]:
             break  # plans are in order of preference: the first that fits is the pick
     best = None

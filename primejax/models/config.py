@@ -54,7 +54,8 @@ GMM_IMPLS = ("xla", "mgpu", "auto")
 # How the experts are laid out over the mesh (models/moe.py): "fsdp" = experts split over their mesh axis and
 # all-gathered per layer with every token kept on its device, "ep" = experts split over that axis and tokens
 # exchanged (all-gather in, reduce-scatter out).
-EXPERT_PARALLEL = ("fsdp", "ep")
+EXPERT_PARALLEL = ("fsdp", "ep", "a2a")
+A2A_IMPLS = ("auto", "ragged", "padded")  # expert_parallel="a2a"'s exchange (models/moe_a2a.py)
 # LoRA adapter targets (models/lora.py, docs/lora.md): the attention projections, the dense MLP's, every
 # expert of the sparse layers (per-expert adapters on gate, up and down) and the MoE router.
 LORA_INITS = ("kaiming", "gaussian")  # the adapters' A (B starts at zero): models/lora.py
@@ -99,6 +100,7 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     gmm_impl: str = "auto"
     expert_parallel: str = "fsdp"
+    a2a_impl: str = "auto"
     router_scoring: str = "softmax"
     routed_scaling_factor: float = 1.0
     n_group: int = 1
@@ -155,6 +157,8 @@ class ModelConfig:
             raise ValueError(f"gmm_impl={self.gmm_impl!r} is not one of {GMM_IMPLS}")
         if self.expert_parallel not in EXPERT_PARALLEL:
             raise ValueError(f"expert_parallel={self.expert_parallel!r} is not one of {EXPERT_PARALLEL}")
+        if self.a2a_impl not in A2A_IMPLS:
+            raise ValueError(f"a2a_impl={self.a2a_impl!r} is not one of {A2A_IMPLS}")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(

@@ -24,6 +24,8 @@ sharding.SHARDING_RULES):
 - "ep": experts stay on their device; the tokens (and routing) are all-gathered over fsdp, each device runs
   its own experts on the pairs routed to them, and the partial outputs are reduce-scattered back. Token
   traffic ~2*N*D per layer, no expert-weight traffic.
+- "a2a": experts stay on their device; each (token, expert) pair's row is sent to its expert's device and
+  back by all-to-all (moe_a2a.py): N*k rows each way, the expert MLP on local experts and received rows only.
 Both run inside `shard_map` so the sort and the grouped matmul stay per device, with the tokens split over
 every axis that splits the batch (data, fsdp, and context under context parallelism).
 """
@@ -154,6 +156,44 @@ def _permute_bwd(res, g):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
+def _sort_pairs(key):
+    """(order, inv): the stable sort of the pairs by `key` and its inverse permutation."""
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inv = (
+        jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
+    )
+    return order, inv
+
+
+def _expert_mlp(xs, group_sizes, gate_up, down, adapters=None, *, impl, full, lora_scale):
+    """SwiGLU of rows sorted by expert (group_sizes [E_local]) -> [rows, D]; rows past the groups come out zero.
+
+    `full` (static): every row belongs to a group (models/gmm.py `all_rows_grouped`).
+    """
+    e_local, d, _, i = gate_up.shape
+    h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
+    if adapters is not None:
+        h = h + _expert_gate_up_delta(xs, adapters, group_sizes, lora_scale)
+    h = checkpoint_name(h, GMM_OUTPUTS[0])
+    a = jax.nn.silu(h[:, :i]) * h[:, i:]
+    ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [rows, D]
+    if adapters is not None:
+        _, _, a_down, b_down = adapters
+        # The rank-r matmuls use XLA's ragged_dot: the Mosaic kernels' tiles are sized for model widths.
+        t = grouped_matmul(a, a_down, group_sizes, "xla") * jnp.asarray(lora_scale, a.dtype)
+        ys = ys + grouped_matmul(t, b_down, group_sizes, "xla")
+    return checkpoint_name(ys, GMM_OUTPUTS[1])
+
+
+def _combine(ys, order, inv, scores):
+    """Each token's k expert outputs (rows `ys` [N*k, D] in the pairs' sorted `order`) weighted by its scores."""
+    n, k = scores.shape
+    y_nkd = _permute(ys, inv, order).reshape(n, k, ys.shape[-1])  # back to (token, slot) order
+    return jnp.einsum(
+        "nkd,nk->nd", y_nkd, scores.astype(ys.dtype), preferred_element_type=jnp.float32
+    ).astype(ys.dtype)
+
+
 def _experts_local(
     x_nd, topk_idx, scores, gate_up, down, adapters=None, *, impl, expert_offset=0, all_local=True, lora_scale=0.0
 ):
@@ -163,35 +203,18 @@ def _experts_local(
     `adapters`: the per-expert LoRA (gate_up A [E, D, 2, r], B [E, 2, r, I], down A [E, I, r], B [E, r, D];
     models/lora.py), applied as s·(x·A)·B by grouped matmuls of their own.
     """
-    n, d = x_nd.shape
     k = topk_idx.shape[1]
-    e_local, _, _, i = gate_up.shape
+    e_local = gate_up.shape[0]
     local = topk_idx - expert_offset  # [N, k]
     in_range = (local >= 0) & (local < e_local)
     key = jnp.where(in_range, local, e_local).reshape(-1)  # non-local pairs sort last
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    inv = (
-        jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
-    )
+    order, inv = _sort_pairs(key)
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
     xs = _dispatch(x_nd, order, inv, k)  # [N*k, D], sorted by expert
-    full = all_local  # every pair has a local expert: the groups cover all rows
-    h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
-    if adapters is not None:
-        h = h + _expert_gate_up_delta(xs, adapters, group_sizes, lora_scale)
-    h = checkpoint_name(h, GMM_OUTPUTS[0])
-    a = jax.nn.silu(h[:, :i]) * h[:, i:]
-    ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [N*k, D]
-    if adapters is not None:
-        _, _, a_down, b_down = adapters
-        # The rank-r matmuls use XLA's ragged_dot: the Mosaic kernels' tiles are sized for model widths.
-        t = grouped_matmul(a, a_down, group_sizes, "xla") * jnp.asarray(lora_scale, a.dtype)
-        ys = ys + grouped_matmul(t, b_down, group_sizes, "xla")
-    ys = checkpoint_name(ys, GMM_OUTPUTS[1])
-    y_nkd = _permute(ys, inv, order).reshape(n, k, d)  # back to (token, slot) order
-    return jnp.einsum(
-        "nkd,nk->nd", y_nkd, scores.astype(ys.dtype), preferred_element_type=jnp.float32
-    ).astype(ys.dtype)
+    ys = _expert_mlp(
+        xs, group_sizes, gate_up, down, adapters, impl=impl, full=all_local, lora_scale=lora_scale
+    )  # every pair has a local expert when all_local: the groups cover all rows
+    return _combine(ys, order, inv, scores)
 
 
 def _expert_gate_up_delta(xs, adapters, group_sizes, scale):
@@ -205,10 +228,18 @@ def _expert_gate_up_delta(xs, adapters, group_sizes, scale):
 
 
 def experts_forward(
-    x_nd, route_out: RouterOut, gate_up, down, impl: str, mode: str, adapters=None, lora_scale: float = 0.0
+    x_nd,
+    route_out: RouterOut,
+    gate_up,
+    down,
+    impl: str,
+    mode: str,
+    adapters=None,
+    lora_scale: float = 0.0,
+    a2a_impl: str = "auto",
 ) -> jax.Array:
     """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out` (and per-expert
-    `adapters`, split over devices like the experts)."""
+    `adapters`, split over devices like the experts); `a2a_impl` picks mode "a2a"'s exchange (moe_a2a.py)."""
     extra = () if adapters is None else (adapters,)
     mesh = current_mesh()
     # The tokens are a [B, T] batch flattened: rows split over (data, fsdp), a row's tokens over context, so
@@ -229,10 +260,24 @@ def experts_forward(
             x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra
         )
     if gate_up.shape[0] % n_ep:
-        raise ValueError(f"expert_parallel='ep': {gate_up.shape[0]} experts do not split over {EP_AXIS}={n_ep}")
+        raise ValueError(
+            f"expert_parallel={mode!r}: {gate_up.shape[0]} experts do not split over {EP_AXIS}={n_ep}"
+        )
     e_local = gate_up.shape[0] // n_ep
     if EP_AXIS not in (tok_axes if isinstance(tok_axes, tuple) else (tok_axes,)):
-        raise ValueError(f"expert_parallel='ep' needs the token batch split over the {EP_AXIS} axis")
+        raise ValueError(f"expert_parallel={mode!r} needs the token batch split over the {EP_AXIS} axis")
+    ex = P(EP_AXIS)
+    specs = (tok, tok, tok, ex, ex, *[ex] * len(extra))
+    if mode == "a2a":
+        from primejax.models import moe_a2a
+
+        fn = functools.partial(
+            moe_a2a.experts_a2a, axis=EP_AXIS, impl=impl, exchange=moe_a2a.resolve_a2a(a2a_impl),
+            lora_scale=lora_scale,
+        )  # fmt: skip
+        return jax.shard_map(fn, in_specs=specs, out_specs=tok, check_vma=False)(
+            x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra
+        )
 
     def ep(x, idx, sc, gu, dn, *ad):
         # All tokens of the fsdp group, each device's experts on them, partial sums scattered back.
@@ -245,8 +290,6 @@ def experts_forward(
         )
         return jax.lax.psum_scatter(y, EP_AXIS, scatter_dimension=0, tiled=True)
 
-    ex = P(EP_AXIS)
-    specs = (tok, tok, tok, ex, ex, *[ex] * len(extra))
     return jax.shard_map(ep, in_specs=specs, out_specs=tok, check_vma=False)(
         x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra
     )
@@ -267,6 +310,7 @@ def moe_block(
     topk_group: int = 1,
     scale: float = 1.0,
     lora_scale: float = 0.0,
+    a2a_impl: str = "auto",
 ) -> tuple[jax.Array, RouterOut]:
     """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens).
 
@@ -287,7 +331,7 @@ def moe_block(
     r_used = r._replace(scores=r.scores.astype(dt))
     y = experts_forward(
         x, r_used, p["experts_gate_up"].astype(dt), p["experts_down"].astype(dt), impl, mode,
-        lora.expert_adapters(p, dt), lora_scale,
+        lora.expert_adapters(p, dt), lora_scale, a2a_impl,
     )  # fmt: skip
     y_btd = y.reshape(b, t, d)
     if "shared_gate_proj" in p:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from primejax.models.config import ATTENTION_IMPLS, EXPERT_PARALLEL, GMM_IMPLS, REMAT_POLICIES
+from primejax.models.config import A2A_IMPLS, ATTENTION_IMPLS, EXPERT_PARALLEL, GMM_IMPLS, REMAT_POLICIES
 from primejax.models.lora_config import LoraConfig
 from primejax.models.tiny import TinyModelConfig
 from primejax.utils.sections import Section, option, section, sub
@@ -40,9 +40,16 @@ class ModelSettings(Section):
     )
     expert_parallel: str = option(
         "fsdp",
-        "MoE experts over devices: fsdp (expert weights sharded like FSDP, all-gathered; no token traffic) or ep "
-        "(experts split over the fsdp axis, tokens exchanged in shard_map); docs/moe.md",
+        "MoE experts over devices: fsdp (expert weights sharded like FSDP, all-gathered; no token traffic), ep "
+        "(experts split over the fsdp axis, tokens all-gathered) or a2a (experts split, each token's rows sent "
+        "to its experts' devices and back by all-to-all); docs/moe.md",
         choices=EXPERT_PARALLEL,
+    )
+    a2a_impl: str = option(
+        "auto",
+        "expert_parallel=a2a's exchange: ragged (ragged_all_to_all, GPU/TPU), padded (all_to_all of worst-case "
+        "buffers, any backend) or auto (padded on CPU, ragged elsewhere); docs/moe.md",
+        choices=A2A_IMPLS,
     )
     lora: LoraConfig = sub(
         LoraConfig, "low-rank adapters: train only them, the weights stay frozen (docs/lora.md)"
@@ -58,6 +65,7 @@ class ModelSettings(Section):
             "scan_layers": self.scan_layers,
             "gmm_impl": self.gmm_impl,
             "expert_parallel": self.expert_parallel,
+            "a2a_impl": self.a2a_impl,
             **self.lora.model_overrides(),
         }
 

@@ -204,6 +204,7 @@ def decoder_layer(
             norm_topk_prob=cfg.norm_topk_prob,
             impl=cfg.gmm_impl,
             mode=cfg.expert_parallel,
+            a2a_impl=cfg.a2a_impl,
             replay_idx=None if replay is None else replay[0],
             replay_mask=None if replay is None else replay[1],
             scoring=cfg.router_scoring,

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from primejax.contracts.batch import TrainingSample, pack_samples
-from primejax.models import moe
+from primejax.models import moe, moe_a2a
 from primejax.models.hf_io import load_model
 from primejax.models.sharding import make_mesh
 from primejax.trainer.config import LossConfig
@@ -31,6 +31,10 @@ CASES = {
     "ep@fsdp8": ("ep", dict(fsdp=8)),
     "ep@data2_fsdp4": ("ep", dict(data=2, fsdp=4)),
     "fsdp@data2_fsdp2_tensor2": ("fsdp", dict(data=2, fsdp=2, tensor=2)),
+    # all-to-all expert parallelism: the padded exchange, and the ragged one's offsets through
+    # moe_a2a.ragged_all_to_all_reference (XLA:CPU has no ragged-all-to-all)
+    "a2a@fsdp8": ("a2a", dict(fsdp=8)),
+    "a2a:ragged@data2_fsdp4": ("a2a:ragged", dict(data=2, fsdp=4)),
 }
 # Routing replay: (expert_parallel mode, mesh, scan_layers). Both modes' shard_map paths, with and without
 # the context split of each row's tokens (trainer.mesh.context), one without fsdp (experts not split: the
@@ -40,6 +44,8 @@ REPLAY_CASES = {
     "ep@data2_fsdp4": ("ep", dict(data=2, fsdp=4), False),
     "fsdp@data2_context4": ("fsdp", dict(data=2, fsdp=1, context=4), False),
     "ep@fsdp2_context4_scan": ("ep", dict(fsdp=2, context=4), True),
+    "a2a@fsdp2_context4_scan": ("a2a", dict(fsdp=2, context=4), True),
+    "a2a:ragged@data2_fsdp4": ("a2a:ragged", dict(data=2, fsdp=4), False),
 }
 REPLAY_SEQ, REPLAY_ROWS = 32, 8
 REPLAY_LOSS = LossConfig(kl_tau=0.1, moe_aux_coef=0.01, moe_z_coef=0.001)
@@ -119,19 +125,40 @@ def _replay_fn(graphdef):
 
 @contextlib.contextmanager
 def _expert_tokens(seen: set):
-    """Collect the token count each device's expert MLP runs on (moe._experts_local traced in a shard_map
-    sees per-device shapes) while the step traces."""
-    local = moe._experts_local
+    """Collect the token count each device's expert MLP runs on (moe._experts_local and moe_a2a.experts_a2a
+    traced in a shard_map see per-device shapes) while the step traces."""
+    local, a2a = moe._experts_local, moe_a2a.experts_a2a
 
-    def spy(x_nd, *args, **kwargs):
-        seen.add(int(x_nd.shape[0]))
-        return local(x_nd, *args, **kwargs)
+    def spy(fn):
+        def run(x_nd, *args, **kwargs):
+            seen.add(int(x_nd.shape[0]))
+            return fn(x_nd, *args, **kwargs)
 
-    moe._experts_local = spy
+        return run
+
+    moe._experts_local, moe_a2a.experts_a2a = spy(local), spy(a2a)
     try:
         yield
     finally:
-        moe._experts_local = local
+        moe._experts_local, moe_a2a.experts_a2a = local, a2a
+
+
+def _mode(mode: str) -> dict:
+    """load_model's keywords for a case's mode: "a2a:ragged" is a2a with the ragged exchange (its reference
+    stand-in on CPU, installed by `_exchange`)."""
+    ep, _, impl = mode.partition(":")
+    return dict(expert_parallel=ep, a2a_impl=impl or "auto")
+
+
+@contextlib.contextmanager
+def _exchange(mode: str):
+    ragged = moe_a2a.RAGGED_ALL_TO_ALL
+    if mode.endswith(":ragged"):
+        moe_a2a.RAGGED_ALL_TO_ALL = moe_a2a.ragged_all_to_all_reference
+    try:
+        yield
+    finally:
+        moe_a2a.RAGGED_ALL_TO_ALL = ragged
 
 
 def _replay_run(fn, params, batch, mesh=None) -> dict:
@@ -192,8 +219,9 @@ def _replay(hf_dir: str, only: set[str] | None = None) -> dict:
         if only is not None and name not in only:
             continue
         mesh = make_mesh(**sizes)
-        model, _ = load_model(hf_dir, mesh=mesh, expert_parallel=mode, scan_layers=scan, **dtypes)
-        got = _replay_run(*_split(model), batch, mesh)
+        model, _ = load_model(hf_dir, mesh=mesh, scan_layers=scan, **_mode(mode), **dtypes)
+        with _exchange(mode):
+            got = _replay_run(*_split(model), batch, mesh)
         out["cases"][name] = dict(
             loss_rel=abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
             lp_diff=float(np.abs(got["lp"] - ref["lp"])[scored].max()),
@@ -203,6 +231,50 @@ def _replay(hf_dir: str, only: set[str] | None = None) -> dict:
             expert_tokens_per_device=got["tokens"],
         )
     return out
+
+
+def _a2a_direct() -> dict:
+    """moe.experts_forward with per-expert LoRA adapters, mode a2a (both exchanges) on data=2 x fsdp=4 against
+    one device: output and the gradients of x, the scores, the experts and the adapters. Routings: random, and
+    every token on device 0's two experts (the worst case: each peer fills its whole slot there, so every
+    chunk of device 0's receive buffer runs and the other devices' are all skipped)."""
+    rng = np.random.default_rng(3)
+    n, d, e, k, i, r = 64, 16, 8, 2, 8, 4
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    sc = jnp.asarray(rng.random((n, k)), jnp.float32)
+    w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in [(e, d, 2, i), (e, i, d)]]
+    ad = [
+        jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
+        for s in [(e, d, 2, r), (e, 2, r, i), (e, i, r), (e, r, d)]
+    ]
+    routings = {
+        "random": np.argsort(rng.random((n, e)), -1)[:, :k],
+        "all_on_device0": np.tile([1, 0], (n, 1)),
+    }
+
+    grad = jax.value_and_grad(_a2a_loss, argnums=(0, 1, 2, 3), has_aux=True)
+    fn = jax.jit(grad, static_argnums=(5, 6))
+    mesh = make_mesh(data=2, fsdp=4)
+    out = {}
+    for name, idx in routings.items():
+        idx = jnp.asarray(idx, jnp.int32)
+        (_, y_ref), g_ref = fn(x, sc, w, ad, idx, "fsdp", "auto")  # no mesh: one device
+        for exchange in ("padded", "ragged"):
+            with jax.set_mesh(mesh), _exchange(f"a2a:{exchange}"):
+                (_, y), g = jax.jit(grad, static_argnums=(5, 6))(x, sc, w, ad, idx, "a2a", exchange)
+            flat = zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True)
+            out[f"{exchange}/{name}"] = dict(
+                y_diff=float(jnp.abs(y - y_ref).max()),
+                grad_diff=max(float(jnp.abs(a - b).max()) for a, b in flat),
+                grad_min_abs_sum=min(float(jnp.abs(b).sum()) for b in jax.tree.leaves(g_ref)),
+            )
+    return out
+
+
+def _a2a_loss(x, sc, w, ad, idx, mode, exchange):
+    route_out = moe.RouterOut(None, None, idx, sc)
+    y = moe.experts_forward(x, route_out, *w, "xla", mode, tuple(ad), 0.5, a2a_impl=exchange)
+    return jnp.sum(jnp.sin(y)), y
 
 
 def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
@@ -217,9 +289,9 @@ def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
             continue
         mesh = make_mesh(**sizes)
         model, _ = load_model(
-            hf_dir, mesh=mesh, param_dtype="float32", compute_dtype="float32", expert_parallel=mode
+            hf_dir, mesh=mesh, param_dtype="float32", compute_dtype="float32", **_mode(mode)
         )
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), _exchange(mode):
             loss, logits, load, grads = _loss_and_grads(model, *batch)
         spec = model.layers.experts_gate_up[...].sharding.spec
         result["cases"][name] = dict(
@@ -229,10 +301,14 @@ def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
             grad_diff=max(float(np.abs(grads[k] - ref_grads[k]).max()) for k in ref_grads),
             experts_spec=[list(e) if isinstance(e, tuple) else e for e in spec],
         )
-        if hasattr(model.layers, "kv_b_proj"):  # multi-head latent attention: latent over fsdp, heads over tensor
+        if hasattr(
+            model.layers, "kv_b_proj"
+        ):  # multi-head latent attention: latent over fsdp, heads over tensor
             kv_b = model.layers.kv_b_proj[...].sharding.spec
             result["cases"][name]["kv_b_spec"] = [list(e) if isinstance(e, tuple) else e for e in kv_b]
     result["replay"] = _replay(hf_dir, only)
+    if only is None or "a2a_direct" in only:
+        result["a2a_direct"] = _a2a_direct()
     with open(out_path, "w") as f:
         json.dump(result, f)
 
