@@ -78,8 +78,12 @@ def _step(
     micro=1,
     context=1,
     model="",
+    offload=False,
+    bucket_mb=1024.0,
 ):
     return dict(
+        offload=offload,
+        bucket_mb=bucket_mb,
         model=model,
         context=context,
         micro=micro,
@@ -138,6 +142,18 @@ CONFIGS = {
         # fallback only if no 48-layer row fits 80 GB cards
         _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
     ],
+    # fp32 master weights + fp32 AdamW moments (16 B/param, 490 GB) by host offload (trainer.optim.offload,
+    # trainer/offload.py): master and moments in pinned host memory (12 B/param, ~92 GB per GPU of host RAM),
+    # bf16 compute copies on the GPUs, the update streamed in 2 GiB buckets; next to the bf16-state row. The x4 row
+    # spreads the per-step host<->device traffic (~92 GB each way per GPU) over 4 micro-batches of 16k.
+    "gpu4:offload": [
+        _step("moe48:16k:bf16state", 16384, 48, remat="full", **GPU4),
+        _step("moe48:16k:fp32offload", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, **GPU4),
+        _step(
+            "moe48:16k:fp32offload:x4", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, micro=4,
+            skip_if_oom="moe48:16k:fp32offload", **GPU4,
+        ),
+    ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
     "gpu2:context": [
@@ -189,6 +205,13 @@ CONFIGS = {
         ),
         _step("tiny:256:glm", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-glm"),
         _step("tiny:256:deepseek", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-deepseek"),
+    ],
+    # the gpu4:offload suite's structure on 4 CPU devices: bf16 state next to fp32 master + moments offloaded
+    "smoke:offload": [
+        _step("tiny:256:bf16state", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True,
+              pdt="bfloat16", remat="full"),
+        _step("tiny:256:fp32offload", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True,
+              pdt="bfloat16", remat="full", offload=True, bucket_mb=0.05),
     ],
 }
 
@@ -517,7 +540,7 @@ def step_worker(c: dict) -> dict:
     import jax
     import numpy as np
 
-    from primejax.trainer.config import MeshConfig, TrainerConfig
+    from primejax.trainer.config import MeshConfig, OptimConfig, TrainerConfig
     from primejax.trainer.engine import Engine
     from tools.bench_trainer import _fake_batch
     from tools.bench_trainer_profile import _jax_peak_gib, _memory_analysis, _timed, _trace_summary
@@ -531,6 +554,7 @@ def step_worker(c: dict) -> dict:
         mesh=MeshConfig(fsdp=-1, context=context),
         micro_batch_size=max(1, rows // dp),
         logprob_chunk_size=2048,
+        optim=OptimConfig(offload=bool(c.get("offload")), offload_bucket_mb=c.get("bucket_mb", 1024.0)),
     )
     engine = Engine.create(t, cfg, seed=0, devices=jax.devices()[: c["devices"]])
     host = {
@@ -568,6 +592,12 @@ def step_worker(c: dict) -> dict:
         active_params=cfg.num_matmul_params(),
         params=cfg.num_params(),
         device=str(jax.devices()[0].device_kind),
+        # optimizer state per device by memory kind (offload: fp32 master + moments in pinned host memory)
+        state_gib={
+            kind: sum(x.nbytes for x in jax.tree.leaves(engine.state) if x.sharding.memory_kind == kind) / n_dev / 2**30
+            for kind in {x.sharding.memory_kind for x in jax.tree.leaves(engine.state)}
+        },
+        buckets=len(engine.offload.plan.buckets) if engine.offload else 0,
         trace=trace,
     )
 
@@ -580,6 +610,8 @@ WORKERS = {"gmm": gmm_worker, "step": step_worker, "tiles": tiles_worker, "tile_
 
 def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1")
+    if c.get("offload"):  # the GPU client's pinned host memory is capped (docs/memory.md); 30B-A3B needs ~366 GB
+        env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "460")
     if smoke:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
         env["JAX_PLATFORMS"] = "cpu"
@@ -658,6 +690,7 @@ def _table(results: list[dict]) -> str:
                 f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
                 f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']}"
                 f" context={r.get('context', 1)} compile={r['compile_s']:.0f}s"
+                + (f" offload: {r['buckets']} buckets, state GiB/gpu {r['state_gib']}" if r.get("offload") else "")
             )
         else:
             out.append(
@@ -682,6 +715,7 @@ def main() -> None:
         print("RESULT " + json.dumps(WORKERS[c["kind"]](c)), flush=True)
         return
     suite = "smoke" if args.smoke else args.suite
+    smoke = suite.startswith("smoke")
     configs = CONFIGS[suite]
     if args.only:
         configs = [c for c in configs if c["name"] in set(args.only.split(","))]
@@ -698,7 +732,7 @@ def main() -> None:
         if any(r["name"] == c.get("skip_if_oom") and r.get("oom") for r in results):
             results.append(dict(c, error="skipped: a config needing less memory ran out"))
             continue
-        r = _run_child(c, min(args.timeout, left), args.smoke)
+        r = _run_child(c, min(args.timeout, left), smoke)
         results.append(r)
         print(json.dumps(r)[:3000], flush=True)
         (out / "bench_moe.jsonl").open("a").write(json.dumps(r) + "\n")

@@ -40,10 +40,10 @@ from primejax.models.settings import ModelSettings
 from primejax.models.sharding import axis_size, init_model, make_mesh, state_shardings
 from primejax.models.transformer import Transformer
 from primejax.trainer import optim
-from primejax.trainer.offload import Offload, make_offload
 from primejax.trainer.config import LossConfig, TrainerConfig
 from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.logprobs import AUTO_SAVED_LOGITS_FRACTION, saved_logits_max_bytes
+from primejax.trainer.offload import Offload, make_offload
 from primejax.trainer.step import (
     TrainState,
     batch_sharding,

@@ -113,7 +113,9 @@ def make_plan(params: Any, bucket_bytes: int) -> Plan:
             pieces.append((Piece(i), size))
             continue
         bounds = [shape[0] * j // n for j in range(n + 1)]
-        pieces += [(Piece(i, a, b), size * (b - a) // shape[0]) for a, b in zip(bounds, bounds[1:])]
+        pieces += [
+            (Piece(i, a, b), size * (b - a) // shape[0]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
     buckets: list[list[Piece]] = []
     used = bucket_bytes  # start a first bucket
     for piece, size in pieces:
@@ -144,7 +146,9 @@ class Offload:
         return self.plan.tree(
             k,
             [
-                jax.ShapeDtypeStruct(self.plan.piece_shape(p), MASTER_DTYPE, sharding=self.plan.shardings[p.leaf])
+                jax.ShapeDtypeStruct(
+                    self.plan.piece_shape(p), MASTER_DTYPE, sharding=self.plan.shardings[p.leaf]
+                )
                 for p in self.plan.buckets[k]
             ],
         )
@@ -180,18 +184,26 @@ class Offload:
         )
 
     def init(self, params: Any) -> dict:
-        """The host opt_state for concrete `params`: fp32 master copies and fresh AdamW state per bucket."""
+        """The host opt_state for concrete `params`: fp32 master copies and fresh AdamW state per bucket, built
+        one bucket per compiled call (so no device ever holds more than one bucket of fp32 state)."""
         leaves = jax.tree.leaves(params)
+        host = self.shardings()
+        masters, opts = [], []
+        for k, bucket in enumerate(self.plan.buckets):
 
-        def build(leaves):
-            masters = tuple(
-                self.plan.tree(k, [self._slice(leaves[p.leaf], p).astype(MASTER_DTYPE) for p in bucket])
-                for k, bucket in enumerate(self.plan.buckets)
-            )
-            return {"master": masters, "opt": tuple(self.inner.init(m) for m in masters)}
+            def build(xs, k=k, bucket=bucket):
+                master = self.plan.tree(
+                    k, [self._slice(x, p).astype(MASTER_DTYPE) for x, p in zip(xs, bucket, strict=True)]
+                )
+                return master, self.inner.init(master)
 
-        with jax.set_mesh(self.mesh):
-            return jax.jit(build, out_shardings=self.shardings())(leaves)
+            with jax.set_mesh(self.mesh):
+                master, opt = jax.jit(build, out_shardings=(host["master"][k], host["opt"][k]))(
+                    [leaves[p.leaf] for p in bucket]
+                )
+            masters.append(master)
+            opts.append(opt)
+        return {"master": tuple(masters), "opt": tuple(opts)}
 
     @staticmethod
     def _slice(x: jax.Array, p: Piece) -> jax.Array:
@@ -199,7 +211,9 @@ class Offload:
 
     # -------------------------------------------------------------------------------------- the update
 
-    def update(self, grads: Any, opt_state: dict, params: Any, finite: jax.Array) -> tuple[Any, dict, jax.Array]:
+    def update(
+        self, grads: Any, opt_state: dict, params: Any, finite: jax.Array
+    ) -> tuple[Any, dict, jax.Array]:
         """(params, opt_state, ok) after one streamed update (inside the jitted step); see the module docstring."""
         if self.clip is not None:
             grads, _ = self.clip.update(grads, self.clip.init(grads))
@@ -217,13 +231,16 @@ class Offload:
             updates, new_state = self.inner.update(g, state, master)
             new_master = optax.apply_updates(master, updates)
             ok = finite & _all_finite(new_master) & _all_finite(new_state)
-            new_master = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_master, master)
-            new_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_state, state)
+            new_master, new_state = _where(ok, (new_master, new_state), (master, state))
+            # one materialized result for both consumers (the host copy and the compute copy): XLA would otherwise
+            # duplicate the elementwise update into each, and each fusion may round differently (FMA contraction)
+            new_master, new_state = jax.lax.optimization_barrier((new_master, new_state))
             ok_all = ok_all & ok
             masters.append(new_master)
             opts.append(new_state)
             compute = [
-                v.astype(p_leaves[p.leaf].dtype) for p, v in zip(bucket, self.plan.values(k, new_master), strict=True)
+                v.astype(p_leaves[p.leaf].dtype)
+                for p, v in zip(bucket, self.plan.values(k, new_master), strict=True)
             ]
             for p, v in zip(bucket, compute, strict=True):
                 pieces.setdefault(p.leaf, []).append((p.start, v))
@@ -234,8 +251,14 @@ class Offload:
             parts = [v for _, v in sorted(pieces[i], key=lambda t: t[0])]
             new_leaves.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
         new_params = jax.tree.unflatten(treedef, new_leaves)
-        new_params = jax.lax.with_sharding_constraint(new_params, jax.tree.unflatten(treedef, self.plan.shardings))
+        new_params = jax.lax.with_sharding_constraint(
+            new_params, jax.tree.unflatten(treedef, self.plan.shardings)
+        )
         return new_params, new_opt, ok_all
+
+
+def _where(pred: jax.Array, a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
 def _all_finite(tree: Any) -> jax.Array:
