@@ -236,8 +236,10 @@ class Offload:
             # duplicate the elementwise update into each, and each fusion may round differently (FMA contraction)
             new_master, new_state = jax.lax.optimization_barrier((new_master, new_state))
             ok_all = ok_all & ok
-            masters.append(new_master)
-            opts.append(new_state)
+            # back to host memory now, not after the loop: every bucket's result would be on the device at once
+            host_master, host_state = _to((new_master, new_state), (dev["master"][k], dev["opt"][k]), HOST)
+            masters.append(host_master)
+            opts.append(host_state)
             compute = [
                 v.astype(p_leaves[p.leaf].dtype)
                 for p, v in zip(bucket, self.plan.values(k, new_master), strict=True)
@@ -245,7 +247,7 @@ class Offload:
             for p, v in zip(bucket, compute, strict=True):
                 pieces.setdefault(p.leaf, []).append((p.start, v))
             prev = compute
-        new_opt = _to({"master": tuple(masters), "opt": tuple(opts)}, self.shardings(DEVICE), HOST)
+        new_opt = {"master": tuple(masters), "opt": tuple(opts)}
         new_leaves = []
         for i in range(len(p_leaves)):
             parts = [v for _, v in sorted(pieces[i], key=lambda t: t[0])]
