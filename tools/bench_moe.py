@@ -6,6 +6,7 @@
     python tools/bench_moe.py --suite gpu1:families  # 1 GPU: GLM-4.5-Air cut to 4 layers next to Qwen3-30B-A3B
     python tools/bench_moe.py --suite gpu4:families  # 4 GPUs: GLM-4.5-Air cut to 8 layers, expert-parallel
     python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
+    python tools/bench_moe.py --suite lora:gpu4   # 48-layer 30B-A3B LoRA (experts adapted) next to full FT
 
 Each step configuration runs in its own process (an OOM stays contained). The step is the trainer's own
 (built and compiled by the trainer engine, primejax/trainer/engine.py), fake full rows of random tokens, RL loss
@@ -78,10 +79,13 @@ def _step(
     micro=1,
     context=1,
     model="",
+    lora=0,
     offload=False,
     bucket_mb=1024.0,
 ):
+    """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md)."""
     return dict(
+        lora=lora,
         offload=offload,
         bucket_mb=bucket_mb,
         model=model,
@@ -179,6 +183,23 @@ CONFIGS = {
     "gpu4:deepseek": [
         _step("moe8:16k:bf16state:4gpu", 16384, 8, pdt="bfloat16", scan=True, devices=4, rows=4, steps=2, warmup=1),
         _step("dsv3_4:16k:ep=fsdp", 16384, 4, remat="full", model="deepseek-v3", **dict(GPU4, scan=False)),
+    ],
+    # LoRA rank 16 on Qwen3-30B-A3B, all 48 layers, experts included (per-expert adapters), the base frozen in bf16
+    # (61 GB): one suite per GPU count, to find the fewest it fits on; "lora:gpu4" has the full fine-tune next to it.
+    "lora:gpu1": [_step("moe48:16k:lora16", 16384, 48, remat="full", lora=16, **dict(GPU4, devices=1, rows=1))],
+    "lora:gpu2": [
+        _step("moe48:16k:lora16:2gpu", 16384, 48, remat="full", lora=16, **dict(GPU4, devices=2, rows=2))
+    ],
+    "lora:gpu4": [
+        _step("moe48:16k:lora16:4gpu", 16384, 48, remat="full", lora=16, **GPU4),
+        _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
+    ],
+    "smoke:lora": [
+        _step("tiny:256:lora", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, lora=8, pdt="bfloat16"),
+        _step(
+            "tiny:256:lora:ep", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, lora=8, pdt="bfloat16", ep="ep",
+            devices=4, rows=4, scan=True, remat="full",
+        ),  # fmt: skip
     ],
     "smoke": [
         dict(kind="tiles", name="tiles", smoke=True),
@@ -523,8 +544,14 @@ def _model_config(c: dict):
     if tiny and not model.startswith("tiny"):
         model = {"glm": "tiny-glm", "dee": "tiny-deepseek"}.get(model[:3], "tiny")
     hf = dict(SHAPES[model], num_hidden_layers=c["layers"])
+    lora = {}
+    if c.get("lora"):
+        from primejax.models.lora import DEFAULT_TARGETS
+
+        lora = dict(lora_rank=c["lora"], lora_alpha=2.0 * c["lora"], lora_targets=DEFAULT_TARGETS)
     return ModelConfig.from_hf_config(
         hf,
+        **lora,
         param_dtype=c["pdt"],
         compute_dtype="bfloat16",
         attention_impl=c["attn"],
@@ -566,14 +593,22 @@ def step_worker(c: dict) -> dict:
     step = engine.lower(batch, "rl", 1).compile()
     compile_s = time.perf_counter() - t0
 
+    frozen = engine._frozen_arg()  # LoRA: the frozen weights are the step's third argument
+
     def run(b):
-        engine.state, metrics = step(engine.state, b)
+        engine.state, metrics = step(engine.state, b, *frozen)
         return metrics["loss"]
 
     with jax.set_mesh(engine.mesh):
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
         loss = float(run(batch))
         trace = _trace_summary(run, batch, top=60) if c.get("trace") else None
+    lora = {}
+    if c.get("lora"):  # the adapters (experts' included) and their broadcast, as the trainer publishes it
+        from tools.bench_trainer import _export_times
+
+        lora = dict(adapter_params=sum(int(x.size) for x in jax.tree.leaves(engine.state.params)))
+        lora.update(_export_times(engine, cfg, full=False))
     tokens = c.get("micro", 1) * rows * seq
     n_dev = c["devices"]
     attn = 12 * cfg.num_layers * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
@@ -599,6 +634,7 @@ def step_worker(c: dict) -> dict:
         },
         buckets=len(engine.offload.plan.buckets) if engine.offload else 0,
         trace=trace,
+        **lora,
     )
 
 
@@ -690,6 +726,11 @@ def _table(results: list[dict]) -> str:
                 f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
                 f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']}"
                 f" context={r.get('context', 1)} compile={r['compile_s']:.0f}s"
+                + (
+                    f" adapter={r['adapter_export_mb']:.0f}MB export={r['adapter_export_s']:.1f}s"
+                    if r.get("adapter_export_s") is not None
+                    else ""
+                )
                 + (f" offload: {r['buckets']} buckets, state GiB/gpu {r['state_gib']}" if r.get("offload") else "")
             )
         else:
@@ -714,8 +755,7 @@ def main() -> None:
         c = json.loads(args.worker)
         print("RESULT " + json.dumps(WORKERS[c["kind"]](c)), flush=True)
         return
-    suite = "smoke" if args.smoke else args.suite
-    smoke = suite.startswith("smoke")
+    suite = "smoke" if args.smoke and not args.suite.startswith("smoke") else args.suite
     configs = CONFIGS[suite]
     if args.only:
         configs = [c for c in configs if c["name"] in set(args.only.split(","))]
@@ -732,7 +772,7 @@ def main() -> None:
         if any(r["name"] == c.get("skip_if_oom") and r.get("oom") for r in results):
             results.append(dict(c, error="skipped: a config needing less memory ran out"))
             continue
-        r = _run_child(c, min(args.timeout, left), smoke)
+        r = _run_child(c, min(args.timeout, left), args.smoke or suite.startswith("smoke"))
         results.append(r)
         print(json.dumps(r)[:3000], flush=True)
         (out / "bench_moe.jsonl").open("a").write(json.dumps(r) + "\n")

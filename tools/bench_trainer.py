@@ -3,6 +3,7 @@
     python tools/bench_trainer.py                      # checks, then every configuration, then the table
     python tools/bench_trainer.py --only jax:16384:rl  # one configuration (see CONFIGS for the names)
     python tools/bench_trainer.py --smoke              # CPU: a tiny model through the same code, in seconds
+    python tools/bench_trainer.py --suite lora         # Qwen3-8B / 0.6B LoRA RL steps next to full fine-tuning
 
 Each configuration runs in its own process (clean peak-memory counters, an OOM stays contained), does
 `--warmup` steps (the first one compiles) and then `--steps` timed steps that are dispatched back to back and
@@ -58,11 +59,26 @@ def _jax(
     tag="",
     segs=1,
     save_gib=None,
+    model="qwen3-0.6b",
+    lora=0,
+    pdt="float32",
+    export="",
 ):
     """segs: the step's static bound on samples per row (the fake rows hold one); save_gib: the trainer's
-    `lm_head_saved_logits_gib` (None: its default, auto; 0: the head always recomputes its logits)."""
+    `lm_head_saved_logits_gib` (None: its default, auto; 0: the head always recomputes its logits); model: a
+    tools/model_shapes.py QWEN3 name; lora: adapter rank (0 = full fine-tuning) on every attention and MLP
+    projection, the base frozen in `pdt`; export: "adapter" / "both" also times the step's broadcast (the adapter
+    as the trainer publishes it; "both": the merged full weights too)."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
+    if model != "qwen3-0.6b":
+        name += f":{model}"
+    if lora:
+        name += f":lora{lora}"
     return dict(
+        model=model,
+        lora=lora,
+        pdt=pdt,
+        export=export,
         kind="jax",
         name=name,
         seq=seq,
@@ -114,6 +130,15 @@ CONFIGS = {
         _torch(8192, rows=2, ckpt=False),
         _jax(32768, save_gib=40, tag="saved"),  # beyond auto's share: what keeping the logits buys at 32k
     ],
+    # LoRA (docs/lora.md): the RL step at 16k with rank-16 adapters on a frozen bf16 base next to full fine-tuning
+    # in the same run, and the step's broadcast: the adapter vs the merged full weights. Qwen3-8B full fine-tuning
+    # (bf16 weights and moments, 16 GB + 32 GB + gradients) is the baseline row even if it runs out of memory.
+    "lora": [
+        _jax(16384, model="qwen3-8b", lora=16, pdt="bfloat16", export="both", steps=3),
+        _jax(16384, model="qwen3-8b", pdt="bfloat16", tag="full", steps=3),
+        _jax(16384, lora=16, pdt="bfloat16", export="both"),
+        _jax(16384, pdt="bfloat16", tag="full"),
+    ],
     # CPU: the same worker code on a tiny model (`--smoke`), to check the script before a GPU run.
     "smoke": [
         dict(c, smoke=True)
@@ -121,6 +146,13 @@ CONFIGS = {
             _jax(256, attn="xla", chunk=128, steps=2, warmup=1),
             _jax(128, rows=2, loss="ce", attn="xla", chunk=128, steps=2, warmup=1),
             _torch(128, ckpt=False, steps=1, warmup=1),
+        )
+    ],
+    "smoke:lora": [
+        dict(c, smoke=True)
+        for c in (
+            _jax(256, attn="xla", chunk=128, steps=2, warmup=1, lora=8, pdt="bfloat16", export="both"),
+            _jax(256, attn="xla", chunk=128, steps=2, warmup=1, pdt="bfloat16", tag="full"),
         )
     ],
 }
@@ -140,19 +172,46 @@ SMOKE_MODEL = dict(
 
 
 def _hf_shape(c: dict) -> dict:
-    return SMOKE_MODEL if c.get("smoke") else QWEN3_06B
+    if c.get("smoke"):
+        return SMOKE_MODEL
+    return dict(QWEN3[c.get("model", "qwen3-0.6b")], max_position_embeddings=65536)
 
 
 def _model_config(c: dict):
     from primejax.models.config import ModelConfig
 
+    lora = {}
+    if c.get("lora"):
+        from primejax.models.lora import DEFAULT_TARGETS
+
+        lora = dict(lora_rank=c["lora"], lora_alpha=2.0 * c["lora"], lora_targets=DEFAULT_TARGETS)
     return ModelConfig.from_hf_config(
         _hf_shape(c),
-        param_dtype="float32",
+        param_dtype=c.get("pdt", "float32"),
         compute_dtype="bfloat16",
         attention_impl=c["attn"],
         remat_policy=c["remat"],
+        **lora,
     )
+
+
+def _export_times(engine, cfg, full: bool) -> dict:
+    """The step's broadcast as the trainer writes it (trainer/publish.py, bf16, sha256 in STABLE, into a temp
+    run directory): the adapter alone (LoRA), and with `full` the merged full weights next to it."""
+    import tempfile
+
+    from primejax.trainer.config import BroadcastConfig
+    from primejax.trainer.publish import AdapterPublisher, FilesystemPublisher
+
+    out, b = {}, BroadcastConfig()
+    with tempfile.TemporaryDirectory() as root:
+        if cfg.lora_rank:
+            m = AdapterPublisher(root, cfg, b, async_level=1).publish(1, engine.lora_model())
+            out.update(adapter_export_s=m["export/seconds"], adapter_export_mb=m["export/gb"] * 1e3)
+        if full:
+            m = FilesystemPublisher(root, cfg, b, async_level=1).publish(2, engine.model())
+            out.update(full_export_s=m["export/seconds"], full_export_gb=m["export/gb"])
+    return out
 
 
 def _fake_batch(rows: int, seq: int, vocab: int, loss: str, seed: int = 0) -> dict:
@@ -207,8 +266,10 @@ def jax_worker(c: dict) -> dict:
     compile_only_s = time.perf_counter() - t0
     mem = _memory_analysis(step)
 
+    frozen = engine._frozen_arg()  # LoRA: the frozen weights are the step's third argument
+
     def run(batch):
-        engine.state, metrics = step(engine.state, batch)
+        engine.state, metrics = step(engine.state, batch, *frozen)
         return metrics["loss"]
 
     with jax.set_mesh(engine.mesh):
@@ -231,6 +292,10 @@ def jax_worker(c: dict) -> dict:
     )
     if trace is not None:
         res["trace"] = trace
+    if c.get("lora"):
+        res["adapter_params"] = sum(int(x.size) for x in jax.tree.leaves(engine.state.params))
+    if c.get("export"):
+        res.update(_export_times(engine, cfg, full=c["export"] == "both"))
     return res
 
 
@@ -333,6 +398,10 @@ def _table(results: list[dict]) -> str:
             label += " head=saved" if r.get("head_saves_logits") else " head=recompute"
             if r.get("memory", {}).get("temp") is not None:
                 label += f" temp={r['memory']['temp']:.1f}G"
+            if r.get("adapter_export_s") is not None:
+                label += f" export: adapter {r['adapter_export_mb']:.1f}MB {r['adapter_export_s']:.2f}s"
+            if r.get("full_export_s") is not None:
+                label += f" full {r['full_export_gb']:.2f}GB {r['full_export_s']:.1f}s"
         if r.get("tok_s"):
             best = torch_best.get((r["seq"], r["rows"]))
             ratio = f"{r['tok_s'] / best:.2f}x" if best and r["kind"] == "jax" else ""
@@ -365,7 +434,7 @@ def main() -> None:
         c = json.loads(args.worker)
         print("RESULT " + json.dumps(WORKERS[c["kind"]](c)), flush=True)
         return
-    configs = CONFIGS["smoke" if args.smoke else args.suite]
+    configs = CONFIGS["smoke" if args.smoke and not args.suite.startswith("smoke") else args.suite]
     if args.only:
         wanted = set(args.only.split(","))
         configs = [c for c in configs if c["name"] in wanted]

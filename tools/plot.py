@@ -1,6 +1,7 @@
 """Plot a run's reward, loss, entropy and mismatch-KL curves from its metrics JSONL (no TensorBoard needed).
 
 python -m tools.plot outputs/demo [--out outputs/demo/curves.png]
+python -m tools.plot outputs/demo outputs/demo-lora --out both.png   # several runs overlaid, one line each
 """
 
 from __future__ import annotations
@@ -24,24 +25,29 @@ def series(run_dir: Path, process: str, key: str) -> tuple[list[int], list[float
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
-def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def plot(run_dir: str | Path | list, out: str | Path | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    out = Path(out) if out else run_dir / "curves.png"
+    runs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
+    out = Path(out) if out else runs[0] / "curves.png"
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
     for ax, (process, key, title) in zip(axes, PANELS, strict=True):
-        steps, values = series(run_dir, process, key)
-        ax.plot(steps, values, marker="o", markersize=3)
+        found = False
+        for run in runs:
+            steps, values = series(run, process, key)
+            ax.plot(steps, values, marker="o", markersize=3, label=run.name)
+            found = found or bool(steps)
+        if len(runs) > 1:
+            ax.legend(fontsize=7)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if not steps:
+        if not found:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(run_dir.name)
+    fig.suptitle(" vs ".join(r.name for r in runs))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -51,11 +57,12 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir")
+    parser.add_argument("run_dir", nargs="+", help="one run directory, or several to overlay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not RunDir(args.run_dir).metrics("trainer").parent.is_dir():
-        parser.exit(2, f"error: {args.run_dir} has no metrics/ directory (is it a primejax run dir?)\n")
+    for run in args.run_dir:
+        if not RunDir(run).metrics("trainer").parent.is_dir():
+            parser.exit(2, f"error: {run} has no metrics/ directory (is it a primejax run dir?)\n")
     print(plot(args.run_dir, args.out))
 
 

@@ -22,6 +22,11 @@ def _define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_bool("dry_run", False, "print the vLLM command and environment, then exit", flag_values=fv)
 
 
+def served_lora_rank(cfg) -> int:
+    """The adapters' rank when the trainer publishes LoRA adapters (the server then starts with LoRA), else 0."""
+    return cfg.model.lora.rank if cfg.trainer.broadcast.lora == "adapter" else 0
+
+
 def main() -> int:
     argv = sys.argv[1:]
     vllm_args: list[str] = []
@@ -38,6 +43,7 @@ def main() -> int:
         cfg.run.seed,
         run_dir=cfg.run_dir,
         admin_token=server_token(cfg.run_dir),
+        lora_rank=served_lora_rank(cfg),
     )
     if fv["dry_run"].value:
         env = spec.environ({})

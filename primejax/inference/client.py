@@ -102,6 +102,9 @@ class InferenceClient:
         self.max_retries = max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._model = model
+        # The LoRA adapter every server serves the current policy as (inference/adapters.py): requests name it as
+        # their `model`; "" = the served model itself. Learned from the servers' answers to weight updates.
+        self._adapter = ""
         self.vocab_size = vocab_size
         token = admin_token or read_token()
         self._admin_headers = {HEADER: token} if token else {}
@@ -249,7 +252,20 @@ class InferenceClient:
                                 {"weight_dir": os.path.abspath(weight_dir), "version": int(version)},
                                 self._admin_headers)
 
+    def _adopt(self, answers: list[Any]) -> None:
+        """Follow the servers to the adapter they all serve now (answers of /update_weights & co.)."""
+        names = {a.get("adapter") or "" for a in answers if isinstance(a, dict)}
+        if len(names) == 1:
+            self._adapter = names.pop()
+
+    @property
+    def adapter(self) -> str:
+        """The LoRA adapter requests are sent to ("" = the served model itself)."""
+        return self._adapter
+
     async def _model_name(self, url: str) -> str:
+        if self._adapter:
+            return self._adapter
         if self._model is None:
             models = await self._request("GET", url, "/v1/models")
             self._model = models["data"][0]["id"]
@@ -357,7 +373,9 @@ class InferenceClient:
     async def update_weights(self, weight_dir: str, version: int) -> None:
         """Load `weight_dir` in place on every server and serve it as `version`."""
         # Absolute on the wire: a server on another host (or another cwd) must not resolve our relative path.
-        await self._all("POST", "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)})
+        self._adopt(await self._all(
+            "POST", "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)}
+        ))
 
     async def transfer_weights(self, version: int, init_info: dict, update_info: dict) -> None:
         """Receive `version` collectively on every server (the trainer is sending); server i joins as rank 1 + i.
@@ -374,11 +392,11 @@ class InferenceClient:
                 raise InferenceError(f"POST {url}/transfer_weights: {r.status_code} {_message(r)}", r.status_code)
             return r.json()
 
-        await asyncio.gather(*(one(i, u) for i, u in enumerate(self.up_urls)))
+        self._adopt(list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.up_urls)))))
 
     async def reload_weights(self) -> None:
         """Go back to the base model on every server (version 0)."""
-        await self._all("POST", "/reload_weights")
+        self._adopt(await self._all("POST", "/reload_weights"))
 
     async def pause(self) -> None:
         await self._all("POST", "/pause")
@@ -387,8 +405,12 @@ class InferenceClient:
         await self._all("POST", "/resume")
 
     async def weights_version(self) -> int:
-        """The weight version every server has reached (the minimum over servers)."""
-        return min(int(v["version"]) for v in await self._all("GET", "/weights_version"))
+        """The weight version every server has reached (the minimum over servers); where they all serve one
+        version, requests follow them to its adapter (an orchestrator restarted next to live servers)."""
+        answers = await self._all("GET", "/weights_version")
+        if len({int(v["version"]) for v in answers}) == 1:
+            self._adopt(answers)
+        return min(int(v["version"]) for v in answers)
 
     async def wait_ready(self, timeout_s: float, process: InferenceServerProcess | None = None) -> None:
         """Wait until every server answers GET /liveness. Raises at once if `process` died (with its log)."""

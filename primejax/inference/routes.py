@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from primejax.inference import identity
+from primejax.inference.adapters import AdapterSet, adapter_name, check_adapter_dir, is_adapter_dir
 from primejax.inference.admin_auth import confine
 from primejax.inference.weights import WeightDirError, check_stable, version_from_dir
 
@@ -44,6 +45,10 @@ class AdminEngine(Protocol):
     async def check_health(self) -> None: ...  # raises if the engine is dead
     # Optional (collective updates): one round of vLLM's weight-transfer engine protocol.
     # async def transfer_weights(self, init_info: dict, update_info: dict) -> None: ...
+    # Optional (LoRA servers, inference/adapters.py): adapters loaded next to the frozen base, by name.
+    # async def load_adapter(self, name: str, adapter_dir: str) -> None: ...
+    # async def unload_adapter(self, name: str) -> None: ...
+    # def adapter_in_use(self, name: str) -> bool: ...  # a request in the engine samples with it
 
 
 @dataclass
@@ -65,6 +70,11 @@ class AdminState:
     # Why the served weights are undefined (a failed load that could not restore): /liveness answers 503, the
     # server stays paused (nothing is sampled from them) until a full load succeeds or the launcher restarts it.
     unhealthy: str = ""
+    # LoRA (inference/adapters.py): the server's --max-lora-rank (0 = no LoRA), the adapters loaded and served,
+    # and the task unloading retired adapters once no request uses them.
+    max_lora_rank: int = 0
+    adapters: AdapterSet = field(default_factory=AdapterSet)
+    reaper: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
         self.weight_dir = self.weight_dir or self.base_dir
@@ -72,7 +82,8 @@ class AdminState:
     def describe(self) -> dict[str, Any]:
         version = -1 if self.unhealthy else self.version
         return {"version": version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s,
-                "transport": self.transport}
+                "transport": self.transport, "adapter": self.adapters.current,
+                "adapters_loaded": list(self.adapters.loaded)}
 
 
 router = APIRouter()
@@ -130,13 +141,70 @@ async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONRespons
             await state.engine.resume()
     state.version, state.weight_dir, state.transport = version, weight_dir, "filesystem"
     state.last_load_s = time.perf_counter() - t0
+    state.adapters.serve_base()  # requests go to the weights just loaded, not to an adapter
+    _start_reaper(state)
     logger.info("serving weights version %d from %s (%.3f s)", version, weight_dir, state.last_load_s)
     return JSONResponse(state.describe())
 
 
+# How often the reaper looks again at a retired adapter that a request still uses.
+REAP_POLL_S = 1.0
+
+
+async def _serve_adapter(state: AdminState, adapter_dir: str, version: int) -> JSONResponse:
+    """Load a PEFT adapter next to the others under `adapter_name(version)` and serve it (no pause, no cache
+    reset: requests on the previous adapter finish on it; inference/adapters.py)."""
+    if not hasattr(state.engine, "load_adapter"):
+        return _error(HTTPStatus.NOT_IMPLEMENTED, "this server's engine cannot load LoRA adapters")
+    t0 = time.perf_counter()
+    name = adapter_name(version)
+    try:
+        await state.engine.load_adapter(name, adapter_dir)  # type: ignore[attr-defined]
+    except Exception as e:
+        logger.exception("loading adapter %s from %s failed", name, adapter_dir)
+        return _error(HTTPStatus.INTERNAL_SERVER_ERROR,
+                      f"loading LoRA adapter {adapter_dir} failed ({e}); still serving version {state.version}")
+    state.adapters.serve(name)
+    state.version, state.weight_dir, state.transport = version, adapter_dir, "filesystem"
+    state.last_load_s = time.perf_counter() - t0
+    logger.info("serving policy version %d as LoRA adapter %s from %s (%.3f s)", version, name, adapter_dir,
+                state.last_load_s)
+    await _reap(state)
+    _start_reaper(state)
+    return JSONResponse(state.describe())
+
+
+async def _reap(state: AdminState) -> None:
+    """Unload each retired adapter that no request in the engine uses (call with the state lock held)."""
+    for name in state.adapters.retirable():
+        if state.engine.adapter_in_use(name):  # type: ignore[attr-defined]
+            continue
+        try:
+            await state.engine.unload_adapter(name)  # type: ignore[attr-defined]
+        except Exception:
+            logger.exception("unloading adapter %s failed; tried again later", name)
+            continue
+        state.adapters.unloaded(name)
+        logger.info("unloaded LoRA adapter %s (no request uses it)", name)
+
+
+def _start_reaper(state: AdminState) -> None:
+    if state.adapters.retirable() and (state.reaper is None or state.reaper.done()):
+        state.reaper = asyncio.create_task(_reap_until_done(state))
+
+
+async def _reap_until_done(state: AdminState) -> None:
+    while state.adapters.retirable():
+        async with state.lock:
+            await _reap(state)
+        if state.adapters.retirable():
+            await asyncio.sleep(REAP_POLL_S)
+
+
 @router.post("/update_weights")
 async def update_weights(request: Request) -> JSONResponse:
-    """Body: {"weight_dir": str, "version": int (optional; default: N of a `.../step_N` dir)}."""
+    """Body: {"weight_dir": str, "version": int (optional; default: N of a `.../step_N` dir)}. A PEFT adapter
+    directory (LoRA servers) is loaded as an adapter named after the version (inference/adapters.py)."""
     state = _state(request)
     body = await _json_body(request)
     if isinstance(body, JSONResponse):
@@ -154,6 +222,14 @@ async def update_weights(request: Request) -> JSONResponse:
     if refused:  # before any look at the disk: a caller learns nothing about paths outside the root
         return _error(HTTPStatus.FORBIDDEN if os.path.isabs(weight_dir) else HTTPStatus.BAD_REQUEST, refused)
     weight_dir = str(Path(weight_dir).resolve())
+    if is_adapter_dir(weight_dir):
+        async with state.lock:
+            try:
+                await run_in_threadpool(check_stable, weight_dir, state.require_stable)
+                await run_in_threadpool(check_adapter_dir, weight_dir, state.max_lora_rank)
+            except WeightDirError as e:
+                return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"{e}; still serving version {state.version}")
+            return await _serve_adapter(state, weight_dir, version)
     async with state.lock:
         try:
             await run_in_threadpool(check_stable, weight_dir, state.require_stable)
@@ -239,6 +315,8 @@ async def _transfer(state: AdminState, init_info: dict, update_info: dict, versi
         if not state.user_paused and not state.unhealthy:
             await state.engine.resume()
     state.version, state.weight_dir, state.transport = version, "", "collective"
+    state.adapters.serve_base()
+    _start_reaper(state)
     state.last_load_s = time.perf_counter() - t0
     logger.info("serving weights version %d received collectively (%.3f s)", version, state.last_load_s)
     return JSONResponse(state.describe())

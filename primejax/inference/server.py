@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primejax.contracts.rundir import RunDir
+from primejax.inference.adapters import vllm_max_lora_rank
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG
 from primejax.inference.vllm_ext import (
@@ -86,6 +87,10 @@ class ServerSpec:
     admin_token: str = ""
     weights_root: str = ""
     require_stable: bool = False
+    # LoRA (inference/adapters.py): the adapters' rank (0 = no LoRA) and how many adapters the engine holds at
+    # once (the served one, the one before it, one still finishing its requests).
+    lora_rank: int = 0
+    max_loras: int = 3
 
     @property
     def base_url(self) -> str:
@@ -159,6 +164,9 @@ class ServerSpec:
             args.append("--enforce-eager")
         if self.weight_transfer and transfer_plugin_installed():
             args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
+        if self.lora_rank > 0:
+            args += ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(self.lora_rank)),
+                     "--max-loras", str(self.max_loras)]
         return args + list(self.extra_args)
 
     def environ(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -86,8 +86,11 @@ class PrimejaxWorkerExtension:
 class VllmAdminEngine:
     """`routes.AdminEngine` over vLLM's public `EngineClient`."""
 
-    def __init__(self, engine_client: Any):
+    def __init__(self, engine_client: Any, models: Any = None):
+        """`models`: vLLM's `OpenAIServingModels` (app.state.openai_serving_models), which resolves a request's
+        `model` name to a LoRA adapter; needed by the adapter methods only."""
         self.client = engine_client
+        self.models = models
 
     async def pause(self) -> None:
         # "keep": in-flight requests stay queued and continue after resume (none aborted).
@@ -107,6 +110,37 @@ class VllmAdminEngine:
 
     async def check_health(self) -> None:
         await self.client.check_health()
+
+    async def load_adapter(self, name: str, adapter_dir: str) -> None:
+        """Load a PEFT adapter into the engine and make `name` resolve to it (vLLM's own load_lora_adapter,
+        called in process: its HTTP route would need VLLM_ALLOW_RUNTIME_LORA_UPDATING and has no admin secret)."""
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        out = await self.models.load_lora_adapter(
+            LoadLoRAAdapterRequest(lora_name=name, lora_path=adapter_dir, load_inplace=True)
+        )
+        if not isinstance(out, str):  # an ErrorResponse
+            raise RuntimeError(getattr(getattr(out, "error", out), "message", str(out)))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget `name` and free its slot in the engine (vLLM's unload only forgets the name)."""
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        request = self.models.lora_requests.get(name)
+        if request is None:
+            return
+        out = await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+        if not isinstance(out, str):
+            raise RuntimeError(getattr(getattr(out, "error", out), "message", str(out)))
+        await self.client.remove_lora(request.lora_int_id)
+
+    def adapter_in_use(self, name: str) -> bool:
+        """Whether a request the engine has not finished samples with adapter `name` (V1 AsyncLLM's output
+        processor holds one state per unfinished request, with its adapter's name). Unknown = in use."""
+        states = getattr(getattr(self.client, "output_processor", None), "request_states", None)
+        if not isinstance(states, dict):
+            return True
+        return any(getattr(s, "lora_name", None) == name for s in list(states.values()))
 
     async def transfer_weights(self, init_info: dict, update_info: dict) -> None:
         """One collective update through vLLM's weight-transfer engine protocol (all four engine-client calls)."""
@@ -281,8 +315,10 @@ class PrimejaxEndpointPlugin:
         validator = WeightDirValidator(base_dir)
         transfer = getattr(args, "weight_transfer_config", None)
         backend = transfer.get("backend") if isinstance(transfer, dict) else getattr(transfer, "backend", None)
+        lora_rank = int(getattr(args, "max_lora_rank", 0) or 0) if getattr(args, "enable_lora", False) else 0
         state.primejax = AdminState(
-            engine=VllmAdminEngine(engine_client), base_dir=base_dir, validate=validator,
+            engine=VllmAdminEngine(engine_client, getattr(state, "openai_serving_models", None)),
+            base_dir=base_dir, validate=validator, max_lora_rank=lora_rank,
             admin_token=token or new_token(), weights_root=os.environ.get(WEIGHTS_ROOT_ENV, ""),
             require_stable=os.environ.get(REQUIRE_STABLE_ENV) == "1",
             check_transfer=validator.check_update_info if backend == TRANSFER_BACKEND else None,

@@ -273,6 +273,8 @@ def _with(cfg: Config, **changes: object) -> Config:
 
 def _run_sft_warmup(cfg: Config) -> None:
     """Run `primejax.sft` to completion (its model lands in `<run>/sft/final`)."""
+    if cfg.model.lora.rank and not cfg.sft.warmup_lora:  # a full fine-tune warm-up, adapters only in RL
+        cfg = _with(cfg, **{"model.lora.rank": 0})
     child = _start(cfg, "sft", "primejax.sft", cfg.trainer.devices, cfg.trainer.memory_fraction)
     print(f"primejax: SFT warm-up ({cfg.sft.steps} steps), log {child.log_path}", flush=True)
     try:

@@ -89,6 +89,16 @@ def export_peft(
     overwrite: bool = False,
 ) -> Path:
     """Write a PEFT adapter directory (atomically) from the adapters (`split_adapters(...)[0]`, any sharding)."""
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        write_peft(adapters, cfg, tmp, base_model=base_model)
+    return Path(out_dir)
+
+
+def write_peft(
+    adapters: dict, cfg: ModelConfig, directory: str | os.PathLike, *, base_model: str = ""
+) -> int:
+    """Write the PEFT files into an existing directory (the trainer's broadcast writes through its own temp
+    directory); return the bytes written."""
     layers = {k: np.asarray(jax.device_get(v), np.float32) for k, v in adapters["layers"].items()}
     config = {
         "peft_type": "LORA",
@@ -106,10 +116,10 @@ def export_peft(
         "inference_mode": True,
         "init_lora_weights": True,
     }
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        save_file(peft_tensors(layers, cfg), str(Path(tmp) / WEIGHTS), metadata={"format": "pt"})
-        (Path(tmp) / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return Path(out_dir)
+    d = Path(directory)
+    save_file(peft_tensors(layers, cfg), str(d / WEIGHTS), metadata={"format": "pt"})
+    (d / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return (d / WEIGHTS).stat().st_size + (d / CONFIG).stat().st_size
 
 
 def adapter_settings(adapter_dir: str | os.PathLike) -> dict:

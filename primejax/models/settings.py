@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from primejax.models.config import ATTENTION_IMPLS, EXPERT_PARALLEL, GMM_IMPLS, REMAT_POLICIES
-from primejax.models.lora import LoraConfig
+from primejax.models.lora_config import LoraConfig
 from primejax.models.tiny import TinyModelConfig
 from primejax.utils.sections import Section, option, section, sub
 

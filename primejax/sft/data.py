@@ -31,6 +31,11 @@ class SftConfig(Section):
     batch_size: int = option(64, "conversations per step", gt=0, le=MAX_ROWS)
     lr: float = option(1e-3, "constant learning rate", ge=0)
     seq_len: int = option(256, "packed row length", gt=0, le=MAX_TOKENS)
+    warmup_lora: bool = option(
+        True,
+        "with model.lora, the warm-up before RL trains adapters too (RL then adapts the merged SFT model); False: "
+        "the warm-up fine-tunes every weight, RL trains adapters on its result",
+    )
 
     def check(self) -> None:
         if self.steps > 0 and not self.lr > 0:

@@ -212,6 +212,12 @@ class BroadcastConfig(Section):
     max_shard_mb: float = option(
         5120.0, "safetensors file size; with several trainer processes each writes its share of files", gt=0
     )
+    lora: str = option(
+        "adapter",
+        "with model.lora: 'adapter' publishes the adapter alone (PEFT dir; the server loads it by version name, "
+        "docs/lora.md), 'merged' the merged full weights",
+        choices=("adapter", "merged"),
+    )
 
 
 @section

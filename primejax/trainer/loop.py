@@ -26,7 +26,7 @@ from primejax.trainer.config import DistributedConfig, TrainerConfig
 from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.engine import Engine, build_model, model_config
 from primejax.trainer.moe_metrics import flatten_moe_metrics
-from primejax.trainer.publish import make_publisher
+from primejax.trainer.publish import make_publisher, publishes_adapters
 from primejax.trainer.step import TrainState
 from primejax.utils.faults import fault_point
 from primejax.utils.monitor import Monitor
@@ -173,7 +173,9 @@ class Trainer:
         if not self.export_enabled:
             return {}
         self.check_finite_params(step, "exporting")
-        return self.publisher.publish(step, self.engine.model(), disk_only=disk_only)
+        adapters = publishes_adapters(self.t.broadcast, self.model_cfg)  # the adapters alone, no merge
+        model = self.engine.lora_model() if adapters else self.engine.model()
+        return self.publisher.publish(step, model, disk_only=disk_only)
 
     def prune_consumed(self, step: int) -> None:
         """Delete consumed batches nothing will read again (after step `step`, which every rank has read).

@@ -7,6 +7,10 @@ metrics. Two implementations (docs/weight_transfer.md):
   writes it through a temp directory; with several processes each writes its share of the files into one
   shared temp directory (every process joins each tensor's gather) and process 0 publishes it once all have
   written.
+- `AdapterPublisher` (LoRA with `trainer.broadcast.lora = "adapter"`): `broadcasts/step_N/` as a PEFT adapter
+  directory (megabytes), which the server loads next to its frozen base under a versioned name
+  (inference/adapters.py, docs/lora.md). The collective mode does not carry adapters: with LoRA it falls back
+  to this publisher with one warning.
 - `CollectivePublisher`: sends the weights through vLLM's weight-transfer engine (transfer/sender.py) and
   writes the disk copy only where one is needed: at checkpoint steps (a resumed run reloads from disk), for a
   step no one will sample from any more, when asked (`disk_only`, the re-export on resume) and as the fallback
@@ -32,6 +36,8 @@ from primejax.contracts.broadcast import prune_broadcasts, publish_broadcast, wr
 from primejax.contracts.rundir import RunDir
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, state_to_hf_tensors
+from primejax.models.lora import split_adapters
+from primejax.models.lora_io import write_peft
 from primejax.trainer.config import BroadcastConfig
 
 log = logging.getLogger("primejax.trainer")
@@ -112,6 +118,51 @@ class FilesystemPublisher:
             return None
         publish_broadcast(self.run.root, step, tmp, hash_files=self.b.hash)
         return info
+
+
+class AdapterPublisher:
+    """LoRA: broadcasts/step_N as a PEFT adapter directory; process 0 writes it (the adapters are gathered
+    whole first: they are small)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        model_cfg: ModelConfig,
+        b: BroadcastConfig,
+        *,
+        async_level: int,
+        base_model: str = "",
+    ):
+        self.run = RunDir(root)
+        self.model_cfg, self.b, self.async_level, self.base_model = model_cfg, b, async_level, base_model
+        self.rank, self.processes = jax.process_index(), jax.process_count()
+
+    def publish(self, step: int, model: nnx.Module, *, disk_only: bool = False) -> dict[str, float]:
+        """`model`: the model with its adapters apart (`Engine.lora_model()`); only the adapters are read."""
+        start = time.perf_counter()
+        adapters = split_adapters(nnx.to_pure_dict(nnx.state(model)))[0]
+        if self.processes > 1:  # arrays other processes hold parts of: every process joins the gather
+            adapters = multihost_utils.process_allgather(adapters, tiled=True)
+        if self.rank != 0:
+            return {}
+        _, nbytes = write_broadcast(
+            self.run.root,
+            step,
+            lambda d: write_peft(adapters, self.model_cfg, d, base_model=self.base_model),
+            hash_files=self.b.hash,
+        )
+        seconds = time.perf_counter() - start
+        prune_broadcasts(self.run.root, step - self.async_level)
+        return {
+            "export/seconds": seconds,
+            "export/gb": nbytes / 1e9,
+            "export/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
+        }
+
+
+def publishes_adapters(b: BroadcastConfig, model_cfg: ModelConfig) -> bool:
+    """Whether the run's broadcasts are LoRA adapters (the trainer passes `Engine.lora_model()` to publish)."""
+    return model_cfg.lora_rank > 0 and b.lora == "adapter"
 
 
 class CollectivePublisher:
@@ -197,7 +248,15 @@ def make_publisher(
     num_receivers: int = 1,
     src_dir: str | None = None,
 ) -> Publisher:
-    """The run's publisher from `trainer.broadcast`: collective only for a single-process trainer."""
+    """The run's publisher from `trainer.broadcast`: collective only for a single-process trainer; LoRA adapters
+    always through the filesystem."""
+    if publishes_adapters(b, model_cfg):
+        if b.mode == "collective":
+            log.warning(
+                "trainer.broadcast.mode=collective does not carry LoRA adapters: each step's adapter goes "
+                "through the filesystem (broadcasts/step_N, a PEFT directory of megabytes)"
+            )
+        return AdapterPublisher(root, model_cfg, b, async_level=async_level, base_model=src_dir or "")
     disk = FilesystemPublisher(root, model_cfg, b, async_level=async_level, src_dir=src_dir)
     if b.mode != "collective" or jax.process_count() > 1:
         return disk
@@ -209,4 +268,11 @@ def make_publisher(
     )
 
 
-__all__ = ["Publisher", "FilesystemPublisher", "CollectivePublisher", "make_publisher"]
+__all__ = [
+    "Publisher",
+    "FilesystemPublisher",
+    "AdapterPublisher",
+    "CollectivePublisher",
+    "make_publisher",
+    "publishes_adapters",
+]

@@ -80,3 +80,19 @@ def test_worker_without_reload_weights_refuses_the_load_with_a_pointer_to_the_do
 
     with pytest.raises(NotImplementedError, match=r"TpuLikeWorker has no reload_weights.*docs/tpu\.md"):
         TpuLikeWorker().primejax_load_weights(str(tmp_path))
+
+
+def test_lora_serving_api_the_adapter_methods_call():
+    """VllmAdminEngine's adapter methods (inference/adapters.py): vLLM's serving-models object loads, names and
+    forgets adapters; the engine frees one by id; each unfinished request's state names its adapter."""
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+
+    assert {"load_lora_adapter", "unload_lora_adapter"} <= set(dir(OpenAIServingModels))
+    assert {"lora_name", "lora_path", "load_inplace"} <= set(LoadLoRAAdapterRequest.model_fields)
+    assert "lora_name" in UnloadLoRAAdapterRequest.model_fields
+    assert "lora_id" in inspect.signature(AsyncLLM.remove_lora).parameters
+    assert "request_states" in inspect.getsource(OutputProcessor.__init__)
+    assert "self.lora_name" in inspect.getsource(RequestState.__init__)

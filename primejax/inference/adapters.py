@@ -1,0 +1,112 @@
+"""LoRA adapters served by version: names, the PEFT directory check, and which adapters may be unloaded.
+
+With LoRA (`model.lora.rank > 0`, docs/lora.md) the trainer publishes `broadcasts/step_N` as a PEFT adapter
+directory instead of full weights. The server keeps its frozen base model and loads each adapter next to the
+ones already loaded under a versioned name (`adapter_name(N)`); requests choose it by sending that name as the
+OpenAI `model`. Nothing is paused or reloaded: a request that started on the previous adapter finishes on it
+(vLLM keys cached KV by adapter), so a sample is never part one policy, part another.
+
+An adapter is unloaded once it is neither the served one nor the one served just before it (a client may have
+built a request with that name a moment before it learned of the switch) and no request in the engine uses it.
+`AdapterSet` is that bookkeeping alone (no engine), so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from primejax.inference.weights import WeightDirError, read_safetensors_header
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_PREFIX = "policy-v"
+
+
+def adapter_name(version: int) -> str:
+    """The served name of policy version `version`'s adapter (the same on every replica)."""
+    return f"{ADAPTER_PREFIX}{int(version)}"
+
+
+def is_adapter_dir(directory: str | Path) -> bool:
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def check_adapter_dir(directory: str | Path, max_rank: int) -> dict:
+    """Check a PEFT adapter directory from its config and safetensors header (nothing loaded); return the config.
+
+    `max_rank`: the server's `--max-lora-rank` (0 = LoRA not enabled on this server)."""
+    d = Path(directory)
+    if max_rank <= 0:
+        raise WeightDirError(
+            f"{d} is a LoRA adapter but this server was started without LoRA (--enable-lora)"
+        )
+    try:
+        config = json.loads((d / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise WeightDirError(f"{d / ADAPTER_CONFIG}: unreadable ({e})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise WeightDirError(f"{d / ADAPTER_CONFIG}: not a PEFT LoRA config (peft_type must be 'LORA')")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= max_rank:
+        raise WeightDirError(
+            f"{d / ADAPTER_CONFIG}: rank {rank!r} is not in 1..{max_rank} (the server's max LoRA rank)"
+        )
+    if not (d / ADAPTER_WEIGHTS).is_file():
+        raise WeightDirError(f"{d}: no {ADAPTER_WEIGHTS}")
+    tensors = read_safetensors_header(d / ADAPTER_WEIGHTS)
+    if not tensors or any(".lora_A." not in n and ".lora_B." not in n for n in tensors):
+        raise WeightDirError(f"{d / ADAPTER_WEIGHTS}: holds no tensors or tensors other than lora_A / lora_B")
+    return config
+
+
+class AdapterSet:
+    """The adapters loaded on one server, oldest first, and which of them may go (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+        self.current = ""  # "" = requests go to the base model (or to full weights loaded in place)
+        self.previous = ""
+
+    def serve(self, name: str) -> None:
+        """`name` (loaded) is now the served adapter."""
+        if name != self.current:
+            self.previous, self.current = self.current, name
+        if name in self.loaded:
+            self.loaded.remove(name)
+        self.loaded.append(name)
+
+    def serve_base(self) -> None:
+        """Requests go to the base model (or in-place full weights) from now on."""
+        if self.current:
+            self.previous, self.current = self.current, ""
+
+    def retirable(self) -> list[str]:
+        """Loaded adapters that may be unloaded once no request uses them."""
+        keep = {self.current, self.previous}
+        return [n for n in self.loaded if n not in keep]
+
+    def unloaded(self, name: str) -> None:
+        if name in self.loaded:
+            self.loaded.remove(name)
+        if self.previous == name:
+            self.previous = ""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """vLLM's `--max-lora-rank` for adapters of rank `rank`: the smallest value vLLM accepts that holds it."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):  # vllm/config/lora.py MaxLoRARanks (0.31)
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank (512)")
+
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "AdapterSet",
+    "adapter_name",
+    "check_adapter_dir",
+    "is_adapter_dir",
+    "vllm_max_lora_rank",
+]
