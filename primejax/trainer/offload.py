@@ -14,9 +14,10 @@ and moments come to the devices, AdamW updates them, they go back to host memory
 the previous bucket's result, so at most about one bucket of fp32 state (3 x `offload_bucket_mb` per device) is
 on a device at a time instead of all of it.
 
-Equal to the on-device update: the same clip and AdamW operations on the same fp32 values, so with
-`model.param_dtype` float32 (compute copy = master) the parameters, moments and checkpoints are bit-identical to
-the default path's (tests/trainer/test_offload.py). With bfloat16 compute copies the master and moments stay
+Equal to the on-device update: the same clip and AdamW operations on the same fp32 values. With
+`model.param_dtype` float32 (compute copy = master) and one bucket the parameters and moments are bit-identical to
+the default path's; with several buckets XLA fuses each bucket's update separately and may contract a multiply-add
+differently, an ulp apart per step (tests/trainer/test_offload.py). With bfloat16 compute copies the master and moments stay
 fp32, as in mixed-precision training. The non-finite guard: a non-finite loss or gradient skips the whole update
 (as on device); a bucket whose own new values overflow is kept unchanged and the step reports `nonfinite` = 1
 (undoing buckets already written back would need a second copy of the host state). docs/memory.md has the
