@@ -91,10 +91,14 @@ def _step(
     context=1,
     model="",
     lora=0,
+    offload=False,
+    bucket_mb=1024.0,
 ):
     """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md)."""
     return dict(
         lora=lora,
+        offload=offload,
+        bucket_mb=bucket_mb,
         model=model,
         context=context,
         micro=micro,
@@ -159,6 +163,18 @@ CONFIGS = {
         _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
         _step("moe48:16k:ep=a2a", 16384, 48, remat="full", **dict(GPU4, ep="a2a")),
         _step("moe48:16k:ep=a2a:padded", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded")),
+    ],
+    # fp32 master weights + fp32 AdamW moments (16 B/param, 490 GB) by host offload (trainer.optim.offload,
+    # trainer/offload.py): master and moments in pinned host memory (12 B/param, ~92 GB per GPU of host RAM),
+    # bf16 compute copies on the GPUs, the update streamed in 2 GiB buckets; next to the bf16-state row. The x4 row
+    # spreads the per-step host<->device traffic (~92 GB each way per GPU) over 4 micro-batches of 16k.
+    "gpu4:offload": [
+        _step("moe48:16k:bf16state", 16384, 48, remat="full", **GPU4),
+        _step("moe48:16k:fp32offload", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, **GPU4),
+        _step(
+            "moe48:16k:fp32offload:x4", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, micro=4,
+            skip_if_oom="moe48:16k:fp32offload", **GPU4,
+        ),
     ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
@@ -240,6 +256,13 @@ CONFIGS = {
         _step("tiny:256:glm", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-glm"),
         _step("tiny:256:deepseek", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-deepseek"),
         _step("tiny:256:qwen3_5", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-qwen3.5"),
+    ],
+    # the gpu4:offload suite's structure on 4 CPU devices: bf16 state next to fp32 master + moments offloaded
+    "smoke:offload": [
+        _step("tiny:256:bf16state", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True,
+              pdt="bfloat16", remat="full"),
+        _step("tiny:256:fp32offload", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True,
+              pdt="bfloat16", remat="full", offload=True, bucket_mb=0.05),
     ],
 }
 
@@ -576,7 +599,7 @@ def step_worker(c: dict) -> dict:
     import jax
     import numpy as np
 
-    from primejax.trainer.config import MeshConfig, TrainerConfig
+    from primejax.trainer.config import MeshConfig, OptimConfig, TrainerConfig
     from primejax.trainer.engine import Engine
     from tools.bench_trainer import _fake_batch
     from tools.bench_trainer_profile import _jax_peak_gib, _memory_analysis, _timed, _trace_summary
@@ -590,6 +613,7 @@ def step_worker(c: dict) -> dict:
         mesh=MeshConfig(fsdp=-1, context=context),
         micro_batch_size=max(1, rows // dp),
         logprob_chunk_size=2048,
+        optim=OptimConfig(offload=bool(c.get("offload")), offload_bucket_mb=c.get("bucket_mb", 1024.0)),
     )
     engine = Engine.create(t, cfg, seed=0, devices=jax.devices()[: c["devices"]])
     host = {
@@ -636,6 +660,12 @@ def step_worker(c: dict) -> dict:
         active_params=cfg.num_matmul_params(),
         params=cfg.num_params(),
         device=str(jax.devices()[0].device_kind),
+        # optimizer state per device by memory kind (offload: fp32 master + moments in pinned host memory)
+        state_gib={
+            kind: sum(x.nbytes for x in jax.tree.leaves(engine.state) if x.sharding.memory_kind == kind) / n_dev / 2**30
+            for kind in {x.sharding.memory_kind for x in jax.tree.leaves(engine.state)}
+        },
+        buckets=len(engine.offload.plan.buckets) if engine.offload else 0,
         trace=trace,
         **lora,
     )
@@ -649,6 +679,8 @@ WORKERS = {"gmm": gmm_worker, "step": step_worker, "tiles": tiles_worker, "tile_
 
 def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1")
+    if c.get("offload"):  # the GPU client's pinned host memory is capped (docs/memory.md); 30B-A3B needs ~366 GB
+        env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "460")
     if smoke:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
         env["JAX_PLATFORMS"] = "cpu"
@@ -732,6 +764,7 @@ def _table(results: list[dict]) -> str:
                     if r.get("adapter_export_s") is not None
                     else ""
                 )
+                + (f" offload: {r['buckets']} buckets, state GiB/gpu {r['state_gib']}" if r.get("offload") else "")
             )
         else:
             out.append(

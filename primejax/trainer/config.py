@@ -20,6 +20,14 @@ class OptimConfig(Section):
     eps: float = option(1e-8, "Adam epsilon")
     weight_decay: float = option(0.01, "decoupled weight decay (matrices only)", ge=0)
     max_norm: float = option(1.0, "global gradient-norm clip; 0 = off", ge=0)
+    offload: bool = option(
+        False,
+        "keep the fp32 master weights and AdamW moments in pinned host memory, streamed bucket by bucket through "
+        "the update; the devices keep model.param_dtype compute copies (set bfloat16 to save memory), docs/memory.md",
+    )
+    offload_bucket_mb: float = option(
+        1024.0, "offload: MiB per device of fp32 master weights per update bucket (3x that of state on device)", gt=0
+    )
 
 
 @section

@@ -43,6 +43,7 @@ from primejax.trainer import optim
 from primejax.trainer.config import LossConfig, TrainerConfig
 from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.logprobs import AUTO_SAVED_LOGITS_FRACTION, saved_logits_max_bytes
+from primejax.trainer.offload import Offload, make_offload
 from primejax.trainer.step import (
     TrainState,
     batch_sharding,
@@ -53,6 +54,7 @@ from primejax.trainer.step import (
     make_train_step,
     max_segments_bucket,
     opt_state_shardings,
+    shard_state,
     target_logprobs,
     to_micro_batches,
     tree_all_finite,
@@ -110,19 +112,28 @@ def _sds(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
 
 
 def abstract_state(
-    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int = 0
-) -> tuple[nnx.GraphDef, TrainState, dict | None]:
-    """(graphdef, TrainState of ShapeDtypeStructs, frozen weights or None) in the layout `step.init_state`
-    gives the real state (with LoRA the state holds the adapters and the frozen weights come apart)."""
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    seed: int = 0,
+    offload: Callable[[Any], Offload] | None = None,
+) -> tuple[nnx.GraphDef, TrainState, dict | None, Offload | None]:
+    """(graphdef, TrainState of ShapeDtypeStructs, frozen weights or None, offload or None) in the layout
+    `step.init_state` gives the real state (with LoRA the state holds the adapters and the frozen weights come
+    apart). `offload`: builds the host-offloaded update for the trained parameters (opt_state in host memory)."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     shardings = nnx.to_pure_dict(state_shardings(state, mesh))
     params = jax.tree.map(_sds, nnx.to_pure_dict(state), shardings)
     frozen = None
     if model_cfg.lora_rank:
         params, frozen = lora.split_adapters(params)
-    opt_state = jax.tree.map(
-        _sds, jax.eval_shape(optimizer.init, params), opt_state_shardings(optimizer, params, mesh)
-    )
+    off = offload(params) if offload is not None else None
+    if off is not None:
+        opt_state = off.abstract()
+    else:
+        opt_state = jax.tree.map(
+            _sds, jax.eval_shape(optimizer.init, params), opt_state_shardings(optimizer, params, mesh)
+        )
     replicated = NamedSharding(mesh, PartitionSpec())
     rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(seed)))
     return (
@@ -131,6 +142,7 @@ def abstract_state(
             params, opt_state, _sds(jax.ShapeDtypeStruct((), jnp.int32), replicated), _sds(rng, replicated)
         ),
         frozen,
+        off,
     )
 
 
@@ -156,6 +168,8 @@ class Engine:
     # LoRA (`model.lora`, models/lora.py): the state's params are the adapters and these the frozen weights
     # (in `model.param_dtype`), a constant input of every step; None without LoRA.
     frozen: dict | None = None
+    # `trainer.optim.offload` (trainer/offload.py): the state's opt_state (fp32 master + AdamW) in host memory
+    offload: Offload | None = None
     _compiled: dict[tuple[str, int], Callable] = dataclasses.field(default_factory=dict, repr=False)
     _finite: Callable | None = dataclasses.field(default=None, repr=False)
     _logprobs: Callable | None = dataclasses.field(default=None, repr=False)
@@ -193,18 +207,25 @@ class Engine:
             optimizer, schedule = optim.from_config(t.optim, t.scheduler, max_steps)
         else:
             optimizer, schedule = optim.make_optimizer(t.optim, lr_schedule), lr_schedule
-        frozen = None
+        frozen, off = None, None
+        offload = _offload_builder(t, schedule, mesh)
         if abstract:
-            graphdef, state, frozen = abstract_state(model_cfg, optimizer, mesh, seed)
+            graphdef, state, frozen, off = abstract_state(model_cfg, optimizer, mesh, seed, offload)
         else:
             if model is None:
                 model = init_model(model_cfg, mesh, seed)
             graphdef = nnx.graphdef(model)
+            trained = nnx.to_pure_dict(nnx.state(model))
             if model_cfg.lora_rank:
-                adapters, frozen = lora.split_adapters(nnx.to_pure_dict(nnx.state(model)))
-                state = init_state(adapters, optimizer, seed, mesh=mesh)
+                trained, frozen = lora.split_adapters(trained)
+            if offload is not None:
+                off = offload(trained)
+                state = TrainState(
+                    trained, off.init(trained), jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed))
+                )
+                state = shard_state(state, mesh)
             else:
-                state = init_state(model, optimizer, seed, mesh=mesh)
+                state = init_state(trained, optimizer, seed, mesh=mesh)
         return cls(
             t,
             model_cfg,
@@ -217,6 +238,7 @@ class Engine:
             _head_budget(t, mesh, hbm_bytes if abstract else None),
             corrections or CorrectionTable(),
             frozen,
+            off,
         )
 
     @classmethod
@@ -278,6 +300,7 @@ class Engine:
                 max_segments=key[1],
                 saved_logits_max_bytes=self.saved_logits_bytes,
                 corrections=self.corrections if kind == "rl" else None,
+                offload=self.offload,
             )
             self._compiled[key] = jit_train_step(fn, self.state, self.mesh, self.frozen)
         return self._compiled[key]
@@ -364,6 +387,15 @@ class Engine:
     def lora_model(self) -> nnx.Module:
         """The model with its adapters as separate parameters (LoRA engines; PEFT export reads them)."""
         return nnx.merge(self.graphdef, self.params())
+
+
+def _offload_builder(t: TrainerConfig, schedule: optax.Schedule, mesh: Mesh) -> Callable[[Any], Offload] | None:
+    """`trainer.optim.offload`: a function from the trained parameters (arrays or ShapeDtypeStructs) to their
+    offloaded update, or None when the optimizer state stays on the devices."""
+    if not getattr(t.optim, "offload", False):
+        return None
+    clip, adamw = optim.optimizer_parts(t.optim, schedule)
+    return lambda params: make_offload(params, clip, adamw, mesh, t.optim.offload_bucket_mb)
 
 
 def _head_budget(t: TrainerConfig, mesh: Mesh, hbm_bytes: int | None) -> int:

@@ -56,19 +56,24 @@ def _decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(optim: OptimConfig | Mapping[str, Any], schedule: optax.Schedule) -> optax.GradientTransformation:
-    """Global-norm clip (if max_norm > 0) then AdamW with the given schedule."""
+def optimizer_parts(
+    optim: OptimConfig | Mapping[str, Any], schedule: optax.Schedule
+) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
+    """(global-norm clip or None if max_norm is 0, AdamW): the two stages `make_optimizer` chains. The offloaded
+    update (trainer/offload.py) runs them apart: the clip once over all gradients, AdamW bucket by bucket."""
     if isinstance(optim, Mapping):  # unchecked: benchmarks and tests pass plain values (even a NaN lr)
         optim = SimpleNamespace(**optim)
-    parts = []
-    if optim.max_norm > 0:
-        parts.append(optax.clip_by_global_norm(optim.max_norm))
-    parts.append(
-        optax.adamw(
-            schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=_decay_mask,
-        )
+    clip = optax.clip_by_global_norm(optim.max_norm) if optim.max_norm > 0 else None
+    adamw = optax.adamw(
+        schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=_decay_mask,
     )
-    return optax.chain(*parts)
+    return clip, adamw
+
+
+def make_optimizer(optim: OptimConfig | Mapping[str, Any], schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Global-norm clip (if max_norm > 0) then AdamW with the given schedule."""
+    clip, adamw = optimizer_parts(optim, schedule)
+    return optax.chain(*([clip] if clip is not None else []), adamw)
 
 
 def from_config(o: OptimConfig, s: SchedulerConfig, max_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -310,6 +310,7 @@ def make_train_step(
     saved_logits_max_bytes: int = 0,
     guard: str = "fused",
     corrections: CorrectionTable | None = None,
+    offload: Any = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) step function train_step(state, batch[M, R, T], frozen=None) -> (state, metrics).
 
@@ -317,6 +318,8 @@ def make_train_step(
     only the adapters get gradients and optimizer state.
 
     `guard`: how a non-finite update is skipped (`guarded_update`; "select" is the plain reference version).
+    `offload`: a `trainer.offload.Offload`: the state's opt_state (fp32 master + AdamW state) lives in host
+    memory and the update streams it bucket by bucket (`optimizer` is then unused: the offload holds its parts).
     """
     if guard not in GUARDS:
         raise ValueError(f"guard {guard!r} is not one of {GUARDS}")
@@ -335,12 +338,15 @@ def make_train_step(
         loss, grads, sums, counts = accumulate(state.params, batch, frozen)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        # The update itself must be finite too: a finite loss and gradient can still give NaN parameters (a
-        # NaN learning rate, an overflowing optimizer moment), and those must never reach an export.
-        params, opt_state, finite = guarded_update(
-            optimizer, grads, state.opt_state, state.params, finite, guard
-        )
+        if offload is not None:  # fp32 gradients meet the fp32 master copy, whatever the compute copy's dtype
+            params, opt_state, finite = offload.update(grads, state.opt_state, state.params, finite)
+        else:
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+            # The update itself must be finite too: a finite loss and gradient can still give NaN parameters (a
+            # NaN learning rate, an overflowing optimizer moment), and those must never reach an export.
+            params, opt_state, finite = guarded_update(
+                optimizer, grads, state.opt_state, state.params, finite, guard
+            )
         new = TrainState(
             params=params,
             opt_state=opt_state,
