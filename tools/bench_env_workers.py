@@ -105,7 +105,7 @@ async def measure(
     if workers:
         await env.aclose()
     done = [r for g in groups for r in g if r.ok]
-    return {"workers": workers, "burn_ms": burn_ms, "rollouts": len(done), "wall_s": wall,
+    return {"workers": workers, "burn_ms": burn_ms, "finished": len(done), "wall_s": wall,
             "samples_per_s": len(done) / wall, "lag_p50_ms": 1e3 * percentile(lag.samples, 0.5),
             "lag_p99_ms": 1e3 * percentile(lag.samples, 0.99), "lag_max_ms": 1e3 * max(lag.samples, default=0.0)}  # fmt: skip
 
