@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 
 import pytest
 
@@ -16,17 +15,9 @@ from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.renderer import build_renderer
 from primejax.orchestrator.renderers_adapter import PackageRenderer
 from primejax.orchestrator.samples import rollout_to_samples
+from tests.envs.instant_model import Done
 
 TASKSET = "tests.envs.vf_calc_taskset"
-
-
-@dataclass
-class Done:
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    completion_logprobs: list[float]
-    finish_reason: str = "stop"
-    text: str = ""
 
 
 class ScriptedClient:
