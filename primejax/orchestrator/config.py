@@ -220,6 +220,15 @@ class OrchestratorConfig(Section):
         ge=0,
     )
     weights_poll_s: float = option(0.5, "how often to look for new STABLE broadcasts", gt=0)
+    gc_freeze: bool = option(
+        True,
+        "freeze what exists at start-up and after each step out of Python's cyclic collector, whose full "
+        "collections otherwise stall the event loop for seconds with thousands of rollouts in flight "
+        "(primejax/orchestrator/gcpause.py)",
+    )
+    gc_full_every: int = option(
+        50, "with gc_freeze: one full collection (frees reference cycles) every this many steps; 0 = never", ge=0
+    )
     routing_replay: bool = option(
         False,
         "record each sampled token's routed experts (MoE policy) and ship them for the trainer to replay; "

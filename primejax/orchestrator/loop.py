@@ -38,6 +38,7 @@ from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.evaluator import build_evaluator
 from primejax.orchestrator.failures import FailedSteps
 from primejax.orchestrator.filters import build_slots
+from primejax.orchestrator.gcpause import GcPolicy
 from primejax.orchestrator.generate import TRACE, GroupGenerator
 from primejax.orchestrator.looplag import LoopLag
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version, staleness
@@ -158,6 +159,7 @@ class Orchestrator:
                                     kv_high=c.kv_high, waiting_high=c.waiting_high, interval_s=c.interval_s)
             self.aimd = AIMDController(self.limiter, settings, self._server_metrics)
         self.loop_lag = LoopLag()
+        self.gc = GcPolicy(freeze=o.gc_freeze, full_every=o.gc_full_every)
         self._lost_seen = 0  # requests lost to the server up to the last continuous cut
         self.num_shards = max(1, num_shards)
         self.pad_rows_to_multiple = pad_rows_to_multiple
@@ -333,6 +335,7 @@ class Orchestrator:
                                    "(check group_size, rewards and filters)")
         await offload(self.write, step, samples, {"step": step, "policy_version": self.tracker.version})
         post_seconds = time.perf_counter() - t_post
+        gc_metrics = self.gc.after_step(step)
 
         total = time.perf_counter() - t0
         now = time.perf_counter()
@@ -346,7 +349,7 @@ class Orchestrator:
             M.rollout_metrics(rollouts), M.sample_metrics(step, samples),
             M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
             M.count_metrics("errors", errors), self.buffer.step_metrics(), pool_metrics, self.loop_lag.take(),
-            self._env_worker_metrics(),
+            self._env_worker_metrics(), gc_metrics,
             {
                 "concurrency/limit": self.limiter.limit,
                 "concurrency/in_flight_requests": self.limiter.in_flight,
@@ -428,6 +431,7 @@ class Orchestrator:
         """Run steps next_step..max_steps; return each step's metrics."""
         watcher = asyncio.create_task(self.tracker.watch())
         helpers = [asyncio.create_task(self.loop_lag.run())]
+        self.gc.start()
         if self.aimd is not None:
             helpers.append(asyncio.create_task(self.aimd.run()))
         history = []
@@ -453,6 +457,7 @@ class Orchestrator:
                     records = {f"{p}_examples": self.buffer.pool_records(p) for p in POOLS}
                     save_checkpoint(self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep, records)
         finally:
+            self.gc.stop()
             watcher.cancel()
             for task in helpers:
                 task.cancel()
