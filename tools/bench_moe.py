@@ -297,7 +297,7 @@ def gmm_worker(c: dict) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from primejax.models.gmm import grouped_matmul, resolve_impl
+    from primejax.models.gmm import adapter_grouped_matmul, grouped_matmul, resolve_impl
     from tools.bench_trainer_profile import _timed
 
     fast = resolve_impl("auto")
@@ -308,7 +308,11 @@ def gmm_worker(c: dict) -> dict:
     m, k, n, g = (256, 128, 128, 8) if smoke else (4096, 512, 256, 16)
     # "partial": groups cover 3/4 of the rows (the ep mode's case; the rest must come out zero), the others
     # cover all rows and run with all_rows_grouped=True (no padding group)
-    for kind in ("uniform", "skewed", "empty", "partial"):
+    # the base's matmuls, then a rank-16 LoRA factor's two (rank as N, then as K: padded to the tiles on mgpu)
+    cases = [(kind, "base", k, n) for kind in ("uniform", "skewed", "empty", "partial")]
+    cases += [(kind, op, kk, nn) for kind in ("uniform", "partial") for op, kk, nn in (("lora_a", k, 16), ("lora_b", 16, n))]
+    for kind, op, k, n in cases:
+        gmm = grouped_matmul if op == "base" else adapter_grouped_matmul
         full = kind != "partial"
         sizes = jnp.asarray(_sizes("uniform" if not full else kind, m * 3 // 4 if not full else m, g, rng))
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -316,12 +320,12 @@ def gmm_worker(c: dict) -> dict:
         dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
 
         def loss(x, w, impl):
-            y = grouped_matmul(x, w, sizes, impl, all_rows_grouped=full)  # noqa: B023
+            y = gmm(x, w, sizes, impl, all_rows_grouped=full)  # noqa: B023
             return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: B023
 
         outs = {}
         for impl in ("xla", fast):
-            y = jax.jit(lambda x, w, i=impl: grouped_matmul(x, w, sizes, i, all_rows_grouped=full))(x, w)  # noqa: B023
+            y = jax.jit(lambda x, w, i=impl: gmm(x, w, sizes, i, all_rows_grouped=full))(x, w)  # noqa: B023
             gx, gw = jax.jit(jax.grad(lambda x, w, i=impl: loss(x, w, i), argnums=(0, 1)))(x, w)
             outs[impl] = (y, gx, gw)
         # fp32 reference on upcast inputs
@@ -334,7 +338,7 @@ def gmm_worker(c: dict) -> dict:
                 argnums=(0, 1),
             )
         )(x.astype(jnp.float32), w.astype(jnp.float32))
-        row = dict(routing=kind)
+        row = dict(routing=kind, op=op)
         for impl, (y, gx, gw) in outs.items():
             row[impl] = dict(
                 y=_rel(y, ref),
@@ -699,7 +703,10 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
     if p.returncode or not lines:
         tail = (p.stderr or p.stdout)[-2000:]
         oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
-        return dict(c, oom=oom, error=tail if not oom else "OOM", wall_s=time.perf_counter() - t0)
+        # An OOM keeps its own line (how much was asked for, at compile or run time): the next fit starts there.
+        why = [ln for ln in tail.splitlines() if "RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()]
+        error = tail if not oom else "OOM: " + (why[0].strip()[:400] if why else "")
+        return dict(c, oom=oom, error=error, wall_s=time.perf_counter() - t0)
     return dict(c, **json.loads(lines[-1][7:]), wall_s=time.perf_counter() - t0)
 
 
@@ -720,7 +727,7 @@ def _table(results: list[dict]) -> str:
             )
             mv = ch["mgpu_vs_xla"]
             out.append(
-                f"  {ch['routing']:<8} {cells}  fast-vs-xla y={mv['y']:.1e} dx={mv['dx']:.1e} dw={mv['dw']:.1e}"
+                f"  {ch['routing']:<8} {ch.get('op', 'base'):<6} {cells}  fast-vs-xla y={mv['y']:.1e} dx={mv['dx']:.1e} dw={mv['dw']:.1e}"
             )
         for s in r["speed"]:
             if "error" in s:

@@ -58,6 +58,39 @@ def grouped_matmul(
     return _mgpu_gmm(lhs, rhs.astype(lhs.dtype), group_sizes, not all_rows_grouped)
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def adapter_grouped_matmul(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "xla", *, all_rows_grouped: bool = False
+) -> jax.Array:
+    """grouped_matmul for a rank-r LoRA factor (K or N is the rank), with the experts' own implementation.
+
+    XLA's ragged_dot is dense on Hopper (module docstring): at Qwen3-30B-A3B's shapes the expert adapters' backward
+    asked for 527 GiB. The Mosaic kernels need K and N to tile, so on "mgpu" the rank dimension is zero-padded to
+    a multiple of ADAPTER_TILE (zero rows/columns add nothing to the product; the pad's gradient is sliced
+    away): a rank-16 factor then costs what a rank-128 one would, a few percent of the expert matmuls.
+    """
+    impl = resolve_impl(impl)
+    if impl != "mgpu":
+        return grouped_matmul(lhs, rhs, group_sizes, impl, all_rows_grouped=all_rows_grouped)
+    rhs_n = rhs.shape[2]
+    lhs, rhs = pad_to_tiles(lhs, rhs, ADAPTER_TILE)
+    out = grouped_matmul(lhs, rhs, group_sizes, "mgpu", all_rows_grouped=all_rows_grouped)
+    return out[:, : rhs_n]
+
+
+def pad_to_tiles(lhs: jax.Array, rhs: jax.Array, tile: int) -> tuple[jax.Array, jax.Array]:
+    """lhs [M, K] and rhs [G, K, N] zero-padded so K and N are multiples of `tile` (the product's first N
+    columns are unchanged)."""
+    _, k, n = rhs.shape
+    kp, np_ = _round_up(k, tile), _round_up(n, tile)
+    if kp != k:
+        lhs = jnp.pad(lhs, ((0, 0), (0, kp - k)))
+    return lhs, jnp.pad(rhs, ((0, 0), (0, kp - k), (0, np_ - n)))
+
+
 # ---------------------------------------------------------------------- Mosaic GPU (Hopper)
 
 # Tile sizes per kernel and shape. Keys: (op, contracting dim, output dim) with op "fwd" (lhs [M, K] @ rhs
@@ -70,6 +103,7 @@ def _tiles(bm: int, bn: int, bk: int = 64, stages: int = 4, gbn: int = 1) -> dic
 
 
 DEFAULT_TILES = _tiles(128, 128)
+ADAPTER_TILE = 128  # a LoRA factor's rank dimension is padded to this on mgpu (adapter_grouped_matmul)
 
 
 # Qwen3-30B-A3B's expert shapes (16k tokens x top-8 rows over 128 experts): per kernel, the fastest tile sizes of

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from primejax.models.gmm import grouped_matmul
+from primejax.models.gmm import adapter_grouped_matmul, grouped_matmul
 from primejax.models.sharding import constrain, current_mesh, logical_to_spec, mesh_axes
 
 (EP_AXIS,) = mesh_axes("experts")  # the one mesh axis experts are split over (the sharding table)
@@ -173,15 +173,15 @@ def _expert_mlp(xs, group_sizes, gate_up, down, adapters=None, *, impl, full, lo
     e_local, d, _, i = gate_up.shape
     h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
     if adapters is not None:
-        h = h + _expert_gate_up_delta(xs, adapters, group_sizes, lora_scale)
+        h = h + _expert_gate_up_delta(xs, adapters, group_sizes, lora_scale, impl, full)
     h = checkpoint_name(h, GMM_OUTPUTS[0])
     a = jax.nn.silu(h[:, :i]) * h[:, i:]
     ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [rows, D]
     if adapters is not None:
         _, _, a_down, b_down = adapters
-        # The rank-r matmuls use XLA's ragged_dot: the Mosaic kernels' tiles are sized for model widths.
-        t = grouped_matmul(a, a_down, group_sizes, "xla") * jnp.asarray(lora_scale, a.dtype)
-        ys = ys + grouped_matmul(t, b_down, group_sizes, "xla")
+        t = adapter_grouped_matmul(a, a_down, group_sizes, impl, all_rows_grouped=full)
+        t = t * jnp.asarray(lora_scale, a.dtype)
+        ys = ys + adapter_grouped_matmul(t, b_down, group_sizes, impl, all_rows_grouped=full)
     return checkpoint_name(ys, GMM_OUTPUTS[1])
 
 
@@ -217,14 +217,13 @@ def _experts_local(
     return _combine(ys, order, inv, scores)
 
 
-def _expert_gate_up_delta(xs, adapters, group_sizes, scale):
+def _expert_gate_up_delta(xs, adapters, group_sizes, scale, impl, full):
     """[N*k, 2I]: each pair's gate and up adapters' s·(x·A)·B, laid out like the fused gate_up output."""
     a_gu, b_gu, _, _ = adapters
     e, d, two, r = a_gu.shape
-    t = grouped_matmul(xs, a_gu.reshape(e, d, two * r), group_sizes, "xla") * jnp.asarray(scale, xs.dtype)
-    return jnp.concatenate(
-        [grouped_matmul(t[:, c * r : (c + 1) * r], b_gu[:, c], group_sizes, "xla") for c in range(two)], axis=-1
-    )
+    gmm = functools.partial(adapter_grouped_matmul, group_sizes=group_sizes, impl=impl, all_rows_grouped=full)
+    t = gmm(xs, a_gu.reshape(e, d, two * r)) * jnp.asarray(scale, xs.dtype)
+    return jnp.concatenate([gmm(t[:, c * r : (c + 1) * r], b_gu[:, c]) for c in range(two)], axis=-1)
 
 
 def experts_forward(

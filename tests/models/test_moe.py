@@ -235,3 +235,36 @@ def test_grouped_matmul_tile_table_fits_the_kernels():
         assert smem + t["block_m"] * t["block_n"] * 2 <= smem_limit, (op, k, n)
         assert gmm.tiles_for(op, k, n) == t
     assert gmm.tiles_for("fwd", 64, 64) == gmm.DEFAULT_TILES
+
+
+def test_adapter_factors_padded_to_the_kernel_tiles_keep_their_product_and_grads():
+    """A rank-r LoRA factor goes to the Mosaic kernels with its rank zero-padded to their tiles (XLA's ragged_dot
+    is dense on GPU); the padded product's first N columns and both gradients equal the unpadded ones, for the
+    rank as N (x·A) and as K ((x·A)·B). The padded shapes tile the default tiles."""
+    from primejax.models import gmm
+
+    rng = np.random.default_rng(3)
+    sizes = jnp.asarray([5, 0, 7, 4], jnp.int32)  # 16 of 20 rows grouped: the rest must stay zero
+    for k, n in ((96, 16), (16, 80)):
+        x = jnp.asarray(rng.standard_normal((20, k)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((4, k, n)), jnp.float32)
+        dy = jnp.asarray(rng.standard_normal((20, n)), jnp.float32)
+
+        def padded(x, w, k=k, n=n):
+            xp, wp = gmm.pad_to_tiles(x, w, gmm.ADAPTER_TILE)
+            assert xp.shape[1] % gmm.DEFAULT_TILES["block_k"] == 0 and wp.shape[2] % gmm.DEFAULT_TILES["block_n"] == 0
+            return grouped_matmul(xp, wp, sizes, "xla")[:, :n]
+
+        def plain(x, w):
+            return grouped_matmul(x, w, sizes, "xla")
+
+        for f in (padded, plain):
+            assert f(x, w).shape == (20, n)
+        # equal up to fp32 summation order (the zero pad changes XLA:CPU's blocking of the contraction)
+        np.testing.assert_allclose(padded(x, w), plain(x, w), rtol=1e-5, atol=1e-5)
+        g_pad = jax.grad(lambda x, w, dy=dy: jnp.sum(padded(x, w) * dy), argnums=(0, 1))(x, w)
+        g_ref = jax.grad(lambda x, w, dy=dy: jnp.sum(plain(x, w) * dy), argnums=(0, 1))(x, w)
+        for a, b in zip(g_pad, g_ref, strict=True):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert gmm.adapter_grouped_matmul(x, w, sizes, "xla").shape == (20, 80)  # no padding off Hopper
