@@ -390,6 +390,7 @@ async def run_one(
         "max_in_flight": max(m["concurrency/in_flight_requests"] for m in recorder.metrics.values()),
         # Only meaningful on the wall clock: on virtual time the probe's sleeps do not take real time.
         "loop_lag_p99_ms": 1000 * max(lags) if args.clock == "real" else float("nan"),
+        "loop_lag_p99_by_step_ms": [round(1000 * x, 1) for x in lags] if args.clock == "real" else [],
         "sim_s": span,
     }
 

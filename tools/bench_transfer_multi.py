@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -85,7 +86,7 @@ def sender(a: argparse.Namespace) -> None:
     run = Path(a.run_dir)
     rows = {}
     if a.export:
-        for mode in ("gather", "parallel"):
+        for mode in a.export_modes.split(","):
             b = BroadcastConfig(mode="filesystem", export=mode, hash=False)
             pub = FilesystemPublisher(run / mode, cfg, b, async_level=0)
             rows[mode] = [pub.publish(r, model) for r in range(a.rounds + 1)][1:]
@@ -154,6 +155,7 @@ def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
     env = {
         **os.environ,
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "PYTHONFAULTHANDLER": "1",  # a hung row's processes print their stacks on SIGABRT (below)
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
     if a.smoke or a.cpu:
@@ -187,7 +189,7 @@ def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
         subprocess.Popen(
             common
             + ["--role", "sender", "--pid", str(k), "--nproc", str(nproc), "--coordinator", coord]
-            + (["--export"] if a.export else []),
+            + (["--export", "--export-modes", a.export_modes] if a.export else []),
             env=env,
             stdout=subprocess.PIPE,
             text=True,
@@ -195,7 +197,20 @@ def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
         for k in range(nproc)
     ]
     try:
-        out, _ = tx[0].communicate(timeout=a.timeout)
+        try:
+            out, _ = tx[0].communicate(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            alive = [p.pid for p in tx + rx if p.poll() is None]
+            print(f"{shape}, {nproc} processes: no result in {a.timeout:g} s; stacks of {alive}:", flush=True)
+            for p in tx + rx:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGABRT)
+            for p in tx + rx:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            raise
         for p in tx[1:] + rx:
             p.wait(timeout=300)
         if any(p.returncode for p in tx + rx):
@@ -228,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=0, help="default 1024 GPU, 1 smoke")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--tmp", default=None)
+    ap.add_argument("--export-modes", default="gather,parallel", help="export rows: which of gather, parallel")
     ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
     ap.add_argument("--shape", default="")
     ap.add_argument("--run-dir", default="")
@@ -259,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             "| shape | processes | GB | gather s | gather GB/s | parallel s | parallel GB/s |\n|---|---|---|---|---|---|---|"
         )
         for shape, n, res in table:
-            g, p = (statistics.median(m["export/seconds"] for m in res[k]) for k in ("gather", "parallel"))
-            gb = res["parallel"][0]["export/gb"]
+            med = {k: statistics.median(m["export/seconds"] for m in v) for k, v in res.items()}
+            gb = next(iter(res.values()))[0]["export/gb"]
+            g, p = med.get("gather", float("nan")), med.get("parallel", float("nan"))
             print(f"| {shape} | {n} | {gb:.2f} | {g:.2f} | {gb / g:.2f} | {p:.2f} | {gb / p:.2f} |")
     else:
         print(
