@@ -18,7 +18,6 @@ from safetensors.numpy import load_file
 from primejax.contracts.transfer import latest_offer
 from primejax.inference.adapter_transfer import ADAPTER_KEY, PrivateAdapterDirs
 from primejax.inference.adapters import check_adapter_dir
-from primejax.models.tiny import build_tiny_model
 from primejax.transfer.lanes import Piece, rows
 from primejax.transfer.sender import CollectiveSender, tensor_metas
 from tests.inference.test_adapters import FakeLoraEngine, _app
@@ -27,9 +26,9 @@ SECRET = "adapter-transfer-test-secret"
 CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("adapter_transfer") / "base")
+@pytest.fixture
+def base_dir(tiny_model_dir):
+    return tiny_model_dir  # the session's tiny model: the route's validator reads its config only
 
 
 def _adapter(seed: int, rank: int = 4) -> list[tuple[str, torch.Tensor]]:
