@@ -327,7 +327,10 @@ def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
         common = [sys.executable, __file__, "--size", size, "--run-dir", run, "--rounds", str(args.rounds),
                   "--bucket-mb", str(args.bucket_mb)] + (["--smoke"] if args.smoke else []) + (
                       ["--cpu"] if args.cpu else [])
-        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        from primejax.inference.admin_auth import TOKEN_ENV, process_token
+
+        # One run secret for both processes (each would otherwise make its own and refuse the other's store).
+        env = {**os.environ, TOKEN_ENV: process_token(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                               os.environ.get("PYTHONPATH", "")])}
         if args.smoke or args.cpu:
