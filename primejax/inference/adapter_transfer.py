@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +78,17 @@ def check_adapter_round(init_info: dict, update_info: dict, max_rank: int) -> li
 
 
 def receive_adapter(
-    receiver: wire.Receiver, init_info: dict, update_info: dict, secret: str | None, directory: Path
+    receiver: wire.Receiver,
+    init_info: dict,
+    update_info: dict,
+    secret: str | None,
+    directory: Path,
+    load: Callable[[Path], Any] | None = None,
 ) -> int:
-    """Receive one adapter round (rank `init_info["rank_offset"]`) and write it into `directory` as a PEFT
-    adapter directory; the bytes received. Raises (nothing written, nothing acknowledged) on any failure."""
+    """Receive one adapter round (rank `init_info["rank_offset"]`), write it into `directory` as a PEFT adapter
+    directory and call `load(directory)` (the server loads it into vLLM), all before acknowledging: the trainer
+    counts a round as delivered only once the adapter is loaded. Returns the bytes received; raises (nothing
+    acknowledged) on any failure."""
     from safetensors.numpy import save_file
 
     tensors: dict[str, Any] = {}
@@ -89,10 +97,14 @@ def receive_adapter(
         # Each bucket arrives in a fresh buffer (wire.receive_lanes): the views stay valid.
         tensors.update((name, t.numpy()) for name, t in pairs)
 
-    n = receiver.receive(init_info, update_info, int(init_info["rank_offset"]), "cpu", keep, secret)
-    save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(update_info[ADAPTER_KEY], indent=2) + "\n")
-    return n
+    def write_and_load() -> None:
+        save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (directory / ADAPTER_CONFIG).write_text(json.dumps(update_info[ADAPTER_KEY], indent=2) + "\n")
+        if load is not None:
+            load(directory)
+
+    rank = int(init_info["rank_offset"])
+    return receiver.receive(init_info, update_info, rank, "cpu", keep, secret, before_ack=write_and_load)
 
 
 class PrivateAdapterDirs:

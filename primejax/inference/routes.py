@@ -163,15 +163,16 @@ REAP_POLL_S = 1.0
 
 
 async def _serve_adapter(state: AdminState, adapter_dir: str, version: int, transport: str = "filesystem",
-                         t0: float | None = None) -> JSONResponse:
-    """Load a PEFT adapter next to the others under `adapter_name(version)` and serve it (no pause, no cache
-    reset: requests on the previous adapter finish on it; inference/adapters.py)."""
+                         t0: float | None = None, loaded: bool = False) -> JSONResponse:
+    """Load a PEFT adapter next to the others under `adapter_name(version)` (unless `loaded`) and serve it (no
+    pause, no cache reset: requests on the previous adapter finish on it; inference/adapters.py)."""
     if not hasattr(state.engine, "load_adapter"):
         return _error(HTTPStatus.NOT_IMPLEMENTED, "this server's engine cannot load LoRA adapters")
     t0 = time.perf_counter() if t0 is None else t0
     name = adapter_name(version)
     try:
-        await state.engine.load_adapter(name, adapter_dir)  # type: ignore[attr-defined]
+        if not loaded:
+            await state.engine.load_adapter(name, adapter_dir)  # type: ignore[attr-defined]
     except Exception as e:
         logger.exception("loading adapter %s from %s failed", name, adapter_dir)
         return _error(HTTPStatus.INTERNAL_SERVER_ERROR,
@@ -375,14 +376,22 @@ async def transfer_weights(request: Request) -> JSONResponse:
 async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dict, version: int,
                             timeout_s: float) -> JSONResponse:
     """A collective LoRA adapter round (inference/adapter_transfer.py): checked first (422, nothing received),
-    received by this process into a private PEFT directory, then served like a filesystem adapter. Nothing is
-    paused: a failed round loads nothing and the served adapter stays."""
+    received by this process into a private PEFT directory and loaded as `adapter_name(version)` before the
+    round is acknowledged (an acknowledged round is a served one), then served like a filesystem adapter.
+    Nothing is paused: a failed round loads nothing and the served adapter stays."""
     try:
         check_adapter_round(init_info, update_info, state.max_lora_rank)
     except WeightDirError as e:
         return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"{e}; still serving version {state.version}")
     if not hasattr(state.engine, "load_adapter"):
         return _error(HTTPStatus.NOT_IMPLEMENTED, "this server's engine cannot load LoRA adapters")
+    name, loop, loaded = adapter_name(version), asyncio.get_running_loop(), []
+
+    def load(directory: Path) -> None:  # on the receiving thread, between the digest check and the ack
+        coro = state.engine.load_adapter(name, str(directory))  # type: ignore[attr-defined]
+        asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s + TRANSFER_GRACE_S)
+        loaded.append(name)
+
     async with state.lock:
         if state.adapter_receiver is None:
             from primejax.transfer.wire import Receiver
@@ -392,20 +401,21 @@ async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dic
         directory = state.private_adapters.create()
         try:
             await asyncio.wait_for(run_in_threadpool(receive_adapter, state.adapter_receiver, init_info,
-                                                     update_info, state.admin_token, directory),
-                                   timeout_s + TRANSFER_GRACE_S)
+                                                     update_info, state.admin_token, directory, load),
+                                   2 * timeout_s + TRANSFER_GRACE_S)
         except Exception as e:
-            shutil.rmtree(directory, ignore_errors=True)
             logger.exception("collective transfer of LoRA adapter version %d failed", version)
+            if loaded:  # loaded but not acknowledged: the trainer falls back to the filesystem broadcast
+                try:
+                    await state.engine.unload_adapter(name)  # type: ignore[attr-defined]
+                except Exception:
+                    logger.exception("unloading the unacknowledged adapter %s failed", name)
+            shutil.rmtree(directory, ignore_errors=True)
             return _error(HTTPStatus.BAD_GATEWAY, f"collective transfer of LoRA adapter version {version} failed "
                           f"({type(e).__name__}: {str(e)[:300]}); nothing loaded, still serving version "
                           f"{state.version}")
-        answer = await _serve_adapter(state, str(directory), version, "collective", t0)
-        if answer.status_code >= 400:
-            shutil.rmtree(directory, ignore_errors=True)
-        else:
-            state.private_adapters.keep(adapter_name(version), directory)
-        return answer
+        state.private_adapters.keep(name, directory)
+        return await _serve_adapter(state, str(directory), version, "collective", t0, loaded=True)
 
 
 @router.post("/init_broadcaster")

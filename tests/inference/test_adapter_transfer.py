@@ -181,3 +181,25 @@ def test_adapter_round_whose_trainer_is_gone_loads_nothing(base_dir, tmp_path):
     assert r.status_code == 502 and "nothing loaded, still serving version 0" in r.json()["error"], r.text
     assert engine.calls == [] and state.version == 0 and not list((tmp_path / "private").iterdir())
     assert json.loads(json.dumps(state.describe()))["adapter"] == ""
+
+
+class FailingLoadEngine(FakeLoraEngine):
+    async def load_adapter(self, name, adapter_dir):
+        await super().load_adapter(name, adapter_dir)
+        raise RuntimeError("vLLM refused the adapter")
+
+
+def test_adapter_that_fails_to_load_is_not_acknowledged(base_dir, tmp_path):
+    """The adapter is loaded before the round is acknowledged: a load that fails leaves the trainer without an
+    acknowledgement (it falls back to the filesystem), the route answers 502 and serves nothing new."""
+    client, state, _ = _server(base_dir, tmp_path)
+    state.engine = engine = FailingLoadEngine()
+    sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=2, bucket_bytes=1024)
+    answers: list = []
+    t = threading.Thread(target=_orchestrate, args=(tmp_path, client, (1,), answers))
+    t.start()
+    assert sender.send(1, _adapter(1), extra={ADAPTER_KEY: CONFIG}) is False
+    t.join(30)
+    assert answers[0].status_code == 502 and "vLLM refused the adapter" in answers[0].json()["error"]
+    assert [c[0] for c in engine.calls] == ["load_adapter"]  # tried once, nothing to unload
+    assert state.version == 0 and state.adapters.current == "" and not list((tmp_path / "private").iterdir())
