@@ -85,13 +85,11 @@ def test_later_steps_sampled_from_an_adapter_with_tiny_mismatch(lora_run):
     assert all(0.0 <= kl <= 1e-5 for kl in kls), kls
 
 
+@pytest.mark.parametrize("lora_run", ["collective"], indirect=True)
 def test_collective_mode_carried_every_sampled_adapter(lora_run):
     """Collective: the steps the orchestrator samples from (1 .. STEPS-1 on-policy) were sent collectively, none
     fell back to the filesystem, and only the last step's adapter was written to broadcasts/."""
     _, run = lora_run
-    config = json.loads((run / "configs" / "trainer.json").read_text())
-    if config["trainer"]["broadcast"]["mode"] != "collective":
-        pytest.skip("filesystem run")
     trainer = read_jsonl(run / "metrics" / "trainer.jsonl")
     sent = [r["step"] for r in trainer if r.get("transfer/gb", 0) > 0]
     assert sent == list(range(1, STEPS)) and not [r for r in trainer if r.get("transfer/failed")], trainer
