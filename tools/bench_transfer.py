@@ -4,6 +4,20 @@
     python tools/bench_transfer.py --smoke                                               # CPU (gloo), tiny shapes
     python tools/bench_transfer.py --cpu --sizes 0.6b                                    # CPU (gloo), real shapes
 
+LoRA adapter sync (`--adapter R`: a Qwen3 rank-R adapter set on q/k/v/o/gate/up/down, fp32, PEFT layout;
+docs/lora.md), filesystem vs collective, the code paths of a LoRA run with one trainer process:
+
+    python tools/bench_transfer.py --adapter 16 --sizes 8b --cpu     # any machine: host memory, gloo
+    python tools/bench_transfer.py --adapter 16 --smoke              # CPU, tiny shapes (proves the script)
+
+The sender holds the stacked adapters on its JAX device (GPU 0 when there is one); per round it gathers them to
+the host in PEFT layout (`lora_io.adapter_tensors`) and either writes the step's broadcast (`write_peft` through
+`write_broadcast`, sha256 STABLE manifest) or sends them with `CollectiveSender` (gloo, host memory: adapter
+rounds never use NCCL) to a receiver process running the server's code (`adapter_transfer.receive_adapter`:
+receive, digest check, write the private PEFT directory, acknowledge). The filesystem row adds the server's
+checks of the broadcast (`check_stable` with hashes, `check_adapter_dir`). Not timed: vLLM's own adapter load
+(`load_lora_adapter` reads the PEFT directory either way, so it is the same in both rows).
+
 Multi-process trainers (several senders -> tensor-parallel receivers; the filesystem export, gather vs
 parallel): `--senders ...` / `--export ...`, run by tools/bench_transfer_multi.py (its docstring has the commands).
 
@@ -214,6 +228,97 @@ def receiver(args: argparse.Namespace) -> None:
     _write(run / "fs_done.json", {"load_s": load_s, "identical": params.checksums() == collective})
 
 
+# ---------------------------------------------------------------------------------------------- adapters
+
+
+def _adapter_cfg(args: argparse.Namespace):
+    from primejax.models.config import ModelConfig
+
+    return ModelConfig(model_type="qwen3", rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6, qk_norm=True,
+                       attention_bias=False, max_position_embeddings=4096, param_dtype="bfloat16",
+                       lora_rank=args.adapter, lora_alpha=2.0 * args.adapter,
+                       lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                       **shape(args.size, args.smoke))
+
+
+def adapter_sender(args: argparse.Namespace) -> None:
+    import jax
+    from flax import nnx
+
+    from primejax.contracts.broadcast import verify_broadcast, write_broadcast
+    from primejax.inference.adapter_transfer import ADAPTER_KEY
+    from primejax.inference.adapters import check_adapter_dir
+    from primejax.inference.admin_auth import process_token
+    from primejax.models import lora, lora_io
+    from primejax.models.transformer import Transformer
+    from primejax.transfer.sender import CollectiveSender, to_torch
+
+    run = Path(args.run_dir)
+    cfg = _adapter_cfg(args)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))  # the base's shapes, nothing allocated
+    specs = lora.stack_adapters(abstract.layers, cfg)
+    layers = jax.jit(lambda: {k: v[...] for k, v in lora.adapter_params(specs, jax.random.key(0)).items()})()
+    # B random too (a fresh B is zero): the receiver's copy is compared value for value.
+    layers = {k: v + 0.01 * jax.random.normal(jax.random.key(i), v.shape) for i, (k, v) in enumerate(layers.items())}
+    adapters = {"layers": jax.block_until_ready(layers)}
+    config = lora_io.peft_config(cfg)
+    sender = CollectiveSender(run, secret=process_token(), timeout_s=300, bucket_bytes=args.bucket_mb * 2**20,
+                              num_receivers=1, backend="gloo")
+    coll, fs, checks = [], [], []
+    for r in range(args.rounds + 1):
+        t0 = time.perf_counter()
+        named = [(n, to_torch(a)) for n, a in lora_io.adapter_tensors(adapters, cfg).items()]
+        if not sender.send(r, named, extra={ADAPTER_KEY: config}):
+            raise RuntimeError(f"round {r} failed")
+        t1 = time.perf_counter()
+        d, nbytes = write_broadcast(run / "fs", r, lambda d: lora_io.write_peft(adapters, cfg, d), hash_files=True)
+        t2 = time.perf_counter()
+        verify_broadcast(d)  # the server's check_stable(require_stable) hashes every file
+        check_adapter_dir(d, max_rank=512)
+        t3 = time.perf_counter()
+        if r:  # round 0 warms up: rendezvous, group, jit of the host transfer
+            coll.append(t1 - t0)
+            fs.append(t2 - t1)
+            checks.append(t3 - t2)
+    done = _wait_file(run / "adapter_done.json", 600)
+    want = lora_io.adapter_tensors(adapters, cfg)
+    from safetensors.numpy import load_file
+
+    got = load_file(str(Path(done["dir"]) / "adapter_model.safetensors"))
+    identical = list(got) == sorted(want) and all((got[k] == want[k]).all() for k in want)
+    print(json.dumps({
+        "size": args.size, "rank": args.adapter, "gb": sender.last["transfer/gb"], "mb_file": nbytes / 1e6,
+        "collective_s": statistics.median(coll), "export_s": statistics.median(fs),
+        "load_s": statistics.median(checks), "identical": identical, "tensors": len(want),
+        "device": str(jax.local_devices()[0].device_kind),
+    }), flush=True)
+    _write(run / "adapter_read.json", {})
+
+
+def adapter_receiver(args: argparse.Namespace) -> None:
+    import shutil
+
+    from primejax.contracts.transfer import latest_offer
+    from primejax.inference.adapter_transfer import receive_adapter
+    from primejax.inference.admin_auth import process_token
+    from primejax.transfer import wire
+
+    run = Path(args.run_dir)
+    rx = wire.Receiver()
+    last = None
+    for r in range(args.rounds + 1):
+        while (offer := latest_offer(run)) is None or offer.step != r:
+            time.sleep(0.0005)
+        d = run / f"private_{r}"
+        d.mkdir()
+        receive_adapter(rx, {**offer.init_info, "rank_offset": 1}, offer.update_info, process_token(), d)
+        if last is not None:
+            shutil.rmtree(last)  # as the server drops an unloaded adapter's directory
+        last = d
+    _write(run / "adapter_done.json", {"dir": str(last)})
+    _wait_file(run / "adapter_read.json", 600)
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -222,13 +327,18 @@ def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
         common = [sys.executable, __file__, "--size", size, "--run-dir", run, "--rounds", str(args.rounds),
                   "--bucket-mb", str(args.bucket_mb)] + (["--smoke"] if args.smoke else []) + (
                       ["--cpu"] if args.cpu else [])
-        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        from primejax.inference.admin_auth import TOKEN_ENV, process_token
+
+        # One run secret for both processes (each would otherwise make its own and refuse the other's store).
+        env = {**os.environ, TOKEN_ENV: process_token(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                               os.environ.get("PYTHONPATH", "")])}
         if args.smoke or args.cpu:
             env["JAX_PLATFORMS"] = "cpu"
         # Both processes see both GPUs (as vLLM's workers do), so NCCL can use direct peer access (NVLink);
         # the sender works on device 0, the receiver on device 1.
+        if args.adapter:
+            common += ["--adapter", str(args.adapter)]
         rx = subprocess.Popen(common + ["--role", "receiver"], env=env)
         try:
             out = subprocess.run(common + ["--role", "sender"], env=env, stdout=subprocess.PIPE, text=True,
@@ -259,15 +369,18 @@ def main() -> int:
     ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
     ap.add_argument("--size", default="")
     ap.add_argument("--run-dir", default="")
+    ap.add_argument("--adapter", type=int, default=0, help="LoRA rank: time adapter sync instead (docstring)")
     args = ap.parse_args()
     args.bucket_mb = args.bucket_mb or (1 if args.smoke else 256 if args.cpu else 1024)
     if args.role == "sender":
-        sender(args)
+        (adapter_sender if args.adapter else sender)(args)
         return 0
     if args.role == "receiver":
-        receiver(args)
+        (adapter_receiver if args.adapter else receiver)(args)
         return 0
     devices = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")
+    if args.adapter:
+        return adapter_table(args, devices)
     if not (args.smoke or args.cpu) and len(devices) < 2:
         print("error: needs two GPUs (CUDA_VISIBLE_DEVICES=0,1)", file=sys.stderr)
         return 2
@@ -286,6 +399,25 @@ def main() -> int:
         print(f"| Qwen3-{r['size'].upper()} | {r['gb']:.2f} | {r['collective_s']:.3f} | "
               f"{r['gb'] / r['collective_s']:.1f} | {r['export_s']:.2f} | {r['load_s']:.2f} | "
               f"{r['export_s'] + r['load_s']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def adapter_table(args: argparse.Namespace, devices: list[str]) -> int:
+    start = time.perf_counter()
+    rows = []
+    for size in args.sizes.split(","):
+        rows.append(run_size(size, args, devices))
+        print(json.dumps(rows[-1]), flush=True)
+    where = "smoke (CPU, tiny shapes)" if args.smoke else rows[0]["device"]
+    print(f"\nLoRA adapter sync; adapters on {where}, sent over gloo from host memory; bucket {args.bucket_mb} MiB; "
+          f"median of {args.rounds} rounds after a warm-up; total {time.perf_counter() - start:.0f} s\n")
+    print("| adapter | tensors | MB (fp32) | collective s (gather + send + receive + private dir) | "
+          "filesystem export s (gather + write + sha256) | server checks s | same tensors |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| Qwen3-{r['size'].upper()} r{r['rank']} | {r['tensors']} | {r['gb'] * 1e3:.1f} | "
+              f"{r['collective_s']:.3f} | {r['export_s']:.3f} | {r['load_s']:.3f} | "
+              f"{'yes' if r['identical'] else 'NO'} |")
     return 0 if all(r["identical"] for r in rows) else 1
 
 

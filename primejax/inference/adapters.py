@@ -37,27 +37,40 @@ def check_adapter_dir(directory: str | Path, max_rank: int) -> dict:
 
     `max_rank`: the server's `--max-lora-rank` (0 = LoRA not enabled on this server)."""
     d = Path(directory)
-    if max_rank <= 0:
-        raise WeightDirError(
-            f"{d} is a LoRA adapter but this server was started without LoRA (--enable-lora)"
-        )
+    check_lora_enabled(str(d), max_rank)
     try:
         config = json.loads((d / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as e:
         raise WeightDirError(f"{d / ADAPTER_CONFIG}: unreadable ({e})") from None
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise WeightDirError(f"{d / ADAPTER_CONFIG}: not a PEFT LoRA config (peft_type must be 'LORA')")
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= max_rank:
-        raise WeightDirError(
-            f"{d / ADAPTER_CONFIG}: rank {rank!r} is not in 1..{max_rank} (the server's max LoRA rank)"
-        )
+    check_adapter_config(config, max_rank, str(d / ADAPTER_CONFIG))
     if not (d / ADAPTER_WEIGHTS).is_file():
         raise WeightDirError(f"{d}: no {ADAPTER_WEIGHTS}")
-    tensors = read_safetensors_header(d / ADAPTER_WEIGHTS)
-    if not tensors or any(".lora_A." not in n and ".lora_B." not in n for n in tensors):
-        raise WeightDirError(f"{d / ADAPTER_WEIGHTS}: holds no tensors or tensors other than lora_A / lora_B")
+    check_adapter_names(read_safetensors_header(d / ADAPTER_WEIGHTS), str(d / ADAPTER_WEIGHTS))
     return config
+
+
+def check_lora_enabled(what: str, max_rank: int) -> None:
+    if max_rank <= 0:
+        raise WeightDirError(
+            f"{what} is a LoRA adapter but this server was started without LoRA (--enable-lora)"
+        )
+
+
+def check_adapter_config(config: object, max_rank: int, where: str) -> None:
+    """A PEFT LoRA config (`adapter_config.json`) whose rank is within the server's `max_rank`."""
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise WeightDirError(f"{where}: not a PEFT LoRA config (peft_type must be 'LORA')")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= max_rank:
+        raise WeightDirError(f"{where}: rank {rank!r} is not in 1..{max_rank} (the server's max LoRA rank)")
+
+
+def check_adapter_names(names: object, where: str) -> None:
+    """Tensors named as PEFT's lora_A / lora_B weights only, at least one."""
+    if not names or any(
+        not isinstance(n, str) or (".lora_A." not in n and ".lora_B." not in n) for n in names
+    ):
+        raise WeightDirError(f"{where}: holds no tensors or tensors other than lora_A / lora_B")
 
 
 class AdapterSet:
@@ -106,7 +119,10 @@ __all__ = [
     "ADAPTER_WEIGHTS",
     "AdapterSet",
     "adapter_name",
+    "check_adapter_config",
     "check_adapter_dir",
+    "check_adapter_names",
+    "check_lora_enabled",
     "is_adapter_dir",
     "vllm_max_lora_rank",
 ]

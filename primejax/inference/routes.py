@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,12 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from primejax.inference import identity
+from primejax.inference.adapter_transfer import (
+    PrivateAdapterDirs,
+    check_adapter_round,
+    is_adapter_round,
+    receive_adapter,
+)
 from primejax.inference.adapters import AdapterSet, adapter_name, check_adapter_dir, is_adapter_dir
 from primejax.inference.admin_auth import confine
 from primejax.inference.weights import WeightDirError, check_stable, version_from_dir
@@ -75,6 +82,10 @@ class AdminState:
     max_lora_rank: int = 0
     adapters: AdapterSet = field(default_factory=AdapterSet)
     reaper: asyncio.Task | None = None
+    # Collective adapter rounds (inference/adapter_transfer.py): this process's receiver (its groups reused
+    # round after round) and the private directories of the adapters received that way.
+    adapter_receiver: Any = None
+    private_adapters: PrivateAdapterDirs = field(default_factory=PrivateAdapterDirs)
 
     def __post_init__(self) -> None:
         self.weight_dir = self.weight_dir or self.base_dir
@@ -151,21 +162,25 @@ async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONRespons
 REAP_POLL_S = 1.0
 
 
-async def _serve_adapter(state: AdminState, adapter_dir: str, version: int) -> JSONResponse:
-    """Load a PEFT adapter next to the others under `adapter_name(version)` and serve it (no pause, no cache
-    reset: requests on the previous adapter finish on it; inference/adapters.py)."""
+async def _serve_adapter(state: AdminState, adapter_dir: str, version: int, transport: str = "filesystem",
+                         t0: float | None = None, loaded: bool = False) -> JSONResponse:
+    """Load a PEFT adapter next to the others under `adapter_name(version)` (unless `loaded`) and serve it (no
+    pause, no cache reset: requests on the previous adapter finish on it; inference/adapters.py)."""
     if not hasattr(state.engine, "load_adapter"):
         return _error(HTTPStatus.NOT_IMPLEMENTED, "this server's engine cannot load LoRA adapters")
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     name = adapter_name(version)
     try:
-        await state.engine.load_adapter(name, adapter_dir)  # type: ignore[attr-defined]
+        if not loaded:
+            await state.engine.load_adapter(name, adapter_dir)  # type: ignore[attr-defined]
     except Exception as e:
         logger.exception("loading adapter %s from %s failed", name, adapter_dir)
         return _error(HTTPStatus.INTERNAL_SERVER_ERROR,
                       f"loading LoRA adapter {adapter_dir} failed ({e}); still serving version {state.version}")
     state.adapters.serve(name)
-    state.version, state.weight_dir, state.transport = version, adapter_dir, "filesystem"
+    if transport == "filesystem":  # the name's earlier collective copy (if any) is no longer what vLLM reads
+        state.private_adapters.drop(name)
+    state.version, state.weight_dir, state.transport = version, adapter_dir, transport
     state.last_load_s = time.perf_counter() - t0
     logger.info("serving policy version %d as LoRA adapter %s from %s (%.3f s)", version, name, adapter_dir,
                 state.last_load_s)
@@ -185,6 +200,7 @@ async def _reap(state: AdminState) -> None:
             logger.exception("unloading adapter %s failed; tried again later", name)
             continue
         state.adapters.unloaded(name)
+        state.private_adapters.drop(name)
         logger.info("unloaded LoRA adapter %s (no request uses it)", name)
 
 
@@ -335,10 +351,11 @@ async def transfer_weights(request: Request) -> JSONResponse:
     body = await _json_body(request)
     if isinstance(body, JSONResponse):
         return body
-    if state.check_transfer is None or not hasattr(state.engine, "transfer_weights"):
+    version, init_info, update_info = body.get("version"), body.get("init_info"), body.get("update_info")
+    if (state.check_transfer is None or not hasattr(state.engine, "transfer_weights")) and not is_adapter_round(
+            update_info):
         return _error(HTTPStatus.NOT_IMPLEMENTED, "collective weight transfer is not enabled on this server "
                       "(start it with the primejax weight-transfer engine; see docs/weight_transfer.md)")
-    version, init_info, update_info = body.get("version"), body.get("init_info"), body.get("update_info")
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         return _error(HTTPStatus.BAD_REQUEST, "'version' (int >= 0) is required")
     if not isinstance(init_info, dict) or not isinstance(update_info, dict):
@@ -346,12 +363,59 @@ async def transfer_weights(request: Request) -> JSONResponse:
     timeout_s = init_info.get("timeout_s", 60.0)
     if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 86400:
         return _error(HTTPStatus.BAD_REQUEST, "'init_info.timeout_s' must be a number of seconds > 0")
+    if is_adapter_round(update_info):
+        return await _transfer_adapter(state, init_info, update_info, version, float(timeout_s))
     try:
         state.check_transfer(update_info)
     except (WeightDirError, KeyError, TypeError, ValueError) as e:
         return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"update_info: {e}; still serving version {state.version}")
     async with state.lock:
         return await _transfer(state, init_info, update_info, version, float(timeout_s))
+
+
+async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dict, version: int,
+                            timeout_s: float) -> JSONResponse:
+    """A collective LoRA adapter round (inference/adapter_transfer.py): checked first (422, nothing received),
+    received by this process into a private PEFT directory and loaded as `adapter_name(version)` before the
+    round is acknowledged (an acknowledged round is a served one), then served like a filesystem adapter.
+    Nothing is paused: a failed round loads nothing and the served adapter stays."""
+    try:
+        check_adapter_round(init_info, update_info, state.max_lora_rank)
+    except WeightDirError as e:
+        return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"{e}; still serving version {state.version}")
+    if not hasattr(state.engine, "load_adapter"):
+        return _error(HTTPStatus.NOT_IMPLEMENTED, "this server's engine cannot load LoRA adapters")
+    name, loop, loaded = adapter_name(version), asyncio.get_running_loop(), []
+
+    def load(directory: Path) -> None:  # on the receiving thread, between the digest check and the ack
+        coro = state.engine.load_adapter(name, str(directory))  # type: ignore[attr-defined]
+        asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s + TRANSFER_GRACE_S)
+        loaded.append(name)
+
+    async with state.lock:
+        if state.adapter_receiver is None:
+            from primejax.transfer.wire import Receiver
+
+            state.adapter_receiver = Receiver()
+        t0 = time.perf_counter()
+        directory = state.private_adapters.create()
+        try:
+            await asyncio.wait_for(run_in_threadpool(receive_adapter, state.adapter_receiver, init_info,
+                                                     update_info, state.admin_token, directory, load),
+                                   2 * timeout_s + TRANSFER_GRACE_S)
+        except Exception as e:
+            logger.exception("collective transfer of LoRA adapter version %d failed", version)
+            if loaded:  # loaded but not acknowledged: the trainer falls back to the filesystem broadcast
+                try:
+                    await state.engine.unload_adapter(name)  # type: ignore[attr-defined]
+                except Exception:
+                    logger.exception("unloading the unacknowledged adapter %s failed", name)
+            shutil.rmtree(directory, ignore_errors=True)
+            return _error(HTTPStatus.BAD_GATEWAY, f"collective transfer of LoRA adapter version {version} failed "
+                          f"({type(e).__name__}: {str(e)[:300]}); nothing loaded, still serving version "
+                          f"{state.version}")
+        state.private_adapters.keep(name, directory)
+        return await _serve_adapter(state, str(directory), version, "collective", t0, loaded=True)
 
 
 @router.post("/init_broadcaster")

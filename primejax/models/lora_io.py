@@ -94,13 +94,9 @@ def export_peft(
     return Path(out_dir)
 
 
-def write_peft(
-    adapters: dict, cfg: ModelConfig, directory: str | os.PathLike, *, base_model: str = ""
-) -> int:
-    """Write the PEFT files into an existing directory (the trainer's broadcast writes through its own temp
-    directory); return the bytes written."""
-    layers = {k: np.asarray(jax.device_get(v), np.float32) for k, v in adapters["layers"].items()}
-    config = {
+def peft_config(cfg: ModelConfig, base_model: str = "") -> dict:
+    """The `adapter_config.json` of our adapters for `cfg` (plain LoRA, PEFT's keys)."""
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -116,9 +112,23 @@ def write_peft(
         "inference_mode": True,
         "init_lora_weights": True,
     }
+
+
+def adapter_tensors(adapters: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """PEFT's named fp32 host tensors of the adapters (`split_adapters(...)[0]`, gathered): what `write_peft`
+    writes and the collective adapter round sends."""
+    layers = {k: np.asarray(jax.device_get(v), np.float32) for k, v in adapters["layers"].items()}
+    return peft_tensors(layers, cfg)
+
+
+def write_peft(
+    adapters: dict, cfg: ModelConfig, directory: str | os.PathLike, *, base_model: str = ""
+) -> int:
+    """Write the PEFT files into an existing directory (the trainer's broadcast writes through its own temp
+    directory); return the bytes written."""
     d = Path(directory)
-    save_file(peft_tensors(layers, cfg), str(d / WEIGHTS), metadata={"format": "pt"})
-    (d / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(adapter_tensors(adapters, cfg), str(d / WEIGHTS), metadata={"format": "pt"})
+    (d / CONFIG).write_text(json.dumps(peft_config(cfg, base_model), indent=2) + "\n")
     return (d / WEIGHTS).stat().st_size + (d / CONFIG).stat().st_size
 
 
@@ -208,4 +218,13 @@ def merge_peft(
         return export_safetensors(merged, lora.without_lora(cfg), tmp, dtype=dtype, src_dir=base_dir)
 
 
-__all__ = ["AdapterError", "adapter_settings", "export_peft", "merge_peft", "peft_tensors", "read_peft"]
+__all__ = [
+    "AdapterError",
+    "adapter_settings",
+    "adapter_tensors",
+    "export_peft",
+    "merge_peft",
+    "peft_config",
+    "peft_tensors",
+    "read_peft",
+]

@@ -10,13 +10,15 @@ metrics. Three implementations (docs/weight_transfer.md, docs/lora.md):
   directory once all have written.
 - `AdapterPublisher` (LoRA with `trainer.broadcast.lora = "adapter"`): `broadcasts/step_N/` as a PEFT adapter
   directory (megabytes), which the server loads next to its frozen base under a versioned name
-  (inference/adapters.py, docs/lora.md). The collective mode does not carry adapters: with LoRA it falls back
-  to this publisher with one warning.
+  (inference/adapters.py, docs/lora.md).
 - `CollectivePublisher`: sends the weights through vLLM's weight-transfer engine (transfer/sender.py) and
   writes the disk copy only where one is needed: at checkpoint steps (a resumed run reloads from disk), for a
   step no one will sample from any more, when asked (`disk_only`, the re-export on resume) and as the fallback
   when a transfer fails. With several processes each sends its own row blocks over its own lane
   (transfer/lanes.py) and all agree on the round's outcome (any sender failed: all write the broadcast).
+  With LoRA adapters (its disk publisher an `AdapterPublisher`) each round carries the adapter alone: PEFT's
+  fp32 tensors and its config, over gloo from host memory to each server's API process, which assembles and
+  loads it by version name (inference/adapter_transfer.py); several processes split the tensors between them.
 
 Both prune the broadcasts inference can no longer be asked for (older than step - async_level).
 """
@@ -40,7 +42,7 @@ from primejax.contracts.rundir import RunDir
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, state_to_hf_tensors
 from primejax.models.lora import split_adapters
-from primejax.models.lora_io import write_peft
+from primejax.models.lora_io import adapter_tensors, peft_config, write_peft
 from primejax.trainer.config import BroadcastConfig
 
 log = logging.getLogger("primejax.trainer")
@@ -152,12 +154,17 @@ class AdapterPublisher:
         self.model_cfg, self.b, self.async_level, self.base_model = model_cfg, b, async_level, base_model
         self.rank, self.processes = jax.process_index(), jax.process_count()
 
+    def gather(self, model: nnx.Module) -> dict:
+        """The adapters of `model` whole on every process (every process joins the gather)."""
+        adapters = split_adapters(nnx.to_pure_dict(nnx.state(model)))[0]
+        if self.processes > 1:  # arrays other processes hold parts of
+            adapters = multihost_utils.process_allgather(adapters, tiled=True)
+        return adapters
+
     def publish(self, step: int, model: nnx.Module, *, disk_only: bool = False) -> dict[str, float]:
         """`model`: the model with its adapters apart (`Engine.lora_model()`); only the adapters are read."""
         start = time.perf_counter()
-        adapters = split_adapters(nnx.to_pure_dict(nnx.state(model)))[0]
-        if self.processes > 1:  # arrays other processes hold parts of: every process joins the gather
-            adapters = multihost_utils.process_allgather(adapters, tiled=True)
+        adapters = self.gather(model)
         if self.rank != 0:
             return {}
         _, nbytes = write_broadcast(
@@ -185,7 +192,7 @@ class CollectivePublisher:
 
     def __init__(
         self,
-        disk: FilesystemPublisher,
+        disk: FilesystemPublisher | AdapterPublisher,
         *,
         num_receivers: int,
         checkpoint_interval: int,
@@ -195,6 +202,8 @@ class CollectivePublisher:
         (max_steps - 1 - async_level); it stops listening after that, so a later send would wait out the
         whole transfer timeout for nobody."""
         self.disk, self.num_receivers = disk, num_receivers
+        # LoRA: rounds carry the adapter alone, to each server's API process (num_receivers = servers).
+        self.adapters = isinstance(disk, AdapterPublisher)
         self.checkpoint_interval, self.last_sampled_step = checkpoint_interval, last_sampled_step
         self._sender: Any = None
         # Several senders: whether the next round opens new groups (the first round, after any failure).
@@ -214,7 +223,7 @@ class CollectivePublisher:
                     "collective weight transfer needs the run's admin secret ($PRIMEJAX_ADMIN_TOKEN or "
                     "<run>/admin_token, written by the launcher) to authenticate the servers"
                 )
-            gpu = jax.default_backend() == "gpu"
+            gpu = jax.default_backend() == "gpu" and not self.adapters  # adapters: gloo from host memory
             device = None
             if gpu:  # JAX's first local device, by its CUDA ordinal (one GPU of several visible)
                 import torch
@@ -231,7 +240,7 @@ class CollectivePublisher:
                 device=device,
                 lane=rank,
                 senders=senders,
-                workers_per_server=b.workers_per_server,
+                workers_per_server=1 if self.adapters else b.workers_per_server,
             )
             if senders == 1:
                 self._sender = CollectiveSender(self.disk.run.root, port=b.transfer_port, **kw)
@@ -268,9 +277,39 @@ class CollectivePublisher:
             sender.group, self.new_group = None, True
         return agreed
 
+    def _send_adapter(self, step: int, model: nnx.Module) -> bool:
+        """One adapter round (PEFT's fp32 tensors + config); several processes send every P-th tensor each
+        (whole tensors, over their lanes) and agree on the outcome. True only when every sender succeeded."""
+        from primejax.inference.adapter_transfer import ADAPTER_KEY
+        from primejax.transfer.lanes import Piece, rows
+        from primejax.transfer.sender import tensor_metas, to_torch
+
+        disk, sender = self.disk, self.sender()
+        named = [(n, to_torch(a)) for n, a in adapter_tensors(disk.gather(model), disk.model_cfg).items()]
+        extra = {ADAPTER_KEY: peft_config(disk.model_cfg, disk.base_model)}  # type: ignore[union-attr]
+        if disk.processes == 1:
+            return sender.send(step, named, extra=extra)
+        metas, p = tensor_metas(named), disk.processes
+        pieces = [Piece(i, i % p, 0, rows(m)) for i, m in enumerate(metas)]
+        mine = (t for i, (_, t) in enumerate(named) if i % p == disk.rank)
+        ok = sender.send_lazy(step, metas, mine, pieces=pieces, ids=self._round_ids(step), extra=extra)
+        agreed = bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
+        if not agreed:
+            sender.group, self.new_group = None, True
+        return agreed
+
     def publish(self, step: int, model: nnx.Module, *, disk_only: bool = False) -> dict[str, float]:
         if disk_only or step > self.last_sampled_step:
             return self.disk.publish(step, model)
+        if self.adapters:
+            sent = self._send_adapter(step, model)
+            metrics = dict(self.sender().last) if sent else {"transfer/failed": 1.0}
+            interval = self.checkpoint_interval
+            if sent and not (interval > 0 and step % interval == 0):
+                if self.disk.rank == 0:
+                    prune_broadcasts(self.disk.run.root, step - self.disk.async_level)
+                return metrics
+            return {**metrics, **self.disk.publish(step, model)}
         if self.disk.processes > 1:
             sent = self._send_sharded(step, model)
             metrics = dict(self.sender().last) if sent else {"transfer/failed": 1.0}
@@ -310,16 +349,14 @@ def make_publisher(
     num_receivers: int = 1,
     src_dir: str | None = None,
 ) -> Publisher:
-    """The run's publisher from `trainer.broadcast` (`num_receivers`: inference workers, every server's);
-    LoRA adapters always through the filesystem."""
+    """The run's publisher from `trainer.broadcast` (`num_receivers`: inference workers, every server's; an
+    adapter round goes to each server's API process, one per server)."""
+    disk: FilesystemPublisher | AdapterPublisher
     if publishes_adapters(b, model_cfg):
-        if b.mode == "collective":
-            log.warning(
-                "trainer.broadcast.mode=collective does not carry LoRA adapters: each step's adapter goes "
-                "through the filesystem (broadcasts/step_N, a PEFT directory of megabytes)"
-            )
-        return AdapterPublisher(root, model_cfg, b, async_level=async_level, base_model=src_dir or "")
-    disk = FilesystemPublisher(root, model_cfg, b, async_level=async_level, src_dir=src_dir)
+        disk = AdapterPublisher(root, model_cfg, b, async_level=async_level, base_model=src_dir or "")
+        num_receivers = max(1, num_receivers // b.workers_per_server)
+    else:
+        disk = FilesystemPublisher(root, model_cfg, b, async_level=async_level, src_dir=src_dir)
     if b.mode != "collective":
         return disk
     return CollectivePublisher(

@@ -100,9 +100,12 @@ class CollectiveSender:
             "workers_per_server": self.workers_per_server,
         }
 
-    def send(self, step: int, named: Sequence[tuple[str, Any]]) -> bool:
-        """One round for `step` with `named` = [(HF name, torch tensor)]; True when every server acknowledged."""
-        return self.send_lazy(step, tensor_metas(named), (t for _, t in named))
+    def send(
+        self, step: int, named: Sequence[tuple[str, Any]], *, extra: dict[str, Any] | None = None
+    ) -> bool:
+        """One round for `step` with `named` = [(HF name, torch tensor)]; True when every server acknowledged.
+        `extra`: more update-info fields (a LoRA adapter round's `adapter` config, inference/adapter_transfer.py)."""
+        return self.send_lazy(step, tensor_metas(named), (t for _, t in named), extra=extra)
 
     def send_lazy(
         self,
@@ -112,6 +115,7 @@ class CollectiveSender:
         *,
         pieces: Sequence[Any] | None = None,
         ids: tuple[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> bool:
         """Like `send`, with the tensors produced one by one (e.g. converted on device as they are sent).
 
@@ -126,7 +130,7 @@ class CollectiveSender:
             round_id = f"{step}-{uuid.uuid4().hex[:12]}"
             if self.group is None:
                 self.group_id = uuid.uuid4().hex[:12]
-        info = wire.update_info(round_id, metas)
+        info = {**wire.update_info(round_id, metas), **(extra or {})}
         if pieces is not None:
             info.update(senders=self.senders, pieces=[[p.tensor, p.sender, p.start, p.stop] for p in pieces])
         lane_metas = list(metas) if pieces is None else wire.lane_metas(metas, pieces, self.lane)

@@ -299,9 +299,12 @@ class Receiver:
         device: Any,
         load: Callable[[list[tuple[str, Any]]], Any],
         secret: str | None,
+        before_ack: Callable[[], Any] | None = None,
     ) -> int:
         """Receive one round; raises (and acknowledges nothing) when the rendezvous is not this run's (`secret`
-        is the run's admin secret) or when what arrived differs from a sender's digest."""
+        is the run's admin secret) or when what arrived differs from a sender's digest. `before_ack`: run once
+        everything arrived and matched, before the acknowledgement (a LoRA adapter is loaded there, so an
+        acknowledged round is a served one); if it raises, nothing is acknowledged."""
         metas = metas_from_update_info(update_info)
         timeout_s = float(init_info.get("timeout_s", 60.0))
         key = (
@@ -337,6 +340,8 @@ class Receiver:
                         f"round {update_info['round_id']}: the weights received from sender {k} differ from what "
                         "it sent (digest mismatch); not acknowledged"
                     )
+            if before_ack is not None:
+                before_ack()
             store.set(ack_key(update_info["round_id"], rank), "1")
             return n
         except BaseException:

