@@ -24,6 +24,17 @@ from primejax.models.tiny import build_tiny_model
 SERVER_STARTUP_TIMEOUT_S = 300.0
 SLOW_TIER_ENV = "PRIMEJAX_SLOW"
 
+# The tests compile hundreds of small XLA programs and run each a few times, so on CPU most of their time is
+# the compiler's, and most of that is LLVM optimising the generated code, which buys nothing at tiny sizes.
+# Compiling at LLVM -O0 halves the CPU time of the compile-heavy tests (docs/testing.md has the figures). It
+# changes no HLO pass (fusion, sharding, buffer assignment: what the tests inspect), and dots are library
+# calls either way. Set before JAX creates its CPU backend, so this process and every subprocess a test
+# starts from os.environ compile the same way; tests that set XLA_FLAGS for a subprocess append to it. An
+# explicit level in XLA_FLAGS wins.
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_XLA_FLAGS}".strip()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get(SLOW_TIER_ENV) == "1":

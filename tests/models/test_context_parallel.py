@@ -18,7 +18,11 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("context") / "result.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+    }
     p = subprocess.run(
         [sys.executable, str(HERE / "context_check.py"), str(out)],
         capture_output=True,

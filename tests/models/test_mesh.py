@@ -46,7 +46,11 @@ TOL = 1e-5  # fp32; sharded reductions sum in a different order
 def mesh_results(hf_model_dir, tmp_path_factory):
     model_dir, _ = hf_model_dir("qwen3_untied")
     out = tmp_path_factory.mktemp("mesh") / "result.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+    )
     script = Path(__file__).with_name("mesh_check.py")
     proc = subprocess.run(
         [sys.executable, str(script), str(model_dir), str(out)], env=env, capture_output=True, text=True, timeout=600

@@ -45,7 +45,11 @@ def glm_results(hf_model_dir, tmp_path_factory):
 
 def _run_check(model_dir, tmp_path_factory, only=()):
     out = tmp_path_factory.mktemp("moe_mesh") / "result.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+    )
     script = Path(__file__).with_name("moe_mesh_check.py")
     proc = subprocess.run(
         [sys.executable, str(script), str(model_dir), str(out), *([",".join(only)] if only else [])],

@@ -238,7 +238,11 @@ def test_meshes_equal_one_device_and_context_split_is_refused(hf_model_dir, tmp_
     device's logits, loss and every gradient; a mesh splitting rows by token fails with the one line."""
     model_dir, _ = hf_model_dir("qwen3_5_hybrid")
     out = tmp_path / "result.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+    )
     script = Path(__file__).with_name("qwen3_5_mesh_check.py")
     proc = subprocess.run(
         [sys.executable, str(script), str(model_dir), str(out)],

@@ -59,7 +59,7 @@ def test_splash_in_shard_map_matches_unsharded_xla():
     """8 emulated devices: rows over data x fsdp, heads over tensor / context (split when kv heads divide it)."""
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )

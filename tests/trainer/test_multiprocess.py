@@ -89,7 +89,11 @@ def _trainers(config: Path, processes: int, *overrides: str) -> list[subprocess.
     port = _free_port()
     procs = []
     for pid in range(processes):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        env = dict(
+            os.environ,
+            XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
+            JAX_PLATFORMS="cpu",
+        )
         if processes > 1:
             env.update(PRIMEJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", PRIMEJAX_NUM_PROCESSES=str(processes),
                        PRIMEJAX_PROCESS_ID=str(pid))

@@ -204,7 +204,11 @@ _MESH_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_offload_on_a_4_device_mesh_with_both_expert_modes_matches_the_device_update():
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+    }
     out = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT, here], capture_output=True, text=True, timeout=1200, env=env
     )

@@ -49,7 +49,7 @@ def _trainers(run: Path, model: Path, step: int, mode: str) -> list[subprocess.P
     for pid in range(2):
         env = dict(
             os.environ,
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
             JAX_PLATFORMS="cpu",
             PRIMEJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             PRIMEJAX_NUM_PROCESSES="2",
