@@ -127,8 +127,28 @@ VARIANTS = {
              layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
     ),
+    # Qwen3.5 MoE: the hybrid stack with every MLP sparse (renormalized softmax top-k, one shared expert with
+    # its sigmoid gate). Three DeltaNet layers then full attention, 8 experts top-2, a shared expert wider
+    # than the routed ones, untied; and alternating layers from full attention, 6 experts top-3, a narrower
+    # shared expert, dk < dv, half rotary, tied.
+    "qwen3_5_moe_hybrid": (
+        transformers.Qwen3_5MoeTextConfig,
+        transformers.Qwen3_5MoeForCausalLM,
+        dict(tie_word_embeddings=False, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    ),
+    "qwen3_5_moe_alt_tied": (
+        transformers.Qwen3_5MoeTextConfig,
+        transformers.Qwen3_5MoeForCausalLM,
+        dict(tie_word_embeddings=True, num_hidden_layers=2, linear_num_key_heads=2, linear_num_value_heads=2,
+             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3, num_experts=6,
+             num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=16,
+             layer_types=["full_attention", "linear_attention"],
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
 }
-MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe", "deepseek_v3"))]
+MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe"))]
 
 
 def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.PreTrainedModel:
