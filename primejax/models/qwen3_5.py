@@ -120,8 +120,10 @@ def check_hybrid(cfg) -> None:
         raise ValueError("scan_layers=True needs every layer of one kind: a hybrid stack runs unrolled")
     if cfg.lora_rank:
         raise NotImplementedError(f"LoRA on {cfg.model_type} is not implemented")
-    if (cfg.model_type == "qwen3_5_moe_text") != bool(cfg.num_experts):
-        raise ValueError(f"{cfg.model_type}: experts are what qwen3_5_moe_text has and qwen3_5_text has not")
+    if cfg.model_type == "qwen3_5_moe_text" and cfg.num_experts <= 0:
+        raise ValueError("qwen3_5_moe_text needs num_experts > 0 (every layer is sparse)")
+    if cfg.model_type == "qwen3_5_text" and cfg.num_experts:
+        raise ValueError("qwen3_5_text has no experts: a Qwen3.5 MoE checkpoint is model_type qwen3_5_moe_text")
     if cfg.num_experts and (cfg.sparse_layers() != tuple(range(cfg.num_layers)) or cfg.router_scoring != "softmax"
                             or not cfg.norm_topk_prob or cfg.n_shared_experts != 1 or not cfg.shared_expert_gate):
         raise ValueError("qwen3_5_moe_text: every layer sparse, a renormalized softmax router and one gated "
@@ -131,7 +133,7 @@ def check_hybrid(cfg) -> None:
 # transformers' Qwen3_5MoeTextConfig defaults for absent keys
 _MOE_DEFAULTS = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                      shared_expert_intermediate_size=512)  # fmt: skip
-QWEN3_5_MOE_KEYS = set(_MOE_DEFAULTS) | {"num_local_experts", "output_router_logits", "router_aux_loss_coef"}
+QWEN3_5_MOE_KEYS = set(_MOE_DEFAULTS) | {"num_local_experts"}
 
 
 def qwen3_5_moe_fields(hf: dict) -> dict[str, Any]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
+from safetensors.numpy import load_file, save_file
 
 _COMMON = dict(
     hidden_size=64,
@@ -172,3 +175,26 @@ def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.P
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(out_dir)
     return model
+
+
+def write_multimodal_checkpoint(src: Path, out: Path, wrapper_type: str) -> None:
+    """A Qwen3.5 (`qwen3_5`) or Qwen3.5 MoE (`qwen3_5_moe`) ForConditionalGeneration-style directory made of the
+    text checkpoint in `src`: its config under `text_config` (tie_word_embeddings at the top, as the published
+    ones), its tensors under `model.language_model.*`, plus a vision tensor and an MTP tensor no loader reads."""
+    text_cfg = json.loads((src / "config.json").read_text())
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            tensors[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
+    tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    tensors["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(out / "model.safetensors"))
+    arch = "Qwen3_5MoeForConditionalGeneration" if wrapper_type == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    wrapper = dict(
+        model_type=wrapper_type,
+        architectures=[arch],
+        tie_word_embeddings=text_cfg.pop("tie_word_embeddings"),
+        text_config=text_cfg,
+        vision_config=dict(model_type=f"{wrapper_type}_vision", depth=1),
+    )
+    (out / "config.json").write_text(json.dumps(wrapper))
