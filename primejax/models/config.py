@@ -333,7 +333,12 @@ class ModelConfig:
             known |= _DEEPSEEK_V3_KEYS
             moe = _deepseek_v3_fields(hf)
         if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
-            from primejax.models.qwen3_5 import QWEN3_5_KEYS, QWEN3_5_MOE_KEYS, qwen3_5_fields, qwen3_5_moe_fields
+            from primejax.models.qwen3_5 import (
+                QWEN3_5_KEYS,
+                QWEN3_5_MOE_KEYS,
+                qwen3_5_fields,
+                qwen3_5_moe_fields,
+            )
 
             known |= QWEN3_5_KEYS
             moe = qwen3_5_fields(hf)

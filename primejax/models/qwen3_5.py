@@ -123,11 +123,19 @@ def check_hybrid(cfg) -> None:
     if cfg.model_type == "qwen3_5_moe_text" and cfg.num_experts <= 0:
         raise ValueError("qwen3_5_moe_text needs num_experts > 0 (every layer is sparse)")
     if cfg.model_type == "qwen3_5_text" and cfg.num_experts:
-        raise ValueError("qwen3_5_text has no experts: a Qwen3.5 MoE checkpoint is model_type qwen3_5_moe_text")
-    if cfg.num_experts and (cfg.sparse_layers() != tuple(range(cfg.num_layers)) or cfg.router_scoring != "softmax"
-                            or not cfg.norm_topk_prob or cfg.n_shared_experts != 1 or not cfg.shared_expert_gate):
-        raise ValueError("qwen3_5_moe_text: every layer sparse, a renormalized softmax router and one gated "
-                         "shared expert")
+        raise ValueError(
+            "qwen3_5_text has no experts: a Qwen3.5 MoE checkpoint is model_type qwen3_5_moe_text"
+        )
+    if cfg.num_experts and (
+        cfg.sparse_layers() != tuple(range(cfg.num_layers))
+        or cfg.router_scoring != "softmax"
+        or not cfg.norm_topk_prob
+        or cfg.n_shared_experts != 1
+        or not cfg.shared_expert_gate
+    ):
+        raise ValueError(
+            "qwen3_5_moe_text: every layer sparse, a renormalized softmax router and one gated shared expert"
+        )
 
 
 # transformers' Qwen3_5MoeTextConfig defaults for absent keys

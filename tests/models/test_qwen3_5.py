@@ -92,8 +92,11 @@ def _hf_logits(model, tokens):
 
 @pytest.mark.parametrize(
     "variant",
-    ["qwen3_5_hybrid", pytest.param("qwen3_5_alt_tied", marks=pytest.mark.slow),
-     pytest.param("qwen3_5_moe_hybrid", marks=pytest.mark.slow)],
+    [
+        "qwen3_5_hybrid",
+        pytest.param("qwen3_5_alt_tied", marks=pytest.mark.slow),
+        pytest.param("qwen3_5_moe_hybrid", marks=pytest.mark.slow),
+    ],
 )
 def test_long_packed_rows_equal_per_sample_transformers_logits(variant, hf_model_dir):
     """Rows of 160 tokens (three 64-token chunks): samples start mid-chunk and span chunk boundaries."""

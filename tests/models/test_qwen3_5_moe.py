@@ -50,7 +50,9 @@ def test_multimodal_fused_checkpoint_loads_and_exports_the_text_model_bit_exact(
     assert cfg.model_type == "qwen3_5_moe_text" and cfg.sparse_layers() == (0, 1, 2, 3)
     tokens = np.random.default_rng(3).integers(0, 512, size=(1, 30)).astype(np.int32)
     ours = np.asarray(
-        nnx.jit(lambda m, t: m.logits(t, jnp.arange(30, dtype=jnp.int32)[None], jnp.ones_like(t)))(model, tokens)
+        nnx.jit(lambda m, t: m.logits(t, jnp.arange(30, dtype=jnp.int32)[None], jnp.ones_like(t)))(
+            model, tokens
+        )
     )
     err = float(np.abs(ours - _hf_logits(torch_model, tokens)).max())
     assert err <= TOL, err
@@ -63,7 +65,9 @@ def test_multimodal_fused_checkpoint_loads_and_exports_the_text_model_bit_exact(
     assert sorted(after) == sorted(before)
     assert "model.layers.3.mlp.shared_expert_gate.weight" in after
     for name, ref in before.items():
-        assert after[name].dtype == ref.dtype and np.array_equal(after[name].view(np.uint8), ref.view(np.uint8)), name
+        assert after[name].dtype == ref.dtype and np.array_equal(
+            after[name].view(np.uint8), ref.view(np.uint8)
+        ), name
 
 
 def test_routing_replay_takes_the_recorded_experts_through_the_hybrid_stack(hf_model_dir):
@@ -85,7 +89,9 @@ def test_routing_replay_takes_the_recorded_experts_through_the_hybrid_stack(hf_m
     graphdef, params = nnx.split(model)
 
     def run(p):
-        h, stats = nnx.merge(graphdef, p).forward_with_aux(tokens, positions, segments, replay=(recorded, valid))
+        h, stats = nnx.merge(graphdef, p).forward_with_aux(
+            tokens, positions, segments, replay=(recorded, valid)
+        )
         return jnp.sum(h[valid] ** 2), stats
 
     (_, stats), grads = jax.jit(jax.value_and_grad(run, has_aux=True))(params)
@@ -124,7 +130,9 @@ def test_qwen3_5_35b_a3b_config_round_trip_flops_and_params():
     # transformers reads the export's config into the same shape
     again = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in hf.items() if k != "model_type"})
     assert (again.num_experts, again.shared_expert_intermediate_size, again.layer_types) == (
-        256, 512, list(cfg.layer_types)
+        256,
+        512,
+        list(cfg.layer_types),
     )
     # 10 gated full-attention layers (q with its gate 2*16*256, k, v 2*256, o), 30 DeltaNet layers, and per
     # layer 8 routed experts + the shared one (3*2048*512 each), the router [2048, 256] and the shared gate
@@ -148,9 +156,11 @@ def test_qwen3_5_35b_a3b_config_round_trip_flops_and_params():
         ({}, dict(lora_rank=8, lora_alpha=16.0, lora_targets=("q_proj",)), "LoRA on qwen3_5_moe_text"),
         (dict(attention_bias=True), {}, "attention_bias"),
         ({}, dict(scan_layers=True), "hybrid stack runs unrolled"),
-        (dict(model_type="qwen3_5_text", intermediate_size=512), dict(num_experts=8, num_experts_per_tok=2,
-                                                                     moe_intermediate_size=32),
-         "qwen3_5_text has no experts"),
+        (
+            dict(model_type="qwen3_5_text", intermediate_size=512),
+            dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+            "qwen3_5_text has no experts",
+        ),
     ],
 )
 def test_qwen3_5_moe_configs_not_runnable_fail_clearly(change, overrides, error):
