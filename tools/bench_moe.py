@@ -7,6 +7,7 @@
     python tools/bench_moe.py --suite gpu1:families  # 1 GPU: GLM-4.5-Air cut to 4 layers next to Qwen3-30B-A3B
     python tools/bench_moe.py --suite gpu4:families  # 4 GPUs: GLM-4.5-Air cut to 8 layers, expert-parallel
     python tools/bench_moe.py --suite gpu1:qwen3_5  # 1 GPU: Qwen3.5-9B cut to 8 layers next to Qwen3-8B cut to 8
+    python tools/bench_moe.py --suite gpu1:qwen3_5_moe  # 1 GPU: Qwen3.5-35B-A3B cut to 4 / 8 layers next to 30B-A3B
     python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
     python tools/bench_moe.py --suite lora:gpu4   # 48-layer 30B-A3B LoRA (experts adapted) next to full FT
 
@@ -63,9 +64,16 @@ TINY_QWEN3_5 = dict(
     num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
     linear_value_head_dim=32, full_attention_interval=2,
 )  # fmt: skip
+# Qwen3.5 MoE's: that hybrid structure with every MLP sparse and a gated shared expert
+TINY_QWEN3_5_MOE = dict(
+    QWEN3_5["qwen3.5-35b-a3b"], **_TINY_SIZES, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, full_attention_interval=2,
+    num_experts=8, shared_expert_intermediate_size=128,
+)  # fmt: skip
+TINY_QWEN3_5_MOE.pop("intermediate_size")  # every layer sparse: Qwen3_5MoeTextConfig has no dense width
 SHAPES = {
     **QWEN3, **GLM, **DEEPSEEK, **QWEN3_5, "tiny": TINY, "tiny-glm": TINY_GLM, "tiny-deepseek": TINY_DEEPSEEK,
-    "tiny-qwen3.5": TINY_QWEN3_5,
+    "tiny-qwen3.5": TINY_QWEN3_5, "tiny-qwen3.5-moe": TINY_QWEN3_5_MOE,
 }  # fmt: skip
 
 
@@ -209,6 +217,15 @@ CONFIGS = {
         _step("qwen35_9b_8:16k:bf16state", 16384, 8, pdt="bfloat16", model="qwen3.5-9b"),
         _step("qwen35_9b_8:16k:bf16state:full", 16384, 8, pdt="bfloat16", remat="full", model="qwen3.5-9b"),
     ],
+    # Qwen3.5-35B-A3B cut to 4 layers (3 Gated DeltaNet + 1 full attention, all sparse: 4.4B params with its
+    # untied 248k-token vocab, bf16 state) and to 8 (7.8B, full remat; skipped if 4 did not fit) next to
+    # Qwen3-30B-A3B cut to 8 layers in the same call; unrolled (a hybrid stack cannot scan)
+    "gpu1:qwen3_5_moe": [
+        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
+        _step("qwen35moe4:16k:bf16state", 16384, 4, pdt="bfloat16", model="qwen3.5-35b-a3b"),
+        _step("qwen35moe8:16k:bf16state:full", 16384, 8, pdt="bfloat16", remat="full", model="qwen3.5-35b-a3b",
+              skip_if_oom="qwen35moe4:16k:bf16state"),
+    ],
     # LoRA rank 16 on Qwen3-30B-A3B, all 48 layers, experts included (per-expert adapters), the base frozen in bf16
     # (61 GB): one suite per GPU count, to find the fewest it fits on; "lora:gpu4" has the full fine-tune next to it.
     "lora:gpu1": [_step("moe48:16k:lora16", 16384, 48, remat="full", lora=16, **dict(GPU4, devices=1, rows=1))],
@@ -256,6 +273,7 @@ CONFIGS = {
         _step("tiny:256:glm", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-glm"),
         _step("tiny:256:deepseek", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-deepseek"),
         _step("tiny:256:qwen3_5", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-qwen3.5"),
+        _step("tiny:256:qwen3_5_moe", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, model="tiny-qwen3.5-moe"),
     ],
     # the gpu4:offload suite's structure on 4 CPU devices: bf16 state next to fp32 master + moments offloaded
     "smoke:offload": [

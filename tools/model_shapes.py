@@ -177,4 +177,32 @@ QWEN3_5: dict[str, dict[str, Any]] = {
         hidden_act="silu",
         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
     ),
+    # Qwen3.5 MoE (qwen3_5_moe_text): transformers 5.17's Qwen3_5MoeTextConfig defaults, which its docstring calls
+    # "Qwen3.5-35B-A3B style" (not checked against the Hub). The same hybrid stack (3 DeltaNet layers then one
+    # full-attention layer, 16 heads of 256 over 2 kv heads) with every MLP sparse: 256 experts of 512, top-8,
+    # one shared expert of 512 with its sigmoid gate.
+    "qwen3.5-35b-a3b": dict(
+        model_type="qwen3_5_moe_text",
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        full_attention_interval=4,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+    ),
 }

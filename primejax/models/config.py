@@ -36,11 +36,12 @@ ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 # Multimodal checkpoints whose language model primejax trains (models/qwen3_5.py `text_config_of`).
-QWEN3_5_WRAPPERS = ("qwen3_5",)
-MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
+QWEN3_5_WRAPPERS = ("qwen3_5", "qwen3_5_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text")
 # How a MoE router turns its logits into experts and combine weights (models/moe.py `route`):
 #   softmax  Qwen3-MoE: softmax over all experts, top-k of the probabilities
 #   sigmoid  GLM-4.5 / DeepSeek-V3: a sigmoid score per expert; the top-k is chosen on score + a fixed
@@ -108,6 +109,10 @@ class ModelConfig:
     # Shared experts (glm4_moe): one dense SwiGLU of width moe_intermediate_size * n_shared_experts that every
     # token of a sparse layer goes through, added to the routed experts' output.
     n_shared_experts: int = 0
+    # Qwen3.5 MoE's one shared expert: its own width (0 = moe_intermediate_size * n_shared_experts, GLM-4.5's)
+    # and a per-token sigmoid gate on its output (`shared_expert_gate` [D] per sparse layer).
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     # Rotary embedding on the first head_dim * partial_rotary_factor dims of q/k only (GLM-4.5: 0.5).
     partial_rotary_factor: float = 1.0
     # Multi-head latent attention (deepseek_v3, models/mla.py), on when kv_lora_rank > 0. head_dim is then the
@@ -327,16 +332,24 @@ class ModelConfig:
         if model_type == "deepseek_v3":
             known |= _DEEPSEEK_V3_KEYS
             moe = _deepseek_v3_fields(hf)
-        if model_type == "qwen3_5_text":
-            from primejax.models.qwen3_5 import QWEN3_5_KEYS, qwen3_5_fields
+        if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+            from primejax.models.qwen3_5 import (
+                QWEN3_5_KEYS,
+                QWEN3_5_MOE_KEYS,
+                qwen3_5_fields,
+                qwen3_5_moe_fields,
+            )
 
             known |= QWEN3_5_KEYS
             moe = qwen3_5_fields(hf)
+            if model_type == "qwen3_5_moe_text":  # every layer sparse: no dense MLP width
+                known |= QWEN3_5_MOE_KEYS
+                moe.update(qwen3_5_moe_fields(hf))
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=int(hf["intermediate_size"] if model_type != "qwen3_5_moe_text" else 0),
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
@@ -345,7 +358,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_5_text") or bool(hf.get("use_qk_norm", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text") or bool(hf.get("use_qk_norm", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
@@ -402,11 +415,14 @@ class ModelConfig:
             rope_params["partial_rotary_factor"] = self.partial_rotary_factor
         if self.model_type == "deepseek_v3":
             hf.update(_deepseek_v3_hf(self))
-        if self.model_type == "qwen3_5_text":
-            from primejax.models.qwen3_5 import qwen3_5_hf
+        if self.model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+            from primejax.models.qwen3_5 import qwen3_5_hf, qwen3_5_moe_hf
 
             hf.update(qwen3_5_hf(self))
             rope_params["partial_rotary_factor"] = self.partial_rotary_factor
+            if self.model_type == "qwen3_5_moe_text":  # transformers' config class has no intermediate_size
+                hf.update(qwen3_5_moe_hf(self))
+                del hf["intermediate_size"]
         if self.model_type == "qwen3_moe":
             hf.update(
                 num_experts=self.num_experts,
@@ -471,10 +487,18 @@ class ModelConfig:
         return q + kv + h * self.v_head_dim * d
 
     def _moe_params(self, *, active: bool) -> int:
-        """Expert + router weights of all sparse layers; `active`: only the top-k experts a token uses."""
-        experts = (self.num_experts_per_tok if active else self.num_experts) + self.n_shared_experts
-        per_layer = 3 * self.hidden_size * self.moe_intermediate_size * experts + self.hidden_size * self.num_experts
-        return len(self.sparse_layers()) * per_layer
+        """Expert + router weights of all sparse layers; `active`: only the top-k experts a token uses. The
+        shared experts and Qwen3.5 MoE's shared-expert gate [D] count in both."""
+        d, routed = self.hidden_size, (self.num_experts_per_tok if active else self.num_experts)
+        per_layer = 3 * d * (self.moe_intermediate_size * routed + self.shared_width) + d * self.num_experts
+        return len(self.sparse_layers()) * (per_layer + (d if self.shared_expert_gate else 0))
+
+    @property
+    def shared_width(self) -> int:
+        """The shared experts' SwiGLU width (0 without shared experts)."""
+        if not self.n_shared_experts:
+            return 0
+        return self.shared_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), prime-rl's formula.
@@ -483,13 +507,17 @@ class ModelConfig:
         hidden/heads, not head_dim, exactly as prime-rl (and torchtitan) do, so MFU numbers are comparable.
         GLM-4.5 uses its own head width (12 * layers * heads * head_dim * seq_len: QK^T and PV, forward and
         backward): its 96 heads of 128 are three times its hidden size of 4096, which hidden/heads would miss.
+        Qwen3.5 MoE too (16 heads of 256 against a hidden size of 2048), over its full-attention layers only;
+        the hybrid families add their DeltaNet layers' own term (qwen3_5.deltanet_flops_per_token).
         DeepSeek-V3 (MLA, trained decompressed) counts QK^T over Dn + Dr and PV over Dv per head:
         6 * layers * heads * (Dn + Dr + Dv) * seq_len (V3: 192 + 128 against hidden/heads = 56).
         """
         if self.mla:
             per_token = 6 * self.num_layers * self.num_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
             return float(6 * self.num_matmul_params() + per_token)
-        per_head = self.head_dim if self.model_type == "glm4_moe" else self.hidden_size // self.num_heads
+        # GLM-4.5 and Qwen3.5 MoE (16 heads of 256 over a hidden size of 2048) use their own head width
+        own = self.model_type in ("glm4_moe", "qwen3_5_moe_text")
+        per_head = self.head_dim if own else self.hidden_size // self.num_heads
         full = len(self.full_attention_layers())
         linear = 0.0
         if self.layer_types:

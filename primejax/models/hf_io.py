@@ -39,7 +39,7 @@ from safetensors.numpy import save_file
 
 from primejax.models.config import ModelConfig
 from primejax.models.lora import LoraParam
-from primejax.models.qwen3_5 import language_model_name
+from primejax.models.qwen3_5 import MOE_TENSOR_NAMES, language_model_name
 from primejax.models.sharding import param_spec
 from primejax.models.transformer import Transformer, stacked_over
 
@@ -130,6 +130,9 @@ _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "shared_gate_proj": ("mlp.shared_experts.gate_proj.weight", _transpose, _transpose),
     "shared_up_proj": ("mlp.shared_experts.up_proj.weight", _transpose, _transpose),
     "shared_down_proj": ("mlp.shared_experts.down_proj.weight", _transpose, _transpose),
+    # qwen3_5_moe_text: the shared expert's gate, HF Linear(D, 1) [1, D] (its shared expert's names:
+    # qwen3_5.MOE_TENSOR_NAMES)
+    "shared_expert_gate": ("mlp.shared_expert_gate.weight", lambda w, c: w[None, :], lambda w, c: w[0]),
 }
 # Written in fp32 whatever the export dtype, as transformers (`_keep_in_fp32_modules_strict`) and vLLM keep
 # them: the correction bias decides between experts whose scores differ by less than bf16 resolves.
@@ -181,6 +184,8 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
                 for suffix, _ in _EXPERT_TENSORS[short]
             ]
         suffix = _LAYER_TENSORS[short][0]
+        if cfg.model_type == "qwen3_5_moe_text":
+            suffix = MOE_TENSOR_NAMES.get(short, suffix)
         return [f"model.layers.{i}.{suffix}" for i in _layer_indices(short, cfg)]
     return [_TOP_TENSORS[our_name][0]]
 

@@ -1,4 +1,4 @@
-"""Sparse MoE block (Qwen3-MoE, GLM-4.5): fp32 router, dropless experts by grouped matmul, routing replay.
+"""Sparse MoE block (Qwen3-MoE, GLM-4.5, DeepSeek-V3, Qwen3.5 MoE): fp32 router, dropless experts by grouped matmul, routing replay.
 
 Routers (ModelConfig.router_scoring): Qwen3-MoE's top-k softmax, or GLM-4.5's sigmoid scores with a fixed
 correction bias, group-limited top-k and a routed scaling factor; GLM-4.5's shared experts are a dense SwiGLU
@@ -315,7 +315,7 @@ def moe_block(
 
     `p` holds one sparse layer's router, experts and, when present, `router_bias` [E] (the sigmoid router's
     correction bias) and the shared experts `shared_gate_proj`/`shared_up_proj` [D, Fs], `shared_down_proj`
-    [Fs, D]; LoRA adapters of the router and experts (models/lora.py) scaled by `lora_scale`.
+    [Fs, D] (with Qwen3.5 MoE's `shared_expert_gate` [D]); LoRA adapters of the router and experts (models/lora.py) scaled by `lora_scale`.
     """
     from primejax.models import lora
 
@@ -337,7 +337,10 @@ def moe_block(
         g_btf = jnp.einsum("btd,df->btf", h_btd, p["shared_gate_proj"].astype(dt))
         u_btf = jnp.einsum("btd,df->btf", h_btd, p["shared_up_proj"].astype(dt))
         a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
-        y_btd = y_btd + jnp.einsum("btf,fd->btd", a_btf, p["shared_down_proj"].astype(dt))
+        s_btd = jnp.einsum("btf,fd->btd", a_btf, p["shared_down_proj"].astype(dt))
+        if "shared_expert_gate" in p:  # Qwen3.5 MoE: a per-token sigmoid gate on the shared expert
+            s_btd = s_btd * jax.nn.sigmoid(jnp.einsum("btd,d->bt", h_btd, p["shared_expert_gate"].astype(dt)))[..., None]
+        y_btd = y_btd + s_btd
     return y_btd, r
 
 

@@ -1,4 +1,5 @@
-"""Qwen3.5 (`qwen3_5_text`, transformers 5.17's `Qwen3_5ForCausalLM`): config fields, checks and accounting.
+"""Qwen3.5 (`qwen3_5_text`, transformers 5.17's `Qwen3_5ForCausalLM`) and Qwen3.5 MoE (`qwen3_5_moe_text`,
+`Qwen3_5MoeForCausalLM`): config fields, checks, HF names and accounting.
 
 The hybrid stack (docs/models.md): each layer's token mixer is either Gated DeltaNet linear attention
 (models/deltanet.py) or gated full attention (GQA whose q_proj also yields a per-head output gate, sigmoid,
@@ -10,6 +11,13 @@ The published checkpoints are multimodal (`model_type` "qwen3_5", `Qwen3_5ForCon
 language model's config is their `text_config` and its tensors are named `model.language_model.*`; loading
 reads that language model (the vision tower and the MTP head are not loaded), and the export is the
 text-only `Qwen3_5ForCausalLM` checkpoint.
+
+Qwen3.5 MoE is the same hybrid stack with every layer's MLP a sparse MoE block (moe.py): Qwen3-MoE's softmax
+top-k router, always renormalized over the chosen experts, plus one shared expert (a SwiGLU of
+`shared_expert_intermediate_size`) whose output is scaled by a per-token sigmoid gate (`shared_expert_gate`,
+[1, D]) before it is added. Its tensors are `mlp.gate`, `mlp.experts.*`, `mlp.shared_expert.*` (singular, not
+GLM-4.5's `shared_experts`) and `mlp.shared_expert_gate`; the multimodal `qwen3_5_moe` checkpoints wrap it as
+the dense ones do.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from typing import Any
 from primejax.models.deltanet import CHUNK
 
 LAYER_TYPES = ("full_attention", "linear_attention")
+# The hybrid families, and the text model type of each multimodal wrapper (its `text_config`).
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+TEXT_TYPE_OF_WRAPPER = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # transformers' Qwen3_5TextConfig defaults for absent keys
 _DEFAULTS = dict(
     linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
@@ -44,14 +55,14 @@ def text_config_of(hf: dict) -> dict:
         )
     if "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    text["model_type"] = "qwen3_5_text"
+    text["model_type"] = TEXT_TYPE_OF_WRAPPER[hf["model_type"]]
     return text
 
 
 def qwen3_5_fields(hf: dict) -> dict[str, Any]:
-    """ModelConfig fields of a `qwen3_5_text` config.json beyond the common ones."""
+    """ModelConfig fields of a `qwen3_5_text` / `qwen3_5_moe_text` config.json beyond the common ones."""
     if hf.get("attention_bias"):
-        raise NotImplementedError("qwen3_5_text with attention_bias=true is not implemented")
+        raise NotImplementedError(f"{hf['model_type']} with attention_bias=true is not implemented")
     n = int(hf["num_hidden_layers"])
     types = hf.get("layer_types")
     if not types:
@@ -91,8 +102,8 @@ def qwen3_5_hf(cfg) -> dict[str, Any]:
 
 def check_hybrid(cfg) -> None:
     """One line for a hybrid config primejax cannot run."""
-    if cfg.model_type != "qwen3_5_text":
-        raise ValueError(f"layer_types is a qwen3_5_text field, not {cfg.model_type}'s")
+    if cfg.model_type not in HYBRID_TYPES:
+        raise ValueError(f"layer_types is a field of {HYBRID_TYPES}, not of {cfg.model_type}")
     if len(cfg.layer_types) != cfg.num_layers or any(t not in LAYER_TYPES for t in cfg.layer_types):
         raise ValueError(
             f"layer_types must give one of {LAYER_TYPES} for each of the {cfg.num_layers} layers"
@@ -108,9 +119,67 @@ def check_hybrid(cfg) -> None:
     if cfg.scan_layers and len(set(cfg.layer_types)) > 1:
         raise ValueError("scan_layers=True needs every layer of one kind: a hybrid stack runs unrolled")
     if cfg.lora_rank:
-        raise NotImplementedError("LoRA on qwen3_5_text is not implemented")
-    if cfg.num_experts:
-        raise NotImplementedError("qwen3_5_moe (Qwen3.5 MoE) is not implemented")
+        raise NotImplementedError(f"LoRA on {cfg.model_type} is not implemented")
+    if cfg.model_type == "qwen3_5_moe_text" and cfg.num_experts <= 0:
+        raise ValueError("qwen3_5_moe_text needs num_experts > 0 (every layer is sparse)")
+    if cfg.model_type == "qwen3_5_text" and cfg.num_experts:
+        raise ValueError(
+            "qwen3_5_text has no experts: a Qwen3.5 MoE checkpoint is model_type qwen3_5_moe_text"
+        )
+    if cfg.num_experts and (
+        cfg.sparse_layers() != tuple(range(cfg.num_layers))
+        or cfg.router_scoring != "softmax"
+        or not cfg.norm_topk_prob
+        or cfg.n_shared_experts != 1
+        or not cfg.shared_expert_gate
+    ):
+        raise ValueError(
+            "qwen3_5_moe_text: every layer sparse, a renormalized softmax router and one gated shared expert"
+        )
+
+
+# transformers' Qwen3_5MoeTextConfig defaults for absent keys
+_MOE_DEFAULTS = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512)  # fmt: skip
+QWEN3_5_MOE_KEYS = set(_MOE_DEFAULTS) | {"num_local_experts"}
+
+
+def qwen3_5_moe_fields(hf: dict) -> dict[str, Any]:
+    """ModelConfig MoE fields of a `qwen3_5_moe_text` config.json: every layer sparse (transformers has no
+    mlp_only_layers / decoder_sparse_step for it), the router always renormalized (no norm_topk_prob key),
+    one shared expert of its own width with its sigmoid gate. `router_aux_loss_coef` and
+    `output_router_logits` are transformers' training switches: written back unchanged (hf_extra)."""
+
+    def get(key):
+        return int(hf[key] if hf.get(key) is not None else _MOE_DEFAULTS[key])
+
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    return dict(
+        num_experts=int(experts if experts is not None else _MOE_DEFAULTS["num_experts"]),
+        num_experts_per_tok=get("num_experts_per_tok"),
+        moe_intermediate_size=get("moe_intermediate_size"),
+        norm_topk_prob=True,
+        n_shared_experts=1,
+        shared_intermediate_size=get("shared_expert_intermediate_size"),
+        shared_expert_gate=True,
+    )
+
+
+def qwen3_5_moe_hf(cfg) -> dict[str, Any]:
+    return dict(
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        shared_expert_intermediate_size=cfg.shared_width,
+    )
+
+
+# Qwen3.5 MoE's HF tensor names where they differ from GLM-4.5's for the same parameter (hf_io.py).
+MOE_TENSOR_NAMES = {
+    "shared_gate_proj": "mlp.shared_expert.gate_proj.weight",
+    "shared_up_proj": "mlp.shared_expert.up_proj.weight",
+    "shared_down_proj": "mlp.shared_expert.down_proj.weight",
+}
 
 
 def deltanet_params(cfg, *, matmul: bool) -> int:

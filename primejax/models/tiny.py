@@ -18,8 +18,8 @@ from typing import Any, Literal
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
 
-Family = Literal["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text"]
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text")  # the builder's subset of config.ARCHITECTURES
+Family = Literal["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text"]
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text")  # the builder's subset of config.ARCHITECTURES
 # deepseek_v3's latent widths: vLLM's CPU MLA decode kernel is compiled for a latent cache of 512 + 64 only
 # (DeepSeek-V2/V3's kv_lora_rank + qk_rope_head_dim), so a tiny model vLLM serves keeps them.
 MLA_KV_LORA_RANK, MLA_ROPE_HEAD_DIM = 512, 64
@@ -168,8 +168,9 @@ def build_tiny_model(
     mlp_only_layers: tuple[int, ...] = (),
     extra_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random-init tiny Qwen3, Llama, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3 or Qwen3.5 (`_qwen3_5_shape`)
-    model (fp32 safetensors) plus tokenizer to `out_dir`.
+    """Write a random-init tiny Qwen3, Llama, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3, Qwen3.5 (`_qwen3_5_shape`) or
+    Qwen3.5 MoE (that hybrid stack, every MLP sparse, one gated shared expert of moe_intermediate_size) model
+    (fp32 safetensors) plus tokenizer to `out_dir`.
 
     "deepseek_v3" has GLM-4.5's MoE structure below (without the q/k/v bias and partial rotary) and multi-head
     latent attention: query bottleneck hidden/2, latent 512 + rope key 64 (vLLM's CPU MLA kernel needs them),
@@ -283,6 +284,19 @@ def build_tiny_model(
             rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.25),
         )
         model_cls = transformers.Qwen3_5ForCausalLM
+    elif family == "qwen3_5_moe_text":  # every layer sparse: no dense MLP width; a shared expert as wide as one
+        common.pop("rope_theta")
+        common.pop("intermediate_size")
+        config = transformers.Qwen3_5MoeTextConfig(
+            **common,
+            **_qwen3_5_shape(num_layers, num_heads, head_dim),
+            rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.25),
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=moe_intermediate_size,
+        )
+        model_cls = transformers.Qwen3_5MoeForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
@@ -291,7 +305,7 @@ def build_tiny_model(
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
+    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):
@@ -404,12 +418,12 @@ class TinyModelConfig(Section):
         """The `ModelConfig` this section describes, without building anything (benchmarks with no model dir)."""
         from primejax.models.config import ModelConfig
 
-        fields = {**self._moe_fields(), **self._mla_fields(), **self._qwen3_5_fields()}
+        fields = {"intermediate_size": self.intermediate_size, **self._moe_fields(), **self._mla_fields(),
+                  **self._qwen3_5_fields()}  # fmt: skip
         return ModelConfig(
             model_type=self.family,
             vocab_size=self.resolved_vocab_size,
             hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
             num_layers=self.num_layers,
             num_heads=self.num_heads,
             num_kv_heads=self.num_heads if self.family == "deepseek_v3" else self.num_kv_heads,
@@ -418,14 +432,14 @@ class TinyModelConfig(Section):
             rope_scaling=None,
             rms_norm_eps=1e-6,
             tie_word_embeddings=self.tied,
-            qk_norm=self.family in ("qwen3", "qwen3_moe", "qwen3_5_text"),
+            qk_norm=self.family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"),
             attention_bias=self.family == "glm4_moe",
             max_position_embeddings=max_positions,
             **{**fields, **overrides},
         )
 
     def _qwen3_5_fields(self) -> dict:
-        if self.family != "qwen3_5_text":
+        if self.family not in ("qwen3_5_text", "qwen3_5_moe_text"):
             return {}
         shape = _qwen3_5_shape(self.num_layers, self.num_heads, self.head_dim)
         shape["layer_types"] = tuple(shape["layer_types"])
@@ -439,7 +453,7 @@ class TinyModelConfig(Section):
         return shape
 
     def _moe_fields(self) -> dict:
-        if self.family not in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
+        if self.family not in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text"):
             return {}
         moe = dict(
             num_experts=self.num_experts,
@@ -454,6 +468,9 @@ class TinyModelConfig(Section):
             )  # fmt: skip
         if self.family == "glm4_moe":
             moe.update(partial_rotary_factor=0.5)
+        if self.family == "qwen3_5_moe_text":  # build_tiny_model's: every layer sparse, one gated shared expert
+            moe.update(intermediate_size=0, n_shared_experts=1, shared_intermediate_size=self.moe_intermediate_size,
+                       shared_expert_gate=True)  # fmt: skip
         return moe
 
     def build(self, out_dir: str | Path) -> Path:

@@ -13,12 +13,12 @@ Letters: B batch, T sequence, D hidden, H query heads, K kv heads, Dh head dim, 
 Mixture of experts (qwen3_moe, glm4_moe; models/moe.py): the dense MLP weights are stacked over the dense
 layers only and the sparse layers' weights over the sparse layers only (router [Ls, D, E], experts_gate_up
 [Ls, E, D, 2, I], experts_down [Ls, E, I, D]; glm4_moe adds router_bias [Ls, E] (fp32) and the shared experts
-shared_gate_proj/shared_up_proj [Ls, D, Fs], shared_down_proj [Ls, Fs, D]); attention weights stay stacked
-over all L layers.
+shared_gate_proj/shared_up_proj [Ls, D, Fs], shared_down_proj [Ls, Fs, D]; qwen3_5_moe_text one shared expert
+and its gate shared_expert_gate [Ls, D]); attention weights stay stacked over all L layers.
 
 DeepSeek-V3 (deepseek_v3) replaces q/k/v_proj with multi-head latent attention's weights (models/mla.py); its
 MoE layers are GLM-4.5's (sigmoid router with the correction bias, groups, shared experts).
-Qwen3.5 (qwen3_5_text) mixes Gated DeltaNet layers (models/deltanet.py) with gated full-attention ones: each
+Qwen3.5 (qwen3_5_text, and qwen3_5_moe_text with MoE MLPs) mixes Gated DeltaNet layers (models/deltanet.py) with gated full-attention ones: each
 kind's weights are stacked over its own layers (`stacked_over`), the norms and MLP over all.
 """
 
@@ -237,7 +237,7 @@ NOT_DECAYED = ("lin_A_log",)
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 SPARSE_MLP = (
     "router", "router_bias", "experts_gate_up", "experts_down", "shared_gate_proj", "shared_up_proj",
-    "shared_down_proj",
+    "shared_down_proj", "shared_expert_gate",
 )
 # Per-layer weights of the token mixer, stacked over the layers of their kind (cfg.layer_types): softmax
 # attention's over the full-attention layers (all of them but in Qwen3.5's hybrid stack), Gated DeltaNet's
@@ -321,10 +321,12 @@ class DecoderStack(nnx.Module):
                 # HF zero-initializes it; small random values make tests exercise it.
                 self.router_bias = _param(rngs, (ns, e), (lay, None), jnp.float32)
             if cfg.n_shared_experts:
-                fs = i * cfg.n_shared_experts
+                fs = cfg.shared_width
                 self.shared_gate_proj = _param(rngs, (ns, d, fs), (lay, "embed", "mlp"), dt)
                 self.shared_up_proj = _param(rngs, (ns, d, fs), (lay, "embed", "mlp"), dt)
                 self.shared_down_proj = _param(rngs, (ns, fs, d), (lay, "mlp", "embed"), dt)
+            if cfg.shared_expert_gate:  # Qwen3.5 MoE: sigmoid(h . w) scales the shared expert's output
+                self.shared_expert_gate = _param(rngs, (ns, d), (lay, "embed"), dt)
         # LoRA adapters (fp32 LoraParams named after the weight they adapt), when `cfg.lora_rank` > 0
         specs = lora.stack_adapters(self, cfg)
         if specs:

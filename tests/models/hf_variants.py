@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
+from safetensors.numpy import load_file, save_file
 
 _COMMON = dict(
     hidden_size=64,
@@ -127,8 +130,28 @@ VARIANTS = {
              layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
     ),
+    # Qwen3.5 MoE: the hybrid stack with every MLP sparse (renormalized softmax top-k, one shared expert with
+    # its sigmoid gate). Three DeltaNet layers then full attention, 8 experts top-2, a shared expert wider
+    # than the routed ones, untied; and alternating layers from full attention, 6 experts top-3, a narrower
+    # shared expert, dk < dv, half rotary, tied.
+    "qwen3_5_moe_hybrid": (
+        transformers.Qwen3_5MoeTextConfig,
+        transformers.Qwen3_5MoeForCausalLM,
+        dict(tie_word_embeddings=False, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    ),
+    "qwen3_5_moe_alt_tied": (
+        transformers.Qwen3_5MoeTextConfig,
+        transformers.Qwen3_5MoeForCausalLM,
+        dict(tie_word_embeddings=True, num_hidden_layers=2, linear_num_key_heads=2, linear_num_value_heads=2,
+             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3, num_experts=6,
+             num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=16,
+             layer_types=["full_attention", "linear_attention"],
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
 }
-MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe", "deepseek_v3"))]
+MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe"))]
 
 
 def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.PreTrainedModel:
@@ -152,3 +175,26 @@ def build_hf_model(variant: str, out_dir: Path, seed: int = 0) -> transformers.P
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(out_dir)
     return model
+
+
+def write_multimodal_checkpoint(src: Path, out: Path, wrapper_type: str) -> None:
+    """A Qwen3.5 (`qwen3_5`) or Qwen3.5 MoE (`qwen3_5_moe`) ForConditionalGeneration-style directory made of the
+    text checkpoint in `src`: its config under `text_config` (tie_word_embeddings at the top, as the published
+    ones), its tensors under `model.language_model.*`, plus a vision tensor and an MTP tensor no loader reads."""
+    text_cfg = json.loads((src / "config.json").read_text())
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            tensors[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
+    tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    tensors["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(out / "model.safetensors"))
+    arch = "Qwen3_5MoeForConditionalGeneration" if wrapper_type == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    wrapper = dict(
+        model_type=wrapper_type,
+        architectures=[arch],
+        tie_word_embeddings=text_cfg.pop("tie_word_embeddings"),
+        text_config=text_cfg,
+        vision_config=dict(model_type=f"{wrapper_type}_vision", depth=1),
+    )
+    (out / "config.json").write_text(json.dumps(wrapper))

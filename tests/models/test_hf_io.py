@@ -35,7 +35,7 @@ TOKENS = np.random.default_rng(0).integers(0, 512, size=(2, 24))
     "variant",
     ["qwen3_tied", "qwen3_untied", "llama_rope3", "qwen2_bias", "qwen3_moe_e8k2_tied", "qwen3_moe_e6k3_step2",
      "glm4_moe_g4_dense1", "glm4_moe_tied_qknorm", "deepseek_v3_qlora", "deepseek_v3_noqlora_tied",
-     "qwen3_5_hybrid", "qwen3_5_alt_tied"],
+     "qwen3_5_hybrid", "qwen3_5_alt_tied", "qwen3_5_moe_hybrid", "qwen3_5_moe_alt_tied"],
 )
 def test_round_trip_is_bit_identical_and_loads_in_transformers(variant, hf_model_dir, tmp_path):
     src, torch_model = hf_model_dir(variant)

@@ -160,3 +160,29 @@ def test_ragged_all_to_all_experts_on_model_equal_single_device(hf_model_dir, tm
     r = res["replay"]["cases"][case]
     assert r["lp_diff"] <= TOL and r["loss_rel"] <= 2e-6 and r["grads_max_rel"] <= TOL and r["load_equal"], r
     assert r["expert_tokens_per_device"] == [res["replay"]["tokens"] // 8], r
+
+
+# Qwen3.5 MoE (the hybrid DeltaNet / gated-attention stack, every MLP sparse, a gated shared expert): the same
+# meshes as GLM-4.5 (no context split: DeltaNet layers refuse it), replay on the expert-parallel one.
+QWEN3_5_MOE_CASES = ("ep@data2_fsdp4", "fsdp@data2_fsdp2_tensor2")
+
+
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): one more 8-device subprocess per family
+@pytest.mark.skip(
+    reason="hangs: on 8 emulated CPU devices the sharded step's gradients never arrive (every thread asleep, "
+    "0% CPU; fsdp8 and data2 x fsdp2 x tensor2 alike) while dense Qwen3.5 and GLM-4.5 pass the same check. "
+    "Not diagnosed (docs/models.md)"
+)
+def test_qwen3_5_moe_on_meshes_equals_single_device(hf_model_dir, tmp_path_factory):
+    res = _run_check(hf_model_dir("qwen3_5_moe_hybrid")[0], tmp_path_factory, QWEN3_5_MOE_CASES)
+    for case in QWEN3_5_MOE_CASES:
+        r = res["cases"][case]
+        # gradients: the DeltaNet chunks' fp32 sums run in another order on a mesh (test_qwen3_5.py: 2.2e-5)
+        assert r["logits_diff"] <= TOL and r["loss_diff"] <= TOL and r["grad_diff"] <= 1e-4, (case, r)
+        assert r["load_equal"] and r["experts_spec"][:2] == [None, "fsdp"], (case, r)
+    assert res["ref_load_total"] == 4 * (8 * 16 - 4) * 2  # 4 sparse layers x valid tokens x top-2
+    rep = res["replay"]
+    assert rep["replayed_positions"] >= 100 and rep["free_lp_diff"] > 1e-2, rep  # the replay matters
+    r = rep["cases"]["ep@data2_fsdp4"]
+    assert r["lp_diff"] <= TOL and r["loss_rel"] <= 2e-6 and r["grads_max_rel"] <= 1e-4 and r["load_equal"], r
+    print(f"qwen3_5_moe meshes: {res['cases']} replay {rep['cases']}")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from hf_variants import write_multimodal_checkpoint
 
 from primejax.models.config import ModelConfig
 from primejax.models.deltanet import causal_conv, gated_delta_rule
@@ -91,7 +91,12 @@ def _hf_logits(model, tokens):
 
 
 @pytest.mark.parametrize(
-    "variant", ["qwen3_5_hybrid", pytest.param("qwen3_5_alt_tied", marks=pytest.mark.slow)]
+    "variant",
+    [
+        "qwen3_5_hybrid",
+        pytest.param("qwen3_5_alt_tied", marks=pytest.mark.slow),
+        pytest.param("qwen3_5_moe_hybrid", marks=pytest.mark.slow),
+    ],
 )
 def test_long_packed_rows_equal_per_sample_transformers_logits(variant, hf_model_dir):
     """Rows of 160 tokens (three 64-token chunks): samples start mid-chunk and span chunk boundaries."""
@@ -127,23 +132,7 @@ def test_multimodal_checkpoint_loads_its_language_model(hf_model_dir, tmp_path):
     """A Qwen3_5ForConditionalGeneration-style directory: config under text_config, tensors under
     model.language_model.*, plus a vision tensor that is not read. Same logits as the text checkpoint."""
     src, torch_model = hf_model_dir("qwen3_5_hybrid")
-    text_cfg = json.loads((src / "config.json").read_text())
-    tensors = {}
-    for f in src.glob("*.safetensors"):
-        for name, t in load_file(f).items():
-            tensors[
-                name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
-            ] = t
-    tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    wrapper = dict(
-        model_type="qwen3_5",
-        architectures=["Qwen3_5ForConditionalGeneration"],
-        tie_word_embeddings=text_cfg.pop("tie_word_embeddings"),
-        text_config=text_cfg,
-        vision_config=dict(model_type="qwen3_5_vision", depth=1),
-    )
-    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    write_multimodal_checkpoint(src, tmp_path, "qwen3_5")
     model, cfg = load_model(tmp_path, param_dtype="float32", compute_dtype="float32")
     assert cfg.model_type == "qwen3_5_text" and cfg.to_hf_config()["architectures"] == ["Qwen3_5ForCausalLM"]
     tokens = np.random.default_rng(3).integers(0, 512, size=(1, 30)).astype(np.int32)
@@ -152,7 +141,9 @@ def test_multimodal_checkpoint_loads_its_language_model(hf_model_dir, tmp_path):
     assert err <= TOL, err
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5_hybrid", "qwen3_5_alt_tied"])
+@pytest.mark.parametrize(
+    "variant", ["qwen3_5_hybrid", "qwen3_5_alt_tied", "qwen3_5_moe_hybrid", "qwen3_5_moe_alt_tied"]
+)
 def test_param_count_equals_transformers(variant, hf_model_dir):
     src, torch_model = hf_model_dir(variant)
     cfg = ModelConfig.from_model_dir(src)
@@ -265,14 +256,15 @@ def test_meshes_equal_one_device_and_context_split_is_refused(hf_model_dir, tmp_
     assert res["context_error"] and "context parallelism" in res["context_error"]
 
 
-def test_tiny_qwen3_5_build_matches_its_section_and_transformers(tmp_path):
-    """`model.build_tiny.family=qwen3_5_text` writes the structure its section's `architecture()` describes,
-    and primejax's logits on it equal transformers' (fp32)."""
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_tiny_qwen3_5_build_matches_its_section_and_transformers(family, tmp_path):
+    """`model.build_tiny.family=qwen3_5_text` (or `qwen3_5_moe_text`) writes the structure its section's
+    `architecture()` describes, and primejax's logits on it equal transformers' (fp32)."""
     import transformers
 
     from primejax.models.tiny import TinyModelConfig
 
-    section = TinyModelConfig(enabled=True, family="qwen3_5_text", num_layers=2, num_heads=2, num_kv_heads=1)
+    section = TinyModelConfig(enabled=True, family=family, num_layers=2, num_heads=2, num_kv_heads=1)
     path = section.build(tmp_path / "m")
     built, described = ModelConfig.from_model_dir(path), section.architecture()
     for f in (
@@ -294,6 +286,13 @@ def test_tiny_qwen3_5_build_matches_its_section_and_transformers(tmp_path):
         "partial_rotary_factor",
         "qk_norm",
         "tie_word_embeddings",
+        "intermediate_size",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "shared_width",
+        "shared_expert_gate",
     ):
         assert getattr(built, f) == getattr(described, f), f
     assert built.layer_types == ("linear_attention", "full_attention")

