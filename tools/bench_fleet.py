@@ -338,6 +338,7 @@ def orchestrator_config(run_dir: Path, mode: str, servers: int, args: argparse.N
     o.weights_poll_s = 0.2 * args.scale if args.clock == "real" else 0.2
     o.pool.mode = mode
     o.pool.groups_in_flight = args.in_flight // args.group_size  # 0: the pool's default, 2 x batch
+    o.gc_freeze = not args.no_gc_freeze
     return typed(cfg).orchestrator
 
 
@@ -418,6 +419,7 @@ def main() -> None:
     p.add_argument(
         "--lag", action="store_true", help="10,000 rollouts in flight on the wall clock (16 servers)"
     )
+    p.add_argument("--no-gc-freeze", action="store_true", help="orchestrator.gc_freeze=False (the baseline)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     if args.lag:

@@ -298,27 +298,25 @@ class CollectivePublisher:
             sender.group, self.new_group = None, True
         return agreed
 
+    def _after_send(self, step: int, model: nnx.Module, sent: bool, tensors: list | None = None) -> dict[str, float]:
+        """A sent update also goes to disk on checkpoint steps (and a failed one always): the filesystem is
+        what a restart or a lost server reads."""
+        metrics = dict(self.sender().last) if sent else {"transfer/failed": 1.0}
+        interval = self.checkpoint_interval
+        if sent and not (interval > 0 and step % interval == 0):
+            if self.disk.rank == 0:
+                prune_broadcasts(self.disk.run.root, step - self.disk.async_level)
+            return metrics
+        extra = {} if tensors is None else {"tensors": tensors}  # the one-process path's gather, written as is
+        return {**metrics, **self.disk.publish(step, model, **extra)}
+
     def publish(self, step: int, model: nnx.Module, *, disk_only: bool = False) -> dict[str, float]:
         if disk_only or step > self.last_sampled_step:
             return self.disk.publish(step, model)
         if self.adapters:
-            sent = self._send_adapter(step, model)
-            metrics = dict(self.sender().last) if sent else {"transfer/failed": 1.0}
-            interval = self.checkpoint_interval
-            if sent and not (interval > 0 and step % interval == 0):
-                if self.disk.rank == 0:
-                    prune_broadcasts(self.disk.run.root, step - self.disk.async_level)
-                return metrics
-            return {**metrics, **self.disk.publish(step, model)}
+            return self._after_send(step, model, self._send_adapter(step, model))
         if self.disk.processes > 1:
-            sent = self._send_sharded(step, model)
-            metrics = dict(self.sender().last) if sent else {"transfer/failed": 1.0}
-            interval = self.checkpoint_interval
-            if sent and not (interval > 0 and step % interval == 0):
-                if self.disk.rank == 0:
-                    prune_broadcasts(self.disk.run.root, step - self.disk.async_level)
-                return metrics
-            return {**metrics, **self.disk.publish(step, model)}
+            return self._after_send(step, model, self._send_sharded(step, model))
         from primejax.transfer.sender import to_torch
 
         sender, cfg, dtype = self.sender(), self.disk.model_cfg, self.disk.b.dtype
@@ -330,12 +328,7 @@ class CollectivePublisher:
         else:
             tensors = list(state_to_hf_tensors(model, cfg, dtype))  # the step's one gather
             sent = sender.send(step, [(n, to_torch(a)) for n, a in tensors])
-        metrics = dict(sender.last) if sent else {"transfer/failed": 1.0}
-        interval = self.checkpoint_interval
-        if sent and not (interval > 0 and step % interval == 0):
-            prune_broadcasts(self.disk.run.root, step - self.disk.async_level)
-            return metrics
-        return {**metrics, **self.disk.publish(step, model, tensors=tensors)}
+        return self._after_send(step, model, sent, tensors)
 
 
 def make_publisher(
