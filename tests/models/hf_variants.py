@@ -198,3 +198,11 @@ def write_multimodal_checkpoint(src: Path, out: Path, wrapper_type: str) -> None
         vision_config=dict(model_type=f"{wrapper_type}_vision", depth=1),
     )
     (out / "config.json").write_text(json.dumps(wrapper))
+
+
+def read_checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors files in a checkpoint directory, by name."""
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
-from safetensors import safe_open
+from hf_variants import read_checkpoint_tensors
 
 from primejax.models.checkpoint import restore_params, save_params
 from primejax.models.config import ModelConfig
@@ -20,14 +20,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _values(model) -> dict[str, np.ndarray]:
     return {k: np.asarray(v[...]) for k, v in param_variables(model).items()}
-
-
-def _read_dir(path) -> dict[str, np.ndarray]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="numpy") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 def test_orbax_to_safetensors_to_orbax_is_exact(hf_model_dir, tmp_path):
@@ -60,7 +52,7 @@ def test_restore_into_state_template_and_bf16_checkpoint(hf_model_dir, tmp_path)
     # the CLI picks the saved dtype up from Orbax metadata
     assert convert_main(["to-hf", "--orbax", str(tmp_path / "ck"), "--config", str(model_dir / "config.json"),
                          "--out", str(tmp_path / "hf"), "--dtype", "keep"]) == 0
-    assert {str(t.dtype) for t in _read_dir(tmp_path / "hf").values()} == {"bfloat16"}
+    assert {str(t.dtype) for t in read_checkpoint_tensors(tmp_path / "hf").values()} == {"bfloat16"}
 
 
 def test_cli_round_trip_hf_to_orbax_to_hf_is_bit_identical(hf_model_dir, tmp_path):
@@ -74,7 +66,7 @@ def test_cli_round_trip_hf_to_orbax_to_hf_is_bit_identical(hf_model_dir, tmp_pat
             "--dtype", "keep")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "wrote" in p.stdout
-    src, out = _read_dir(model_dir), _read_dir(tmp_path / "hf")
+    src, out = read_checkpoint_tensors(model_dir), read_checkpoint_tensors(tmp_path / "hf")
     assert sorted(src) == sorted(out)
     for name in src:
         assert out[name].dtype == src[name].dtype and np.array_equal(out[name], src[name]), name

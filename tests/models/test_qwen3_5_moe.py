@@ -13,22 +13,13 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_variants import write_multimodal_checkpoint
-from safetensors import safe_open
+from hf_variants import read_checkpoint_tensors, write_multimodal_checkpoint
 
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, load_model
 from primejax.models.moe import max_violation
 
 TOL = 1e-4
-
-
-def _tensors(path) -> dict[str, np.ndarray]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="numpy") as h:
-            out.update({name: h.get_tensor(name) for name in h.keys()})
-    return out
 
 
 def _hf_logits(model, tokens):
@@ -42,7 +33,7 @@ def test_multimodal_fused_checkpoint_loads_and_exports_the_text_model_bit_exact(
     text-only checkpoint, every tensor bit-identical to the per-expert one transformers writes."""
     src, torch_model = hf_model_dir("qwen3_5_moe_hybrid")
     torch_model.save_pretrained(tmp_path / "fused", save_original_format=False)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in _tensors(tmp_path / "fused")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in read_checkpoint_tensors(tmp_path / "fused")
     (tmp_path / "mm").mkdir()
     write_multimodal_checkpoint(tmp_path / "fused", tmp_path / "mm", "qwen3_5_moe")
 
@@ -61,7 +52,7 @@ def test_multimodal_fused_checkpoint_loads_and_exports_the_text_model_bit_exact(
     hf_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert hf_cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and hf_cfg["model_type"] == "qwen3_5_moe_text"
     assert hf_cfg["shared_expert_intermediate_size"] == 48 and "intermediate_size" not in hf_cfg
-    before, after = _tensors(src), _tensors(tmp_path / "out")
+    before, after = read_checkpoint_tensors(src), read_checkpoint_tensors(tmp_path / "out")
     assert sorted(after) == sorted(before)
     assert "model.layers.3.mlp.shared_expert_gate.weight" in after
     for name, ref in before.items():
