@@ -155,6 +155,21 @@ DEEPSEEK: dict[str, dict[str, Any]] = {
 # defaults, which its docstring calls "Qwen3.5-9B style" (not checked against the Hub: no model hub here).
 # 3 Gated DeltaNet layers then one gated full-attention layer; 16 key / 32 value DeltaNet heads of 128; full
 # attention 16 heads of 256 over 4 kv heads, a quarter of each head rotated.
+_QWEN3_5_HYBRID = dict(  # the DeltaNet layers and the layer pattern, alike in the dense and MoE shapes
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    full_attention_interval=4,
+)
+_QWEN3_5_COMMON = dict(
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+)
 QWEN3_5: dict[str, dict[str, Any]] = {
     "qwen3.5-9b": dict(
         model_type="qwen3_5_text",
@@ -165,17 +180,8 @@ QWEN3_5: dict[str, dict[str, Any]] = {
         num_attention_heads=16,
         num_key_value_heads=4,
         head_dim=256,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        full_attention_interval=4,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=262144,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+        **_QWEN3_5_HYBRID,
+        **_QWEN3_5_COMMON,
     ),
     # Qwen3.5 MoE (qwen3_5_moe_text): transformers 5.17's Qwen3_5MoeTextConfig defaults, which its docstring calls
     # "Qwen3.5-35B-A3B style" (not checked against the Hub). The same hybrid stack (3 DeltaNet layers then one
@@ -189,20 +195,11 @@ QWEN3_5: dict[str, dict[str, Any]] = {
         num_attention_heads=16,
         num_key_value_heads=2,
         head_dim=256,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        full_attention_interval=4,
+        **_QWEN3_5_HYBRID,
         num_experts=256,
         num_experts_per_tok=8,
         moe_intermediate_size=512,
         shared_expert_intermediate_size=512,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=262144,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+        **_QWEN3_5_COMMON,
     ),
 }
