@@ -68,9 +68,9 @@ class GcPolicy:
                 gc.unfreeze()
                 gc.collect()
                 metrics["gc/full_s"] = time.perf_counter() - t0
+                self._pauses = []  # that collection is reported as gc/full_s, not as a pause
             gc.freeze()
             metrics["gc/frozen"] = float(gc.get_freeze_count())
-        self._pauses = []  # the full collection above is reported as gc/full_s, not as a pause
         metrics["gc/collections"] = float(len(pauses))
         metrics["gc/pause_max_s"] = max(pauses, default=0.0)
         return metrics
