@@ -35,6 +35,7 @@ import httpx
 
 from primejax.inference import identity
 from primejax.inference.admin_auth import HEADER, read_token
+from primejax.inference.busy import BusyMeter
 from primejax.inference.identity import ServerIdentityError
 from primejax.inference.routed_experts import request_fields as routed_request_fields
 
@@ -112,6 +113,7 @@ class InferenceClient:
         self._secret = token
         self._verified: set[str] = set()
         self._in_flight = dict.fromkeys(self.base_urls, 0)
+        self.busy = BusyMeter(self.base_urls)
         self.down: set[str] = set()  # servers no request goes to until revive()
         # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
         self._http = httpx.AsyncClient(
@@ -196,6 +198,7 @@ class InferenceClient:
     async def _balanced(self, path: str, payload: dict, check: bool = False) -> Any:
         url = self._pick()
         self._in_flight[url] += 1
+        self.busy.started(url)
         try:
             try:
                 if "model" not in payload:
@@ -210,6 +213,7 @@ class InferenceClient:
             return out
         finally:
             self._in_flight[url] -= 1
+            self.busy.finished(url)
 
     def _check_samples(self, url: str, out: Any) -> None:
         """Reject an answer whose token ids lie outside the vocabulary or whose logprobs are not finite log

@@ -349,7 +349,7 @@ class Orchestrator:
             M.rollout_metrics(rollouts), M.sample_metrics(step, samples),
             M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
             M.count_metrics("errors", errors), self.buffer.step_metrics(), pool_metrics, self.loop_lag.take(),
-            self._env_worker_metrics(), gc_metrics,
+            self._env_worker_metrics(), gc_metrics, self._server_busy(),
             {
                 "concurrency/limit": self.limiter.limit,
                 "concurrency/in_flight_requests": self.limiter.in_flight,
@@ -415,6 +415,11 @@ class Orchestrator:
     def _env_worker_metrics(self) -> dict[str, float]:
         workers = [slot.env for slot in self.slots if isinstance(slot.env, WorkerEnv)]
         return {"env_workers/replaced": float(sum(w.take_replaced() for w in workers))} if workers else {}
+
+    def _server_busy(self) -> dict[str, float]:
+        # A client of one's own (tests' stand-ins, a custom transport) may keep no meter.
+        meter = getattr(self.client, "busy", None)
+        return meter.take() if meter is not None else {}
 
     async def close(self) -> None:
         """Close the algorithms' own model clients (frozen teachers / samplers) and what the environments hold
