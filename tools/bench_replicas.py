@@ -2,7 +2,7 @@
 tools, configs/verifiers_tools.py) on N vLLM-CPU replicas through the launcher, once with the step barrier
 (`orchestrator.pool.mode=step`) and once continuous, one after the other in the same invocation.
 
-    python -m tools.bench_replicas --rl-steps 20 --replicas 2          # docs/benchmarks.md, docs/rollouts.md
+    python -m tools.bench_replicas --rl-steps 20 --replicas 2 [-- --config.KEY=VALUE ...]   # docs/benchmarks.md
 
 Each run is the whole demo (model build, SFT warm-up, server start-up, RL); the figure compared is the RL
 steps' wall clock, from the trainer's first logged RL step to its last (start-up and SFT excluded, identical in
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("outputs/bench_replicas"))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument(
-        "overrides", nargs="*", help="more tools.demo_tool_use arguments / --config.KEY=VALUE for both"
+        "overrides", nargs="*", help="more --config.KEY=VALUE arguments for both runs (after a `--`)"
     )
     a = p.parse_args(argv)
     rows = []
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             str(a.rl_steps),
             "--port",
             "0",
+            "--",  # what follows goes to primejax.train as written
             f"--config.inference.replicas={a.replicas}",
             f"--config.orchestrator.pool.mode={mode}",
             f"--config.orchestrator.async_level={a.async_level}",

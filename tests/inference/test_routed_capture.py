@@ -63,6 +63,7 @@ def _logprobs(model, tokens, pos, seg, idx, mask):
     return jax.nn.log_softmax(h[0] @ model.lm_head_weight(), axis=-1)
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): its own MoE vLLM server
 def test_vllm_cpu_routed_experts_are_the_trainers_routing(fp32_moe, tmp_path):
     spec = ServerSpec(
         model=str(fp32_moe), port=_free_port(), dtype="float32", max_model_len=256,

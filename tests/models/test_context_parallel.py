@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+# Extended tier (PRIMEJAX_SLOW=1): an 8-device subprocess compiling two context-parallel meshes. The default
+# tier compiles the context-parallel step for a TPU slice (tests/tpu/test_tpu_aot.py) and replays MoE routing
+# with rows split over 4 devices (tests/models/test_moe_mesh.py).
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

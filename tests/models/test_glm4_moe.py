@@ -173,6 +173,7 @@ def test_glm4_moe_dense_layers_must_come_first():
         cfg.to_hf_config()
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): a whole GLM step compile
 def test_optimizer_step_leaves_the_correction_bias_unchanged():
     """The bias's gradient is zero (route stops it) and it is not decayed, so an AdamW step with weight decay,
     through the trainer's optimizer, moves every matrix but not the bias (stacked [Ls, E]: rank 2, like a matrix)."""

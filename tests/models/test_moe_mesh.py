@@ -30,12 +30,30 @@ DEEPSEEK_CASES = ("fsdp@data2_fsdp2_tensor2", "fsdp@data2_context4")
 # All-to-all expert parallelism's ragged exchange at model level (through its all_to_all stand-in on CPU): the
 # extended tier; the default tier checks it in `a2a_direct` (the exchange alone, with adapters).
 SLOW_A2A = ("a2a:ragged@data2_fsdp4",)
-DEFAULT = tuple(c for c in (*CASES, *REPLAY_CASES, "a2a_direct") if c not in SLOW_A2A)
+# The default tier runs one subprocess of four meshes (each mode once, each with its own split): expert
+# parallelism by all-gather (forward, gradients and replay on data2 x fsdp4), the fsdp mode with tensor
+# parallelism, all-to-all replay with each row split over 4 devices through the scanned stack, and the
+# all-to-all exchange alone. The other meshes form the extended tier (a second subprocess).
+DEFAULT = ("ep@data2_fsdp4", "fsdp@data2_fsdp2_tensor2", "a2a@fsdp2_context4_scan", "a2a_direct")
+EXTENDED = tuple(c for c in {*CASES, *REPLAY_CASES} if c not in (*DEFAULT, *SLOW_A2A))
+
+
+def _tiered(cases) -> list:
+    return [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in cases if c not in SLOW_A2A]
 
 
 @pytest.fixture(scope="module")
 def results(hf_model_dir, tmp_path_factory):
     return _run_check(hf_model_dir("qwen3_moe_e8k2_tied")[0], tmp_path_factory, DEFAULT)
+
+
+@pytest.fixture(scope="module")
+def extended_results(hf_model_dir, tmp_path_factory):
+    return _run_check(hf_model_dir("qwen3_moe_e8k2_tied")[0], tmp_path_factory, EXTENDED)
+
+
+def _result(request, case: str) -> dict:
+    return request.getfixturevalue("results" if case in DEFAULT else "extended_results")
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +80,9 @@ def _run_check(model_dir, tmp_path_factory, only=()):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c not in SLOW_A2A])
-def test_expert_parallel_equals_single_device(case, results):
-    r = results["cases"][case]
+@pytest.mark.parametrize("case", _tiered(CASES))
+def test_expert_parallel_equals_single_device(case, request):
+    r = _result(request, case)["cases"][case]
     assert r["logits_diff"] <= TOL and r["loss_diff"] <= TOL, r
     assert r["grad_diff"] <= TOL, f"{case}: gradients differ by {r['grad_diff']:.3e}"
     assert r["load_equal"], f"{case}: expert load differs"
@@ -86,9 +104,9 @@ def test_recorded_experts_change_the_routing(results):
     assert r["free_lp_diff"] > 1e-2 and r["free_loss_rel"] > 1e-5 and r["free_grads_max_rel"] > 1e-2, r
 
 
-@pytest.mark.parametrize("case", [c for c in REPLAY_CASES if c not in SLOW_A2A])
-def test_routing_replay_on_mesh_equals_single_device(case, results):
-    r = results["replay"]["cases"][case]
+@pytest.mark.parametrize("case", _tiered(REPLAY_CASES))
+def test_routing_replay_on_mesh_equals_single_device(case, request):
+    r = _result(request, case)["replay"]["cases"][case]
     assert r["lp_diff"] <= TOL, f"{case}: logprobs differ by {r['lp_diff']:.3e}"
     assert r["loss_rel"] <= 2e-6, r
     assert r["grads_max_rel"] <= TOL, f"{case}: gradients differ by {r['grads_max_rel']:.3e} (relative)"
@@ -97,16 +115,16 @@ def test_routing_replay_on_mesh_equals_single_device(case, results):
     assert r["routed_spec"] == [None, ["data", "fsdp"], "context" if context > 1 else None], r["routed_spec"]
 
 
-@pytest.mark.parametrize("case", [c for c in REPLAY_CASES if c not in SLOW_A2A])
-def test_each_device_runs_experts_on_its_own_tokens_only(case, results):
+@pytest.mark.parametrize("case", _tiered(REPLAY_CASES))
+def test_each_device_runs_experts_on_its_own_tokens_only(case, request):
     """Every mesh axis that splits the tokens (data, fsdp, context) splits the experts' work too: no token's
     expert MLP runs on two devices of a context group. Under 'ep' a device runs its experts on the tokens of
     its whole fsdp group (the all-gather), no more."""
     mode, sizes, _ = REPLAY_CASES[case]
     splits = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("context", 1)
     gathered = sizes.get("fsdp", 1) if mode == "ep" else 1  # fsdp and a2a: the device's own tokens
-    expected = results["replay"]["tokens"] // splits * gathered
-    assert results["replay"]["cases"][case]["expert_tokens_per_device"] == [expected]
+    replay = _result(request, case)["replay"]
+    assert replay["cases"][case]["expert_tokens_per_device"] == [replay["tokens"] // splits * gathered]
 
 
 @pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): one more 8-device subprocess per family

@@ -303,6 +303,7 @@ def test_tiny_qwen3_5_build_matches_its_section_and_transformers(family, tmp_pat
     assert float(np.abs(ours - _hf_logits(torch_model, tokens)).max()) <= TOL
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): a whole Qwen3.5 step compile
 def test_weight_decay_spares_the_deltanet_decay_rates_norm_and_dt_bias():
     """AdamW decay (trainer/optim.py) moves the DeltaNet matrices and conv, not A_log, dt_bias or its norm."""
     from primejax.models.sharding import init_model

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from primejax.models.attention import attention, resolve_impl
 from primejax.models.sharding import make_mesh
@@ -55,6 +56,7 @@ def test_auto_follows_the_active_mesh_platform():
     assert resolve_impl("auto", jnp.bfloat16, backend="tpu") == "splash"
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): an 8-device subprocess
 def test_splash_in_shard_map_matches_unsharded_xla():
     """8 emulated devices: rows over data x fsdp, heads over tensor / context (split when kv heads divide it)."""
     env = dict(

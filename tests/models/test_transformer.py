@@ -52,7 +52,7 @@ def baseline(model):
     return _loss_and_grad(model)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots_no_batch", "attn_offload"])
+@pytest.mark.parametrize("policy", ["full", "dots_no_batch", pytest.param("attn_offload", marks=pytest.mark.slow)])
 def test_remat_policy_gives_the_same_gradients(policy, model, baseline):
     loss0, g0 = baseline
     loss, g = _loss_and_grad(_with_cfg(model, dataclasses.replace(CFG, remat_policy=policy)))

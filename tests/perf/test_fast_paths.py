@@ -274,7 +274,7 @@ def test_auto_remat_policy_picks_by_micro_batch_tokens():
     assert resolve_remat_policy("none", 65536) == "none"
 
 
-@pytest.mark.parametrize("remat", ["none", "dots_no_batch_attn"])
+@pytest.mark.parametrize("remat", ["none", pytest.param("dots_no_batch_attn", marks=pytest.mark.slow)])
 def test_unrolled_layers_match_the_scan(remat):
     """scan_layers only changes how the layers are compiled: same loss and gradients (fp32)."""
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)

@@ -389,6 +389,7 @@ def test_reject_and_icepop_ranges_are_checked():
         IcepopConfig(low=2.0, high=1.0)
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): two more compiled steps
 def test_step_with_normalized_weights_does_not_depend_on_the_micro_batch_split(tiny_cfg, make_samples):
     """The jitted step's gradient accumulation with two envs (normalized TIS + sequence MIS, GSPO-token): the
     forward-only pre-pass gives every micro-batch the whole step's mean weight, so 1x4 and 4x1 agree."""

@@ -75,6 +75,7 @@ def test_lora_rl_and_sft_steps_train_only_the_adapters(batch, tmp_path, make_con
     ckpt.close()
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): another engine compile
 def test_lora_moe_step_trains_expert_adapters_only(batch, make_config):
     cfg = make_config(**LORA, **MOE, lora_targets=("q_proj", "experts"))
     engine = Engine.create(TrainerConfig(micro_batch_size=4, logprob_chunk_size=16), cfg, seed=1)
@@ -110,6 +111,7 @@ def test_lora_step_allocates_no_full_size_gradient(make_config):
     assert temp["full"] - temp["lora"] >= weights, (temp, weights)  # at least one model-sized gradient less
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): another engine compile
 def test_lora_engine_from_hf_weights_exports_the_merged_model(tiny_untied_model_dir, tmp_path, batch):
     """`Engine.from_settings` with `model.lora`: HF weights frozen, fresh adapters; after a step the engine's
     model (what the publisher and the SFT export write) is the merged one, equal to the adapted forward."""

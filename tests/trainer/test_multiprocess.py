@@ -170,6 +170,7 @@ def test_metrics_once_and_checkpoints_from_both(runs):
     assert complete_steps(two) == complete_steps(one) == [2, 3]
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): two more processes
 def test_two_processes_resume_from_their_checkpoint(runs, tmp_path):
     """Both processes restore their shards of checkpoint 2 and retrain step 3 to the same weights."""
     two, _ = runs["two"]

@@ -79,6 +79,7 @@ def test_offloaded_update_with_one_bucket_is_bit_equal_to_the_device_update(batc
         jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): the one-bucket case is bit-equal in the default tier
 def test_offloaded_update_in_split_buckets_matches_the_device_update(batches, make_config):
     # Many buckets, stacked expert weights split along their layer axis. XLA fuses the per-bucket update apart
     # from the whole-tree one and may contract a multiply-add differently (one rounding instead of two): 1-ulp
@@ -116,6 +117,7 @@ def test_offloaded_checkpoint_resumes_bit_identically(batches, make_config, tmp_
     ckpt.close()
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): another compiled step
 def test_bf16_compute_copy_keeps_the_fp32_master(batches, make_config):
     engine = Engine.create(_trainer(True), make_config(param_dtype="bfloat16"), seed=0)
     for b in batches:
@@ -136,6 +138,7 @@ def test_bf16_compute_copy_keeps_the_fp32_master(batches, make_config):
     assert moved_below_bf16 > 0  # the master holds what bf16 cannot
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): another compiled step
 def test_lora_adapters_offloaded_match_the_device_update(batches, make_config):
     cfg = make_config(lora_rank=4, lora_alpha=8.0, lora_targets=lora.DEFAULT_TARGETS)
     ref = Engine.create(_trainer(False), cfg, seed=3)

@@ -193,6 +193,7 @@ def test_nonfinite_step_is_skipped(tiny_cfg, rl_setup):
 
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): two more compiled steps
 def test_bf16_step_matches_fp32_on_cpu(tiny_cfg):
     """The default compute dtype (bf16) trains on CPU too, and tracks the fp32 step to bf16 precision.
 
