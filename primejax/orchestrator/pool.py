@@ -230,6 +230,10 @@ class RolloutPool:
         if ticket.trace.lost:
             self.counts["redispatched"] += 1
             self.requeued.appendleft((ticket.env, ticket.index))
+        elif ticket.rollouts is not None and ticket.oldest is not None and ticket.oldest < self.bound:
+            # Its first request started after the cut that moved the bound past the served version (it was
+            # dispatched earlier, so `enforce_bound` saw no request of it to judge): too old for any step to come.
+            self.counts["dropped_stale"] += 1
         elif ticket.rollouts is not None:
             self.done.append(ticket)
         await self._notify()
