@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(row, flush=True)
     print(
-        f"\n| mode | RL wall s (steps {rows[0]['steps_timed'] + 1}..{a.rl_steps}) | reward first 5 -> last 5 | "
+        f"\n| mode | RL wall s (steps {a.rl_steps - rows[0]['steps_timed'] + 1}..{a.rl_steps}) | reward first 5 -> last 5 | "
         "well-formed first 5 -> last 5 | server busy (steps 2..) | max staleness | stale groups cancelled | "
         "whole command s |\n|---|---|---|---|---|---|---|---|"
     )
