@@ -14,7 +14,7 @@ already finished it is dropped (`dropped_stale`).
 The pool refills to `capacity` whenever there is room, so a few slow groups never hold up a cut: the cut
 takes whatever finished first and the stragglers are carried (or cancelled once stale). It does not dispatch
 while the served version v is below the current step's bound (waiting for the trainer), nor when finished
-groups already cover every step a group started now could serve (the steps up to v + 1 + k). `capacity`
+and running groups already cover every step a group started now could serve (the steps up to v + 1 + k). `capacity`
 bounds the work at risk: with the trainer as the bottleneck, up to that many groups may turn stale and be
 cancelled.
 
@@ -133,8 +133,12 @@ class RolloutPool:
         if v < self.bound:
             return 0
         useful_steps = v + 1 + self.k - self.cut_step + 1
-        if sum(t.trainable for t in self.done) >= useful_steps * self.batch_size:
-            return 0  # finished work already covers every step a group started now could serve
+        # Running groups count at their full size: with the trainer the bottleneck (v at the bound) a group
+        # started now can serve one more step at most, and dispatching past that only feeds the bound's
+        # cancellations. A running group that yields fewer trainable rollouts frees its share when it finishes.
+        covered = sum(t.trainable for t in self.done) + len(self.running) * self.group_size
+        if covered >= useful_steps * self.batch_size:
+            return 0  # finished and running work already covers every step a group started now could serve
         # A finished group without a trainable rollout (all errored: a hung env worker, a failing env) holds no
         # batch room; it is cut with the next batch. Up to `capacity` of them are free, so a few errors cannot
         # fill the pool and stall it, while an env that fails every rollout still stops dispatching (the cut then
