@@ -10,22 +10,25 @@ from collections.abc import Callable, Sequence
 
 
 class BusyMeter:
+    """Also the client's count of requests outstanding per server (`outstanding`), which its least-loaded
+    placement reads."""
+
     def __init__(self, urls: Sequence[str], clock: Callable[[], float] = time.monotonic):
         self.urls = list(urls)
         self._clock = clock
-        self._outstanding = dict.fromkeys(self.urls, 0)
+        self.outstanding = dict.fromkeys(self.urls, 0)
         self._busy_since: dict[str, float] = {}
         self._busy_s = dict.fromkeys(self.urls, 0.0)
         self._since = clock()
 
     def started(self, url: str) -> None:
-        if self._outstanding[url] == 0:
+        if self.outstanding[url] == 0:
             self._busy_since[url] = self._clock()
-        self._outstanding[url] += 1
+        self.outstanding[url] += 1
 
     def finished(self, url: str) -> None:
-        self._outstanding[url] -= 1
-        if self._outstanding[url] == 0:
+        self.outstanding[url] -= 1
+        if self.outstanding[url] == 0:
             self._busy_s[url] += self._clock() - self._busy_since.pop(url)
 
     def take(self) -> dict[str, float]:

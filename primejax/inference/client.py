@@ -112,8 +112,7 @@ class InferenceClient:
         # Without a secret there is no identity to check (a server of one's own started by hand without one).
         self._secret = token
         self._verified: set[str] = set()
-        self._in_flight = dict.fromkeys(self.base_urls, 0)
-        self.busy = BusyMeter(self.base_urls)
+        self.busy = BusyMeter(self.base_urls)  # requests outstanding per server, and their busy time
         self.down: set[str] = set()  # servers no request goes to until revive()
         # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
         self._http = httpx.AsyncClient(
@@ -135,7 +134,7 @@ class InferenceClient:
         held = None if route is None else route.get(id(self))
         if held is not None and held not in self.down:
             return held
-        up = {u: n for u, n in self._in_flight.items() if u not in self.down}
+        up = {u: n for u, n in self.busy.outstanding.items() if u not in self.down}
         if not up:
             raise InferenceError(f"no inference server is up (down: {sorted(self.down)})")
         least = min(up.values())
@@ -197,7 +196,6 @@ class InferenceClient:
 
     async def _balanced(self, path: str, payload: dict, check: bool = False) -> Any:
         url = self._pick()
-        self._in_flight[url] += 1
         self.busy.started(url)
         try:
             try:
@@ -212,7 +210,6 @@ class InferenceClient:
                 self._check_samples(url, out)
             return out
         finally:
-            self._in_flight[url] -= 1
             self.busy.finished(url)
 
     def _check_samples(self, url: str, out: Any) -> None:

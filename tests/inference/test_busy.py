@@ -84,9 +84,9 @@ def test_the_client_meters_the_server_its_request_went_to():
         async with InferenceClient(["http://a", "http://b"], transport=httpx.MockTransport(handler)) as c:
             c.busy = BusyMeter(c.base_urls, clock=clock)
             task = asyncio.create_task(c.generate([1, 2], n=1, max_tokens=1, temperature=1.0))
-            while sum(c._in_flight.values()) == 0:
+            while sum(c.busy.outstanding.values()) == 0:
                 await asyncio.sleep(0)
-            busy_url = next(u for u, n in c._in_flight.items() if n)
+            busy_url = next(u for u, n in c.busy.outstanding.items() if n)
             clock.t = 110
             reading = c.busy.take()
             release.set()
