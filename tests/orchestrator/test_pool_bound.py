@@ -78,3 +78,39 @@ def test_a_group_whose_first_request_starts_below_the_bound_is_never_cut():
     cut, total = asyncio.run(main())
     assert [g[0].version for g in cut.groups] == [1]
     assert cut.counts["dropped_stale"] == 1
+
+
+def test_running_groups_count_toward_the_steps_a_new_group_could_still_serve():
+    """Trainer at the bound (step 2 cut while θ_0 is served, k = 1): a group started now serves step 2 only.
+    After the cut, the three groups still running already cover it, so the pool starts no fifth group for the
+    bound to cancel later (counting finished groups only, it refilled to `capacity`)."""
+
+    async def main():
+        policy, gates = Policy(), {}
+
+        async def run_group(env, index, group_id, step):
+            await gates.setdefault(group_id, asyncio.Event()).wait()
+            TRACE.get().versions.append(policy.version)
+            return [Done(policy.version)]
+
+        pool = RolloutPool(
+            run_group,
+            lambda n: [("env", i) for i in range(n)],
+            policy,
+            batch_size=1,
+            group_size=1,
+            async_level=1,
+            capacity=4,
+        )
+        cut = asyncio.create_task(pool.cut(2))
+        while len(pool.running) < 4:
+            await asyncio.sleep(0)
+        gates.setdefault(0, asyncio.Event()).set()
+        await cut
+        for _ in range(20):
+            await asyncio.sleep(0)
+        dispatched = pool.total["dispatched"] + pool.counts["dispatched"]
+        await pool.stop()
+        return dispatched
+
+    assert asyncio.run(main()) == 4
