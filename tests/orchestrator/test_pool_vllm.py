@@ -59,16 +59,20 @@ def test_continuous_pool_against_vllm_keeps_the_bound(tmp_path, vllm_server, tin
 
 def test_a_cancelled_request_is_aborted_on_the_server(vllm_server):
     """The pool cancels a stale group by cancelling its task; the client's request (the same transport path as
-    `generate`) is then closed and vLLM stops generating for it: a request that cannot stop early
-    (ignore_eos) ends with far fewer than max_tokens generated."""
-    max_tokens = 1800
+    `generate`) is then closed and vLLM stops generating for it: requests that cannot stop early (ignore_eos)
+    end with far fewer than their max_tokens generated.
+
+    The request carries many prompts so that it cannot finish before the cancel on a fast machine (one
+    1,800-token prompt of the tiny model finished before the first poll on CI)."""
+    prompts, max_tokens = 32, 1800
+    total = prompts * max_tokens
 
     async def main():
         client = InferenceClient(vllm_server.base_url, timeout_s=120, max_retries=0)
         try:
             before = generated((await client.metrics_text())[0])
             body = {
-                "prompt": list(range(5, 40)),
+                "prompt": [list(range(5 + i, 40 + i)) for i in range(prompts)],
                 "max_tokens": max_tokens,
                 "temperature": 1.0,
                 "ignore_eos": True,
@@ -92,4 +96,4 @@ def test_a_cancelled_request_is_aborted_on_the_server(vllm_server):
             await client.close()
 
     produced = asyncio.run(main())
-    assert 20 <= produced < max_tokens / 2, f"{produced} tokens generated after the cancel"
+    assert 20 <= produced < total / 2, f"{produced} of {total} tokens generated after the cancel"
