@@ -77,6 +77,8 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "attn_seq": None,
     "attn_heads": ("tensor", "context"),
     "attn_kv_heads": ("tensor", "context"),
+    # Gated DeltaNet's conv and recurrence under context parallelism: whole rows, heads split (deltanet.py)
+    "linear_attn_heads": ("tensor", "context"),
     # the LM head's rows: a row's context shards become rows of their own (context_parallel.fold_context)
     "batch_context": ("data", "fsdp", "context"),
 }
