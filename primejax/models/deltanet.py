@@ -11,8 +11,9 @@ then an RMSNorm per value head gated by silu(z) and `out_proj`. Query/key heads 
 heads (head h reads key head h // (Hv / Hk)).
 
 The rule runs in chunked form (the UT transform of the DeltaNet paper, as transformers' reference and FLA's
-kernels): within a chunk of `CHUNK` tokens everything is a few [C, C] / [C, dk] matmuls and one unit lower
-triangular solve; a `lax.scan` carries the state across chunks. XLA only (no Pallas kernel yet).
+kernels): within a chunk of `CHUNK` tokens everything is a few [C, C] / [C, dk] matmuls and the inverse of
+one unit lower triangular matrix, itself by matmuls (`unit_lower_inverse`: no LAPACK call, which deadlocks
+emulated CPU meshes); a `lax.scan` carries the state across chunks. XLA only (no Pallas kernel yet).
 
 Packed rows: a segment start resets the state and the conv's history, so each sample sees exactly what it
 would see alone. In the chunked form every decay between positions i >= j is exp(cum_i - cum_j), and a reset
