@@ -246,8 +246,8 @@ def test_meshes_equal_one_device_and_context_split_is_refused(hf_model_dir, tmp_
     res = json.loads(out.read_text())
     for name, r in res["cases"].items():
         assert r["logits_diff"] <= 1e-5 and r["loss_diff"] <= 1e-5, (name, r)
-        # relative to each gradient's largest entry; measured 2.2e-5 (fp32 sums in another order through the
-        # chunks' triangular solves and the state scan), against 1e-5 for the attention-only families
+        # relative to each gradient's largest entry; measured 2.5e-5 (fp32 sums in another order through the
+        # chunks' UT inverses and the state scan), against 1e-5 for the attention-only families
         assert r["grad_diff"] <= 1e-4, (name, r)
         assert r["lin_z_spec"][2] == "tensor" and r["lin_out_spec"][1] == "tensor", (name, r)
         print(
