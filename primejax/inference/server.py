@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primejax.contracts.rundir import RunDir
-from primejax.inference.adapters import vllm_max_lora_rank
+from primejax.inference.adapters import check_lora_servable, vllm_max_lora_rank
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG
 from primejax.inference.vllm_ext import (
@@ -164,6 +164,8 @@ class ServerSpec:
             args.append("--enforce-eager")
         if self.weight_transfer and transfer_plugin_installed():
             args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
+        if self.lora_rank > 0 or "--enable-lora" in self.extra_args:
+            check_lora_servable(self.model)
         if self.lora_rank > 0:
             args += ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(self.lora_rank)),
                      "--max-loras", str(self.max_loras)]
