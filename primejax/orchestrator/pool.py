@@ -11,10 +11,11 @@ group whose oldest request is below the current step's bound can never be used: 
 task is cancelled (the HTTP request is closed, which makes vLLM abort it) and counted `cancelled_stale`; if it
 already finished it is dropped (`dropped_stale`).
 
-The pool refills to `capacity` whenever there is room, so a few slow groups never hold up a cut: the cut
-takes whatever finished first and the stragglers are carried (or cancelled once stale). It does not dispatch
-while the served version v is below the current step's bound (waiting for the trainer), nor when finished
-and running groups already cover every step a group started now could serve (the steps up to v + 1 + k). `capacity`
+The pool refills whenever there is room, so a few slow groups never hold up a cut: the cut takes whatever
+finished first and the stragglers are carried (or cancelled once stale). It does not dispatch while the served
+version v is below the bound of the step to be cut next (waiting for the trainer); otherwise it dispatches the
+groups that the steps a group started now could serve (those up to v + 1 + k) still lack, counting finished
+groups' trainable rollouts and running groups at full size, at most up to `capacity` groups held. `capacity`
 bounds the work at risk: with the trainer as the bottleneck, up to that many groups may turn stale and be
 cancelled.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
@@ -137,7 +139,8 @@ class RolloutPool:
         # started now can serve one more step at most, and dispatching past that only feeds the bound's
         # cancellations. A running group that yields fewer trainable rollouts frees its share when it finishes.
         covered = sum(t.trainable for t in self.done) + len(self.running) * self.group_size
-        if covered >= useful_steps * self.batch_size:
+        missing = useful_steps * self.batch_size - covered
+        if missing <= 0:
             return 0  # finished and running work already covers every step a group started now could serve
         # A finished group without a trainable rollout (all errored: a hung env worker, a failing env) holds no
         # batch room; it is cut with the next batch. Up to `capacity` of them are free, so a few errors cannot
@@ -145,7 +148,10 @@ class RolloutPool:
         # goes on with what it has, see `cut`).
         empty = self._empty()
         held = len(self.running) + len(self.done) - empty + max(0, empty - self.capacity)
-        return max(0, self.capacity - held)
+        # A refill is capped at the groups the uncovered steps need (scaled by the oversampling factor, as the
+        # step mode's draw): a burst up to `capacity` at the bound would start groups no step can use.
+        wanted = math.ceil(missing * self.oversampling / self.group_size)
+        return max(0, min(self.capacity - held, wanted))
 
     def _empty(self) -> int:
         return sum(t.trainable == 0 for t in self.done)
@@ -301,5 +307,8 @@ class RolloutPool:
         }
         self.total.update(self.counts)
         self.counts = Counter()
+        # From here on every group serves a later step: the next step's bound applies at once (to dispatch and
+        # to the cancellations on the next update), not when the loop comes back for its cut.
+        self.cut_step = step + 1
         await self._notify()
         return Cut(groups=[t.rollouts for t in [*taken, *empty]], wait_s=self.clock() - start, counts=counts)

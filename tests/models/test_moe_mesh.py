@@ -39,7 +39,9 @@ EXTENDED = tuple(c for c in {*CASES, *REPLAY_CASES} if c not in (*DEFAULT, *SLOW
 
 
 def _tiered(cases) -> list:
-    return [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in cases if c not in SLOW_A2A]
+    return [
+        c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in cases if c not in SLOW_A2A
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -186,11 +188,6 @@ QWEN3_5_MOE_CASES = ("ep@data2_fsdp4", "fsdp@data2_fsdp2_tensor2")
 
 
 @pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): one more 8-device subprocess per family
-@pytest.mark.skip(
-    reason="hangs: on 8 emulated CPU devices the sharded step's gradients never arrive (every thread asleep, "
-    "0% CPU; fsdp8 and data2 x fsdp2 x tensor2 alike) while dense Qwen3.5 and GLM-4.5 pass the same check. "
-    "Not diagnosed (docs/models.md)"
-)
 def test_qwen3_5_moe_on_meshes_equals_single_device(hf_model_dir, tmp_path_factory):
     res = _run_check(hf_model_dir("qwen3_5_moe_hybrid")[0], tmp_path_factory, QWEN3_5_MOE_CASES)
     for case in QWEN3_5_MOE_CASES:

@@ -193,7 +193,7 @@ def test_qwen3_5_9b_config_round_trip_flops_and_params():
     linear = 4096 * conv + 4096 * 4096 + 2 * 4096 * 32 + 4096 * 4096
     matmul = 8 * full + 24 * linear + 32 * 3 * 4096 * 12288 + 4096 * 248320
     assert cfg.num_matmul_params() == matmul
-    per_linear = 6 * (32 * (64 * (3 * 128 + 2 * 128) + 3 * 128 * 128) + 4 * conv)
+    per_linear = 6 * (32 * (64 * (3 * 128 + 2 * 128) + (64 * 64 - 1) // 3 + 3 * 128 * 128) + 4 * conv)
     assert cfg.flops_per_token(16384) == 6 * matmul + 12 * 8 * 16 * 256 * 16384 + 24 * per_linear
     # published: 9B parameters (the language model, without the vision tower)
     assert 8.5e9 < cfg.num_params() < 9.5e9
@@ -246,8 +246,8 @@ def test_meshes_equal_one_device_and_context_split_is_refused(hf_model_dir, tmp_
     res = json.loads(out.read_text())
     for name, r in res["cases"].items():
         assert r["logits_diff"] <= 1e-5 and r["loss_diff"] <= 1e-5, (name, r)
-        # relative to each gradient's largest entry; measured 2.2e-5 (fp32 sums in another order through the
-        # chunks' triangular solves and the state scan), against 1e-5 for the attention-only families
+        # relative to each gradient's largest entry; measured 2.5e-5 (fp32 sums in another order through the
+        # chunks' UT inverses and the state scan), against 1e-5 for the attention-only families
         assert r["grad_diff"] <= 1e-4, (name, r)
         assert r["lin_z_spec"][2] == "tensor" and r["lin_out_spec"][1] == "tensor", (name, r)
         print(

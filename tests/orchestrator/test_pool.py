@@ -50,9 +50,10 @@ class Trainer:
             fake_broadcast(self.run_dir, n)
 
 
-def run_continuous(tmp_path, tokenizer, *, k: int, steps: int = STEPS, **pool):
+def run_continuous(tmp_path, tokenizer, *, k: int, steps: int = STEPS, oversampling: float = 1.0, **pool):
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, batch_size=8, group_size=4, async_level=k)
+    cfg.orchestrator.buffer.oversampling_factor = oversampling
     cfg.orchestrator.pool.mode = "continuous"
     for key, value in pool.items():
         cfg.orchestrator.pool[key] = value
@@ -68,8 +69,9 @@ def run_continuous(tmp_path, tokenizer, *, k: int, steps: int = STEPS, **pool):
 
 
 def test_continuous_pool_keeps_every_sample_within_the_bound_and_cancels_stale_groups(tmp_path, tokenizer):
+    # Oversampling starts groups beyond the batch: the first finished fill it, and the slow ones outlive the update.
     k = 0
-    run_dir, client, orch, history = run_continuous(tmp_path, tokenizer, k=k, groups_in_flight=6)
+    run_dir, client, orch, history = run_continuous(tmp_path, tokenizer, k=k, oversampling=2.0, groups_in_flight=6)
     for n in range(1, STEPS + 1):
         batch = read_batch(step_dir(run_dir, n) / "rank_0.npz", vocab_size=len(tokenizer))
         assert batch.meta["num_samples"] == 8

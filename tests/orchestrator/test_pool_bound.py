@@ -80,37 +80,65 @@ def test_a_group_whose_first_request_starts_below_the_bound_is_never_cut():
     assert cut.counts["dropped_stale"] == 1
 
 
+def _gated_pool(policy, gates, *, capacity, batch_size=1, async_level=1, oversampling=1.0):
+    async def run_group(env, index, group_id, step):
+        await gates.setdefault(group_id, asyncio.Event()).wait()
+        TRACE.get().versions.append(policy.version)
+        return [Done(policy.version)]
+
+    return RolloutPool(
+        run_group,
+        lambda n: [("env", i) for i in range(n)],
+        policy,
+        batch_size=batch_size,
+        group_size=1,
+        async_level=async_level,
+        capacity=capacity,
+        oversampling=oversampling,
+    )
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
 def test_running_groups_count_toward_the_steps_a_new_group_could_still_serve():
-    """Trainer at the bound (step 2 cut while θ_0 is served, k = 1): a group started now serves step 2 only.
-    After the cut, the three groups still running already cover it, so the pool starts no fifth group for the
-    bound to cancel later (counting finished groups only, it refilled to `capacity`)."""
+    """Trainer at the bound (step 2 cut while θ_0 is served, k = 1): a group started now serves step 2 only,
+    so one group is started while it runs (counting finished groups only, the pool refilled to `capacity`: 4);
+    after the cut the next step's bound (θ_1) is above the served version and nothing more starts."""
 
     async def main():
         policy, gates = Policy(), {}
-
-        async def run_group(env, index, group_id, step):
-            await gates.setdefault(group_id, asyncio.Event()).wait()
-            TRACE.get().versions.append(policy.version)
-            return [Done(policy.version)]
-
-        pool = RolloutPool(
-            run_group,
-            lambda n: [("env", i) for i in range(n)],
-            policy,
-            batch_size=1,
-            group_size=1,
-            async_level=1,
-            capacity=4,
-        )
+        pool = _gated_pool(policy, gates, capacity=4)
         cut = asyncio.create_task(pool.cut(2))
-        while len(pool.running) < 4:
-            await asyncio.sleep(0)
-        gates.setdefault(0, asyncio.Event()).set()
+        await _settle()
+        running = len(pool.running)
+        for gate in [gates.setdefault(i, asyncio.Event()) for i in range(pool._next_id)]:
+            gate.set()
         await cut
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await _settle()
         dispatched = pool.total["dispatched"] + pool.counts["dispatched"]
         await pool.stop()
-        return dispatched
+        return running, dispatched
 
-    assert asyncio.run(main()) == 4
+    assert asyncio.run(main()) == (1, 1)
+
+
+def test_a_refill_is_capped_at_what_the_uncovered_steps_need():
+    """Step 1 cut with θ_0 served and k = 1: a group started now can serve steps 1 and 2, 2 rollouts each, so 4
+    groups start, not `capacity` (8) of which the bound would cancel half; the oversampling factor scales it."""
+
+    async def main(oversampling):
+        policy, gates = Policy(), {}
+        pool = _gated_pool(policy, gates, capacity=8, batch_size=2, oversampling=oversampling)
+        cut = asyncio.create_task(pool.cut(1))
+        await _settle()
+        running = len(pool.running)
+        cut.cancel()
+        await asyncio.gather(cut, return_exceptions=True)
+        await pool.stop()
+        return running
+
+    assert asyncio.run(main(1.0)) == 4
+    assert asyncio.run(main(1.5)) == 6

@@ -150,10 +150,21 @@ def test_config_rejects_bad_transfer_settings(key, value, match):
         validate(c)
 
 
+def test_layers_per_call_is_the_largest_divisor_within_the_limit():
+    from primejax.transfer.device import layers_per_call
+
+    # Qwen3-30B-A3B's experts' gate_proj in bf16: 128 x 768 x 2048 x 2 bytes = 403 MB a layer, 48 layers.
+    assert layers_per_call(48, 128 * 768 * 2048 * 2, 1 << 30) == 2
+    assert layers_per_call(48, 1, 1 << 30) == 48  # small layers: one call
+    assert layers_per_call(61, 1 << 20, 1 << 24) == 1  # prime count: one layer a call rather than two shapes
+    assert layers_per_call(36, 2 << 30, 1 << 30) == 1  # a layer over the limit still goes, alone
+
+
 @pytest.mark.parametrize("variant", ["tied", "untied", "moe"])
 def test_device_tensors_equal_the_safetensors_export(variant, tmp_path):
     """The no-host-copy path (jitted HF conversion + DLPack) yields exactly the tensors the export writes, in
-    its order (dense tied/untied, and Qwen3-MoE with a dense layer: per-expert tensors)."""
+    its order (dense tied/untied, and Qwen3-MoE with a dense layer: per-expert tensors), whether a parameter
+    converts all its layers in one call or one layer per call (a chunk limit below one layer's bytes)."""
     from primejax.models.config import ModelConfig
     from primejax.models.hf_io import load_model, state_to_hf_tensors
     from primejax.models.sharding import init_model
@@ -188,9 +199,9 @@ def test_device_tensors_equal_the_safetensors_export(variant, tmp_path):
         model, cfg = load_model(
             build_tiny_model(tmp_path / "m", tied=variant == "tied", seed=3), param_dtype="float32"
         )
-    for dtype in ("float32", "bfloat16"):
+    for dtype, max_chunk_bytes in (("float32", 1 << 30), ("bfloat16", 1 << 30), ("bfloat16", 1)):
         expected = list(state_to_hf_tensors(model, cfg, dtype))
-        metas, tensors = hf_device_tensors(model, cfg, dtype)
+        metas, tensors = hf_device_tensors(model, cfg, dtype, max_chunk_bytes=max_chunk_bytes)
         got = list(tensors)
         assert [m.name for m in metas] == [n for n, _ in expected]
         assert [m.shape for m in metas] == [a.shape for _, a in expected]
