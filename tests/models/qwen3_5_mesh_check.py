@@ -77,7 +77,7 @@ def _train_steps(cfg, mesh) -> tuple[list[float], dict]:
     opt = optim.make_optimizer(
         {"lr": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "max_norm": 1.0}, sched
     )
-    (batch,) = pack_samples(random_samples(11, 9, min_len=20, max_len=90), seq_len=96, pad_rows_to_multiple=4)
+    (batch,) = pack_samples(random_samples(11, 9, min_len=20, max_len=90), seq_len=96, pad_rows_to_multiple=8)
     model = init_model(cfg, mesh, seed=0)
     state = init_state(model, opt, mesh=mesh)
     fn = make_train_step(
@@ -86,7 +86,7 @@ def _train_steps(cfg, mesh) -> tuple[list[float], dict]:
     step = jit_train_step(fn, state, mesh)
     losses = []
     with jax.set_mesh(mesh):
-        dev = device_batch(to_micro_batches(batch, 2), mesh)
+        dev = device_batch(to_micro_batches(batch, 4), mesh)  # 4 rows: one per data x fsdp rank
         for _ in range(2):
             state, metrics = step(state, dev)
             losses.append(float(metrics["loss"]))

@@ -263,14 +263,18 @@ def test_context_split_refuses_value_heads_it_cannot_divide():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("meshes", ["tensor", "context"])
-def test_meshes_equal_one_device(meshes, hf_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "variant, meshes",
+    [("qwen3_5_hybrid", "tensor"), ("qwen3_5_hybrid", "context"), ("qwen3_5_moe_hybrid", "context")],
+)
+def test_meshes_equal_one_device(variant, meshes, hf_model_dir, tmp_path):
     """8 emulated devices (qwen3_5_mesh_check.py in a subprocess): `tensor`, a data x fsdp x tensor mesh;
     `context`, data 2 x fsdp 2 x context 2 and data 2 x context 4 (rows of 96 tokens in 48- or 24-token shards,
     segments straddling them and the 64-token chunk boundary). Each gives the single device's logits, loss and
     every gradient; two trainer steps on the first context mesh give one device's losses and parameters; and
-    tensor 2 x context 4 (8 ways for 4 value heads) fails with the one line."""
-    model_dir, _ = hf_model_dir("qwen3_5_hybrid")
+    tensor 2 x context 4 (8 ways for 4 value heads) fails with the one line. Qwen3.5 MoE (same hybrid stack,
+    every MLP sparse) on the context meshes too (its tensor mesh is test_moe_mesh.py's)."""
+    model_dir, _ = hf_model_dir(variant)
     res = _run_emulated("qwen3_5_mesh_check.py", 8, model_dir, tmp_path / "result.json", meshes)
     for name, r in res["cases"].items():
         assert r["logits_diff"] <= 1e-5 and r["loss_diff"] <= 1e-5, (name, r)
