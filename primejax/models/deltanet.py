@@ -28,8 +28,9 @@ from "tokens split over context" to "whole rows, heads split over tensor x conte
 rule), an all-to-all per tensor that XLA's SPMD partitioner derives from the sharding constraints. The switch
 happens right after the fused q/k/v projection, before the short causal conv: the conv is depthwise (per
 channel), so on whole rows it needs no halo of K-1 tokens from the neighbouring device, and it moves the same
-data as switching after it. q and k cross at their key heads (switched to value heads on the device, where the
-head repeat is local), v, the decay g and beta at the value heads. Each device then runs the chunk scan on
+data as switching after it. q and k cross at their key heads (repeated to the value heads on the device, where
+the repeat is local) when tensor x context divides those, else already repeated; v, the decay g and beta at the
+value heads. Each device then runs the chunk scan on
 whole rows for Hv / (tensor x context) value heads (the scan never runs over a token-split dimension), and the
 output goes back to the token split before the gated norm and out_proj. Sharding constraints do not change
 values, so packed segments that straddle the token split need no special case. Value heads not divisible by
@@ -212,12 +213,17 @@ def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: 
     # below would otherwise all-gather h over the context axis to compute them on whole rows).
     qkv = constrain(jnp.einsum("btd,dc->btc", h_btd, p["lin_qkv"].astype(dt)), ("batch", "seq", None))
     w = p["lin_conv"].astype(dt)
+    q, k = qkv[..., : hk * dk].reshape(b, t, hk, dk), qkv[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
+    wq, wk = w[:, : hk * dk].reshape(kc, hk, dk), w[:, hk * dk : 2 * hk * dk].reshape(kc, hk, dk)
+    # Key heads the split cannot divide are repeated to the value heads first (the conv is per channel, so
+    # it commutes with the repeat): an all-to-all of the repeated heads instead of an all-gather of the row.
+    rep = 1 if hk % axis_size(current_mesh(), "linear_attn_heads") == 0 else hv // hk
+    if rep > 1:
+        q, k, wq, wk = (jnp.repeat(x, rep, axis=-2) for x in (q, k, wq, wk))
     # Cut into heads while still split by token, then whole rows split by head for the conv and the rule.
-    q = _to_heads(_tokens(qkv[..., : hk * dk].reshape(b, t, hk, dk)))
-    k = _to_heads(_tokens(qkv[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)))
+    q, k = _to_heads(_tokens(q)), _to_heads(_tokens(k))
     v = _to_heads(_tokens(qkv[..., 2 * hk * dk :].reshape(b, t, hv, dv)))
-    q = causal_conv(q, w[:, : hk * dk].reshape(kc, hk, dk), segment_ids)
-    k = causal_conv(k, w[:, hk * dk : 2 * hk * dk].reshape(kc, hk, dk), segment_ids)
+    q, k = causal_conv(q, wq, segment_ids), causal_conv(k, wk, segment_ids)
     v = causal_conv(v, w[:, 2 * hk * dk :].reshape(kc, hv, dv), segment_ids)
     z = jnp.einsum("btd,dnh->btnh", h_btd, p["lin_z"].astype(dt))
     beta = jax.nn.sigmoid(_tokens(jnp.einsum("btd,dn->btn", h_btd, p["lin_b"].astype(dt))))
@@ -226,7 +232,7 @@ def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: 
         a + p["lin_dt_bias"].astype(jnp.float32)
     )
     g, beta = _to_heads(g), _to_heads(beta)
-    if hv != hk:
+    if q.shape[2] != hv:
         q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
     q = _to_heads(_l2norm(q.astype(jnp.float32)) * dk**-0.5)
     k = _to_heads(_l2norm(k.astype(jnp.float32)))

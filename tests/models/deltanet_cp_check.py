@@ -1,8 +1,9 @@
 """Run in a subprocess by test_qwen3_5.py with 4 emulated CPU devices (XLA flags must precede jax's start).
 
-Usage: python deltanet_cp_check.py OUT_JSON. One Gated DeltaNet layer (models/deltanet.py, a tiny qwen3_5_text
+Usage: python deltanet_cp_check.py OUT_JSON [CONTEXT]. One Gated DeltaNet layer (models/deltanet.py, a tiny qwen3_5_text
 layer's weights) on packed rows of 192 tokens under an fsdp 2 x context 2 mesh (each row's tokens split in two
-halves of 96, across the DeltaNet's 64-token chunks) against one device: the output and the gradients of every
+halves of 96, across the DeltaNet's 64-token chunks; CONTEXT 4: context 4 alone, 48-token quarters, where the
+2 key heads cannot be split 4 ways) against one device: the output and the gradients of every
 weight and of the input. Also the collectives of the compiled context-parallel gradient: the layout switch is
 all-to-alls, and no collective carries a whole row (no all-gather of the tokens, no conv halo).
 """
@@ -23,7 +24,7 @@ from primejax.models.deltanet import gated_deltanet
 from primejax.models.sharding import constrain, init_model, make_mesh
 from primejax.models.tiny import TinyModelConfig
 
-T, CONTEXT = 192, 2
+T = 192
 COLLECTIVE = re.compile(
     r"= (\(.*?\)|\S+) (all-to-all|all-gather|collective-permute|all-reduce|reduce-scatter)\("
 )
@@ -48,7 +49,7 @@ def _layer_params(cfg, mesh) -> dict:
     }
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, context: int = 2) -> None:
     assert jax.device_count() == 4, jax.devices()
     cfg = _cfg()
     h = jax.random.normal(jax.random.key(0), (2, T, cfg.hidden_size), jnp.float32)
@@ -61,7 +62,7 @@ def main(out_path: str) -> None:
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     ((_, ref_o), ref_g) = jax.tree.map(np.asarray, fn(_layer_params(cfg, None), h))
-    mesh = make_mesh(fsdp=2, context=CONTEXT)
+    mesh = make_mesh(fsdp=4 // context, context=context)
     params = _layer_params(cfg, mesh)
     with jax.set_mesh(mesh):
         compiled = fn.lower(params, h).compile()
@@ -82,4 +83,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:]))

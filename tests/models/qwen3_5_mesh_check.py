@@ -1,6 +1,6 @@
 """Run in a subprocess by test_qwen3_5.py with 8 emulated CPU devices (XLA flags must precede jax's start).
 
-Usage: python qwen3_5_mesh_check.py HF_DIR OUT_JSON [tensor|context]. The tiny Qwen3.5 hybrid's logits, loss
+Usage: python qwen3_5_mesh_check.py OUT_JSON HF_DIR [tensor|context]. The tiny Qwen3.5 hybrid's logits, loss
 and every parameter gradient on packed rows (segments crossing the 64-token DeltaNet chunks) against one device,
 with the DeltaNet weights' shardings: `tensor` (default) a data x fsdp x tensor mesh; `context` two meshes that
 split each row's tokens (context 2 and 4: 48- and 24-token shards, segments straddling them), two whole trainer
@@ -93,7 +93,7 @@ def _train_steps(cfg, mesh) -> tuple[list[float], dict]:
     return losses, jax.tree.map(np.asarray, state.params)
 
 
-def main(hf_dir: str, out_path: str, which: str = "tensor") -> None:
+def main(out_path: str, hf_dir: str, which: str = "tensor") -> None:
     assert jax.device_count() == 8, jax.devices()
     batch = _batch()
     valid = batch[2] > 0

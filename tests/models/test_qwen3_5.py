@@ -213,16 +213,15 @@ def test_qwen3_5_configs_not_runnable_fail_clearly(change, overrides, error):
         ModelConfig.from_hf_config({**_qwen3_5_9b(), **change}, **overrides)
 
 
-def _run_emulated(script: str, devices: int, *args) -> dict:
-    """Run tests/models/`script` in a subprocess with `devices` emulated CPU devices; its JSON result."""
-    out = Path(args[-1])
+def _run_emulated(script: str, devices: int, out: Path, *args) -> dict:
+    """Run tests/models/`script` OUT_JSON ARGS... in a subprocess on `devices` emulated CPU devices; its JSON."""
     env = dict(
         os.environ,
         XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
     )
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name(script)), *map(str, args)],
+        [sys.executable, str(Path(__file__).with_name(script)), str(out), *map(str, args)],
         env=env,
         capture_output=True,
         text=True,
@@ -232,12 +231,14 @@ def _run_emulated(script: str, devices: int, *args) -> dict:
     return json.loads(out.read_text())
 
 
-def test_context_split_deltanet_layer_equals_one_device_by_all_to_all(tmp_path):
+# context 4 (extended tier: a second compile): the 2 key heads cannot be split 4 ways, repeated before the switch
+@pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_context_split_deltanet_layer_equals_one_device_by_all_to_all(context, tmp_path):
     """One DeltaNet layer on fsdp 2 x context 2 (4 emulated devices, deltanet_cp_check.py): rows of 192 tokens
     split in halves, segments straddling the split and the 64-token chunks; output and every gradient equal
     one device's, and the compiled program switches layout by all-to-alls without moving a whole row (with the
     head split removed XLA all-gathers q, k, v, g and beta over the row instead)."""
-    r = _run_emulated("deltanet_cp_check.py", 4, tmp_path / "r.json")
+    r = _run_emulated("deltanet_cp_check.py", 4, tmp_path / "r.json", context)
     assert r["out_diff"] <= 1e-5, r
     # relative to each gradient's largest entry (fp32 sums in another order; measured <= 1.1e-6)
     assert max(r["grad_diff"].values()) <= 1e-4 and len(r["grad_diff"]) == 10, r
@@ -275,7 +276,7 @@ def test_meshes_equal_one_device(variant, meshes, hf_model_dir, tmp_path):
     tensor 2 x context 4 (8 ways for 4 value heads) fails with the one line. Qwen3.5 MoE (same hybrid stack,
     every MLP sparse) on the context meshes too (its tensor mesh is test_moe_mesh.py's)."""
     model_dir, _ = hf_model_dir(variant)
-    res = _run_emulated("qwen3_5_mesh_check.py", 8, model_dir, tmp_path / "result.json", meshes)
+    res = _run_emulated("qwen3_5_mesh_check.py", 8, tmp_path / "result.json", model_dir, meshes)
     for name, r in res["cases"].items():
         assert r["logits_diff"] <= 1e-5 and r["loss_diff"] <= 1e-5, (name, r)
         # relative to each gradient's largest entry; measured 2.5e-5 (fp32 sums in another order through the
