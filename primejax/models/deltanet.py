@@ -30,9 +30,9 @@ happens right after the fused q/k/v projection, before the short causal conv: th
 channel), so on whole rows it needs no halo of K-1 tokens from the neighbouring device, and it moves the same
 data as switching after it. q and k cross at their key heads (repeated to the value heads on the device, where
 the repeat is local) when tensor x context divides those, else already repeated; v, the decay g and beta at the
-value heads. Each device then runs the chunk scan on
-whole rows for Hv / (tensor x context) value heads (the scan never runs over a token-split dimension), and the
-output goes back to the token split before the gated norm and out_proj. Sharding constraints do not change
+value heads. Each device then runs the chunk scan on whole rows for Hv / (tensor x context) value heads (the
+scan never runs over a token-split dimension), and the output goes back to the token split before the gated
+norm and out_proj. The projections are pinned to the token split (else XLA would gather h over the row). Sharding constraints do not change
 values, so packed segments that straddle the token split need no special case. Value heads not divisible by
 tensor x context are refused (one line): they would be replicated, every device running the whole recurrence.
 (The alternative, rows kept split by token with each device's incoming state passed along the context axis,
