@@ -22,10 +22,21 @@ read only by the positions still in the segment the previous chunk ended with, a
 state leaving the chunk only if it is in the chunk's last segment. Segments are contiguous runs of equal ids
 (the trainer's packing); padding (id 0) is a segment of its own whose outputs the caller masks.
 
-Context parallelism is refused (one line at trace time): a row split by token over devices would need each
-device's incoming state from the previous device (a scan over the devices, or each device's chunk summary
-passed along), which is not written yet; the head-split all-to-all softmax attention uses
-(models/context_parallel.py) would work for DeltaNet too but is not wired.
+Context parallelism (a mesh whose `context` axis splits a row's tokens): the recurrence needs every earlier
+token of a segment, so around it the layout switches, as softmax attention's does (models/context_parallel.py),
+from "tokens split over context" to "whole rows, heads split over tensor x context" (the `linear_attn_heads`
+rule), an all-to-all per tensor that XLA's SPMD partitioner derives from the sharding constraints. The switch
+happens right after the fused q/k/v projection, before the short causal conv: the conv is depthwise (per
+channel), so on whole rows it needs no halo of K-1 tokens from the neighbouring device, and it moves the same
+data as switching after it. q and k cross at their key heads (repeated to the value heads on the device, where
+the repeat is local) when tensor x context divides those, else already repeated; v, the decay g and beta at the
+value heads. Each device then runs the chunk scan on whole rows for Hv / (tensor x context) value heads (the
+scan never runs over a token-split dimension), and the output goes back to the token split before the gated
+norm and out_proj. The projections are pinned to the token split (else XLA would gather h over the row). Sharding constraints do not change
+values, so packed segments that straddle the token split need no special case. Value heads not divisible by
+tensor x context are refused (one line): they would be replicated, every device running the whole recurrence.
+(The alternative, rows kept split by token with each device's incoming state passed along the context axis,
+serializes the devices or needs a second pass over chunk summaries; not written.)
 """
 
 from __future__ import annotations
@@ -33,7 +44,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from primejax.models.context_parallel import context_size
+from primejax.models.context_parallel import context_size, to_tokens
+from primejax.models.sharding import axis_size, constrain, current_mesh
 
 CHUNK = 64  # tokens per chunk (transformers' and FLA's default)
 _L2_EPS = 1e-6  # as transformers' l2norm (and FLA)
@@ -44,16 +56,18 @@ def _l2norm(x: jax.Array) -> jax.Array:
 
 
 def causal_conv(x_btc: jax.Array, w_kc: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Depthwise causal conv [B, T, C] with kernel w [K, C] (w[K-1] on the current token), SiLU after.
+    """Depthwise causal conv [B, T, ...] with kernel w [K, ...] (w[K-1] on the current token), SiLU after.
 
-    An input from another segment counts as zero: a sample starts with the zero history it has alone.
+    An input from another segment counts as zero: a sample starts with the zero history it has alone. The
+    channel dimensions may be one ([B, T, C]) or several ([B, T, H, dk], split by head under a mesh).
     """
-    k = w_kc.shape[0]
+    k, t = w_kc.shape[0], x_btc.shape[1]
+    extra = x_btc.ndim - 2
     out = x_btc * w_kc[k - 1]
     for lag in range(1, k):
-        shifted = jnp.pad(x_btc, ((0, 0), (lag, 0), (0, 0)))[:, : x_btc.shape[1]]
-        seg = jnp.pad(segment_ids, ((0, 0), (lag, 0)), constant_values=-1)[:, : x_btc.shape[1]]
-        same = (seg == segment_ids)[:, :, None]
+        shifted = jnp.pad(x_btc, ((0, 0), (lag, 0)) + ((0, 0),) * extra)[:, :t]
+        seg = jnp.pad(segment_ids, ((0, 0), (lag, 0)), constant_values=-1)[:, :t]
+        same = (seg == segment_ids).reshape(*segment_ids.shape, *(1,) * extra)
         out = out + jnp.where(same, shifted, 0).astype(x_btc.dtype) * w_kc[k - 1 - lag]
     return jax.nn.silu(out)
 
@@ -165,33 +179,64 @@ def gated_rms_norm(x: jax.Array, weight: jax.Array, gate: jax.Array, eps: float)
     return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
+def check_heads(num_value_heads: int) -> None:
+    """One line for a context split the DeltaNet value heads cannot take (see the module docstring)."""
+    mesh = current_mesh()
+    split = axis_size(mesh, "linear_attn_heads")
+    if context_size() > 1 and num_value_heads % split:
+        raise ValueError(
+            f"trainer.mesh.context={context_size()}: the model's {num_value_heads} Gated DeltaNet value heads "
+            f"(linear_num_value_heads) are not divisible by tensor x context = {split}"
+        )
+
+
+def _to_heads(x: jax.Array) -> jax.Array:
+    """[B, T, H, ...] split by token -> whole rows split by head (an all-to-all under context > 1)."""
+    return constrain(x, ("batch", "attn_seq", "linear_attn_heads", *([None] * (x.ndim - 3))))
+
+
+def _tokens(x: jax.Array) -> jax.Array:
+    """[B, T, H, ...] pinned to the token split (heads over tensor), the layout outside the recurrence."""
+    return constrain(x, ("batch", "seq", "act_heads", *([None] * (x.ndim - 3))))
+
+
 def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """One Gated DeltaNet token mixer [B, T, D] -> [B, T, D] with one layer's weights `p` (transformer.py)."""
-    if context_size() > 1:
-        raise NotImplementedError(
-            "context parallelism over Gated DeltaNet layers (qwen3_5_text) is not implemented: the recurrent "
-            "state would have to pass between the devices that split a row"
-        )
     dt = h_btd.dtype
     hk, hv, dk, dv = (
         cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     )  # fmt: skip
+    check_heads(hv)
     b, t, _ = h_btd.shape
-    qkv = jnp.einsum("btd,dc->btc", h_btd, p["lin_qkv"].astype(dt))
-    qkv = causal_conv(qkv, p["lin_conv"].astype(dt), segment_ids)
-    q = qkv[..., : hk * dk].reshape(b, t, hk, dk)
-    k = qkv[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
-    v = qkv[..., 2 * hk * dk :].reshape(b, t, hv, dv)
+    kc = cfg.linear_conv_kernel_dim
+    # The projections run where the tokens are (pinned: propagation back from the head-split constraints
+    # below would otherwise all-gather h over the context axis to compute them on whole rows).
+    qkv = constrain(jnp.einsum("btd,dc->btc", h_btd, p["lin_qkv"].astype(dt)), ("batch", "seq", None))
+    w = p["lin_conv"].astype(dt)
+    q, k = qkv[..., : hk * dk].reshape(b, t, hk, dk), qkv[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
+    wq, wk = w[:, : hk * dk].reshape(kc, hk, dk), w[:, hk * dk : 2 * hk * dk].reshape(kc, hk, dk)
+    # Key heads the split cannot divide are repeated to the value heads first (the conv is per channel, so
+    # it commutes with the repeat): an all-to-all of the repeated heads instead of an all-gather of the row.
+    rep = 1 if hk % axis_size(current_mesh(), "linear_attn_heads") == 0 else hv // hk
+    if rep > 1:
+        q, k, wq, wk = (jnp.repeat(x, rep, axis=-2) for x in (q, k, wq, wk))
+    # Cut into heads while still split by token, then whole rows split by head for the conv and the rule.
+    q, k = _to_heads(_tokens(q)), _to_heads(_tokens(k))
+    v = _to_heads(_tokens(qkv[..., 2 * hk * dk :].reshape(b, t, hv, dv)))
+    q, k = causal_conv(q, wq, segment_ids), causal_conv(k, wk, segment_ids)
+    v = causal_conv(v, w[:, 2 * hk * dk :].reshape(kc, hv, dv), segment_ids)
     z = jnp.einsum("btd,dnh->btnh", h_btd, p["lin_z"].astype(dt))
-    beta = jax.nn.sigmoid(jnp.einsum("btd,dn->btn", h_btd, p["lin_b"].astype(dt)))
-    a = jnp.einsum("btd,dn->btn", h_btd, p["lin_a"].astype(dt)).astype(jnp.float32)
+    beta = jax.nn.sigmoid(_tokens(jnp.einsum("btd,dn->btn", h_btd, p["lin_b"].astype(dt))))
+    a = _tokens(jnp.einsum("btd,dn->btn", h_btd, p["lin_a"].astype(dt))).astype(jnp.float32)
     g = -jnp.exp(p["lin_A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a + p["lin_dt_bias"].astype(jnp.float32)
     )
-    if hv != hk:
+    g, beta = _to_heads(g), _to_heads(beta)
+    if q.shape[2] != hv:
         q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
-    q = _l2norm(q.astype(jnp.float32)) * dk**-0.5
-    k = _l2norm(k.astype(jnp.float32))
+    q = _to_heads(_l2norm(q.astype(jnp.float32)) * dk**-0.5)
+    k = _to_heads(_l2norm(k.astype(jnp.float32)))
     o = gated_delta_rule(q, k, v, g, beta, segment_ids).astype(dt)
+    o = to_tokens(_to_heads(o))
     o = gated_rms_norm(o, p["lin_norm"], z, cfg.rms_norm_eps)
     return jnp.einsum("btnh,nhd->btd", o, p["lin_out"].astype(dt))

@@ -6,8 +6,9 @@ means editing that table, never the layers. The layout it encodes:
 
 - FSDP: every weight's `embed` dimension is split over `fsdp` x `context`; the batch is split over `data` x
   `fsdp`, so XLA all-gathers a layer's weights before using them and reduce-scatters their gradients (ZeRO-3).
-- Context parallelism: the tokens of a row (`seq`) are split over `context`; attention alone re-splits its
-  inputs by heads instead (`attn_seq` whole, `attn_heads` over `tensor` x `context`), see context_parallel.py.
+- Context parallelism: the tokens of a row (`seq`) are split over `context`; attention re-splits its
+  inputs by heads instead (`attn_seq` whole, `attn_heads` over `tensor` x `context`), see context_parallel.py,
+  and so does Gated DeltaNet's recurrence (`linear_attn_heads`, deltanet.py).
   The weights are sharded over `context` too (as FSDP), so a long row on C devices costs no more parameter
   memory per device than C rows on them.
 - Tensor parallelism: heads, MLP columns and the vocabulary are split over `tensor` (Megatron layout).
@@ -77,6 +78,8 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "attn_seq": None,
     "attn_heads": ("tensor", "context"),
     "attn_kv_heads": ("tensor", "context"),
+    # Gated DeltaNet's conv and recurrence under context parallelism: whole rows, heads split (deltanet.py)
+    "linear_attn_heads": ("tensor", "context"),
     # the LM head's rows: a row's context shards become rows of their own (context_parallel.fold_context)
     "batch_context": ("data", "fsdp", "context"),
 }

@@ -1,15 +1,17 @@
 """Run in a subprocess by test_qwen3_5.py with 8 emulated CPU devices (XLA flags must precede jax's start).
 
-Usage: python qwen3_5_mesh_check.py HF_DIR OUT_JSON. The tiny Qwen3.5 hybrid's logits, loss and every
-parameter gradient on packed rows (segments crossing the 64-token DeltaNet chunks) under FSDP and tensor
-parallel mesh against one device, the DeltaNet weights' shardings, and the one-line refusal of a mesh
-that splits rows by token (context parallelism).
+Usage: python qwen3_5_mesh_check.py OUT_JSON HF_DIR [tensor|context]. The tiny Qwen3.5 hybrid's logits, loss
+and every parameter gradient on packed rows (segments crossing the 64-token DeltaNet chunks) against one device,
+with the DeltaNet weights' shardings: `tensor` (default) a data x fsdp x tensor mesh; `context` two meshes that
+split each row's tokens (context 2 and 4: 48- and 24-token shards, segments straddling them), two whole trainer
+steps on the first, and the one-line refusal of tensor x context = 8 for the model's 4 DeltaNet value heads.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,13 @@ from flax import nnx
 from primejax.models.hf_io import load_model
 from primejax.models.sharding import make_mesh
 
-MESHES = {"data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2)}
+MESHES = {
+    "tensor": {"data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2)},
+    "context": {
+        "data2_fsdp2_context2": dict(data=2, fsdp=2, context=2),
+        "data2_context4": dict(data=2, context=4),
+    },
+}
 FP32 = dict(param_dtype="float32", compute_dtype="float32")
 
 
@@ -53,13 +61,45 @@ def _loss_and_grads(model, tokens, positions, segments):
     return float(val), np.asarray(logits), flat
 
 
-def main(hf_dir: str, out_path: str) -> None:
+def _train_steps(cfg, mesh) -> tuple[list[float], dict]:
+    """Two trainer steps (trainer/step.py, as the trainer compiles them) on packed samples from one init."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))  # tests/trainer/conftest helpers
+    from conftest import random_samples
+
+    from primejax.contracts.batch import pack_samples
+    from primejax.models.sharding import init_model
+    from primejax.trainer import optim
+    from primejax.trainer.engine import jit_train_step
+    from primejax.trainer.losses import LossConfig
+    from primejax.trainer.step import device_batch, init_state, make_train_step, to_micro_batches
+
+    sched = optim.make_schedule(1e-2)
+    opt = optim.make_optimizer(
+        {"lr": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "max_norm": 1.0}, sched
+    )
+    (batch,) = pack_samples(random_samples(11, 9, min_len=20, max_len=90), seq_len=96, pad_rows_to_multiple=8)
+    model = init_model(cfg, mesh, seed=0)
+    state = init_state(model, opt, mesh=mesh)
+    fn = make_train_step(
+        nnx.graphdef(model), opt, sched, LossConfig(kl_tau=0.1), chunk_size=8, max_segments=8
+    )
+    step = jit_train_step(fn, state, mesh)
+    losses = []
+    with jax.set_mesh(mesh):
+        dev = device_batch(to_micro_batches(batch, 4), mesh)  # 4 rows: one per data x fsdp rank
+        for _ in range(2):
+            state, metrics = step(state, dev)
+            losses.append(float(metrics["loss"]))
+    return losses, jax.tree.map(np.asarray, state.params)
+
+
+def main(out_path: str, hf_dir: str, which: str = "tensor") -> None:
     assert jax.device_count() == 8, jax.devices()
     batch = _batch()
     valid = batch[2] > 0
     ref_loss, ref_logits, ref_grads = _loss_and_grads(load_model(hf_dir, **FP32)[0], *batch)
     out = {"cases": {}}
-    for name, sizes in MESHES.items():
+    for name, sizes in MESHES[which].items():
         mesh = make_mesh(**sizes)
         model, _ = load_model(hf_dir, mesh=mesh, **FP32)
         with jax.set_mesh(mesh):
@@ -74,17 +114,30 @@ def main(hf_dir: str, out_path: str) -> None:
             lin_z_spec=[str(a) for a in model.layers.lin_z[...].sharding.spec],
             lin_out_spec=[str(a) for a in model.layers.lin_out[...].sharding.spec],
         )
-    mesh = make_mesh(data=2, fsdp=1, context=4)
-    model, _ = load_model(hf_dir, mesh=mesh, **FP32)
-    try:
-        with jax.set_mesh(mesh):
-            _loss_and_grads(model, *batch)
-        out["context_error"] = None
-    except NotImplementedError as e:
-        out["context_error"] = str(e)
+    if which == "context":
+        cfg = load_model(hf_dir, **FP32)[1]
+        ref_losses, ref_params = _train_steps(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+        losses, params = _train_steps(cfg, make_mesh(data=2, fsdp=2, context=2))
+        out["steps"] = dict(
+            losses=losses,
+            ref_losses=ref_losses,
+            # ||a - b|| / ||b||: Adam turns reduction-order noise in a ~0 gradient into an lr-sized step
+            params_rel_norm=max(
+                float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+                for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
+            ),
+        )
+        mesh = make_mesh(data=1, fsdp=1, context=4, tensor=2)
+        model, _ = load_model(hf_dir, mesh=mesh, **FP32)
+        try:
+            with jax.set_mesh(mesh):
+                _loss_and_grads(model, *batch)
+            out["context_error"] = None
+        except ValueError as e:
+            out["context_error"] = str(e)
     with open(out_path, "w") as f:
         json.dump(out, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

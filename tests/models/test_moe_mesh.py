@@ -183,7 +183,8 @@ def test_ragged_all_to_all_experts_on_model_equal_single_device(hf_model_dir, tm
 
 
 # Qwen3.5 MoE (the hybrid DeltaNet / gated-attention stack, every MLP sparse, a gated shared expert): the same
-# meshes as GLM-4.5 (no context split: DeltaNet layers refuse it), replay on the expert-parallel one.
+# meshes as GLM-4.5 (the DeltaNet's context split is checked on the dense family, test_qwen3_5.py), replay on
+# the expert-parallel one.
 QWEN3_5_MOE_CASES = ("ep@data2_fsdp4", "fsdp@data2_fsdp2_tensor2")
 
 

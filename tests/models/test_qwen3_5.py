@@ -213,47 +213,92 @@ def test_qwen3_5_configs_not_runnable_fail_clearly(change, overrides, error):
         ModelConfig.from_hf_config({**_qwen3_5_9b(), **change}, **overrides)
 
 
-def test_context_parallel_refused_for_deltanet_layers(monkeypatch):
-    """One line, at trace time, when the mesh splits a row's tokens (models/deltanet.py says why)."""
-    from primejax.models import deltanet
-
-    cfg = ModelConfig.from_hf_config(_qwen3_5_9b())
-    monkeypatch.setattr(deltanet, "context_size", lambda: 2)
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        deltanet.gated_deltanet(cfg, {}, jnp.zeros((1, 4, 8)), jnp.ones((1, 4), jnp.int32))
-
-
-@pytest.mark.slow
-def test_meshes_equal_one_device_and_context_split_is_refused(hf_model_dir, tmp_path):
-    """8 emulated devices (qwen3_5_mesh_check.py in a subprocess): a data x fsdp x tensor mesh gives the single
-    device's logits, loss and every gradient; a mesh splitting rows by token fails with the one line."""
-    model_dir, _ = hf_model_dir("qwen3_5_hybrid")
-    out = tmp_path / "result.json"
+def _run_emulated(script: str, devices: int, out: Path, *args) -> dict:
+    """Run tests/models/`script` OUT_JSON ARGS... in a subprocess on `devices` emulated CPU devices; its JSON."""
     env = dict(
         os.environ,
-        XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+        XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
     )
-    script = Path(__file__).with_name("qwen3_5_mesh_check.py")
     proc = subprocess.run(
-        [sys.executable, str(script), str(model_dir), str(out)],
+        [sys.executable, str(Path(__file__).with_name(script)), str(out), *map(str, args)],
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+# context 4 (extended tier: a second compile): the 2 key heads cannot be split 4 ways, repeated before the switch
+@pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_context_split_deltanet_layer_equals_one_device_by_all_to_all(context, tmp_path):
+    """One DeltaNet layer on fsdp 2 x context 2 (4 emulated devices, deltanet_cp_check.py): rows of 192 tokens
+    split in halves, segments straddling the split and the 64-token chunks; output and every gradient equal
+    one device's, and the compiled program switches layout by all-to-alls without moving a whole row (with the
+    head split removed XLA all-gathers q, k, v, g and beta over the row instead)."""
+    r = _run_emulated("deltanet_cp_check.py", 4, tmp_path / "r.json", context)
+    assert r["out_diff"] <= 1e-5, r
+    # relative to each gradient's largest entry (fp32 sums in another order; measured <= 1.1e-6)
+    assert max(r["grad_diff"].values()) <= 1e-4 and len(r["grad_diff"]) == 10, r
+    assert r["all_to_all"] > 0 and r["whole_row"] == [], r
+
+
+def test_context_split_refuses_value_heads_it_cannot_divide():
+    """4 value heads on tensor 2 x context 4: one line with the numbers (replicated heads would run the whole
+    recurrence on every device)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from primejax.models import deltanet
+    from primejax.models.sharding import MESH_AXES
+
+    cfg = ModelConfig.from_hf_config(
+        {**_qwen3_5_9b(), "linear_num_value_heads": 4, "linear_num_key_heads": 2}
+    )
+    mesh = AbstractMesh((1, 1, 4, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    with jax.sharding.use_abstract_mesh(mesh):
+        with pytest.raises(ValueError, match=r"4 Gated DeltaNet value heads .* tensor x context = 8"):
+            deltanet.gated_deltanet(cfg, {}, jnp.zeros((1, 8, 4096)), jnp.ones((1, 8), jnp.int32))
+        deltanet.check_heads(8)  # 8 heads split 8 ways: accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant, meshes",
+    [("qwen3_5_hybrid", "tensor"), ("qwen3_5_hybrid", "context"), ("qwen3_5_moe_hybrid", "context")],
+)
+def test_meshes_equal_one_device(variant, meshes, hf_model_dir, tmp_path):
+    """8 emulated devices (qwen3_5_mesh_check.py in a subprocess): `tensor`, a data x fsdp x tensor mesh;
+    `context`, data 2 x fsdp 2 x context 2 and data 2 x context 4 (rows of 96 tokens in 48- or 24-token shards,
+    segments straddling them and the 64-token chunk boundary). Each gives the single device's logits, loss and
+    every gradient; two trainer steps on the first context mesh give one device's losses and parameters; and
+    tensor 2 x context 4 (8 ways for 4 value heads) fails with the one line. Qwen3.5 MoE (same hybrid stack,
+    every MLP sparse) on the context meshes too (its tensor mesh is test_moe_mesh.py's)."""
+    model_dir, _ = hf_model_dir(variant)
+    res = _run_emulated("qwen3_5_mesh_check.py", 8, tmp_path / "result.json", model_dir, meshes)
     for name, r in res["cases"].items():
         assert r["logits_diff"] <= 1e-5 and r["loss_diff"] <= 1e-5, (name, r)
         # relative to each gradient's largest entry; measured 2.5e-5 (fp32 sums in another order through the
         # chunks' UT inverses and the state scan), against 1e-5 for the attention-only families
         assert r["grad_diff"] <= 1e-4, (name, r)
-        assert r["lin_z_spec"][2] == "tensor" and r["lin_out_spec"][1] == "tensor", (name, r)
+        heads = "tensor" if meshes == "tensor" else "None"  # the weights' head split (tensor) only
+        assert r["lin_z_spec"][2] == heads and r["lin_out_spec"][1] == heads, (name, r)
         print(
             f"{name}: logits {r['logits_diff']:.1e}, loss {r['loss_diff']:.1e}, gradients {r['grad_diff']:.1e}"
         )
-    assert res["context_error"] and "context parallelism" in res["context_error"]
+    assert len(res["cases"]) == (1 if meshes == "tensor" else 2)
+    if meshes == "context":
+        s = res["steps"]
+        assert s["losses"] == pytest.approx(s["ref_losses"], rel=1e-5) and s["losses"][1] < s["losses"][0], s
+        # ||a - b|| / ||b|| after two Adam steps at lr 1e-2 (which turns the gradients' reduction-order noise in
+        # ~0 entries into lr-sized steps): measured 1.5e-4 dense, 6.2e-5 MoE, against 1e-4 for the attention-only
+        # models (test_context_parallel.py), as the gradients' 2.5e-5 against 1e-5
+        assert s["params_rel_norm"] < 5e-4, s
+        print(
+            f"trainer steps on data2_fsdp2_context2: losses {s['losses']}, params {s['params_rel_norm']:.1e}"
+        )
+        assert "4 Gated DeltaNet value heads" in res["context_error"], res["context_error"]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
