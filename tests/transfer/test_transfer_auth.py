@@ -32,8 +32,8 @@ def _wait_offer(run_dir, step: int):
     return offer
 
 
-def _serve(run_dir, secret, got, errors, step=1):
-    offer = _wait_offer(run_dir, step)
+def _serve(run_dir, secret, got, errors, step=1, offer=None):
+    offer = offer or _wait_offer(run_dir, step)
     out: list = []
     try:
         wire.Receiver().receive(
@@ -96,15 +96,18 @@ def test_a_receiver_refuses_an_impostor_store():
 
 
 def test_a_stranger_receives_no_weights_and_the_run_still_transfers(tmp_path):
+    """The stranger tries the round's offer while the sender waits for its receivers (before the member joins:
+    once the round ends the offer is gone, and a stranger scheduled late would find nothing to try)."""
     sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=10, bucket_bytes=256)
-    got, errors = [], []
-    stranger = threading.Thread(target=_serve, args=(tmp_path, "a-guess", got, errors))
-    stranger.start()
+    got, errors, sent = [], [], []
+    sending = threading.Thread(target=lambda: sent.append(sender.send(1, _named())))
+    sending.start()
+    _serve(tmp_path, "a-guess", got, errors, offer=_wait_offer(tmp_path, 1))  # the stranger, on this thread
     member = threading.Thread(target=_serve, args=(tmp_path, SECRET, got, errors))
     member.start()
-    assert sender.send(1, _named())
-    stranger.join(20)
-    member.join(20)
+    sending.join(30)
+    member.join(30)
+    assert sent == [True]
     assert len(got) == 1 and len(errors) == 1
     assert isinstance(errors[0], rendezvous.RendezvousAuthError)
     for (_, a), (_, b) in zip(got[0], _named(), strict=True):
