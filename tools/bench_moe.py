@@ -175,12 +175,17 @@ CONFIGS = {
     # fp32 master weights + fp32 AdamW moments (16 B/param, 490 GB) by host offload (trainer.optim.offload,
     # trainer/offload.py): master and moments in pinned host memory (12 B/param, ~92 GB per GPU of host RAM),
     # bf16 compute copies on the GPUs, the update streamed in 2 GiB buckets; next to the bf16-state row. The x4 row
-    # spreads the per-step host<->device traffic (~92 GB each way per GPU) over 4 micro-batches of 16k.
+    # spreads the per-step host<->device traffic (~92 GB each way per GPU) over 4 micro-batches of 16k, the x8 row
+    # over 8.
     "gpu4:offload": [
         _step("moe48:16k:bf16state", 16384, 48, remat="full", **GPU4),
         _step("moe48:16k:fp32offload", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, **GPU4),
         _step(
             "moe48:16k:fp32offload:x4", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, micro=4,
+            skip_if_oom="moe48:16k:fp32offload", **GPU4,
+        ),
+        _step(
+            "moe48:16k:fp32offload:x8", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, micro=8,
             skip_if_oom="moe48:16k:fp32offload", **GPU4,
         ),
     ],
