@@ -634,6 +634,11 @@ def step_worker(c: dict) -> dict:
     cfg = _model_config(c)
     rows, seq = c["rows"], c["seq"]
     micro = c.get("micro", 1)  # micro-batches per optimizer step (gradient accumulation)
+    born = time.perf_counter()
+
+    def progress(what: str) -> None:  # a row that times out reports the last of these
+        print(f"PROGRESS {what} at {time.perf_counter() - born:.0f}s", file=sys.stderr, flush=True)
+
     context = c.get("context", 1)
     dp = c["devices"] // context
     t = TrainerConfig(
@@ -643,6 +648,8 @@ def step_worker(c: dict) -> dict:
         optim=OptimConfig(offload=bool(c.get("offload")), offload_bucket_mb=c.get("bucket_mb", 1024.0)),
     )
     engine = Engine.create(t, cfg, seed=0, devices=jax.devices()[: c["devices"]])
+    jax.block_until_ready(engine.state)
+    progress("state built")
     host = {
         k: np.asarray(v).reshape(micro, rows, seq)
         for k, v in _fake_batch(micro * rows, seq, cfg.vocab_size, "rl").items()
@@ -651,12 +658,17 @@ def step_worker(c: dict) -> dict:
     t0 = time.perf_counter()
     step = engine.lower(batch, "rl", 1).compile()
     compile_s = time.perf_counter() - t0
+    progress("compiled")
 
     frozen = engine._frozen_arg()  # LoRA: the frozen weights are the step's third argument
 
     def run(b):
         engine.state, metrics = step(engine.state, b, *frozen)
-        return metrics["loss"]
+        loss = metrics["loss"]
+        if c.get("offload"):
+            loss.block_until_ready()
+            progress("step")
+        return loss
 
     with jax.set_mesh(engine.mesh):
         first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
@@ -720,8 +732,10 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
             timeout=timeout,
             env=env,
         )
-    except subprocess.TimeoutExpired:
-        return dict(c, error=f"timeout after {timeout:.0f}s")
+    except subprocess.TimeoutExpired as e:  # keep where it was: the worker's progress lines (stderr)
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        done = [ln for ln in err.splitlines() if ln.startswith("PROGRESS ")]
+        return dict(c, error=f"timeout after {timeout:.0f}s" + (f"; last: {' | '.join(done[-4:])}" if done else ""))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
         tail = (p.stderr or p.stdout)[-2000:]
@@ -808,7 +822,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default="gpu1", choices=sorted(CONFIGS))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (= --suite smoke)")
-    ap.add_argument("--only", default="")
+    ap.add_argument("--only", default="", help="comma-separated row names, run in this order")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--budget", type=float, default=0.0, help="seconds for the whole suite (0 = none)")
@@ -821,7 +835,8 @@ def main() -> None:
     suite = "smoke" if args.smoke and not args.suite.startswith("smoke") else args.suite
     configs = CONFIGS[suite]
     if args.only:
-        configs = [c for c in configs if c["name"] in set(args.only.split(","))]
+        by_name = {c["name"]: c for c in configs}  # in the order given: the budget goes to the first
+        configs = [by_name[n] for n in args.only.split(",") if n in by_name]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, start = [], time.perf_counter()

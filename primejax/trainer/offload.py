@@ -190,18 +190,25 @@ class Offload:
         leaves = jax.tree.leaves(params)
         host = self.shardings()
         masters, opts = [], []
+        # one compiled builder per bucket layout: the slices of one stacked parameter share theirs (a 48-layer
+        # MoE has tens of buckets but a handful of layouts, and each compile costs seconds on a GPU)
+        builders: dict[tuple, Any] = {}
         for k, bucket in enumerate(self.plan.buckets):
+            layout = tuple((p.leaf, self.plan.piece_shape(p)) for p in bucket)
+            if layout not in builders:
 
-            def build(xs, k=k, bucket=bucket):
-                master = self.plan.tree(
-                    k, [self._slice(x, p).astype(MASTER_DTYPE) for x, p in zip(xs, bucket, strict=True)]
-                )
-                return master, self.inner.init(master)
+                def build(xs, k=k):
+                    master = self.plan.tree(k, [x.astype(MASTER_DTYPE) for x in xs])
+                    return master, self.inner.init(master)
 
+                builders[layout] = jax.jit(build, out_shardings=(host["master"][k], host["opt"][k]))
             with jax.set_mesh(self.mesh):
-                master, opt = jax.jit(build, out_shardings=(host["master"][k], host["opt"][k]))(
-                    [leaves[p.leaf] for p in bucket]
-                )
+                pieces = [self._slice(leaves[p.leaf], p) for p in bucket]
+                pieces = [
+                    jax.lax.with_sharding_constraint(x, self.plan.shardings[p.leaf]) if p.stop is not None else x
+                    for x, p in zip(pieces, bucket, strict=True)
+                ]
+                master, opt = builders[layout](pieces)
             masters.append(master)
             opts.append(opt)
         return {"master": tuple(masters), "opt": tuple(opts)}

@@ -5,7 +5,14 @@ process (a cross-process all-gather per tensor) and writes files one after anoth
 file is fixed first from shapes alone (the same file plan and names as the gather export: file i holds the same
 tensors), and each process then writes only the row blocks its own devices hold (primejax.transfer.shards), each
 at its offset with `pwrite`, from a pool of threads (the device-to-host copy of one block overlaps the writes of
-others). A row block is contiguous in the file because safetensors stores tensors row-major. Process 0 also
+others). A row block is contiguous in the file because safetensors stores tensors row-major.
+
+How the bytes go in (`writer`): every process converts the same parameter at the same time (the conversion is
+one SPMD program over all processes), so they all write into the same file at once. A buffered `pwrite` holds the
+file's inode lock, so those writers take turns: one file's page-cache copy rate for the whole host. "mmap" copies
+into a shared mapping of the file instead, whose page faults take no inode lock, so every process and thread
+copies at once. The file's blocks are reserved first (`posix_fallocate`): a full disk is then one clean OSError
+before any byte is written, not a SIGBUS on a page fault of the mapping. "pwrite" is the locked path. Process 0 also
 writes every file's header, the index and config.json. The caller makes the directory atomic and waits for
 every process (primejax.trainer.publish).
 """
@@ -13,6 +20,7 @@ every process (primejax.trainer.publish).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import time
 from collections import deque
@@ -73,6 +81,7 @@ def export_parallel(
     src_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 5 * 2**30,
     threads: int = DEFAULT_THREADS,
+    writer: str = "mmap",
 ) -> dict:
     """Write this process's share of the HF directory `out_dir` (which must exist). Every process calls it.
     Returns {"bytes" (total), "bytes_written" (this process's), "seconds", "files"}."""
@@ -85,16 +94,24 @@ def export_parallel(
     mine = {f for p in pieces if p.sender == me for f in [where[p.tensor][0]]}
     if me == 0:
         mine = set(range(len(files)))
+    if writer not in ("mmap", "pwrite"):
+        raise ValueError(f"export writer must be 'mmap' or 'pwrite', got {writer!r}")
     fds: dict[int, int] = {}
+    maps: dict[int, mmap.mmap] = {}
     try:
         for f in sorted(mine):
             name, header, size = files[f]
-            fds[f] = os.open(out_dir / name, os.O_WRONLY | os.O_CREAT, 0o644)
+            fds[f] = os.open(out_dir / name, os.O_RDWR | os.O_CREAT, 0o644)
             os.ftruncate(fds[f], size)  # every process sets the same size: harmless in any order
+            if writer == "mmap":
+                os.posix_fallocate(fds[f], 0, size)  # ENOSPC here, not as a SIGBUS inside the mapping
+                maps[f] = mmap.mmap(fds[f], size)
             if me == 0:
                 os.pwrite(fds[f], header, 0)
-        written = _write_pieces(shards, fds, where, threads)
+        written = _write_pieces(shards, fds, maps, where, threads)
     finally:
+        for m in maps.values():
+            m.close()
         for fd in fds.values():
             os.close(fd)
     total = sum(m.nbytes for m in shards.metas)
@@ -108,14 +125,19 @@ def export_parallel(
     }
 
 
-def _write_pieces(shards: RowShards, fds: dict[int, int], where: list, threads: int) -> int:
+def _write_pieces(
+    shards: RowShards, fds: dict[int, int], maps: dict[int, mmap.mmap], where: list, threads: int
+) -> int:
     metas = shards.metas
     pending: deque[tuple[Future, int]] = deque()
     held = written = 0
 
-    def write(fd: int, data: Any, offset: int) -> int:
-        buf = np.ascontiguousarray(np.asarray(data))  # a device block is copied to the host here, in the pool
-        n = os.pwrite(fd, buf.view(np.uint8).reshape(-1).data, offset)
+    def write(f: int, data: Any, offset: int) -> int:
+        buf = np.ascontiguousarray(np.asarray(data)).view(np.uint8).reshape(-1)
+        if f in maps:  # numpy's copy releases the GIL: the pool's threads copy in parallel
+            np.frombuffer(maps[f], np.uint8, buf.nbytes, offset)[...] = buf
+            return buf.nbytes
+        n = os.pwrite(fds[f], buf.data, offset)
         if n != buf.nbytes:
             raise OSError(f"short write: {n} of {buf.nbytes} bytes")
         return n
@@ -126,7 +148,7 @@ def _write_pieces(shards: RowShards, fds: dict[int, int], where: list, threads: 
             f, base = where[piece.tensor]
             nbytes = piece_bytes(m, piece)
             offset = base + piece.start * (m.nbytes // max(rows(m), 1))
-            pending.append((pool.submit(write, fds[f], data, offset), nbytes))
+            pending.append((pool.submit(write, f, data, offset), nbytes))
             held += nbytes
             while held > _MAX_PENDING_BYTES and pending:
                 fut, n = pending.popleft()
