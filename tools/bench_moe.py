@@ -718,8 +718,12 @@ WORKERS = {"gmm": gmm_worker, "step": step_worker, "tiles": tiles_worker, "tile_
 
 def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1")
-    if c.get("offload"):  # the GPU client's pinned host memory is capped (docs/memory.md); 30B-A3B needs ~366 GB
-        env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "460")
+    if c.get("offload"):
+        # The GPU client's pinned host memory is capped per device (docs/memory.md). Each device's host allocator
+        # doubles its regions up to the cap: with 460 GB per device, 4 devices asked for 64 GiB regions on top of
+        # 63 GiB each and the host refused (2026-11-27). The cap is each device's share of the 12 B/param + slack.
+        need = 12 * _model_config(c).num_params() / c["devices"] / 2**30
+        env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(need * 1.15) + 8))
     if smoke:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
         env["JAX_PLATFORMS"] = "cpu"

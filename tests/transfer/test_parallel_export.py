@@ -1,5 +1,6 @@
-"""The parallel export (primejax/transfer/fs_export.py) writes exactly the gather export's files, on a 4-device
-CPU mesh where the HF tensors' rows are split over the devices (Qwen3-MoE with a dense layer, bf16)."""
+"""The parallel export (primejax/transfer/fs_export.py) writes exactly the gather export's files with either writer
+(mmap, pwrite), on a 4-device CPU mesh where the HF tensors' rows are split over the devices (Qwen3-MoE with a dense
+layer, bf16); a full disk is one OSError before the mapping is touched."""
 
 from __future__ import annotations
 
@@ -40,21 +41,37 @@ _SCRIPT = textwrap.dedent(
         for dtype in ("bfloat16",):
             split = [p for p in RowShards(model, cfg, dtype).pieces() if p.start > 0]
             assert split, "no tensor was split into row blocks"
-            a, b = tmp / f"{name}-{dtype}-gather", tmp / f"{name}-{dtype}-parallel"
-            b.mkdir()
+            a = tmp / f"{name}-{dtype}-gather"
             export_safetensors(model, cfg, a, dtype=dtype, max_shard_bytes=40_000)
-            info = export_parallel(model, cfg, b, dtype=dtype, max_shard_bytes=40_000, threads=3)
-            fa, fb = files(a), files(b)
-            assert list(fa) == list(fb) and len(fa) > 1, (list(fa), list(fb))
-            for f in fa:
-                assert sorted(fa[f]) == sorted(fb[f]), f
-                for k, x in fa[f].items():
-                    y = fb[f][k]
-                    assert x.dtype == y.dtype and x.shape == y.shape, k
-                    assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (name, dtype, k)
-            assert (a / "model.safetensors.index.json").read_text() == (b / "model.safetensors.index.json").read_text()
-            assert (a / "config.json").read_text() == (b / "config.json").read_text()
-            assert info["bytes"] == info["bytes_written"] == sum(x.nbytes for t in fa.values() for x in t.values())
+            for writer in ("mmap", "pwrite"):
+                b = tmp / f"{name}-{dtype}-parallel-{writer}"
+                b.mkdir()
+                info = export_parallel(model, cfg, b, dtype=dtype, max_shard_bytes=40_000, threads=3, writer=writer)
+                fa, fb = files(a), files(b)
+                assert list(fa) == list(fb) and len(fa) > 1, (list(fa), list(fb))
+                for f in fa:
+                    assert sorted(fa[f]) == sorted(fb[f]), f
+                    for k, x in fa[f].items():
+                        y = fb[f][k]
+                        assert x.dtype == y.dtype and x.shape == y.shape, k
+                        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (name, dtype, k)
+                assert (a / "model.safetensors.index.json").read_text() == (b / "model.safetensors.index.json").read_text()
+                assert (a / "config.json").read_text() == (b / "config.json").read_text()
+                assert info["bytes"] == info["bytes_written"] == sum(x.nbytes for t in fa.values() for x in t.values())
+
+    # a full disk: the blocks' reservation fails before any mapping exists; the error is the OSError itself
+    import errno, os
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    os.posix_fallocate = full
+    c = tmp / "full"
+    c.mkdir()
+    try:
+        export_parallel(moe, mcfg, c, dtype="bfloat16", max_shard_bytes=40_000, writer="mmap")
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    else:
+        raise AssertionError("a full disk was not reported")
     print("ok")
     """
 )
