@@ -4,9 +4,22 @@
 
 Each collective counts its result's bytes on one device (an all-gather's gathered output, a reduce-scatter's
 scattered output, an all-to-all's exchanged buffer), times the number of times its computation runs: a
-`while` body counts its known trip count (XLA's `known_trip_count` on the loop, e.g. the scanned layers),
-nested loops multiply, conditional branches count once each (an upper bound). Asynchronous pairs count once,
-at their `-start`. A compile-time figure of what the program moves, not a measured time.
+`while` body counts its trip count, nested loops multiply, conditional branches count once each (an upper
+bound). Asynchronous pairs count once, at their `-start`. A compile-time figure of what the program moves,
+not a measured time.
+
+What the TPU compiler emits, and this reads (tests/tpu/test_hlo_collectives.py holds excerpts):
+- Signatures and tuples of more than five elements carry `/*index=5*/` comments; they are dropped first (an
+  `=` in a computation's header once hid every header from the parser, and the result was {}).
+- A `while` has no `known_trip_count` in its backend config (the CPU and GPU compilers write one); the count is
+  read from the condition computation, `ROOT compare(counter, constant(N)), direction=LT`: a scan's or a
+  fori_loop's counter runs from 0 by 1.
+- An asynchronous collective is a chain of fusions (`async-collective-start`, `async_collective_fusion`
+  continuations, `async-collective-done`), each calling a computation that holds a copy of the same
+  collective (same `channel_id`): collectives reached through fusions count once per channel in the
+  computation that runs them.
+- A reduce-scatter can be an `all-reduce-scatter` fusion (an all-reduce then this device's slice): it counts
+  as a reduce-scatter of the fused computation's result.
 """
 
 from __future__ import annotations
@@ -24,12 +37,19 @@ KINDS = (
 )
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
          "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_OP = re.compile(r"=\s*(\(.*?\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)\s+([\w\-]+)\(")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*?\)\s*->\s*(.*)\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP = re.compile(r"=\s*(\(.*?\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)\s+([\w\-]+)\(([^)]*)\)")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-_CALLS = re.compile(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")
+_LOOP = re.compile(r"\b(body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_CONST = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((-?\d+)\)")
+_DIRECTION = re.compile(r"direction=(LT|GT)")
+_ALL_REDUCE_SCATTER = "all-reduce-scatter"
 
 
 def _bytes(shape: str, start: bool) -> int:
@@ -52,41 +72,94 @@ def _kind(opcode: str) -> str | None:
     return base
 
 
+def _condition_trip(constants: dict[str, int], root: str) -> int | None:
+    """N of a loop condition `ROOT compare(counter, N), direction=LT` (or `compare(N, counter), GT`)."""
+    op = _OP.search(root)
+    direction = _DIRECTION.search(root)
+    if op is None or op.group(2) != "compare" or direction is None:
+        return None
+    args = [a.strip().lstrip("%") for a in op.group(3).split(",")]
+    if len(args) != 2:
+        return None
+    bound = constants.get(args[1] if direction.group(1) == "LT" else args[0])
+    return bound if bound is not None and bound > 0 else None
+
+
 def collective_bytes(hlo: str) -> dict[str, int]:
     """{kind: bytes per device per step} of every collective in the optimized HLO module text `hlo`."""
-    own: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    entry, comp = None, None
-    for line in hlo.splitlines():
-        head = _HEADER.match(line)
-        if head and "=" not in line.split("{")[0]:
-            comp = head.group(1)
-            if line.startswith("ENTRY"):
-                entry = comp
+    # per computation: {channel or instruction: (kind, bytes)}; fusion callees; loop/branch callees
+    own: dict[str, dict[str, tuple[str, int]]] = defaultdict(dict)
+    fused: dict[str, list[str]] = defaultdict(list)
+    loops: dict[str, list[tuple[str, int | str]]] = defaultdict(list)
+    constants: dict[str, dict[str, int]] = defaultdict(dict)
+    roots: dict[str, str] = {}
+    entry, comp, result = None, None, ""
+    for raw in hlo.splitlines():
+        line = _COMMENT.sub("", raw)
+        if line[:1] not in ("", " ", "\t") and not line.startswith("HloModule"):
+            head = _HEADER.match(line)
+            if head:
+                comp, result = head.group(2), head.group(3)
+                if head.group(1):
+                    entry = comp
             continue
-        if comp is None:
+        if comp is None or not (name := _NAME.match(line)):
             continue
+        if line.lstrip().startswith("ROOT"):
+            roots[comp] = line
+        if c := _CONST.match(line):
+            constants[comp][c.group(1)] = int(c.group(2))
         op = _OP.search(line)
         if op and (kind := _kind(op.group(2))):
-            own[comp][kind] += _bytes(op.group(1), op.group(2).endswith("-start"))
+            shape, start = op.group(1), op.group(2).endswith("-start")
+            if kind == "all-reduce" and comp.startswith(_ALL_REDUCE_SCATTER):
+                kind, shape, start = "reduce-scatter", result, False
+            channel = _CHANNEL.search(line)
+            key = f"channel {channel.group(1)}" if channel else f"{comp}/{name.group(1)}"
+            own[comp][key] = (kind, _bytes(shape, start))
+        fused[comp] += _FUSED.findall(line)
         trip = _TRIP.search(line)
         is_while = op is not None and op.group(2) == "while"
-        for m in _CALLS.finditer(line):
-            body = m.group(0).startswith("body=")
-            edges[comp].append((m.group(1), int(trip.group(1)) if (is_while and body and trip) else 1))
+        cond = None
+        for role, callee in _LOOP.findall(line):
+            if role == "condition":
+                cond = callee
+        for role, callee in _LOOP.findall(line):
+            if role == "body" and is_while:
+                # the backend's count when it wrote one, else the condition's bound (resolved below)
+                loops[comp].append((callee, int(trip.group(1)) if trip else f"cond:{cond}"))
+            else:
+                loops[comp].append((callee, 1))
         for m in _BRANCHES.finditer(line):
-            edges[comp] += [(b.strip().lstrip("%"), 1) for b in m.group(1).split(",") if b.strip()]
+            loops[comp] += [(b.strip().lstrip("%"), 1) for b in m.group(1).split(",") if b.strip()]
     if entry is None:
         return {}
+
+    def trips(mult: int | str) -> int:
+        if isinstance(mult, int):
+            return mult
+        cond = mult.removeprefix("cond:")
+        return _condition_trip(constants.get(cond, {}), roots.get(cond, "")) or 1
+
     total: dict[str, int] = defaultdict(int)
 
     def visit(name: str, times: int, depth: int = 0) -> None:
         if depth > 64:
             return
-        for kind, b in own.get(name, {}).items():
+        # the computation and every fusion it calls run once per visit; one channel moves its bytes once
+        group, seen, stack = {}, set(), [name]
+        while stack:
+            c = stack.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            group.update(own.get(c, {}))
+            stack += fused.get(c, ())
+        for kind, b in group.values():
             total[kind] += b * times
-        for callee, mult in edges.get(name, ()):
-            visit(callee, times * mult, depth + 1)
+        for c in seen:
+            for callee, mult in loops.get(c, ()):
+                visit(callee, times * trips(mult), depth + 1)
 
     visit(entry, 1)
     return dict(total)
