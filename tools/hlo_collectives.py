@@ -12,8 +12,9 @@ What the TPU compiler emits, and this reads (tests/tpu/test_hlo_collectives.py h
 - Signatures and tuples of more than five elements carry `/*index=5*/` comments; they are dropped first (an
   `=` in a computation's header once hid every header from the parser, and the result was {}).
 - A `while` has no `known_trip_count` in its backend config (the CPU and GPU compilers write one); the count is
-  read from the condition computation, `ROOT compare(counter, constant(N)), direction=LT`: a scan's or a
-  fori_loop's counter runs from 0 by 1.
+  read from the condition computation, `ROOT compare(counter, constant(N)), direction=LT`, less the counter's
+  start when the loop's init tuple gives it as a constant (a loop with peeled iterations starts past 0): a
+  scan's or a fori_loop's counter steps by 1.
 - An asynchronous collective is a chain of fusions (`async-collective-start`, `async_collective_fusion`
   continuations, `async-collective-done`), each calling a computation that holds a copy of the same
   collective (same `channel_id`): collectives reached through fusions count once per channel in the
@@ -90,8 +91,9 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     # per computation: {channel or instruction: (kind, bytes)}; fusion callees; loop/branch callees
     own: dict[str, dict[str, tuple[str, int]]] = defaultdict(dict)
     fused: dict[str, list[str]] = defaultdict(list)
-    loops: dict[str, list[tuple[str, int | str]]] = defaultdict(list)
+    loops: dict[str, list[tuple[str, int | tuple[str, int]]]] = defaultdict(list)
     constants: dict[str, dict[str, int]] = defaultdict(dict)
+    first_of_tuple: dict[str, dict[str, str]] = defaultdict(dict)  # a tuple instruction's first operand
     roots: dict[str, str] = {}
     entry, comp, result = None, None, ""
     for raw in hlo.splitlines():
@@ -110,6 +112,8 @@ def collective_bytes(hlo: str) -> dict[str, int]:
         if c := _CONST.match(line):
             constants[comp][c.group(1)] = int(c.group(2))
         op = _OP.search(line)
+        if op and op.group(2) == "tuple":
+            first_of_tuple[comp][name.group(1)] = op.group(3).split(",")[0].strip().lstrip("%")
         if op and (kind := _kind(op.group(2))):
             shape, start = op.group(1), op.group(2).endswith("-start")
             if kind == "all-reduce" and comp.startswith(_ALL_REDUCE_SCATTER):
@@ -126,8 +130,10 @@ def collective_bytes(hlo: str) -> dict[str, int]:
                 cond = callee
         for role, callee in _LOOP.findall(line):
             if role == "body" and is_while:
-                # the backend's count when it wrote one, else the condition's bound (resolved below)
-                loops[comp].append((callee, int(trip.group(1)) if trip else f"cond:{cond}"))
+                # the backend's count when it wrote one, else the condition's bound less the counter's start
+                init = op.group(3).split(",")[0].strip().lstrip("%")
+                start = constants[comp].get(first_of_tuple[comp].get(init, ""), 0)
+                loops[comp].append((callee, int(trip.group(1)) if trip else (str(cond), start)))
             else:
                 loops[comp].append((callee, 1))
         for m in _BRANCHES.finditer(line):
@@ -135,11 +141,12 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     if entry is None:
         return {}
 
-    def trips(mult: int | str) -> int:
+    def trips(mult: int | tuple[str, int]) -> int:
         if isinstance(mult, int):
             return mult
-        cond = mult.removeprefix("cond:")
-        return _condition_trip(constants.get(cond, {}), roots.get(cond, "")) or 1
+        cond, start = mult
+        bound = _condition_trip(constants.get(cond, {}), roots.get(cond, ""))
+        return bound - start if bound is not None and bound > start else 1
 
     total: dict[str, int] = defaultdict(int)
 

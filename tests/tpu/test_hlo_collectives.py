@@ -140,3 +140,18 @@ def test_cpu_scanned_step_gathers_every_layer():
     assert out.returncode == 0, out.stderr[-4000:]
     gathered, layer_weights = (int(x) for x in out.stdout.split())
     assert gathered >= layer_weights > 0, (gathered, layer_weights)
+
+
+def test_tpu_loop_counter_start_is_subtracted():
+    """A loop whose init tuple starts the counter at 1 (one iteration peeled) runs bound - 1 times."""
+    head, rest = TPU_HLO.split("  %tuple.1 = ", 1)
+    _, rest = rest.split("\n", 1)
+    hlo = (
+        head
+        + "  %one = s32[]{:T(128)} constant(1)\n"
+        + "  %x = bf16[1,512,128]{1,2,0:T(8,128)(2,1)S(1)} parameter(0)\n"
+        + "  %tuple.1 = (s32[]{:T(128)}, bf16[1,512,128]{1,2,0:T(8,128)(2,1)S(1)}) tuple(%one, %x)\n"
+        + rest
+    )
+    per_layer_gather = 1 * 128 * 2 * 32 * 2 + 1 * 128 * 128 * 2
+    assert collective_bytes(hlo)["all-gather"] == 2 * per_layer_gather + 384 * 128 * 2
