@@ -17,8 +17,11 @@ What the TPU compiler emits, and this reads (tests/tpu/test_hlo_collectives.py h
   scan's or a fori_loop's counter steps by 1.
 - An asynchronous collective is a chain of fusions (`async-collective-start`, `async_collective_fusion`
   continuations, `async-collective-done`), each calling a computation that holds a copy of the same
-  collective (same `channel_id`): collectives reached through fusions count once per channel in the
-  computation that runs them.
+  collective (same `chain_id` and `channel_id`): a chain counts once in the computation that runs it.
+- An all-gather can be an all-reduce of a zero buffer holding this device's shard (a `dynamic-update-slice`,
+  or a fusion ending in one, is every operand; the TPU compiler does this on larger slices, e.g. the FSDP
+  weight gathers of the Qwen3-235B-A22B step on v5p-128): it counts under "all-gather-via-all-reduce", the gathered bytes, apart from
+  the all-reduces that sum (a ring moves about twice an all-gather's bytes for it).
 - A reduce-scatter can be an `all-reduce-scatter` fusion (an all-reduce then this device's slice): it counts
   as a reduce-scatter of the fused computation's result.
 """
@@ -36,6 +39,7 @@ KINDS = (
     "ragged-all-to-all",
     "collective-permute",
 )
+GATHER_AS_ALL_REDUCE = "all-gather-via-all-reduce"
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
          "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
 _COMMENT = re.compile(r"/\*.*?\*/")
@@ -48,6 +52,7 @@ _LOOP = re.compile(r"\b(body|condition|to_apply|true_computation|false_computati
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_CHAIN = re.compile(r'\bchain_id="(\d+)"')
 _CONST = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((-?\d+)\)")
 _DIRECTION = re.compile(r"direction=(LT|GT)")
 _ALL_REDUCE_SCATTER = "all-reduce-scatter"
@@ -89,7 +94,9 @@ def _condition_trip(constants: dict[str, int], root: str) -> int | None:
 def collective_bytes(hlo: str) -> dict[str, int]:
     """{kind: bytes per device per step} of every collective in the optimized HLO module text `hlo`."""
     # per computation: {channel or instruction: (kind, bytes)}; fusion callees; loop/branch callees
-    own: dict[str, dict[str, tuple[str, int]]] = defaultdict(dict)
+    own: dict[str, dict[str, tuple[str, int, list[str]]]] = defaultdict(dict)
+    opcode: dict[str, dict[str, tuple[str, str]]] = defaultdict(dict)  # name -> (opcode, fused callee)
+    root_opcode: dict[str, str] = {}
     fused: dict[str, list[str]] = defaultdict(list)
     loops: dict[str, list[tuple[str, int | tuple[str, int]]]] = defaultdict(list)
     constants: dict[str, dict[str, int]] = defaultdict(dict)
@@ -112,15 +119,27 @@ def collective_bytes(hlo: str) -> dict[str, int]:
         if c := _CONST.match(line):
             constants[comp][c.group(1)] = int(c.group(2))
         op = _OP.search(line)
+        if op:
+            callee = _FUSED.search(line)
+            opcode[comp][name.group(1)] = (op.group(2), callee.group(1) if callee else "")
+            if line.lstrip().startswith("ROOT"):
+                root_opcode[comp] = op.group(2)
         if op and op.group(2) == "tuple":
             first_of_tuple[comp][name.group(1)] = op.group(3).split(",")[0].strip().lstrip("%")
         if op and (kind := _kind(op.group(2))):
             shape, start = op.group(1), op.group(2).endswith("-start")
             if kind == "all-reduce" and comp.startswith(_ALL_REDUCE_SCATTER):
                 kind, shape, start = "reduce-scatter", result, False
-            channel = _CHANNEL.search(line)
-            key = f"channel {channel.group(1)}" if channel else f"{comp}/{name.group(1)}"
-            own[comp][key] = (kind, _bytes(shape, start))
+            # one async chain's copies share a chain_id and a channel; other collectives may share a channel
+            # (two psums of one shard_map both carry channel_id=1) and each counts
+            channel, chain = _CHANNEL.search(line), _CHAIN.search(line)
+            key = (
+                f"chain {chain.group(1)}/{channel.group(1)}"
+                if chain and channel
+                else f"{comp}/{name.group(1)}"
+            )
+            operands = [a.strip().lstrip("%") for a in op.group(3).split(",") if a.strip()]
+            own[comp][key] = (kind, _bytes(shape, start), operands)
         fused[comp] += _FUSED.findall(line)
         trip = _TRIP.search(line)
         is_while = op is not None and op.group(2) == "while"
@@ -140,6 +159,17 @@ def collective_bytes(hlo: str) -> dict[str, int]:
             loops[comp] += [(b.strip().lstrip("%"), 1) for b in m.group(1).split(",") if b.strip()]
     if entry is None:
         return {}
+
+    def shard_in_zeros(comp: str, operand: str) -> bool:
+        code, callee = opcode[comp].get(operand, ("", ""))
+        return code == "dynamic-update-slice" or (
+            code == "fusion" and root_opcode.get(callee) == "dynamic-update-slice"
+        )
+
+    for comp, collectives in own.items():
+        for key, (kind, b, operands) in collectives.items():
+            if kind == "all-reduce" and operands and all(shard_in_zeros(comp, a) for a in operands):
+                collectives[key] = (GATHER_AS_ALL_REDUCE, b, operands)
 
     def trips(mult: int | tuple[str, int]) -> int:
         if isinstance(mult, int):
@@ -162,7 +192,7 @@ def collective_bytes(hlo: str) -> dict[str, int]:
             seen.add(c)
             group.update(own.get(c, {}))
             stack += fused.get(c, ())
-        for kind, b in group.values():
+        for kind, b, _ in group.values():
             total[kind] += b * times
         for c in seen:
             for callee, mult in loops.get(c, ()):

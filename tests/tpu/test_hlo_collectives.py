@@ -155,3 +155,68 @@ def test_tpu_loop_counter_start_is_subtracted():
     )
     per_layer_gather = 1 * 128 * 2 * 32 * 2 + 1 * 128 * 128 * 2
     assert collective_bytes(hlo)["all-gather"] == 2 * per_layer_gather + 384 * 128 * 2
+
+
+# Condensed from the Qwen3-235B-A22B step on v5p-128 (64 chips): the FSDP weight gathers are all-reduces of a
+# zero buffer holding this chip's shard (a dynamic-update-slice, or a fusion ending in one), and the expert
+# weights' gradients are two shard_map psums that share channel_id=1.
+V5P_HLO = """\
+HloModule jit_train_step, is_scheduled=true
+
+%fused_computation.283.clone.1 (param_0.3300: bf16[1,128,64,2,16], param_1.4133: u32[], param_2.3450: bf16[94,2,64,2,16], param_3.2476: s32[]) -> bf16[1,128,64,2,16] {
+  %param_0.3300 = bf16[1,128,64,2,16]{4,3,2,1,0:T(2,128)(2,1)} parameter(0)
+  %param_2.3450 = bf16[94,2,64,2,16]{4,3,2,1,0:T(2,128)(2,1)} parameter(2)
+  %param_1.4133 = u32[]{:T(128)} parameter(1)
+  %param_3.2476 = s32[]{:T(128)} parameter(3)
+  %constant.390.clone.81 = s32[]{:T(128)} constant(0)
+  %dynamic-slice.234 = bf16[1,2,64,2,16]{4,3,2,1,0:T(2,128)(2,1)} dynamic-slice(%param_2.3450, %param_3.2476, %constant.390.clone.81, %constant.390.clone.81, %constant.390.clone.81, /*index=5*/%constant.390.clone.81), dynamic_slice_sizes={1,2,64,2,16}
+  ROOT %dynamic-update-slice.105 = bf16[1,128,64,2,16]{4,3,2,1,0:T(2,128)(2,1)} dynamic-update-slice(%param_0.3300, %dynamic-slice.234, %constant.390.clone.81, %param_1.4133, %constant.390.clone.81, /*index=5*/%constant.390.clone.81, %constant.390.clone.81)
+}
+
+%body (wide.param.1: (s32[], bf16[94,2,64,2,16], bf16[94,64,64,8])) -> (s32[], bf16[94,2,64,2,16], bf16[94,64,64,8]) {
+  %wide.param.1 = (s32[]{:T(128)}, bf16[94,2,64,2,16]{4,3,2,1,0:T(2,128)(2,1)}, bf16[94,64,64,8]{3,2,1,0:T(8,128)(2,1)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%wide.param.1), index=0
+  %experts = bf16[94,2,64,2,16]{4,3,2,1,0:T(2,128)(2,1)} get-tuple-element(%wide.param.1), index=1
+  %zero = bf16[]{:T(256)} constant(0)
+  %broadcast.1997 = bf16[1,128,64,2,16]{4,3,2,1,0:T(2,128)(2,1)} broadcast(%zero), dimensions={}
+  %broadcast.1992 = bf16[1,64,64,8]{3,2,1,0:T(8,128)(2,1)} broadcast(%zero), dimensions={}
+  %offset = u32[]{:T(128)} constant(0)
+  %fusion.568 = bf16[1,128,64,2,16]{4,3,2,1,0:T(2,128)(2,1)} fusion(%broadcast.1997, %offset, %experts, %i), kind=kLoop, calls=%fused_computation.283.clone.1
+  %all-reduce.219 = bf16[1,128,64,2,16]{4,3,2,1,0:T(2,128)(2,1)} all-reduce(%fusion.568), channel_id=7, replica_groups=mesh['axis_0'=1,'axis_1'=64,'axis_2'=1,'axis_3'=1,'axis_4'=1] {'axis_1'}, use_global_device_ids=true, to_apply=%add.25
+  %q_shard = bf16[1,1,64,8]{3,2,1,0:T(8,128)(2,1)} constant({...})
+  %dynamic-update-slice.106 = bf16[1,64,64,8]{3,2,1,0:T(8,128)(2,1)} dynamic-update-slice(%broadcast.1992, %q_shard, %offset, %offset, %offset, %offset)
+  %all-reduce.216 = bf16[1,64,64,8]{3,2,1,0:T(8,128)(2,1)} all-reduce(%dynamic-update-slice.106), channel_id=163, replica_groups=mesh['axis_0'=64,'axis_1'=1,'axis_2'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add.25
+  %grad_gate_up = bf16[128,64,2,16]{3,2,1,0:T(2,128)(2,1)} bitcast(%all-reduce.219)
+  %grad_down = bf16[128,16,64]{2,1,0:T(8,128)(2,1)} constant({...})
+  %psum.21 = bf16[128,64,2,16]{3,2,1,0:T(2,128)(2,1)} all-reduce(%grad_gate_up), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63}}, to_apply=%add.25
+  %psum.20 = bf16[128,16,64]{2,1,0:T(8,128)(2,1)} all-reduce(%grad_down), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63}}, to_apply=%add.25
+  ROOT %tuple.7 = (s32[]{:T(128)}, bf16[94,2,64,2,16]{4,3,2,1,0:T(2,128)(2,1)}, bf16[94,64,64,8]{3,2,1,0:T(8,128)(2,1)}) tuple(%i, %experts, %psum.21)
+}
+
+%add.25 (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[]{:T(256)} parameter(0)
+  %y = bf16[]{:T(256)} parameter(1)
+  ROOT %add = bf16[]{:T(256)} add(%x, %y)
+}
+
+%cond (wide.param.2: (s32[], bf16[94,2,64,2,16], bf16[94,64,64,8])) -> pred[] {
+  %wide.param.2 = (s32[]{:T(128)}, bf16[94,2,64,2,16]{4,3,2,1,0:T(2,128)(2,1)}, bf16[94,64,64,8]{3,2,1,0:T(8,128)(2,1)}) parameter(0)
+  %layers = s32[]{:T(128)} constant(94)
+  %j = s32[]{:T(128)} get-tuple-element(%wide.param.2), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%j, %layers), direction=LT
+}
+
+ENTRY %main.203_spmd (param.1: (s32[], bf16[94,2,64,2,16], bf16[94,64,64,8])) -> (s32[], bf16[94,2,64,2,16], bf16[94,64,64,8]) {
+  %param.1 = (s32[]{:T(128)}, bf16[94,2,64,2,16]{4,3,2,1,0:T(2,128)(2,1)}, bf16[94,64,64,8]{3,2,1,0:T(8,128)(2,1)}) parameter(0)
+  ROOT %while.54 = (s32[]{:T(128)}, bf16[94,2,64,2,16]{4,3,2,1,0:T(2,128)(2,1)}, bf16[94,64,64,8]{3,2,1,0:T(8,128)(2,1)}) while(%param.1), condition=%cond, body=%body
+}
+"""
+
+
+def test_v5p_gathers_as_all_reduce_and_psums_sharing_a_channel():
+    gathers = 128 * 64 * 2 * 16 * 2 + 64 * 64 * 8 * 2  # the fused and the plain zero-buffer gathers
+    psums = 128 * 64 * 2 * 16 * 2 + 128 * 16 * 64 * 2  # both psums count, though both say channel_id=1
+    assert collective_bytes(V5P_HLO) == {
+        "all-gather-via-all-reduce": 94 * gathers,
+        "all-reduce": 94 * psums,
+    }
