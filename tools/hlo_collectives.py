@@ -20,8 +20,9 @@ What the TPU compiler emits, and this reads (tests/tpu/test_hlo_collectives.py h
   collective (same `chain_id` and `channel_id`): a chain counts once in the computation that runs it.
 - An all-gather can be an all-reduce of a zero buffer holding this device's shard (a `dynamic-update-slice`,
   or a fusion ending in one, is every operand; the TPU compiler does this on larger slices, e.g. the FSDP
-  weight gathers of the Qwen3-235B-A22B step on v5p-128): it counts under "all-gather-via-all-reduce", the gathered bytes, apart from
-  the all-reduces that sum (a ring moves about twice an all-gather's bytes for it).
+  weight gathers of the Qwen3-235B-A22B step on v5p-128): it counts under "all-gather-via-all-reduce", the
+  gathered bytes, apart from the all-reduces that sum (a ring moves about twice an all-gather's bytes for
+  it).
 - A reduce-scatter can be an `all-reduce-scatter` fusion (an all-reduce then this device's slice): it counts
   as a reduce-scatter of the fused computation's result.
 """
