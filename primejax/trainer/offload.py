@@ -205,7 +205,9 @@ class Offload:
             with jax.set_mesh(self.mesh):
                 pieces = [self._slice(leaves[p.leaf], p) for p in bucket]
                 pieces = [
-                    jax.lax.with_sharding_constraint(x, self.plan.shardings[p.leaf]) if p.stop is not None else x
+                    jax.lax.with_sharding_constraint(x, self.plan.shardings[p.leaf])
+                    if p.stop is not None
+                    else x
                     for x, p in zip(pieces, bucket, strict=True)
                 ]
                 master, opt = builders[layout](pieces)

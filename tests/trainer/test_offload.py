@@ -184,7 +184,9 @@ def test_init_compiles_one_builder_per_bucket_layout():
     assert len(off.plan.buckets) == 9  # 8 slices of two layers, then the norm
     compiles = []
     register_event_duration_secs_listener(
-        lambda event, _secs, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        lambda event, _secs, **_: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
     )
     state = off.init(params)
     builders = len(compiles)
