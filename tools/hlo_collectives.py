@@ -94,7 +94,7 @@ def _condition_trip(constants: dict[str, int], root: str) -> int | None:
 
 def collective_bytes(hlo: str) -> dict[str, int]:
     """{kind: bytes per device per step} of every collective in the optimized HLO module text `hlo`."""
-    # per computation: {channel or instruction: (kind, bytes)}; fusion callees; loop/branch callees
+    # per computation: {async chain or instruction: (kind, bytes, operands)}; fusion/call callees; loop callees
     own: dict[str, dict[str, tuple[str, int, list[str]]]] = defaultdict(dict)
     opcode: dict[str, dict[str, tuple[str, str]]] = defaultdict(dict)  # name -> (opcode, fused callee)
     root_opcode: dict[str, str] = {}
@@ -181,23 +181,28 @@ def collective_bytes(hlo: str) -> dict[str, int]:
 
     total: dict[str, int] = defaultdict(int)
 
+    def gather(name: str, found: dict, loops_out: list, depth: int) -> None:
+        """The collectives of `name` and of the computations its fusions and calls run, once per call; an
+        async chain's copies once in all."""
+        if depth > 64:
+            return
+        for key, (kind, b, _) in own.get(name, {}).items():
+            runs = 1 if key.startswith("chain ") else found.get(key, (kind, b, 0))[2] + 1
+            found[key] = (kind, b, runs)
+        loops_out += loops.get(name, ())
+        for callee in fused.get(name, ()):
+            gather(callee, found, loops_out, depth + 1)
+
     def visit(name: str, times: int, depth: int = 0) -> None:
         if depth > 64:
             return
-        # the computation and every fusion it calls run once per visit; one channel moves its bytes once
-        group, seen, stack = {}, set(), [name]
-        while stack:
-            c = stack.pop()
-            if c in seen:
-                continue
-            seen.add(c)
-            group.update(own.get(c, {}))
-            stack += fused.get(c, ())
-        for kind, b, _ in group.values():
-            total[kind] += b * times
-        for c in seen:
-            for callee, mult in loops.get(c, ()):
-                visit(callee, times * trips(mult), depth + 1)
+        found: dict[str, tuple[str, int, int]] = {}
+        inner: list[tuple[str, int | tuple[str, int]]] = []
+        gather(name, found, inner, depth)
+        for kind, b, runs in found.values():
+            total[kind] += b * runs * times
+        for callee, mult in inner:
+            visit(callee, times * trips(mult), depth + 1)
 
     visit(entry, 1)
     return dict(total)

@@ -220,3 +220,23 @@ def test_v5p_gathers_as_all_reduce_and_psums_sharing_a_channel():
         "all-gather-via-all-reduce": 94 * gathers,
         "all-reduce": 94 * psums,
     }
+
+
+def test_a_computation_two_fusions_call_moves_its_collectives_twice():
+    hlo = """\
+HloModule m
+
+%gathered (p: f32[8]) -> f32[32] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %all-gather.1 = f32[32]{0} all-gather(%p), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[8], b: f32[8]) -> (f32[32], f32[32]) {
+  %a = f32[8]{0} parameter(0)
+  %b = f32[8]{0} parameter(1)
+  %call.1 = f32[32]{0} fusion(%a), kind=kCustom, calls=%gathered
+  %call.2 = f32[32]{0} fusion(%b), kind=kCustom, calls=%gathered
+  ROOT %t = (f32[32]{0}, f32[32]{0}) tuple(%call.1, %call.2)
+}
+"""
+    assert collective_bytes(hlo) == {"all-gather": 2 * 32 * 4}
