@@ -91,6 +91,9 @@ def test_tiny_trainer_step_compiles_for_tpu_v5e(tmp_path):
         "no Pallas kernel in the compiled step: attention did not take the splash path"
     )
     assert r["flops"] > 0 and r["argument_bytes"] > 0 and r["fits"]
+    # the FSDP weight gathers inside the scanned layers (tools/hlo_collectives.py once returned {} on TPU)
+    assert r["collective_bytes"].get("all-gather", 0) > 0, r["collective_bytes"]
+    assert "collectives, GiB per chip per step" in proc.stdout
     assert "TPU v5 lite" in proc.stdout and "compile-time figures" in proc.stdout
 
 
