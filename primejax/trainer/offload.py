@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -191,26 +192,26 @@ class Offload:
         host = self.shardings()
         masters, opts = [], []
         # one compiled builder per bucket layout: the slices of one stacked parameter share theirs (a 48-layer
-        # MoE has tens of buckets but a handful of layouts, and each compile costs seconds on a GPU)
+        # MoE has tens of buckets but a handful of layouts, and each compile costs seconds on a GPU); a slice's
+        # start is an argument, so the slicing runs inside the builder
         builders: dict[tuple, Any] = {}
         for k, bucket in enumerate(self.plan.buckets):
             layout = tuple((p.leaf, self.plan.piece_shape(p)) for p in bucket)
             if layout not in builders:
 
-                def build(xs, k=k):
-                    master = self.plan.tree(k, [x.astype(MASTER_DTYPE) for x in xs])
+                def build(xs, starts, k=k, bucket=bucket):
+                    parts = [
+                        x if p.stop is None else jax.lax.dynamic_slice_in_dim(x, s, p.stop - p.start)
+                        for x, s, p in zip(xs, starts, bucket, strict=True)
+                    ]
+                    master = self.plan.tree(k, [x.astype(MASTER_DTYPE) for x in parts])
                     return master, self.inner.init(master)
 
                 builders[layout] = jax.jit(build, out_shardings=(host["master"][k], host["opt"][k]))
             with jax.set_mesh(self.mesh):
-                pieces = [self._slice(leaves[p.leaf], p) for p in bucket]
-                pieces = [
-                    jax.lax.with_sharding_constraint(x, self.plan.shardings[p.leaf])
-                    if p.stop is not None
-                    else x
-                    for x, p in zip(pieces, bucket, strict=True)
-                ]
-                master, opt = builders[layout](pieces)
+                master, opt = builders[layout](
+                    [leaves[p.leaf] for p in bucket], [np.int32(p.start) for p in bucket]
+                )
             masters.append(master)
             opts.append(opt)
         return {"master": tuple(masters), "opt": tuple(opts)}

@@ -4,8 +4,8 @@ The gather export (primejax.models.hf_io.export_safetensors) brings each whole t
 process (a cross-process all-gather per tensor) and writes files one after another. Here the layout of every
 file is fixed first from shapes alone (the same file plan and names as the gather export: file i holds the same
 tensors), and each process then writes only the row blocks its own devices hold (primejax.transfer.shards), each
-at its offset with `pwrite`, from a pool of threads (the device-to-host copy of one block overlaps the writes of
-others). A row block is contiguous in the file because safetensors stores tensors row-major.
+at its offset (below), from a pool of threads (the device-to-host copy of one parameter overlaps the writes of the
+previous ones). A row block is contiguous in the file because safetensors stores tensors row-major.
 
 How the bytes go in (`writer`): every process converts the same parameter at the same time (the conversion is
 one SPMD program over all processes), so they all write into the same file at once. A buffered `pwrite` holds the

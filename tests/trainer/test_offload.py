@@ -190,7 +190,7 @@ def test_init_compiles_one_builder_per_bucket_layout():
     )
     state = off.init(params)
     builders = len(compiles)
-    # the two builders, the eager slice and its sharding constraint (one compile per bucket: 10)
+    # the two builders and a small helper program or two (one compile per bucket: 10)
     assert builders <= 4, f"{builders} compiles for 9 buckets of 2 layouts"
     got = np.concatenate([np.asarray(m["layers"]) for m in state["master"][:8]])
     np.testing.assert_array_equal(got, np.asarray(params["layers"]))
