@@ -189,6 +189,15 @@ CONFIGS = {
             skip_if_oom="moe48:16k:fp32offload", **GPU4,
         ),
     ],
+    # the offload rows' per-GPU structure where only 2 GPUs are lent: 16 of 48 layers on 2 GPUs (5.2B params per
+    # GPU, 62 GB of pinned host state each; the 48-layer row on 4 GPUs has 7.6B / 92 GB), next to bf16 state
+    "gpu2:offload": [
+        _step("moe16:16k:bf16state:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:fp32offload:2gpu", 16384, 16, remat="full", offload=True, bucket_mb=2048.0,
+              **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:fp32offload:x4:2gpu", 16384, 16, remat="full", offload=True, bucket_mb=2048.0, micro=4,
+              skip_if_oom="moe16:16k:fp32offload:2gpu", **dict(GPU4, devices=2, rows=2)),
+    ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
     "gpu2:context": [
@@ -219,6 +228,8 @@ CONFIGS = {
     # bf16 state) next to Qwen3-8B cut to 8 layers in the same call; unrolled (a hybrid stack cannot scan)
     "gpu1:qwen3_5": [
         _step("qwen3_8b_8:16k:bf16state", 16384, 8, pdt="bfloat16", model="qwen3-8b"),
+        # the DeltaNet chunk recurrence as the XLA scan (the other rows run the Pallas kernels on GPU: "auto")
+        dict(_step("qwen35_9b_8:16k:bf16state:xla", 16384, 8, pdt="bfloat16", model="qwen3.5-9b"), deltanet="xla"),
         _step("qwen35_9b_8:16k:bf16state", 16384, 8, pdt="bfloat16", model="qwen3.5-9b"),
         _step("qwen35_9b_8:16k:bf16state:full", 16384, 8, pdt="bfloat16", remat="full", model="qwen3.5-9b"),
     ],
@@ -618,6 +629,7 @@ def _model_config(c: dict):
         expert_parallel=c["ep"].partition(":")[0],
         a2a_impl=c["ep"].partition(":")[2] or "auto",
         scan_layers=bool(c.get("scan")),
+        deltanet_impl=c.get("deltanet", "auto"),
     )
 
 

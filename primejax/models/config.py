@@ -57,6 +57,9 @@ GMM_IMPLS = ("xla", "mgpu", "auto")
 # exchanged (all-gather in, reduce-scatter out).
 EXPERT_PARALLEL = ("fsdp", "ep", "a2a")
 A2A_IMPLS = ("auto", "ragged", "padded")  # expert_parallel="a2a"'s exchange (models/moe_a2a.py)
+# The Gated DeltaNet's chunk recurrence (models/deltanet.py): "xla" = a lax.scan over chunks (any backend),
+# "pallas" = the Triton kernels of models/deltanet_pallas.py (GPU), "auto" = pallas on a GPU, xla elsewhere.
+DELTANET_IMPLS = ("xla", "pallas", "auto")
 # LoRA adapter targets (models/lora.py, docs/lora.md): the attention projections, the dense MLP's, every
 # expert of the sparse layers (per-expert adapters on gate, up and down) and the MoE router.
 LORA_INITS = ("kaiming", "gaussian")  # the adapters' A (B starts at zero): models/lora.py
@@ -102,6 +105,7 @@ class ModelConfig:
     gmm_impl: str = "auto"
     expert_parallel: str = "fsdp"
     a2a_impl: str = "auto"
+    deltanet_impl: str = "auto"
     router_scoring: str = "softmax"
     routed_scaling_factor: float = 1.0
     n_group: int = 1
@@ -164,6 +168,8 @@ class ModelConfig:
             raise ValueError(f"expert_parallel={self.expert_parallel!r} is not one of {EXPERT_PARALLEL}")
         if self.a2a_impl not in A2A_IMPLS:
             raise ValueError(f"a2a_impl={self.a2a_impl!r} is not one of {A2A_IMPLS}")
+        if self.deltanet_impl not in DELTANET_IMPLS:
+            raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(

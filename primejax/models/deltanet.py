@@ -13,7 +13,9 @@ heads (head h reads key head h // (Hv / Hk)).
 The rule runs in chunked form (the UT transform of the DeltaNet paper, as transformers' reference and FLA's
 kernels): within a chunk of `CHUNK` tokens everything is a few [C, C] / [C, dk] matmuls and the inverse of
 one unit lower triangular matrix, itself by matmuls (`unit_lower_inverse`: no LAPACK call, which deadlocks
-emulated CPU meshes); a `lax.scan` carries the state across chunks. XLA only (no Pallas kernel yet).
+emulated CPU meshes); what is left, the recurrence of the state across chunks, runs as a `lax.scan` (XLA, any
+backend) or as the Pallas kernels of deltanet_pallas.py (GPU; `model.deltanet_impl`), which keep each head's
+state on chip for the whole row.
 
 Packed rows: a segment start resets the state and the conv's history, so each sample sees exactly what it
 would see alone. In the chunked form every decay between positions i >= j is exp(cum_i - cum_j), and a reset
@@ -41,11 +43,15 @@ serializes the devices or needs a second pass over chunk summaries; not written.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from primejax.models import deltanet_pallas
 from primejax.models.context_parallel import context_size, to_tokens
-from primejax.models.sharding import axis_size, constrain, current_mesh
+from primejax.models.sharding import axis_size, constrain, current_mesh, logical_to_spec
 
 CHUNK = 64  # tokens per chunk (transformers' and FLA's default)
 _L2_EPS = 1e-6  # as transformers' l2norm (and FLA)
@@ -104,12 +110,46 @@ def unit_lower_inverse(t: jax.Array) -> jax.Array:
     return inv.reshape(*lead, c, c)
 
 
-def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK) -> jax.Array:
+def resolve_impl(impl: str) -> str:
+    """ "auto": the Pallas kernels on a GPU, the XLA scan elsewhere."""
+    if impl != "auto":
+        return impl
+    return "pallas" if jax.devices()[0].platform == "gpu" else "xla"
+
+
+def _recurrence(impl: str):
+    """The chunk recurrence [B*H, N, ...] -> [B*H, N, C, dv] (deltanet_pallas.py) for `impl`:
+    "xla", "pallas" (GPU), or "pallas_interpret" (the kernels interpreted, any backend; tests)."""
+    if impl == "xla":
+        return deltanet_pallas.chunk_recurrence_xla
+    interpret = impl == "pallas_interpret"
+    # TF32 x 3 on the GPU: about fp32's accuracy at tensor-core speed; fp32 when interpreted (no TF32 on CPU)
+    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return functools.partial(deltanet_pallas.chunk_recurrence, precision=precision, interpret=interpret)
+
+
+def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK, impl: str = "xla") -> jax.Array:
     """Chunked gated delta rule over packed rows.
 
     q, k [B, T, H, dk] (already L2-normalized and q scaled), v [B, T, H, dv], g (log decay, <= 0) and beta
-    [B, T, H], segment_ids [B, T]. All math in fp32; returns [B, T, H, dv] float32.
+    [B, T, H], segment_ids [B, T]. All math in fp32; returns [B, T, H, dv] float32. `impl` runs the recurrence
+    over chunks (see `_recurrence`); under a mesh the Pallas kernels run per device in a shard_map.
     """
+    impl = resolve_impl(impl)
+    mesh = current_mesh()
+    local = functools.partial(_chunked_rule, chunk=chunk, impl=impl)
+    if impl == "xla" or mesh is None or mesh.size == 1:
+        return local(q, k, v, g, beta, segment_ids)
+    # a Pallas call is opaque to XLA's partitioner: run it per device on the rows and heads the device holds
+    rows = logical_to_spec(("batch",), segment_ids.shape[:1], mesh)[0]
+    heads = logical_to_spec((None, None, "linear_attn_heads"), q.shape[:3], mesh)[2]
+    spec = PartitionSpec(rows, None, heads)
+    return jax.shard_map(
+        local, in_specs=(spec,) * 5 + (PartitionSpec(rows, None),), out_specs=spec, check_vma=False
+    )(q, k, v, g, beta, segment_ids)
+
+
+def _chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int, impl: str) -> jax.Array:
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
@@ -156,18 +196,10 @@ def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK) -> jax.A
     k_dec = k * (jnp.exp(cum[..., -1:] - cum) * carry_out)[..., None]
     chunk_decay = jnp.exp(cum[..., -1]) * (last == prev_last).astype(f32)  # [B, H, N]
 
-    def step(state, xs):  # state [B, H, dk, dv]
-        nv, kc, qd, kd, at, cd = xs
-        v_new = nv - jnp.einsum("bhcd,bhde->bhce", kc, state, precision=hi)
-        out = jnp.einsum("bhcd,bhde->bhce", qd, state, precision=hi) + jnp.einsum(
-            "bhij,bhje->bhie", at, v_new, precision=hi
-        )
-        state = state * cd[..., None, None] + jnp.einsum("bhcd,bhce->bhde", kd, v_new, precision=hi)
-        return state, out
-
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_v, k_cumdecay, q_dec, k_dec, attn, chunk_decay))
-    _, out = jax.lax.scan(step, jnp.zeros((b, h, dk, dv), f32), xs)  # [N, B, H, C, dv]
-    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    xs = tuple(
+        x.reshape(b * h, n, *x.shape[3:]) for x in (new_v, k_cumdecay, q_dec, k_dec, attn, chunk_decay)
+    )
+    out = _recurrence(impl)(*xs).reshape(b, h, n * chunk, dv)[:, :, :t]  # [B, H, T, dv]
     return jnp.moveaxis(out, 1, 2)
 
 
@@ -237,7 +269,7 @@ def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: 
         q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
     q = _to_heads(_l2norm(q.astype(jnp.float32)) * dk**-0.5)
     k = _to_heads(_l2norm(k.astype(jnp.float32)))
-    o = gated_delta_rule(q, k, v, g, beta, segment_ids).astype(dt)
+    o = gated_delta_rule(q, k, v, g, beta, segment_ids, impl=cfg.deltanet_impl).astype(dt)
     o = to_tokens(_to_heads(o))
     o = gated_rms_norm(o, p["lin_norm"], z, cfg.rms_norm_eps)
     return jnp.einsum("btnh,nhd->btd", o, p["lin_out"].astype(dt))

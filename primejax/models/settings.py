@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from primejax.models.config import A2A_IMPLS, ATTENTION_IMPLS, EXPERT_PARALLEL, GMM_IMPLS, REMAT_POLICIES
+from primejax.models.config import (
+    A2A_IMPLS,
+    ATTENTION_IMPLS,
+    DELTANET_IMPLS,
+    EXPERT_PARALLEL,
+    GMM_IMPLS,
+    REMAT_POLICIES,
+)
 from primejax.models.lora_config import LoraConfig
 from primejax.models.tiny import TinyModelConfig
 from primejax.utils.sections import Section, option, section, sub
@@ -51,6 +58,12 @@ class ModelSettings(Section):
         "buffers, any backend) or auto (padded on CPU, ragged elsewhere); docs/moe.md",
         choices=A2A_IMPLS,
     )
+    deltanet_impl: str = option(
+        "auto",
+        "Gated DeltaNet chunk recurrence (Qwen3.5): pallas (Triton kernels, GPU), xla (lax.scan, any backend) or "
+        "auto (pallas on GPU, xla elsewhere); docs/models.md",
+        choices=DELTANET_IMPLS,
+    )
     lora: LoraConfig = sub(
         LoraConfig, "low-rank adapters: train only them, the weights stay frozen (docs/lora.md)"
     )
@@ -66,6 +79,7 @@ class ModelSettings(Section):
             "gmm_impl": self.gmm_impl,
             "expert_parallel": self.expert_parallel,
             "a2a_impl": self.a2a_impl,
+            "deltanet_impl": self.deltanet_impl,
             **self.lora.model_overrides(),
         }
 
