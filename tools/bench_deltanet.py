@@ -11,6 +11,7 @@ to its largest entry. The whole-model rows are tools/bench_moe.py's `gpu1:qwen3_
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -73,13 +74,13 @@ def main() -> None:
     rec_in = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in
               ((h, n, c, dv), (h, n, c, dk), (h, n, c, dk), (h, n, c, dk), (h, n, c, c))]  # fmt: skip
     rec_in = tuple(jax.device_put(a) for a in (*rec_in, rng.uniform(0.5, 1.0, (h, n)).astype(np.float32)))
-    rec = {
-        "xla": deltanet_pallas.chunk_recurrence_xla,
-        "pallas": lambda *a: deltanet_pallas.chunk_recurrence(
-            *a, jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-        ),
-    }
-    for impl in args.impls.split(","):
+    tf32x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    rec = {"xla": deltanet_pallas.chunk_recurrence_xla}
+    for bv in (16, 32, 64):  # value columns per program (deltanet_pallas.BV is the default)
+        name = "pallas" if bv == deltanet_pallas.BV else f"pallas_bv{bv}"
+        rec[name] = functools.partial(deltanet_pallas.chunk_recurrence, precision=tf32x3, bv=bv)
+    for impl in rec if "pallas" in args.impls else ("xla",):
+        rows.setdefault(impl, {})
         f = jax.jit(rec[impl])
         gf = jax.jit(jax.grad(lambda *a, f=rec[impl]: jnp.sum(f(*a) ** 2), argnums=range(6)))
         rows[impl].update(

@@ -231,6 +231,7 @@ CONFIGS = {
         # the DeltaNet chunk recurrence as the XLA scan (the other rows run the Pallas kernels on GPU: "auto")
         dict(_step("qwen35_9b_8:16k:bf16state:xla", 16384, 8, pdt="bfloat16", model="qwen3.5-9b"), deltanet="xla"),
         _step("qwen35_9b_8:16k:bf16state", 16384, 8, pdt="bfloat16", model="qwen3.5-9b"),
+        _step("qwen35_9b_8:16k:bf16state:trace", 16384, 8, pdt="bfloat16", model="qwen3.5-9b", trace=True),
         _step("qwen35_9b_8:16k:bf16state:full", 16384, 8, pdt="bfloat16", remat="full", model="qwen3.5-9b"),
     ],
     # Qwen3.5-35B-A3B cut to 4 layers (3 Gated DeltaNet + 1 full attention, all sparse: 4.4B params with its

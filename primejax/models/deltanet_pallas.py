@@ -1,4 +1,4 @@
-"""The Gated DeltaNet's chunk recurrence as Pallas (Triton) kernels, forward and backward (GPU).
+"""The Gated DeltaNet's chunk recurrence with its sequential part as Pallas (Triton) kernels (GPU).
 
 `models/deltanet.py` turns a row into chunks of C tokens whose within-chunk work is batched matmuls; what is
 left is a recurrence over the N chunks of a row, per value head, on a state S [dk, dv] (S_0 = 0):
@@ -7,25 +7,26 @@ left is a recurrence over the N chunks of a row, per value head, on a state S [d
     o_n = qd_n S_n + at_n u_n             [C, dv]   (the output)
     S_{n+1} = cd_n S_n + kd_n^T u_n
 
-On XLA this is a `lax.scan` of N steps, each a few batched [C, dk] x [dk, dv] matmuls over all heads: 256
-steps for a 16k row, each step several kernel launches of tiny matmuls, and the same again (reversed) for the
-gradient. Here one program per (row x head, block of BV value columns) keeps its slice of the state on chip for
-the whole row: one launch, N iterations of [C, dk] x [dk, BV] tensor-core dots. The columns of S evolve
-independently (every product above reads S or u column by column), so the dv split needs no communication.
+On XLA this is a `lax.scan` of N steps (256 for a 16k row), each a few small batched matmuls and kernel
+launches, and the same again reversed for the gradient: 29 ms forward + backward per layer at Qwen3.5-9B's
+shape on an H200 (docs/benchmarks.md). Only the states are sequential. A kernel computes them (one program per
+row x head and block of BV value columns, which keeps its slice of S on chip for the whole row: one launch, two
+[C, dk] x [dk, BV] dots per chunk; the columns of S evolve independently, so the split needs no communication)
+and writes S_n for every chunk; u and o are then batched matmuls over all chunks at once.
 
-The backward runs the recurrence in reverse with dS_N = 0:
+The gradient is the same shape of problem. With dS_N = 0, reversed over n:
 
     du_n = at_n^T do_n + kd_n dS_{n+1}
     dS_n = cd_n dS_{n+1} + qd_n^T do_n - kc_n^T du_n
-    d nv_n = du_n, d kc_n = -du_n S_n^T, d qd_n = do_n S_n^T, d kd_n = u_n dS_{n+1}^T, d at_n = do_n u_n^T,
-    d cd_n = <S_n, dS_{n+1}>
 
-reading the entering states S_n that the forward stored (N x dk x dv per head, fp32). The gradients that sum
-over dv (all but d nv) come out per BV block and are summed after the kernel.
+at_n^T do_n and qd_n^T do_n need no state and are batched beforehand; a second kernel runs the two lines
+above (again two dots per chunk, column-separable) and writes du_n and dS_{n+1}; the rest is batched:
+d nv = du, d kc = -du S^T, d qd = do S^T, d kd = u dS_{n+1}^T, d at = do u^T, d cd = <S_n, dS_{n+1}>.
 
-The math is fp32. The dots run at `precision`: on GPU the default is TF32 x 3 (three tensor-core passes, about
-fp32's accuracy; plain TF32 rounds the state to 10 mantissa bits every chunk). `interpret=True` runs the same
-kernels on any backend (tests/models/test_deltanet_pallas.py compares them with the XLA scan on CPU).
+The math is fp32. The kernels' dots run at `precision`: on GPU TF32 x 3 (three tensor-core passes, about fp32's
+accuracy; plain TF32 rounds the state to 10 mantissa bits every chunk); the batched matmuls at HIGHEST, as the
+XLA path's. `interpret=True` runs the same kernels on any backend (tests/models/test_deltanet_pallas.py
+compares them with the XLA scan on CPU).
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-BV = 64  # value columns per program
+BV = 32  # value columns per program: 128-wide heads give 4 programs per head (a 32-head layer fills 128 SMs)
+HI = jax.lax.Precision.HIGHEST
 
 
 def _dot(a, b, precision):
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _fwd_kernel(nv_ref, kc_ref, qd_ref, kd_ref, at_ref, cd_ref, out_ref, states_ref, *, precision, bv):
+def _states_kernel(nv_ref, kc_ref, kd_ref, cd_ref, states_ref, *, precision, bv):
+    """S_n for n = 0..N-1 (the state entering chunk n), for one row x head and BV value columns."""
     from jax.experimental import pallas as pl
 
     bh, j = pl.program_id(0), pl.program_id(1)
@@ -52,16 +55,13 @@ def _fwd_kernel(nv_ref, kc_ref, qd_ref, kd_ref, at_ref, cd_ref, out_ref, states_
     def body(n, s):
         states_ref[bh, n, :, cols] = s
         u = nv_ref[bh, n, :, cols] - _dot(kc_ref[bh, n], s, precision)
-        out_ref[bh, n, :, cols] = _dot(qd_ref[bh, n], s, precision) + _dot(at_ref[bh, n], u, precision)
         return s * cd_ref[bh, n] + _dot(kd_ref[bh, n].T, u, precision)
 
     jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((dk, bv), jnp.float32))
 
 
-def _bwd_kernel(
-    nv_ref, kc_ref, qd_ref, kd_ref, at_ref, cd_ref, states_ref, do_ref,
-    dnv_ref, dkc_ref, dqd_ref, dkd_ref, dat_ref, dcd_ref, *, precision, bv,
-):  # fmt: skip
+def _dstates_kernel(a_ref, bq_ref, kc_ref, kd_ref, cd_ref, du_ref, dnext_ref, *, precision, bv):
+    """du_n and dS_{n+1} for n = N-1..0, given a_n = at_n^T do_n and bq_n = qd_n^T do_n."""
     from jax.experimental import pallas as pl
 
     bh, j = pl.program_id(0), pl.program_id(1)
@@ -70,18 +70,10 @@ def _bwd_kernel(
 
     def body(i, ds):  # ds = dS_{n+1} [dk, bv]
         n = n_chunks - 1 - i
-        s = states_ref[bh, n, :, cols]
-        kc, qd, kd, at = kc_ref[bh, n], qd_ref[bh, n], kd_ref[bh, n], at_ref[bh, n]
-        do = do_ref[bh, n, :, cols]
-        u = nv_ref[bh, n, :, cols] - _dot(kc, s, precision)
-        du = _dot(at.T, do, precision) + _dot(kd, ds, precision)
-        dnv_ref[bh, n, :, cols] = du
-        dkc_ref[j, bh, n] = -_dot(du, s.T, precision)
-        dqd_ref[j, bh, n] = _dot(do, s.T, precision)
-        dkd_ref[j, bh, n] = _dot(u, ds.T, precision)
-        dat_ref[j, bh, n] = _dot(do, u.T, precision)
-        dcd_ref[j, bh, n] = jnp.sum(s * ds)
-        return cd_ref[bh, n] * ds + _dot(qd.T, do, precision) - _dot(kc.T, du, precision)
+        dnext_ref[bh, n, :, cols] = ds
+        du = a_ref[bh, n, :, cols] + _dot(kd_ref[bh, n], ds, precision)
+        du_ref[bh, n, :, cols] = du
+        return cd_ref[bh, n] * ds + bq_ref[bh, n, :, cols] - _dot(kc_ref[bh, n].T, du, precision)
 
     jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((dk, bv), jnp.float32))
 
@@ -95,52 +87,30 @@ def _check(nv, kc, bv):
         raise ValueError(f"the DeltaNet Pallas kernel needs the value head dim ({dv}) divisible by {bv}")
 
 
-def _params(num_warps):
+def _call(kernel, grid, out_shapes, interpret, *args):
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-
-
-def _forward(nv, kc, qd, kd, at, cd, *, precision, interpret, bv):
-    from jax.experimental import pallas as pl
-
-    bh, n, c, dv = nv.shape
-    dk = kc.shape[-1]
-    kernel = functools.partial(_fwd_kernel, precision=precision, bv=bv)
     return pl.pallas_call(
         kernel,
-        grid=(bh, dv // bv),
-        out_shape=(
-            jax.ShapeDtypeStruct((bh, n, c, dv), jnp.float32),
-            jax.ShapeDtypeStruct((bh, n, dk, dv), jnp.float32),
-        ),
+        grid=grid,
+        out_shape=[jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes],
         interpret=interpret,
-        compiler_params=None if interpret else _params(4),
-    )(nv, kc, qd, kd, at, cd)
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
+    )(*args)
 
 
-def _backward(nv, kc, qd, kd, at, cd, states, do, *, precision, interpret, bv):
-    from jax.experimental import pallas as pl
+def _states(nv, kc, kd, cd, *, precision, interpret, bv):
+    bh, n, _, dv = nv.shape
+    kernel = functools.partial(_states_kernel, precision=precision, bv=bv)
+    return _call(kernel, (bh, dv // bv), [(bh, n, kc.shape[-1], dv)], interpret, nv, kc, kd, cd)[0]
 
-    bh, n, c, dv = nv.shape
-    dk, nj = kc.shape[-1], dv // bv
-    kernel = functools.partial(_bwd_kernel, precision=precision, bv=bv)
-    f32 = jnp.float32
-    dnv, dkc, dqd, dkd, dat, dcd = pl.pallas_call(
-        kernel,
-        grid=(bh, nj),
-        out_shape=(
-            jax.ShapeDtypeStruct((bh, n, c, dv), f32),
-            jax.ShapeDtypeStruct((nj, bh, n, c, dk), f32),
-            jax.ShapeDtypeStruct((nj, bh, n, c, dk), f32),
-            jax.ShapeDtypeStruct((nj, bh, n, c, dk), f32),
-            jax.ShapeDtypeStruct((nj, bh, n, c, c), f32),
-            jax.ShapeDtypeStruct((nj, bh, n), f32),
-        ),
-        interpret=interpret,
-        compiler_params=None if interpret else _params(8),
-    )(nv, kc, qd, kd, at, cd, states, do)
-    return dnv, *(x.sum(0) for x in (dkc, dqd, dkd, dat, dcd))
+
+def _outputs(nv, kc, qd, at, states):
+    u = nv - jnp.einsum("bncd,bnde->bnce", kc, states, precision=HI)
+    return jnp.einsum("bncd,bnde->bnce", qd, states, precision=HI) + jnp.einsum(
+        "bnij,bnje->bnie", at, u, precision=HI
+    ), u
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -148,17 +118,31 @@ def chunk_recurrence(nv, kc, qd, kd, at, cd, precision, interpret=False, bv=BV):
     """The outputs o [BH, N, C, dv] of the recurrence in the module docstring; all inputs fp32, nv [BH, N, C, dv],
     kc / qd / kd [BH, N, C, dk], at [BH, N, C, C], cd [BH, N]."""
     _check(nv, kc, bv)
-    return _forward(nv, kc, qd, kd, at, cd, precision=precision, interpret=interpret, bv=bv)[0]
+    states = _states(nv, kc, kd, cd, precision=precision, interpret=interpret, bv=bv)
+    return _outputs(nv, kc, qd, at, states)[0]
 
 
 def _vjp_fwd(nv, kc, qd, kd, at, cd, precision, interpret, bv):
     _check(nv, kc, bv)
-    out, states = _forward(nv, kc, qd, kd, at, cd, precision=precision, interpret=interpret, bv=bv)
-    return out, (nv, kc, qd, kd, at, cd, states)
+    states = _states(nv, kc, kd, cd, precision=precision, interpret=interpret, bv=bv)
+    out, u = _outputs(nv, kc, qd, at, states)
+    return out, (kc, qd, kd, at, cd, states, u)
 
 
 def _vjp_bwd(precision, interpret, bv, res, do):
-    return _backward(*res, do.astype(jnp.float32), precision=precision, interpret=interpret, bv=bv)
+    kc, qd, kd, at, cd, states, u = res
+    do = do.astype(jnp.float32)
+    a = jnp.einsum("bnji,bnje->bnie", at, do, precision=HI)  # at_n^T do_n
+    bq = jnp.einsum("bncd,bnce->bnde", qd, do, precision=HI)  # qd_n^T do_n
+    bh, dv = u.shape[0], u.shape[-1]
+    kernel = functools.partial(_dstates_kernel, precision=precision, bv=bv)
+    du, dnext = _call(kernel, (bh, dv // bv), [u.shape, states.shape], interpret, a, bq, kc, kd, cd)
+    d_kc = -jnp.einsum("bnce,bnde->bncd", du, states, precision=HI)
+    d_qd = jnp.einsum("bnce,bnde->bncd", do, states, precision=HI)
+    d_kd = jnp.einsum("bnce,bnde->bncd", u, dnext, precision=HI)
+    d_at = jnp.einsum("bnie,bnje->bnij", do, u, precision=HI)
+    d_cd = jnp.sum(states * dnext, axis=(-2, -1))
+    return du, d_kc, d_qd, d_kd, d_at, d_cd
 
 
 chunk_recurrence.defvjp(_vjp_fwd, _vjp_bwd)
