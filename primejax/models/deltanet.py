@@ -78,7 +78,7 @@ def causal_conv(x_btc: jax.Array, w_kc: jax.Array, segment_ids: jax.Array) -> ja
     return jax.nn.silu(out)
 
 
-def unit_lower_inverse(t: jax.Array) -> jax.Array:
+def unit_lower_inverse(t: jax.Array, precision=jax.lax.Precision.HIGHEST) -> jax.Array:
     """Inverse of unit lower triangular matrices [..., C, C] by matmuls only (C a power of two).
 
     Blocked forward substitution: the inverses of the diagonal blocks of size s give those of size 2s,
@@ -93,7 +93,7 @@ def unit_lower_inverse(t: jax.Array) -> jax.Array:
     if c & (c - 1):
         raise ValueError(f"unit_lower_inverse needs a power-of-two size, not {c}")
     lead = t.shape[:-2]
-    hi = jax.lax.Precision.HIGHEST
+    hi = precision
     inv = jnp.ones((*lead, c, 1, 1), t.dtype)  # [..., C / s, s, s]: the diagonal blocks' inverses
     s = 1
     while s < c:
@@ -122,10 +122,15 @@ def _recurrence(impl: str):
     "xla", "pallas" (GPU), or "pallas_interpret" (the kernels interpreted, any backend; tests)."""
     if impl == "xla":
         return deltanet_pallas.chunk_recurrence_xla
-    interpret = impl == "pallas_interpret"
-    # TF32 x 3 on the GPU: about fp32's accuracy at tensor-core speed; fp32 when interpreted (no TF32 on CPU)
-    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return functools.partial(deltanet_pallas.chunk_recurrence, precision=precision, interpret=interpret)
+    return functools.partial(
+        deltanet_pallas.chunk_recurrence, precision=_precision(impl), interpret=impl == "pallas_interpret"
+    )
+
+
+def _precision(impl: str):
+    """The fp32 matmuls' precision: TF32 x 3 with the GPU kernels (three tensor-core passes, about fp32's
+    accuracy), HIGHEST otherwise (the XLA path everywhere, and the interpreted kernels: no TF32 on CPU)."""
+    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if impl == "pallas" else jax.lax.Precision.HIGHEST
 
 
 def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK, impl: str = "xla") -> jax.Array:
@@ -184,12 +189,12 @@ def _chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int, impl: str) -> ja
 
     k_beta = k * beta[..., None]
     v_beta = v * beta[..., None]
-    hi = jax.lax.Precision.HIGHEST
+    hi = _precision(impl)
     ut = jnp.einsum("...id,...jd->...ij", k_beta, k, precision=hi) * decay
     ut = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), ut, 0) + jnp.eye(chunk, dtype=f32)
     attn = jnp.einsum("...id,...jd->...ij", q, k, precision=hi) * decay
     e_cum = jnp.exp(cum) * carry_in
-    ut_inv = unit_lower_inverse(ut)
+    ut_inv = unit_lower_inverse(ut, hi)
     new_v = jnp.einsum("...ij,...jd->...id", ut_inv, v_beta, precision=hi)
     k_cumdecay = jnp.einsum("...ij,...jd->...id", ut_inv, k_beta * e_cum[..., None], precision=hi)
     q_dec = q * e_cum[..., None]

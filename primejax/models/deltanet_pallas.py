@@ -23,9 +23,8 @@ at_n^T do_n and qd_n^T do_n need no state and are batched beforehand; a second k
 above (again two dots per chunk, column-separable) and writes du_n and dS_{n+1}; the rest is batched:
 d nv = du, d kc = -du S^T, d qd = do S^T, d kd = u dS_{n+1}^T, d at = do u^T, d cd = <S_n, dS_{n+1}>.
 
-The math is fp32. The kernels' dots run at `precision`: on GPU TF32 x 3 (three tensor-core passes, about fp32's
-accuracy; plain TF32 rounds the state to 10 mantissa bits every chunk); the batched matmuls at HIGHEST, as the
-XLA path's. `interpret=True` runs the same kernels on any backend (tests/models/test_deltanet_pallas.py
+The math is fp32. The dots, in the kernels and batched, run at `precision`: on GPU TF32 x 3 (three tensor-core
+passes, about fp32's accuracy; plain TF32 rounds the state to 10 mantissa bits every chunk). `interpret=True` runs the same kernels on any backend (tests/models/test_deltanet_pallas.py
 compares them with the XLA scan on CPU).
 """
 
@@ -37,7 +36,6 @@ import jax
 import jax.numpy as jnp
 
 BV = 32  # value columns per program: 128-wide heads give 4 programs per head (a 32-head layer fills 128 SMs)
-HI = jax.lax.Precision.HIGHEST
 
 
 def _dot(a, b, precision):
@@ -106,10 +104,10 @@ def _states(nv, kc, kd, cd, *, precision, interpret, bv):
     return _call(kernel, (bh, dv // bv), [(bh, n, kc.shape[-1], dv)], interpret, nv, kc, kd, cd)[0]
 
 
-def _outputs(nv, kc, qd, at, states):
-    u = nv - jnp.einsum("bncd,bnde->bnce", kc, states, precision=HI)
-    return jnp.einsum("bncd,bnde->bnce", qd, states, precision=HI) + jnp.einsum(
-        "bnij,bnje->bnie", at, u, precision=HI
+def _outputs(nv, kc, qd, at, states, precision):
+    u = nv - jnp.einsum("bncd,bnde->bnce", kc, states, precision=precision)
+    return jnp.einsum("bncd,bnde->bnce", qd, states, precision=precision) + jnp.einsum(
+        "bnij,bnje->bnie", at, u, precision=precision
     ), u
 
 
@@ -119,28 +117,28 @@ def chunk_recurrence(nv, kc, qd, kd, at, cd, precision, interpret=False, bv=BV):
     kc / qd / kd [BH, N, C, dk], at [BH, N, C, C], cd [BH, N]."""
     _check(nv, kc, bv)
     states = _states(nv, kc, kd, cd, precision=precision, interpret=interpret, bv=bv)
-    return _outputs(nv, kc, qd, at, states)[0]
+    return _outputs(nv, kc, qd, at, states, precision)[0]
 
 
 def _vjp_fwd(nv, kc, qd, kd, at, cd, precision, interpret, bv):
     _check(nv, kc, bv)
     states = _states(nv, kc, kd, cd, precision=precision, interpret=interpret, bv=bv)
-    out, u = _outputs(nv, kc, qd, at, states)
+    out, u = _outputs(nv, kc, qd, at, states, precision)
     return out, (kc, qd, kd, at, cd, states, u)
 
 
 def _vjp_bwd(precision, interpret, bv, res, do):
     kc, qd, kd, at, cd, states, u = res
     do = do.astype(jnp.float32)
-    a = jnp.einsum("bnji,bnje->bnie", at, do, precision=HI)  # at_n^T do_n
-    bq = jnp.einsum("bncd,bnce->bnde", qd, do, precision=HI)  # qd_n^T do_n
+    a = jnp.einsum("bnji,bnje->bnie", at, do, precision=precision)  # at_n^T do_n
+    bq = jnp.einsum("bncd,bnce->bnde", qd, do, precision=precision)  # qd_n^T do_n
     bh, dv = u.shape[0], u.shape[-1]
     kernel = functools.partial(_dstates_kernel, precision=precision, bv=bv)
     du, dnext = _call(kernel, (bh, dv // bv), [u.shape, states.shape], interpret, a, bq, kc, kd, cd)
-    d_kc = -jnp.einsum("bnce,bnde->bncd", du, states, precision=HI)
-    d_qd = jnp.einsum("bnce,bnde->bncd", do, states, precision=HI)
-    d_kd = jnp.einsum("bnce,bnde->bncd", u, dnext, precision=HI)
-    d_at = jnp.einsum("bnie,bnje->bnij", do, u, precision=HI)
+    d_kc = -jnp.einsum("bnce,bnde->bncd", du, states, precision=precision)
+    d_qd = jnp.einsum("bnce,bnde->bncd", do, states, precision=precision)
+    d_kd = jnp.einsum("bnce,bnde->bncd", u, dnext, precision=precision)
+    d_at = jnp.einsum("bnie,bnje->bnij", do, u, precision=precision)
     d_cd = jnp.sum(states * dnext, axis=(-2, -1))
     return du, d_kc, d_qd, d_kd, d_at, d_cd
 
