@@ -104,5 +104,6 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 def vllm_server_untied(
     tiny_untied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    """Like `vllm_server`, serving `tiny_untied_model_dir`."""
+    """Like `vllm_server`, serving `tiny_untied_model_dir`. Only extended-tier tests use it, so the default tier
+    never starts it (docs/testing.md)."""
     yield from _serve(tiny_untied_model_dir, tmp_path_factory.mktemp("vllm-untied"))

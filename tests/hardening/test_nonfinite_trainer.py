@@ -28,6 +28,7 @@ _spec.loader.exec_module(_helpers)
 random_samples, tiny_config = _helpers.random_samples, _helpers.tiny_config
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): a whole step compile; the default tier: the guard with lr=nan below
 def test_a_nan_learning_rate_never_reaches_the_parameters():
     cfg = tiny_config(num_layers=1)
     nan = float("nan")

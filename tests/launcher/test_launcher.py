@@ -24,6 +24,7 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): a whole run; the default tier's child kill: tests/faults
 def test_orchestrator_killed_mid_run_stops_everything(vllm_server, tmp_path):
     """kill -9 of the orchestrator child: the launcher stops the others and exits non-zero within 30 s, naming
     the orchestrator and showing its log tail; no process of the run survives."""

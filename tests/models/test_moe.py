@@ -195,7 +195,8 @@ def _count_prims(jaxpr, name: str) -> int:
     )
 
 
-@pytest.mark.parametrize("scan", [False, True])
+# The scanned stack is the extended tier (PRIMEJAX_SLOW=1): the same policy check, the default tier runs it unrolled.
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
     """Under remat "dots_no_batch_attn" (the auto policy up to 32k tokens) the backward pass reuses the experts'
     grouped-matmul outputs: as many grouped matmuls in the gradient as without remat; "full" re-runs them."""

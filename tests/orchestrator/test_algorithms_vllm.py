@@ -1,9 +1,10 @@
 """Each built-in algorithm end to end on CPU: one orchestrator step against real vLLM servers writes a batch the
 trainer's `read_batch` accepts, and one jitted trainer step on it has the intended loss components non-empty.
 
-The policy is `vllm_server` (tiny tied Qwen3); opd's teacher and sft's frozen source are `vllm_server_untied`
-(a different tiny model with the same tokenizer), shared with the inference tests. Every batch is padded to
-one shape so the trainer step compiles once.
+The policy is `vllm_server` (tiny tied Qwen3). opd's teacher and sft's frozen source are the same session server
+through their own clients: what these tests check (which client each env samples or scores with, and the loss
+components of the batch) needs no second model, and a second server would cost the default tier a vLLM start.
+Every batch is padded to one shape so the trainer step compiles once.
 """
 
 from __future__ import annotations
@@ -94,19 +95,18 @@ CASES = {
     "max_rl": ({"type": "max_rl"}, {"rl"}),
     "echo": ({"type": "echo", "roles": {"user": 0.1}, "env_id": "alphabet-sort",
               "env_args": {"num_turns": 2, "initial_names": 2, "names_per_turn": 1}}, {"rl", "ce"}),
-    "opd": ({"type": "opd", "teacher": "untied"}, {"ref_kl"}),
-    "sft": ({"type": "sft", "sampling": "untied"}, {"ce"}),
+    "opd": ({"type": "opd", "teacher": "frozen"}, {"ref_kl"}),
+    "sft": ({"type": "sft", "sampling": "frozen"}, {"ce"}),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_algorithm_step_feeds_the_trainer_its_loss_components(name, tmp_path, request, vllm_server, tiny_model_dir,
+def test_algorithm_step_feeds_the_trainer_its_loss_components(name, tmp_path, vllm_server, tiny_model_dir,
                                                                trainer_step):
     setup, components = CASES[name]
     setup = dict(setup)
-    if setup.get("teacher") == "untied" or setup.get("sampling") == "untied":
-        frozen = request.getfixturevalue("vllm_server_untied")
-        ref = {"name": "", "base_url": (frozen.base_url + "/v1",)}
+    if setup.get("teacher") == "frozen" or setup.get("sampling") == "frozen":
+        ref = {"name": "", "base_url": (vllm_server.base_url + "/v1",)}  # a client of its own, the same server
         if setup.get("teacher"):
             setup["teacher"] = ref
         else:
@@ -146,11 +146,13 @@ def test_offline_eval_of_a_weights_dir_against_the_server(tmp_path, vllm_server,
     assert asyncio.run(version()) == 0  # the shared server is back on the base model
 
 
-def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(tmp_path, vllm_server, vllm_server_untied,
-                                                                       tiny_model_dir, trainer_step):
+def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(tmp_path, vllm_server, tiny_model_dir,
+                                                                       trainer_step):
     """Reference 001's per-env algorithms: in one run of 2 steps, env `distill` runs sft sampled from a frozen
     server and env `reverse_text` runs grpo on the policy. Every sample of the written batches carries only ce
-    tokens (distill) or only rl tokens (grpo), and one trainer step on each batch trains both components."""
+    tokens (distill) or only rl tokens (grpo), and one trainer step on each batch trains both components. The
+    frozen source is the session server through a client of its own (module docstring)."""
+    frozen = vllm_server
     from primejax.config import env, typed
     from primejax.orchestrator.loop import Orchestrator
 
@@ -163,7 +165,7 @@ def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(tmp_path,
     o.filters.post_batch = ()
     o.envs["distill"] = env("reverse-text", seed=7)
     o.envs.distill.algo.type = "sft"
-    o.envs.distill.algo.sampling.update({"source": "frozen", "frozen": {"base_url": (vllm_server_untied.base_url,)}})
+    o.envs.distill.algo.sampling.update({"source": "frozen", "frozen": {"base_url": (frozen.base_url,)}})
     o.envs.reverse_text.algo.type = "grpo"
     o.envs.reverse_text.algo.length_penalty.update({"type": "tokens", "coef": 0.01})
     c = typed(cfg)
@@ -173,7 +175,7 @@ def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(tmp_path,
         client = InferenceClient(vllm_server.base_url, timeout_s=120, max_retries=2)
         orch = Orchestrator(c.orchestrator, client=client, tokenizer=tokenizer, run_dir=run_dir,
                             pad_rows_to_multiple=ROWS)
-        assert orch.buffer.envs["distill"].algorithm.sampling_client.base_urls == [vllm_server_untied.base_url]
+        assert orch.buffer.envs["distill"].algorithm.sampling_client.base_urls == [frozen.base_url]
         assert orch.buffer.envs["reverse_text"].algorithm.sampling_client is None  # samples from the policy
         try:
             return [await orch.step(step) for step in (1, 2)], orch

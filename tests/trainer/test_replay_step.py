@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from primejax.contracts.batch import TrainingSample, pack_samples, read_batch, write_batch
@@ -118,6 +119,7 @@ def test_trainer_replay_equals_model_side_replay_through_a_batch_file(tmp_path):
     assert changed > 0, "the recorded experts never changed a logprob: replay did not reach the model"
 
 
+@pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): another compile; the default tier: tests/models/test_moe.py
 def test_router_gets_gradient_through_replayed_tokens():
     cfg = _cfg()
     model = init_model(cfg, None, seed=2)

@@ -43,7 +43,9 @@ def _plugin_installed():
     )
 
 
-@pytest.fixture(params=["tied", "untied"])
+# The untied (bf16) variant is the extended tier (PRIMEJAX_SLOW=1): the tied one stands for the collective update
+# in the default tier, and leaving it out spares the default tier the session's second vLLM server.
+@pytest.fixture(params=["tied", pytest.param("untied", marks=pytest.mark.slow)])
 def server(request):
     """(variant, server): the tied model is sent in fp32, the untied one in the default bf16."""
     return request.param, request.getfixturevalue(
