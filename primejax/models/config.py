@@ -58,7 +58,7 @@ GMM_IMPLS = ("xla", "mgpu", "auto")
 EXPERT_PARALLEL = ("fsdp", "ep", "a2a")
 A2A_IMPLS = ("auto", "ragged", "padded")  # expert_parallel="a2a"'s exchange (models/moe_a2a.py)
 # The Gated DeltaNet's chunk recurrence (models/deltanet.py): "xla" = a lax.scan over chunks (any backend),
-# "pallas" = the Triton kernels of models/deltanet_pallas.py (GPU), "auto" = pallas on a GPU, xla elsewhere.
+# "pallas" = the Triton kernels of models/deltanet_pallas.py (GPU), "auto" = pallas on an NVIDIA GPU (Ampere on), xla elsewhere.
 DELTANET_IMPLS = ("xla", "pallas", "auto")
 # LoRA adapter targets (models/lora.py, docs/lora.md): the attention projections, the dense MLP's, every
 # expert of the sparse layers (per-expert adapters on gate, up and down) and the MoE router.

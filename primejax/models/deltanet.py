@@ -111,10 +111,16 @@ def unit_lower_inverse(t: jax.Array, precision=jax.lax.Precision.HIGHEST) -> jax
 
 
 def resolve_impl(impl: str) -> str:
-    """ "auto": the Pallas kernels on a GPU, the XLA scan elsewhere."""
+    """ "auto": the Pallas kernels on an NVIDIA GPU of compute capability 8.0 or newer (their TF32 dots need
+    Ampere; measured on Hopper), the XLA scan elsewhere."""
     if impl != "auto":
         return impl
-    return "pallas" if jax.devices()[0].platform == "gpu" else "xla"
+    dev = jax.devices()[0]
+    try:
+        capability = float(getattr(dev, "compute_capability", "0") or 0)
+    except ValueError:  # not a CUDA device (ROCm reports an architecture name)
+        capability = 0.0
+    return "pallas" if dev.platform == "gpu" and capability >= 8.0 else "xla"
 
 
 def _recurrence(impl: str):

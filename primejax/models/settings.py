@@ -61,7 +61,7 @@ class ModelSettings(Section):
     deltanet_impl: str = option(
         "auto",
         "Gated DeltaNet chunk recurrence (Qwen3.5): pallas (Triton kernels, GPU), xla (lax.scan, any backend) or "
-        "auto (pallas on GPU, xla elsewhere); docs/models.md",
+        "auto (pallas on NVIDIA GPUs from Ampere on, xla elsewhere); docs/models.md",
         choices=DELTANET_IMPLS,
     )
     lora: LoraConfig = sub(
