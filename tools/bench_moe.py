@@ -735,8 +735,9 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
         # The GPU client's pinned host memory is capped per device (docs/memory.md). Each device's host allocator
         # doubles its regions up to the cap: with 460 GB per device, 4 devices asked for 64 GiB regions on top of
         # 63 GiB each and the host refused (2026-11-27). The cap is each device's share of the 12 B/param + slack.
-        need = 12 * _model_config(c).num_params() / c["devices"] / 2**30
-        env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(need * 1.15) + 8))
+        from primejax.utils.devices import pinned_host_env
+
+        env.update(pinned_host_env(12 * _model_config(c).num_params(), c["devices"], env))
     if smoke:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
         env["JAX_PLATFORMS"] = "cpu"

@@ -14,7 +14,17 @@ import sys
 from primejax.config.cli import parse_config, run_main
 from primejax.contracts.rundir import write_resolved_config
 from primejax.launcher.preflight import preflight_entrypoint
-from primejax.utils.devices import accelerator_env
+from primejax.utils.devices import accelerator_env, local_gpu_count, pinned_host_env
+
+
+def _pinned_host_env(cfg) -> dict:
+    """The pinned-host cap for an offloaded run (utils/devices.py): fp32 master + two fp32 moments, 12 B per
+    parameter, over every trainer device (local GPUs x processes)."""
+    from primejax.models.config import ModelConfig
+
+    params = ModelConfig.from_model_dir(cfg.model.path).num_params()
+    devices = local_gpu_count(cfg.trainer.devices, os.environ) * cfg.trainer.distributed.num_processes
+    return pinned_host_env(12 * params, devices, os.environ)
 
 
 def main() -> int:
@@ -24,6 +34,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Only the trainer's GPUs, JAX's share of them bounded: before JAX initializes its backends (imports below).
     os.environ.update(accelerator_env(cfg.trainer.devices, cfg.trainer.memory_fraction, os.environ))
+    if cfg.trainer.optim.offload and cfg.model.path:
+        os.environ.update(_pinned_host_env(cfg))
     from primejax.contracts.batch import BatchFormatError
     from primejax.trainer.checkpoint import CheckpointError
     from primejax.trainer.loop import NonFiniteError, maybe_init_distributed, train

@@ -10,6 +10,7 @@ default. Nothing here imports JAX: the variables must be set before JAX initiali
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 
@@ -62,3 +63,33 @@ def accelerator_env(
     if memory_fraction > 0 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in base:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory_fraction:g}"
     return env
+
+
+PINNED_HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+
+def local_gpu_count(devices: str, base: Mapping[str, str]) -> int:
+    """GPUs this process will see: `devices` (trainer.devices), else CUDA_VISIBLE_DEVICES, else the NVIDIA
+    driver's list (/proc/driver/nvidia/gpus); 0 when none of them says."""
+    ids = devices or base.get("CUDA_VISIBLE_DEVICES", "")
+    if ids:
+        return len([d for d in ids.split(",") if d.strip()])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def pinned_host_env(state_bytes: float, total_devices: int, base: Mapping[str, str]) -> dict:
+    """XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for a run that keeps `state_bytes` of optimizer state in pinned host
+    memory, sharded over `total_devices` GPUs: each device's share + 15% + 8 GiB (docs/memory.md).
+
+    JAX's GPU client caps each device's pinned-host allocator (64 GiB unless told), below what a large offloaded
+    model needs per device (92 GB for Qwen3-30B-A3B on 4 GPUs); far above the need, the allocator's doubling
+    regions can ask for more than the host has (4 GPUs, a 460 GB cap each: docs/benchmarks.md). A value in `base`
+    (the user's environment) wins; nothing without GPUs.
+    """
+    if PINNED_HOST_LIMIT_ENV in base or total_devices <= 0 or state_bytes <= 0:
+        return {}
+    share_gib = state_bytes / total_devices / 2**30
+    return {PINNED_HOST_LIMIT_ENV: str(int(share_gib * 1.15) + 8)}

@@ -6,7 +6,14 @@ import pytest
 
 from primejax.config import ConfigError, default_config, validate
 from primejax.launcher.launch import _child_env
-from primejax.utils.devices import accelerator_env, check_layout, parse_devices
+from primejax.utils.devices import (
+    PINNED_HOST_LIMIT_ENV,
+    accelerator_env,
+    check_layout,
+    local_gpu_count,
+    parse_devices,
+    pinned_host_env,
+)
 
 
 def test_parse_devices():
@@ -54,3 +61,36 @@ def test_child_env_gives_only_its_devices_and_bounds_jax():
     assert accelerator_env("1", 0.3, {"CUDA_VISIBLE_DEVICES": "2"}) == {
         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"
     }
+
+
+def test_pinned_host_cap_is_each_devices_share_of_the_offloaded_state():
+    """XLA's GPU client caps each device's pinned-host pool at 64 GiB unless told; an offloaded run needs its
+    share of 12 B/param (92 GB per GPU for Qwen3-30B-A3B on 4), and a cap far above that let the allocator's
+    doubling regions outgrow the host (docs/memory.md). The cap: share + 15% + 8 GiB; the user's value wins."""
+    state = 12 * 30.5e9
+    share_gib = state / 4 / 2**30
+    cap = float(pinned_host_env(state, 4, {})[PINNED_HOST_LIMIT_ENV])
+    assert share_gib * 1.15 + 7 <= cap <= share_gib * 1.15 + 8 and cap > 64
+    assert pinned_host_env(state, 4, {PINNED_HOST_LIMIT_ENV: "200"}) == {}
+    assert pinned_host_env(state, 0, {}) == {}  # no GPU seen: nothing to cap
+
+
+def test_local_gpu_count_from_the_trainers_devices_or_the_environment():
+    assert local_gpu_count("0,2,3", {"CUDA_VISIBLE_DEVICES": "0"}) == 3
+    assert local_gpu_count("", {"CUDA_VISIBLE_DEVICES": "1,2"}) == 2
+
+
+def test_offloaded_trainer_sets_the_cap_from_the_model(tiny_model_dir, monkeypatch):
+    """The trainer entry point computes the cap before JAX starts: the model's parameters from its config.json,
+    over trainer.devices x processes."""
+    from primejax.config import typed
+    from primejax.models.config import ModelConfig
+    from primejax.trainer.__main__ import _pinned_host_env
+
+    monkeypatch.delenv(PINNED_HOST_LIMIT_ENV, raising=False)
+    c = default_config()
+    c.model.path = str(tiny_model_dir)
+    c.trainer.devices, c.inference.devices = "0,1", "2"
+    c.trainer.optim.offload = True
+    params = ModelConfig.from_model_dir(tiny_model_dir).num_params()
+    assert _pinned_host_env(typed(c)) == pinned_host_env(12 * params, 2, {})
