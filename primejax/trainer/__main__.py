@@ -21,9 +21,11 @@ def _pinned_host_env(cfg) -> dict:
     """The pinned-host cap for an offloaded run (utils/devices.py): fp32 master + two fp32 moments, 12 B per
     parameter, over every trainer device (local GPUs x processes)."""
     from primejax.models.config import ModelConfig
+    from primejax.trainer.loop import distributed_settings  # imports JAX, does not start a backend
 
     params = ModelConfig.from_model_dir(cfg.model.path).num_params()
-    devices = local_gpu_count(cfg.trainer.devices, os.environ) * cfg.trainer.distributed.num_processes
+    processes = distributed_settings(cfg.trainer.distributed)[1]  # PRIMEJAX_NUM_PROCESSES wins, as for the run
+    devices = local_gpu_count(cfg.trainer.devices, os.environ) * processes
     return pinned_host_env(12 * params, devices, os.environ)
 
 

@@ -82,7 +82,7 @@ def test_local_gpu_count_from_the_trainers_devices_or_the_environment():
 
 def test_offloaded_trainer_sets_the_cap_from_the_model(tiny_model_dir, monkeypatch):
     """The trainer entry point computes the cap before JAX starts: the model's parameters from its config.json,
-    over trainer.devices x processes."""
+    over trainer.devices x processes (PRIMEJAX_NUM_PROCESSES overriding the config, as for the run)."""
     from primejax.config import typed
     from primejax.models.config import ModelConfig
     from primejax.trainer.__main__ import _pinned_host_env
@@ -94,3 +94,5 @@ def test_offloaded_trainer_sets_the_cap_from_the_model(tiny_model_dir, monkeypat
     c.trainer.optim.offload = True
     params = ModelConfig.from_model_dir(tiny_model_dir).num_params()
     assert _pinned_host_env(typed(c)) == pinned_host_env(12 * params, 2, {})
+    monkeypatch.setenv("PRIMEJAX_NUM_PROCESSES", "4")  # 4 hosts (or processes) of 2 GPUs each
+    assert _pinned_host_env(typed(c)) == pinned_host_env(12 * params, 8, {})
