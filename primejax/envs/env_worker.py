@@ -140,7 +140,11 @@ async def _main(out: Any) -> int:
     if first is None:
         return 1
     init = json.loads(first)
-    sys.path[:0] = [p for p in init.get("sys_path", []) if p not in sys.path]
+    # The parent's import path in the parent's order, then anything only this process has. Not "missing entries
+    # first": a directory the parent appended late (setuptools adds its _vendor folder, with an older
+    # typing_extensions, when imported) would then shadow site-packages here.
+    parent = init.get("sys_path", [])
+    sys.path[:] = parent + [p for p in sys.path if p not in parent]
     try:
         from primejax.envs.registry import load_env
 

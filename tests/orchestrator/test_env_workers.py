@@ -100,6 +100,31 @@ def test_an_env_that_fails_to_load_in_a_worker_says_so_in_one_line(tokenizer):
         asyncio.run(main())
 
 
+def test_a_worker_keeps_the_parents_import_order(tmp_path, monkeypatch, tokenizer):
+    """A folder at the end of this process's sys.path stays at the end in the worker. Importing setuptools
+    appends its _vendor folder (an older typing_extensions); a worker that put the parent's extra folders first
+    imported from it (`cannot import name 'Sentinel' from 'typing_extensions'`). Here a folder appended last holds
+    a `difflib` that fails, and the worker's env (reverse-text imports difflib) must still load and score."""
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "difflib.py").write_text("raise ImportError('the late folder shadowed the standard library')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # something of the parent's, in front
+    monkeypatch.setattr("sys.path", [*__import__("sys").path, str(late)])
+    local = load_env("reverse-text")
+    env = in_workers(local, "reverse-text", {}, 1, 10.0)
+    ex = env.example(0)
+    messages = [{"role": "assistant", "content": ex.answer[::-1]}]
+
+    async def main():
+        try:
+            return await env.score(ex, messages, {}), await local.score(ex, messages, {})
+        finally:
+            await env.aclose()
+
+    in_worker, here = asyncio.run(main())
+    assert in_worker == here
+
+
 class _Algo:
     async def finalize_rollout(self, rollout):
         return None
