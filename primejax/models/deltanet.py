@@ -110,11 +110,13 @@ def unit_lower_inverse(t: jax.Array, precision=jax.lax.Precision.HIGHEST) -> jax
     return inv.reshape(*lead, c, c)
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, chunk: int = CHUNK, dk: int = 128, dv: int = 128) -> str:
     """ "auto": the Pallas kernels on an NVIDIA GPU of compute capability 8.0 or newer (their TF32 dots need
-    Ampere; measured on Hopper), the XLA scan elsewhere."""
+    Ampere; measured on Hopper) when they can tile the heads, the XLA scan elsewhere."""
     if impl != "auto":
         return impl
+    if not deltanet_pallas.tileable(chunk, dk, dv):
+        return "xla"
     dev = jax.devices()[0]
     try:
         capability = float(getattr(dev, "compute_capability", "0") or 0)
@@ -146,7 +148,7 @@ def gated_delta_rule(q, k, v, g, beta, segment_ids, chunk: int = CHUNK, impl: st
     [B, T, H], segment_ids [B, T]. All math in fp32; returns [B, T, H, dv] float32. `impl` runs the recurrence
     over chunks (see `_recurrence`); under a mesh the Pallas kernels run per device in a shard_map.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, chunk, k.shape[-1], v.shape[-1])
     mesh = current_mesh()
     local = functools.partial(_chunked_rule, chunk=chunk, impl=impl)
     if impl == "xla" or mesh is None or mesh.size == 1:

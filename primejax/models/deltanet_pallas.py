@@ -76,13 +76,23 @@ def _dstates_kernel(a_ref, bq_ref, kc_ref, kd_ref, cd_ref, du_ref, dnext_ref, *,
     jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((dk, bv), jnp.float32))
 
 
-def _check(nv, kc, bv):
-    dv, c = nv.shape[-1], nv.shape[-2]
-    for name, size in (("chunk", c), ("key head dim", kc.shape[-1]), ("value block", bv)):
+def _problem(c: int, dk: int, dv: int, bv: int = BV) -> str:
+    """Why the kernels cannot tile these sizes ('' if they can): Triton's loads need power-of-two tiles."""
+    for name, size in (("chunk", c), ("key head dim", dk), ("value block", bv)):
         if size < 16 or size & (size - 1):
-            raise ValueError(f"the DeltaNet Pallas kernel needs a power-of-two {name} >= 16, not {size}")
+            return f"the DeltaNet Pallas kernel needs a power-of-two {name} >= 16, not {size}"
     if dv % bv:
-        raise ValueError(f"the DeltaNet Pallas kernel needs the value head dim ({dv}) divisible by {bv}")
+        return f"the DeltaNet Pallas kernel needs the value head dim ({dv}) divisible by {bv}"
+    return ""
+
+
+def tileable(c: int, dk: int, dv: int, bv: int = BV) -> bool:
+    return not _problem(c, dk, dv, bv)
+
+
+def _check(nv, kc, bv):
+    if problem := _problem(nv.shape[-2], kc.shape[-1], nv.shape[-1], bv):
+        raise ValueError(problem)
 
 
 def _call(kernel, grid, out_shapes, interpret, *args):

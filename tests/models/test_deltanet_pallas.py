@@ -54,6 +54,18 @@ def test_refuses_shapes_the_kernel_cannot_tile():
                          jnp.zeros((1, 2, 16, 16)), jnp.zeros((1, 2)), HI, True, 32)  # fmt: skip
 
 
+def test_auto_picks_the_xla_scan_where_the_kernels_cannot_tile(monkeypatch):
+    """On a GPU, `auto` means the kernels only for head sizes they tile; elsewhere the XLA scan."""
+    from primejax.models import deltanet
+
+    assert deltanet.resolve_impl("auto") == "xla"  # no GPU here
+    monkeypatch.setattr(jax, "devices", lambda: [type("D", (), {"platform": "gpu", "compute_capability": "9.0"})()])
+    assert deltanet.resolve_impl("auto", 64, 128, 128) == "pallas"
+    assert deltanet.resolve_impl("auto", 64, 96, 128) == "xla" and deltanet.resolve_impl("auto", 64, 128, 80) == "xla"
+    monkeypatch.setattr(jax, "devices", lambda: [type("D", (), {"platform": "gpu", "compute_capability": "7.5"})()])
+    assert deltanet.resolve_impl("auto", 64, 128, 128) == "xla"  # no TF32 before Ampere
+
+
 def _inputs(b=2, t=150, h=1, dk=32, dv=32, seed=1):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((b, t, h, dk)).astype(np.float32)
