@@ -14,19 +14,26 @@ import sys
 from primejax.config.cli import parse_config, run_main
 from primejax.contracts.rundir import write_resolved_config
 from primejax.launcher.preflight import preflight_entrypoint
-from primejax.utils.devices import accelerator_env, local_gpu_count, pinned_host_env
+from primejax.utils.devices import (
+    accelerator_env,
+    check_host_memory,
+    host_memory_available,
+    local_gpu_count,
+    pinned_host_env,
+)
 
 
 def _pinned_host_env(cfg) -> dict:
     """The pinned-host cap for an offloaded run (utils/devices.py): fp32 master + two fp32 moments, 12 B per
-    parameter, over every trainer device (local GPUs x processes)."""
+    parameter, over every trainer device (local GPUs x processes); one line first if this host lacks the memory."""
     from primejax.models.config import ModelConfig
     from primejax.trainer.loop import distributed_settings  # imports JAX, does not start a backend
 
-    params = ModelConfig.from_model_dir(cfg.model.path).num_params()
+    state = 12 * ModelConfig.from_model_dir(cfg.model.path).num_params()
     processes = distributed_settings(cfg.trainer.distributed)[1]  # PRIMEJAX_NUM_PROCESSES wins, as for the run
-    devices = local_gpu_count(cfg.trainer.devices, os.environ) * processes
-    return pinned_host_env(12 * params, devices, os.environ)
+    local = local_gpu_count(cfg.trainer.devices, os.environ)
+    check_host_memory(state, local, local * processes, host_memory_available())
+    return pinned_host_env(state, local * processes, os.environ)
 
 
 def main() -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from primejax.utils.sections import ConfigError
+
 
 def parse_devices(spec: str, key: str) -> list[int]:
     """'0,1' -> [0, 1]; '' -> [] (all devices). One clear line naming `key` for anything else."""
@@ -93,3 +95,29 @@ def pinned_host_env(state_bytes: float, total_devices: int, base: Mapping[str, s
         return {}
     share_gib = state_bytes / total_devices / 2**30
     return {PINNED_HOST_LIMIT_ENV: str(int(share_gib * 1.15) + 8)}
+
+
+def host_memory_available(meminfo: str = "/proc/meminfo") -> int:
+    """Bytes of host memory the kernel reports available (MemAvailable); 0 where it cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def check_host_memory(state_bytes: float, local_devices: int, total_devices: int, available: int) -> None:
+    """One line, before minutes of pinning, when this host cannot hold its devices' share of the offloaded state."""
+    if local_devices <= 0 or total_devices <= 0 or available <= 0:
+        return
+    need = state_bytes * local_devices / total_devices
+    if need > available:
+        raise ConfigError(
+            "trainer.optim.offload",
+            f"this host's {local_devices} GPU(s) need {need / 2**30:.0f} GiB of pinned host "
+            f"memory for their share of the fp32 master weights and moments (12 B/param), and {available / 2**30:.0f}"
+            " GiB are available: use more hosts or GPUs, or turn offload off (docs/memory.md)"
+        )

@@ -9,7 +9,9 @@ from primejax.launcher.launch import _child_env
 from primejax.utils.devices import (
     PINNED_HOST_LIMIT_ENV,
     accelerator_env,
+    check_host_memory,
     check_layout,
+    host_memory_available,
     local_gpu_count,
     parse_devices,
     pinned_host_env,
@@ -96,3 +98,20 @@ def test_offloaded_trainer_sets_the_cap_from_the_model(tiny_model_dir, monkeypat
     assert _pinned_host_env(typed(c)) == pinned_host_env(12 * params, 2, {})
     monkeypatch.setenv("PRIMEJAX_NUM_PROCESSES", "4")  # 4 hosts (or processes) of 2 GPUs each
     assert _pinned_host_env(typed(c)) == pinned_host_env(12 * params, 8, {})
+
+
+def test_a_host_without_the_memory_for_its_offloaded_share_fails_in_one_line(tmp_path):
+    """Before minutes of pinning end in CUDA_ERROR_OUT_OF_MEMORY: this host's share (its GPUs of all) of 12
+    B/param against MemAvailable."""
+    from primejax.utils.sections import ConfigError
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       527000000 kB\nMemAvailable:   500000000 kB\n")
+    available = host_memory_available(str(meminfo))
+    assert available == 500000000 * 1024
+    state = 12 * 235e9  # Qwen3-235B-A22B: 2.8 TB
+    with pytest.raises(ConfigError, match=r"^trainer.optim.offload: this host's 4 GPU\(s\) need 2626 GiB"):
+        check_host_memory(state, 4, 4, available)
+    check_host_memory(state, 4, 32, available)  # 8 hosts of 4 GPUs: 328 GiB here, it fits
+    check_host_memory(state, 0, 4, available)  # no GPU here (CPU runs keep the state in ordinary memory)
+    assert host_memory_available(str(tmp_path / "missing")) == 0
