@@ -117,20 +117,23 @@ _MESH_SCRIPT = textwrap.dedent(
 
     *x, seg = _inputs(b=2, t=150, h=4)
     ref = gated_delta_rule(*x, seg, impl="xla")
-    mesh = make_mesh(data=1, fsdp=2, tensor=2)
-    fn = jax.jit(lambda *a: gated_delta_rule(*a, impl="pallas_interpret"))
-    with jax.set_mesh(mesh):
-        hlo = fn.lower(*x, seg).as_text()
-        got = fn(*x, seg)
-    print(json.dumps(dict(diff=float(jnp.abs(got - ref).max() / jnp.abs(ref).max()), shard_map="shmap" in hlo or
-                          "shard_map" in hlo or "manual" in hlo)))
+    out = {}
+    for name, sizes in {"fsdp2_tensor2": dict(fsdp=2, tensor=2), "fsdp2_context2": dict(fsdp=2, context=2)}.items():
+        fn = jax.jit(lambda *a: gated_delta_rule(*a, impl="pallas_interpret"))
+        with jax.set_mesh(make_mesh(data=1, **sizes)):
+            hlo = fn.lower(*x, seg).as_text()
+            got = fn(*x, seg)
+        out[name] = dict(diff=float(jnp.abs(got - ref).max() / jnp.abs(ref).max()),
+                         shard_map="shmap" in hlo or "shard_map" in hlo or "manual" in hlo)
+    print(json.dumps(out))
     """
 )
 
 
 def test_kernels_run_per_device_under_a_mesh():
-    """fsdp 2 x tensor 2 (4 emulated devices): rows split over fsdp, heads over tensor, the kernels inside a
-    shard_map (a Pallas call is opaque to XLA's partitioner); equal to one device's XLA path."""
+    """fsdp 2 x tensor 2 and fsdp 2 x context 2 (4 emulated devices): rows split over fsdp, heads over tensor or
+    context (the DeltaNet's whole-row layout), the kernels inside a shard_map (a Pallas call is opaque to XLA's
+    partitioner); equal to one device's XLA path."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -138,8 +141,10 @@ def test_kernels_run_per_device_under_a_mesh():
         [sys.executable, "-c", _MESH_SCRIPT, root], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
-    assert r["diff"] <= 1e-6 and r["shard_map"], r
+    res = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert set(res) == {"fsdp2_tensor2", "fsdp2_context2"}
+    for r in res.values():
+        assert r["diff"] <= 1e-6 and r["shard_map"], res
 
 
 @pytest.mark.parametrize("remat", ["full"])
