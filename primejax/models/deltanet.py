@@ -93,7 +93,6 @@ def unit_lower_inverse(t: jax.Array, precision=jax.lax.Precision.HIGHEST) -> jax
     if c & (c - 1):
         raise ValueError(f"unit_lower_inverse needs a power-of-two size, not {c}")
     lead = t.shape[:-2]
-    hi = precision
     inv = jnp.ones((*lead, c, 1, 1), t.dtype)  # [..., C / s, s, s]: the diagonal blocks' inverses
     s = 1
     while s < c:
@@ -101,7 +100,7 @@ def unit_lower_inverse(t: jax.Array, precision=jax.lax.Precision.HIGHEST) -> jax
         # pair j's block below its first diagonal block: rows (2j+1)s.., columns 2js..
         pairs = t.reshape(*lead, c // (2 * s), 2, s, c // (2 * s), 2, s)[..., :, 1, :, :, 0, :]
         m = jnp.moveaxis(jnp.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # [..., C / 2s, s, s]
-        low = -jnp.einsum("...ij,...jk,...kl->...il", b_inv, m, a_inv, precision=hi)
+        low = -jnp.einsum("...ij,...jk,...kl->...il", b_inv, m, a_inv, precision=precision)
         zero = jnp.zeros_like(low)
         top = jnp.concatenate([a_inv, zero], axis=-1)
         bottom = jnp.concatenate([low, b_inv], axis=-1)

@@ -125,9 +125,7 @@ def _outputs(nv, kc, qd, at, states, precision):
 def chunk_recurrence(nv, kc, qd, kd, at, cd, precision, interpret=False, bv=BV):
     """The outputs o [BH, N, C, dv] of the recurrence in the module docstring; all inputs fp32, nv [BH, N, C, dv],
     kc / qd / kd [BH, N, C, dk], at [BH, N, C, C], cd [BH, N]."""
-    _check(nv, kc, bv)
-    states = _states(nv, kc, kd, cd, precision=precision, interpret=interpret, bv=bv)
-    return _outputs(nv, kc, qd, at, states, precision)[0]
+    return _vjp_fwd(nv, kc, qd, kd, at, cd, precision, interpret, bv)[0]
 
 
 def _vjp_fwd(nv, kc, qd, kd, at, cd, precision, interpret, bv):

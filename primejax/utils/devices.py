@@ -110,7 +110,9 @@ def host_memory_available(meminfo: str = "/proc/meminfo") -> int:
 
 
 def check_host_memory(state_bytes: float, local_devices: int, total_devices: int, available: int) -> None:
-    """One line, before minutes of pinning, when this host cannot hold its devices' share of the offloaded state."""
+    """One line, before minutes of pinning, when this host cannot hold its devices' share of the offloaded state.
+
+    Per process: where several trainer processes share a host (one GPU each), each checks only its own share."""
     if local_devices <= 0 or total_devices <= 0 or available <= 0:
         return
     need = state_bytes * local_devices / total_devices
