@@ -165,12 +165,25 @@ CONFIGS = {
         # fallback only if no 48-layer row fits 80 GB cards
         _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
     ],
-    # expert parallelism by all-to-all token exchange (models/moe_a2a.py: ragged_all_to_all on GPU) next to the
-    # fsdp expert mode in the same call, 48 layers; then the portable padded exchange if the budget allows
+    # expert parallelism by all-to-all token exchange (models/moe_a2a.py) next to the fsdp expert mode in the same
+    # call, 48 layers: worst-case slots (one round), balanced-share slots (factor 1.5: extra rounds only when a
+    # device sends a peer more), and ragged_all_to_all into balanced-share slots
     "gpu4:ep": [
         _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
-        _step("moe48:16k:ep=a2a", 16384, 48, remat="full", **dict(GPU4, ep="a2a")),
-        _step("moe48:16k:ep=a2a:padded", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded")),
+        _step("moe48:16k:ep=a2a:padded:worst", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded:0")),
+        _step("moe48:16k:ep=a2a:padded", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded:1.5")),
+        _step("moe48:16k:ep=a2a:ragged", 16384, 48, remat="full", **dict(GPU4, ep="a2a:ragged:1.5")),
+    ],
+    # the same on 2 GPUs (16 of 48 layers), and where the a2a step's time goes (a jax.profiler trace)
+    "gpu2:ep": [
+        _step("moe16:16k:ep=fsdp:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:ep=a2a:worst:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2, ep="a2a:padded:0")),
+        _step("moe16:16k:ep=a2a:cap1.5:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2, ep="a2a:padded:1.5")),
+        _step("moe16:16k:ep=a2a:cap1.1:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2, ep="a2a:padded:1.1")),
+        _step("moe16:16k:ep=a2a:ragged:cap1.5:2gpu", 16384, 16, remat="full",
+              **dict(GPU4, devices=2, rows=2, ep="a2a:ragged:1.5")),
+        _step("moe16:16k:ep=a2a:cap1.5:2gpu:trace", 16384, 16, remat="full", trace=True,
+              **dict(GPU4, devices=2, rows=2, ep="a2a:padded:1.5")),
     ],
     # fp32 master weights + fp32 AdamW moments (16 B/param, 490 GB) by host offload (trainer.optim.offload,
     # trainer/offload.py): master and moments in pinned host memory (12 B/param, ~92 GB per GPU of host RAM),
@@ -197,6 +210,9 @@ CONFIGS = {
               **dict(GPU4, devices=2, rows=2)),
         _step("moe16:16k:fp32offload:x4:2gpu", 16384, 16, remat="full", offload=True, bucket_mb=2048.0, micro=4,
               skip_if_oom="moe16:16k:fp32offload:2gpu", **dict(GPU4, devices=2, rows=2)),
+        # the offloaded step traced: whether the copies to the device and back run at once (`host_copies`)
+        _step("moe16:16k:fp32offload:2gpu:trace", 16384, 16, remat="full", offload=True, bucket_mb=2048.0, trace=True,
+              **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
     ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
@@ -626,12 +642,19 @@ def _model_config(c: dict):
         attention_impl=c["attn"],
         remat_policy=c["remat"],
         gmm_impl=c["gmm"],
-        # "a2a:padded": expert_parallel a2a with that exchange (models/moe_a2a.py)
-        expert_parallel=c["ep"].partition(":")[0],
-        a2a_impl=c["ep"].partition(":")[2] or "auto",
+        # "a2a:padded:1.5": expert_parallel a2a with that exchange and capacity factor
+        # (models/moe_a2a.py); omitted parts take ModelConfig's defaults
+        **_a2a_options(c["ep"]),
         scan_layers=bool(c.get("scan")),
         deltanet_impl=c.get("deltanet", "auto"),
     )
+
+
+def _a2a_options(ep: str) -> dict:
+    mode, *rest = ep.split(":")
+    keys = ("a2a_impl", "a2a_capacity_factor")
+    kinds = (str, float)
+    return dict(expert_parallel=mode, **{k: t(v) for k, t, v in zip(keys, kinds, rest, strict=False) if v})
 
 
 def step_worker(c: dict) -> dict:

@@ -44,6 +44,7 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
     kernels: dict[str, float] = collections.defaultdict(float)
     ops: dict[str, float] = collections.defaultdict(float)
     lines_seen = []
+    copies: dict[str, dict[str, list]] = {}  # per GPU: host<->device copies' (start, end, stream)
     for plane in ProfileData.from_file(pb).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -54,6 +55,11 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
                 continue
             for ev in line.events:
                 target[ev.name] += ev.duration_ns / 1e6 / steps
+                direction = _copy_direction(ev.name) if target is kernels else None
+                if direction:
+                    copies.setdefault(plane.name, {}).setdefault(direction, []).append(
+                        (ev.start_ns, ev.start_ns + ev.duration_ns, line.name)
+                    )
 
     def cat(name: str) -> str:
         n = name.lower()
@@ -77,7 +83,47 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
         top_kernels=best(kernels),
         top_xla_ops=best(ops),
         lines=sorted(set(lines_seen))[:20],
+        host_copies=_copy_overlap(copies, steps),
     )
+
+
+def _copy_direction(name: str) -> str | None:
+    n = name.lower().replace("to", "2")
+    return "h2d" if "memcpyh2d" in n else "d2h" if "memcpyd2h" in n else None
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _copy_overlap(copies: dict, steps: int) -> dict:
+    """Per GPU, ms per step: time host-to-device copies ran, device-to-host copies ran, both at once, and the
+    streams they ran on (one stream for both directions means they take turns)."""
+    out = {}
+    for plane, by_dir in copies.items():
+        h2d = _union([(a, b) for a, b, _ in by_dir.get("h2d", [])])
+        d2h = _union([(a, b) for a, b, _ in by_dir.get("d2h", [])])
+        both, i, j = 0, 0, 0
+        while i < len(h2d) and j < len(d2h):
+            lo, hi = max(h2d[i][0], d2h[j][0]), min(h2d[i][1], d2h[j][1])
+            both += max(0, hi - lo)
+            if h2d[i][1] < d2h[j][1]:
+                i += 1
+            else:
+                j += 1
+        out[plane] = dict(
+            h2d_ms=round(sum(b - a for a, b in h2d) / 1e6 / steps, 1),
+            d2h_ms=round(sum(b - a for a, b in d2h) / 1e6 / steps, 1),
+            both_ms=round(both / 1e6 / steps, 1),
+            streams={d: sorted({s for *_, s in v}) for d, v in by_dir.items()},
+        )
+    return out
 
 
 def _memory_analysis(compiled) -> dict:

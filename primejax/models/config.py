@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,9 @@ class ModelConfig:
     gmm_impl: str = "auto"
     expert_parallel: str = "fsdp"
     a2a_impl: str = "auto"
+    # a2a's per-peer slot per round: this factor x the balanced share N*k/P (<= 0: the worst case, one round);
+    # rounds past the first run only when some device sends some peer more (models/moe_a2a.py)
+    a2a_capacity_factor: float = 1.5
     deltanet_impl: str = "auto"
     router_scoring: str = "softmax"
     routed_scaling_factor: float = 1.0
@@ -168,6 +172,8 @@ class ModelConfig:
             raise ValueError(f"expert_parallel={self.expert_parallel!r} is not one of {EXPERT_PARALLEL}")
         if self.a2a_impl not in A2A_IMPLS:
             raise ValueError(f"a2a_impl={self.a2a_impl!r} is not one of {A2A_IMPLS}")
+        if not math.isfinite(self.a2a_capacity_factor):
+            raise ValueError(f"a2a_capacity_factor={self.a2a_capacity_factor} must be finite")
         if self.deltanet_impl not in DELTANET_IMPLS:
             raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:

@@ -236,9 +236,11 @@ def experts_forward(
     adapters=None,
     lora_scale: float = 0.0,
     a2a_impl: str = "auto",
+    a2a_capacity_factor: float = 0.0,
 ) -> jax.Array:
     """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out` (and per-expert
-    `adapters`, split over devices like the experts); `a2a_impl` picks mode "a2a"'s exchange (moe_a2a.py)."""
+    `adapters`, split over devices like the experts); `a2a_impl` and `a2a_capacity_factor` set
+    mode "a2a"'s exchange (moe_a2a.py)."""
     extra = () if adapters is None else (adapters,)
     mesh = current_mesh()
     # The tokens are a [B, T] batch flattened: rows split over (data, fsdp), a row's tokens over context, so
@@ -272,7 +274,7 @@ def experts_forward(
 
         fn = functools.partial(
             moe_a2a.experts_a2a, axis=EP_AXIS, impl=impl, exchange=moe_a2a.resolve_a2a(a2a_impl),
-            lora_scale=lora_scale,
+            lora_scale=lora_scale, capacity_factor=a2a_capacity_factor,
         )  # fmt: skip
         return jax.shard_map(fn, in_specs=specs, out_specs=tok, check_vma=False)(
             x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra
@@ -310,6 +312,7 @@ def moe_block(
     scale: float = 1.0,
     lora_scale: float = 0.0,
     a2a_impl: str = "auto",
+    a2a_capacity_factor: float = 0.0,
 ) -> tuple[jax.Array, RouterOut]:
     """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens).
 
@@ -330,7 +333,7 @@ def moe_block(
     r_used = r._replace(scores=r.scores.astype(dt))
     y = experts_forward(
         x, r_used, p["experts_gate_up"].astype(dt), p["experts_down"].astype(dt), impl, mode,
-        lora.expert_adapters(p, dt), lora_scale, a2a_impl,
+        lora.expert_adapters(p, dt), lora_scale, a2a_impl, a2a_capacity_factor,
     )  # fmt: skip
     y_btd = y.reshape(b, t, d)
     if "shared_gate_proj" in p:

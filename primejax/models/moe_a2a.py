@@ -33,6 +33,9 @@ times the work.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -48,10 +51,11 @@ def resolve_a2a(impl: str) -> str:
     if impl not in A2A_IMPLS:
         raise ValueError(f"a2a_impl={impl!r} is not one of {A2A_IMPLS}")
     if impl == "auto":
-        # the mesh's platform first: a step compiled ahead of time for TPU on a CPU host takes the TPU path
+        # the mesh's platform first: a step compiled ahead of time for TPU on a CPU host takes the TPU path. On
+        # GPU (jax 0.11.2) ragged_all_to_all ran ~10x slower than the padded exchange (docs/benchmarks.md).
         from primejax.models.attention import _mesh_platform
 
-        return "padded" if (_mesh_platform() or jax.default_backend()) == "cpu" else "ragged"
+        return "ragged" if (_mesh_platform() or jax.default_backend()) == "tpu" else "padded"
     return impl
 
 
@@ -79,17 +83,17 @@ def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, chunks):
-    """moe._expert_mlp over `chunks` equal row ranges of `rows` (sorted by expert, received rows first), each
-    range run only when it holds a grouped row: the work follows the rows received, not the buffer size."""
+def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, size):
+    """moe._expert_mlp over row ranges of `size` rows of `rows` (sorted by expert, received rows first; the last
+    range may be shorter), each run only when it holds a grouped row: the work follows the rows received, not
+    the buffer size. Each range is its own grouped-matmul call (a kernel to compile): keep them few."""
     m, d = rows.shape
-    size = m // chunks
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     total = ends[-1]
     outs = []
-    for c in range(chunks):
-        lo, hi = c * size, (c + 1) * size
+    for lo in range(0, m, size):
+        hi = min(lo + size, m)
         sizes_c = (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).astype(jnp.int32)
 
         def run(x, sizes_c=sizes_c):
@@ -101,7 +105,18 @@ def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale
     return jnp.concatenate(outs, axis=0)
 
 
-def experts_a2a(x_nd, topk_idx, scores, gate_up, down, adapters=None, *, axis, impl, exchange, lora_scale):
+def capacity(n: int, k: int, e_local: int, p: int, factor: float) -> int:
+    """Rows one peer's slot holds per round: the worst case C = N * min(k, E_local) when `factor` <= 0, else
+    factor x the balanced share N * k / P rounded up to a multiple of 8 (at most C)."""
+    worst = n * min(k, e_local)
+    if factor <= 0:
+        return worst
+    return min(worst, -(-math.ceil(factor * n * k / p) // 8) * 8)
+
+
+def experts_a2a(
+    x_nd, topk_idx, scores, gate_up, down, adapters=None, *, axis, impl, exchange, lora_scale, capacity_factor=0.0
+):  # fmt: skip
     """One device's part of the sparse block: its tokens x [N, D] routed by topk_idx [N, k] (global expert
     ids) and scores [N, k]; gate_up / down (and adapters) are its E_local experts, the `axis` index-th block."""
     n, d = x_nd.shape
@@ -109,8 +124,9 @@ def experts_a2a(x_nd, topk_idx, scores, gate_up, down, adapters=None, *, axis, i
     e_local = gate_up.shape[0]
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
-    cap = n * min(k, e_local)  # the most rows one peer can be sent
-    recv_rows = p * cap
+    worst = n * min(k, e_local)  # the most rows one peer can be sent
+    c = capacity(n, k, e_local, p, capacity_factor)
+    rounds = -(-worst // c)
 
     key = topk_idx.reshape(-1)
     order, inv = moe._sort_pairs(key)  # by expert, hence by destination device
@@ -119,54 +135,93 @@ def experts_a2a(x_nd, topk_idx, scores, gate_up, down, adapters=None, *, axis, i
     dest = ids // e_local
     send_counts = jnp.bincount(dest, length=p).astype(jnp.int32)  # rows to each peer
     send_starts = _exclusive_cumsum(send_counts)
-    counts = jax.lax.all_gather(send_counts, axis)  # [source, destination]
-    recv_counts = counts[:, me]
+    counts = jax.lax.all_gather(send_counts, axis)  # [source, destination], the same on every device
+    pos = jnp.arange(n * k, dtype=jnp.int32) - jnp.take(send_starts, dest)  # a row's place among its peer's
+    static = (p, c, axis, exchange, impl, lora_scale)
+    ints = (ids, dest, pos, send_counts, send_starts, counts, me)
+    ys = _round(0, static, ints, xs, gate_up, down, adapters)
+    most = jnp.max(counts)
+    for r in range(1, rounds):  # only when some device sends some peer more than r * c rows: all agree
+        ys = ys + _round_if(r, static, most > r * c, ints, xs, gate_up, down, adapters)
+    return moe._combine(ys, order, inv, scores)
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _round_if(r, static, pred, ints, xs, gate_up, down, adapters):
+    """`_round` when `pred` (the same on every device), else zeros. Its backward recomputes the round (under
+    the same condition) instead of keeping its buffers: differentiating a lax.cond would make every round's
+    buffers residuals, so rounds that almost never run would cost their memory in every layer's backward."""
+    run = lambda: _round(r, static, ints, xs, gate_up, down, adapters)  # noqa: E731
+    return jax.lax.cond(pred, run, lambda: jnp.zeros_like(xs))
+
+
+def _round_if_fwd(r, static, pred, ints, xs, gate_up, down, adapters):
+    return _round_if(r, static, pred, ints, xs, gate_up, down, adapters), (pred, ints, xs, gate_up, down, adapters)
+
+
+def _round_if_bwd(r, static, res, g):
+    pred, ints, *diff = res
+
+    def grads():
+        fn = lambda *d: _round(r, static, ints, *d)  # noqa: E731
+        return jax.vjp(fn, *diff)[1](g)
+
+    zeros = lambda: tuple(jax.tree.map(jnp.zeros_like, d) for d in diff)  # noqa: E731
+    return (None, None, *jax.lax.cond(pred, grads, zeros))
+
+
+_round_if.defvjp(_round_if_fwd, _round_if_bwd)
+
+
+def _round(r, static, ints, xs, gate_up, down, adapters):
+    """Rows [r*c, (r+1)*c) of what this device sends each peer, there and back: [N*k, D] with the expert MLP's
+    output at those rows (in the sorted pairs' order) and zero elsewhere. Peer q's rows land in slot q of
+    every receive buffer ([P * c] rows, slot s from device s)."""
+    p, c, axis, exchange, impl, lora_scale = static
+    ids, dest, pos, send_counts, send_starts, counts, me = ints
+    nk, d = xs.shape
+    lo = r * c
+    j = jnp.arange(c, dtype=jnp.int32)
+    sizes = jnp.clip(send_counts - lo, 0, c)  # rows to each peer this round
+    recv_sizes = jnp.clip(counts[:, me] - lo, 0, c)  # rows from each source
+    mine = (pos >= lo) & (pos < lo + c)
+    slot = dest * c + pos - lo  # where a row of this round sits in the send buffer
+    src = (send_starts[:, None] + lo + j[None, :]).reshape(-1)  # the row each send slot holds
+    valid = (j[None, :] < sizes[:, None]).reshape(-1)
     if exchange == "padded":
-        # slot (q, j) of the send buffer holds the row send_starts[q] + j; row r sits in slot (dest, r - start)
-        j = jnp.arange(cap, dtype=jnp.int32)
-        src = (send_starts[:, None] + j[None, :]).reshape(-1)
-        valid = (j[None, :] < send_counts[:, None]).reshape(-1)
-        slot = dest * cap + jnp.arange(n * k, dtype=jnp.int32) - jnp.take(send_starts, dest)
-        every = jnp.ones((n * k,), bool)
-        send = _gather_rows(xs, src, valid, slot, every)  # [P * C, D]
-        send_ids = jnp.where(valid, jnp.take(ids, jnp.clip(src, 0, n * k - 1)), -1)
+        send = _gather_rows(xs, src, valid, slot, mine)  # [P * c, D]
+        send_ids = jnp.where(valid, jnp.take(ids, jnp.clip(src, 0, nk - 1)), -1)
         recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
         recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
     else:
-        # where each source's rows start in each destination's receive buffer: sources in order
-        land = _exclusive_cumsum(counts, axis=0)  # [source, destination]
-        recv_starts = land[:, me]
-        back_starts = _exclusive_cumsum(counts, axis=1)[:, me]  # where my rows sat in each source's buffer
-        recv = RAGGED_ALL_TO_ALL(
-            xs, jnp.zeros((recv_rows, d), xs.dtype), send_starts, send_counts, land[me], recv_counts,
-            axis_name=axis,
-        )  # fmt: skip
+        offsets = jnp.where(sizes > 0, send_starts + lo, 0)
+        lands = jnp.full((p,), me * c, jnp.int32)  # my slot in every peer's buffer
+        recv = RAGGED_ALL_TO_ALL(xs, jnp.zeros((p * c, d), xs.dtype), offsets, sizes, lands, recv_sizes, axis_name=axis)
         recv_ids = RAGGED_ALL_TO_ALL(
-            ids[:, None], jnp.full((recv_rows, 1), -1, ids.dtype), send_starts, send_counts, land[me],
-            recv_counts, axis_name=axis,
+            ids[:, None], jnp.full((p * c, 1), -1, ids.dtype), offsets, sizes, lands, recv_sizes, axis_name=axis
         )[:, 0]  # fmt: skip
 
+    e_local = gate_up.shape[0]
     local = recv_ids - me * e_local
     lkey = jnp.where((local >= 0) & (local < e_local), local, e_local)  # empty rows sort last
     order2, inv2 = moe._sort_pairs(lkey)
     group_sizes = jnp.bincount(lkey, length=e_local + 1)[:e_local].astype(jnp.int32)
     rows = moe._permute(recv, order2, inv2)
-    chunks = 2 * p if cap % 2 == 0 else p
-    y = _chunked_mlp(
-        rows, group_sizes, gate_up, down, adapters, impl=impl, lora_scale=lora_scale, chunks=chunks
-    )
+    # Ranges of half the balanced share of rows (N*k / 2): with a balanced load the first two run and the rest
+    # of the buffer is skipped. Rounds past the first run rarely and whole (one range: one kernel to compile).
+    size = -(-nk // 2) if r == 0 else p * c
+    y = _chunked_mlp(rows, group_sizes, gate_up, down, adapters, impl=impl, lora_scale=lora_scale, size=size)
     y_recv = moe._permute(y, inv2, order2)
 
     if exchange == "padded":
         back = jax.lax.all_to_all(y_recv, axis, 0, 0, tiled=True)
-        ys = _gather_rows(back, slot, every, src, valid)  # [N*k, D] in the sorted pairs' order
-    else:
-        ys = RAGGED_ALL_TO_ALL(
-            y_recv, jnp.zeros((n * k, d), y_recv.dtype), recv_starts, recv_counts, back_starts, send_counts,
-            axis_name=axis,
-        )  # fmt: skip
-    return moe._combine(ys, order, inv, scores)
+        return _gather_rows(back, slot, mine, src, valid)
+    # back where each source holds my rows: its send_starts toward me, plus this round's offset
+    back_at = jnp.where(recv_sizes > 0, _exclusive_cumsum(counts, axis=1)[:, me] + lo, 0)
+    ends = jnp.arange(p, dtype=jnp.int32) * c
+    return RAGGED_ALL_TO_ALL(
+        y_recv, jnp.zeros((nk, d), y_recv.dtype), ends, recv_sizes, back_at, sizes, axis_name=axis
+    )
 
 
 def ragged_all_to_all_reference(

@@ -58,6 +58,12 @@ class ModelSettings(Section):
         "buffers, any backend) or auto (padded on CPU, ragged elsewhere); docs/moe.md",
         choices=A2A_IMPLS,
     )
+    a2a_capacity_factor: float = option(
+        1.5,
+        "expert_parallel=a2a: each peer's slot in a round of the exchange, as a multiple of the balanced share "
+        "(tokens x top-k / devices); a device that sends some peer more takes extra rounds (dropless, exact); "
+        "<= 0: one round of worst-case slots; docs/moe.md",
+    )
     deltanet_impl: str = option(
         "auto",
         "Gated DeltaNet chunk recurrence (Qwen3.5): pallas (Triton kernels, GPU), xla (lax.scan, any backend) or "
@@ -79,6 +85,7 @@ class ModelSettings(Section):
             "gmm_impl": self.gmm_impl,
             "expert_parallel": self.expert_parallel,
             "a2a_impl": self.a2a_impl,
+            "a2a_capacity_factor": self.a2a_capacity_factor,
             "deltanet_impl": self.deltanet_impl,
             **self.lora.model_overrides(),
         }

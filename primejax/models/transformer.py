@@ -205,6 +205,7 @@ def decoder_layer(
             impl=cfg.gmm_impl,
             mode=cfg.expert_parallel,
             a2a_impl=cfg.a2a_impl,
+            a2a_capacity_factor=cfg.a2a_capacity_factor,
             replay_idx=None if replay is None else replay[0],
             replay_mask=None if replay is None else replay[1],
             scoring=cfg.router_scoring,

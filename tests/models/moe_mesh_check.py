@@ -253,27 +253,42 @@ def _a2a_direct() -> dict:
     }
 
     grad = jax.value_and_grad(_a2a_loss, argnums=(0, 1, 2, 3), has_aux=True)
-    fn = jax.jit(grad, static_argnums=(5, 6))
+    fn = jax.jit(grad, static_argnums=(5, 6, 7))
     mesh = make_mesh(data=2, fsdp=4)
+    devices, peers = 8, 4  # tokens split over data x fsdp, experts over fsdp
+    per_dev, e_local = n // devices, e // peers
     out = {}
     for name, idx in routings.items():
+        # the most (token, expert) rows one device sends one peer, against a round's slot
+        dest = idx.reshape(devices, per_dev * k) // e_local
+        most = max(int(np.bincount(row, minlength=peers).max()) for row in dest)
         idx = jnp.asarray(idx, jnp.int32)
-        (_, y_ref), g_ref = fn(x, sc, w, ad, idx, "fsdp", "auto")  # no mesh: one device
+        (_, y_ref), g_ref = fn(x, sc, w, ad, idx, "fsdp", "auto", 0.0)  # no mesh: one device
         for exchange in ("padded", "ragged"):
-            with jax.set_mesh(mesh), _exchange(f"a2a:{exchange}"):
-                (_, y), g = jax.jit(grad, static_argnums=(5, 6))(x, sc, w, ad, idx, "a2a", exchange)
-            flat = zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True)
-            out[f"{exchange}/{name}"] = dict(
-                y_diff=float(jnp.abs(y - y_ref).max()),
-                grad_diff=max(float(jnp.abs(a - b).max()) for a, b in flat),
-                grad_min_abs_sum=min(float(jnp.abs(b).sum()) for b in jax.tree.leaves(g_ref)),
-            )
+            for variant, factor in A2A_VARIANTS.items():
+                with jax.set_mesh(mesh), _exchange(f"a2a:{exchange}"):
+                    (_, y), g = fn(x, sc, w, ad, idx, "a2a", exchange, factor)
+                flat = zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True)
+                out[f"{exchange}:{variant}/{name}"] = dict(
+                    y_diff=float(jnp.abs(y - y_ref).max()),
+                    # relative to each gradient's largest entry (the weights' gradients sum over rounds)
+                    grad_diff=max(float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in flat),
+                    grad_min_abs_sum=min(float(jnp.abs(b).sum()) for b in jax.tree.leaves(g_ref)),
+                    rounds_needed=-(-most // moe_a2a.capacity(per_dev, k, e_local, peers, factor)),
+                )
     return out
 
 
-def _a2a_loss(x, sc, w, ad, idx, mode, exchange):
+# a2a's a2a_capacity_factor: "worst", one round of worst-case slots; "capacity", slots of the balanced share, so
+# a skewed routing takes extra rounds.
+A2A_VARIANTS = {"worst": 0.0, "capacity": 1.0}
+
+
+def _a2a_loss(x, sc, w, ad, idx, mode, exchange, factor):
     route_out = moe.RouterOut(None, None, idx, sc)
-    y = moe.experts_forward(x, route_out, *w, "xla", mode, tuple(ad), 0.5, a2a_impl=exchange)
+    y = moe.experts_forward(
+        x, route_out, *w, "xla", mode, tuple(ad), 0.5, a2a_impl=exchange, a2a_capacity_factor=factor
+    )
     return jnp.sum(jnp.sin(y)), y
 
 
