@@ -9,26 +9,29 @@ Per device, inside the shard_map of moe.experts_forward (tokens split over every
 3. sort the received rows by local expert and run the expert MLP (grouped matmul) on the local experts only;
 4. combine: send the outputs back the way they came, and weight each token's k outputs by its scores.
 
-Dropless: no capacity; every buffer is sized for the worst case that routing allows. A device sends one peer
-at most C = N * min(k, E_local) rows (each token routes at most min(k, E_local) of its k pairs to one peer's
-experts), so the receive buffer holds P * C rows whatever the routing. Two exchanges (ModelConfig.a2a_impl):
+Dropless and exact, in rounds. A device sends one peer at most C = N * min(k, E_local) rows (each token routes
+at most min(k, E_local) of its k pairs to one peer's experts). Each round gives every peer a slot of c rows
+(`capacity`: ModelConfig.a2a_capacity_factor x the balanced share N * k / P, or C when the factor is <= 0):
+round r carries rows [r*c, (r+1)*c) of what a device sends each peer. Round 0 always runs; round r > 0 runs
+only when some device sends some peer more than r*c rows (all devices see the same all-gathered counts, so all
+take the same branch), and its backward recomputes it under the same condition rather than keeping its
+buffers (`_round_if`). With a balanced load one round of c ~ 1.5 N*k/P rows moves min(k, E_local) * P / 1.5k
+times fewer rows than worst-case slots (2.7x at P = 4 for Qwen3-30B-A3B). The receive buffer of a round holds
+P * c rows: slot s from device s. Two exchanges (ModelConfig.a2a_impl):
 
-- "ragged": `jax.lax.ragged_all_to_all` sends exactly the routed rows (N*k rows of D per device and
-  direction, as many back) into the worst-case receive buffer. XLA:CPU has no ragged-all-to-all (its
-  ThunkEmitter refuses the opcode), so this is the GPU/TPU path.
-- "padded": `jax.lax.all_to_all` of a [P, C, D] buffer per device (each peer's slot sized for the worst case,
-  unused rows zero): P * C * D elements each way, min(k, E_local) * P / k times the routed rows. Portable (the
-  CPU path; the tests' reference).
-- "auto": padded on CPU, ragged elsewhere (the mesh's platform: an ahead-of-time TPU compile on a CPU host
-  takes ragged).
+- "padded": `jax.lax.all_to_all` of the [P, c, D] send buffer (unused rows zero). Any backend.
+- "ragged": `jax.lax.ragged_all_to_all` sends exactly the rows of the round into the same slots. XLA:CPU has
+  no ragged-all-to-all (its ThunkEmitter refuses the opcode); on GPU (jax 0.11.2) it ran ~10x slower than
+  "padded" (docs/benchmarks.md), so this is the TPU path.
+- "auto": ragged on TPU (the mesh's platform: an ahead-of-time TPU compile on a CPU host takes it), padded
+  elsewhere.
 
-Both build the same receive layout up to where the rows sit, and the expert MLP sorts its rows by expert, so
-they give the same result. Memory per device and sparse layer (worst-case buffers): the receive buffer and
-the MLP's rows P * C * (D + 2I) elements, and under "padded" the [P, C, D] send buffer too. The MLP runs in
-chunks of the receive buffer, each skipped (lax.cond) when it holds no received row, so its FLOPs follow the
-rows actually received (about N * k when the load is balanced), not the worst case; the Mosaic GPU grouped
-matmul's work is set by its static row count, so without the chunks it would do P * min(k, E_local) / k
-times the work.
+Both fill the same slots, and the expert MLP sorts its rows by expert, so they give the same result. Memory per
+device and sparse layer: a round's receive buffer and the MLP's rows, P * c * (D + 2I) elements, and under
+"padded" the send buffer too. The MLP runs over ranges of N*k/2 rows of the sorted receive buffer, each skipped
+(lax.cond) when it holds no received row, so its FLOPs follow the rows received (about N * k when the load is
+balanced), not the buffer: the Mosaic GPU grouped matmul's work is set by its static row count. Each range is
+a kernel to compile, so rounds past the first run as one range.
 """
 
 from __future__ import annotations
