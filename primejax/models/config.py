@@ -172,8 +172,11 @@ class ModelConfig:
             raise ValueError(f"expert_parallel={self.expert_parallel!r} is not one of {EXPERT_PARALLEL}")
         if self.a2a_impl not in A2A_IMPLS:
             raise ValueError(f"a2a_impl={self.a2a_impl!r} is not one of {A2A_IMPLS}")
-        if not math.isfinite(self.a2a_capacity_factor):
-            raise ValueError(f"a2a_capacity_factor={self.a2a_capacity_factor} must be finite")
+        if not math.isfinite(self.a2a_capacity_factor) or 0 < self.a2a_capacity_factor < 1:
+            raise ValueError(
+                f"a2a_capacity_factor={self.a2a_capacity_factor}: <= 0 (worst-case slots) or >= 1 (slots of that "
+                "many balanced shares; below 1 every batch would take extra rounds)"
+            )
         if self.deltanet_impl not in DELTANET_IMPLS:
             raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:

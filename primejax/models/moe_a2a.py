@@ -108,13 +108,20 @@ def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale
     return jnp.concatenate(outs, axis=0)
 
 
+# Each round past the first is its own expert MLP and exchange in the compiled layer: at most this many rounds,
+# the slots grow where the factor would take more (many devices, few local experts: P = 64, E_local = 2, k = 8
+# would take 11 rounds at factor 1.5).
+MAX_ROUNDS = 8
+
+
 def capacity(n: int, k: int, e_local: int, p: int, factor: float) -> int:
     """Rows one peer's slot holds per round: the worst case C = N * min(k, E_local) when `factor` <= 0, else
-    factor x the balanced share N * k / P rounded up to a multiple of 8 (at most C)."""
+    factor x the balanced share N * k / P rounded up to a multiple of 8, at least C / MAX_ROUNDS, at most C."""
     worst = n * min(k, e_local)
     if factor <= 0:
         return worst
-    return min(worst, -(-math.ceil(factor * n * k / p) // 8) * 8)
+    share = max(math.ceil(factor * n * k / p), -(-worst // MAX_ROUNDS))
+    return min(worst, -(-share // 8) * 8)
 
 
 def experts_a2a(

@@ -18,7 +18,7 @@ from primejax.models.config import (
 )
 from primejax.models.lora_config import LoraConfig
 from primejax.models.tiny import TinyModelConfig
-from primejax.utils.sections import Section, option, section, sub
+from primejax.utils.sections import ConfigError, Section, option, section, sub
 
 
 @section
@@ -73,6 +73,13 @@ class ModelSettings(Section):
     lora: LoraConfig = sub(
         LoraConfig, "low-rank adapters: train only them, the weights stay frozen (docs/lora.md)"
     )
+
+    def check(self) -> None:
+        if 0 < self.a2a_capacity_factor < 1:
+            raise ConfigError(
+                "a2a_capacity_factor",
+                f"{self.a2a_capacity_factor} is below 1: every batch would take extra rounds (<= 0: worst-case slots)",
+            )
 
     def overrides(self) -> dict[str, Any]:
         """The keyword arguments `ModelConfig` / `load_model` take from this section."""

@@ -269,3 +269,16 @@ def test_adapter_factors_padded_to_the_kernel_tiles_keep_their_product_and_grads
             assert a.shape == b.shape
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     assert gmm.adapter_grouped_matmul(x, w, sizes, "xla").shape == (20, 80)  # no padding off Hopper
+
+
+def test_a2a_slots_bound_the_rounds():
+    """All-to-all slots: the worst case at factor <= 0; else the balanced share times the factor, but never more
+    than MAX_ROUNDS rounds (each is compiled into the layer) and never more than the worst case."""
+    from primejax.models.moe_a2a import MAX_ROUNDS, capacity
+
+    n, k = 16384, 8
+    assert capacity(n, k, 32, 4, 0.0) == n * k  # 4 GPUs, Qwen3-30B-A3B: one round of worst-case slots
+    assert capacity(n, k, 32, 4, 1.5) == 1.5 * n * k / 4  # 3 rounds at most, one with a balanced load
+    assert capacity(n, k, 32, 2, 2.5) == n * k  # never past the worst case
+    c = capacity(4096, k, 2, 64, 1.5)  # 64 devices, 2 experts each: 1.5 x share would take 11 rounds
+    assert -(-4096 * 2 // c) == MAX_ROUNDS and c % 8 == 0
