@@ -101,12 +101,17 @@ def _step(
     lora=0,
     offload=False,
     bucket_mb=1024.0,
+    offload_master=True,
+    inflight=1,
 ):
-    """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md)."""
+    """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md).
+    offload_master, inflight: trainer.optim.offload_master / offload_inflight (trainer/offload.py)."""
     return dict(
         lora=lora,
         offload=offload,
         bucket_mb=bucket_mb,
+        offload_master=offload_master,
+        inflight=inflight,
         model=model,
         context=context,
         micro=micro,
@@ -201,6 +206,16 @@ CONFIGS = {
             "moe48:16k:fp32offload:x8", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, micro=8,
             skip_if_oom="moe48:16k:fp32offload", **GPU4,
         ),
+        # the update's levers (trainer/offload.py): the fp32 master on the GPUs (30.5 GB each of 4) and two
+        # buckets in flight; one micro-batch and eight
+        _step(
+            "moe48:16k:fp32offload:master_on_gpu:inflight2", 16384, 48, remat="full", offload=True,
+            bucket_mb=2048.0, inflight=2, offload_master=False, **GPU4,
+        ),
+        _step(
+            "moe48:16k:fp32offload:master_on_gpu:inflight2:x8", 16384, 48, remat="full", offload=True,
+            bucket_mb=2048.0, inflight=2, offload_master=False, micro=8, **GPU4,
+        ),
     ],
     # the offload rows' per-GPU structure where only 2 GPUs are lent: 16 of 48 layers on 2 GPUs (5.2B params per
     # GPU, 62 GB of pinned host state each; the 48-layer row on 4 GPUs has 7.6B / 92 GB), next to bf16 state
@@ -213,6 +228,12 @@ CONFIGS = {
         # the offloaded step traced: whether the copies to the device and back run at once (`host_copies`)
         _step("moe16:16k:fp32offload:2gpu:trace", 16384, 16, remat="full", offload=True, bucket_mb=2048.0, trace=True,
               **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
+        # the update's two levers, next to the rows above: two buckets in flight (copies both ways at once), and
+        # the fp32 master kept on the GPUs (only the moments cross PCIe: 8 of 12 B/param each way)
+        _step("moe16:16k:fp32offload:inflight2:2gpu", 16384, 16, remat="full", offload=True, bucket_mb=2048.0,
+              inflight=2, **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:fp32offload:master_on_gpu:inflight2:2gpu", 16384, 16, remat="full", offload=True,
+              bucket_mb=2048.0, inflight=2, offload_master=False, **dict(GPU4, devices=2, rows=2)),
     ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
@@ -314,6 +335,9 @@ CONFIGS = {
               pdt="bfloat16", remat="full"),
         _step("tiny:256:fp32offload", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True,
               pdt="bfloat16", remat="full", offload=True, bucket_mb=0.05),
+        _step("tiny:256:fp32offload:master_on_gpu:inflight2", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1,
+              devices=4, rows=4, scan=True, pdt="bfloat16", remat="full", offload=True, bucket_mb=0.05, inflight=2,
+              offload_master=False),
     ],
 }
 
@@ -681,7 +705,12 @@ def step_worker(c: dict) -> dict:
         mesh=MeshConfig(fsdp=-1, context=context),
         micro_batch_size=max(1, rows // dp),
         logprob_chunk_size=2048,
-        optim=OptimConfig(offload=bool(c.get("offload")), offload_bucket_mb=c.get("bucket_mb", 1024.0)),
+        optim=OptimConfig(
+            offload=bool(c.get("offload")),
+            offload_bucket_mb=c.get("bucket_mb", 1024.0),
+            offload_master=c.get("offload_master", True),
+            offload_inflight=c.get("inflight", 1),
+        ),
     )
     engine = Engine.create(t, cfg, seed=0, devices=jax.devices()[: c["devices"]])
     jax.block_until_ready(engine.state)
@@ -760,7 +789,8 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
         # 63 GiB each and the host refused (2026-11-27). The cap is each device's share of the 12 B/param + slack.
         from primejax.utils.devices import pinned_host_env
 
-        env.update(pinned_host_env(12 * _model_config(c).num_params(), c["devices"], env))
+        per_param = 12 if c.get("offload_master", True) else 8  # fp32 master (unless on the devices) + moments
+        env.update(pinned_host_env(per_param * _model_config(c).num_params(), c["devices"], env))
     if smoke:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
         env["JAX_PLATFORMS"] = "cpu"

@@ -23,13 +23,21 @@ from primejax.utils.devices import (
 )
 
 
-def _pinned_host_env(cfg) -> dict:
-    """The pinned-host cap for an offloaded run (utils/devices.py): fp32 master + two fp32 moments, 12 B per
-    parameter, over every trainer device (local GPUs x processes); one line first if this host lacks the memory."""
+def offloaded_state_bytes(cfg) -> int:
+    """Host memory an offloaded run's optimizer state takes: fp32 master + two fp32 moments, 12 B per parameter, or
+    8 with the master on the devices (`trainer.optim.offload_master` False)."""
     from primejax.models.config import ModelConfig
+
+    per_param = 12 if cfg.trainer.optim.offload_master else 8
+    return per_param * ModelConfig.from_model_dir(cfg.model.path).num_params()
+
+
+def _pinned_host_env(cfg) -> dict:
+    """The pinned-host cap for an offloaded run (utils/devices.py): `offloaded_state_bytes` over every trainer
+    device (local GPUs x processes); one line first if this host lacks the memory."""
     from primejax.trainer.loop import distributed_settings  # imports JAX, does not start a backend
 
-    state = 12 * ModelConfig.from_model_dir(cfg.model.path).num_params()
+    state = offloaded_state_bytes(cfg)
     processes = distributed_settings(cfg.trainer.distributed)[1]  # PRIMEJAX_NUM_PROCESSES wins, as for the run
     local = local_gpu_count(cfg.trainer.devices, os.environ)
     check_host_memory(state, local, local * processes, host_memory_available())

@@ -28,6 +28,18 @@ class OptimConfig(Section):
     offload_bucket_mb: float = option(
         1024.0, "offload: MiB per device of fp32 master weights per update bucket (3x that of state on device)", gt=0
     )
+    offload_master: bool = option(
+        True,
+        "offload: the fp32 master weights in host memory too; False keeps them on the devices (4 B/param there) "
+        "and only the AdamW moments cross PCIe (8 of 12 B/param each way per step)",
+    )
+    offload_inflight: int = option(
+        1,
+        "offload: buckets in flight at once; 2 lets a bucket's copy to the devices run beside the previous "
+        "bucket's update and copy back (one more bucket of state on the devices)",
+        ge=1,
+        le=4,
+    )
 
 
 @section

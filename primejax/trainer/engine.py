@@ -395,7 +395,10 @@ def _offload_builder(t: TrainerConfig, schedule: optax.Schedule, mesh: Mesh) -> 
     if not getattr(t.optim, "offload", False):
         return None
     clip, adamw = optim.optimizer_parts(t.optim, schedule)
-    return lambda params: make_offload(params, clip, adamw, mesh, t.optim.offload_bucket_mb)
+    o = t.optim
+    return lambda params: make_offload(
+        params, clip, adamw, mesh, o.offload_bucket_mb, master_on_host=o.offload_master, inflight=o.offload_inflight
+    )
 
 
 def _head_budget(t: TrainerConfig, mesh: Mesh, hbm_bytes: int | None) -> int:

@@ -11,8 +11,14 @@ its unsharded leading (layer) axis; its AdamW state is AdamW's own over that buc
 gradients on the devices, clips them by the global norm once, then for each bucket in turn: the bucket's master
 and moments come to the devices, AdamW updates them, they go back to host memory and the bucket's new compute copy
 (master cast to `model.param_dtype`) stays on the devices. An optimization barrier ties each bucket's transfer to
-the previous bucket's result, so at most about one bucket of fp32 state (3 x `offload_bucket_mb` per device) is
-on a device at a time instead of all of it.
+the result of the bucket `offload_inflight` places back (default 1: the previous one), so at most about that many
+buckets of fp32 state (3 x `offload_bucket_mb` per device each) are on a device at a time instead of all of it.
+With 2 in flight a bucket's copy to the devices may run beside the previous bucket's copy back: profiled on 2 x
+H200 with 1, the two copy directions ran at once only 27% of the time (docs/benchmarks.md); 2 is not yet
+measured on GPU.
+
+`offload_master` False keeps the fp32 master on the devices (4 B/param there) and moves only the moments: 8 of the
+12 bytes per parameter cross PCIe each way per step.
 
 Equal to the on-device update: the same clip and AdamW operations on the same fp32 values. With
 `model.param_dtype` float32 (compute copy = master) and one bucket the parameters and moments are bit-identical to
@@ -141,6 +147,8 @@ class Offload:
     clip: optax.GradientTransformation | None
     inner: optax.GradientTransformation
     mesh: Mesh
+    master_kind: str = HOST  # where the fp32 master rests between steps (DEVICE: only the moments travel)
+    inflight: int = 1  # buckets whose transfers may run at once
 
     # -------------------------------------------------------------------------------------- layout
 
@@ -156,7 +164,8 @@ class Offload:
         )
 
     def shardings(self, kind: str = HOST) -> dict:
-        """The opt_state's NamedShardings (pinned host memory by default; `kind` "device" for the update)."""
+        """The opt_state's NamedShardings: where it rests between steps (the moments in pinned host memory, the
+        master where `master_kind` says), or all on the devices for the update (`kind` "device")."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
         masters, opts = [], []
         for k in range(len(self.plan.buckets)):
@@ -172,8 +181,11 @@ class Offload:
                     transform_non_params=lambda _: replicated,
                 )
             )
-        tree = {"master": tuple(masters), "opt": tuple(opts)}
-        return jax.tree.map(lambda s: s.with_memory_kind(kind), tree)
+        master_kind = DEVICE if kind == DEVICE else self.master_kind
+        return {
+            "master": jax.tree.map(lambda s: s.with_memory_kind(master_kind), tuple(masters)),
+            "opt": jax.tree.map(lambda s: s.with_memory_kind(kind), tuple(opts)),
+        }
 
     def abstract(self) -> dict:
         """The opt_state as ShapeDtypeStructs carrying their (host) shardings."""
@@ -232,11 +244,11 @@ class Offload:
         p_leaves = jax.tree.leaves(params)
         dev = self.shardings(DEVICE)
         pieces: dict[int, list[tuple[int, jax.Array]]] = {}
-        masters, opts, ok_all, prev = [], [], finite, None
+        masters, opts, ok_all, done = [], [], finite, []
         for k, bucket in enumerate(self.plan.buckets):
             host = (opt_state["master"][k], opt_state["opt"][k])
-            if prev is not None:  # this bucket's transfer waits for the previous bucket's result
-                host, prev = jax.lax.optimization_barrier((host, prev))
+            if len(done) >= self.inflight:  # this bucket's transfer waits for the result `inflight` buckets back
+                host, _ = jax.lax.optimization_barrier((host, done[-self.inflight]))
             master, state = _to(host, (dev["master"][k], dev["opt"][k]), DEVICE)
             g = self.plan.tree(k, [self._slice(g_leaves[p.leaf], p).astype(MASTER_DTYPE) for p in bucket])
             updates, new_state = self.inner.update(g, state, master)
@@ -248,16 +260,18 @@ class Offload:
             new_master, new_state = jax.lax.optimization_barrier((new_master, new_state))
             ok_all = ok_all & ok
             # back to host memory now, not after the loop: every bucket's result would be on the device at once
-            host_master, host_state = _to((new_master, new_state), (dev["master"][k], dev["opt"][k]), HOST)
+            host_master = _to(new_master, dev["master"][k], self.master_kind)
+            host_state = _to(new_state, dev["opt"][k], HOST)
             masters.append(host_master)
             opts.append(host_state)
             compute = [
                 v.astype(p_leaves[p.leaf].dtype)
                 for p, v in zip(bucket, self.plan.values(k, new_master), strict=True)
             ]
+            done.append(compute)
+        for bucket, compute in zip(self.plan.buckets, done, strict=True):
             for p, v in zip(bucket, compute, strict=True):
                 pieces.setdefault(p.leaf, []).append((p.start, v))
-            prev = compute
         new_opt = {"master": tuple(masters), "opt": tuple(opts)}
         new_leaves = []
         for i in range(len(p_leaves)):
@@ -285,9 +299,13 @@ def make_offload(
     inner: optax.GradientTransformation,
     mesh: Mesh,
     bucket_mb: float,
+    *,
+    master_on_host: bool = True,
+    inflight: int = 1,
 ) -> Offload:
     """The offload of `params` (arrays or ShapeDtypeStructs with NamedShardings on `mesh`)."""
-    return Offload(make_plan(params, max(1, int(bucket_mb * 2**20))), clip, inner, mesh)
+    plan = make_plan(params, max(1, int(bucket_mb * 2**20)))
+    return Offload(plan, clip, inner, mesh, HOST if master_on_host else DEVICE, max(1, inflight))
 
 
 __all__ = ["HOST", "Offload", "Plan", "make_offload", "make_plan"]

@@ -87,7 +87,7 @@ def test_offloaded_trainer_sets_the_cap_from_the_model(tiny_model_dir, monkeypat
     over trainer.devices x processes (PRIMEJAX_NUM_PROCESSES overriding the config, as for the run)."""
     from primejax.config import typed
     from primejax.models.config import ModelConfig
-    from primejax.trainer.__main__ import _pinned_host_env
+    from primejax.trainer.__main__ import _pinned_host_env, offloaded_state_bytes
 
     monkeypatch.delenv(PINNED_HOST_LIMIT_ENV, raising=False)
     c = default_config()
@@ -98,6 +98,9 @@ def test_offloaded_trainer_sets_the_cap_from_the_model(tiny_model_dir, monkeypat
     assert _pinned_host_env(typed(c)) == pinned_host_env(12 * params, 2, {})
     monkeypatch.setenv("PRIMEJAX_NUM_PROCESSES", "4")  # 4 hosts (or processes) of 2 GPUs each
     assert _pinned_host_env(typed(c)) == pinned_host_env(12 * params, 8, {})
+    assert offloaded_state_bytes(typed(c)) == 12 * params
+    c.trainer.optim.offload_master = False  # the master stays on the devices: only the moments in host memory
+    assert offloaded_state_bytes(typed(c)) == 8 * params
 
 
 def test_a_host_without_the_memory_for_its_offloaded_share_fails_in_one_line(tmp_path):
