@@ -217,8 +217,8 @@ def _round(r, static, ints, xs, gate_up, down, adapters):
     order2, inv2 = moe._sort_pairs(lkey)
     group_sizes = jnp.bincount(lkey, length=e_local + 1)[:e_local].astype(jnp.int32)
     rows = moe._permute(recv, order2, inv2)
-    # Ranges of half the balanced share of rows (N*k / 2): with a balanced load the first two run and the rest
-    # of the buffer is skipped. Rounds past the first run rarely and whole (one range: one kernel to compile).
+    # Ranges of N*k / 2 rows, half of what a device receives with a balanced load: then the first two run and
+    # the rest of the buffer is skipped. Rounds past the first run rarely and whole (one range: one kernel to compile).
     size = -(-nk // 2) if r == 0 else p * c
     y = _chunked_mlp(rows, group_sizes, gate_up, down, adapters, impl=impl, lora_scale=lora_scale, size=size)
     y_recv = moe._permute(y, inv2, order2)
@@ -228,9 +228,9 @@ def _round(r, static, ints, xs, gate_up, down, adapters):
         return _gather_rows(back, slot, mine, src, valid)
     # back where each source holds my rows: its send_starts toward me, plus this round's offset
     back_at = jnp.where(recv_sizes > 0, _exclusive_cumsum(counts, axis=1)[:, me] + lo, 0)
-    ends = jnp.arange(p, dtype=jnp.int32) * c
+    slots_at = jnp.arange(p, dtype=jnp.int32) * c
     return RAGGED_ALL_TO_ALL(
-        y_recv, jnp.zeros((nk, d), y_recv.dtype), ends, recv_sizes, back_at, sizes, axis_name=axis
+        y_recv, jnp.zeros((nk, d), y_recv.dtype), slots_at, recv_sizes, back_at, sizes, axis_name=axis
     )
 
 
