@@ -54,8 +54,8 @@ class ModelSettings(Section):
     )
     a2a_impl: str = option(
         "auto",
-        "expert_parallel=a2a's exchange: ragged (ragged_all_to_all, GPU/TPU), padded (all_to_all of worst-case "
-        "buffers, any backend) or auto (padded on CPU, ragged elsewhere); docs/moe.md",
+        "expert_parallel=a2a's exchange: ragged (ragged_all_to_all; TPU, ~10x slower on GPU), padded (all_to_all "
+        "of fixed slots, any backend) or auto (ragged on TPU, padded elsewhere); docs/moe.md",
         choices=A2A_IMPLS,
     )
     a2a_capacity_factor: float = option(
