@@ -58,6 +58,16 @@ GMM_IMPLS = ("xla", "mgpu", "auto")
 # exchanged (all-gather in, reduce-scatter out).
 EXPERT_PARALLEL = ("fsdp", "ep", "a2a")
 A2A_IMPLS = ("auto", "ragged", "padded")  # expert_parallel="a2a"'s exchange (models/moe_a2a.py)
+A2A_CAPACITY_FACTOR = 1.5  # a2a's default slot per peer and round, in balanced shares (models/moe_a2a.py)
+
+
+def a2a_capacity_problem(factor: float) -> str | None:
+    """Why `factor` is not a usable a2a_capacity_factor (None when it is): finite, and <= 0 or >= 1."""
+    if not math.isfinite(factor):
+        return f"{factor} is not finite"
+    if 0 < factor < 1:
+        return f"{factor} is below 1: every batch would take extra rounds (<= 0: worst-case slots)"
+    return None
 # The Gated DeltaNet's chunk recurrence (models/deltanet.py): "xla" = a lax.scan over chunks (any backend),
 # "pallas" = the Triton kernels of models/deltanet_pallas.py (GPU), "auto" = pallas on an NVIDIA GPU (Ampere on), xla elsewhere.
 DELTANET_IMPLS = ("xla", "pallas", "auto")
@@ -108,7 +118,7 @@ class ModelConfig:
     a2a_impl: str = "auto"
     # a2a's per-peer slot per round: this factor x the balanced share N*k/P (<= 0: the worst case, one round);
     # rounds past the first run only when some device sends some peer more (models/moe_a2a.py)
-    a2a_capacity_factor: float = 1.5
+    a2a_capacity_factor: float = A2A_CAPACITY_FACTOR
     deltanet_impl: str = "auto"
     router_scoring: str = "softmax"
     routed_scaling_factor: float = 1.0
@@ -172,11 +182,8 @@ class ModelConfig:
             raise ValueError(f"expert_parallel={self.expert_parallel!r} is not one of {EXPERT_PARALLEL}")
         if self.a2a_impl not in A2A_IMPLS:
             raise ValueError(f"a2a_impl={self.a2a_impl!r} is not one of {A2A_IMPLS}")
-        if not math.isfinite(self.a2a_capacity_factor) or 0 < self.a2a_capacity_factor < 1:
-            raise ValueError(
-                f"a2a_capacity_factor={self.a2a_capacity_factor}: <= 0 (worst-case slots) or >= 1 (slots of that "
-                "many balanced shares; below 1 every batch would take extra rounds)"
-            )
+        if problem := a2a_capacity_problem(self.a2a_capacity_factor):
+            raise ValueError(f"a2a_capacity_factor={problem}")
         if self.deltanet_impl not in DELTANET_IMPLS:
             raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from primejax.models.config import A2A_CAPACITY_FACTOR
 from primejax.models.gmm import adapter_grouped_matmul, grouped_matmul
 from primejax.models.sharding import constrain, current_mesh, logical_to_spec, mesh_axes
 
@@ -236,7 +237,7 @@ def experts_forward(
     adapters=None,
     lora_scale: float = 0.0,
     a2a_impl: str = "auto",
-    a2a_capacity_factor: float = 0.0,
+    a2a_capacity_factor: float = A2A_CAPACITY_FACTOR,
 ) -> jax.Array:
     """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out` (and per-expert
     `adapters`, split over devices like the experts); `a2a_impl` and `a2a_capacity_factor` set
@@ -312,7 +313,7 @@ def moe_block(
     scale: float = 1.0,
     lora_scale: float = 0.0,
     a2a_impl: str = "auto",
-    a2a_capacity_factor: float = 0.0,
+    a2a_capacity_factor: float = A2A_CAPACITY_FACTOR,
 ) -> tuple[jax.Array, RouterOut]:
     """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens).
 

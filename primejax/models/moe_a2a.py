@@ -125,7 +125,7 @@ def capacity(n: int, k: int, e_local: int, p: int, factor: float) -> int:
 
 
 def experts_a2a(
-    x_nd, topk_idx, scores, gate_up, down, adapters=None, *, axis, impl, exchange, lora_scale, capacity_factor=0.0
+    x_nd, topk_idx, scores, gate_up, down, adapters=None, *, axis, impl, exchange, lora_scale, capacity_factor
 ):  # fmt: skip
     """One device's part of the sparse block: its tokens x [N, D] routed by topk_idx [N, k] (global expert
     ids) and scores [N, k]; gate_up / down (and adapters) are its E_local experts, the `axis` index-th block."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from primejax.models.config import (
+    A2A_CAPACITY_FACTOR,
     A2A_IMPLS,
     ATTENTION_IMPLS,
     DELTANET_IMPLS,
     EXPERT_PARALLEL,
     GMM_IMPLS,
     REMAT_POLICIES,
+    a2a_capacity_problem,
 )
 from primejax.models.lora_config import LoraConfig
 from primejax.models.tiny import TinyModelConfig
@@ -59,7 +61,7 @@ class ModelSettings(Section):
         choices=A2A_IMPLS,
     )
     a2a_capacity_factor: float = option(
-        1.5,
+        A2A_CAPACITY_FACTOR,
         "expert_parallel=a2a: each peer's slot in a round of the exchange, as a multiple of the balanced share "
         "(tokens x top-k / devices); a device that sends some peer more takes extra rounds (dropless, exact); "
         "<= 0: one round of worst-case slots; docs/moe.md",
@@ -75,11 +77,8 @@ class ModelSettings(Section):
     )
 
     def check(self) -> None:
-        if 0 < self.a2a_capacity_factor < 1:
-            raise ConfigError(
-                "a2a_capacity_factor",
-                f"{self.a2a_capacity_factor} is below 1: every batch would take extra rounds (<= 0: worst-case slots)",
-            )
+        if problem := a2a_capacity_problem(self.a2a_capacity_factor):
+            raise ConfigError("a2a_capacity_factor", problem)
 
     def overrides(self) -> dict[str, Any]:
         """The keyword arguments `ModelConfig` / `load_model` take from this section."""
