@@ -27,8 +27,9 @@ def offloaded_state_bytes(cfg) -> int:
     """Host memory an offloaded run's optimizer state takes: fp32 master + two fp32 moments, 12 B per parameter, or
     8 with the master on the devices (`trainer.optim.offload_master` False)."""
     from primejax.models.config import ModelConfig
+    from primejax.trainer.offload import host_bytes_per_param  # imports JAX, does not start a backend
 
-    per_param = 12 if cfg.trainer.optim.offload_master else 8
+    per_param = host_bytes_per_param(cfg.trainer.optim.offload_master)
     return per_param * ModelConfig.from_model_dir(cfg.model.path).num_params()
 
 

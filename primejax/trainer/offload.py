@@ -284,6 +284,11 @@ class Offload:
         return new_params, new_opt, ok_all
 
 
+def host_bytes_per_param(master_on_host: bool) -> int:
+    """Pinned host memory per parameter: two fp32 moments, and the fp32 master unless it stays on the devices."""
+    return (3 if master_on_host else 2) * jnp.dtype(MASTER_DTYPE).itemsize
+
+
 def _where(pred: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
@@ -308,4 +313,4 @@ def make_offload(
     return Offload(plan, clip, inner, mesh, HOST if master_on_host else DEVICE, max(1, inflight))
 
 
-__all__ = ["HOST", "Offload", "Plan", "make_offload", "make_plan"]
+__all__ = ["HOST", "Offload", "Plan", "host_bytes_per_param", "make_offload", "make_plan"]
