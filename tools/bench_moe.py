@@ -216,6 +216,12 @@ CONFIGS = {
             "moe48:16k:fp32offload:master_on_gpu:inflight2:x8", 16384, 48, remat="full", offload=True,
             bucket_mb=2048.0, inflight=2, offload_master=False, micro=8, **GPU4,
         ),
+        # the freed GPU memory spent on activations (remat auto), bf16 state beside it
+        _step("moe48:16k:bf16state:auto", 16384, 48, remat="auto", skip_if_oom="", **GPU4),
+        _step(
+            "moe48:16k:fp32offload:auto:inflight2:x8", 16384, 48, remat="auto", offload=True,
+            bucket_mb=2048.0, inflight=2, micro=8, **GPU4,
+        ),
     ],
     # the offload rows' per-GPU structure where only 2 GPUs are lent: 16 of 48 layers on 2 GPUs (5.2B params per
     # GPU, 62 GB of pinned host state each; the 48-layer row on 4 GPUs has 7.6B / 92 GB), next to bf16 state
@@ -234,6 +240,16 @@ CONFIGS = {
               inflight=2, **dict(GPU4, devices=2, rows=2)),
         _step("moe16:16k:fp32offload:master_on_gpu:inflight2:2gpu", 16384, 16, remat="full", offload=True,
               bucket_mb=2048.0, inflight=2, offload_master=False, **dict(GPU4, devices=2, rows=2)),
+        # the memory the offload frees on the GPUs spent on activations: remat auto (the weight matmuls' and the
+        # experts' outputs kept, models/transformer.py) instead of full, bf16 state beside it; then the update
+        # spread over the 8 micro-batches of a 512k-token RL step
+        _step("moe16:16k:bf16state:auto:2gpu", 16384, 16, remat="auto", **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:fp32offload:auto:inflight2:2gpu", 16384, 16, remat="auto", offload=True,
+              bucket_mb=2048.0, inflight=2, **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:fp32offload:auto:master_on_gpu:inflight2:x8:2gpu", 16384, 16, remat="auto", offload=True,
+              bucket_mb=2048.0, inflight=2, offload_master=False, micro=8, **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:fp32offload:inflight2:2gpu:trace", 16384, 16, remat="full", offload=True, bucket_mb=2048.0,
+              inflight=2, trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
     ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
