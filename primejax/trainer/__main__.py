@@ -23,14 +23,16 @@ from primejax.utils.devices import (
 )
 
 
-def offloaded_state_bytes(cfg) -> int:
+def offloaded_state_bytes(cfg, devices: int = 0) -> int:
     """Host memory an offloaded run's optimizer state takes: fp32 master + two fp32 moments, 12 B per parameter, or
-    8 with the master on the devices (`trainer.optim.offload_master` False)."""
+    8 with the master on the devices (`trainer.optim.offload_master` False), less what `offload_resident_gib` keeps
+    on each of the run's `devices` trainer devices."""
     from primejax.models.config import ModelConfig
     from primejax.trainer.offload import host_bytes_per_param  # imports JAX, does not start a backend
 
     per_param = host_bytes_per_param(cfg.trainer.optim.offload_master)
-    return per_param * ModelConfig.from_model_dir(cfg.model.path).num_params()
+    resident = int(cfg.trainer.optim.offload_resident_gib * 2**30) * devices
+    return max(0, per_param * ModelConfig.from_model_dir(cfg.model.path).num_params() - resident)
 
 
 def _pinned_host_env(cfg) -> dict:
@@ -38,9 +40,9 @@ def _pinned_host_env(cfg) -> dict:
     device (local GPUs x processes); one line first if this host lacks the memory."""
     from primejax.trainer.loop import distributed_settings  # imports JAX, does not start a backend
 
-    state = offloaded_state_bytes(cfg)
     processes = distributed_settings(cfg.trainer.distributed)[1]  # PRIMEJAX_NUM_PROCESSES wins, as for the run
     local = local_gpu_count(cfg.trainer.devices, os.environ)
+    state = offloaded_state_bytes(cfg, local * processes)
     check_host_memory(state, local, local * processes, host_memory_available())
     return pinned_host_env(state, local * processes, os.environ)
 

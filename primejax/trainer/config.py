@@ -40,6 +40,12 @@ class OptimConfig(Section):
         ge=1,
         le=4,
     )
+    offload_resident_gib: float = option(
+        0.0,
+        "offload: GiB per device of the state that would rest in host memory kept on the devices instead (whole "
+        "buckets, master and moments, from the first): spend what the offload freed there and skip their copies",
+        ge=0,
+    )
 
 
 @section

@@ -397,7 +397,14 @@ def _offload_builder(t: TrainerConfig, schedule: optax.Schedule, mesh: Mesh) -> 
     clip, adamw = optim.optimizer_parts(t.optim, schedule)
     o = t.optim
     return lambda params: make_offload(
-        params, clip, adamw, mesh, o.offload_bucket_mb, master_on_host=o.offload_master, inflight=o.offload_inflight
+        params,
+        clip,
+        adamw,
+        mesh,
+        o.offload_bucket_mb,
+        master_on_host=o.offload_master,
+        inflight=o.offload_inflight,
+        resident_bytes=int(o.offload_resident_gib * 2**30),
     )
 
 

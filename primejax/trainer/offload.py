@@ -18,7 +18,12 @@ H200 with 1, the two copy directions ran at once only 27% of the time (docs/benc
 measured on GPU.
 
 `offload_master` False keeps the fp32 master on the devices (4 B/param there) and moves only the moments: 8 of the
-12 bytes per parameter cross PCIe each way per step.
+12 bytes per parameter cross PCIe each way per step. `offload_resident_gib` keeps whole buckets' state (master and
+moments) on the devices, the first buckets up to that many GiB per device: the memory the offload freed for
+activations is spent back on state that then never crosses PCIe. Each resident GiB saves 2 GiB of copies per step,
+as the master on the devices does, at any size instead of all or nothing. The host link is the bound: per GPU, one
+direction runs at ~54 GB/s and both at once at ~67 GB/s in all with two GPUs copying (tools/bench_host_copies.py,
+docs/benchmarks.md), so every GB of state left in host memory costs ~30 ms per step.
 
 Equal to the on-device update: the same clip and AdamW operations on the same fp32 values. With
 `model.param_dtype` float32 (compute copy = master) and one bucket the parameters and moments are bit-identical to
@@ -95,6 +100,12 @@ class Plan:
             node[last] = v
         return out
 
+    def bucket_bytes(self, bucket: int) -> int:
+        """Per-device bytes of the bucket's fp32 master values."""
+        return sum(
+            _per_device_bytes(self.piece_shape(p), self.shardings[p.leaf]) for p in self.buckets[bucket]
+        )
+
     def values(self, bucket: int, tree: dict) -> list[Any]:
         """The bucket's piece values back from its pruned tree."""
         out = []
@@ -149,6 +160,14 @@ class Offload:
     mesh: Mesh
     master_kind: str = HOST  # where the fp32 master rests between steps (DEVICE: only the moments travel)
     inflight: int = 1  # buckets whose transfers may run at once
+    resident: tuple[bool, ...] = ()  # per bucket: its whole state rests on the devices (no transfers); () = none
+
+    def _resident(self, k: int) -> bool:
+        return bool(self.resident) and self.resident[k]
+
+    def _kinds(self, k: int) -> tuple[str, str]:
+        """Where bucket k's (master, moments) rest between steps."""
+        return (DEVICE, DEVICE) if self._resident(k) else (self.master_kind, HOST)
 
     # -------------------------------------------------------------------------------------- layout
 
@@ -181,10 +200,14 @@ class Offload:
                     transform_non_params=lambda _: replicated,
                 )
             )
-        master_kind = DEVICE if kind == DEVICE else self.master_kind
+        kinds = [(DEVICE, DEVICE) if kind == DEVICE else self._kinds(k) for k in range(len(masters))]
         return {
-            "master": jax.tree.map(lambda s: s.with_memory_kind(master_kind), tuple(masters)),
-            "opt": jax.tree.map(lambda s: s.with_memory_kind(kind), tuple(opts)),
+            "master": tuple(
+                jax.tree.map(lambda s, m=m: s.with_memory_kind(m), x) for x, (m, _) in zip(masters, kinds, strict=True)
+            ),
+            "opt": tuple(
+                jax.tree.map(lambda s, o=o: s.with_memory_kind(o), x) for x, (_, o) in zip(opts, kinds, strict=True)
+            ),
         }
 
     def abstract(self) -> dict:
@@ -244,10 +267,11 @@ class Offload:
         p_leaves = jax.tree.leaves(params)
         dev = self.shardings(DEVICE)
         pieces: dict[int, list[tuple[int, jax.Array]]] = {}
-        masters, opts, ok_all, done = [], [], finite, []
+        masters, opts, ok_all, done, computes = [], [], finite, [], []
         for k, bucket in enumerate(self.plan.buckets):
             host = (opt_state["master"][k], opt_state["opt"][k])
-            if len(done) >= self.inflight:  # this bucket's transfer waits for the result `inflight` buckets back
+            moves = not self._resident(k)  # a resident bucket has no transfer to order: it may run any time
+            if moves and len(done) >= self.inflight:  # the transfer waits for the result `inflight` moving buckets back
                 host, _ = jax.lax.optimization_barrier((host, done[-self.inflight]))
             master, state = _to(host, (dev["master"][k], dev["opt"][k]), DEVICE)
             g = self.plan.tree(k, [self._slice(g_leaves[p.leaf], p).astype(MASTER_DTYPE) for p in bucket])
@@ -260,16 +284,19 @@ class Offload:
             new_master, new_state = jax.lax.optimization_barrier((new_master, new_state))
             ok_all = ok_all & ok
             # back to host memory now, not after the loop: every bucket's result would be on the device at once
-            host_master = _to(new_master, dev["master"][k], self.master_kind)
-            host_state = _to(new_state, dev["opt"][k], HOST)
+            master_kind, opt_kind = self._kinds(k)
+            host_master = _to(new_master, dev["master"][k], master_kind)
+            host_state = _to(new_state, dev["opt"][k], opt_kind)
             masters.append(host_master)
             opts.append(host_state)
             compute = [
                 v.astype(p_leaves[p.leaf].dtype)
                 for p, v in zip(bucket, self.plan.values(k, new_master), strict=True)
             ]
-            done.append(compute)
-        for bucket, compute in zip(self.plan.buckets, done, strict=True):
+            computes.append(compute)
+            if moves:
+                done.append(compute)
+        for bucket, compute in zip(self.plan.buckets, computes, strict=True):
             for p, v in zip(bucket, compute, strict=True):
                 pieces.setdefault(p.leaf, []).append((p.start, v))
         new_opt = {"master": tuple(masters), "opt": tuple(opts)}
@@ -307,10 +334,19 @@ def make_offload(
     *,
     master_on_host: bool = True,
     inflight: int = 1,
+    resident_bytes: int = 0,
 ) -> Offload:
-    """The offload of `params` (arrays or ShapeDtypeStructs with NamedShardings on `mesh`)."""
+    """The offload of `params` (arrays or ShapeDtypeStructs with NamedShardings on `mesh`); `resident_bytes` per
+    device of the state that would rest in host memory stays on the devices instead, whole buckets from the first."""
     plan = make_plan(params, max(1, int(bucket_mb * 2**20)))
-    return Offload(plan, clip, inner, mesh, HOST if master_on_host else DEVICE, max(1, inflight))
+    per_master_byte = host_bytes_per_param(master_on_host) // jnp.dtype(MASTER_DTYPE).itemsize
+    resident, used = [], 0
+    for k in range(len(plan.buckets)):
+        used += per_master_byte * plan.bucket_bytes(k)
+        resident.append(used <= resident_bytes and all(resident))
+    return Offload(
+        plan, clip, inner, mesh, HOST if master_on_host else DEVICE, max(1, inflight), tuple(resident)
+    )
 
 
 __all__ = ["HOST", "Offload", "Plan", "host_bytes_per_param", "make_offload", "make_plan"]

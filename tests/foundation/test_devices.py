@@ -101,6 +101,11 @@ def test_offloaded_trainer_sets_the_cap_from_the_model(tiny_model_dir, monkeypat
     assert offloaded_state_bytes(typed(c)) == 12 * params
     c.trainer.optim.offload_master = False  # the master stays on the devices: only the moments in host memory
     assert offloaded_state_bytes(typed(c)) == 8 * params
+    c.trainer.optim.offload_resident_gib = 1e-5  # what each of the 8 devices keeps is not in host memory
+    resident = int(1e-5 * 2**30)
+    assert 0 < 8 * resident < 8 * params
+    assert offloaded_state_bytes(typed(c), 8) == 8 * params - 8 * resident
+    assert offloaded_state_bytes(typed(c)) == 8 * params
 
 
 def test_a_host_without_the_memory_for_its_offloaded_share_fails_in_one_line(tmp_path):

@@ -102,29 +102,45 @@ def test_offloaded_update_in_split_buckets_matches_the_device_update(batches, ma
     assert {x.sharding.memory_kind for x in jax.tree.leaves(off.state.opt_state)} == {HOST}
 
 
-def test_master_on_device_two_buckets_in_flight_match_the_device_update(batches, make_config, tmp_path):
-    """`offload_master` False: the fp32 master stays on the devices, only the moments rest in host memory; with
-    two buckets in flight, over many buckets, the parameters match the on-device update and a checkpoint of the
-    mixed layout resumes bit-identically."""
+def test_master_and_resident_buckets_on_the_devices_match_the_device_update(batches, make_config, tmp_path):
+    """`offload_master` False keeps every fp32 master on the devices; `offload_resident_gib` keeps the first
+    buckets' moments there too, the rest rest in host memory. With two buckets in flight, over both kinds of bucket,
+    the parameters and moments match the on-device update, and a checkpoint of the mixed layout resumes
+    bit-identically into the same placement."""
     cfg = make_config()
     ref = Engine.create(_trainer(False), cfg, seed=0)
-    off = Engine.create(_trainer(True, offload_master=False, offload_inflight=2), cfg, seed=0)
-    assert len(off.offload.plan.buckets) > 4
-    kinds = lambda part: {x.sharding.memory_kind for x in jax.tree.leaves(off.state.opt_state[part])}  # noqa: E731
-    assert kinds("master") == {"device"} and kinds("opt") == {HOST}
+    probe = Engine.create(_trainer(True), cfg, seed=0).offload
+    first3 = sum(probe.plan.bucket_bytes(k) for k in range(3)) * 2  # the 2 fp32 moments that would be on the host
+    off = Engine.create(
+        _trainer(True, offload_master=False, offload_inflight=2, offload_resident_gib=first3 / 2**30), cfg, seed=0
+    )
+    n = len(off.offload.plan.buckets)
+    assert n > 5 and off.offload.resident == (True,) * 3 + (False,) * (n - 3)
+
+    def kinds():
+        st = off.state.opt_state
+        return [
+            ({x.sharding.memory_kind for x in jax.tree.leaves(st["master"][k])},
+             {x.sharding.memory_kind for x in jax.tree.leaves(st["opt"][k])})
+            for k in range(n)
+        ]
+
+    want = [({"device"}, {"device"})] * 3 + [({"device"}, {HOST})] * (n - 3)
+    assert kinds() == want
     for b in batches[:2]:
         ref.train(b)
         off.train(b)
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # noqa: E731 (split buckets: 1 ulp)
     jax.tree.map(close, _host(off.state.params), _host(ref.state.params))
-    assert kinds("master") == {"device"} and kinds("opt") == {HOST}
+    for a, b in zip(_moments(off), _moments(ref), strict=True):
+        jax.tree.map(close, a, b)
+    assert kinds() == want
     ckpt = TrainerCheckpointer(tmp_path, keep=2, async_save=False)
     ckpt.save(2, off.state, {"data_step": 2})
     off.train(batches[2])
     stepped = _host(off.state)
-    restored, _ = ckpt.restore(2, off.state)
-    off.state = restored
-    assert kinds("master") == {"device"} and kinds("opt") == {HOST}
+    off.state, _ = ckpt.restore(2, off.state)
+    assert kinds() == want
     off.train(batches[2])
     jax.tree.map(np.testing.assert_array_equal, _host(off.state), stepped)
     ckpt.close()
