@@ -219,6 +219,11 @@ CONFIGS = {
             "moe48:16k:fp32offload:master_on_gpu:inflight2:x8", 16384, 48, remat="full", offload=True,
             bucket_mb=2048.0, inflight=2, offload_master=False, micro=8, **dict(GPU4, steps=1),
         ),
+        # the GPU memory the row above leaves (103 of 133 GiB at its peak) spent on 20 GiB of resident moments
+        _step(
+            "moe48:16k:fp32offload:master_on_gpu:resident20:inflight2:x8", 16384, 48, remat="full", offload=True,
+            bucket_mb=2048.0, inflight=2, offload_master=False, resident_gib=20.0, micro=8, **dict(GPU4, steps=1),
+        ),
         # the freed GPU memory spent on activations (remat auto), bf16 state beside it
         _step("moe48:16k:bf16state:auto", 16384, 48, remat="auto", skip_if_oom="", **GPU4),
         _step(
