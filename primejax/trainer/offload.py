@@ -231,7 +231,9 @@ class Offload:
         # start is an argument, so the slicing runs inside the builder
         builders: dict[tuple, Any] = {}
         for k, bucket in enumerate(self.plan.buckets):
-            layout = tuple((p.leaf, self.plan.piece_shape(p)) for p in bucket)
+            # the resting place is part of the key: out_shardings carry it (a resident bucket's builder puts its
+            # state on the devices, and must not serve a same-shaped bucket that rests in host memory)
+            layout = (tuple((p.leaf, self.plan.piece_shape(p)) for p in bucket), self._kinds(k))
             if layout not in builders:
 
                 def build(xs, starts, k=k, bucket=bucket):
