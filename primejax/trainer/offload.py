@@ -13,9 +13,8 @@ and moments come to the devices, AdamW updates them, they go back to host memory
 (master cast to `model.param_dtype`) stays on the devices. An optimization barrier ties each bucket's transfer to
 the result of the bucket `offload_inflight` places back (default 1: the previous one), so at most about that many
 buckets of fp32 state (3 x `offload_bucket_mb` per device each) are on a device at a time instead of all of it.
-With 2 in flight a bucket's copy to the devices may run beside the previous bucket's copy back: profiled on 2 x
-H200 with 1, the two copy directions ran at once only 27% of the time (docs/benchmarks.md); 2 is not yet
-measured on GPU.
+With 2 in flight a bucket's copy to the devices may run beside the previous bucket's copy back; on 2 x H200 it did
+not shorten the update, which the host link bounds (below; docs/benchmarks.md).
 
 `offload_master` False keeps the fp32 master on the devices (4 B/param there) and moves only the moments: 8 of the
 12 bytes per parameter cross PCIe each way per step. `offload_resident_gib` keeps whole buckets' state (master and
