@@ -18,8 +18,8 @@ not shorten the update, which the host link bounds (below; docs/benchmarks.md).
 
 `offload_master` False keeps the fp32 master on the devices (4 B/param there) and moves only the moments: 8 of the
 12 bytes per parameter cross PCIe each way per step. `offload_resident_gib` keeps whole buckets' state (master and
-moments) on the devices, the first buckets up to that many GiB per device: the memory the offload freed for
-activations is spent back on state that then never crosses PCIe. Each resident GiB saves 2 GiB of copies per step,
+moments) on the devices, the first buckets, up to that many GiB per device of what would otherwise rest in host
+memory: the memory the offload freed for activations is spent back on state that then never crosses PCIe. Each resident GiB saves 2 GiB of copies per step,
 as the master on the devices does, at any size instead of all or nothing. The host link is the bound: per GPU, one
 direction runs at ~54 GB/s and both at once at ~67 GB/s in all with two GPUs copying (tools/bench_host_copies.py,
 docs/benchmarks.md), so every GB of state left in host memory costs ~30 ms per step.
