@@ -104,9 +104,9 @@ def test_offloaded_update_in_split_buckets_matches_the_device_update(batches, ma
 
 def test_master_and_resident_buckets_on_the_devices_match_the_device_update(batches, make_config, tmp_path):
     """`offload_master` False keeps every fp32 master on the devices; `offload_resident_gib` keeps the first
-    buckets' moments there too, the rest rest in host memory. With two buckets in flight, over both kinds of bucket,
+    buckets' moments there too; the other moments stay in host memory. With two buckets in flight, over both kinds of bucket,
     the parameters and moments match the on-device update, and a checkpoint of the mixed layout resumes
-    bit-identically into the same placement."""
+    bit-identically, into the same placement or the default one."""
     cfg = make_config()
     ref = Engine.create(_trainer(False), cfg, seed=0)
     plan = Engine.create(_trainer(True), cfg, seed=0).offload.plan
@@ -146,6 +146,12 @@ def test_master_and_resident_buckets_on_the_devices_match_the_device_update(batc
     assert kinds() == want
     off.train(batches[2])
     jax.tree.map(np.testing.assert_array_equal, _host(off.state), stepped)
+    # the placement is not part of the checkpoint: it resumes into the default one (all in host memory) as well
+    other = Engine.create(_trainer(True), cfg, seed=0)
+    other.state, _ = ckpt.restore(2, other.state)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(other.state.opt_state)} == {HOST}
+    other.train(batches[2])
+    jax.tree.map(np.testing.assert_array_equal, _host(other.state), stepped)
     ckpt.close()
 
 
