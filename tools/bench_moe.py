@@ -230,6 +230,15 @@ CONFIGS = {
             "moe48:16k:fp32offload:attn:master_on_gpu:resident15:inflight2:x8", 16384, 48, remat="attn", offload=True,
             bucket_mb=2048.0, inflight=2, offload_master=False, resident_gib=15.0, micro=8, **dict(GPU4, steps=1),
         ),
+        # remat attn_experts_offload (models/transformer.py): the experts' gate/up outputs ride the idle host link
+        # instead of being recomputed; bf16 state beside the attn row, then the fp32 row of the same memory
+        _step("moe48:16k:bf16state:attn", 16384, 48, remat="attn", **GPU4),
+        _step("moe48:16k:bf16state:attn_experts_offload", 16384, 48, remat="attn_experts_offload", **GPU4),
+        _step(
+            "moe48:16k:fp32offload:attn_experts_offload:master_on_gpu:resident15:inflight2:x8", 16384, 48,
+            remat="attn_experts_offload", offload=True, bucket_mb=2048.0, inflight=2, offload_master=False,
+            resident_gib=15.0, micro=8, **dict(GPU4, steps=1),
+        ),
         # the freed GPU memory spent on activations (remat auto), bf16 state beside it
         _step("moe48:16k:bf16state:auto", 16384, 48, remat="auto", skip_if_oom="", **GPU4),
         _step(
@@ -272,6 +281,10 @@ CONFIGS = {
               **dict(GPU4, devices=2, rows=2)),
         _step("moe16:16k:fp32offload:auto:all_resident:2gpu", 16384, 16, remat="auto", offload=True,
               bucket_mb=2048.0, offload_master=False, resident_gib=1000.0, **dict(GPU4, devices=2, rows=2)),
+        # the experts' gate/up outputs through host memory instead of recomputed, next to attn (bf16 state)
+        _step("moe16:16k:bf16state:attn:2gpu", 16384, 16, remat="attn", **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:bf16state:attn_experts_offload:2gpu", 16384, 16, remat="attn_experts_offload",
+              **dict(GPU4, devices=2, rows=2)),
     ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
@@ -376,6 +389,9 @@ CONFIGS = {
         _step("tiny:256:fp32offload:master_on_gpu:inflight2", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1,
               devices=4, rows=4, scan=True, pdt="bfloat16", remat="full", offload=True, bucket_mb=0.05, inflight=2,
               offload_master=False),
+        _step("tiny:256:fp32offload:attn_experts_offload:resident", 256, 2, gmm="xla", attn="xla", steps=2,
+              warmup=1, devices=4, rows=4, scan=True, pdt="bfloat16", remat="attn_experts_offload", offload=True,
+              bucket_mb=0.05, inflight=2, offload_master=False, resident_gib=0.0005, micro=2),
     ],
 }
 

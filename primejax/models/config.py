@@ -24,9 +24,14 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #   attn           save only the attention kernel's output (+ softmax stats); recompute the rest of the layer
 #   dots_no_batch_attn  dots_no_batch plus the attention output: only elementwise ops are recomputed
 #   attn_offload   attn, with the attention outputs offloaded to pinned host memory (long rows; docs/scaling.md)
+#   attn_experts_offload  attn, and the experts' gate/up grouped-matmul output offloaded to pinned host memory
+#                  instead of recomputed (MoE: the host link is idle during the forward and backward)
 #   auto           dots_no_batch_attn up to 32k tokens per micro-batch, attn beyond (fastest measured, and
 #                  the long rows fit: see transformer.resolve_remat_policy and docs/benchmarks.md)
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "attn_offload", "auto")
+REMAT_POLICIES = (
+    "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "attn_offload", "attn_experts_offload",
+    "auto",
+)
 _DTYPES = ("float32", "bfloat16", "float16")
 # The model families (HF model_type -> its transformers class): the one list of them.
 ARCHITECTURES = {

@@ -94,12 +94,32 @@ def _offloads_attention(cudnn: bool):
     return policy
 
 
+def _saves_attention_offloads_experts(prim, *args, **params):
+    """`attn`, and the experts' gate/up grouped-matmul output goes to pinned host memory in the forward and comes
+    back for the backward instead of being recomputed.
+
+    Under `full` or `attn` remat the backward re-runs both grouped matmuls of every MoE layer; the gate/up one is
+    two thirds of the experts' FLOPs. Its output is 2 x moe_intermediate_size bf16 values per routed row: 24.6 kB
+    per token per layer for Qwen3-30B-A3B (top-8), 18 GiB at 48 layers and 16k tokens per device, memory that fp32
+    optimizer state needs. Offloaded it rides the host link, which carries the offloaded optimizer state only
+    during the update: ~35 GB/s one way if the forward is a quarter of the step (2.2 s at that shape), under the
+    ~53 GB/s one direction runs at (docs/benchmarks.md). The down projection's output stays recomputed: keeping
+    it too would more than double the traffic, and the forward would wait on the link. Not yet measured on GPU.
+    """
+    if _saves_attention(prim, *args, **params):
+        return True
+    if prim.name == "name" and params.get("name") == GMM_OUTPUTS[0]:
+        return Offloadable(src="device", dst="pinned_host")
+    return False
+
+
 _REMAT_POLICIES = {
     "full": None,  # jax.checkpoint with no policy saves nothing but the inputs
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "attn": _saves_attention,
     "dots_no_batch_attn": _saves_attention_and_weight_dots,
+    "attn_experts_offload": _saves_attention_offloads_experts,
 }
 # "auto": save the weight matmuls' outputs as well as attention's up to 32k tokens per micro-batch (it writes
 # fewer fp32 temporaries than plain autodiff keeps, so it is also faster than no remat), but that costs ~1 GiB

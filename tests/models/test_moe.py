@@ -4,6 +4,8 @@ expert block vs a dense one-hot mixture, routing replay's gradient, load metrics
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,7 +201,9 @@ def _count_prims(jaxpr, name: str) -> int:
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
     """Under remat "dots_no_batch_attn" (the auto policy up to 32k tokens) the backward pass reuses the experts'
-    grouped-matmul outputs: as many grouped matmuls in the gradient as without remat; "full" re-runs them."""
+    grouped-matmul outputs: as many grouped matmuls in the gradient as without remat; "full" re-runs them.
+    "attn_experts_offload" brings the gate/up output back from host memory (one fewer re-run per layer) and gives
+    the gradients of no remat."""
     from flax import nnx
 
     from primejax.models.sharding import init_model
@@ -207,18 +211,32 @@ def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (1, 16)), jnp.int32)
     pos = jnp.arange(16, dtype=jnp.int32)[None]
     seg = jnp.ones((1, 16), jnp.int32)
-    counts = {}
-    for policy in ("none", "dots_no_batch_attn", "full"):
+    counts, grads, puts = {}, {}, {}
+    for policy in ("none", "dots_no_batch_attn", "full", "attn_experts_offload"):
         model = init_model(_cfg(remat_policy=policy, scan_layers=scan, gmm_impl="xla"), None, seed=0)
         graphdef, params = nnx.split(model)
 
         def loss(p, graphdef=graphdef):
             return jnp.sum(nnx.merge(graphdef, p)(tokens, pos, seg).astype(jnp.float32) ** 2)
 
-        counts[policy] = _count_prims(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "ragged_dot_general")
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+        counts[policy] = _count_prims(jaxpr, "ragged_dot_general")
+        puts[policy] = _count_prims(jaxpr, "device_put")  # the offload's copies out and back
+        if policy in ("none", "attn_experts_offload"):  # values in fp32: bf16 recompute differs by its rounding
+            cfg = _cfg(remat_policy=policy, scan_layers=scan, gmm_impl="xla", compute_dtype="float32")
+            graphdef, params = nnx.split(init_model(cfg, None, seed=0))
+            grads[policy] = jax.jit(jax.grad(functools.partial(loss, graphdef=graphdef)))(params)
     assert counts["none"] > 0
     assert counts["dots_no_batch_attn"] == counts["none"]
     assert counts["full"] > counts["none"]
+    # the gate/up output comes back from host memory: one grouped matmul per layer fewer re-run than `full`
+    layers = _cfg().num_layers
+    assert counts["attn_experts_offload"] == counts["full"] - (1 if scan else layers)
+    assert puts["attn_experts_offload"] == 2 * (1 if scan else layers) and puts["dots_no_batch_attn"] == 0
+    ref, got = jax.tree.leaves(grads["none"]), jax.tree.leaves(grads["attn_experts_offload"])
+    err = max(float(jnp.abs(a - b).max()) for a, b in zip(ref, got, strict=True))
+    scale = max(float(jnp.abs(a).max()) for a in ref)
+    assert err <= 1e-5 * scale, (err, scale)  # any remat reorders fp32 sums: `full` is 1.3e-6 of the scale here
 
 
 def test_grouped_matmul_tile_table_fits_the_kernels():
