@@ -41,22 +41,19 @@ def main() -> None:
 
     devs = jax.devices()[: args.devices]
     mesh = Mesh(np.array(devs), ("d",))
-    dev = NamedSharding(mesh, PartitionSpec("d"), memory_kind="device")
-    host = NamedSharding(mesh, PartitionSpec("d"), memory_kind="pinned_host")
     n = int(args.gib * 2**30 / 4) // args.chunks * args.chunks * args.devices
     shape = (args.chunks, n // args.chunks)
-    chunked_dev = NamedSharding(mesh, PartitionSpec(None, "d"), memory_kind="device")
-    chunked_host = NamedSharding(mesh, PartitionSpec(None, "d"), memory_kind="pinned_host")
-    x_host = jax.device_put(jnp.ones(shape, jnp.float32, device=chunked_dev), chunked_host)
-    y_dev = jax.device_put(jnp.ones(shape, jnp.float32), chunked_dev)
+    whole_dev = NamedSharding(mesh, PartitionSpec(None, "d"), memory_kind="device")
+    whole_host = NamedSharding(mesh, PartitionSpec(None, "d"), memory_kind="pinned_host")
+    x_host = jax.device_put(jnp.ones(shape, jnp.float32, device=whole_dev), whole_host)
+    y_dev = jax.device_put(jnp.ones(shape, jnp.float32), whole_dev)
     jax.block_until_ready((x_host, y_dev))
-    del dev, host
 
-    h2d = jax.jit(lambda x: jax.device_put(x, chunked_dev) * 2.0, out_shardings=chunked_dev)
-    d2h = jax.jit(lambda y: jax.device_put(y * 2.0, chunked_host), out_shardings=chunked_host)
+    h2d = jax.jit(lambda x: jax.device_put(x, whole_dev) * 2.0, out_shardings=whole_dev)
+    d2h = jax.jit(lambda y: jax.device_put(y * 2.0, whole_host), out_shardings=whole_host)
     both = jax.jit(
-        lambda x, y: (jax.device_put(x, chunked_dev) * 2.0, jax.device_put(y * 2.0, chunked_host)),
-        out_shardings=(chunked_dev, chunked_host),
+        lambda x, y: (jax.device_put(x, whole_dev) * 2.0, jax.device_put(y * 2.0, whole_host)),
+        out_shardings=(whole_dev, whole_host),
     )
     # the same bytes as separate buffers (the update's buckets)
     piece_dev = NamedSharding(mesh, PartitionSpec("d"), memory_kind="device")
@@ -88,13 +85,13 @@ def main() -> None:
     pipe1, pipe2, pipe4 = pipeline(1), pipeline(2), pipeline(4)
 
     def rt_h2d():
-        return jax.device_put(x_host, chunked_dev)
+        return jax.device_put(x_host, whole_dev)
 
     def rt_d2h():
-        return jax.device_put(y_dev, chunked_host)
+        return jax.device_put(y_dev, whole_host)
 
     def rt_both():
-        return jax.device_put(x_host, chunked_dev), jax.device_put(y_dev, chunked_host)
+        return jax.device_put(x_host, whole_dev), jax.device_put(y_dev, whole_host)
 
     def rt_both_pieces():  # runtime transfers of each piece, both directions dispatched before any wait
         return [jax.device_put(x, piece_dev) for x in xs_host], [jax.device_put(y, piece_host) for y in ys_dev]

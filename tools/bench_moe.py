@@ -842,12 +842,15 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
         # The GPU client's pinned host memory is capped per device (docs/memory.md). Each device's host allocator
         # doubles its regions up to the cap: with 460 GB per device, 4 devices asked for 64 GiB regions on top of
         # 63 GiB each and the host refused (2026-11-27). The cap is each device's share of the 12 B/param + slack.
-        from primejax.trainer.offload import host_bytes_per_param  # imports JAX, starts no backend
+        from primejax.trainer.offload import host_state_bytes  # imports JAX, starts no backend
         from primejax.utils.devices import pinned_host_env
 
-        per_param = host_bytes_per_param(c.get("offload_master", True))
-        resident = int(c.get("resident_gib", 0.0) * 2**30) * c["devices"]  # not in host memory
-        state = max(0, per_param * _model_config(c).num_params() - resident)
+        state = host_state_bytes(
+            _model_config(c).num_params(),
+            c["devices"],
+            master_on_host=c.get("offload_master", True),
+            resident_gib=c.get("resident_gib", 0.0),
+        )
         env.update(pinned_host_env(state, c["devices"], env))
     if smoke:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()

@@ -28,11 +28,15 @@ def offloaded_state_bytes(cfg, devices: int = 0) -> int:
     8 with the master on the devices (`trainer.optim.offload_master` False), less what `offload_resident_gib` keeps
     on each of the run's `devices` trainer devices."""
     from primejax.models.config import ModelConfig
-    from primejax.trainer.offload import host_bytes_per_param  # imports JAX, does not start a backend
+    from primejax.trainer.offload import host_state_bytes  # imports JAX, does not start a backend
 
-    per_param = host_bytes_per_param(cfg.trainer.optim.offload_master)
-    resident = int(cfg.trainer.optim.offload_resident_gib * 2**30) * devices
-    return max(0, per_param * ModelConfig.from_model_dir(cfg.model.path).num_params() - resident)
+    o = cfg.trainer.optim
+    return host_state_bytes(
+        ModelConfig.from_model_dir(cfg.model.path).num_params(),
+        devices,
+        master_on_host=o.offload_master,
+        resident_gib=o.offload_resident_gib,
+    )
 
 
 def _pinned_host_env(cfg) -> dict:

@@ -404,7 +404,7 @@ def _offload_builder(t: TrainerConfig, schedule: optax.Schedule, mesh: Mesh) -> 
         o.offload_bucket_mb,
         master_on_host=o.offload_master,
         inflight=o.offload_inflight,
-        resident_bytes=int(o.offload_resident_gib * 2**30),
+        resident_gib=o.offload_resident_gib,
     )
 
 

@@ -19,10 +19,11 @@ not shorten the update, which the host link bounds (below; docs/benchmarks.md).
 `offload_master` False keeps the fp32 master on the devices (4 B/param there) and moves only the moments: 8 of the
 12 bytes per parameter cross PCIe each way per step. `offload_resident_gib` keeps whole buckets' state (master and
 moments) on the devices, the first buckets, up to that many GiB per device of what would otherwise rest in host
-memory: the memory the offload freed for activations is spent back on state that then never crosses PCIe. Each resident GiB saves 2 GiB of copies per step,
-as the master on the devices does, at any size instead of all or nothing. The host link is the bound: per GPU, one
-direction runs at ~54 GB/s and both at once at ~67 GB/s in all with two GPUs copying (tools/bench_host_copies.py,
-docs/benchmarks.md), so every GB of state left in host memory costs ~30 ms per step.
+memory: the memory the offload freed for activations is spent back on state that then never crosses PCIe. Each
+resident GiB saves 2 GiB of copies per step, as the master on the devices does, at any size instead of all or
+nothing. The host link is the bound: per GPU, one direction runs at ~54 GB/s and both at once at ~67 GB/s in all
+with two GPUs copying (tools/bench_host_copies.py, docs/benchmarks.md), so every GB of state left in host memory
+costs ~30 ms per step.
 
 Equal to the on-device update: the same clip and AdamW operations on the same fp32 values. With
 `model.param_dtype` float32 (compute copy = master) and one bucket the parameters and moments are bit-identical to
@@ -187,27 +188,20 @@ class Offload:
         replicated = NamedSharding(self.mesh, PartitionSpec())
         masters, opts = [], []
         for k in range(len(self.plan.buckets)):
+            master_kind, opt_kind = (DEVICE, DEVICE) if kind == DEVICE else self._kinds(k)
             master = self._bucket_master_sds(k)
-            masters.append(jax.tree.map(lambda s: s.sharding, master))
+            masters.append(jax.tree.map(lambda s, m=master_kind: s.sharding.with_memory_kind(m), master))
             shape = jax.eval_shape(self.inner.init, master)
             opts.append(
                 optax.tree_map_params(
                     self.inner,
-                    lambda _, s: s.sharding,
+                    lambda _, s, o=opt_kind: s.sharding.with_memory_kind(o),
                     shape,
                     master,
-                    transform_non_params=lambda _: replicated,
+                    transform_non_params=lambda _, o=opt_kind: replicated.with_memory_kind(o),
                 )
             )
-        kinds = [(DEVICE, DEVICE) if kind == DEVICE else self._kinds(k) for k in range(len(masters))]
-        return {
-            "master": tuple(
-                jax.tree.map(lambda s, m=m: s.with_memory_kind(m), x) for x, (m, _) in zip(masters, kinds, strict=True)
-            ),
-            "opt": tuple(
-                jax.tree.map(lambda s, o=o: s.with_memory_kind(o), x) for x, (_, o) in zip(opts, kinds, strict=True)
-            ),
-        }
+        return {"master": tuple(masters), "opt": tuple(opts)}
 
     def abstract(self) -> dict:
         """The opt_state as ShapeDtypeStructs carrying their (host) shardings."""
@@ -317,6 +311,18 @@ def host_bytes_per_param(master_on_host: bool) -> int:
     return (3 if master_on_host else 2) * jnp.dtype(MASTER_DTYPE).itemsize
 
 
+def _gib_bytes(gib: float) -> int:
+    return int(gib * 2**30)
+
+
+def host_state_bytes(num_params: int, devices: int, *, master_on_host: bool, resident_gib: float) -> int:
+    """Pinned host memory the offloaded state of `num_params` parameters takes over `devices` devices:
+    `host_bytes_per_param` each, less the `resident_gib` each device keeps (whole buckets up to it, so this is low
+    by less than a bucket per device)."""
+    total = host_bytes_per_param(master_on_host) * num_params
+    return max(0, total - _gib_bytes(resident_gib) * devices)
+
+
 def _where(pred: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
@@ -335,19 +341,19 @@ def make_offload(
     *,
     master_on_host: bool = True,
     inflight: int = 1,
-    resident_bytes: int = 0,
+    resident_gib: float = 0.0,
 ) -> Offload:
-    """The offload of `params` (arrays or ShapeDtypeStructs with NamedShardings on `mesh`); `resident_bytes` per
+    """The offload of `params` (arrays or ShapeDtypeStructs with NamedShardings on `mesh`); `resident_gib` per
     device of the state that would rest in host memory stays on the devices instead, whole buckets from the first."""
     plan = make_plan(params, max(1, int(bucket_mb * 2**20)))
     per_master_byte = host_bytes_per_param(master_on_host) // jnp.dtype(MASTER_DTYPE).itemsize
-    resident, used = [], 0
+    budget, resident, used = _gib_bytes(resident_gib), [], 0
     for k in range(len(plan.buckets)):
         used += per_master_byte * plan.bucket_bytes(k)
-        resident.append(used <= resident_bytes and all(resident))
+        resident.append(used <= budget and all(resident))
     return Offload(
         plan, clip, inner, mesh, HOST if master_on_host else DEVICE, max(1, inflight), tuple(resident)
     )
 
 
-__all__ = ["HOST", "Offload", "Plan", "host_bytes_per_param", "make_offload", "make_plan"]
+__all__ = ["HOST", "Offload", "Plan", "host_bytes_per_param", "host_state_bytes", "make_offload", "make_plan"]
