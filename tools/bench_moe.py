@@ -104,11 +104,13 @@ def _step(
     offload_master=True,
     inflight=1,
     resident_gib=0.0,
+    xla_flags="",
 ):
     """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md).
     offload_master, inflight, resident_gib: trainer.optim.offload_master / offload_inflight / offload_resident_gib
-    (trainer/offload.py)."""
+    (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS."""
     return dict(
+        xla_flags=xla_flags,
         resident_gib=resident_gib,
         lora=lora,
         offload=offload,
@@ -141,6 +143,13 @@ def _step(
 # 48 layers on 4 GPUs: bf16 parameters and AdamW moments (fp32 state, 16 B/param = 490 GB, does not fit 4 x 80 GB),
 # one 16k row per GPU, layers scanned (one compiled layer: 48 unrolled would not compile inside a session).
 GPU4 = dict(pdt="bfloat16", ep="fsdp", devices=4, rows=4, scan=True, steps=2, warmup=1)
+
+# XLA:GPU's collective pipeliner: a scanned layer's all-gathers / reduce-scatters move into the loop iteration before
+# (after), so they run under the neighbouring layer's compute, and the loop body double-buffered for it
+PIPELINED = (
+    "--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true"
+    " --xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true"
+)
 
 CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
@@ -285,6 +294,19 @@ CONFIGS = {
         _step("moe16:16k:bf16state:attn:2gpu", 16384, 16, remat="attn", **dict(GPU4, devices=2, rows=2)),
         _step("moe16:16k:bf16state:attn_experts_offload:2gpu", 16384, 16, remat="attn_experts_offload",
               **dict(GPU4, devices=2, rows=2)),
+    ],
+    # where the 2-GPU fsdp step loses against the same per-GPU work on one GPU (no gathers, no reduce-scatters):
+    # the fsdp row traced (NCCL time not under compute), and XLA's collective pipelining, which lets a scanned
+    # layer's gathers start in the iteration before
+    "gpu2:fsdp": [
+        _step("moe16:16k:bf16state:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:bf16state:1gpu", 16384, 16, remat="full", **dict(GPU4, devices=1, rows=1)),
+        _step("moe16:16k:bf16state:2gpu:pipelined", 16384, 16, remat="full", xla_flags=PIPELINED,
+              **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:bf16state:2gpu:trace", 16384, 16, remat="full", trace=True,
+              **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
+        _step("moe16:16k:bf16state:1gpu:trace", 16384, 16, remat="full", trace=True,
+              **dict(GPU4, devices=1, rows=1, steps=1, warmup=1)),
     ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
@@ -852,6 +874,8 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
             resident_gib=c.get("resident_gib", 0.0),
         )
         env.update(pinned_host_env(state, c["devices"], env))
+    if c.get("xla_flags"):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + c["xla_flags"]).strip()
     if smoke:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
         env["JAX_PLATFORMS"] = "cpu"

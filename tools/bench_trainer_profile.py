@@ -45,6 +45,7 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
     ops: dict[str, float] = collections.defaultdict(float)
     lines_seen = []
     copies: dict[str, dict[str, list]] = {}  # per GPU: host<->device copies' (start, end, stream)
+    spans: dict[str, dict[str, list]] = {}  # per GPU: every kernel's (start, end) by compute / nccl / copy
     for plane in ProfileData.from_file(pb).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -55,6 +56,10 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
                 continue
             for ev in line.events:
                 target[ev.name] += ev.duration_ns / 1e6 / steps
+                if target is kernels:
+                    spans.setdefault(plane.name, {}).setdefault(_kernel_kind(ev.name), []).append(
+                        (ev.start_ns, ev.start_ns + ev.duration_ns)
+                    )
                 direction = _copy_direction(ev.name) if target is kernels else None
                 if direction:
                     copies.setdefault(plane.name, {}).setdefault(direction, []).append(
@@ -84,7 +89,48 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
         top_xla_ops=best(ops),
         lines=sorted(set(lines_seen))[:20],
         host_copies=_copy_overlap(copies, steps),
+        busy=_busy(spans, steps),
     )
+
+
+def _kernel_kind(name: str) -> str:
+    n = name.lower()
+    return "nccl" if "nccl" in n else "copy" if "memcpy" in n or "memset" in n else "compute"
+
+
+def _length(spans: list[tuple[int, int]]) -> int:
+    return sum(b - a for a, b in spans)
+
+
+def _intersect(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> int:
+    """Overlap, ns, of two sorted disjoint span lists."""
+    both, i, j = 0, 0, 0
+    while i < len(x) and j < len(y):
+        both += max(0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return both
+
+
+def _busy(spans: dict, steps: int) -> dict:
+    """Per GPU, ms per step: the traced window, when some compute kernel ran, when NCCL ran, NCCL with no compute
+    beside it (exposed communication), and nothing at all (idle: launch gaps, host waits)."""
+    out = {}
+    for plane, by_kind in spans.items():
+        u = {k: _union(v) for k, v in by_kind.items()}
+        every = _union([s for v in by_kind.values() for s in v])
+        window = every[-1][1] - every[0][0] if every else 0
+        nccl, compute = u.get("nccl", []), u.get("compute", [])
+        out[plane] = dict(
+            window_ms=round(window / 1e6 / steps, 1),
+            compute_ms=round(_length(compute) / 1e6 / steps, 1),
+            nccl_ms=round(_length(nccl) / 1e6 / steps, 1),
+            nccl_exposed_ms=round((_length(nccl) - _intersect(nccl, compute)) / 1e6 / steps, 1),
+            idle_ms=round((window - _length(every)) / 1e6 / steps, 1),
+        )
+    return out
 
 
 def _copy_direction(name: str) -> str | None:
@@ -109,14 +155,7 @@ def _copy_overlap(copies: dict, steps: int) -> dict:
     for plane, by_dir in copies.items():
         h2d = _union([(a, b) for a, b, _ in by_dir.get("h2d", [])])
         d2h = _union([(a, b) for a, b, _ in by_dir.get("d2h", [])])
-        both, i, j = 0, 0, 0
-        while i < len(h2d) and j < len(d2h):
-            lo, hi = max(h2d[i][0], d2h[j][0]), min(h2d[i][1], d2h[j][1])
-            both += max(0, hi - lo)
-            if h2d[i][1] < d2h[j][1]:
-                i += 1
-            else:
-                j += 1
+        both = _intersect(h2d, d2h)
         out[plane] = dict(
             h2d_ms=round(sum(b - a for a, b in h2d) / 1e6 / steps, 1),
             d2h_ms=round(sum(b - a for a, b in d2h) / 1e6 / steps, 1),
