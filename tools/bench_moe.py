@@ -151,6 +151,8 @@ PIPELINED = (
     " --xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true"
 )
 
+LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+
 CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
     "gpu1": [
@@ -304,6 +306,14 @@ CONFIGS = {
         _step("moe16:16k:bf16state:2gpu:pipelined", 16384, 16, remat="full", xla_flags=PIPELINED,
               **dict(GPU4, devices=2, rows=2)),
         _step("moe16:16k:bf16state:2gpu:trace", 16384, 16, remat="full", trace=True,
+              **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
+        # XLA:GPU's latency-hiding scheduler (off by default): collectives' starts scheduled early, compute between
+        _step("moe16:16k:bf16state:2gpu:lhs", 16384, 16, remat="full", xla_flags=LHS, **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:bf16state:2gpu:lhs:pipelined", 16384, 16, remat="full", xla_flags=f"{LHS} {PIPELINED}",
+              **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:bf16state:attn:2gpu:lhs", 16384, 16, remat="attn", xla_flags=LHS,
+              **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:bf16state:2gpu:lhs:trace", 16384, 16, remat="full", xla_flags=LHS, trace=True,
               **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:1gpu:trace", 16384, 16, remat="full", trace=True,
               **dict(GPU4, devices=1, rows=1, steps=1, warmup=1)),
