@@ -57,9 +57,14 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
             for ev in line.events:
                 target[ev.name] += ev.duration_ns / 1e6 / steps
                 if target is kernels:
-                    spans.setdefault(plane.name, {}).setdefault(_kernel_kind(ev.name), []).append(
+                    kind = _kernel_kind(ev.name)
+                    spans.setdefault(plane.name, {}).setdefault(kind, []).append(
                         (ev.start_ns, ev.start_ns + ev.duration_ns)
                     )
+                    if kind == "nccl":  # which collective, for its exposed share
+                        spans[plane.name].setdefault("nccl_named", []).append(
+                            (ev.start_ns, ev.start_ns + ev.duration_ns, ev.name.split("(")[0])
+                        )
                 direction = _copy_direction(ev.name) if target is kernels else None
                 if direction:
                     copies.setdefault(plane.name, {}).setdefault(direction, []).append(
@@ -114,11 +119,28 @@ def _intersect(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> int:
     return both
 
 
+def _exposed_by_name(named: list, compute: list, t0: int, window: int, steps: int) -> dict:
+    """NCCL kernel name -> [ms run, ms with no compute beside it, first start as a fraction of the window]."""
+    import bisect
+
+    ends = [b for _, b in compute]
+    out: dict[str, list] = {}
+    for a, b, name in named:
+        lo = bisect.bisect_right(ends, a)
+        covered = _intersect([(a, b)], compute[lo:])
+        row = out.setdefault(name, [0.0, 0.0, 1.0])
+        row[0] += (b - a) / 1e6 / steps
+        row[1] += (b - a - covered) / 1e6 / steps
+        row[2] = min(row[2], (a - t0) / max(window, 1))
+    return {k: [round(x, 2) for x in v] for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
+
+
 def _busy(spans: dict, steps: int) -> dict:
     """Per GPU, ms per step: the traced window, when some compute kernel ran, when NCCL ran, NCCL with no compute
     beside it (exposed communication), and nothing at all (idle: launch gaps, host waits)."""
     out = {}
     for plane, by_kind in spans.items():
+        named = by_kind.pop("nccl_named", [])
         u = {k: _union(v) for k, v in by_kind.items()}
         every = _union([s for v in by_kind.values() for s in v])
         window = every[-1][1] - every[0][0] if every else 0
@@ -129,6 +151,7 @@ def _busy(spans: dict, steps: int) -> dict:
             nccl_ms=round(_length(nccl) / 1e6 / steps, 1),
             nccl_exposed_ms=round((_length(nccl) - _intersect(nccl, compute)) / 1e6 / steps, 1),
             idle_ms=round((window - _length(every)) / 1e6 / steps, 1),
+            nccl_exposed_by_kernel=_exposed_by_name(named, compute, every[0][0] if every else 0, window, steps),
         )
     return out
 
