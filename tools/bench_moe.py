@@ -105,12 +105,14 @@ def _step(
     inflight=1,
     resident_gib=0.0,
     xla_flags="",
+    env=None,
 ):
     """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md).
     offload_master, inflight, resident_gib: trainer.optim.offload_master / offload_inflight / offload_resident_gib
-    (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS."""
+    (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS; env: more environment for its process."""
     return dict(
         xla_flags=xla_flags,
+        env=env or {},
         resident_gib=resident_gib,
         lora=lora,
         offload=offload,
@@ -313,6 +315,11 @@ CONFIGS = {
               **dict(GPU4, devices=2, rows=2)),
         _step("moe16:16k:bf16state:attn:2gpu:lhs", 16384, 16, remat="attn", xla_flags=LHS,
               **dict(GPU4, devices=2, rows=2)),
+        # NCCL's Simple protocol for the large gathers (the trace names the LL kernels)
+        _step("moe16:16k:bf16state:2gpu:simple", 16384, 16, remat="full", env=dict(NCCL_PROTO="Simple"),
+              **dict(GPU4, devices=2, rows=2)),
+        _step("moe16:16k:bf16state:2gpu:simple:trace", 16384, 16, remat="full", env=dict(NCCL_PROTO="Simple"),
+              trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:2gpu:lhs:trace", 16384, 16, remat="full", xla_flags=LHS, trace=True,
               **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:1gpu:trace", 16384, 16, remat="full", trace=True,
@@ -884,6 +891,7 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
             resident_gib=c.get("resident_gib", 0.0),
         )
         env.update(pinned_host_env(state, c["devices"], env))
+    env.update(c.get("env") or {})
     if c.get("xla_flags"):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + c["xla_flags"]).strip()
     if smoke:

@@ -139,7 +139,7 @@ def _busy(spans: dict, steps: int) -> dict:
     """Per GPU, ms per step: the traced window, when some compute kernel ran, when NCCL ran, NCCL with no compute
     beside it (exposed communication), and nothing at all (idle: launch gaps, host waits)."""
     out = {}
-    for plane, by_kind in spans.items():
+    for n, (plane, by_kind) in enumerate(sorted(spans.items())):
         named = by_kind.pop("nccl_named", [])
         u = {k: _union(v) for k, v in by_kind.items()}
         every = _union([s for v in by_kind.values() for s in v])
@@ -153,6 +153,12 @@ def _busy(spans: dict, steps: int) -> dict:
             idle_ms=round((window - _length(every)) / 1e6 / steps, 1),
             nccl_exposed_by_kernel=_exposed_by_name(named, compute, every[0][0] if every else 0, window, steps),
         )
+        if n == 0:  # one GPU's collectives in order: [start ms, ms, ms with no compute beside it, kernel]
+            out[plane]["nccl_timeline"] = [
+                [round((a - every[0][0]) / 1e6, 2), round((b - a) / 1e6, 2),
+                 round((b - a - _intersect([(a, b)], compute)) / 1e6, 2), name[15:40]]
+                for a, b, name in sorted(named)
+            ]  # fmt: skip
     return out
 
 
