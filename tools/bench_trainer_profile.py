@@ -156,7 +156,7 @@ def _busy(spans: dict, steps: int) -> dict:
         if n == 0:  # one GPU's collectives in order: [start ms, ms, ms with no compute beside it, kernel]
             out[plane]["nccl_timeline"] = [
                 [round((a - every[0][0]) / 1e6, 2), round((b - a) / 1e6, 2),
-                 round((b - a - _intersect([(a, b)], compute)) / 1e6, 2), name[15:40]]
+                 round((b - a - _intersect([(a, b)], compute)) / 1e6, 2), name[14:]]
                 for a, b, name in sorted(named)
             ]  # fmt: skip
     return out
