@@ -320,6 +320,8 @@ CONFIGS = {
               **dict(GPU4, devices=2, rows=2)),
         _step("moe16:16k:bf16state:2gpu:simple:trace", 16384, 16, remat="full", env=dict(NCCL_PROTO="Simple"),
               trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
+        _step("moe16:16k:bf16state:2gpu:lhs:pipelined:trace", 16384, 16, remat="full", xla_flags=f"{LHS} {PIPELINED}",
+              trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:2gpu:lhs:trace", 16384, 16, remat="full", xla_flags=LHS, trace=True,
               **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:1gpu:trace", 16384, 16, remat="full", trace=True,
