@@ -154,6 +154,7 @@ PIPELINED = (
 )
 
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+OVERLAP = "--xla_gpu_experimental_parallel_collective_overlap_limit"
 
 CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
@@ -322,6 +323,17 @@ CONFIGS = {
               trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:2gpu:lhs:pipelined:trace", 16384, 16, remat="full", xla_flags=f"{LHS} {PIPELINED}",
               trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
+        # the scheduler keeps one collective in flight by default: a layer's expert gathers queue behind its
+        # attention gathers and the router's all-reduce, and start after the attention they could hide under
+        *[
+            _step(f"moe16:16k:bf16state:2gpu:overlap{n}", 16384, 16, remat="full", xla_flags=f"{OVERLAP}={n}",
+                  **dict(GPU4, devices=2, rows=2))
+            for n in (2, 4)
+        ],
+        _step("moe16:16k:bf16state:2gpu:overlap4:trace", 16384, 16, remat="full", xla_flags=f"{OVERLAP}=4",
+              trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
+        _step("moe16:16k:bf16state:attn:2gpu:overlap4", 16384, 16, remat="attn", xla_flags=f"{OVERLAP}=4",
+              **dict(GPU4, devices=2, rows=2)),
         _step("moe16:16k:bf16state:2gpu:lhs:trace", 16384, 16, remat="full", xla_flags=LHS, trace=True,
               **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:1gpu:trace", 16384, 16, remat="full", trace=True,
