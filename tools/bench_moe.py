@@ -106,11 +106,13 @@ def _step(
     resident_gib=0.0,
     xla_flags="",
     env=None,
+    unroll=1,
 ):
     """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md).
     offload_master, inflight, resident_gib: trainer.optim.offload_master / offload_inflight / offload_resident_gib
     (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS; env: more environment for its process."""
     return dict(
+        unroll=unroll,
         xla_flags=xla_flags,
         env=env or {},
         resident_gib=resident_gib,
@@ -327,6 +329,15 @@ CONFIGS = {
               trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:attn:2gpu:overlap4", 16384, 16, remat="attn", xla_flags=f"{OVERLAP}=4",
               **dict(GPU4, devices=2, rows=2)),
+        # two or four layers per scan iteration: a layer's gathers can start under the previous layer's compute
+        _step("moe16:16k:bf16state:2gpu:unroll2", 16384, 16, remat="full", unroll=2, **dict(GPU4, devices=2, rows=2)),
+        *[
+            _step(f"moe16:16k:bf16state{r}:2gpu:unroll{u}:overlap4", 16384, 16, remat=r[1:] or "full", unroll=u,
+                  xla_flags=f"{OVERLAP}=4", **dict(GPU4, devices=2, rows=2))
+            for r, u in (("", 2), ("", 4), (":attn", 2))
+        ],
+        _step("moe16:16k:bf16state:2gpu:unroll2:overlap4:trace", 16384, 16, remat="full", unroll=2,
+              xla_flags=f"{OVERLAP}=4", trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:2gpu:lhs:trace", 16384, 16, remat="full", xla_flags=LHS, trace=True,
               **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
         _step("moe16:16k:bf16state:1gpu:trace", 16384, 16, remat="full", trace=True,
@@ -770,6 +781,7 @@ def _model_config(c: dict):
         # (models/moe_a2a.py); omitted parts take ModelConfig's defaults
         **_a2a_options(c["ep"]),
         scan_layers=bool(c.get("scan")),
+        scan_unroll=c.get("unroll", 1),
         deltanet_impl=c.get("deltanet", "auto"),
     )
 

@@ -108,6 +108,9 @@ class ModelConfig:
     # each layer alone, so unrolled steps are faster and peak lower, for a longer compile (measurements:
     # docs/benchmarks.md, "unrolled layers").
     scan_layers: bool = False
+    # Layers per iteration of that scan. Above 1, one layer's weight gathers (FSDP) can run under the previous
+    # layer's compute in the same iteration: the scheduler does not move collectives across iterations.
+    scan_unroll: int = 1
     # Llama/Qwen3 `attention_bias=true` also puts a bias on o_proj; Qwen2 never does.
     attention_out_bias: bool = False
     # Mixture of experts (qwen3_moe). num_experts=0: dense. A layer is sparse unless listed in mlp_only_layers
@@ -202,6 +205,8 @@ class ModelConfig:
                 raise ValueError("moe_intermediate_size and decoder_sparse_step must be positive with num_experts > 0")
             if self.scan_layers and 0 < len(self.sparse_layers()) < self.num_layers:
                 raise ValueError("scan_layers=True needs every layer dense or every layer sparse (mlp_only_layers)")
+        if self.scan_unroll < 1:
+            raise ValueError(f"scan_unroll={self.scan_unroll} must be >= 1")
         if self.router_scoring not in ROUTER_SCORING:
             raise ValueError(f"router_scoring={self.router_scoring!r} is not one of {ROUTER_SCORING}")
         if self.num_experts and (self.n_group < 1 or self.num_experts % self.n_group

@@ -42,6 +42,12 @@ class ModelSettings(Section):
         "apply the decoder layers as one lax.scan (compiled once: minutes less for deep models, a slower step; "
         "needs every layer dense or every layer sparse)",
     )
+    scan_unroll: int = option(
+        1,
+        "with scan_layers: layers per scan iteration (>1 lets a layer's FSDP weight gathers run under the "
+        "previous layer's compute; a longer compile)",
+        ge=1,
+    )
     gmm_impl: str = option(
         "auto",
         "MoE grouped matmul (auto: Mosaic GPU kernels on Hopper, XLA ragged_dot elsewhere)",
@@ -88,6 +94,7 @@ class ModelSettings(Section):
             "attention_impl": self.attention_impl,
             "remat_policy": self.remat_policy,
             "scan_layers": self.scan_layers,
+            "scan_unroll": self.scan_unroll,
             "gmm_impl": self.gmm_impl,
             "expert_parallel": self.expert_parallel,
             "a2a_impl": self.a2a_impl,

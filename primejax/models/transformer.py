@@ -421,11 +421,13 @@ class DecoderStack(nnx.Module):
         sparse = cfg.sparse_layers()
         if cfg.scan_layers:
             if not sparse or replay is None:
-                x_btd, stats = jax.lax.scan(lambda x, p: step(x, p, None), x_btd, stacked)
+                x_btd, stats = jax.lax.scan(lambda x, p: step(x, p, None), x_btd, stacked, unroll=cfg.scan_unroll)
             else:
                 mask = replay[1]
                 xs = (stacked, jnp.moveaxis(replay[0], 2, 0))
-                x_btd, stats = jax.lax.scan(lambda x, pr: step(x, pr[0], (pr[1], mask)), x_btd, xs)
+                x_btd, stats = jax.lax.scan(
+                    lambda x, pr: step(x, pr[0], (pr[1], mask)), x_btd, xs, unroll=cfg.scan_unroll
+                )
             return x_btd, stats if sparse else {}
 
         # One split per weight (its transpose is one concatenate of the layers' gradients), not L slices

@@ -239,6 +239,33 @@ def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
     assert err <= 1e-5 * scale, (err, scale)  # any remat reorders fp32 sums: `full` is 1.3e-6 of the scale here
 
 
+def test_scan_unroll_gives_the_one_layer_scan_results():
+    """Two layers per scan iteration (scan_unroll=2) over 4 layers, a remat policy on: the same loss and
+    gradients as one layer per iteration; 0 is refused."""
+    from flax import nnx
+
+    from primejax.models.sharding import init_model
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (1, 16)), jnp.int32)
+    pos = jnp.arange(16, dtype=jnp.int32)[None]
+    seg = jnp.ones((1, 16), jnp.int32)
+    out = {}
+    for unroll in (1, 2):
+        cfg = _cfg(scan_layers=True, scan_unroll=unroll, remat_policy="full", gmm_impl="xla", compute_dtype="float32")
+        graphdef, params = nnx.split(init_model(cfg, None, seed=0))
+
+        def loss(p, graphdef=graphdef):
+            return jnp.sum(nnx.merge(graphdef, p)(tokens, pos, seg).astype(jnp.float32) ** 2)
+
+        out[unroll] = jax.jit(jax.value_and_grad(loss))(params)
+    (l1, g1), (l2, g2) = out[1], out[2]
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6 * float(jnp.abs(a).max()))
+    with pytest.raises(ValueError, match="scan_unroll"):
+        _cfg(scan_layers=True, scan_unroll=0)
+
+
 def test_grouped_matmul_tile_table_fits_the_kernels():
     """Every measured tile entry tiles its shape (the Mosaic kernels' divisibility rules) and fits shared memory;
     unknown shapes get the default tiles."""
