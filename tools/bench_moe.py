@@ -246,6 +246,12 @@ CONFIGS = {
             "moe48:16k:fp32offload:attn:master_on_gpu:resident15:inflight2:x8", 16384, 48, remat="attn", offload=True,
             bucket_mb=2048.0, inflight=2, offload_master=False, resident_gib=15.0, micro=8, **dict(GPU4, steps=1),
         ),
+        # the same at 16 micro-batches (a 1M-token step): the update's share halves; what the fp32 row can reach
+        _step(
+            "moe48:16k:fp32offload:attn:master_on_gpu:resident15:inflight2:x16", 16384, 48, remat="attn", offload=True,
+            bucket_mb=2048.0, inflight=2, offload_master=False, resident_gib=15.0, micro=16,
+            **dict(GPU4, steps=1, warmup=1),
+        ),
         # remat attn_experts_offload is not here: on 2 x H200 it ran 864 ms against 752 for attn (gpu2:offload)
         _step("moe48:16k:bf16state:attn", 16384, 48, remat="attn", **GPU4),
         # the freed GPU memory spent on activations (remat auto), bf16 state beside it
