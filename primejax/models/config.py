@@ -34,7 +34,7 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #   dots_no_batch_attn  dots_no_batch plus the attention output: only elementwise ops are recomputed
 #   attn_offload   attn, with the attention outputs offloaded to pinned host memory (long rows; docs/scaling.md)
 #   attn_experts_offload  attn, and the experts' gate/up grouped-matmul output offloaded to pinned host memory
-#                  instead of recomputed (MoE: the host link is idle during the forward and backward)
+#                  instead of recomputed (MoE; slower than attn on H200 PCIe hosts: docs/memory.md)
 #   auto           dots_no_batch_attn up to 32k tokens per micro-batch, attn beyond (fastest measured, and
 #                  the long rows fit: see transformer.resolve_remat_policy and docs/benchmarks.md)
 REMAT_POLICIES = (
