@@ -46,6 +46,7 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
     lines_seen = []
     copies: dict[str, dict[str, list]] = {}  # per GPU: host<->device copies' (start, end, stream)
     spans: dict[str, dict[str, list]] = {}  # per GPU: every kernel's (start, end) by compute / nccl / copy
+    collectives: dict[str, list] = {}  # per GPU: each NCCL kernel's (start, end, name)
     for plane in ProfileData.from_file(pb).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -62,7 +63,7 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
                         (ev.start_ns, ev.start_ns + ev.duration_ns)
                     )
                     if kind == "nccl":  # which collective, for its exposed share
-                        spans[plane.name].setdefault("nccl_named", []).append(
+                        collectives.setdefault(plane.name, []).append(
                             (ev.start_ns, ev.start_ns + ev.duration_ns, ev.name.split("(")[0])
                         )
                 direction = _copy_direction(ev.name) if target is kernels else None
@@ -94,7 +95,7 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
         top_xla_ops=best(ops),
         lines=sorted(set(lines_seen))[:20],
         host_copies=_copy_overlap(copies, steps),
-        busy=_busy(spans, steps),
+        busy=_busy(spans, collectives, steps),
     )
 
 
@@ -119,46 +120,50 @@ def _intersect(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> int:
     return both
 
 
-def _exposed_by_name(named: list, compute: list, t0: int, window: int, steps: int) -> dict:
-    """NCCL kernel name -> [ms run, ms with no compute beside it, first start as a fraction of the window]."""
+def _exposed(named: list, compute: list) -> list[tuple[int, int, str, int]]:
+    """Each collective (start, end, name) with its ns that no compute kernel (sorted disjoint spans) runs beside."""
     import bisect
 
     ends = [b for _, b in compute]
+    return [(a, b, name, b - a - _intersect([(a, b)], compute[bisect.bisect_right(ends, a) :])) for a, b, name in named]
+
+
+def _exposed_by_name(events: list, t0: int, window: int, steps: int) -> dict:
+    """NCCL kernel name -> [ms run, ms with no compute beside it, first start as a fraction of the window]."""
     out: dict[str, list] = {}
-    for a, b, name in named:
-        lo = bisect.bisect_right(ends, a)
-        covered = _intersect([(a, b)], compute[lo:])
+    for a, b, name, alone in events:
         row = out.setdefault(name, [0.0, 0.0, 1.0])
         row[0] += (b - a) / 1e6 / steps
-        row[1] += (b - a - covered) / 1e6 / steps
+        row[1] += alone / 1e6 / steps
         row[2] = min(row[2], (a - t0) / max(window, 1))
     return {k: [round(x, 2) for x in v] for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
 
-def _busy(spans: dict, steps: int) -> dict:
+def _busy(spans: dict, collectives: dict, steps: int) -> dict:
     """Per GPU, ms per step: the traced window, when some compute kernel ran, when NCCL ran, NCCL with no compute
-    beside it (exposed communication), and nothing at all (idle: launch gaps, host waits)."""
+    beside it (exposed communication), and nothing at all (idle: launch gaps, host waits); `collectives`' NCCL
+    kernels by name, and the first GPU's in order."""
     out = {}
     for n, (plane, by_kind) in enumerate(sorted(spans.items())):
-        named = by_kind.pop("nccl_named", [])
         u = {k: _union(v) for k, v in by_kind.items()}
         every = _union([s for v in by_kind.values() for s in v])
-        window = every[-1][1] - every[0][0] if every else 0
+        t0 = every[0][0] if every else 0
+        window = every[-1][1] - t0 if every else 0
         nccl, compute = u.get("nccl", []), u.get("compute", [])
+        events = _exposed(sorted(collectives.get(plane, [])), compute)
         out[plane] = dict(
             window_ms=round(window / 1e6 / steps, 1),
             compute_ms=round(_length(compute) / 1e6 / steps, 1),
             nccl_ms=round(_length(nccl) / 1e6 / steps, 1),
             nccl_exposed_ms=round((_length(nccl) - _intersect(nccl, compute)) / 1e6 / steps, 1),
             idle_ms=round((window - _length(every)) / 1e6 / steps, 1),
-            nccl_exposed_by_kernel=_exposed_by_name(named, compute, every[0][0] if every else 0, window, steps),
+            nccl_exposed_by_kernel=_exposed_by_name(events, t0, window, steps),
         )
         if n == 0:  # one GPU's collectives in order: [start ms, ms, ms with no compute beside it, kernel]
             out[plane]["nccl_timeline"] = [
-                [round((a - every[0][0]) / 1e6, 2), round((b - a) / 1e6, 2),
-                 round((b - a - _intersect([(a, b)], compute)) / 1e6, 2), name[14:]]
-                for a, b, name in sorted(named)
-            ]  # fmt: skip
+                [round((a - t0) / 1e6, 2), round((b - a) / 1e6, 2), round(alone / 1e6, 2), name[14:]]
+                for a, b, name, alone in events
+            ]
     return out
 
 

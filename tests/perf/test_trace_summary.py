@@ -10,15 +10,12 @@ MS = 10**6  # spans are in ns
 
 def test_exposed_nccl_idle_and_window_per_gpu():
     # compute 0-10 and 20-30 ms; an all-gather 5-25 (10 ms of it alone), a reduce-scatter 32-34 (all alone)
-    spans = {
-        "/device:GPU:0": {
-            "compute": [(20 * MS, 30 * MS), (0, 10 * MS)],
-            "nccl": [(5 * MS, 25 * MS), (32 * MS, 34 * MS)],
-            "nccl_named": [(5 * MS, 25 * MS, "ncclDevKernel_AllGather_RING_LL"),
-                           (32 * MS, 34 * MS, "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL")],
-        }
+    spans = {"/device:GPU:0": {"compute": [(20 * MS, 30 * MS), (0, 10 * MS)], "nccl": [(5 * MS, 25 * MS), (32 * MS, 34 * MS)]}}
+    collectives = {
+        "/device:GPU:0": [(32 * MS, 34 * MS, "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL"),
+                          (5 * MS, 25 * MS, "ncclDevKernel_AllGather_RING_LL")],
     }  # fmt: skip
-    got = _busy(spans, steps=2)["/device:GPU:0"]
+    got = _busy(spans, collectives, steps=2)["/device:GPU:0"]
     assert got["window_ms"] == 17.0  # 34 ms over 2 steps
     assert got["compute_ms"] == 10.0 and got["nccl_ms"] == 11.0
     assert got["nccl_exposed_ms"] == 6.0  # (10 + 2) / 2
