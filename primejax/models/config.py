@@ -72,7 +72,7 @@ GMM_IMPLS = ("xla", "mgpu", "auto")
 # exchanged (all-gather in, reduce-scatter out).
 EXPERT_PARALLEL = ("fsdp", "ep", "a2a")
 A2A_IMPLS = ("auto", "ragged", "padded")  # expert_parallel="a2a"'s exchange (models/moe_a2a.py)
-A2A_CAPACITY_FACTOR = 1.5  # a2a's default slot per peer and round, in balanced shares (models/moe_a2a.py)
+A2A_CAPACITY_FACTOR = 1.5  # a2a's default slot per peer and round and pair window, in balanced shares (moe_a2a.py)
 
 
 def a2a_capacity_problem(factor: float) -> str | None:
@@ -133,8 +133,9 @@ class ModelConfig:
     gmm_impl: str = "auto"
     expert_parallel: str = "fsdp"
     a2a_impl: str = "auto"
-    # a2a's per-peer slot per round: this factor x the balanced share N*k/P (<= 0: the worst case, one round);
-    # rounds past the first run only when some device sends some peer more (models/moe_a2a.py)
+    # a2a's per-peer slot per round: this factor x the balanced share of tokens that visit a peer (<= 0: all N,
+    # one round), and round 0's window of received pairs: this factor x N*k. Rounds past the first and pairs
+    # past the window run only when some batch needs them (models/moe_a2a.py)
     a2a_capacity_factor: float = A2A_CAPACITY_FACTOR
     deltanet_impl: str = "auto"
     router_scoring: str = "softmax"

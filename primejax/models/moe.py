@@ -24,8 +24,9 @@ sharding.SHARDING_RULES):
 - "ep": experts stay on their device; the tokens (and routing) are all-gathered over fsdp, each device runs
   its own experts on the pairs routed to them, and the partial outputs are reduce-scattered back. Token
   traffic ~2*N*D per layer, no expert-weight traffic.
-- "a2a": experts stay on their device; each (token, expert) pair's row is sent to its expert's device and
-  back by all-to-all (moe_a2a.py): N*k rows each way, the expert MLP on local experts and received rows only.
+- "a2a": experts stay on their device; each token's row is sent once to every device holding one of its
+  experts and one weighted row comes back, by all-to-all (moe_a2a.py): at most P*N rows each way, the expert
+  MLP on local experts and received pairs only.
 Both run inside `shard_map` so the sort and the grouped matmul stay per device, with the tokens split over
 every axis that splits the batch (data, fsdp, and context under context parallelism).
 """

@@ -3,35 +3,39 @@
 Per device, inside the shard_map of moe.experts_forward (tokens split over every batch axis, experts over the
 `experts` axis of sharding.SHARDING_RULES, P devices along it, E_local = E / P experts each):
 
-1. sort the local (token, expert) pairs by expert: since experts are laid out by device, that also sorts them
-   by destination device; each pair's row is its token's hidden state (moe._dispatch);
-2. dispatch: send each peer the rows of the pairs routed to its experts, with their expert ids;
-3. sort the received rows by local expert and run the expert MLP (grouped matmul) on the local experts only;
-4. combine: send the outputs back the way they came, and weight each token's k outputs by its scores.
+1. dispatch: each token goes once to every device that holds at least one of its k experts, with its k expert
+   ids and scores (a bundle), not once per (token, expert) pair. With Qwen3-30B-A3B on 4 devices a token's 8
+   experts sit on 3.6 devices on average, so this moves 2.2x fewer rows than one per pair, and each bundle
+   returns one row;
+2. the receiver expands its bundles into (row, local expert) pairs, sorts them by expert, runs the expert MLP
+   (grouped matmul) on its own experts and weights each row's outputs by their scores, one row per bundle;
+3. combine: the rows go back the way they came, and each token sums what its devices returned.
 
-Dropless and exact, in rounds. A device sends one peer at most C = N * min(k, E_local) rows (each token routes
-at most min(k, E_local) of its k pairs to one peer's experts). Each round gives every peer a slot of c rows
-(`capacity`: ModelConfig.a2a_capacity_factor x the balanced share N * k / P, or C when the factor is <= 0):
-round r carries rows [r*c, (r+1)*c) of what a device sends each peer. Round 0 always runs; round r > 0 runs
-only when some device sends some peer more than r*c rows (all devices see the same all-gathered counts, so all
-take the same branch), and its backward recomputes it under the same condition rather than keeping its
-buffers (`_round_if`). With a balanced load one round of c ~ 1.5 N*k/P rows moves min(k, E_local) * P / 1.5k
-times fewer rows than worst-case slots (2.7x at P = 4 for Qwen3-30B-A3B). The receive buffer of a round holds
-P * c rows: slot s from device s. Two exchanges (ModelConfig.a2a_impl):
+Dropless and exact, in rounds. A device sends one peer at most N bundles (one per token). Each round gives every
+peer a slot of c rows (`capacity`: ModelConfig.a2a_capacity_factor x the balanced share N * h, h the chance
+that a token has an expert on a given device, or N when the factor is <= 0). Round r carries bundles
+[r*c, (r+1)*c) of what a device sends each peer. Round 0 always runs; round r > 0 runs only when some device
+sends some peer more than r*c bundles (all devices see the same all-gathered counts, so all take the same
+branch), and its backward recomputes it under the same condition rather than keeping its buffers (`_when`).
+With 4 devices and Qwen3-30B-A3B's routing h = 0.9, so c = N: one round, whatever the routing.
 
+The receiver's pairs: a device receives about N*k of them with a balanced load (at most P*c*min(k, E_local)).
+Round 0 runs the expert MLP over the first `pair_window` sorted pairs (the factor x N*k), in ranges of N*k/2
+rows, each skipped (lax.cond) when it holds no pair: the Mosaic GPU grouped matmul's work is set by its static
+row count, so this keeps the FLOPs to the pairs received. Pairs past the window (a skewed batch) run in one
+more MLP call, under the same recompute-in-backward condition as the rounds. Each range is a kernel to
+compile, so later rounds run as one range.
+
+Two exchanges (ModelConfig.a2a_impl):
 - "padded": `jax.lax.all_to_all` of the [P, c, D] send buffer (unused rows zero). Any backend.
-- "ragged": `jax.lax.ragged_all_to_all` sends exactly the rows of the round into the same slots. XLA:CPU has
-  no ragged-all-to-all (its ThunkEmitter refuses the opcode); on GPU (jax 0.11.2) it ran ~10x slower than
+- "ragged": `jax.lax.ragged_all_to_all` sends only the filled rows of each slot. XLA:CPU has no
+  ragged-all-to-all (its ThunkEmitter refuses the opcode); on GPU (jax 0.11.2) it ran ~10x slower than
   "padded" (docs/benchmarks.md), so this is the TPU path.
 - "auto": ragged on TPU (the mesh's platform: an ahead-of-time TPU compile on a CPU host takes it), padded
   elsewhere.
 
-Both fill the same slots, and the expert MLP sorts its rows by expert, so they give the same result. Memory per
-device and sparse layer: a round's receive buffer and the MLP's rows, P * c * (D + 2I) elements, and under
-"padded" the send buffer too. The MLP runs over ranges of N*k/2 rows of the sorted receive buffer, each skipped
-(lax.cond) when it holds no received row, so its FLOPs follow the rows received (about N * k when the load is
-balanced), not the buffer: the Mosaic GPU grouped matmul's work is set by its static row count. Each range is
-a kernel to compile, so rounds past the first run as one range.
+Both fill the same slots, so they give the same result. Memory per device and sparse layer: the send and
+receive buffers, 2 * P * c * D elements, and the window of pairs and the MLP's rows, window * (D + 2I).
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ from primejax.models.config import A2A_IMPLS
 # ragged path's offset arithmetic on XLA:CPU, which lacks the collective.
 RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
 
+# Each round past the first is its own expert MLP and exchange in the compiled layer: at most this many rounds,
+# the slots grow where the factor would take more.
+MAX_ROUNDS = 8
+
 
 def resolve_a2a(impl: str) -> str:
     if impl not in A2A_IMPLS:
@@ -62,66 +70,36 @@ def resolve_a2a(impl: str) -> str:
     return impl
 
 
-@jax.custom_vjp
-def _gather_rows(x, idx, valid, inv_idx, inv_valid):
-    """y[j] = x[idx[j]] where valid[j], else 0; every row of x lands in y at most once, at inv_idx (where
-    inv_valid), so the gradient is the gather g[inv_idx] (XLA's transpose would be a scatter-add)."""
-    y = jnp.take(x, jnp.clip(idx, 0, x.shape[0] - 1), axis=0)
-    return jnp.where(valid[:, None], y, jnp.zeros_like(y))
+def hit_fraction(k: int, e_local: int, p: int) -> float:
+    """The chance that a token's k distinct experts, drawn uniformly from E = P * E_local, include one of a
+    given device's E_local: the share of a device's tokens that each peer receives with a balanced load."""
+    e = e_local * p
+    miss = 1.0
+    for i in range(k):
+        if e - e_local - i <= 0:  # more experts than the other devices hold: every token visits
+            return 1.0
+        miss *= (e - e_local - i) / (e - i)
+    return 1.0 - miss
 
 
-def _gather_rows_fwd(x, idx, valid, inv_idx, inv_valid):
-    return _gather_rows(x, idx, valid, inv_idx, inv_valid), (idx, valid, inv_idx, inv_valid)
-
-
-def _gather_rows_bwd(res, g):
-    idx, valid, inv_idx, inv_valid = res
-    return _gather_rows(g, inv_idx, inv_valid, idx, valid), None, None, None, None
-
-
-_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
-
-
-def _exclusive_cumsum(x, axis=0):
-    return jnp.cumsum(x, axis=axis) - x
-
-
-def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, size):
-    """moe._expert_mlp over row ranges of `size` rows of `rows` (sorted by expert, received rows first; the last
-    range may be shorter), each run only when it holds a grouped row: the work follows the rows received, not
-    the buffer size. Each range is its own grouped-matmul call (a kernel to compile): keep them few."""
-    m, d = rows.shape
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    total = ends[-1]
-    outs = []
-    for lo in range(0, m, size):
-        hi = min(lo + size, m)
-        sizes_c = (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).astype(jnp.int32)
-
-        def run(x, sizes_c=sizes_c):
-            return moe._expert_mlp(
-                x, sizes_c, gate_up, down, adapters, impl=impl, full=False, lora_scale=lora_scale
-            )
-
-        outs.append(jax.lax.cond(total > lo, run, jnp.zeros_like, rows[lo:hi]))
-    return jnp.concatenate(outs, axis=0)
-
-
-# Each round past the first is its own expert MLP and exchange in the compiled layer: at most this many rounds,
-# the slots grow where the factor would take more (many devices, few local experts: P = 64, E_local = 2, k = 8
-# would take 11 rounds at factor 1.5).
-MAX_ROUNDS = 8
+def _round8(x: float) -> int:
+    return -(-math.ceil(x) // 8) * 8
 
 
 def capacity(n: int, k: int, e_local: int, p: int, factor: float) -> int:
-    """Rows one peer's slot holds per round: the worst case C = N * min(k, E_local) when `factor` <= 0, else
-    factor x the balanced share N * k / P rounded up to a multiple of 8, at least C / MAX_ROUNDS, at most C."""
-    worst = n * min(k, e_local)
+    """Bundles one peer's slot holds per round: the worst case N when `factor` <= 0, else factor x the balanced
+    share N * hit_fraction rounded up to a multiple of 8, at least N / MAX_ROUNDS, at most N."""
     if factor <= 0:
-        return worst
-    share = max(math.ceil(factor * n * k / p), -(-worst // MAX_ROUNDS))
-    return min(worst, -(-share // 8) * 8)
+        return n
+    share = max(factor * hit_fraction(k, e_local, p) * n, n / MAX_ROUNDS)
+    return min(n, _round8(share))
+
+
+def pair_window(n: int, k: int, e_local: int, p: int, factor: float) -> int:
+    """(token, local expert) pairs round 0's expert MLP covers before the overflow call: factor x N*k (what a
+    device receives with a balanced load), at most every pair its receive buffer can hold."""
+    most = p * capacity(n, k, e_local, p, factor) * min(k, e_local)
+    return most if factor <= 0 else min(most, _round8(factor * n * k))
 
 
 def experts_a2a(
@@ -129,109 +107,261 @@ def experts_a2a(
 ):  # fmt: skip
     """One device's part of the sparse block: its tokens x [N, D] routed by topk_idx [N, k] (global expert
     ids) and scores [N, k]; gate_up / down (and adapters) are its E_local experts, the `axis` index-th block."""
-    n, d = x_nd.shape
-    k = topk_idx.shape[1]
+    n = x_nd.shape[0]
     e_local = gate_up.shape[0]
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
-    worst = n * min(k, e_local)  # the most rows one peer can be sent
-    c = capacity(n, k, e_local, p, capacity_factor)
-    rounds = -(-worst // c)
+    c = capacity(n, topk_idx.shape[1], e_local, p, capacity_factor)
+    rounds = -(-n // c)
 
-    key = topk_idx.reshape(-1)
-    order, inv = moe._sort_pairs(key)  # by expert, hence by destination device
-    xs = moe._dispatch(x_nd, order, inv, k)  # [N*k, D]
-    ids = jnp.take(key, order)  # [N*k] global expert ids, sorted
-    dest = ids // e_local
-    send_counts = jnp.bincount(dest, length=p).astype(jnp.int32)  # rows to each peer
-    send_starts = _exclusive_cumsum(send_counts)
+    peers = jnp.arange(p, dtype=jnp.int32)
+    hit = jnp.any(topk_idx[None] // e_local == peers[:, None, None], axis=-1)  # [P, N]: token n goes to peer q
+    pos = jnp.cumsum(hit, axis=1, dtype=jnp.int32) - 1  # its place among what peer q is sent
+    send_counts = jnp.sum(hit, axis=1, dtype=jnp.int32)
     counts = jax.lax.all_gather(send_counts, axis)  # [source, destination], the same on every device
-    pos = jnp.arange(n * k, dtype=jnp.int32) - jnp.take(send_starts, dest)  # a row's place among its peer's
-    static = (p, c, axis, exchange, impl, lora_scale)
-    ints = (ids, dest, pos, send_counts, send_starts, counts, me)
-    ys = _round(0, static, ints, xs, gate_up, down, adapters)
+    width = rounds * c
+    tok_of = (  # the token at each place of each peer's list
+        jnp.zeros((p, width), jnp.int32)
+        .at[peers[:, None], jnp.where(hit, pos, width)]
+        .set(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p, n)), mode="drop")
+    )
+    k = topk_idx.shape[1]
+    window = pair_window(n, k, e_local, p, capacity_factor)
+    # round 0's MLP ranges: half of a balanced load each, so two run and the rest of the window is skipped
+    static = (c, axis, exchange, impl, lora_scale, window, -(-n * k // 2))
+    ints = (topk_idx, hit, pos, tok_of, send_counts, counts, me)
+    y = _round(0, static, ints, x_nd, scores, gate_up, down, adapters)
     most = jnp.max(counts)
-    for r in range(1, rounds):  # only when some device sends some peer more than r * c rows: all agree
-        ys = ys + _round_if(r, static, most > r * c, ints, xs, gate_up, down, adapters)
-    return moe._combine(ys, order, inv, scores)
+    for r in range(1, rounds):  # only when some device sends some peer more than r * c bundles: all agree
+        fn = functools.partial(_round, r, static)
+        y = y + _when(fn, most > r * c, ints, x_nd, scores, gate_up, down, adapters)
+    return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _round_if(r, static, pred, ints, xs, gate_up, down, adapters):
-    """`_round` when `pred` (the same on every device), else zeros. Its backward recomputes the round (under
-    the same condition) instead of keeping its buffers: differentiating a lax.cond would make every round's
-    buffers residuals, so rounds that almost never run would cost their memory in every layer's backward."""
-    run = lambda: _round(r, static, ints, xs, gate_up, down, adapters)  # noqa: E731
-    return jax.lax.cond(pred, run, lambda: jnp.zeros_like(xs))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _when(fn, pred, ints, *diff):
+    """fn(ints, *diff) when `pred` (the same on every device), else zeros. Its backward recomputes fn (under
+    the same condition) instead of keeping its buffers: differentiating a lax.cond would make the branch's
+    buffers residuals, so work that almost never runs would cost its memory in every layer's backward."""
+    out = jax.eval_shape(fn, ints, *diff)
+    return jax.lax.cond(pred, lambda: fn(ints, *diff), lambda: jnp.zeros(out.shape, out.dtype))
 
 
-def _round_if_fwd(r, static, pred, ints, xs, gate_up, down, adapters):
-    return _round_if(r, static, pred, ints, xs, gate_up, down, adapters), (pred, ints, xs, gate_up, down, adapters)
+def _when_fwd(fn, pred, ints, *diff):
+    return _when(fn, pred, ints, *diff), (pred, ints, diff)
 
 
-def _round_if_bwd(r, static, res, g):
-    pred, ints, *diff = res
+def _when_bwd(fn, res, g):
+    pred, ints, diff = res
 
     def grads():
-        fn = lambda *d: _round(r, static, ints, *d)  # noqa: E731
-        return jax.vjp(fn, *diff)[1](g)
+        return jax.vjp(lambda *d: fn(ints, *d), *diff)[1](g)
 
     zeros = lambda: tuple(jax.tree.map(jnp.zeros_like, d) for d in diff)  # noqa: E731
     return (None, None, *jax.lax.cond(pred, grads, zeros))
 
 
-_round_if.defvjp(_round_if_fwd, _round_if_bwd)
+_when.defvjp(_when_fwd, _when_bwd)
 
 
-def _round(r, static, ints, xs, gate_up, down, adapters):
-    """Rows [r*c, (r+1)*c) of what this device sends each peer, there and back: [N*k, D] with the expert MLP's
-    output at those rows (in the sorted pairs' order) and zero elsewhere. Peer q's rows land in slot q of
-    every receive buffer ([P * c] rows, slot s from device s)."""
-    p, c, axis, exchange, impl, lora_scale = static
-    ids, dest, pos, send_counts, send_starts, counts, me = ints
-    nk, d = xs.shape
+def _round(r, static, ints, x, scores, gate_up, down, adapters):
+    """Bundles [r*c, (r+1)*c) of what this device sends each peer, there and back: [N, D], each token's
+    weighted expert outputs from the peers this round carried it to. Peer q's bundles land in slot q of every
+    receive buffer ([P * c] rows, slot s from device s)."""
+    c, axis, exchange, impl, lora_scale, _, _ = static
+    topk_idx, hit, pos, tok_of, send_counts, counts, me = ints
+    p = hit.shape[0]
     lo = r * c
-    j = jnp.arange(c, dtype=jnp.int32)
-    sizes = jnp.clip(send_counts - lo, 0, c)  # rows to each peer this round
-    recv_sizes = jnp.clip(counts[:, me] - lo, 0, c)  # rows from each source
-    mine = (pos >= lo) & (pos < lo + c)
-    slot = dest * c + pos - lo  # where a row of this round sits in the send buffer
-    src = (send_starts[:, None] + lo + j[None, :]).reshape(-1)  # the row each send slot holds
-    valid = (j[None, :] < sizes[:, None]).reshape(-1)
+    src = tok_of[:, lo : lo + c]  # [P, c]: the token each send slot holds
+    valid = (lo + jnp.arange(c, dtype=jnp.int32))[None, :] < send_counts[:, None]
+    slot = pos - lo  # [P, N]: where token n sits in peer q's slot, when this round carries it there
+    here = hit & (slot >= 0) & (slot < c)
+    send = _to_slots(x, src, valid, slot, here)  # [P * c, D]
+    send_sc = _to_slots(scores, src, valid, slot, here)
+    send_ids = jnp.where(valid.reshape(-1, 1), jnp.take(topk_idx, src.reshape(-1), axis=0), -1)
     if exchange == "padded":
-        send = _gather_rows(xs, src, valid, slot, mine)  # [P * c, D]
-        send_ids = jnp.where(valid, jnp.take(ids, jnp.clip(src, 0, nk - 1)), -1)
-        recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
-        recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
+        there = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
+        back = there
     else:
-        offsets = jnp.where(sizes > 0, send_starts + lo, 0)
+        starts = jnp.arange(p, dtype=jnp.int32) * c
         lands = jnp.full((p,), me * c, jnp.int32)  # my slot in every peer's buffer
-        recv = RAGGED_ALL_TO_ALL(xs, jnp.zeros((p * c, d), xs.dtype), offsets, sizes, lands, recv_sizes, axis_name=axis)
-        recv_ids = RAGGED_ALL_TO_ALL(
-            ids[:, None], jnp.full((p * c, 1), -1, ids.dtype), offsets, sizes, lands, recv_sizes, axis_name=axis
-        )[:, 0]  # fmt: skip
+        sizes = jnp.clip(send_counts - lo, 0, c)  # bundles to each peer this round
+        recv_sizes = jnp.clip(counts[:, me] - lo, 0, c)  # from each source
+        ragged = lambda v, n_out, m_in: RAGGED_ALL_TO_ALL(  # noqa: E731
+            v, jnp.zeros_like(v), starts, n_out, lands, m_in, axis_name=axis
+        )
+        there = lambda v: ragged(v, sizes, recv_sizes)  # noqa: E731
+        back = lambda v: ragged(v, recv_sizes, sizes)  # noqa: E731
+    # empty slots: ids -1 (no local expert) under either exchange
+    recv_ids = there(send_ids + 1) - 1
+    y_recv = _received(r, static, recv_ids, there(send), there(send_sc), me, gate_up, down, adapters)
+    return _from_slots(back(y_recv), slot, here, src, valid)
 
+
+def _received(r, static, ids, rows, scores, me, gate_up, down, adapters):
+    """The received bundles' outputs [M, D]: each row's expert MLP outputs on this device's experts, weighted by
+    their scores (rows [M, D], ids and scores [M, k]; ids of other devices' experts and of empty slots are
+    ignored)."""
+    _, _, _, impl, lora_scale, window, size = static
+    m, k = ids.shape
     e_local = gate_up.shape[0]
-    local = recv_ids - me * e_local
-    lkey = jnp.where((local >= 0) & (local < e_local), local, e_local)  # empty rows sort last
-    order2, inv2 = moe._sort_pairs(lkey)
-    group_sizes = jnp.bincount(lkey, length=e_local + 1)[:e_local].astype(jnp.int32)
-    rows = moe._permute(recv, order2, inv2)
-    # Ranges of N*k / 2 rows, half of what a device receives with a balanced load: then the first two run and
-    # the rest of the buffer is skipped. Rounds past the first run rarely and whole (one range: one kernel to compile).
-    size = -(-nk // 2) if r == 0 else p * c
-    y = _chunked_mlp(rows, group_sizes, gate_up, down, adapters, impl=impl, lora_scale=lora_scale, size=size)
-    y_recv = moe._permute(y, inv2, order2)
+    local = ids - me * e_local
+    key = jnp.where((local >= 0) & (local < e_local), local, e_local).reshape(-1)  # other pairs sort last
+    order, inv = moe._sort_pairs(key)
+    group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
+    pairs = (order, inv, group_sizes)
+    most = m * min(k, e_local)  # every row's pairs on this device's experts
+    mlp = (impl, lora_scale)
+    if r:  # later rounds run rarely: every pair, one range
+        return _pairs(0, most, most, mlp, pairs, rows, scores, gate_up, down, adapters)
+    y = _pairs(0, window, size, mlp, pairs, rows, scores, gate_up, down, adapters)
+    if window < most:  # a skewed batch: the pairs past the window
+        fn = functools.partial(_pairs, window, most, most - window, mlp)
+        y = y + _when(fn, jnp.sum(group_sizes) > window, pairs, rows, scores, gate_up, down, adapters)
+    return y
 
-    if exchange == "padded":
-        back = jax.lax.all_to_all(y_recv, axis, 0, 0, tiled=True)
-        return _gather_rows(back, slot, mine, src, valid)
-    # back where each source holds my rows: its send_starts toward me, plus this round's offset
-    back_at = jnp.where(recv_sizes > 0, _exclusive_cumsum(counts, axis=1)[:, me] + lo, 0)
-    slots_at = jnp.arange(p, dtype=jnp.int32) * c
-    return RAGGED_ALL_TO_ALL(
-        y_recv, jnp.zeros((nk, d), y_recv.dtype), slots_at, recv_sizes, back_at, sizes, axis_name=axis
-    )
+
+def _pairs(lo, hi, size, mlp, pairs, rows, scores, gate_up, down, adapters):
+    """The expert outputs of the sorted pairs [lo, hi) (ranges of `size`), weighted by their scores and summed
+    per received row: [M, D]."""
+    order, inv, group_sizes = pairs
+    impl, lora_scale = mlp
+    k = scores.shape[1]
+    idx = order[lo:hi]  # the pair at each sorted position of the window
+    at = inv - lo  # each pair's place in the window (outside it: < 0 or >= hi - lo)
+    xs = _expand(rows, idx, at, k)  # [hi - lo, D]
+    ys = _chunked_mlp(xs, group_sizes, gate_up, down, adapters, impl=impl, lora_scale=lora_scale, size=size, base=lo)
+    return _weigh(ys, scores, idx, at)
+
+
+def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, size, base):
+    """moe._expert_mlp over ranges of `size` rows of `rows` (the sorted pairs [base, base + len(rows)); the last
+    range may be shorter), each run only when it holds a grouped row: the work follows the pairs received, not
+    the buffer size. Each range is its own grouped-matmul call (a kernel to compile): keep them few."""
+    m = rows.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    total = ends[-1]
+    outs = []
+    for lo in range(0, m, size):
+        hi = min(lo + size, m)
+        sizes_c = (jnp.clip(ends, base + lo, base + hi) - jnp.clip(starts, base + lo, base + hi)).astype(jnp.int32)
+
+        def run(x, sizes_c=sizes_c):
+            return moe._expert_mlp(
+                x, sizes_c, gate_up, down, adapters, impl=impl, full=False, lora_scale=lora_scale
+            )
+
+        outs.append(jax.lax.cond(total > base + lo, run, jnp.zeros_like, rows[lo:hi]))
+    return jnp.concatenate(outs, axis=0)
+
+
+def _in(at, size):
+    return (at >= 0) & (at < size)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expand(rows, idx, at, k):
+    """rows[idx // k]: the received row of each pair of a window ([M, D] -> [len(idx), D]). A row feeds up to k
+    pairs, so its gradient sums theirs, read through `at` (each pair's place in the window) one slot at a time:
+    no [M * k, D] buffer, and no scatter-add (atomics on GPU) as XLA's transpose of the gather would be."""
+    return jnp.take(rows, idx // k, axis=0)
+
+
+def _expand_fwd(rows, idx, at, k):
+    return _expand(rows, idx, at, k), (idx, at)
+
+
+def _expand_bwd(k, res, g):
+    _, at = res
+    at = at.reshape(-1, k)
+    acc = jnp.zeros((at.shape[0], g.shape[1]), jnp.float32)
+    for j in range(k):
+        a = at[:, j]
+        got = jnp.take(g, jnp.clip(a, 0, g.shape[0] - 1), axis=0)
+        acc = acc + jnp.where(_in(a, g.shape[0])[:, None], got.astype(jnp.float32), 0.0)
+    return acc.astype(g.dtype), None, None
+
+
+_expand.defvjp(_expand_fwd, _expand_bwd)
+
+
+@jax.custom_vjp
+def _weigh(ys, scores, idx, at):
+    """out[m] = sum_j scores[m, j] * ys[at[m*k + j]] over the pairs in the window ([W, D] -> [M, D]), summed in
+    fp32. Backward: each pair's output gradient is its row's times its score, a gather by `idx`."""
+    m, k = scores.shape
+    at = at.reshape(m, k)
+    acc = jnp.zeros((m, ys.shape[1]), jnp.float32)
+    for j in range(k):
+        got = jnp.take(ys, jnp.clip(at[:, j], 0, ys.shape[0] - 1), axis=0).astype(jnp.float32)
+        w = jnp.where(_in(at[:, j], ys.shape[0]), scores[:, j].astype(jnp.float32), 0.0)
+        acc = acc + got * w[:, None]
+    return acc.astype(ys.dtype)
+
+
+def _weigh_fwd(ys, scores, idx, at):
+    return _weigh(ys, scores, idx, at), (ys, scores, idx, at)
+
+
+def _weigh_bwd(res, g):
+    ys, scores, idx, at = res
+    m, k = scores.shape
+    d_ys = jnp.take(g, idx // k, axis=0) * jnp.take(scores.reshape(-1), idx).astype(g.dtype)[:, None]
+    at = at.reshape(m, k)
+    d_sc = []
+    for j in range(k):
+        got = jnp.take(ys, jnp.clip(at[:, j], 0, ys.shape[0] - 1), axis=0)
+        dot = jnp.sum(got.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+        d_sc.append(jnp.where(_in(at[:, j], ys.shape[0]), dot, 0.0))
+    return d_ys.astype(ys.dtype), jnp.stack(d_sc, axis=1).astype(scores.dtype), None, None
+
+
+_weigh.defvjp(_weigh_fwd, _weigh_bwd)
+
+
+@jax.custom_vjp
+def _to_slots(x, src, valid, slot, here):
+    """The send buffer: y[q*c + j] = x[src[q, j]] where valid[q, j], else 0 ([N, ...] -> [P * c, ...]). A
+    token fills at most one slot per peer, at slot[q, n] (where here[q, n]): the gradient is `_from_slots`."""
+    y = jnp.take(x, src.reshape(-1), axis=0)
+    mask = valid.reshape(-1, *[1] * (x.ndim - 1))
+    return jnp.where(mask, y, jnp.zeros_like(y))
+
+
+@jax.custom_vjp
+def _from_slots(b, slot, here, src, valid):
+    """Each token's sum of its slots: y[n] = sum_q b[q*c + slot[q, n]] where here[q, n] ([P * c, ...] ->
+    [N, ...]), summed in fp32; the transpose of `_to_slots`."""
+    p, _ = slot.shape
+    c = b.shape[0] // p
+    acc = 0.0
+    for q in range(p):
+        got = jnp.take(b, q * c + jnp.clip(slot[q], 0, c - 1), axis=0).astype(jnp.float32)
+        acc = acc + jnp.where(here[q].reshape(-1, *[1] * (b.ndim - 1)), got, 0.0)
+    return jnp.asarray(acc).astype(b.dtype)
+
+
+def _to_slots_fwd(x, src, valid, slot, here):
+    return _to_slots(x, src, valid, slot, here), (src, valid, slot, here)
+
+
+def _to_slots_bwd(res, g):
+    src, valid, slot, here = res
+    return _from_slots(g, slot, here, src, valid), None, None, None, None
+
+
+def _from_slots_fwd(b, slot, here, src, valid):
+    return _from_slots(b, slot, here, src, valid), (slot, here, src, valid)
+
+
+def _from_slots_bwd(res, g):
+    slot, here, src, valid = res
+    return _to_slots(g, src, valid, slot, here), None, None, None, None
+
+
+_to_slots.defvjp(_to_slots_fwd, _to_slots_bwd)
+_from_slots.defvjp(_from_slots_fwd, _from_slots_bwd)
 
 
 def ragged_all_to_all_reference(

@@ -69,8 +69,9 @@ class ModelSettings(Section):
     a2a_capacity_factor: float = option(
         A2A_CAPACITY_FACTOR,
         "expert_parallel=a2a: each peer's slot in a round of the exchange, as a multiple of the balanced share "
-        "(tokens x top-k / devices); a device that sends some peer more takes extra rounds (dropless, exact); "
-        "<= 0: one round of worst-case slots; docs/moe.md",
+        "of tokens that visit a device, and the received pairs the first expert MLP call covers (x tokens x "
+        "top-k); a device that sends some peer more takes extra rounds, pairs past the window one more call "
+        "(dropless, exact); <= 0: one round of worst-case slots; docs/moe.md",
     )
     deltanet_impl: str = option(
         "auto",

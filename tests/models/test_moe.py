@@ -5,6 +5,7 @@ expert block vs a dense one-hot mixture, routing replay's gradient, load metrics
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -317,13 +318,23 @@ def test_adapter_factors_padded_to_the_kernel_tiles_keep_their_product_and_grads
 
 
 def test_a2a_slots_bound_the_rounds():
-    """All-to-all slots: the worst case at factor <= 0; else the balanced share times the factor, but never more
-    than MAX_ROUNDS rounds (each is compiled into the layer) and never more than the worst case."""
-    from primejax.models.moe_a2a import MAX_ROUNDS, capacity
+    """All-to-all slots (tokens per peer and round): the worst case N at factor <= 0; else the factor times the
+    balanced share N x hit_fraction, never more than MAX_ROUNDS rounds (each is compiled into the layer) and
+    never more than N. Round 0's pair window: the factor times N*k, at most what its receive buffer holds."""
+    from primejax.models.moe_a2a import MAX_ROUNDS, capacity, hit_fraction, pair_window
 
     n, k = 16384, 8
-    assert capacity(n, k, 32, 4, 0.0) == n * k  # 4 GPUs, Qwen3-30B-A3B: one round of worst-case slots
-    assert capacity(n, k, 32, 4, 1.5) == 1.5 * n * k / 4  # 3 rounds at most, one with a balanced load
-    assert capacity(n, k, 32, 2, 2.5) == n * k  # never past the worst case
-    c = capacity(4096, k, 2, 64, 1.5)  # 64 devices, 2 experts each: 1.5 x share would take 11 rounds
-    assert -(-4096 * 2 // c) == MAX_ROUNDS and c % 8 == 0
+    # Qwen3-30B-A3B (128 experts, top 8) on 4 devices: the chance a token has none of a device's 32 experts is
+    # C(96, 8) / C(128, 8), so 3.62 of the 4 devices receive it, against 8 (token, expert) pairs
+    miss = math.comb(96, 8) / math.comb(128, 8)
+    assert hit_fraction(k, 32, 4) == pytest.approx(1 - miss, rel=1e-12)
+    assert 4 * hit_fraction(k, 32, 4) == pytest.approx(3.62, abs=0.01)
+    assert hit_fraction(k, 1, 8) == 1.0 and hit_fraction(1, 32, 4) == pytest.approx(0.25)
+    assert capacity(n, k, 32, 4, 0.0) == n  # worst case: every token to every peer, one round
+    assert capacity(n, k, 32, 4, 1.5) == n  # 1.5 x 0.905 N is past N: one round whatever the routing
+    assert pair_window(n, k, 32, 4, 1.5) == 1.5 * n * k and pair_window(n, k, 32, 4, 0.0) == 4 * n * k
+    # 64 devices with 2 experts each: 12% of a device's tokens visit each peer, 1.5 x that a round: 6 rounds
+    assert capacity(4096, k, 2, 64, 1.5) == 752 and -(-4096 // 752) == 6
+    c = capacity(4096, 2, 2, 64, 1.5)  # top 2: 3% visit each peer; 1.5 x share would take 22 rounds
+    assert c == 4096 // MAX_ROUNDS and c % 8 == 0  # the floor: MAX_ROUNDS rounds
+    assert capacity(4096, k, 8, 16, 1.5) == 2536  # 16 devices with 8 experts each: 41% visit each peer

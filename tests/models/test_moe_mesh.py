@@ -164,13 +164,16 @@ def test_all_to_all_experts_with_adapters_equal_single_device(exchange, variant,
     """Expert parallelism by all-to-all (both exchanges; the ragged one through its all_to_all stand-in) with
     per-expert LoRA adapters equals one device: output and the gradients of tokens, scores, experts and
     adapters, also when every token routes to one device's experts (its whole receive buffer in use). With
-    balanced-share slots ("capacity") the skewed routing needs extra rounds and the random one
-    does not, so both sides of the rounds' condition are checked."""
+    balanced-share slots ("capacity") the skewed routing needs extra rounds and more pairs than round 0's
+    window and the random one does not, so both sides of both conditions are checked, forward and backward."""
     r = results["a2a_direct"][f"{exchange}:{variant}/{routing}"]
     assert r["y_diff"] <= TOL and r["grad_diff"] <= TOL, r
     assert r["grad_min_abs_sum"] > 0, r  # every gradient is exercised (none trivially zero)
-    if variant != "worst":
+    if variant != "worst":  # the skewed routing takes a second round and overflows round 0's pair window
         assert (r["rounds_needed"] > 1) == (routing == "all_on_device0"), r
+        assert r["overflow"] == (routing == "all_on_device0"), r
+    else:
+        assert r["rounds_needed"] == 1 and not r["overflow"], r
 
 
 @pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): one more 8-device subprocess
@@ -206,3 +209,14 @@ def test_qwen3_5_moe_on_meshes_equals_single_device(hf_model_dir, tmp_path_facto
     r = rep["cases"]["ep@data2_fsdp4"]
     assert r["lp_diff"] <= TOL and r["loss_rel"] <= 2e-6 and r["grads_max_rel"] <= 1e-4 and r["load_equal"], r
     print(f"qwen3_5_moe meshes: {res['cases']} replay {rep['cases']}")
+
+
+def test_all_to_all_moves_each_token_once_per_device(results):
+    """Mode a2a's exchanges at Qwen3-30B-A3B's routing ratio (8 of 32 experts over 4 devices), read from the
+    compiled forward and backward: each token crosses once per device holding one of its experts, so every
+    all-to-all holds P * N rows (one row per (token, expert) pair would take 1.5 * N * k = 3x more). Four in
+    the forward (rows, expert ids, scores; outputs back) and the transposes of the three differentiable ones."""
+    r = results["a2a_exchange_rows"]
+    rows = r["devices"] * r["tokens_per_device"]
+    assert r["exchanges"] == [[rows, r["k"]], [rows, r["hidden"]]], r
+    assert r["count"] == 7, r
