@@ -14,17 +14,21 @@ Per device, inside the shard_map of moe.experts_forward (tokens split over every
 Dropless and exact, in rounds. A device sends one peer at most N bundles (one per token). Each round gives every
 peer a slot of c rows (`capacity`: ModelConfig.a2a_capacity_factor x the balanced share N * h, h the chance
 that a token has an expert on a given device, or N when the factor is <= 0). Round r carries bundles
-[r*c, (r+1)*c) of what a device sends each peer. Round 0 always runs; round r > 0 runs only when some device
-sends some peer more than r*c bundles (all devices see the same all-gathered counts, so all take the same
-branch), and its backward recomputes it under the same condition rather than keeping its buffers (`_when`).
-With 4 devices and Qwen3-30B-A3B's routing h = 0.9, so c = N: one round, whatever the routing.
+[r*c, (r+1)*c) of what a device sends each peer. Round 0 always runs; the later rounds run in a while loop for
+as many rounds as the device that sends some peer the most bundles needs (all devices see the same
+all-gathered counts, so all run the same rounds). With 4 devices and Qwen3-30B-A3B's routing h = 0.9, so
+c = N: one round, whatever the routing.
 
 The receiver's pairs: a device receives about N*k of them with a balanced load (at most P*c*min(k, E_local)).
 Round 0 runs the expert MLP over the first `pair_window` sorted pairs (the factor x N*k), in ranges of N*k/2
 rows, each skipped (lax.cond) when it holds no pair: the Mosaic GPU grouped matmul's work is set by its static
-row count, so this keeps the FLOPs to the pairs received. Pairs past the window (a skewed batch) run in one
-more MLP call, under the same recompute-in-backward condition as the rounds. Each range is a kernel to
-compile, so later rounds run as one range.
+row count, so this keeps the FLOPs to the pairs received. Pairs past the window (a skewed batch) run a window
+at a time in a while loop, for as many windows as they fill. Each range is a kernel to compile, so these
+windows and later rounds run as one range.
+
+The later rounds and windows (`_loop_sum`) run in while loops, not one lax.cond each: a loop's buffers serve
+every step, where each cond got buffers of its own in the TPU compile. Their backward recomputes each step
+in a loop of its own instead of keeping its buffers.
 
 Two exchanges (ModelConfig.a2a_impl):
 - "padded": `jax.lax.all_to_all` of the [P, c, D] send buffer (unused rows zero). Any backend.
@@ -35,7 +39,8 @@ Two exchanges (ModelConfig.a2a_impl):
   elsewhere.
 
 Both fill the same slots, so they give the same result. Memory per device and sparse layer: the send and
-receive buffers, 2 * P * c * D elements, and the window of pairs and the MLP's rows, window * (D + 2I).
+receive buffers, 2 * P * c * D elements, and the window of pairs and the MLP's rows, window * (D + 2I), and
+their gradients in the backward.
 """
 
 from __future__ import annotations
@@ -53,8 +58,7 @@ from primejax.models.config import A2A_IMPLS
 # ragged path's offset arithmetic on XLA:CPU, which lacks the collective.
 RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
 
-# Each round past the first is its own expert MLP and exchange in the compiled layer: at most this many rounds,
-# the slots grow where the factor would take more.
+# Each round is an exchange on the critical path: at most this many, the slots grow where the factor would take more.
 MAX_ROUNDS = 8
 
 
@@ -131,37 +135,43 @@ def experts_a2a(
     static = (c, axis, exchange, impl, lora_scale, window, -(-n * k // 2))
     ints = (topk_idx, hit, pos, tok_of, send_counts, counts, me)
     y = _round(0, static, ints, x_nd, scores, gate_up, down, adapters)
-    most = jnp.max(counts)
-    for r in range(1, rounds):  # only when some device sends some peer more than r * c bundles: all agree
-        fn = functools.partial(_round, r, static)
-        y = y + _when(fn, most > r * c, ints, x_nd, scores, gate_up, down, adapters)
+    if rounds > 1:  # only as many as some device's most bundles to one peer need (all devices agree)
+        more = -(-jnp.max(counts) // c) - 1
+        y = y + _loop_sum(functools.partial(_later_round, static), more, ints, x_nd, scores, gate_up, down, adapters)
     return y
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _when(fn, pred, ints, *diff):
-    """fn(ints, *diff) when `pred` (the same on every device), else zeros. Its backward recomputes fn (under
-    the same condition) instead of keeping its buffers: differentiating a lax.cond would make the branch's
-    buffers residuals, so work that almost never runs would cost its memory in every layer's backward."""
-    out = jax.eval_shape(fn, ints, *diff)
-    return jax.lax.cond(pred, lambda: fn(ints, *diff), lambda: jnp.zeros(out.shape, out.dtype))
+def _loop_sum(fn, steps, ints, *diff):
+    """The sum of fn(i, ints, *diff) over i < steps (traced, the same on every device), by a while loop: one
+    step's buffers serve every step, where a lax.cond per step got buffers of its own on TPU. The backward
+    recomputes each step in a loop of its own instead of keeping its buffers: work that almost never runs
+    would otherwise cost its memory in every layer's backward."""
+    out = jax.eval_shape(fn, 0, ints, *diff)
+    body = lambda i, acc: acc + fn(i, ints, *diff)  # noqa: E731
+    return jax.lax.fori_loop(0, steps, body, jnp.zeros(out.shape, out.dtype))
 
 
-def _when_fwd(fn, pred, ints, *diff):
-    return _when(fn, pred, ints, *diff), (pred, ints, diff)
+def _loop_sum_fwd(fn, steps, ints, *diff):
+    return _loop_sum(fn, steps, ints, *diff), (steps, ints, diff)
 
 
-def _when_bwd(fn, res, g):
-    pred, ints, diff = res
+def _loop_sum_bwd(fn, res, g):
+    steps, ints, diff = res
 
-    def grads():
-        return jax.vjp(lambda *d: fn(ints, *d), *diff)[1](g)
+    def body(i, acc):
+        grads = jax.vjp(lambda *d: fn(i, ints, *d), *diff)[1](g)
+        return jax.tree.map(jnp.add, acc, grads)
 
-    zeros = lambda: tuple(jax.tree.map(jnp.zeros_like, d) for d in diff)  # noqa: E731
-    return (None, None, *jax.lax.cond(pred, grads, zeros))
+    zeros = tuple(jax.tree.map(jnp.zeros_like, d) for d in diff)
+    return (None, None, *jax.lax.fori_loop(0, steps, body, zeros))
 
 
-_when.defvjp(_when_fwd, _when_bwd)
+_loop_sum.defvjp(_loop_sum_fwd, _loop_sum_bwd)
+
+
+def _later_round(static, i, ints, x, scores, gate_up, down, adapters):
+    return _round(i + 1, static, ints, x, scores, gate_up, down, adapters)
 
 
 def _round(r, static, ints, x, scores, gate_up, down, adapters):
@@ -171,8 +181,8 @@ def _round(r, static, ints, x, scores, gate_up, down, adapters):
     c, axis, exchange, impl, lora_scale, _, _ = static
     topk_idx, hit, pos, tok_of, send_counts, counts, me = ints
     p = hit.shape[0]
-    lo = r * c
-    src = tok_of[:, lo : lo + c]  # [P, c]: the token each send slot holds
+    lo = r * c  # r is traced in later rounds
+    src = jax.lax.dynamic_slice_in_dim(tok_of, lo, c, axis=1)  # [P, c]: the token each send slot holds
     valid = (lo + jnp.arange(c, dtype=jnp.int32))[None, :] < send_counts[:, None]
     slot = pos - lo  # [P, N]: where token n sits in peer q's slot, when this round carries it there
     here = hit & (slot >= 0) & (slot < c)
@@ -194,14 +204,15 @@ def _round(r, static, ints, x, scores, gate_up, down, adapters):
         back = lambda v: ragged(v, recv_sizes, sizes)  # noqa: E731
     # empty slots: ids -1 (no local expert) under either exchange
     recv_ids = there(send_ids + 1) - 1
-    y_recv = _received(r, static, recv_ids, there(send), there(send_sc), me, gate_up, down, adapters)
+    first = isinstance(r, int) and r == 0
+    y_recv = _received(first, static, recv_ids, there(send), there(send_sc), me, gate_up, down, adapters)
     return _from_slots(back(y_recv), slot, here, src, valid)
 
 
-def _received(r, static, ids, rows, scores, me, gate_up, down, adapters):
+def _received(first, static, ids, rows, scores, me, gate_up, down, adapters):
     """The received bundles' outputs [M, D]: each row's expert MLP outputs on this device's experts, weighted by
     their scores (rows [M, D], ids and scores [M, k]; ids of other devices' experts and of empty slots are
-    ignored)."""
+    ignored). `first`: round 0, whose window runs in ranges (later rounds run rarely: one range, one kernel)."""
     _, _, _, impl, lora_scale, window, size = static
     m, k = ids.shape
     e_local = gate_up.shape[0]
@@ -209,27 +220,34 @@ def _received(r, static, ids, rows, scores, me, gate_up, down, adapters):
     key = jnp.where((local >= 0) & (local < e_local), local, e_local).reshape(-1)  # other pairs sort last
     order, inv = moe._sort_pairs(key)
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
-    pairs = (order, inv, group_sizes)
     most = m * min(k, e_local)  # every row's pairs on this device's experts
+    window = min(window, most)
     mlp = (impl, lora_scale)
-    if r:  # later rounds run rarely: every pair, one range
-        return _pairs(0, most, most, mlp, pairs, rows, scores, gate_up, down, adapters)
-    y = _pairs(0, window, size, mlp, pairs, rows, scores, gate_up, down, adapters)
-    if window < most:  # a skewed batch: the pairs past the window
-        fn = functools.partial(_pairs, window, most, most - window, mlp)
-        y = y + _when(fn, jnp.sum(group_sizes) > window, pairs, rows, scores, gate_up, down, adapters)
-    return y
+    pairs = (order, inv, group_sizes)
+    y = _pairs(0, window, size if first else window, mlp, pairs, rows, scores, gate_up, down, adapters)
+    if window == most:
+        return y
+    # A skewed batch: the pairs past the window, a window at a time, as many windows as they fill
+    steps = -(-(most - window) // window)
+    order = jnp.pad(order, (0, max(window * (1 + steps) - order.shape[0], 0)))  # whole windows: none clamped
+    more = jnp.maximum(jnp.sum(group_sizes) - window, 0)
+    fn = functools.partial(_later_window, window, mlp)
+    return y + _loop_sum(fn, -(-more // window), (order, inv, group_sizes), rows, scores, gate_up, down, adapters)
 
 
-def _pairs(lo, hi, size, mlp, pairs, rows, scores, gate_up, down, adapters):
-    """The expert outputs of the sorted pairs [lo, hi) (ranges of `size`), weighted by their scores and summed
-    per received row: [M, D]."""
+def _later_window(window, mlp, i, pairs, rows, scores, gate_up, down, adapters):
+    return _pairs((i + 1) * window, window, window, mlp, pairs, rows, scores, gate_up, down, adapters)
+
+
+def _pairs(lo, length, size, mlp, pairs, rows, scores, gate_up, down, adapters):
+    """The expert outputs of the sorted pairs [lo, lo + length) (ranges of `size`; `lo` may be traced),
+    weighted by their scores and summed per received row: [M, D]."""
     order, inv, group_sizes = pairs
     impl, lora_scale = mlp
     k = scores.shape[1]
-    idx = order[lo:hi]  # the pair at each sorted position of the window
-    at = inv - lo  # each pair's place in the window (outside it: < 0 or >= hi - lo)
-    xs = _expand(rows, idx, at, k)  # [hi - lo, D]
+    idx = jax.lax.dynamic_slice_in_dim(order, lo, length)  # the pair at each sorted position of the window
+    at = inv - lo  # each pair's place in the window (outside it: < 0 or >= length)
+    xs = _expand(rows, idx, at, k)  # [length, D]
     ys = _chunked_mlp(xs, group_sizes, gate_up, down, adapters, impl=impl, lora_scale=lora_scale, size=size, base=lo)
     return _weigh(ys, scores, idx, at)
 

@@ -238,19 +238,21 @@ def _a2a_direct() -> dict:
     """moe.experts_forward with per-expert LoRA adapters, mode a2a (both exchanges) on data=2 x fsdp=4 against
     one device: output and the gradients of x, the scores, the experts and the adapters. Routings: random, and
     every token on device 0's two experts (the worst case: each peer fills its whole slot there, so every
-    chunk of device 0's receive buffer runs and the other devices' are all skipped)."""
+    chunk of device 0's receive buffer runs and the other devices' are all skipped), and top-3 with two of
+    them on device 0 (more experts per token than a device holds: a bundle carries fewer pairs than k)."""
     rng = np.random.default_rng(3)
-    n, d, e, k, i, r = 256, 16, 8, 2, 8, 4
+    n, d, e, i, r = 256, 16, 8, 8, 4
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    sc = jnp.asarray(rng.random((n, k)), jnp.float32)
+    sc3 = jnp.asarray(rng.random((n, 3)), jnp.float32)
     w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in [(e, d, 2, i), (e, i, d)]]
     ad = [
         jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
         for s in [(e, d, 2, r), (e, 2, r, i), (e, i, r), (e, r, d)]
     ]
     routings = {
-        "random": np.argsort(rng.random((n, e)), -1)[:, :k],
+        "random": np.argsort(rng.random((n, e)), -1)[:, :2],
         "all_on_device0": np.tile([1, 0], (n, 1)),
+        "top3_two_on_device0": np.tile([1, 0, 2], (n, 1)),
     }
 
     grad = jax.value_and_grad(_a2a_loss, argnums=(0, 1, 2, 3), has_aux=True)
@@ -260,6 +262,8 @@ def _a2a_direct() -> dict:
     per_dev, e_local = n // devices, e // peers
     out = {}
     for name, idx in routings.items():
+        k = idx.shape[1]
+        sc = sc3[:, :k]
         # per device: the most tokens it sends one peer (against a round's slot), and per group of `peers`
         # devices the most (token, expert) pairs one device receives (against round 0's pair window)
         dest = idx.reshape(devices, per_dev, k) // e_local
