@@ -223,7 +223,7 @@ def _received(first, static, ids, rows, scores, me, gate_up, down, adapters):
     most = m * min(k, e_local)  # every row's pairs on this device's experts
     window = min(window, most)
     mlp = (impl, lora_scale)
-    pairs = (order, inv, group_sizes)
+    pairs = (order, inv, group_sizes, key < e_local)
     y = _pairs(0, window, size if first else window, mlp, pairs, rows, scores, gate_up, down, adapters)
     if window == most:
         return y
@@ -232,7 +232,8 @@ def _received(first, static, ids, rows, scores, me, gate_up, down, adapters):
     order = jnp.pad(order, (0, max(window * (1 + steps) - order.shape[0], 0)))  # whole windows: none clamped
     more = jnp.maximum(jnp.sum(group_sizes) - window, 0)
     fn = functools.partial(_later_window, window, mlp)
-    return y + _loop_sum(fn, -(-more // window), (order, inv, group_sizes), rows, scores, gate_up, down, adapters)
+    pairs = (order, *pairs[1:])
+    return y + _loop_sum(fn, -(-more // window), pairs, rows, scores, gate_up, down, adapters)
 
 
 def _later_window(window, mlp, i, pairs, rows, scores, gate_up, down, adapters):
@@ -242,11 +243,14 @@ def _later_window(window, mlp, i, pairs, rows, scores, gate_up, down, adapters):
 def _pairs(lo, length, size, mlp, pairs, rows, scores, gate_up, down, adapters):
     """The expert outputs of the sorted pairs [lo, lo + length) (ranges of `size`; `lo` may be traced),
     weighted by their scores and summed per received row: [M, D]."""
-    order, inv, group_sizes = pairs
+    order, inv, group_sizes, local = pairs
     impl, lora_scale = mlp
     k = scores.shape[1]
     idx = jax.lax.dynamic_slice_in_dim(order, lo, length)  # the pair at each sorted position of the window
-    at = inv - lo  # each pair's place in the window (outside it: < 0 or >= length)
+    # each pair's place in the window (outside it: < 0 or >= length). Pairs on other devices' experts sort
+    # last, some into the window: they get no place (-1), so their slots all read one cached row instead of
+    # their rows' zero outputs and gradients (a row's k slots then cost about what its local pairs do)
+    at = jnp.where(local, inv - lo, -1)
     xs = _expand(rows, idx, at, k)  # [length, D]
     ys = _chunked_mlp(xs, group_sizes, gate_up, down, adapters, impl=impl, lora_scale=lora_scale, size=size, base=lo)
     return _weigh(ys, scores, idx, at)
@@ -325,14 +329,12 @@ def _weigh_fwd(ys, scores, idx, at):
 def _weigh_bwd(res, g):
     ys, scores, idx, at = res
     m, k = scores.shape
-    d_ys = jnp.take(g, idx // k, axis=0) * jnp.take(scores.reshape(-1), idx).astype(g.dtype)[:, None]
-    at = at.reshape(m, k)
-    d_sc = []
-    for j in range(k):
-        got = jnp.take(ys, jnp.clip(at[:, j], 0, ys.shape[0] - 1), axis=0)
-        dot = jnp.sum(got.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
-        d_sc.append(jnp.where(_in(at[:, j], ys.shape[0]), dot, 0.0))
-    return d_ys.astype(ys.dtype), jnp.stack(d_sc, axis=1).astype(scores.dtype), None, None
+    g_rows = jnp.take(g, idx // k, axis=0)  # [W, D]: each pair's row's gradient, in the window's order
+    d_ys = g_rows * jnp.take(scores.reshape(-1), idx).astype(g.dtype)[:, None]
+    # each pair's score gradient computed in the window's order (W rows read, not M * k), then put in place
+    d_pair = jnp.sum(g_rows.astype(jnp.float32) * ys.astype(jnp.float32), axis=-1)
+    d_sc = jnp.where(_in(at, ys.shape[0]), jnp.take(d_pair, jnp.clip(at, 0, ys.shape[0] - 1)), 0.0)
+    return d_ys.astype(ys.dtype), d_sc.reshape(m, k).astype(scores.dtype), None, None
 
 
 _weigh.defvjp(_weigh_fwd, _weigh_bwd)
