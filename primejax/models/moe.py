@@ -365,18 +365,54 @@ def max_violation(load: jax.Array) -> jax.Array:
     return (jnp.max(load, axis=-1) - mean) / jnp.maximum(mean, 1e-9)
 
 
+def router_partials(r: RouterOut, valid: jax.Array, num_experts: int) -> dict[str, jax.Array]:
+    """One layer's routing statistics as sums per token shard, [S, ...] (S: the devices the B*T tokens are
+    split over, 1 without a mesh): (token, expert) pairs per expert, router probabilities per expert, valid
+    tokens, and squared router logsumexps. `router_stats` combines the shards of every layer at once, after
+    the layers: summed over the whole batch here, each layer of the scan held an all-reduce of its own
+    (2E + 2 floats) in the collective queue before its experts' gather (docs/moe.md)."""
+
+    def local(topk_idx, probs, logits, v):
+        v = v.astype(jnp.float32)
+        z = jax.nn.logsumexp(logits, axis=-1)
+        sums = {
+            "load": expert_load(topk_idx, v, num_experts),
+            "probs": jnp.sum(probs * v[:, None], axis=0),
+            "tokens": jnp.sum(v),
+            "z": jnp.sum(z * z * v),
+        }
+        return {k: x[None] for k, x in sums.items()}
+
+    args = (r.topk_idx, r.probs, r.logits, valid.reshape(-1))
+    mesh = current_mesh()
+    tok_axes = None if mesh is None else logical_to_spec(("batch_context",), args[-1].shape, mesh)[0]
+    if tok_axes is None:
+        return local(*args)
+    tok = P(tok_axes)
+    return jax.shard_map(local, in_specs=(tok,) * 4, out_specs=tok, check_vma=False)(*args)
+
+
+def router_stats(parts: dict[str, jax.Array], num_experts: int) -> dict[str, jax.Array]:
+    """Per layer, from `router_partials` stacked [L, S, ...], over the whole batch: the expert load [L, E], the
+    Switch-style load-balancing loss [L] (as transformers' load_balancing_loss_func for one layer:
+    E * sum_e f_e * P_e, f_e the fraction of valid tokens with e among their top-k, P_e the mean router
+    probability) and the ST-MoE router z-loss [L] (mean over valid tokens of logsumexp(logits)^2)."""
+    s = {k: jnp.sum(x, axis=1) for k, x in parts.items()}
+    n = jnp.maximum(s["tokens"], 1.0)
+    f, p_mean = s["load"] / n[:, None], s["probs"] / n[:, None]
+    return {"load": s["load"], "lb_loss": num_experts * jnp.sum(f * p_mean, axis=-1), "z_loss": s["z"] / n}
+
+
 def load_balance_loss(r: RouterOut, valid: jax.Array, num_experts: int) -> jax.Array:
-    """Switch-style auxiliary loss over valid tokens, as transformers' load_balancing_loss_func for one layer:
-    E * sum_e f_e * P_e, f_e = fraction of tokens with e among their top-k, P_e = mean router probability."""
-    v = valid.reshape(-1).astype(jnp.float32)
-    n = jnp.maximum(jnp.sum(v), 1.0)
-    f = expert_load(r.topk_idx, v, num_experts) / n
-    p_mean = jnp.sum(r.probs * v[:, None], axis=0) / n
-    return num_experts * jnp.sum(f * p_mean)
+    """One layer's load-balancing loss over valid tokens (router_stats)."""
+    return _one_layer(r, valid, num_experts)["lb_loss"]
 
 
 def router_z_loss(r: RouterOut, valid: jax.Array) -> jax.Array:
-    """ST-MoE router z-loss: mean over valid tokens of logsumexp(router logits)^2."""
-    v = valid.reshape(-1).astype(jnp.float32)
-    z = jax.nn.logsumexp(r.logits, axis=-1)
-    return jnp.sum(z * z * v) / jnp.maximum(jnp.sum(v), 1.0)
+    """One layer's router z-loss over valid tokens (router_stats)."""
+    return _one_layer(r, valid, r.logits.shape[-1])["z_loss"]
+
+
+def _one_layer(r, valid, num_experts):
+    parts = jax.tree.map(lambda x: x[None], router_partials(r, valid, num_experts))
+    return jax.tree.map(lambda x: x[0], router_stats(parts, num_experts))

@@ -100,8 +100,8 @@ def capacity(n: int, k: int, e_local: int, p: int, factor: float) -> int:
 
 
 def pair_window(n: int, k: int, e_local: int, p: int, factor: float) -> int:
-    """(token, local expert) pairs round 0's expert MLP covers before the overflow call: factor x N*k (what a
-    device receives with a balanced load), at most every pair its receive buffer can hold."""
+    """(token, local expert) pairs an expert MLP call covers (round 0's first; more run only for a skewed batch):
+    factor x N*k (what a device receives with a balanced load), at most every pair its receive buffer holds."""
     most = p * capacity(n, k, e_local, p, factor) * min(k, e_local)
     return most if factor <= 0 else min(most, _round8(factor * n * k))
 
@@ -111,11 +111,11 @@ def experts_a2a(
 ):  # fmt: skip
     """One device's part of the sparse block: its tokens x [N, D] routed by topk_idx [N, k] (global expert
     ids) and scores [N, k]; gate_up / down (and adapters) are its E_local experts, the `axis` index-th block."""
-    n = x_nd.shape[0]
+    n, k = topk_idx.shape
     e_local = gate_up.shape[0]
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
-    c = capacity(n, topk_idx.shape[1], e_local, p, capacity_factor)
+    c = capacity(n, k, e_local, p, capacity_factor)
     rounds = -(-n // c)
 
     peers = jnp.arange(p, dtype=jnp.int32)
@@ -129,7 +129,6 @@ def experts_a2a(
         .at[peers[:, None], jnp.where(hit, pos, width)]
         .set(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p, n)), mode="drop")
     )
-    k = topk_idx.shape[1]
     window = pair_window(n, k, e_local, p, capacity_factor)
     # round 0's MLP ranges: half of a balanced load each, so two run and the rest of the window is skipped
     static = (c, axis, exchange, impl, lora_scale, window, -(-n * k // 2))

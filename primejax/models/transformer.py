@@ -39,7 +39,7 @@ from primejax.models.deltanet import gated_deltanet
 from primejax.models.layers import apply_rope, rms_norm, rope_tables
 from primejax.models.mla import attention_scale as mla_attention_scale
 from primejax.models.mla import mla_qkv
-from primejax.models.moe import GMM_OUTPUTS, expert_load, load_balance_loss, moe_block, router_z_loss
+from primejax.models.moe import GMM_OUTPUTS, moe_block, router_partials, router_stats
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
 from primejax.models.splash_attention import RESIDUALS as SPLASH_RESIDUALS
@@ -235,12 +235,8 @@ def decoder_layer(
             scale=cfg.routed_scaling_factor,
             lora_scale=s,
         )
-        valid = segment_ids > 0
-        stats = {
-            "load": expert_load(r.topk_idx, valid, cfg.num_experts),
-            "lb_loss": load_balance_loss(r, valid, cfg.num_experts),
-            "z_loss": router_z_loss(r, valid),
-        }
+        # per token shard: the layers' stack is combined once after them (_Layers)
+        stats = router_partials(r, segment_ids > 0, cfg.num_experts)
         return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), stats
     g_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt)), h_btd, p, "gate_proj", s)
     u_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt)), h_btd, p, "up_proj", s)
@@ -429,7 +425,7 @@ class DecoderStack(nnx.Module):
                 x_btd, stats = jax.lax.scan(
                     lambda x, pr: step(x, pr[0], (pr[1], mask)), x_btd, xs, unroll=cfg.scan_unroll
                 )
-            return x_btd, stats if sparse else {}
+            return x_btd, router_stats(stats, cfg.num_experts) if sparse else {}
 
         # One split per weight (its transpose is one concatenate of the layers' gradients), not L slices
         # (each of whose transposes pads a full-size zero array).
@@ -448,8 +444,9 @@ class DecoderStack(nnx.Module):
             x_btd, st = step(x_btd, p, rp)
             if st is not None:
                 per_stats.append(st)
-        stats = {k: jnp.stack([s[k] for s in per_stats]) for k in per_stats[0]} if per_stats else {}
-        return x_btd, stats
+        if not per_stats:
+            return x_btd, {}
+        return x_btd, router_stats({k: jnp.stack([s[k] for s in per_stats]) for k in per_stats[0]}, cfg.num_experts)
 
 
 class Transformer(nnx.Module):

@@ -292,6 +292,45 @@ def _a2a_direct() -> dict:
     return out
 
 
+def _layer_loop_collectives(hf_dir: str) -> dict:
+    """Collectives of the scanned layers' loop (the while body and what it calls) in the compiled forward with
+    routing statistics, experts `fsdp` on fsdp=8: the statistics are summed per device inside the loop
+    (moe.router_partials) and over devices once after it (moe.router_stats), so the loop holds the weights'
+    all-gathers and no all-reduce."""
+    mesh = make_mesh(fsdp=8)
+    model, _ = load_model(hf_dir, mesh=mesh, scan_layers=True, param_dtype="float32", compute_dtype="float32")
+    graphdef, params = nnx.split(model)
+    tokens, positions, segments = _batch()
+
+    def fwd(p):
+        h, stats = nnx.merge(graphdef, p).forward_with_aux(tokens, positions, segments)
+        return jnp.sum(h), stats
+
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(fwd).lower(params).compile().as_text()
+    comps, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name, lines = head.group(1), []
+        elif line.startswith("}") and name:
+            comps[name], name = "\n".join(lines), None
+        elif name:
+            lines.append(line)
+    loop, todo = set(), [b for body in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", body)]
+    while todo:
+        c = todo.pop()
+        if c in comps and c not in loop:
+            loop.add(c)
+            todo += [r for r in re.findall(r"%([\w.\-]+)", comps[c]) if r in comps]
+    text = "\n".join(comps[c] for c in loop)
+    count = lambda op, t: len(re.findall(rf" {op}(?:-start)?\(", t))  # noqa: E731
+    return dict(
+        loops=len(loop), all_reduce=count("all-reduce", text), all_gather=count("all-gather", text),
+        all_reduce_outside=count("all-reduce", hlo) - count("all-reduce", text),
+    )
+
+
 def _a2a_exchange_rows() -> dict:
     """The rows of every all-to-all in the compiled forward and backward of mode a2a at Qwen3-30B-A3B's
     routing ratio (k = 8 of E = 32 experts over 4 devices: a token has an expert on a given device 94% of the
@@ -366,6 +405,8 @@ def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
             kv_b = model.layers.kv_b_proj[...].sharding.spec
             result["cases"][name]["kv_b_spec"] = [list(e) if isinstance(e, tuple) else e for e in kv_b]
     result["replay"] = _replay(hf_dir, only)
+    if only is None or "a2a_direct" in only:
+        result["layer_loop_collectives"] = _layer_loop_collectives(hf_dir)
     if only is None or "a2a_direct" in only:
         result["a2a_direct"] = _a2a_direct()
         result["a2a_exchange_rows"] = _a2a_exchange_rows()

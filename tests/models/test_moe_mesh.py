@@ -220,3 +220,11 @@ def test_all_to_all_moves_each_token_once_per_device(results):
     rows = r["devices"] * r["tokens_per_device"]
     assert r["exchanges"] == [[rows, r["k"]], [rows, r["hidden"]]], r
     assert r["count"] == 7, r
+
+
+def test_layer_loop_holds_no_all_reduce(results):
+    """The scanned layers' routing statistics are summed per device inside the loop and over devices once after
+    it: the compiled loop (fsdp=8, experts `fsdp`) holds the weights' all-gathers and no all-reduce, which
+    would queue before each layer's expert gather (it held one per layer before moe.router_partials)."""
+    r = results["layer_loop_collectives"]
+    assert r["all_gather"] > 0 and r["all_reduce"] == 0, r
