@@ -168,9 +168,10 @@ CONFIGS = {
         # fallback only if no 48-layer row fits 80 GB cards
         _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
     ],
-    # expert parallelism by all-to-all token exchange (models/moe_a2a.py) next to the fsdp expert mode in the same
-    # call, 48 layers: worst-case slots (one round), balanced-share slots (factor 1.5: extra rounds only when a
-    # device sends a peer more), and ragged_all_to_all into balanced-share slots
+    # expert parallelism by all-to-all token exchange (models/moe_a2a.py: each token once per device holding one of
+    # its experts) next to the fsdp expert mode in the same call, 48 layers: factor 0 (slots of N tokens, every
+    # received pair in the first MLP call's window), factor 1.5 (on 4 GPUs the same slots, a window of 1.5 N*k
+    # pairs), and ragged_all_to_all into the same slots
     "gpu4:ep": [
         _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
         _step("moe48:16k:ep=a2a:padded:worst", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded:0")),
