@@ -289,6 +289,22 @@ def _a2a_direct() -> dict:
                          > moe_a2a.pair_window(per_dev, k, e_local, peers, factor)).any()
                     ),
                 )
+    # bf16 tokens, scores and weights (the training dtype) through the rounds' and windows' loops, against one
+    # device in bf16: each gradient's worst element against that gradient's largest
+    idx = jnp.asarray(routings["all_on_device0"], jnp.int32)
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, sc3[:, :2], w, ad))
+    (_, y_ref), g_ref = fn(*half, idx, "fsdp", "auto", 0.0)
+    with jax.set_mesh(mesh):
+        (_, y), g = fn(*half, idx, "a2a", "padded", A2A_VARIANTS["capacity"])
+    def rel(a, b):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+    out["bf16/all_on_device0"] = dict(
+        y_rel=rel(y, y_ref),
+        grad_rel=max(rel(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True)),
+        dtypes=sorted({str(a.dtype) for a in jax.tree.leaves((y, g))}),
+    )
     return out
 
 
