@@ -364,6 +364,7 @@ def _model_config(c: dict):
         **_a2a_options(c["ep"]),
         scan_layers=bool(c.get("scan")),
         scan_unroll=c.get("unroll", 1),
+        keep_gathered_experts=c.get("keep_gathered", False),
         deltanet_impl=c.get("deltanet", "auto"),
     )
 

@@ -137,6 +137,9 @@ class ModelConfig:
     # one round), and round 0's window of received pairs: this factor x N*k. Rounds past the first and pairs
     # past the window run only when some batch needs them (models/moe_a2a.py)
     a2a_capacity_factor: float = A2A_CAPACITY_FACTOR
+    # expert_parallel="fsdp" under remat: each sparse layer's all-gathered experts are saved for the backward
+    # instead of gathered again (E*3*D*I compute-dtype elements per layer and device; models/moe.py)
+    keep_gathered_experts: bool = False
     deltanet_impl: str = "auto"
     router_scoring: str = "softmax"
     routed_scaling_factor: float = 1.0
@@ -202,6 +205,11 @@ class ModelConfig:
             raise ValueError(f"a2a_impl={self.a2a_impl!r} is not one of {A2A_IMPLS}")
         if problem := a2a_capacity_problem(self.a2a_capacity_factor):
             raise ValueError(f"a2a_capacity_factor={problem}")
+        if self.keep_gathered_experts and self.expert_parallel != "fsdp":
+            raise ValueError(
+                f"keep_gathered_experts needs expert_parallel='fsdp' (got {self.expert_parallel!r}: its experts "
+                "are never gathered)"
+            )
         if self.deltanet_impl not in DELTANET_IMPLS:
             raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:

@@ -50,6 +50,9 @@ from primejax.models.sharding import constrain, current_mesh, logical_to_spec, m
 # these too (transformer._saves_attention_and_weight_dots); the kernels are custom calls, not dot_general, so
 # jax's dots policies alone would re-run them in the backward pass.
 GMM_OUTPUTS = ("moe_gate_up", "moe_down")
+# checkpoint_name of a sparse layer's all-gathered experts under ModelConfig.keep_gathered_experts: the layer's
+# remat policy saves them, so its backward reuses them instead of gathering them again (transformer.py)
+EXPERTS_GATHERED = "moe_experts_gathered"
 
 
 class RouterOut(NamedTuple):
@@ -239,10 +242,12 @@ def experts_forward(
     lora_scale: float = 0.0,
     a2a_impl: str = "auto",
     a2a_capacity_factor: float = A2A_CAPACITY_FACTOR,
+    keep_gathered: bool = False,
 ) -> jax.Array:
     """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out` (and per-expert
     `adapters`, split over devices like the experts); `a2a_impl` and `a2a_capacity_factor` set
-    mode "a2a"'s exchange (moe_a2a.py)."""
+    mode "a2a"'s exchange (moe_a2a.py). `keep_gathered` (mode "fsdp"): the experts are gathered under the name
+    EXPERTS_GATHERED, which the layer's remat policy then saves (ModelConfig.keep_gathered_experts)."""
     extra = () if adapters is None else (adapters,)
     mesh = current_mesh()
     # The tokens are a [B, T] batch flattened: rows split over (data, fsdp), a row's tokens over context, so
@@ -257,6 +262,10 @@ def experts_forward(
     tok = P(tok_axes, None)
     n_ep = mesh.shape[EP_AXIS]
     if mode == "fsdp" or n_ep == 1:
+        if keep_gathered:  # gathered here, by name, rather than by the shard_map's replicated in_specs
+            gate_up, down = (
+                checkpoint_name(jax.lax.with_sharding_constraint(w, P()), EXPERTS_GATHERED) for w in (gate_up, down)
+            )
         fn = functools.partial(_experts_local, impl=impl, lora_scale=lora_scale)
         specs = (tok, tok, tok, P(), P(), *[P()] * len(extra))
         return jax.shard_map(fn, in_specs=specs, out_specs=tok, check_vma=False)(
@@ -315,6 +324,7 @@ def moe_block(
     lora_scale: float = 0.0,
     a2a_impl: str = "auto",
     a2a_capacity_factor: float = A2A_CAPACITY_FACTOR,
+    keep_gathered_experts: bool = False,
 ) -> tuple[jax.Array, RouterOut]:
     """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens).
 
@@ -335,7 +345,7 @@ def moe_block(
     r_used = r._replace(scores=r.scores.astype(dt))
     y = experts_forward(
         x, r_used, p["experts_gate_up"].astype(dt), p["experts_down"].astype(dt), impl, mode,
-        lora.expert_adapters(p, dt), lora_scale, a2a_impl, a2a_capacity_factor,
+        lora.expert_adapters(p, dt), lora_scale, a2a_impl, a2a_capacity_factor, keep_gathered_experts,
     )  # fmt: skip
     y_btd = y.reshape(b, t, d)
     if "shared_gate_proj" in p:

@@ -39,7 +39,7 @@ from primejax.models.deltanet import gated_deltanet
 from primejax.models.layers import apply_rope, rms_norm, rope_tables
 from primejax.models.mla import attention_scale as mla_attention_scale
 from primejax.models.mla import mla_qkv
-from primejax.models.moe import GMM_OUTPUTS, moe_block, router_partials, router_stats
+from primejax.models.moe import EXPERTS_GATHERED, GMM_OUTPUTS, moe_block, router_partials, router_stats
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
 from primejax.models.splash_attention import RESIDUALS as SPLASH_RESIDUALS
@@ -112,6 +112,17 @@ def _saves_attention_offloads_experts(prim, *args, **params):
     if prim.name == "name" and params.get("name") == GMM_OUTPUTS[0]:
         return Offloadable(src="device", dst="pinned_host")
     return False
+
+
+def _also_saves(policy, name: str):
+    """`policy` (None: save nothing), and the values named `name` saved too."""
+
+    def fn(prim, *args, **params):
+        if prim.name == "name" and params.get("name") == name:
+            return True
+        return False if policy is None else policy(prim, *args, **params)
+
+    return fn
 
 
 _REMAT_POLICIES = {
@@ -227,6 +238,7 @@ def decoder_layer(
             mode=cfg.expert_parallel,
             a2a_impl=cfg.a2a_impl,
             a2a_capacity_factor=cfg.a2a_capacity_factor,
+            keep_gathered_experts=cfg.keep_gathered_experts,
             replay_idx=None if replay is None else replay[0],
             replay_mask=None if replay is None else replay[1],
             scoring=cfg.router_scoring,
@@ -413,6 +425,8 @@ class DecoderStack(nnx.Module):
                 fn = _offloads_attention(resolve_impl(self.cfg.attention_impl, x_btd.dtype) == "cudnn")
             else:
                 fn = _REMAT_POLICIES[policy]
+            if cfg.keep_gathered_experts:
+                fn = _also_saves(fn, EXPERTS_GATHERED)
             # Inside a scan CSE cannot merge the recomputation with the forward pass; unrolled it can.
             step = jax.checkpoint(step, policy=fn, prevent_cse=not cfg.scan_layers)
         sparse = cfg.sparse_layers()

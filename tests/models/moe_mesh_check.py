@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import sys
 
@@ -347,6 +348,45 @@ def _layer_loop_collectives(hf_dir: str) -> dict:
     )
 
 
+def _keep_gathered(hf_dir: str) -> dict:
+    """Remat `full`, scanned layers, experts `fsdp` on fsdp=8, with and without keep_gathered_experts: the
+    loss and every gradient, and the all-gathers of the whole experts (gate/up and down) in the compiled step.
+    Without it each is gathered in the forward and again in the backward's recompute; with it, once."""
+    out = {}
+    tokens, positions, segments = _batch()
+    for keep in (False, True):
+        mesh = make_mesh(fsdp=8)
+        model, cfg = load_model(
+            hf_dir, mesh=mesh, scan_layers=True, remat_policy="full", keep_gathered_experts=keep,
+            param_dtype="float32", compute_dtype="float32",
+        )  # fmt: skip
+        graphdef, params = nnx.split(model)
+
+        def loss(p, graphdef=graphdef):
+            h, stats = nnx.merge(graphdef, p).forward_with_aux(tokens, positions, segments)
+            return jnp.sum(jnp.sin(h)) + 0.01 * jnp.sum(stats["lb_loss"])
+
+        fn = jax.jit(jax.value_and_grad(loss))
+        with jax.set_mesh(mesh):
+            hlo = fn.lower(params).compile().as_text()
+            val, grads = fn(params)
+        e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        # one layer's whole experts ([1, E, D, 2, I] and [1, E, I, D] when sliced from the stack)
+        shapes = [tuple(int(v) for v in m.split(",")) for m in re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)]
+        out[f"keep={keep}"] = dict(
+            loss=float(val),
+            grads={"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)},
+            gathers_gate_up=sum(s[-3:] == (d, 2, i) and math.prod(s) == e * d * 2 * i for s in shapes),
+            gathers_down=sum(s[-2:] == (i, d) and math.prod(s) == e * i * d for s in shapes),
+        )
+    ref, got = out["keep=False"], out["keep=True"]
+    return dict(
+        loss_diff=abs(got["loss"] - ref["loss"]),
+        grad_diff=max(float(np.abs(got["grads"][k] - g).max() / max(np.abs(g).max(), 1e-12)) for k, g in ref["grads"].items()),
+        gathers={k: (v["gathers_gate_up"], v["gathers_down"]) for k, v in out.items()},
+    )
+
+
 def _a2a_exchange_rows() -> dict:
     """The rows of every all-to-all in the compiled forward and backward of mode a2a at Qwen3-30B-A3B's
     routing ratio (k = 8 of E = 32 experts over 4 devices: a token has an expert on a given device 94% of the
@@ -423,6 +463,7 @@ def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
     result["replay"] = _replay(hf_dir, only)
     if only is None or "a2a_direct" in only:
         result["layer_loop_collectives"] = _layer_loop_collectives(hf_dir)
+        result["keep_gathered"] = _keep_gathered(hf_dir)
     if only is None or "a2a_direct" in only:
         result["a2a_direct"] = _a2a_direct()
         result["a2a_exchange_rows"] = _a2a_exchange_rows()

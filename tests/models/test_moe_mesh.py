@@ -237,3 +237,12 @@ def test_layer_loop_holds_no_all_reduce(results):
     would queue before each layer's expert gather (it held one per layer before moe.router_partials)."""
     r = results["layer_loop_collectives"]
     assert r["all_gather"] > 0 and r["all_reduce"] == 0, r
+
+
+def test_keep_gathered_experts_gathers_each_layer_once(results):
+    """model.keep_gathered_experts (remat full, scanned layers, experts fsdp on fsdp=8): the same loss and
+    gradients, and the compiled step gathers each layer's experts once (the forward), not again in the
+    backward's recompute."""
+    r = results["keep_gathered"]
+    assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
+    assert r["gathers"] == {"keep=False": [2, 2], "keep=True": [1, 1]}, r
