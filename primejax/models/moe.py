@@ -412,17 +412,3 @@ def router_stats(parts: dict[str, jax.Array], num_experts: int) -> dict[str, jax
     f, p_mean = s["load"] / n[:, None], s["probs"] / n[:, None]
     return {"load": s["load"], "lb_loss": num_experts * jnp.sum(f * p_mean, axis=-1), "z_loss": s["z"] / n}
 
-
-def load_balance_loss(r: RouterOut, valid: jax.Array, num_experts: int) -> jax.Array:
-    """One layer's load-balancing loss over valid tokens (router_stats)."""
-    return _one_layer(r, valid, num_experts)["lb_loss"]
-
-
-def router_z_loss(r: RouterOut, valid: jax.Array) -> jax.Array:
-    """One layer's router z-loss over valid tokens (router_stats)."""
-    return _one_layer(r, valid, r.logits.shape[-1])["z_loss"]
-
-
-def _one_layer(r, valid, num_experts):
-    parts = jax.tree.map(lambda x: x[None], router_partials(r, valid, num_experts))
-    return jax.tree.map(lambda x: x[0], router_stats(parts, num_experts))

@@ -132,11 +132,13 @@ def test_max_violation_and_aux_losses():
     router = jnp.asarray(rng.standard_normal((d, e)), jnp.float32)
     r = moe.route(x, router, k, False)
     valid = jnp.ones(n, bool)
-    ours = float(moe.load_balance_loss(r, valid, e))
+    # one layer's statistics the way the model computes them: per-shard sums, combined over a stack of layers
+    stats = moe.router_stats(jax.tree.map(lambda a: a[None], moe.router_partials(r, valid, e)), e)
+    ours = float(stats["lb_loss"][0])
     theirs = float(load_balancing_loss_func((torch.as_tensor(np.array(r.logits)),), e, k))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     z = np.log(np.exp(np.asarray(r.logits, np.float64)).sum(-1))
-    np.testing.assert_allclose(float(moe.router_z_loss(r, valid)), np.mean(z * z), rtol=1e-5)
+    np.testing.assert_allclose(float(stats["z_loss"][0]), np.mean(z * z), rtol=1e-5)
     # padding tokens do not count
     half = jnp.arange(n) < n // 2
     load = np.asarray(moe.expert_load(r.topk_idx, half, e))
