@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,18 @@ def pair_window(n: int, k: int, e_local: int, p: int, factor: float) -> int:
     return most if factor <= 0 else min(most, _round8(factor * n * k))
 
 
+class _Plan(NamedTuple):
+    """One layer's static exchange plan (hashable: it rides the custom VJPs as a nondifferentiable argument)."""
+
+    c: int  # bundles per peer per round (`capacity`)
+    axis: str
+    exchange: str  # "padded" or "ragged"
+    impl: str  # the grouped matmul's
+    lora_scale: float
+    window: int  # pairs per expert MLP call (`pair_window`)
+    size: int  # rows per range of round 0's first call
+
+
 def experts_a2a(
     x_nd, topk_idx, scores, gate_up, down, adapters=None, *, axis, impl, exchange, lora_scale, capacity_factor
 ):  # fmt: skip
@@ -131,12 +144,12 @@ def experts_a2a(
     )
     window = pair_window(n, k, e_local, p, capacity_factor)
     # round 0's MLP ranges: half of a balanced load each, so two run and the rest of the window is skipped
-    static = (c, axis, exchange, impl, lora_scale, window, -(-n * k // 2))
+    plan = _Plan(c, axis, exchange, impl, lora_scale, window, size=-(-n * k // 2))
     ints = (topk_idx, hit, pos, tok_of, send_counts, counts, me)
-    y = _round(0, static, ints, x_nd, scores, gate_up, down, adapters)
+    y = _round(0, plan, ints, x_nd, scores, gate_up, down, adapters)
     if rounds > 1:  # only as many as some device's most bundles to one peer need (all devices agree)
         more = -(-jnp.max(counts) // c) - 1
-        y = y + _loop_sum(functools.partial(_later_round, static), more, ints, x_nd, scores, gate_up, down, adapters)
+        y = y + _loop_sum(functools.partial(_later_round, plan), more, ints, x_nd, scores, gate_up, down, adapters)
     return y
 
 
@@ -169,15 +182,15 @@ def _loop_sum_bwd(fn, res, g):
 _loop_sum.defvjp(_loop_sum_fwd, _loop_sum_bwd)
 
 
-def _later_round(static, i, ints, x, scores, gate_up, down, adapters):
-    return _round(i + 1, static, ints, x, scores, gate_up, down, adapters)
+def _later_round(plan, i, ints, x, scores, gate_up, down, adapters):
+    return _round(i + 1, plan, ints, x, scores, gate_up, down, adapters)
 
 
-def _round(r, static, ints, x, scores, gate_up, down, adapters):
+def _round(r, plan: _Plan, ints, x, scores, gate_up, down, adapters):
     """Bundles [r*c, (r+1)*c) of what this device sends each peer, there and back: [N, D], each token's
     weighted expert outputs from the peers this round carried it to. Peer q's bundles land in slot q of every
     receive buffer ([P * c] rows, slot s from device s)."""
-    c, axis, exchange, impl, lora_scale, _, _ = static
+    c, axis = plan.c, plan.axis
     topk_idx, hit, pos, tok_of, send_counts, counts, me = ints
     p = hit.shape[0]
     lo = r * c  # r is traced in later rounds
@@ -188,7 +201,7 @@ def _round(r, static, ints, x, scores, gate_up, down, adapters):
     send = _to_slots(x, src, valid, slot, here)  # [P * c, D]
     send_sc = _to_slots(scores, src, valid, slot, here)
     send_ids = jnp.where(valid.reshape(-1, 1), jnp.take(topk_idx, src.reshape(-1), axis=0), -1)
-    if exchange == "padded":
+    if plan.exchange == "padded":
         there = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
         back = there
     else:
@@ -204,46 +217,44 @@ def _round(r, static, ints, x, scores, gate_up, down, adapters):
     # empty slots: ids -1 (no local expert) under either exchange
     recv_ids = there(send_ids + 1) - 1
     first = isinstance(r, int) and r == 0
-    y_recv = _received(first, static, recv_ids, there(send), there(send_sc), me, gate_up, down, adapters)
+    y_recv = _received(first, plan, recv_ids, there(send), there(send_sc), me, gate_up, down, adapters)
     return _from_slots(back(y_recv), slot, here, src, valid)
 
 
-def _received(first, static, ids, rows, scores, me, gate_up, down, adapters):
+def _received(first, plan: _Plan, ids, rows, scores, me, gate_up, down, adapters):
     """The received bundles' outputs [M, D]: each row's expert MLP outputs on this device's experts, weighted by
     their scores (rows [M, D], ids and scores [M, k]; ids of other devices' experts and of empty slots are
     ignored). `first`: round 0, whose window runs in ranges (later rounds run rarely: one range, one kernel)."""
-    _, _, _, impl, lora_scale, window, size = static
     m, k = ids.shape
     e_local = gate_up.shape[0]
     local = ids - me * e_local
     key = jnp.where((local >= 0) & (local < e_local), local, e_local).reshape(-1)  # other pairs sort last
     order, inv = moe._sort_pairs(key)
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
-    most = m * min(k, e_local)  # every row's pairs on this device's experts
-    window = min(window, most)
-    mlp = (impl, lora_scale)
+    most = m * min(k, e_local)  # every row's pairs on this device's experts (pair_window's bound)
+    window = plan.window
     pairs = (order, inv, group_sizes, key < e_local)
-    y = _pairs(0, window, size if first else window, mlp, pairs, rows, scores, gate_up, down, adapters)
+    y = _pairs(0, window, plan.size if first else window, plan, pairs, rows, scores, gate_up, down, adapters)
     if window == most:
         return y
     # A skewed batch: the pairs past the window, a window at a time, as many windows as they fill
     steps = -(-(most - window) // window)
     order = jnp.pad(order, (0, max(window * (1 + steps) - order.shape[0], 0)))  # whole windows: none clamped
     more = jnp.maximum(jnp.sum(group_sizes) - window, 0)
-    fn = functools.partial(_later_window, window, mlp)
+    fn = functools.partial(_later_window, plan)
     pairs = (order, *pairs[1:])
     return y + _loop_sum(fn, -(-more // window), pairs, rows, scores, gate_up, down, adapters)
 
 
-def _later_window(window, mlp, i, pairs, rows, scores, gate_up, down, adapters):
-    return _pairs((i + 1) * window, window, window, mlp, pairs, rows, scores, gate_up, down, adapters)
+def _later_window(plan, i, pairs, rows, scores, gate_up, down, adapters):
+    w = plan.window
+    return _pairs((i + 1) * w, w, w, plan, pairs, rows, scores, gate_up, down, adapters)
 
 
-def _pairs(lo, length, size, mlp, pairs, rows, scores, gate_up, down, adapters):
+def _pairs(lo, length, size, plan: _Plan, pairs, rows, scores, gate_up, down, adapters):
     """The expert outputs of the sorted pairs [lo, lo + length) (ranges of `size`; `lo` may be traced),
     weighted by their scores and summed per received row: [M, D]."""
     order, inv, group_sizes, local = pairs
-    impl, lora_scale = mlp
     k = scores.shape[1]
     idx = jax.lax.dynamic_slice_in_dim(order, lo, length)  # the pair at each sorted position of the window
     # each pair's place in the window (outside it: < 0 or >= length). Pairs on other devices' experts sort
@@ -251,7 +262,9 @@ def _pairs(lo, length, size, mlp, pairs, rows, scores, gate_up, down, adapters):
     # their rows' zero outputs and gradients (a row's k slots then cost about what its local pairs do)
     at = jnp.where(local, inv - lo, -1)
     xs = _expand(rows, idx, at, k)  # [length, D]
-    ys = _chunked_mlp(xs, group_sizes, gate_up, down, adapters, impl=impl, lora_scale=lora_scale, size=size, base=lo)
+    ys = _chunked_mlp(
+        xs, group_sizes, gate_up, down, adapters, impl=plan.impl, lora_scale=plan.lora_scale, size=size, base=lo
+    )
     return _weigh(ys, scores, idx, at)
 
 
