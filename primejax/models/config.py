@@ -75,6 +75,13 @@ A2A_IMPLS = ("auto", "ragged", "padded")  # expert_parallel="a2a"'s exchange (mo
 A2A_CAPACITY_FACTOR = 1.5  # a2a's default slot per peer and round and pair window, in balanced shares (moe_a2a.py)
 
 
+def keep_gathered_problem(keep: bool, expert_parallel: str) -> str | None:
+    """Why keep_gathered_experts cannot be on (None when it can): only mode fsdp gathers experts."""
+    if keep and expert_parallel != "fsdp":
+        return f"needs expert_parallel='fsdp' (got {expert_parallel!r}: its experts are never gathered)"
+    return None
+
+
 def a2a_capacity_problem(factor: float) -> str | None:
     """Why `factor` is not a usable a2a_capacity_factor (None when it is): finite, and <= 0 or >= 1."""
     if not math.isfinite(factor):
@@ -205,11 +212,8 @@ class ModelConfig:
             raise ValueError(f"a2a_impl={self.a2a_impl!r} is not one of {A2A_IMPLS}")
         if problem := a2a_capacity_problem(self.a2a_capacity_factor):
             raise ValueError(f"a2a_capacity_factor={problem}")
-        if self.keep_gathered_experts and self.expert_parallel != "fsdp":
-            raise ValueError(
-                f"keep_gathered_experts needs expert_parallel='fsdp' (got {self.expert_parallel!r}: its experts "
-                "are never gathered)"
-            )
+        if problem := keep_gathered_problem(self.keep_gathered_experts, self.expert_parallel):
+            raise ValueError(f"keep_gathered_experts {problem}")
         if self.deltanet_impl not in DELTANET_IMPLS:
             raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:

@@ -17,6 +17,7 @@ from primejax.models.config import (
     GMM_IMPLS,
     REMAT_POLICIES,
     a2a_capacity_problem,
+    keep_gathered_problem,
 )
 from primejax.models.lora_config import LoraConfig
 from primejax.models.tiny import TinyModelConfig
@@ -92,10 +93,8 @@ class ModelSettings(Section):
     def check(self) -> None:
         if problem := a2a_capacity_problem(self.a2a_capacity_factor):
             raise ConfigError("a2a_capacity_factor", problem)
-        if self.keep_gathered_experts and self.expert_parallel != "fsdp":
-            raise ConfigError(
-                "keep_gathered_experts", f"needs expert_parallel=fsdp (got {self.expert_parallel}: no expert gather)"
-            )
+        if problem := keep_gathered_problem(self.keep_gathered_experts, self.expert_parallel):
+            raise ConfigError("keep_gathered_experts", problem)
 
     def overrides(self) -> dict[str, Any]:
         """The keyword arguments `ModelConfig` / `load_model` take from this section."""

@@ -115,12 +115,12 @@ def _saves_attention_offloads_experts(prim, *args, **params):
 
 
 def _also_saves(policy, name: str):
-    """`policy` (None: save nothing), and the values named `name` saved too."""
+    """`policy` (None: save nothing), and the values named `name` saved too. Not jax's save_from_both_policies,
+    which refuses a policy that offloads (returns Offloadable, not a bool)."""
+    named = jax.checkpoint_policies.save_only_these_names(name)
 
     def fn(prim, *args, **params):
-        if prim.name == "name" and params.get("name") == name:
-            return True
-        return False if policy is None else policy(prim, *args, **params)
+        return named(prim, *args, **params) or (policy is not None and policy(prim, *args, **params))
 
     return fn
 
