@@ -129,6 +129,8 @@ def _step(
 # 48 layers on 4 GPUs: bf16 parameters and AdamW moments (fp32 state, 16 B/param = 490 GB, does not fit 4 x 80 GB),
 # one 16k row per GPU, layers scanned (one compiled layer: 48 unrolled would not compile inside a session).
 GPU4 = dict(pdt="bfloat16", ep="fsdp", devices=4, rows=4, scan=True, steps=2, warmup=1)
+# the smoke rows' expert-parallel modes on 4 emulated CPU devices: tiny shapes, XLA kernels, scanned bf16 layers
+TINY4 = dict(gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True, pdt="bfloat16", remat="full")
 
 # XLA:GPU's collective pipeliner: a scanned layer's all-gathers / reduce-scatters move into the loop iteration before
 # (after), so they run under the neighbouring layer's compute, and the loop body double-buffered for it
@@ -414,29 +416,9 @@ CONFIGS = {
         dict(kind="gmm", name="gmm", smoke=True),
         _step("tiny:256", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1),
         _step("tiny:256:scan", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, scan=True),
-        _step(
-            "tiny:256:ep",
-            256,
-            2,
-            gmm="xla",
-            attn="xla",
-            steps=2,
-            warmup=1,
-            ep="ep",
-            devices=4,
-            rows=4,
-            scan=True,
-            pdt="bfloat16",
-            remat="full",
-        ),
-        _step(
-            "tiny:256:keep_gathered", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4,
-            scan=True, pdt="bfloat16", remat="full", keep_gathered=True,
-        ),  # fmt: skip
-        _step(
-            "tiny:256:a2a", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, ep="a2a", devices=4, rows=4,
-            scan=True, pdt="bfloat16", remat="full",
-        ),  # fmt: skip
+        _step("tiny:256:ep", 256, 2, ep="ep", **TINY4),
+        _step("tiny:256:keep_gathered", 256, 2, keep_gathered=True, **TINY4),
+        _step("tiny:256:a2a", 256, 2, ep="a2a", **TINY4),
         _step(
             "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2
         ),

@@ -309,6 +309,13 @@ def _a2a_direct() -> dict:
     return out
 
 
+def _collective_results(hlo: str, op: str) -> list[list[tuple[int, ...]]]:
+    """The result shapes of every `op` instruction of an optimized HLO module's text, one list per instruction
+    (XLA:CPU splits a tiled all-to-all into one operand per peer: (f32[c, D], ...) all-to-all(...))."""
+    results = re.findall(rf"= (\([^=]*?\)|\w+\[[\d,]*\]\S*) {op}\(", hlo)
+    return [[tuple(int(v) for v in dims.split(",")) for dims in re.findall(r"\w+\[([\d,]+)\]", r)] for r in results]
+
+
 def _layer_loop_collectives(hf_dir: str) -> dict:
     """Collectives of the scanned layers' loop (the while body and what it calls) in the compiled forward with
     routing statistics, experts `fsdp` on fsdp=8: the statistics are summed per device inside the loop
@@ -372,7 +379,7 @@ def _keep_gathered(hf_dir: str) -> dict:
             val, grads = fn(params)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         # one layer's whole experts ([1, E, D, 2, I] and [1, E, I, D] when sliced from the stack)
-        shapes = [tuple(int(v) for v in m.split(",")) for m in re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)]
+        shapes = [result[0] for result in _collective_results(hlo, "all-gather")]
         out[f"keep={keep}"] = dict(
             loss=float(val),
             grads={"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)},
@@ -406,11 +413,7 @@ def _a2a_exchange_rows() -> dict:
 
     with jax.set_mesh(make_mesh(data=2, fsdp=p)):
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, sc, w).compile().as_text()
-    # XLA:CPU splits a tiled all-to-all into one operand per peer: (f32[c, D], ...) all-to-all(...)
-    exchanges = []
-    for result in re.findall(r"= \(?([^=]*?)\)? all-to-all\(", hlo):
-        dims = [[int(v) for v in m.split(",")] for m in re.findall(r"\w+\[([\d,]+)\]", result)]
-        exchanges.append((sum(r[0] for r in dims), dims[0][-1]))
+    exchanges = [(sum(r[0] for r in dims), dims[0][-1]) for dims in _collective_results(hlo, "all-to-all")]
     return dict(
         exchanges=sorted(set(exchanges)), count=len(exchanges),
         tokens_per_device=per_dev, devices=p, hidden=d, k=k,
@@ -461,8 +464,9 @@ def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
             kv_b = model.layers.kv_b_proj[...].sharding.spec
             result["cases"][name]["kv_b_spec"] = [list(e) if isinstance(e, tuple) else e for e in kv_b]
     result["replay"] = _replay(hf_dir, only)
-    if only is None or "a2a_direct" in only:
+    if only is None or "layer_loop_collectives" in only:
         result["layer_loop_collectives"] = _layer_loop_collectives(hf_dir)
+    if only is None or "keep_gathered" in only:
         result["keep_gathered"] = _keep_gathered(hf_dir)
     if only is None or "a2a_direct" in only:
         result["a2a_direct"] = _a2a_direct()

@@ -33,8 +33,12 @@ SLOW_A2A = ("a2a:ragged@data2_fsdp4",)
 # The default tier runs one subprocess of four meshes (each mode once, each with its own split): expert
 # parallelism by all-gather (forward, gradients and replay on data2 x fsdp4), the fsdp mode with tensor
 # parallelism, all-to-all replay with each row split over 4 devices through the scanned stack, and the
-# all-to-all exchange alone. The other meshes form the extended tier (a second subprocess).
-DEFAULT = ("ep@data2_fsdp4", "fsdp@data2_fsdp2_tensor2", "a2a@fsdp2_context4_scan", "a2a_direct")
+# all-to-all exchange alone, and two reads of compiled steps: the layer loop's collectives and the experts kept
+# gathered. The other meshes form the extended tier (a second subprocess).
+DEFAULT = (
+    "ep@data2_fsdp4", "fsdp@data2_fsdp2_tensor2", "a2a@fsdp2_context4_scan", "a2a_direct", "layer_loop_collectives",
+    "keep_gathered",
+)  # fmt: skip
 EXTENDED = tuple(c for c in {*CASES, *REPLAY_CASES} if c not in (*DEFAULT, *SLOW_A2A))
 
 
