@@ -182,6 +182,8 @@ CONFIGS = {
         _step("moe48:16k:ep=a2a:padded:worst", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded:0")),
         _step("moe48:16k:ep=a2a:padded", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded:1.5")),
         _step("moe48:16k:ep=a2a:ragged", 16384, 48, remat="full", **dict(GPU4, ep="a2a:ragged:1.5")),
+        # where the a2a step's time goes on 4 GPUs (a jax.profiler trace)
+        _step("moe48:16k:ep=a2a:padded:trace", 16384, 48, remat="full", trace=True, **dict(GPU4, ep="a2a:padded:1.5")),
     ],
     # the same on 2 GPUs (16 of 48 layers), and where the a2a step's time goes (a jax.profiler trace)
     "gpu2:ep": [
