@@ -365,6 +365,7 @@ def _model_config(c: dict):
         scan_layers=bool(c.get("scan")),
         scan_unroll=c.get("unroll", 1),
         keep_gathered_experts=c.get("keep_gathered", False),
+        keep_exchanged_tokens=c.get("keep_exchanged", False),
         deltanet_impl=c.get("deltanet", "auto"),
     )
 

@@ -87,12 +87,15 @@ def _step(
     env=None,
     unroll=1,
     keep_gathered=False,
+    keep_exchanged=False,
 ):
     """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md).
     offload_master, inflight, resident_gib: trainer.optim.offload_master / offload_inflight / offload_resident_gib
     (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS; env: more environment for its process.
-    keep_gathered: model.keep_gathered_experts (the backward reuses the forward's gathered experts)."""
+    keep_gathered: model.keep_gathered_experts (the backward reuses the forward's gathered experts).
+    keep_exchanged: model.keep_exchanged_tokens (a2a: the backward's recompute reuses the forward's exchange)."""
     return dict(
+        keep_exchanged=keep_exchanged,
         keep_gathered=keep_gathered,
         unroll=unroll,
         xla_flags=xla_flags,
@@ -184,6 +187,13 @@ CONFIGS = {
         _step("moe48:16k:ep=a2a:ragged", 16384, 48, remat="full", **dict(GPU4, ep="a2a:ragged:1.5")),
         # where the a2a step's time goes on 4 GPUs (a jax.profiler trace)
         _step("moe48:16k:ep=a2a:padded:trace", 16384, 48, remat="full", trace=True, **dict(GPU4, ep="a2a:padded:1.5")),
+        # each layer's exchange kept for the backward: 4 exchanges per layer and step instead of 6; next to the
+        # fsdp mode's own lever (the gathered experts kept)
+        _step("moe48:16k:ep=a2a:padded:keep_exchanged", 16384, 48, remat="full", keep_exchanged=True,
+              **dict(GPU4, ep="a2a:padded:1.5")),
+        _step("moe48:16k:ep=fsdp:keep_gathered", 16384, 48, remat="full", keep_gathered=True, **GPU4),
+        _step("moe48:16k:ep=a2a:padded:keep_exchanged:trace", 16384, 48, remat="full", keep_exchanged=True,
+              trace=True, **dict(GPU4, ep="a2a:padded:1.5")),
     ],
     # the same on 2 GPUs (16 of 48 layers), and where the a2a step's time goes (a jax.profiler trace)
     "gpu2:ep": [
@@ -421,6 +431,7 @@ CONFIGS = {
         _step("tiny:256:ep", 256, 2, ep="ep", **TINY4),
         _step("tiny:256:keep_gathered", 256, 2, keep_gathered=True, **TINY4),
         _step("tiny:256:a2a", 256, 2, ep="a2a", **TINY4),
+        _step("tiny:256:a2a:keep_exchanged", 256, 2, ep="a2a", keep_exchanged=True, **TINY4),
         _step(
             "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2
         ),

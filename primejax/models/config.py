@@ -82,6 +82,13 @@ def keep_gathered_problem(keep: bool, expert_parallel: str) -> str | None:
     return None
 
 
+def keep_exchanged_problem(keep: bool, expert_parallel: str) -> str | None:
+    """Why keep_exchanged_tokens cannot be on (None when it can): only mode a2a exchanges tokens by all-to-all."""
+    if keep and expert_parallel != "a2a":
+        return f"needs expert_parallel='a2a' (got {expert_parallel!r}: it exchanges no tokens by all-to-all)"
+    return None
+
+
 def a2a_capacity_problem(factor: float) -> str | None:
     """Why `factor` is not a usable a2a_capacity_factor (None when it is): finite, and <= 0 or >= 1."""
     if not math.isfinite(factor):
@@ -147,6 +154,10 @@ class ModelConfig:
     # expert_parallel="fsdp" under remat: each sparse layer's all-gathered experts are saved for the backward
     # instead of gathered again (E*3*D*I compute-dtype elements per layer and device; models/moe.py)
     keep_gathered_experts: bool = False
+    # expert_parallel="a2a" under remat: each sparse layer's received tokens (with their expert ids and scores)
+    # are saved for the backward, so its recompute runs no exchange (P*c*(D + 2k) elements per layer and device,
+    # c the slot per peer; models/moe_a2a.py)
+    keep_exchanged_tokens: bool = False
     deltanet_impl: str = "auto"
     router_scoring: str = "softmax"
     routed_scaling_factor: float = 1.0
@@ -214,6 +225,8 @@ class ModelConfig:
             raise ValueError(f"a2a_capacity_factor={problem}")
         if problem := keep_gathered_problem(self.keep_gathered_experts, self.expert_parallel):
             raise ValueError(f"keep_gathered_experts {problem}")
+        if problem := keep_exchanged_problem(self.keep_exchanged_tokens, self.expert_parallel):
+            raise ValueError(f"keep_exchanged_tokens {problem}")
         if self.deltanet_impl not in DELTANET_IMPLS:
             raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:

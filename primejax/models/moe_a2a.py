@@ -20,9 +20,12 @@ all-gathered counts, so all run the same rounds). With 4 devices and Qwen3-30B-A
 c = N: one round, whatever the routing.
 
 The receiver's pairs: a device receives about N*k of them with a balanced load (at most P*c*min(k, E_local)).
-Round 0 runs the expert MLP over the first `pair_window` sorted pairs (the factor x N*k), in ranges of N*k/2
-rows, each skipped (lax.cond) when it holds no pair: the Mosaic GPU grouped matmul's work is set by its static
-row count, so this keeps the FLOPs to the pairs received. Pairs past the window (a skewed batch) run a window
+Round 0 runs the expert MLP over the first `pair_window` sorted pairs (the factor x N*k), in ranges
+(`mlp_ranges`): one of 7/8 of a balanced load, then eighths of it, each skipped (lax.cond) when it holds no
+pair. The Mosaic GPU grouped matmul's work is set by its static row count, so this keeps the FLOPs to the pairs
+received, within an eighth of a balanced load. Every exchange waits for the device with the most pairs: with
+halves (the first version) a device just past the balanced load ran a whole extra half, 1.5x the MLP work,
+and the 4-GPU trace showed the others waiting on it at every combine (docs/benchmarks.md). Pairs past the window (a skewed batch) run a window
 at a time in a while loop, for as many windows as they fill. Each range is a kernel to compile, so these
 windows and later rounds run as one range.
 
@@ -51,6 +54,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from primejax.models import moe
 from primejax.models.config import A2A_IMPLS
@@ -58,6 +62,11 @@ from primejax.models.config import A2A_IMPLS
 # The ragged exchange; tests/models/moe_mesh_check.py swaps in a stand-in built from all_to_all to run the
 # ragged path's offset arithmetic on XLA:CPU, which lacks the collective.
 RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
+
+# checkpoint_name of round 0's received bundles (rows, expert ids, scores): a remat policy that saves them
+# (ModelConfig.keep_exchanged_tokens) leaves the backward's recompute no exchange to run. (The combine is not
+# recomputed either way: no backward needs its output.)
+EXCHANGED = "moe_a2a_exchanged"
 
 # Each round is an exchange on the critical path: at most this many, the slots grow where the factor would take more.
 MAX_ROUNDS = 8
@@ -116,7 +125,7 @@ class _Plan(NamedTuple):
     impl: str  # the grouped matmul's
     lora_scale: float
     window: int  # pairs per expert MLP call (`pair_window`)
-    size: int  # rows per range of round 0's first call
+    ranges: tuple[int, ...]  # where round 0's first call's MLP ranges start (`mlp_ranges`)
 
 
 def experts_a2a(
@@ -143,8 +152,7 @@ def experts_a2a(
         .set(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p, n)), mode="drop")
     )
     window = pair_window(n, k, e_local, p, capacity_factor)
-    # round 0's MLP ranges: half of a balanced load each, so two run and the rest of the window is skipped
-    plan = _Plan(c, axis, exchange, impl, lora_scale, window, size=-(-n * k // 2))
+    plan = _Plan(c, axis, exchange, impl, lora_scale, window, mlp_ranges(window, n * k))
     ints = (topk_idx, hit, pos, tok_of, send_counts, counts, me)
     y = _round(0, plan, ints, x_nd, scores, gate_up, down, adapters)
     if rounds > 1:  # only as many as some device's most bundles to one peer need (all devices agree)
@@ -217,8 +225,10 @@ def _round(r, plan: _Plan, ints, x, scores, gate_up, down, adapters):
     # empty slots: ids -1 (no local expert) under either exchange
     recv_ids = there(send_ids + 1) - 1
     first = isinstance(r, int) and r == 0
-    y_recv = _received(first, plan, recv_ids, there(send), there(send_sc), me, gate_up, down, adapters)
-    return _from_slots(back(y_recv), slot, here, src, valid)
+    got = (recv_ids, there(send), there(send_sc))
+    if first:
+        got = tuple(checkpoint_name(v, EXCHANGED) for v in got)
+    return _from_slots(back(_received(first, plan, *got, me, gate_up, down, adapters)), slot, here, src, valid)
 
 
 def _received(first, plan: _Plan, ids, rows, scores, me, gate_up, down, adapters):
@@ -234,7 +244,7 @@ def _received(first, plan: _Plan, ids, rows, scores, me, gate_up, down, adapters
     most = m * min(k, e_local)  # every row's pairs on this device's experts (pair_window's bound)
     window = plan.window
     pairs = (order, inv, group_sizes, key < e_local)
-    y = _pairs(0, window, plan.size if first else window, plan, pairs, rows, scores, gate_up, down, adapters)
+    y = _pairs(0, window, plan.ranges if first else (0,), plan, pairs, rows, scores, gate_up, down, adapters)
     if window == most:
         return y
     # A skewed batch: the pairs past the window, a window at a time, as many windows as they fill
@@ -248,12 +258,12 @@ def _received(first, plan: _Plan, ids, rows, scores, me, gate_up, down, adapters
 
 def _later_window(plan, i, pairs, rows, scores, gate_up, down, adapters):
     w = plan.window
-    return _pairs((i + 1) * w, w, w, plan, pairs, rows, scores, gate_up, down, adapters)
+    return _pairs((i + 1) * w, w, (0,), plan, pairs, rows, scores, gate_up, down, adapters)
 
 
-def _pairs(lo, length, size, plan: _Plan, pairs, rows, scores, gate_up, down, adapters):
-    """The expert outputs of the sorted pairs [lo, lo + length) (ranges of `size`; `lo` may be traced),
-    weighted by their scores and summed per received row: [M, D]."""
+def _pairs(lo, length, ranges, plan: _Plan, pairs, rows, scores, gate_up, down, adapters):
+    """The expert outputs of the sorted pairs [lo, lo + length) (MLP ranges starting at `ranges`, relative to
+    `lo`, which may be traced), weighted by their scores and summed per received row: [M, D]."""
     order, inv, group_sizes, local = pairs
     k = scores.shape[1]
     idx = jax.lax.dynamic_slice_in_dim(order, lo, length)  # the pair at each sorted position of the window
@@ -263,22 +273,30 @@ def _pairs(lo, length, size, plan: _Plan, pairs, rows, scores, gate_up, down, ad
     at = jnp.where(local, inv - lo, -1)
     xs = _expand(rows, idx, at, k)  # [length, D]
     ys = _chunked_mlp(
-        xs, group_sizes, gate_up, down, adapters, impl=plan.impl, lora_scale=plan.lora_scale, size=size, base=lo
+        xs, group_sizes, gate_up, down, adapters, impl=plan.impl, lora_scale=plan.lora_scale, ranges=ranges, base=lo
     )
     return _weigh(ys, scores, idx, at)
 
 
-def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, size, base):
-    """moe._expert_mlp over ranges of `size` rows of `rows` (the sorted pairs [base, base + len(rows)); the last
-    range may be shorter), each run only when it holds a grouped row: the work follows the pairs received, not
-    the buffer size. Each range is its own grouped-matmul call (a kernel to compile): keep them few."""
+def mlp_ranges(window: int, balanced: int) -> tuple[int, ...]:
+    """Where round 0's expert MLP ranges start in its window of sorted pairs: 0, then 7/8 of a `balanced` load
+    (N*k pairs), then every eighth of it. A device runs the ranges its pairs reach, so its MLP does at most an
+    eighth of a balanced load more work than its pairs need (the kernel's work is its static row count). Three
+    range sizes at most: three shapes of each grouped-matmul kernel to compile."""
+    step = max(8, _round8(balanced / 8))
+    return (0, *range(max(step, _round8(balanced * 7 / 8)), window, step))
+
+
+def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, ranges, base):
+    """moe._expert_mlp over the ranges of `rows` (the sorted pairs [base, base + len(rows))) that start at
+    `ranges`, each run only when it holds a grouped row: the work follows the pairs received, not the buffer
+    size. Each range is its own grouped-matmul call (one kernel per range size to compile)."""
     m = rows.shape[0]
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     total = ends[-1]
     outs = []
-    for lo in range(0, m, size):
-        hi = min(lo + size, m)
+    for lo, hi in zip(ranges, (*ranges[1:], m), strict=True):
         sizes_c = (jnp.clip(ends, base + lo, base + hi) - jnp.clip(starts, base + lo, base + hi)).astype(jnp.int32)
 
         def run(x, sizes_c=sizes_c):

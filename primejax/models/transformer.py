@@ -40,6 +40,7 @@ from primejax.models.layers import apply_rope, rms_norm, rope_tables
 from primejax.models.mla import attention_scale as mla_attention_scale
 from primejax.models.mla import mla_qkv
 from primejax.models.moe import EXPERTS_GATHERED, GMM_OUTPUTS, moe_block, router_partials, router_stats
+from primejax.models.moe_a2a import EXCHANGED
 from primejax.models.precision import accumulating_einsum
 from primejax.models.sharding import constrain
 from primejax.models.splash_attention import RESIDUALS as SPLASH_RESIDUALS
@@ -427,6 +428,8 @@ class DecoderStack(nnx.Module):
                 fn = _REMAT_POLICIES[policy]
             if cfg.keep_gathered_experts:
                 fn = _also_saves(fn, EXPERTS_GATHERED)
+            if cfg.keep_exchanged_tokens:
+                fn = _also_saves(fn, EXCHANGED)
             # Inside a scan CSE cannot merge the recomputation with the forward pass; unrolled it can.
             step = jax.checkpoint(step, policy=fn, prevent_cse=not cfg.scan_layers)
         sparse = cfg.sparse_layers()

@@ -58,6 +58,7 @@ def test_defaults_validate():
         ({"model__a2a_capacity_factor": float("inf")}, "model.a2a_capacity_factor"),
         ({"model__a2a_capacity_factor": 0.5}, "model.a2a_capacity_factor"),
         ({"model__keep_gathered_experts": True, "model__expert_parallel": "a2a"}, "model.keep_gathered_experts"),
+        ({"model__keep_exchanged_tokens": True}, "model.keep_exchanged_tokens"),
         ({"model__path": ""}, "model.path"),
         ({"run__resume_step": "yesterday"}, "run.resume_step"),
         ({"run__name": "a/b"}, "run.name"),

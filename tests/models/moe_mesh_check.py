@@ -355,17 +355,28 @@ def _layer_loop_collectives(hf_dir: str) -> dict:
     )
 
 
-def _keep_gathered(hf_dir: str) -> dict:
-    """Remat `full`, scanned layers, experts `fsdp` on fsdp=8, with and without keep_gathered_experts: the
-    loss and every gradient, and the all-gathers of the whole experts (gate/up and down) in the compiled step.
-    Without it each is gathered in the forward and again in the backward's recompute; with it, once."""
+def _kept(hf_dir: str, lever: str) -> dict:
+    """Remat `full`, scanned layers, with and without one of the levers that keep a sparse layer's transfer for
+    the backward: the loss and every gradient, and the transfers in the compiled step.
+
+    - "keep_gathered": experts `fsdp` on fsdp=8; the all-gathers of the whole experts (gate/up and down). Without
+      it each is gathered in the forward and again in the backward's recompute; with it, once.
+    - "keep_exchanged": experts `a2a` on data=2 x fsdp=4, one round (capacity factor 0); the all-to-alls of
+      hidden-width rows. The forward's two (tokens there, outputs back) and the backward's two; without it the
+      recompute sends the tokens again (no backward needs the outputs back, so that one is not re-run)."""
     out = {}
     tokens, positions, segments = _batch()
     for keep in (False, True):
-        mesh = make_mesh(fsdp=8)
+        if lever == "keep_gathered":
+            mesh, mode = make_mesh(fsdp=8), dict(keep_gathered_experts=keep)
+        else:
+            mesh = make_mesh(data=2, fsdp=4)
+            mode = dict(
+                expert_parallel="a2a", a2a_impl="padded", a2a_capacity_factor=0.0, keep_exchanged_tokens=keep
+            )
         model, cfg = load_model(
-            hf_dir, mesh=mesh, scan_layers=True, remat_policy="full", keep_gathered_experts=keep,
-            param_dtype="float32", compute_dtype="float32",
+            hf_dir, mesh=mesh, scan_layers=True, remat_policy="full", param_dtype="float32",
+            compute_dtype="float32", **mode,
         )  # fmt: skip
         graphdef, params = nnx.split(model)
 
@@ -378,19 +389,23 @@ def _keep_gathered(hf_dir: str) -> dict:
             hlo = fn.lower(params).compile().as_text()
             val, grads = fn(params)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        # one layer's whole experts ([1, E, D, 2, I] and [1, E, I, D] when sliced from the stack)
-        shapes = [result[0] for result in _collective_results(hlo, "all-gather")]
+        if lever == "keep_gathered":  # one layer's whole experts ([1, E, D, 2, I] and [1, E, I, D] from the stack)
+            shapes = [result[0] for result in _collective_results(hlo, "all-gather")]
+            moved = (
+                sum(s[-3:] == (d, 2, i) and math.prod(s) == e * d * 2 * i for s in shapes),
+                sum(s[-2:] == (i, d) and math.prod(s) == e * i * d for s in shapes),
+            )
+        else:  # XLA:CPU splits a tiled all-to-all into one [c, D] operand per peer
+            moved = sum(dims[0][-1] == d for dims in _collective_results(hlo, "all-to-all"))
         out[f"keep={keep}"] = dict(
-            loss=float(val),
-            grads={"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)},
-            gathers_gate_up=sum(s[-3:] == (d, 2, i) and math.prod(s) == e * d * 2 * i for s in shapes),
-            gathers_down=sum(s[-2:] == (i, d) and math.prod(s) == e * i * d for s in shapes),
+            loss=float(val), grads={"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)},
+            moved=moved,
         )
     ref, got = out["keep=False"], out["keep=True"]
     return dict(
         loss_diff=abs(got["loss"] - ref["loss"]),
         grad_diff=max(float(np.abs(got["grads"][k] - g).max() / max(np.abs(g).max(), 1e-12)) for k, g in ref["grads"].items()),
-        gathers={k: (v["gathers_gate_up"], v["gathers_down"]) for k, v in out.items()},
+        moved={k: v["moved"] for k, v in out.items()},
     )
 
 
@@ -466,8 +481,9 @@ def main(hf_dir: str, out_path: str, only: set[str] | None = None) -> None:
     result["replay"] = _replay(hf_dir, only)
     if only is None or "layer_loop_collectives" in only:
         result["layer_loop_collectives"] = _layer_loop_collectives(hf_dir)
-    if only is None or "keep_gathered" in only:
-        result["keep_gathered"] = _keep_gathered(hf_dir)
+    for lever in ("keep_gathered", "keep_exchanged"):
+        if only is None or lever in only:
+            result[lever] = _kept(hf_dir, lever)
     if only is None or "a2a_direct" in only:
         result["a2a_direct"] = _a2a_direct()
         result["a2a_exchange_rows"] = _a2a_exchange_rows()

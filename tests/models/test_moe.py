@@ -340,3 +340,24 @@ def test_a2a_slots_bound_the_rounds():
     c = capacity(4096, 2, 2, 64, 1.5)  # top 2: 3% visit each peer; 1.5 x share would take 22 rounds
     assert c == 4096 // MAX_ROUNDS and c % 8 == 0  # the floor: MAX_ROUNDS rounds
     assert capacity(4096, k, 8, 16, 1.5) == 2536  # 16 devices with 8 experts each: 41% visit each peer
+
+
+def test_a2a_mlp_ranges_hold_the_work_to_an_eighth_past_the_pairs():
+    """Round 0's expert MLP ranges (the grouped matmul's work is its static row count, and every exchange waits
+    for the device with the most pairs): a device whose pairs end anywhere in the window runs rows within an
+    eighth of a balanced load of them, through at most three range sizes (kernels to compile)."""
+    from primejax.models.moe_a2a import mlp_ranges, pair_window
+
+    n, k = 16384, 8
+    window, balanced = pair_window(n, k, 32, 4, 1.5), n * k
+    ranges = mlp_ranges(window, balanced)
+    assert ranges[0] == 0 and ranges[1] == balanced * 7 // 8 and list(ranges) == sorted(set(ranges))
+    spans = list(zip(ranges, (*ranges[1:], window), strict=True))
+    assert len({hi - lo for lo, hi in spans}) <= 3
+    for pairs in range(1, window + 1, 997):
+        run = sum(hi - lo for lo, hi in spans if pairs > lo)  # the ranges a device's pairs reach
+        assert pairs <= run <= max(pairs + balanced // 8, ranges[1])
+    # halves (the first version) ran 1.5x the work for a device one pair past the balanced load
+    assert sum(hi - lo for lo, hi in spans if balanced + 1 > lo) == balanced * 9 // 8
+    assert mlp_ranges(64, 96) == (0,)  # a window shorter than the first range: one range
+    assert mlp_ranges(96, 64) == (0, 56, 64, 72, 80, 88)  # tiny loads: ranges of at least 8 rows

@@ -33,11 +33,11 @@ SLOW_A2A = ("a2a:ragged@data2_fsdp4",)
 # The default tier runs one subprocess of four meshes (each mode once, each with its own split): expert
 # parallelism by all-gather (forward, gradients and replay on data2 x fsdp4), the fsdp mode with tensor
 # parallelism, all-to-all replay with each row split over 4 devices through the scanned stack, and the
-# all-to-all exchange alone, and two reads of compiled steps: the layer loop's collectives and the experts kept
-# gathered. The other meshes form the extended tier (a second subprocess).
+# all-to-all exchange alone, and three reads of compiled steps: the layer loop's collectives, the experts kept
+# gathered and the tokens kept exchanged. The other meshes form the extended tier (a second subprocess).
 DEFAULT = (
     "ep@data2_fsdp4", "fsdp@data2_fsdp2_tensor2", "a2a@fsdp2_context4_scan", "a2a_direct", "layer_loop_collectives",
-    "keep_gathered",
+    "keep_gathered", "keep_exchanged",
 )  # fmt: skip
 EXTENDED = tuple(c for c in {*CASES, *REPLAY_CASES} if c not in (*DEFAULT, *SLOW_A2A))
 
@@ -249,4 +249,13 @@ def test_keep_gathered_experts_gathers_each_layer_once(results):
     backward's recompute."""
     r = results["keep_gathered"]
     assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
-    assert r["gathers"] == {"keep=False": [2, 2], "keep=True": [1, 1]}, r
+    assert r["moved"] == {"keep=False": [2, 2], "keep=True": [1, 1]}, r
+
+
+def test_keep_exchanged_tokens_sends_each_layer_tokens_once(results):
+    """model.keep_exchanged_tokens (remat full, scanned layers, experts a2a on data=2 x fsdp=4): the same loss
+    and gradients, and the compiled step's hidden-width all-to-alls: the forward's two (tokens there, outputs
+    back) and the backward's two, without the tokens sent again in the backward's recompute."""
+    r = results["keep_exchanged"]
+    assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
+    assert r["moved"] == {"keep=False": 5, "keep=True": 4}, r
