@@ -75,7 +75,7 @@ def gmm_worker(c: dict) -> dict:
     # xla's ragged_dot is a dense masked matmul on GPU (G x the work): checks stay small enough for it
     m, k, n, g = (256, 128, 128, 8) if smoke else (4096, 512, 256, 16)
     # "partial": groups cover 3/4 of the rows (the ep mode's case; the rest must come out zero), the others
-    # cover all rows and run with all_rows_grouped=True (no padding group)
+    # cover all rows and run with all_rows_grouped=True (no select for the rows past the groups)
     # the base's matmuls, then a rank-16 LoRA factor's two (rank as N, then as K: padded to the tiles on mgpu)
     cases = [(kind, "base", k, n) for kind in ("uniform", "skewed", "empty", "partial")]
     cases += [(kind, op, kk, nn) for kind in ("uniform", "partial") for op, kk, nn in (("lora_a", k, 16), ("lora_b", 16, n))]

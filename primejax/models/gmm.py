@@ -11,7 +11,10 @@ Two implementations with one contract:
 - "mgpu": the Pallas Mosaic-GPU kernels shipped with JAX (`jax.experimental.pallas.ops.gpu`): `ragged_dot`
   for the forward and the input gradient (rhs transposed), `transposed_ragged_dot` for the weight gradient,
   tied together in one `custom_vjp`. Hopper only; shapes must tile (K, N multiples of the block sizes).
-  Rows past sum(group_sizes) are given to a zero-weight padding group so the kernels write every row.
+  The kernels leave rows past sum(group_sizes) unwritten (whatever the buffer held, NaN included); a select
+  zeroes them in the output and in the input gradient, and the weight gradient's kernel only reads group rows
+  (a zero-weight padding group did this before: a copy of the weights per call, 68 ms per step and GPU in the
+  4-GPU all-to-all trace, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ def grouped_matmul(
 ) -> jax.Array:
     """[M, K] x [G, K, N] by row groups -> [M, N] in lhs.dtype (fp32 accumulation).
 
-    `all_rows_grouped` (static): the caller guarantees sum(group_sizes) == M, so the mgpu path needs no
-    padding group (whose weights it would otherwise concatenate, a copy of rhs per call).
+    `all_rows_grouped` (static): the caller guarantees sum(group_sizes) == M, so the mgpu path needs no select
+    to zero the rows past the groups.
     """
     if impl not in IMPLS:
         raise ValueError(f"grouped matmul impl {impl!r} is not one of {IMPLS}")
@@ -124,12 +127,11 @@ def tiles_for(op: str, k: int, n: int) -> dict[str, int]:
     return dict(MEASURED_TILES.get(key) or DEFAULT_TILES)
 
 
-def _with_padding_group(lhs, rhs, group_sizes):
-    """Append one zero-weight group holding the rows past sum(group_sizes), so every output row is written."""
-    pad = lhs.shape[0] - jnp.sum(group_sizes)
-    sizes = jnp.concatenate([group_sizes, pad[None].astype(jnp.int32)])
-    zero = jnp.zeros((1, *rhs.shape[1:]), rhs.dtype)
-    return jnp.concatenate([rhs, zero], axis=0), sizes
+def _zero_past_groups(x, group_sizes):
+    """x [M, ...] with the rows past sum(group_sizes) zero: the kernels leave them unwritten. A select, not a
+    product, so whatever they held (NaN too) is dropped; XLA fuses it into the consumer."""
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32).reshape(-1, *[1] * (x.ndim - 1))
+    return jnp.where(rows < jnp.sum(group_sizes), x, jnp.zeros((), x.dtype))
 
 
 def _fwd_kernel(lhs, rhs, group_sizes, transpose_rhs: bool):
@@ -148,28 +150,26 @@ def _wgrad_kernel(lhs_mk, dout_mn, group_sizes):
     return transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs_mk, dout_mn, group_sizes=group_sizes, **tiles)
 
 
-def _maybe_pad(lhs, rhs, group_sizes, pad: bool):
-    return _with_padding_group(lhs, rhs, group_sizes) if pad else (rhs, group_sizes)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mgpu_gmm(lhs, rhs, group_sizes, pad: bool):
-    rhs_p, sizes = _maybe_pad(lhs, rhs, group_sizes, pad)
-    return _fwd_kernel(lhs, rhs_p, sizes, transpose_rhs=False)
+def _mgpu_gmm(lhs, rhs, group_sizes, partial: bool):
+    """`partial`: rows may lie past the groups (zeroed here; see the module docstring)."""
+    out = _fwd_kernel(lhs, rhs, group_sizes, transpose_rhs=False)
+    return _zero_past_groups(out, group_sizes) if partial else out
 
 
-def _mgpu_fwd(lhs, rhs, group_sizes, pad):
-    return _mgpu_gmm(lhs, rhs, group_sizes, pad), (lhs, rhs, group_sizes)
+def _mgpu_fwd(lhs, rhs, group_sizes, partial):
+    return _mgpu_gmm(lhs, rhs, group_sizes, partial), (lhs, rhs, group_sizes)
 
 
-def _mgpu_bwd(pad, res, dout):
+def _mgpu_bwd(partial, res, dout):
     lhs, rhs, group_sizes = res
     dout = dout.astype(lhs.dtype)
-    rhs_p, sizes = _maybe_pad(lhs, rhs, group_sizes, pad)
+    if partial:  # the output's rows past the groups are constant: no gradient reaches the kernel through them
+        dout = _zero_past_groups(dout, group_sizes)
     # d lhs = dout @ rhs[g]^T: the forward kernel with the weights read transposed ([G, K, N] as N x K tiles).
-    dlhs = _fwd_kernel(dout, rhs_p, sizes, transpose_rhs=True)
-    drhs = _wgrad_kernel(lhs, dout, sizes)[: rhs.shape[0]]
-    return dlhs, drhs.astype(rhs.dtype), None
+    dlhs = _fwd_kernel(dout, rhs, group_sizes, transpose_rhs=True)
+    drhs = _wgrad_kernel(lhs, dout, group_sizes)
+    return (_zero_past_groups(dlhs, group_sizes) if partial else dlhs), drhs.astype(rhs.dtype), None
 
 
 _mgpu_gmm.defvjp(_mgpu_fwd, _mgpu_bwd)

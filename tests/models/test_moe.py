@@ -54,6 +54,59 @@ def test_grouped_matmul_matches_per_group_matmuls_and_grads(sizes):
     np.testing.assert_allclose(np.asarray(gw), rgw, rtol=1e-5, atol=1e-5)
 
 
+def _unwritten_kernels(monkeypatch):
+    """Stand-ins for the Mosaic kernels with their contract on rows past sum(group_sizes): the forward leaves
+    them unwritten (NaN here: what a reused buffer may hold), the weight gradient reads group rows through a
+    product mask (as the kernel masks a block's rows of other groups), so a NaN it is handed there spreads."""
+    from primejax.models import gmm
+
+    def fwd(lhs, rhs, group_sizes, transpose_rhs):
+        out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
+        rows = jnp.arange(lhs.shape[0])[:, None]
+        return jnp.where(rows < jnp.sum(group_sizes), out, jnp.nan)
+
+    def wgrad(lhs, dout, group_sizes):
+        ends = jnp.cumsum(group_sizes)
+        rows = jnp.arange(lhs.shape[0])
+        mask = ((rows[None] >= (ends - group_sizes)[:, None]) & (rows[None] < ends[:, None])).astype(lhs.dtype)
+        return jnp.einsum("gm,mk,mn->gkn", mask, lhs, dout)
+
+    monkeypatch.setattr(gmm, "_fwd_kernel", fwd)
+    monkeypatch.setattr(gmm, "_wgrad_kernel", wgrad)
+    return gmm
+
+
+@pytest.mark.parametrize("sizes", [[5, 9, 3, 7], [3, 4, 0, 5], [0, 0, 0, 0]])
+def test_mosaic_grouped_matmul_drops_the_rows_its_kernels_leave_unwritten(sizes, monkeypatch):
+    """The mgpu path's wrapper around kernels that leave rows past the groups unwritten: an expert MLP
+    (grouped matmul, SwiGLU, grouped matmul) gives the xla path's outputs and gradients, all finite, with rows
+    past the groups zero. Without the selects the NaN reaches the weight gradient through its product mask."""
+    gmm = _unwritten_kernels(monkeypatch)
+    rng = np.random.default_rng(1)
+    m, d, i = 24, 16, 8
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((4, d, 2 * i)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((4, i, d)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def mlp(x, w1, w2, impl):
+        h = grouped_matmul(x, w1, gs, impl)
+        return grouped_matmul(jax.nn.silu(h[:, :i]) * h[:, i:], w2, gs, impl)
+
+    def loss(x, w1, w2, impl):
+        return jnp.sum(jnp.sin(mlp(x, w1, w2, impl)))
+
+    y = mlp(x, w1, w2, "mgpu")
+    assert bool(jnp.all(jnp.isfinite(y))) and not bool(jnp.any(y[sum(sizes) :]))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(mlp(x, w1, w2, "xla")), rtol=1e-5, atol=1e-5)
+    got = jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2, "mgpu")
+    want = jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2, "xla")
+    for a, b in zip(got, want, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert gmm.resolve_impl("mgpu") == "mgpu"
+
+
 def _dense_mixture(x, topk_idx, scores, gate_up, down):
     """Every expert on every token, combined with one-hot routing weights (the definition of the block)."""
     e = gate_up.shape[0]
