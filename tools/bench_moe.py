@@ -423,9 +423,11 @@ def step_worker(c: dict) -> dict:
     progress("compiled")
 
     frozen = engine._frozen_arg()  # LoRA: the frozen weights are the step's third argument
+    last = {}
 
     def run(b):
         engine.state, metrics = step(engine.state, b, *frozen)
+        last["load"] = metrics.get("moe/load")
         loss = metrics["loss"]
         if c.get("offload"):
             loss.block_until_ready()
@@ -468,8 +470,24 @@ def step_worker(c: dict) -> dict:
         },
         buckets=len(engine.offload.plan.buckets) if engine.offload else 0,
         trace=trace,
+        device_load=_device_load(last.get("load"), n_dev),
         **lora,
     )
+
+
+def _device_load(load, devices: int) -> dict | None:
+    """Each sparse layer's expert load [Ls, E] summed per block of E / devices experts (the experts one device
+    holds under expert parallelism), as a share of the balanced load: what each device's expert MLP runs in
+    mode a2a, where every exchange waits for the device with the most."""
+    if load is None:
+        return None
+    import numpy as np
+
+    load = np.asarray(load, np.float64)
+    blocks = load.reshape(load.shape[0], devices, -1).sum(-1)
+    share = blocks / np.maximum(blocks.mean(-1, keepdims=True), 1e-30)
+    top = share.max(-1)
+    return dict(layer_max_mean=float(top.mean()), layer_max_max=float(top.max()), layer_max=np.round(top, 3).tolist())
 
 
 WORKERS = {"gmm": gmm_worker, "step": step_worker, "tiles": tiles_worker, "tile_shape": tile_shape_worker}
