@@ -20,12 +20,10 @@ all-gathered counts, so all run the same rounds). With 4 devices and Qwen3-30B-A
 c = N: one round, whatever the routing.
 
 The receiver's pairs: a device receives about N*k of them with a balanced load (at most P*c*min(k, E_local)).
-Round 0 runs the expert MLP over the first `pair_window` sorted pairs (the factor x N*k), in ranges
-(`mlp_ranges`): one of 7/8 of a balanced load, then eighths of it, each skipped (lax.cond) when it holds no
-pair. The Mosaic GPU grouped matmul's work is set by its static row count, so this keeps the FLOPs to the pairs
-received, within an eighth of a balanced load. Every exchange waits for the device with the most pairs: with
-halves (the first version) a device just past the balanced load ran a whole extra half, 1.5x the MLP work,
-and the 4-GPU trace showed the others waiting on it at every combine (docs/benchmarks.md). Pairs past the window (a skewed batch) run a window
+Round 0 runs the expert MLP over the first `pair_window` sorted pairs (the factor x N*k), in ranges of half a
+balanced load (`mlp_ranges`), each skipped (lax.cond) when it holds no pair: the Mosaic GPU grouped matmul's
+work is set by its static row count, so this keeps the FLOPs to the pairs received. Every exchange waits for
+the device with the most pairs (docs/moe.md has the measured skew). Pairs past the window (a skewed batch) run a window
 at a time in a while loop, for as many windows as they fill. Each range is a kernel to compile, so these
 windows and later rounds run as one range.
 
@@ -279,12 +277,16 @@ def _pairs(lo, length, ranges, plan: _Plan, pairs, rows, scores, gate_up, down, 
 
 
 def mlp_ranges(window: int, balanced: int) -> tuple[int, ...]:
-    """Where round 0's expert MLP ranges start in its window of sorted pairs: 0, then 7/8 of a `balanced` load
-    (N*k pairs), then every eighth of it. A device runs the ranges its pairs reach, so its MLP does at most an
-    eighth of a balanced load more work than its pairs need (the kernel's work is its static row count). Three
-    range sizes at most: three shapes of each grouped-matmul kernel to compile."""
-    step = max(8, _round8(balanced / 8))
-    return (0, *range(max(step, _round8(balanced * 7 / 8)), window, step))
+    """Where round 0's expert MLP ranges start in its window of sorted pairs: every half of a `balanced` load
+    (N*k pairs). A device runs the ranges its pairs reach (the kernel's work is its static row count).
+
+    Finer ranges (7/8 of the load, then eighths) cut the grouped matmuls' time on 4 x H200 but made the step
+    slower, 2,711 against 2,583 ms (docs/benchmarks.md): each range's weight gradient is a whole [E_local, D, 2I]
+    and [E_local, I, D] that the backward sums, and summing five or six of them per layer cost more than the
+    rows they saved. One weight gradient over the window (its kernel's work follows the group sizes) would
+    remove that; not done yet."""
+    step = max(8, _round8(balanced / 2))
+    return tuple(range(0, window, step))
 
 
 def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, ranges, base):

@@ -395,22 +395,19 @@ def test_a2a_slots_bound_the_rounds():
     assert capacity(4096, k, 8, 16, 1.5) == 2536  # 16 devices with 8 experts each: 41% visit each peer
 
 
-def test_a2a_mlp_ranges_hold_the_work_to_an_eighth_past_the_pairs():
-    """Round 0's expert MLP ranges (the grouped matmul's work is its static row count, and every exchange waits
-    for the device with the most pairs): a device whose pairs end anywhere in the window runs rows within an
-    eighth of a balanced load of them, through at most three range sizes (kernels to compile)."""
+def test_a2a_mlp_ranges_are_halves_of_a_balanced_load():
+    """Round 0's expert MLP ranges (the grouped matmul's work is its static row count): halves of a balanced
+    load over the window, so a device with a balanced load runs two and skips the rest; a device whose pairs
+    end anywhere in the window runs rows within half a balanced load of them."""
     from primejax.models.moe_a2a import mlp_ranges, pair_window
 
     n, k = 16384, 8
     window, balanced = pair_window(n, k, 32, 4, 1.5), n * k
     ranges = mlp_ranges(window, balanced)
-    assert ranges[0] == 0 and ranges[1] == balanced * 7 // 8 and list(ranges) == sorted(set(ranges))
+    assert ranges == (0, balanced // 2, balanced) and window == balanced * 3 // 2
     spans = list(zip(ranges, (*ranges[1:], window), strict=True))
-    assert len({hi - lo for lo, hi in spans}) <= 3
     for pairs in range(1, window + 1, 997):
         run = sum(hi - lo for lo, hi in spans if pairs > lo)  # the ranges a device's pairs reach
-        assert pairs <= run <= max(pairs + balanced // 8, ranges[1])
-    # halves (the first version) ran 1.5x the work for a device one pair past the balanced load
-    assert sum(hi - lo for lo, hi in spans if balanced + 1 > lo) == balanced * 9 // 8
-    assert mlp_ranges(64, 96) == (0,)  # a window shorter than the first range: one range
-    assert mlp_ranges(96, 64) == (0, 56, 64, 72, 80, 88)  # tiny loads: ranges of at least 8 rows
+        assert pairs <= run < pairs + balanced // 2
+    assert sum(hi - lo for lo, hi in spans if balanced >= lo + 1) == balanced
+    assert mlp_ranges(96, 64) == (0, 32, 64)  # tiny loads: ranges of at least 8 rows
