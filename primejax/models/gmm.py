@@ -61,6 +61,75 @@ def grouped_matmul(
     return _mgpu_gmm(lhs, rhs.astype(lhs.dtype), group_sizes, not all_rows_grouped)
 
 
+def ranged_grouped_matmul(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, starts: tuple[int, ...], impl: str = "xla"
+) -> jax.Array:
+    """grouped_matmul(lhs, rhs, group_sizes) run over the row ranges that begin at `starts` (static, from 0),
+    each skipped (lax.cond: zero rows) when no group row falls in it, as is every row past the groups.
+
+    For a buffer only partly filled with grouped rows (mode a2a's window of received pairs): the mgpu kernels'
+    work is their static row count, so ranges keep the forward and the input gradient to the ranges the rows
+    reach. The weight gradient is one call over all rows (that kernel's work follows the group sizes), not one
+    per range: each range's would be a whole [G, K, N] for the backward to sum (205 ms per step and GPU with
+    eighths in the 4-GPU all-to-all trace, docs/benchmarks.md)."""
+    if impl not in IMPLS:
+        raise ValueError(f"grouped matmul impl {impl!r} is not one of {IMPLS}")
+    if not starts or starts[0] != 0 or list(starts) != sorted(set(starts)) or starts[-1] >= lhs.shape[0]:
+        raise ValueError(f"range starts {starts} must rise from 0 inside the {lhs.shape[0]} rows")
+    return _ranged(lhs, rhs, group_sizes.astype(jnp.int32), tuple(starts), resolve_impl(impl))
+
+
+def _range_rows(x, rhs, sizes, impl: str, transpose: bool):
+    """One range's product (rows past its groups zero): x @ rhs[g], or x @ rhs[g]^T (the input gradient)."""
+    if impl == "xla":
+        w = jnp.swapaxes(rhs, 1, 2) if transpose else rhs
+        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    return _zero_past_groups(_fwd_kernel(x, rhs, sizes, transpose_rhs=transpose), sizes)
+
+
+def _by_range(rows, rhs, group_sizes, starts, impl: str, transpose: bool):
+    ends = jnp.cumsum(group_sizes)
+    begins = ends - group_sizes
+    width = rhs.shape[1] if transpose else rhs.shape[2]
+    outs = []
+    for lo, hi in zip(starts, (*starts[1:], rows.shape[0]), strict=True):
+        sizes = (jnp.clip(ends, lo, hi) - jnp.clip(begins, lo, hi)).astype(jnp.int32)
+
+        def run(x, sizes=sizes):
+            return _range_rows(x, rhs, sizes, impl, transpose)
+
+        def skip(x):
+            return jnp.zeros((x.shape[0], width), x.dtype)
+
+        outs.append(jax.lax.cond(ends[-1] > lo, run, skip, rows[lo:hi]))
+    return jnp.concatenate(outs, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ranged(lhs, rhs, group_sizes, starts, impl):
+    return _by_range(lhs, rhs.astype(lhs.dtype), group_sizes, starts, impl, transpose=False)
+
+
+def _ranged_fwd(lhs, rhs, group_sizes, starts, impl):
+    return _ranged(lhs, rhs, group_sizes, starts, impl), (lhs, rhs, group_sizes)
+
+
+def _ranged_bwd(starts, impl, res, dout):
+    lhs, rhs, group_sizes = res
+    w = rhs.astype(lhs.dtype)
+    dout = _zero_past_groups(dout.astype(lhs.dtype), group_sizes)  # those output rows are constant zeros
+    dlhs = _by_range(dout, w, group_sizes, starts, impl, transpose=True)
+    if impl == "xla":
+        product = lambda w: jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)  # noqa: E731
+        drhs = jax.vjp(product, w)[1](dout.astype(jnp.float32))[0]
+    else:
+        drhs = _wgrad_kernel(lhs, dout, group_sizes)
+    return dlhs, drhs.astype(rhs.dtype), None
+
+
+_ranged.defvjp(_ranged_fwd, _ranged_bwd)
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
