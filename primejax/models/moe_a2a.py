@@ -282,10 +282,9 @@ def mlp_ranges(window: int, balanced: int) -> tuple[int, ...]:
     (N*k pairs). A device runs the ranges its pairs reach (the kernel's work is its static row count).
 
     Finer ranges (7/8 of the load, then eighths) cut the grouped matmuls' time on 4 x H200 but made the step
-    slower, 2,711 against 2,583 ms (docs/benchmarks.md): each range's weight gradient is a whole [E_local, D, 2I]
-    and [E_local, I, D] that the backward sums, and summing five or six of them per layer cost more than the
-    rows they saved. One weight gradient over the window (its kernel's work follows the group sizes) would
-    remove that; not done yet."""
+    slower, 2,711 against 2,583 ms (docs/benchmarks.md): each range's weight gradient was a whole
+    [E_local, D, 2I] and [E_local, I, D] that the backward summed, five or six per layer. The MLP now takes one
+    weight gradient over the window (gmm.ranged_grouped_matmul); finer ranges are not yet measured with it."""
     step = max(8, _round8(balanced / 2))
     return tuple(range(0, window, step))
 
