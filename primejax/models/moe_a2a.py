@@ -56,7 +56,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from primejax.models import moe
 from primejax.models.config import A2A_IMPLS
-from primejax.models.gmm import ranged_grouped_matmul
 
 # The ragged exchange; tests/models/moe_mesh_check.py swaps in a stand-in built from all_to_all to run the
 # ragged path's offset arithmetic on XLA:CPU, which lacks the collective.
@@ -290,30 +289,23 @@ def mlp_ranges(window: int, balanced: int) -> tuple[int, ...]:
 
 
 def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, ranges, base):
-    """The expert MLP (SwiGLU) of the sorted pairs [base, base + len(rows)) in `rows`, over the ranges that
-    start at `ranges`, each run only when it holds a grouped row: the work follows the pairs received, not the
-    buffer size. Without adapters its two grouped matmuls are `gmm.ranged_grouped_matmul` (one weight gradient
-    over the window); with them each range runs moe._expert_mlp (the adapters' own grouped matmuls too)."""
+    """moe._expert_mlp over the ranges of `rows` (the sorted pairs [base, base + len(rows))) that start at
+    `ranges`, each run only when it holds a grouped row: the work follows the pairs received, not the buffer
+    size. Each range is its own grouped-matmul call (one kernel per range size to compile)."""
     m = rows.shape[0]
     ends = jnp.cumsum(group_sizes)
-    begins = ends - group_sizes
-    if adapters is None:  # the groups' rows in this window, from its row 0
-        sizes = (jnp.clip(ends, base, base + m) - jnp.clip(begins, base, base + m)).astype(jnp.int32)
-        e_local, d, _, i = gate_up.shape
-        h = ranged_grouped_matmul(rows, gate_up.reshape(e_local, d, 2 * i), sizes, ranges, impl)
-        h = checkpoint_name(h, moe.GMM_OUTPUTS[0])
-        a = jax.nn.silu(h[:, :i]) * h[:, i:]
-        return checkpoint_name(ranged_grouped_matmul(a, down, sizes, ranges, impl), moe.GMM_OUTPUTS[1])
+    starts = ends - group_sizes
+    total = ends[-1]
     outs = []
     for lo, hi in zip(ranges, (*ranges[1:], m), strict=True):
-        sizes_c = (jnp.clip(ends, base + lo, base + hi) - jnp.clip(begins, base + lo, base + hi)).astype(jnp.int32)
+        sizes_c = (jnp.clip(ends, base + lo, base + hi) - jnp.clip(starts, base + lo, base + hi)).astype(jnp.int32)
 
         def run(x, sizes_c=sizes_c):
             return moe._expert_mlp(
                 x, sizes_c, gate_up, down, adapters, impl=impl, full=False, lora_scale=lora_scale
             )
 
-        outs.append(jax.lax.cond(ends[-1] > base + lo, run, jnp.zeros_like, rows[lo:hi]))
+        outs.append(jax.lax.cond(total > base + lo, run, jnp.zeros_like, rows[lo:hi]))
     return jnp.concatenate(outs, axis=0)
 
 

@@ -107,40 +107,6 @@ def test_mosaic_grouped_matmul_drops_the_rows_its_kernels_leave_unwritten(sizes,
     assert gmm.resolve_impl("mgpu") == "mgpu"
 
 
-@pytest.mark.parametrize("impl", ["xla", "mgpu"])
-@pytest.mark.parametrize("sizes", [[5, 9, 3, 7], [3, 4, 0, 5], [0, 0, 0, 0], [0, 13, 0, 0]])
-def test_ranged_grouped_matmul_equals_one_call(impl, sizes, monkeypatch):
-    """gmm.ranged_grouped_matmul over ranges [0, 8), [8, 16), [16, 20), [20, 24) of 24 rows, some skipped (no
-    group row in them), gives grouped_matmul's output and both gradients, rows past the groups zero; "mgpu"
-    through the kernel stand-ins that leave those rows NaN. The weight gradient is one call, not one per range."""
-    from primejax.models.gmm import ranged_grouped_matmul
-
-    gmm = _unwritten_kernels(monkeypatch)
-    wgrads = []
-    kernel = gmm._wgrad_kernel
-    monkeypatch.setattr(gmm, "_wgrad_kernel", lambda *a: wgrads.append(1) or kernel(*a))
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((24, 16)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
-    dy = jnp.asarray(rng.standard_normal((24, 8)), jnp.float32)
-    gs = jnp.asarray(sizes, jnp.int32)
-
-    def loss(x, w, ranged):
-        y = ranged_grouped_matmul(x, w, gs, (0, 8, 16, 20), impl) if ranged else grouped_matmul(x, w, gs, "xla")
-        return jnp.sum(y * dy), y
-
-    (_, y), got = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w, True)
-    (_, y_ref), want = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w, False)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-    assert not bool(jnp.any(y[sum(sizes) :]))
-    for a, b in zip(got, want, strict=True):
-        assert bool(jnp.all(jnp.isfinite(a)))
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    assert len(wgrads) == (1 if impl == "mgpu" else 0)
-    with pytest.raises(ValueError, match="range starts"):
-        ranged_grouped_matmul(x, w, gs, (8, 16), impl)
-
-
 def _dense_mixture(x, topk_idx, scores, gate_up, down):
     """Every expert on every token, combined with one-hot routing weights (the definition of the block)."""
     e = gate_up.shape[0]
