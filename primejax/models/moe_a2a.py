@@ -281,9 +281,10 @@ def mlp_ranges(window: int, balanced: int) -> tuple[int, ...]:
     (N*k pairs). A device runs the ranges its pairs reach (the kernel's work is its static row count).
 
     Finer ranges (7/8 of the load, then eighths) cut the grouped matmuls' time on 4 x H200 but made the step
-    slower, 2,711 against 2,583 ms (docs/benchmarks.md): each range's weight gradient was a whole
-    [E_local, D, 2I] and [E_local, I, D] that the backward summed, five or six per layer. The MLP now takes one
-    weight gradient over the window (gmm.ranged_grouped_matmul); finer ranges are not yet measured with it."""
+    slower, 2,711 against 2,583 ms (docs/benchmarks.md): each range's weight gradient is a whole
+    [E_local, D, 2I] and [E_local, I, D] that the backward sums, five or six per layer. One weight gradient
+    over the window (commit 3405307, reverted) measured 2,623 against 2,600 ms with halves, so it is not here;
+    with eighths it is unmeasured."""
     step = max(8, _round8(balanced / 2))
     return tuple(range(0, window, step))
 
