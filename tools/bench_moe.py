@@ -416,6 +416,8 @@ def step_worker(c: dict) -> dict:
         k: np.asarray(v).reshape(micro, rows, seq)
         for k, v in _fake_batch(micro * rows, seq, cfg.vocab_size, "rl").items()
     }
+    if c.get("replay"):
+        host.update(_uniform_routing((micro, rows, seq), len(cfg.sparse_layers()), cfg))
     batch = engine.device_batch(host)
     t0 = time.perf_counter()
     step = engine.lower(batch, "rl", 1).compile()
@@ -473,6 +475,23 @@ def step_worker(c: dict) -> dict:
         device_load=_device_load(last.get("load"), n_dev),
         **lora,
     )
+
+
+def _uniform_routing(shape: tuple[int, ...], layers: int, cfg) -> dict:
+    """Replayed routing (the batch's routed_experts, as rollouts bring them) that spreads every layer's pairs
+    evenly over the experts: token t of layer l takes experts (b + j*s) mod E for j < k, b uniform, s odd (so
+    the k are distinct when E is a power of two). Random init routes far from evenly per device (`device_load`);
+    this is the balanced case to set beside it."""
+    import numpy as np
+
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    if e & (e - 1):
+        raise ValueError(f"uniform replayed routing needs a power-of-two expert count, got {e}")
+    rng = np.random.default_rng(0)
+    b = rng.integers(0, e, size=(*shape, layers, 1))
+    s = 2 * rng.integers(0, e // 2, size=(*shape, layers, 1)) + 1
+    experts = ((b + s * np.arange(k)) % e).astype(np.uint8)
+    return {"routed_experts": experts, "routed_mask": np.ones(shape, bool)}
 
 
 def _device_load(load, devices: int) -> dict | None:

@@ -88,13 +88,16 @@ def _step(
     unroll=1,
     keep_gathered=False,
     keep_exchanged=False,
+    replay=False,
 ):
     """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md).
     offload_master, inflight, resident_gib: trainer.optim.offload_master / offload_inflight / offload_resident_gib
     (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS; env: more environment for its process.
     keep_gathered: model.keep_gathered_experts (the backward reuses the forward's gathered experts).
-    keep_exchanged: model.keep_exchanged_tokens (a2a: the backward's recompute reuses the forward's exchange)."""
+    keep_exchanged: model.keep_exchanged_tokens (a2a: the backward's recompute reuses the forward's exchange).
+    replay: the batch brings replayed routing spread evenly over the experts (bench_moe._uniform_routing)."""
     return dict(
+        replay=replay,
         keep_exchanged=keep_exchanged,
         keep_gathered=keep_gathered,
         unroll=unroll,
@@ -194,6 +197,12 @@ CONFIGS = {
         _step("moe48:16k:ep=fsdp:keep_gathered", 16384, 48, remat="full", keep_gathered=True, **GPU4),
         _step("moe48:16k:ep=a2a:padded:keep_exchanged:trace", 16384, 48, remat="full", keep_exchanged=True,
               trace=True, **dict(GPU4, ep="a2a:padded:1.5")),
+        # the same modes under replayed routing spread evenly over the experts: a2a without the per-device
+        # skew of random init (the busiest device held 1.35x the balanced load, docs/benchmarks.md)
+        _step("moe48:16k:ep=fsdp:replay", 16384, 48, remat="full", replay=True, **GPU4),
+        _step("moe48:16k:ep=a2a:padded:replay", 16384, 48, remat="full", replay=True, **dict(GPU4, ep="a2a:padded:1.5")),
+        _step("moe48:16k:ep=a2a:padded:replay:trace", 16384, 48, remat="full", replay=True, trace=True,
+              **dict(GPU4, ep="a2a:padded:1.5")),
     ],
     # the same on 2 GPUs (16 of 48 layers), and where the a2a step's time goes (a jax.profiler trace)
     "gpu2:ep": [
@@ -432,6 +441,7 @@ CONFIGS = {
         _step("tiny:256:keep_gathered", 256, 2, keep_gathered=True, **TINY4),
         _step("tiny:256:a2a", 256, 2, ep="a2a", **TINY4),
         _step("tiny:256:a2a:keep_exchanged", 256, 2, ep="a2a", keep_exchanged=True, **TINY4),
+        _step("tiny:256:a2a:replay", 256, 2, ep="a2a", replay=True, **TINY4),
         _step(
             "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2
         ),
