@@ -90,7 +90,7 @@ def train_sft(cfg: Config) -> Path:
     from primejax.models.hf_io import export_safetensors
     from primejax.sft.data import SFTDataError
     from primejax.trainer.engine import Engine
-    from primejax.trainer.moe_metrics import flatten_moe_metrics
+    from primejax.trainer.moe_metrics import expert_devices, flatten_moe_metrics
     from primejax.trainer.optim import make_schedule
     from primejax.utils.io import atomic_dir
     from primejax.utils.monitor import Monitor
@@ -122,7 +122,9 @@ def train_sft(cfg: Config) -> Path:
             (batch,) = pack_samples([samples[i] for i in chosen], s.seq_len)
             t0 = time.perf_counter()
             metrics, tokens = engine.train(batch, "sft")
-            metrics, hists = flatten_moe_metrics(metrics, model_cfg.sparse_layers())
+            metrics, hists = flatten_moe_metrics(
+                metrics, model_cfg.sparse_layers(), expert_devices(model_cfg, engine.mesh)
+            )
             for name, values in hists.items():
                 monitor.histogram(step, name, values)
             if int(metrics["nonfinite"]):

@@ -25,7 +25,7 @@ from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, res
 from primejax.trainer.config import DistributedConfig, TrainerConfig
 from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.engine import Engine, build_model, model_config
-from primejax.trainer.moe_metrics import flatten_moe_metrics
+from primejax.trainer.moe_metrics import expert_devices, flatten_moe_metrics
 from primejax.trainer.publish import make_publisher, publishes_adapters
 from primejax.trainer.step import TrainState
 from primejax.utils.faults import fault_point
@@ -148,7 +148,9 @@ class Trainer:
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         start = time.perf_counter()
         metrics, tokens = self.engine.train(batch, "rl")
-        metrics, self.histograms = flatten_moe_metrics(metrics, self.model_cfg.sparse_layers())
+        metrics, self.histograms = flatten_moe_metrics(
+            metrics, self.model_cfg.sparse_layers(), expert_devices(self.model_cfg, self.mesh)
+        )
         seconds = time.perf_counter() - start
         seq_len = batch.seq_len
         flops = self.model_cfg.flops_per_token(seq_len) * tokens / seconds

@@ -59,3 +59,24 @@ def test_max_violation_of_step_is_mean_of_micro_batches():
     a, b = np.asarray([[4.0, 0.0, 0.0, 0.0]]), np.asarray([[1.0, 1.0, 1.0, 1.0]])
     per = [float(moe.max_violation(x)[0]) for x in (a, b)]
     assert per == [3.0, 0.0]
+
+
+def test_device_load_is_logged_where_experts_split_over_devices():
+    """moe/device_load_max: the busiest device's pairs over the balanced share (its experts a contiguous block
+    of the experts axis), worst layer and mean over layers; logged only where the experts are split (a2a, ep)."""
+    from types import SimpleNamespace
+
+    from primejax.trainer.moe_metrics import device_load_max, expert_devices
+
+    load = np.asarray([[4.0, 4.0, 4.0, 4.0], [6.0, 4.0, 3.0, 3.0]])  # layer 2: device 0 holds 10 of 16 pairs
+    np.testing.assert_allclose(device_load_max(load, 2), [1.0, 1.25])
+    np.testing.assert_allclose(device_load_max(load, 4), [1.0, 1.5])
+    sums = {"moe/max_violation": np.zeros(2), "moe/load": load, "moe/lb_loss": 0.0, "moe/z_loss": 0.0}
+    scalars, _ = flatten_moe_metrics(sums, [1, 2], expert_devices=2)
+    assert scalars["moe/device_load_max"] == 1.25 and scalars["moe/device_load_max_mean"] == 1.125
+    assert "moe/device_load_max" not in flatten_moe_metrics(sums, [1, 2])[0]
+    mesh = SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 1})
+    cfg = SimpleNamespace(num_experts=8, expert_parallel="a2a")
+    assert expert_devices(cfg, mesh) == 4
+    assert expert_devices(SimpleNamespace(num_experts=8, expert_parallel="fsdp"), mesh) == 1
+    assert expert_devices(SimpleNamespace(num_experts=0, expert_parallel="a2a"), mesh) == 1
