@@ -502,10 +502,9 @@ def _device_load(load, devices: int) -> dict | None:
         return None
     import numpy as np
 
-    load = np.asarray(load, np.float64)
-    blocks = load.reshape(load.shape[0], devices, -1).sum(-1)
-    share = blocks / np.maximum(blocks.mean(-1, keepdims=True), 1e-30)
-    top = share.max(-1)
+    from primejax.trainer.moe_metrics import device_load_max
+
+    top = device_load_max(load, devices)
     return dict(layer_max_mean=float(top.mean()), layer_max_max=float(top.max()), layer_max=np.round(top, 3).tolist())
 
 
