@@ -12,8 +12,9 @@ Two implementations with one contract:
   for the forward and the input gradient (rhs transposed), `transposed_ragged_dot` for the weight gradient,
   tied together in one `custom_vjp`. Hopper only; shapes must tile (K, N multiples of the block sizes).
   The kernels leave rows past sum(group_sizes) unwritten (whatever the buffer held, NaN included); a select
-  zeroes them in the output and in the input gradient, and the weight gradient's kernel only reads group rows
-  (a zero-weight padding group did this before: a copy of the weights per call, 68 ms per step and GPU in the
+  zeroes them in the output, the output gradient and the input gradient. The weight gradient's kernel masks a
+  block's rows of other groups by a product, so those rows must reach it finite: the selects see to it (a
+  zero-weight padding group did this before: a copy of the weights per call, 68 ms per step and GPU in the
   4-GPU all-to-all trace, docs/benchmarks.md).
 """
 
