@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +76,20 @@ A2A_IMPLS = ("auto", "ragged", "padded")  # expert_parallel="a2a"'s exchange (mo
 A2A_CAPACITY_FACTOR = 1.5  # a2a's default slot per peer and round and pair window, in balanced shares (moe_a2a.py)
 
 
-def keep_gathered_problem(keep: bool, expert_parallel: str) -> str | None:
-    """Why keep_gathered_experts cannot be on (None when it can): only mode fsdp gathers experts."""
-    if keep and expert_parallel != "fsdp":
-        return f"needs expert_parallel='fsdp' (got {expert_parallel!r}: its experts are never gathered)"
-    return None
+# The keys that keep a sparse layer's transfer for the backward under remat, the expert_parallel mode each
+# needs, and why no other mode has that transfer (models/moe.py, models/moe_a2a.py)
+KEPT_TRANSFERS = {
+    "keep_gathered_experts": ("fsdp", "its experts are never gathered"),
+    "keep_exchanged_tokens": ("a2a", "it exchanges no tokens by all-to-all"),
+}
 
 
-def keep_exchanged_problem(keep: bool, expert_parallel: str) -> str | None:
-    """Why keep_exchanged_tokens cannot be on (None when it can): only mode a2a exchanges tokens by all-to-all."""
-    if keep and expert_parallel != "a2a":
-        return f"needs expert_parallel='a2a' (got {expert_parallel!r}: it exchanges no tokens by all-to-all)"
-    return None
+def kept_transfer_problems(section) -> Iterator[tuple[str, str]]:
+    """(key, why) for each KEPT_TRANSFERS key that `section` (a ModelConfig or the model config section) turns
+    on outside the expert_parallel mode it needs."""
+    for key, (mode, why) in KEPT_TRANSFERS.items():
+        if getattr(section, key) and section.expert_parallel != mode:
+            yield key, f"needs expert_parallel={mode!r} (got {section.expert_parallel!r}: {why})"
 
 
 def a2a_capacity_problem(factor: float) -> str | None:
@@ -223,10 +226,8 @@ class ModelConfig:
             raise ValueError(f"a2a_impl={self.a2a_impl!r} is not one of {A2A_IMPLS}")
         if problem := a2a_capacity_problem(self.a2a_capacity_factor):
             raise ValueError(f"a2a_capacity_factor={problem}")
-        if problem := keep_gathered_problem(self.keep_gathered_experts, self.expert_parallel):
-            raise ValueError(f"keep_gathered_experts {problem}")
-        if problem := keep_exchanged_problem(self.keep_exchanged_tokens, self.expert_parallel):
-            raise ValueError(f"keep_exchanged_tokens {problem}")
+        for key, problem in kept_transfer_problems(self):
+            raise ValueError(f"{key} {problem}")
         if self.deltanet_impl not in DELTANET_IMPLS:
             raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:

@@ -17,8 +17,7 @@ from primejax.models.config import (
     GMM_IMPLS,
     REMAT_POLICIES,
     a2a_capacity_problem,
-    keep_exchanged_problem,
-    keep_gathered_problem,
+    kept_transfer_problems,
 )
 from primejax.models.lora_config import LoraConfig
 from primejax.models.tiny import TinyModelConfig
@@ -101,10 +100,8 @@ class ModelSettings(Section):
     def check(self) -> None:
         if problem := a2a_capacity_problem(self.a2a_capacity_factor):
             raise ConfigError("a2a_capacity_factor", problem)
-        if problem := keep_gathered_problem(self.keep_gathered_experts, self.expert_parallel):
-            raise ConfigError("keep_gathered_experts", problem)
-        if problem := keep_exchanged_problem(self.keep_exchanged_tokens, self.expert_parallel):
-            raise ConfigError("keep_exchanged_tokens", problem)
+        for key, problem in kept_transfer_problems(self):
+            raise ConfigError(key, problem)
 
     def overrides(self) -> dict[str, Any]:
         """The keyword arguments `ModelConfig` / `load_model` take from this section."""
