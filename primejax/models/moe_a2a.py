@@ -23,9 +23,9 @@ The receiver's pairs: a device receives about N*k of them with a balanced load (
 Round 0 runs the expert MLP over the first `pair_window` sorted pairs (the factor x N*k), in ranges of half a
 balanced load (`mlp_ranges`), each skipped (lax.cond) when it holds no pair: the Mosaic GPU grouped matmul's
 work is set by its static row count, so this keeps the FLOPs to the pairs received. Every exchange waits for
-the device with the most pairs (docs/moe.md has the measured skew). Pairs past the window (a skewed batch) run a window
-at a time in a while loop, for as many windows as they fill. Each range is a kernel to compile, so these
-windows and later rounds run as one range.
+the device with the most pairs (docs/moe.md has the measured skew). Pairs past the window (a skewed batch) run
+a window at a time in a while loop, for as many windows as they fill. Each range is a kernel to compile, so
+these windows and later rounds run as one range.
 
 The later rounds and windows (`_loop_sum`) run in while loops, not one lax.cond each: a loop's buffers serve
 every step, where each cond got buffers of its own in the TPU compile. Their backward recomputes each step
