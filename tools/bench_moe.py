@@ -366,7 +366,6 @@ def _model_config(c: dict):
         scan_unroll=c.get("unroll", 1),
         keep_gathered_experts=c.get("keep_gathered", False),
         keep_exchanged_tokens=c.get("keep_exchanged", False),
-        a2a_token_chunks=c.get("chunks", 1),
         deltanet_impl=c.get("deltanet", "auto"),
     )
 

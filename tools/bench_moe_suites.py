@@ -89,17 +89,14 @@ def _step(
     keep_gathered=False,
     keep_exchanged=False,
     replay=False,
-    chunks=1,
 ):
     """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md).
     offload_master, inflight, resident_gib: trainer.optim.offload_master / offload_inflight / offload_resident_gib
     (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS; env: more environment for its process.
     keep_gathered: model.keep_gathered_experts (the backward reuses the forward's gathered experts).
     keep_exchanged: model.keep_exchanged_tokens (a2a: the backward's recompute reuses the forward's exchange).
-    replay: the batch brings replayed routing spread evenly over the experts (bench_moe._uniform_routing).
-    chunks: model.a2a_token_chunks (a2a: each device's tokens through the sparse block in that many chunks)."""
+    replay: the batch brings replayed routing spread evenly over the experts (bench_moe._uniform_routing)."""
     return dict(
-        chunks=chunks,
         replay=replay,
         keep_exchanged=keep_exchanged,
         keep_gathered=keep_gathered,
@@ -206,18 +203,6 @@ CONFIGS = {
         _step("moe48:16k:ep=a2a:padded:replay", 16384, 48, remat="full", replay=True, **dict(GPU4, ep="a2a:padded:1.5")),
         _step("moe48:16k:ep=a2a:padded:replay:trace", 16384, 48, remat="full", replay=True, trace=True,
               **dict(GPU4, ep="a2a:padded:1.5")),
-        # the exchanges by copy engines (cudaMemcpyPeer between the host's GPUs) instead of NCCL's SendRecv kernels,
-        # which take SMs from the expert MLP beside them
-        _step("moe48:16k:ep=a2a:padded:memcpy_p2p", 16384, 48, remat="full",
-              xla_flags="--xla_gpu_use_memcpy_local_p2p=true", **dict(GPU4, ep="a2a:padded:1.5")),
-        # each device's tokens in 2 (4) chunks with exchanges of their own: one chunk's exchange may run beside
-        # another's expert MLP; at random init and under the even replayed routing
-        _step("moe48:16k:ep=a2a:padded:chunks2", 16384, 48, remat="full", chunks=2, **dict(GPU4, ep="a2a:padded:1.5")),
-        _step("moe48:16k:ep=a2a:padded:chunks4", 16384, 48, remat="full", chunks=4, **dict(GPU4, ep="a2a:padded:1.5")),
-        _step("moe48:16k:ep=a2a:padded:replay:chunks2", 16384, 48, remat="full", replay=True, chunks=2,
-              **dict(GPU4, ep="a2a:padded:1.5")),
-        _step("moe48:16k:ep=a2a:padded:replay:chunks2:trace", 16384, 48, remat="full", replay=True, chunks=2,
-              trace=True, **dict(GPU4, ep="a2a:padded:1.5")),
     ],
     # the same on 2 GPUs (16 of 48 layers), and where the a2a step's time goes (a jax.profiler trace)
     "gpu2:ep": [
@@ -456,7 +441,6 @@ CONFIGS = {
         _step("tiny:256:keep_gathered", 256, 2, keep_gathered=True, **TINY4),
         _step("tiny:256:a2a", 256, 2, ep="a2a", **TINY4),
         _step("tiny:256:a2a:keep_exchanged", 256, 2, ep="a2a", keep_exchanged=True, **TINY4),
-        _step("tiny:256:a2a:chunks2", 256, 2, ep="a2a", chunks=2, **TINY4),
         _step("tiny:256:a2a:replay", 256, 2, ep="a2a", replay=True, **TINY4),
         _step(
             "tiny:256:context", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=2, context=2

@@ -92,10 +92,6 @@ def kept_transfer_problems(section) -> Iterator[tuple[str, str]]:
             yield key, f"needs expert_parallel={mode!r} (got {section.expert_parallel!r}: {why})"
 
 
-# Each chunk is a copy of the sparse block's exchanges and expert MLP calls in the compiled layer.
-MAX_A2A_TOKEN_CHUNKS = 8
-
-
 def a2a_capacity_problem(factor: float) -> str | None:
     """Why `factor` is not a usable a2a_capacity_factor (None when it is): finite, and <= 0 or >= 1."""
     if not math.isfinite(factor):
@@ -103,17 +99,6 @@ def a2a_capacity_problem(factor: float) -> str | None:
     if 0 < factor < 1:
         return f"{factor} is below 1: every batch would take extra rounds (<= 0: worst-case slots)"
     return None
-
-
-def a2a_chunks_problem(chunks: int, expert_parallel: str) -> str | None:
-    """Why `chunks` is not a usable a2a_token_chunks under `expert_parallel` (None when it is)."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= MAX_A2A_TOKEN_CHUNKS:
-        return f"{chunks!r} is not an integer in [1, {MAX_A2A_TOKEN_CHUNKS}]"
-    if chunks > 1 and expert_parallel != "a2a":
-        return f"{chunks} needs expert_parallel='a2a' (got {expert_parallel!r}: only a2a exchanges tokens)"
-    return None
-
-
 # The Gated DeltaNet's chunk recurrence (models/deltanet.py): "xla" = a lax.scan over chunks (any backend),
 # "pallas" = the Triton kernels of models/deltanet_pallas.py (GPU), "auto" = pallas on an NVIDIA GPU (Ampere on), xla elsewhere.
 DELTANET_IMPLS = ("xla", "pallas", "auto")
@@ -176,9 +161,6 @@ class ModelConfig:
     # are saved for the backward, so its recompute runs no exchange (P*c*(D + 2k) elements per layer and device,
     # c the slot per peer; models/moe_a2a.py)
     keep_exchanged_tokens: bool = False
-    # expert_parallel="a2a": each device's tokens run the sparse block in this many equal chunks, each with its
-    # own exchanges, so one chunk's exchange can run beside another's expert MLP (models/moe_a2a.py)
-    a2a_token_chunks: int = 1
     deltanet_impl: str = "auto"
     router_scoring: str = "softmax"
     routed_scaling_factor: float = 1.0
@@ -246,8 +228,6 @@ class ModelConfig:
             raise ValueError(f"a2a_capacity_factor={problem}")
         for key, problem in kept_transfer_problems(self):
             raise ValueError(f"{key} {problem}")
-        if problem := a2a_chunks_problem(self.a2a_token_chunks, self.expert_parallel):
-            raise ValueError(f"a2a_token_chunks={problem}")
         if self.deltanet_impl not in DELTANET_IMPLS:
             raise ValueError(f"deltanet_impl={self.deltanet_impl!r} is not one of {DELTANET_IMPLS}")
         if self.num_experts:

@@ -243,13 +243,11 @@ def experts_forward(
     a2a_impl: str = "auto",
     a2a_capacity_factor: float = A2A_CAPACITY_FACTOR,
     keep_gathered: bool = False,
-    a2a_token_chunks: int = 1,
 ) -> jax.Array:
     """The sparse block's output [N, D] for tokens x [N, D] with routing `route_out` (and per-expert
     `adapters`, split over devices like the experts); `a2a_impl` and `a2a_capacity_factor` set
     mode "a2a"'s exchange (moe_a2a.py). `keep_gathered` (mode "fsdp"): the experts are gathered under the name
-    EXPERTS_GATHERED, which the layer's remat policy then saves (ModelConfig.keep_gathered_experts).
-    `a2a_token_chunks` (mode "a2a"): each device's tokens go through in that many chunks (moe_a2a.in_chunks)."""
+    EXPERTS_GATHERED, which the layer's remat policy then saves (ModelConfig.keep_gathered_experts)."""
     extra = () if adapters is None else (adapters,)
     mesh = current_mesh()
     # The tokens are a [B, T] batch flattened: rows split over (data, fsdp), a row's tokens over context, so
@@ -289,8 +287,6 @@ def experts_forward(
             moe_a2a.experts_a2a, axis=EP_AXIS, impl=impl, exchange=moe_a2a.resolve_a2a(a2a_impl),
             lora_scale=lora_scale, capacity_factor=a2a_capacity_factor,
         )  # fmt: skip
-        if a2a_token_chunks > 1:
-            fn = functools.partial(moe_a2a.in_chunks, fn, a2a_token_chunks)
         return jax.shard_map(fn, in_specs=specs, out_specs=tok, check_vma=False)(
             x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra
         )
@@ -329,7 +325,6 @@ def moe_block(
     a2a_impl: str = "auto",
     a2a_capacity_factor: float = A2A_CAPACITY_FACTOR,
     keep_gathered_experts: bool = False,
-    a2a_token_chunks: int = 1,
 ) -> tuple[jax.Array, RouterOut]:
     """Sparse MLP of a normed hidden state [B, T, D] -> ([B, T, D], routing of the B*T tokens).
 
@@ -351,7 +346,6 @@ def moe_block(
     y = experts_forward(
         x, r_used, p["experts_gate_up"].astype(dt), p["experts_down"].astype(dt), impl, mode,
         lora.expert_adapters(p, dt), lora_scale, a2a_impl, a2a_capacity_factor, keep_gathered_experts,
-        a2a_token_chunks,
     )  # fmt: skip
     y_btd = y.reshape(b, t, d)
     if "shared_gate_proj" in p:

@@ -159,19 +159,6 @@ def experts_a2a(
     return y
 
 
-def in_chunks(fn, chunks, x_nd, topk_idx, scores, *experts):
-    """fn (experts_a2a with its options bound) over `chunks` equal runs of this device's tokens, concatenated
-    (ModelConfig.a2a_token_chunks). The chunks share no data until the concatenation, so the compiler may run
-    one chunk's exchanges beside another's expert MLP; the block's result is the same, as each token's output
-    depends on that token alone."""
-    n = x_nd.shape[0]
-    if n % chunks:
-        raise ValueError(f"a2a_token_chunks={chunks} does not divide the {n} tokens each device holds")
-    split = lambda v: jnp.split(v, chunks)  # noqa: E731
-    parts = zip(split(x_nd), split(topk_idx), split(scores), strict=True)
-    return jnp.concatenate([fn(x, i, s, *experts) for x, i, s in parts])
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _loop_sum(fn, steps, ints, *diff):
     """The sum of fn(i, ints, *diff) over i < steps (traced, the same on every device), by a while loop: one

@@ -17,7 +17,6 @@ from primejax.models.config import (
     GMM_IMPLS,
     REMAT_POLICIES,
     a2a_capacity_problem,
-    a2a_chunks_problem,
     kept_transfer_problems,
 )
 from primejax.models.lora_config import LoraConfig
@@ -88,12 +87,6 @@ class ModelSettings(Section):
         "compute-dtype values more memory per layer and GPU: 0.27 GB for Qwen3-30B-A3B at 16k tokens on 4 "
         "GPUs); docs/moe.md",
     )
-    a2a_token_chunks: int = option(
-        1,
-        "expert_parallel=a2a: run each device's tokens through the sparse block in this many equal chunks, each "
-        "with its own exchanges, so one chunk's exchange can overlap another chunk's expert MLP (the tokens per "
-        "device must divide by it); docs/moe.md",
-    )
     deltanet_impl: str = option(
         "auto",
         "Gated DeltaNet chunk recurrence (Qwen3.5): pallas (Triton kernels, GPU), xla (lax.scan, any backend) or "
@@ -109,8 +102,6 @@ class ModelSettings(Section):
             raise ConfigError("a2a_capacity_factor", problem)
         for key, problem in kept_transfer_problems(self):
             raise ConfigError(key, problem)
-        if problem := a2a_chunks_problem(self.a2a_token_chunks, self.expert_parallel):
-            raise ConfigError("a2a_token_chunks", problem)
 
     def overrides(self) -> dict[str, Any]:
         """The keyword arguments `ModelConfig` / `load_model` take from this section."""
@@ -127,7 +118,6 @@ class ModelSettings(Section):
             "a2a_capacity_factor": self.a2a_capacity_factor,
             "keep_gathered_experts": self.keep_gathered_experts,
             "keep_exchanged_tokens": self.keep_exchanged_tokens,
-            "a2a_token_chunks": self.a2a_token_chunks,
             "deltanet_impl": self.deltanet_impl,
             **self.lora.model_overrides(),
         }

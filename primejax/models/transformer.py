@@ -240,7 +240,6 @@ def decoder_layer(
             a2a_impl=cfg.a2a_impl,
             a2a_capacity_factor=cfg.a2a_capacity_factor,
             keep_gathered_experts=cfg.keep_gathered_experts,
-            a2a_token_chunks=cfg.a2a_token_chunks,
             replay_idx=None if replay is None else replay[0],
             replay_mask=None if replay is None else replay[1],
             scoring=cfg.router_scoring,
