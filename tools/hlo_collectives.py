@@ -1,6 +1,7 @@
 """Collective volumes of a compiled program, from its optimized HLO text: bytes per device per step, by kind.
 
     collective_bytes(compiled.as_text()) -> {"all-gather": bytes, "all-to-all": bytes, ...}
+    collective_bytes(text, within_loops=True) -> the same, of the collectives that run inside a `while` body
 
 Each collective counts its result's bytes on one device (an all-gather's gathered output, a reduce-scatter's
 scattered output, an all-to-all's exchanged buffer), times the number of times its computation runs: a
@@ -92,14 +93,16 @@ def _condition_trip(constants: dict[str, int], root: str) -> int | None:
     return bound if bound is not None and bound > 0 else None
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
-    """{kind: bytes per device per step} of every collective in the optimized HLO module text `hlo`."""
+def collective_bytes(hlo: str, within_loops: bool = False) -> dict[str, int]:
+    """{kind: bytes per device per step} of every collective in the optimized HLO module text `hlo`; with
+    `within_loops`, only of those that run inside a `while` body (a scan's layers, for example), however deep."""
     # per computation: {async chain or instruction: (kind, bytes, operands)}; fusion/call callees; loop callees
     own: dict[str, dict[str, tuple[str, int, list[str]]]] = defaultdict(dict)
     opcode: dict[str, dict[str, tuple[str, str]]] = defaultdict(dict)  # name -> (opcode, fused callee)
     root_opcode: dict[str, str] = {}
     fused: dict[str, list[str]] = defaultdict(list)
-    loops: dict[str, list[tuple[str, int | tuple[str, int]]]] = defaultdict(list)
+    # per computation: (callee, its runs per call, whether it is a while body)
+    loops: dict[str, list[tuple[str, int | tuple[str, int], bool]]] = defaultdict(list)
     constants: dict[str, dict[str, int]] = defaultdict(dict)
     first_of_tuple: dict[str, dict[str, str]] = defaultdict(dict)  # a tuple instruction's first operand
     roots: dict[str, str] = {}
@@ -153,11 +156,11 @@ def collective_bytes(hlo: str) -> dict[str, int]:
                 # the backend's count when it wrote one, else the condition's bound less the counter's start
                 init = op.group(3).split(",")[0].strip().lstrip("%")
                 start = constants[comp].get(first_of_tuple[comp].get(init, ""), 0)
-                loops[comp].append((callee, int(trip.group(1)) if trip else (str(cond), start)))
+                loops[comp].append((callee, int(trip.group(1)) if trip else (str(cond), start), True))
             else:
-                loops[comp].append((callee, 1))
+                loops[comp].append((callee, 1, False))
         for m in _BRANCHES.finditer(line):
-            loops[comp] += [(b.strip().lstrip("%"), 1) for b in m.group(1).split(",") if b.strip()]
+            loops[comp] += [(b.strip().lstrip("%"), 1, False) for b in m.group(1).split(",") if b.strip()]
     if entry is None:
         return {}
 
@@ -193,16 +196,17 @@ def collective_bytes(hlo: str) -> dict[str, int]:
         for callee in fused.get(name, ()):
             gather(callee, found, loops_out, depth + 1)
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
+    def visit(name: str, times: int, in_loop: bool, depth: int = 0) -> None:
         if depth > 64:
             return
         found: dict[str, tuple[str, int, int]] = {}
-        inner: list[tuple[str, int | tuple[str, int]]] = []
+        inner: list[tuple[str, int | tuple[str, int], bool]] = []
         gather(name, found, inner, depth)
-        for kind, b, runs in found.values():
-            total[kind] += b * runs * times
-        for callee, mult in inner:
-            visit(callee, times * trips(mult), depth + 1)
+        if in_loop or not within_loops:
+            for kind, b, runs in found.values():
+                total[kind] += b * runs * times
+        for callee, mult, body in inner:
+            visit(callee, times * trips(mult), in_loop or body, depth + 1)
 
-    visit(entry, 1)
+    visit(entry, 1, False)
     return dict(total)

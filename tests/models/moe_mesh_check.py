@@ -27,6 +27,7 @@ from primejax.models.sharding import make_mesh
 from primejax.trainer.config import LossConfig
 from primejax.trainer.losses import global_counts, make_loss_fn
 from primejax.trainer.step import _micro_loss_fn, _shift_left, device_batch, shift_targets, to_micro_batches
+from tools.hlo_collectives import collective_bytes
 
 CASES = {
     "fsdp@fsdp8": ("fsdp", dict(fsdp=8)),
@@ -332,26 +333,10 @@ def _layer_loop_collectives(hf_dir: str) -> dict:
 
     with jax.set_mesh(mesh):
         hlo = jax.jit(fwd).lower(params).compile().as_text()
-    comps, name, lines = {}, None, []
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            name, lines = head.group(1), []
-        elif line.startswith("}") and name:
-            comps[name], name = "\n".join(lines), None
-        elif name:
-            lines.append(line)
-    loop, todo = set(), [b for body in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", body)]
-    while todo:
-        c = todo.pop()
-        if c in comps and c not in loop:
-            loop.add(c)
-            todo += [r for r in re.findall(r"%([\w.\-]+)", comps[c]) if r in comps]
-    text = "\n".join(comps[c] for c in loop)
-    count = lambda op, t: len(re.findall(rf" {op}(?:-start)?\(", t))  # noqa: E731
+    inside, everywhere = collective_bytes(hlo, within_loops=True), collective_bytes(hlo)
     return dict(
-        loops=len(loop), all_reduce=count("all-reduce", text), all_gather=count("all-gather", text),
-        all_reduce_outside=count("all-reduce", hlo) - count("all-reduce", text),
+        all_reduce=inside.get("all-reduce", 0), all_gather=inside.get("all-gather", 0),
+        all_reduce_outside=everywhere.get("all-reduce", 0) - inside.get("all-reduce", 0),
     )
 
 

@@ -85,6 +85,16 @@ def test_tpu_scanned_step_counts_each_collective_once_per_layer():
     }
 
 
+def test_within_loops_counts_only_the_loop_bodies():
+    """The entry's own all-gather and all-reduce run outside the layer loop: within_loops leaves them out."""
+    per_layer_gather = 1 * 128 * 2 * 32 * 2 + 1 * 128 * 128 * 2
+    per_layer_scatter = (128 * 32 + 32 * 2 * 32) * 2
+    assert collective_bytes(TPU_HLO, within_loops=True) == {
+        "all-gather": 3 * per_layer_gather,
+        "reduce-scatter": 3 * per_layer_scatter,
+    }
+
+
 def test_cpu_and_gpu_known_trip_count_still_wins():
     """A while whose backend config names its trip count (CPU/GPU compilers) uses that, not the condition."""
     hlo = TPU_HLO.replace(
