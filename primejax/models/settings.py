@@ -58,7 +58,8 @@ class ModelSettings(Section):
         "fsdp",
         "MoE experts over devices: fsdp (expert weights sharded like FSDP, all-gathered; no token traffic), ep "
         "(experts split over the fsdp axis, tokens all-gathered) or a2a (experts split, each token's rows sent "
-        "to its experts' devices and back by all-to-all); docs/moe.md",
+        "to its experts' devices and back by all-to-all; within one NVLink host fsdp measured faster, a2a is for "
+        "many devices over slower links); docs/moe.md",
         choices=EXPERT_PARALLEL,
     )
     a2a_impl: str = option(
