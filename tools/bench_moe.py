@@ -33,6 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools import bench_offload_check  # noqa: E402
 from tools.bench_moe_suites import CONFIGS, PEAK_FLOPS, SHAPES  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ gmm worker
@@ -508,7 +509,13 @@ def _device_load(load, devices: int) -> dict | None:
     return dict(layer_max_mean=float(top.mean()), layer_max_max=float(top.max()), layer_max=np.round(top, 3).tolist())
 
 
-WORKERS = {"gmm": gmm_worker, "step": step_worker, "tiles": tiles_worker, "tile_shape": tile_shape_worker}
+WORKERS = {
+    "gmm": gmm_worker,
+    "step": step_worker,
+    "tiles": tiles_worker,
+    "tile_shape": tile_shape_worker,
+    "offload_check": bench_offload_check.offload_check_worker,
+}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -605,6 +612,9 @@ def _table(results: list[dict]) -> str:
                 f" failed {t['n_failed']}  vs default: "
                 + " ".join(f"{k}={v:.1e}" for k, v in t["best_err"].items())
             )
+    for r in results:
+        if r["kind"] == "offload_check":
+            out += bench_offload_check.table(r)
     head = f"{'config':<26}{'gpus':>5}{'tok/s':>9}{'tok/s/gpu':>10}{'MFU':>7}{'MFU/2attn':>10}{'step ms':>9}{'peak GiB':>9}"
     out += [head, "-" * len(head)]
     for r in results:

@@ -166,6 +166,10 @@ CONFIGS = {
     "gpu1:tiles": [dict(kind="tiles", name="tiles", budget=90, gbn=[8, 16])],
     "gpu1:checks": [
         dict(kind="gmm", name="gmm"),
+        # the offloaded update against the on-device one (tools/bench_offload_check.py): Qwen3-30B-A3B cut to 2
+        # layers (1.8B parameters, 30 GB of fp32 state on the GPU for the reference), 3 steps of one 2k row
+        dict(_step("offload", 2048, 2, pdt="bfloat16", remat="full", scan=True, offload=True, bucket_mb=256.0,
+                   resident_gib=1.0), kind="offload_check"),
         _step("moe4:2k", 2048, 4),
         _step("moe4:2k:xla_ragged_dot", 2048, 4, gmm="xla"),
     ],
@@ -459,6 +463,8 @@ CONFIGS = {
         _step("tiny:256:fp32offload:master_on_gpu:inflight2", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1,
               devices=4, rows=4, scan=True, pdt="bfloat16", remat="full", offload=True, bucket_mb=0.05, inflight=2,
               offload_master=False),
+        dict(_step("tiny:offload_check", 64, 2, offload=True, bucket_mb=0.05, resident_gib=0.0005, **TINY4),
+             kind="offload_check"),
         _step("tiny:256:fp32offload:attn_experts_offload:resident", 256, 2, gmm="xla", attn="xla", steps=2,
               warmup=1, devices=4, rows=4, scan=True, pdt="bfloat16", remat="attn_experts_offload", offload=True,
               bucket_mb=0.05, inflight=2, offload_master=False, resident_gib=0.0005, micro=2),

@@ -117,6 +117,17 @@ class Plan:
         return out
 
 
+def assemble(plan: Plan, trees: Any, treedef: Any) -> Any:
+    """One full parameter tree of host arrays from each bucket's pruned tree (`trees[k]`, bucket k's master or one
+    of its moments): a split parameter's slices joined along axis 0. For checks and tools; the step never needs it."""
+    parts: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for k, tree in enumerate(trees):
+        for p, v in zip(plan.buckets[k], plan.values(k, tree), strict=True):
+            parts.setdefault(p.leaf, []).append((p.start, np.asarray(jax.device_get(v))))
+    leaves = [np.concatenate([v for _, v in sorted(parts[i], key=lambda t: t[0])]) for i in range(len(plan.paths))]
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def make_plan(params: Any, bucket_bytes: int) -> Plan:
     """Buckets of about `bucket_bytes` per device of fp32 master values, in parameter order; a parameter larger than
     a bucket is split along its leading axis when that axis is not sharded (stacked layers)."""

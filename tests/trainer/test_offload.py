@@ -19,7 +19,7 @@ from primejax.models import lora
 from primejax.trainer.checkpoint import TrainerCheckpointer
 from primejax.trainer.config import OptimConfig, TrainerConfig
 from primejax.trainer.engine import Engine
-from primejax.trainer.offload import HOST, make_plan
+from primejax.trainer.offload import HOST, assemble, make_plan
 
 MOE = dict(
     model_type="qwen3_moe", num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
@@ -45,18 +45,8 @@ def _moments(engine: Engine) -> tuple[dict, dict]:
         adam = engine.state.opt_state[1][0]
         return _host(adam.mu), _host(adam.nu)
     plan, opt = engine.offload.plan, engine.state.opt_state["opt"]
-    out = []
-    for field in ("mu", "nu"):
-        parts: dict[int, list] = {}
-        for k, bucket in enumerate(plan.buckets):
-            vals = plan.values(k, _host(getattr(opt[k][0], field)))
-            for p, v in zip(bucket, vals, strict=True):
-                parts.setdefault(p.leaf, []).append((p.start, v))
-        leaves = [
-            np.concatenate([v for _, v in sorted(parts[i], key=lambda t: t[0])]) for i in range(len(parts))
-        ]
-        out.append(jax.tree.unflatten(jax.tree.structure(engine.state.params), leaves))
-    return out[0], out[1]
+    treedef = jax.tree.structure(engine.state.params)
+    return tuple(assemble(plan, [getattr(o[0], field) for o in opt], treedef) for field in ("mu", "nu"))
 
 
 @pytest.fixture(scope="module")
