@@ -49,7 +49,7 @@ def _rel(a, b) -> tuple[float, float]:
     return (num / den) ** 0.5 if den else float(num > 0), peak
 
 
-def _state(engine) -> dict:
+def state_trees(engine) -> dict:
     """fp32 master (or parameters), mu and nu as full host trees, whichever layout the engine keeps."""
     import jax
     import numpy as np
@@ -76,7 +76,7 @@ def offload_check_worker(c: dict) -> dict:
     from flax import nnx
 
     from primejax.models.sharding import init_model, make_mesh
-    from primejax.trainer.config import MeshConfig, OptimConfig, TrainerConfig
+    from primejax.trainer.config import OptimConfig, TrainerConfig
     from primejax.trainer.engine import Engine
     from tools.bench_moe import _model_config
     from tools.bench_trainer import _fake_batch
@@ -119,12 +119,11 @@ def offload_check_worker(c: dict) -> dict:
     host = _fake_batch(c["rows"], c["seq"], fp32.vocab_size, "rl")
     states, out = {}, {}
     for name, (cfg, optim) in cases.items():
-        t = TrainerConfig(mesh=MeshConfig(fsdp=-1), micro_batch_size=max(1, c["rows"] // len(devices)),
-                          logprob_chunk_size=2048, optim=optim)  # fmt: skip
-        engine = Engine.create(t, cfg, model=model(cfg), devices=devices)
+        t = TrainerConfig(micro_batch_size=max(1, c["rows"] // len(devices)), logprob_chunk_size=2048, optim=optim)
+        engine = Engine.create(t, cfg, model=model(cfg), mesh=mesh)  # the mesh the models are built on
         batch = engine.device_batch({k: np.asarray(v)[None] for k, v in host.items()})  # one micro-batch
         losses = [float(engine.run(batch, "rl", 1)["loss"]) for _ in range(c.get("check_steps", 3))]
-        state = _state(engine)
+        state = state_trees(engine)
         r = dict(losses=losses, buckets=0 if engine.offload is None else len(engine.offload.plan.buckets))
         del engine
         r["finite"] = all(np.isfinite(x).all() for x in jax.tree.leaves(state)) and all(map(np.isfinite, losses))

@@ -19,7 +19,8 @@ from primejax.models import lora
 from primejax.trainer.checkpoint import TrainerCheckpointer
 from primejax.trainer.config import OptimConfig, TrainerConfig
 from primejax.trainer.engine import Engine
-from primejax.trainer.offload import HOST, assemble, make_plan
+from primejax.trainer.offload import HOST, make_plan
+from tools.bench_offload_check import state_trees
 
 MOE = dict(
     model_type="qwen3_moe", num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
@@ -41,12 +42,8 @@ def _trainer(offload: bool, bucket_mb: float = 0.01, **optim) -> TrainerConfig:
 
 def _moments(engine: Engine) -> tuple[dict, dict]:
     """(mu, nu) as full parameter trees, whichever layout the engine keeps them in."""
-    if engine.offload is None:
-        adam = engine.state.opt_state[1][0]
-        return _host(adam.mu), _host(adam.nu)
-    plan, opt = engine.offload.plan, engine.state.opt_state["opt"]
-    treedef = jax.tree.structure(engine.state.params)
-    return tuple(assemble(plan, [getattr(o[0], field) for o in opt], treedef) for field in ("mu", "nu"))
+    trees = state_trees(engine)
+    return trees["mu"], trees["nu"]
 
 
 @pytest.fixture(scope="module")
@@ -167,17 +164,12 @@ def test_bf16_compute_copy_keeps_the_fp32_master(batches, make_config):
         engine.train(b)
     params = _host(engine.state.params)
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("bfloat16")}
-    plan, masters = engine.offload.plan, engine.state.opt_state["master"]
     moved_below_bf16 = 0
-    for k, bucket in enumerate(plan.buckets):
-        for p, m in zip(bucket, plan.values(k, _host(masters[k])), strict=True):
-            assert m.dtype == np.float32
-            leaf = jax.tree.leaves(params)[p.leaf]
-            leaf = leaf if p.stop is None else leaf[p.start : p.stop]
-            np.testing.assert_array_equal(
-                leaf, m.astype(leaf.dtype)
-            )  # the compute copy is the rounded master
-            moved_below_bf16 += int((m != m.astype(leaf.dtype).astype(np.float32)).sum())
+    master = state_trees(engine)["master"]  # the buckets' slices joined into whole parameters
+    for leaf, m in zip(jax.tree.leaves(params), jax.tree.leaves(master), strict=True):
+        assert m.dtype == np.float32
+        np.testing.assert_array_equal(leaf, m.astype(leaf.dtype))  # the compute copy is the rounded master
+        moved_below_bf16 += int((m != m.astype(leaf.dtype).astype(np.float32)).sum())
     assert moved_below_bf16 > 0  # the master holds what bf16 cannot
 
 
