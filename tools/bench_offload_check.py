@@ -10,8 +10,8 @@ with the reference's:
 - "moments": fp32 parameters on the devices, the moments in pinned host memory. The same model and gradients
   as the reference, so only the bucketed update differs: the CPU tests hold it bit-equal with one bucket and
   within an ulp with split buckets (docs/memory.md).
-- "master": bfloat16 compute copies, the fp32 master and moments in host memory (the configuration issue 31
-  asked about). The forward and backward run on bfloat16 copies where the reference casts fp32 parameters at
+- "master": bfloat16 compute copies, the fp32 master and moments in host memory (the fp32 rows of
+  docs/benchmarks.md). The forward and backward run on bfloat16 copies where the reference casts fp32 parameters at
   use, and parameters the model reads in fp32 differ by that rounding: bf16-level differences in the
   gradients, which Adam's normalization carries into the moments and updates.
 - "master_on_gpu": the same with the master on the devices, the first buckets resident, two in flight.
