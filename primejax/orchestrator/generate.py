@@ -186,7 +186,7 @@ class GroupGenerator:
         if self.routing is not None and getattr(completion, "routed_experts", None) is not None:
             r = self.routing
             routed = decode_routed(completion.routed_experts, len(ids), r.num_layers, r.top_k, r.num_experts,
-                                   r.sparse_layers)
+                                   r.sparse_layers, prompt_len=len(prompt_ids))
         elif self.routing is not None and sampler is None:
             raise RuntimeError("orchestrator.routing_replay is on but the server returned no routed_experts "
                                "(is inference.return_routed_experts on?)")

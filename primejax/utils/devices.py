@@ -30,10 +30,11 @@ def parse_devices(spec: str, key: str) -> list[int]:
 
 
 def check_layout(trainer_devices: str, inference_devices: str, inference_enabled: bool = True) -> None:
-    """The trainer and a launched server must either both name their GPUs, disjointly, or neither.
+    """The trainer and a launched server must either both name their GPUs, or neither (the launcher then places
+    them: primejax/launcher/placement.py); named, they share all of them or none.
 
     One named and the other not would leave the unnamed process seeing every GPU, the other's included (a
-    trainer preallocating 75% of the server's card).
+    trainer preallocating 75% of the server's card); equal lists are one GPU set shared, its memory split.
     """
     t = parse_devices(trainer_devices, "trainer.devices")
     i = parse_devices(inference_devices, "inference.devices")
@@ -46,8 +47,11 @@ def check_layout(trainer_devices: str, inference_devices: str, inference_enabled
         raise ValueError(
             f"{other}: must be set too when {named} is (each process must see only its own GPUs)"
         )
-    if set(t) & set(i):
-        raise ValueError(f"trainer.devices: {sorted(set(t) & set(i))} also in inference.devices")
+    if set(t) & set(i) and set(t) != set(i):
+        raise ValueError(
+            f"trainer.devices: {sorted(set(t) & set(i))} also in inference.devices: the two share all their GPUs "
+            "or none"
+        )
 
 
 def accelerator_env(

@@ -108,6 +108,13 @@ def _post(url: str, path: str, body: dict | None = None, timeout: float = 120) -
     return httpx.post(url + path, json=body, headers={HEADER: read_token()}, timeout=timeout)
 
 
+def _digest(url: str) -> list[dict[str, str]]:
+    """Each worker's sha256 per served parameter (POST /weights_digest)."""
+    r = _post(url, "/weights_digest")
+    assert r.status_code == 200, r.text
+    return r.json()["workers"]
+
+
 def _reload_base(url: str) -> None:
     assert _post(url, "/reload_weights").status_code == 200
 
@@ -122,11 +129,15 @@ def test_collective_update_equals_filesystem_update(server, tmp_path):
     export_safetensors(model, cfg, tmp_path / "step_3", dtype=dtype, src_dir=server.model_dir, tensors=named)
     try:
         base = asyncio.run(_greedy(server.base_url, prompts))
+        base_digest = _digest(server.base_url)
         r = _post(server.base_url, "/update_weights", {"weight_dir": str(tmp_path / "step_3")})
         assert r.status_code == 200, r.text
         from_disk = asyncio.run(_greedy(server.base_url, prompts))
+        disk_digest = _digest(server.base_url)
         _reload_base(server.base_url)
+        assert _digest(server.base_url) == base_digest, "reload_weights puts the base weights back, bit for bit"
         stats = asyncio.run(_collective(server.base_url, tmp_path / "run", 4, named))
+        collective_digest = _digest(server.base_url)
         described = _get(server.base_url, "/weights_version").json()
         assert (
             described["version"] == 4
@@ -137,6 +148,8 @@ def test_collective_update_equals_filesystem_update(server, tmp_path):
     finally:
         _reload_base(server.base_url)
     assert stats["transfer/gb"] > 0
+    # Every served parameter bit-equal after either path (vLLM's fused layout), and not the base's.
+    assert collective_digest == disk_digest and disk_digest != base_digest
     assert [t for t, _ in collective] == [t for t, _ in from_disk]
     for (_, lp_c), (_, lp_d) in zip(collective, from_disk, strict=True):
         np.testing.assert_array_equal(lp_c, lp_d)

@@ -1,0 +1,144 @@
+"""A GPU vLLM server with primejax's routes: start, both weight-update paths bit-compared, a short RL run.
+
+Each test restores the shared server's base weights before it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from gpu_env import GPUS, RUN_GPU  # tests/gpu/gpu_env.py
+
+from primejax.contracts.transfer import latest_offer
+from primejax.inference import InferenceClient
+from primejax.inference.admin_auth import HEADER, process_token, read_token
+from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
+
+PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+async def _greedy(url: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    async with InferenceClient(url) as c:
+        outs = await asyncio.gather(*(c.generate(p, n=1, max_tokens=16, temperature=0.0) for p in prompts))
+    return [(o[0].completion_token_ids, o[0].completion_logprobs) for o in outs]
+
+
+def _post(url: str, path: str, body: dict | None = None, timeout: float = 300) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={HEADER: read_token()}, timeout=timeout)
+
+
+def _digest(url: str) -> list[dict[str, str]]:
+    r = _post(url, "/weights_digest")
+    assert r.status_code == 200, r.text
+    return r.json()["workers"]
+
+
+def _perturbed(base_dir: Path, seed: int) -> tuple[object, object, list[tuple[str, np.ndarray]]]:
+    """Base weights + noise (JAX on GPU 0): the model and the bf16 HF tensors the trainer's export writes."""
+    import jax
+
+    model, cfg = load_model(base_dir, param_dtype="float32")
+    key = jax.random.key(seed)
+    for i, var in enumerate(param_variables(model).values()):
+        w = var[...]
+        var[...] = w + max(float(w.std()), 0.1) * jax.random.normal(jax.random.fold_in(key, i), w.shape, w.dtype)
+    return model, cfg, list(state_to_hf_tensors(model, cfg, "bfloat16"))
+
+
+def test_gpu_server_serves_greedy_tokens_with_finite_logprobs(gpu_server):
+    outs = asyncio.run(_greedy(gpu_server.base_url, _prompts(gpu_server.model_dir)))
+    for tokens, logprobs in outs:
+        assert len(tokens) == len(logprobs) > 0 and np.isfinite(logprobs).all()
+    version = httpx.get(gpu_server.base_url + "/weights_version", timeout=30).json()
+    assert version["version"] == 0
+
+
+@pytest.mark.skipif(GPUS < 2, reason="NCCL cannot join two processes on one GPU: needs 2 GPUs")
+def test_nccl_update_serves_bit_for_bit_what_the_filesystem_update_serves(gpu_server, tmp_path):
+    """The same bf16 tensors through /update_weights (safetensors) and through the collective path (NCCL from this
+    process's GPU 0 into the server's worker on GPU 1): every served parameter's sha256 is equal, greedy tokens and
+    logprobs are equal, and both differ from the base weights."""
+    import torch
+
+    from primejax.transfer.sender import CollectiveSender, to_torch
+
+    url = gpu_server.base_url
+    prompts = _prompts(gpu_server.model_dir)
+    model, cfg, named = _perturbed(gpu_server.model_dir, seed=21)
+    export_safetensors(model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=gpu_server.model_dir, tensors=named)
+    try:
+        base, base_digest = asyncio.run(_greedy(url, prompts)), _digest(url)
+        r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
+        assert r.status_code == 200, r.text
+        from_disk, disk_digest = asyncio.run(_greedy(url, prompts)), _digest(url)
+        assert _post(url, "/reload_weights").status_code == 200
+        assert _digest(url) == base_digest
+
+        device = torch.device("cuda", 0)
+        sender = CollectiveSender(tmp_path / "run", secret=process_token(), timeout_s=120, backend="nccl",
+                                  device=device, bucket_bytes=16 * 2**20)
+        gpu_named = [(n, to_torch(a).to(device)) for n, a in named]
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(ok=sender.send(2, gpu_named)))
+        thread.start()
+        offer = None
+        for _ in range(600):
+            offer = latest_offer(tmp_path / "run")
+            if offer is not None and offer.step == 2:
+                break
+            threading.Event().wait(0.05)
+        assert offer is not None, "the sender wrote no offer"
+
+        async def transfer() -> None:
+            async with InferenceClient(url) as c:
+                await c.transfer_weights(offer.step, offer.init_info, offer.update_info)
+
+        asyncio.run(transfer())
+        thread.join(300)
+        assert result.get("ok"), "the sender saw no acknowledgement"
+        collective, collective_digest = asyncio.run(_greedy(url, prompts)), _digest(url)
+        print(f"\nNCCL update of {sender.last.get('transfer/gb', 0):.3f} GB: {json.dumps(sender.last)}")
+    finally:
+        assert _post(url, "/reload_weights").status_code == 200
+    assert collective_digest == disk_digest and disk_digest != base_digest
+    assert collective == from_disk and collective != base
+
+
+def test_rl_steps_on_one_gpu_shared_by_trainer_and_server(tmp_path):
+    """The user's command on one GPU (placement: shared, server first): a few RL steps of the demo's task with a
+    small bf16 model, exit 0, every step trained, the trainer's logprobs close to vLLM's (mismatch KL)."""
+    run = tmp_path / "run"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": RUN_GPU, "PYTHONUNBUFFERED": "1"}
+    args = [
+        sys.executable, "-m", "primejax.train", "--config", str(REPO / "configs/gpu_single.py"),
+        f"--config.run.output_dir={tmp_path}", "--config.run.name=run", "--config.run.max_steps=3",
+        f"--config.model.path={tmp_path / 'model'}", "--config.model.build_tiny.hidden_size=256",
+        "--config.model.build_tiny.num_layers=2", "--config.model.build_tiny.num_heads=4",
+        "--config.model.build_tiny.num_kv_heads=2", "--config.model.build_tiny.intermediate_size=512",
+        "--config.sft.steps=20", "--config.orchestrator.batch_size=64",
+    ]
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "share GPU" in proc.stdout, proc.stdout[-2000:]
+    rows = [json.loads(line) for line in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "mismatch_kl" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in steps)
+    assert steps[0]["mismatch_kl"] < 1e-2, steps[0]
