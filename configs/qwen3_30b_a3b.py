@@ -49,7 +49,7 @@ def get_config():
 
     c.inference.devices = "4,5,6,7"
     c.inference.replicas = 2
-    c.inference.extra_args = ("--tensor-parallel-size", "2")
+    c.inference.tensor_parallel_size = 2
     c.inference.dtype = "bfloat16"
     c.inference.enforce_eager = False
     c.inference.gpu_memory_utilization = 0.9

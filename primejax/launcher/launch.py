@@ -93,11 +93,15 @@ def _place(cfg: Config) -> tuple[Config, Placement]:
     try:
         p = plan(node_gpu_count(), tr.devices, inf.devices, inference_enabled=inf.enabled, replicas=inf.replicas,
                  tensor_parallel=inf.tensor_parallel_size, trainer_memory_fraction=tr.memory_fraction,
-                 inference_memory_fraction=inf.gpu_memory_utilization)
+                 inference_memory_fraction=inf.gpu_memory_utilization,
+                 visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
     except PlacementError as e:
         raise PreflightError(e.key, str(e).split(": ", 1)[1]) from None
     if not p.node_gpus:
         return cfg, p
+    if p.shared and tr.broadcast.mode == "collective":
+        raise PreflightError("trainer.broadcast.mode", "collective needs the trainer and the server on different "
+                             "GPUs (NCCL cannot join two processes on one GPU): use filesystem on a shared GPU")
     print(f"primejax: {p.describe()}", flush=True)
     changes: dict[str, object] = {
         "trainer.devices": p.trainer_devices, "inference.devices": p.inference_devices,

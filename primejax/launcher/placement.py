@@ -14,7 +14,8 @@ Three layouts (docs/gpu.md):
 
 The launcher resolves the layout once, before anything starts, and writes it into the children's configs; the
 children apply what they are given (utils/devices.py), so a child started by hand with the same file lands on
-the same GPUs.
+the same GPUs. Device ids in the config count the GPUs the launcher sees (`trainer.devices="0"` under
+`CUDA_VISIBLE_DEVICES=2,3` is GPU 2); the ids written for the children are the node's own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from primejax.inference.server import OWN_GPU_MEMORY_UTILIZATION as OWN_INFERENCE_FRACTION
 from primejax.utils.devices import parse_devices
@@ -84,6 +85,19 @@ def node_gpu_count(environ: Mapping[str, str] | None = None) -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def to_physical(ids: str, visible: str | None) -> str:
+    """Device ids counted among the launcher's own GPUs ('0' = the first it sees) as the ids a child's
+    CUDA_VISIBLE_DEVICES needs: entries of the launcher's CUDA_VISIBLE_DEVICES when it has one (a child's list
+    is read against all of the node's GPUs, not against its parent's), else unchanged."""
+    if not ids or visible is None:
+        return ids
+    entries = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(e.isdigit() for e in entries):
+        raise PlacementError("trainer.devices", f"CUDA_VISIBLE_DEVICES={visible!r} holds non-numeric ids: give "
+                                                "the launcher numeric GPU ids")
+    return ",".join(entries[int(i)] for i in ids.split(","))
+
+
 def plan(
     node_gpus: int,
     trainer_devices: str,
@@ -94,9 +108,23 @@ def plan(
     tensor_parallel: int = 1,
     trainer_memory_fraction: float = 0.0,
     inference_memory_fraction: float = 0.0,
+    visible: str | None = None,
 ) -> Placement:
     """The layout for this node from the config's settings (see the module docstring); PlacementError names
-    the key to change when the layout cannot work."""
+    the key to change when the layout cannot work. Device ids in the settings count the GPUs this launcher
+    sees; the placement's are the ids its children get (`visible`: the launcher's CUDA_VISIBLE_DEVICES)."""
+    p = _plan(node_gpus, trainer_devices, inference_devices, inference_enabled, replicas, tensor_parallel,
+              trainer_memory_fraction, inference_memory_fraction)
+    if not p.node_gpus or not inference_enabled:
+        return p
+    return replace(p, trainer_devices=to_physical(p.trainer_devices, visible),
+                   inference_devices=to_physical(p.inference_devices, visible))
+
+
+def _plan(
+    node_gpus: int, trainer_devices: str, inference_devices: str, inference_enabled: bool, replicas: int,
+    tensor_parallel: int, trainer_memory_fraction: float, inference_memory_fraction: float,
+) -> Placement:
     t = parse_devices(trainer_devices, "trainer.devices")
     i = parse_devices(inference_devices, "inference.devices")
     own_inf = inference_memory_fraction or OWN_INFERENCE_FRACTION

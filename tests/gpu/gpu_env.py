@@ -1,8 +1,8 @@
 """Which GPU each part of the GPU tier uses (imported by tests/gpu/conftest.py and the tests beside it).
 
-GPU 0 belongs to the test process (JAX, the collective sender's torch), servers go on GPU 1 (NCCL cannot join
-two processes on one GPU), the launcher's runs on the last GPU; on a one-GPU node everything shares GPU 0 and
-the tests that need two GPUs skip.
+GPU 0 belongs to the test process (JAX allocating on demand, the collective sender's torch) and to the launcher's
+run (its server and trainer share that GPU's memory: 45% each); the session's server goes on GPU 1 (NCCL cannot
+join two processes on one GPU). On a one-GPU node the tests that need two GPUs skip.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from primejax.launcher.placement import node_gpu_count
 
 GPUS = node_gpu_count()
 SERVER_GPU = "1" if GPUS >= 2 else "0"
-RUN_GPU = str(GPUS - 1) if GPUS >= 3 else SERVER_GPU
+RUN_GPU = "0"
 
 # This process's JAX shares GPU 0 with the collective sender's torch: allocate on demand, never 75% up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -70,3 +70,16 @@ def test_node_gpu_count_reads_cuda_visible_devices_first():
     assert node_gpu_count({"CUDA_VISIBLE_DEVICES": "2,3"}) == 2
     assert node_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
     assert node_gpu_count({"CUDA_VISIBLE_DEVICES": "-1"}) == 0
+
+
+def test_ids_count_the_launchers_own_gpus_and_children_get_the_nodes_ids():
+    """Under CUDA_VISIBLE_DEVICES=2,3 a child told '0' would see the node's GPU 0, not the launcher's first GPU."""
+    p = plan(2, "", "", visible="2,3")
+    assert (p.trainer_devices, p.inference_devices) == ("2", "3")
+    p = plan(1, "", "", visible="3")
+    assert p.shared and p.trainer_devices == p.inference_devices == "3"
+    p = plan(4, "0,1", "2,3", replicas=2, visible="4,5,6,7")
+    assert (p.trainer_devices, p.inference_devices) == ("4,5", "6,7")
+    assert plan(2, "", "").trainer_devices == "0"  # no CUDA_VISIBLE_DEVICES: the node's ids already
+    with pytest.raises(PlacementError, match="non-numeric"):
+        plan(2, "", "", visible="GPU-aaaa,GPU-bbbb")
