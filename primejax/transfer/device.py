@@ -8,8 +8,9 @@ converted output stays within `max_chunk_bytes` (one layer when even that is lar
 memory is one run plus one bucket, not a whole parameter: all 48 layers' experts of Qwen3-30B-A3B are 19 GB
 per projection in bf16, which next to the trainer's state did not fit one GPU (docs/benchmarks.md, issue 33).
 
-Single-process trainers only: a jax.Array sharded over several processes cannot be gathered onto one
-device without a cross-process collective (the filesystem export gathers those through the host).
+Single-process trainers only (one or several local devices: a sharded parameter is replicated over its mesh
+by the jitted call and the sending device's copy is sent): a jax.Array sharded over several processes cannot
+be gathered onto one device without a cross-process collective (transfer/shards.py sends row blocks instead).
 """
 
 from __future__ import annotations
@@ -57,9 +58,28 @@ def _converter(
                 return to_hf(w.astype(jnp.dtype(dtype)), cfg)
 
             args = (w,)
-        fn = jax.jit(convert, out_shardings=jax.sharding.SingleDeviceSharding(device))
+        fn = jax.jit(convert, out_shardings=_output_sharding(w, device))
         _CONVERTERS[key] = (cfg, fn, tuple(jax.eval_shape(fn, *args).shape))
     return _CONVERTERS[key][1:]
+
+
+def _output_sharding(w: Any, device: Any) -> Any:
+    """On one device: that device. Sharded over several (a trainer's FSDP/tensor mesh in one process): replicated
+    over the input's mesh, since one jitted computation may not put its output on a subset of its inputs'
+    devices; `_on_device` then takes the sending device's copy (the gather runs on device, no host copy)."""
+    sharding = getattr(w, "sharding", None)
+    if sharding is None or len(sharding.device_set) == 1:
+        return jax.sharding.SingleDeviceSharding(device)
+    if device not in sharding.device_set:
+        raise ValueError(f"the sending device {device} holds no part of the weights ({sorted(sharding.device_set)})")
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+
+
+def _on_device(x: Any, device: Any) -> Any:
+    """`x`'s copy on `device` as a single-device array (itself when it lives there alone)."""
+    if len(x.sharding.device_set) == 1:
+        return x
+    return next(s.data for s in x.addressable_shards if s.device == device)
 
 
 def _to_torch(x: Any) -> Any:
@@ -95,7 +115,7 @@ def hf_device_tensors(
             calls = [(start,) for start in range(0, layers, run)] if stacked else [()]
             per_call = len(names) // len(calls)
             for args in calls:
-                out = fn(var[...], *args)
+                out = _on_device(fn(var[...], *args), device)
                 out.block_until_ready()  # ready before torch's stream reads it
                 t = _to_torch(out).reshape(per_call, *per)  # a view: layers (x experts) are contiguous slices
                 yield from (t[j] for j in range(per_call))
