@@ -36,6 +36,8 @@ from tests.trainer.test_corrections import make_batch
 TOL = 1e-10
 # no KL term, no advantage scale; DPPO's probability-difference masks out of reach (|pi - mu| < 1 always)
 PAPER = LossConfig(kl_tau=0.0, adv_tau=1.0, is_clip=1.1, dppo_mask_low=1.0, dppo_mask_high=1.0)
+# cispo is checked with DPPO's masks narrow enough to fire on its batch: they must not apply to it
+DPPO = LossConfig(kl_tau=0.0, adv_tau=1.0, is_clip=1.1, dppo_mask_low=0.05, dppo_mask_high=0.05)
 
 
 def paper_batch(seed: int, token_advantages: bool = False):
@@ -173,6 +175,9 @@ def cispo(lp, lp0, b, c, fired):
         lo, hi = max(0.0, 1 - c.cispo.eps_low), 1 + c.cispo.eps_high
         fired.add("clipped below", r0 < lo)
         fired.add("clipped above", r0 > hi)
+        d = np.exp(lp0[row, i]) - np.exp(b["inference_logprobs"][row, i])  # DPPO's masks are not CISPO's
+        outside = ((a > 0) & (d > DPPO.dppo_mask_high)) | ((a <= 0) & (d < -DPPO.dppo_mask_low))
+        fired.add("outside DPPO's trust region", outside)
         m = np.ones(len(i), bool)
         if c.cispo.mask == "ratio":
             m = ~(((a > 0) & (r0 > 1 + c.cispo.mask_eps_high)) | ((a < 0) & (r0 < 1 - c.cispo.mask_eps_low)))
@@ -249,12 +254,13 @@ def fd_grad(f, lp0, b, h=2e-4):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_correction_matches_its_paper_fp64(name, seed):
     ref_fn, c, batch_kw = CASES[name]
+    cfg = DPPO if c.objective == "cispo" else PAPER
     lp, b = paper_batch(seed, **batch_kw)
     fired = Fired()
     ref = ref_fn(lp, lp, b, c, fired)
     with jax.enable_x64(True):
-        loss = float(project_loss(lp, b, c))
-        grad = np.asarray(jax.grad(lambda x: project_loss(x, b, c))(jnp.asarray(lp)))
+        loss = float(project_loss(lp, b, c, cfg))
+        grad = np.asarray(jax.grad(lambda x: project_loss(x, b, c, cfg))(jnp.asarray(lp)))
     assert abs(loss - ref) <= TOL * max(1.0, abs(ref)), (loss, ref)
     np.testing.assert_allclose(grad, fd_grad(lambda x: ref_fn(x, lp, b, c, Fired()), lp, b), rtol=0, atol=TOL)
     assert fired.n, "the reference records its masks and clips"
