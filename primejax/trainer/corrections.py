@@ -186,8 +186,8 @@ def token_loss(
     keep = accepted & ~(masked_low | masked_high)
     grad_lp = jnp.exp(lp - jax.lax.stop_gradient(lp))  # value 1, gradient grad lp
     if c.objective == "dppo" and c.is_weight.level == "none" and c.icepop.enabled:
-        # IcePop's M(k) = k on kept tokens: the mask's high bound limits the ratio, not is_clip
-        weight = _exp(log_r_sg)
+        # IcePop's M(k) = k on kept tokens, 0 outside [low, high]: the mask bounds the ratio, not is_clip
+        weight = jnp.where(accepted, _exp(log_r_sg), 0.0)
         pg = adv * _exp(log_r)
     elif c.objective == "dppo" and c.is_weight.level == "none":
         weight = jnp.minimum(_exp(log_r_sg), cfg.is_clip)

@@ -266,3 +266,24 @@ def test_correction_matches_its_paper_fp64(name, seed):
     assert fired.n, "the reference records its masks and clips"
     for cond, (hit, total) in fired.n.items():
         assert 0 < hit < total, f"{name}: '{cond}' held on {hit} of {total}: the case does not exercise it"
+
+
+def test_icepop_logs_its_m_function_as_the_weight():
+    """The logged IS weight of IcePop's tokens is M(k): k inside [low, high], 0 outside (a rejected token's
+    ratio, possibly astronomically large, is not a weight anything applies)."""
+    from primejax.trainer.losses import finalize_metrics
+
+    _, c, _ = CASES["icepop"]
+    lp, b = paper_batch(0)
+    table = CorrectionTable((c,), (0, 0), ("e0", "e1"))
+    jb = {k: jnp.asarray(v) for k, v in b.items()}
+    counts = global_counts(jb)
+    x = jnp.asarray(lp)
+    _, sums = make_loss_fn(PAPER, 0, table)(x, jnp.zeros_like(x), jb, counts)
+    m = finalize_metrics(sums, counts, table)
+    k = np.concatenate([np.exp(lp[row, i] - b["inference_logprobs"][row, i]) for row, i in sequences(b)])
+    big = np.concatenate([b["env_ids"][row, i] for row, i in sequences(b)]) == 0
+    mk = np.where((k >= c.icepop.low) & (k <= c.icepop.high), k, 0.0)
+    assert k[big].max() > c.icepop.high  # some env-0 token is rejected for a ratio above the range
+    assert float(m["corrections/env/e0/is_weight_max"]) == pytest.approx(mk[big].max(), rel=1e-6)
+    assert float(m["corrections/env/e0/is_weight_mean"]) == pytest.approx(mk[big].mean(), rel=1e-6)
