@@ -267,7 +267,7 @@ def table_loss(
             norm = jnp.where(n > 0, s / jnp.maximum(n, 1e-30), 1.0).astype(lp.dtype)
         seq_scale = None
         if c.objective in ("gspo", "gspo_token") and c.gspo.norm == "sequence":
-            n_rl, n_seqs = (jnp.maximum(counts[k], 1.0).astype(lp.dtype) for k in ("rl", "seqs/rl"))
+            n_rl, n_seqs = (jnp.maximum(counts[key], 1.0).astype(lp.dtype) for key in ("rl", "seqs/rl"))
             seq_scale = n_rl / n_seqs  # divided in lp's dtype: the counts are exact fp32 integers
         tok, ind = token_loss(lp, lq, adv, m, seg, c, cfg, norm, seq_scale)
         if loss is None:

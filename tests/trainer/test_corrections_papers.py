@@ -287,3 +287,33 @@ def test_icepop_logs_its_m_function_as_the_weight():
     assert k[big].max() > c.icepop.high  # some env-0 token is rejected for a ratio above the range
     assert float(m["corrections/env/e0/is_weight_max"]) == pytest.approx(mk[big].max(), rel=1e-6)
     assert float(m["corrections/env/e0/is_weight_mean"]) == pytest.approx(mk[big].mean(), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_extreme_ratios_stay_finite_and_are_rejected(name):
+    """A sequence whose every token has log(pi/mu) = +-80 (its ratio product e^(80 |y|) overflows any float):
+    loss and gradient stay finite in float32, and a rejecting correction drops the whole sequence."""
+    _, c, batch_kw = CASES[name]
+    lp, b = paper_batch(0, **batch_kw)
+    lq = b["inference_logprobs"].copy()
+    far = b["segment_ids"][0] == 2
+    lq[0, far] = lp[0, far] - 80.0  # mu ~ e^-80 times pi: a sampler bug, not a mismatch
+    lq[1, 5:9] = lp[1, 5:9] + 80.0
+    b = dict(b, inference_logprobs=lq)
+    table = CorrectionTable((c,), (0, 0), ("e0", "e1"))
+    jb = {k: jnp.asarray(v, jnp.float32 if v.dtype == np.float64 else None) for k, v in b.items()}
+
+    def loss_of(x):
+        counts = global_counts(jb)
+        counts.update(step_norms(x, jb, member_masks(jb)["rl"], table))
+        loss, sums = make_loss_fn(PAPER, 0, table)(x, jnp.zeros_like(x), jb, counts)
+        return loss, sums
+
+    x = jnp.asarray(lp, jnp.float32)
+    (loss, sums), grad = jax.value_and_grad(loss_of, has_aux=True)(x)
+    assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all()
+    assert all(np.isfinite(np.asarray(v)).all() for v in sums.values())
+    if c.reject.level != "none" or c.icepop.enabled:
+        member = b["loss_mask"] & (b["rl_weights"] != 0)
+        rejected = float(sums["corr/env/e0/rejected"] + sums["corr/env/e1/rejected"])
+        assert rejected >= member[0, far].sum()
