@@ -93,7 +93,9 @@ class ISWeightConfig(Section):
     )
     cap: float = option(2.0, "truncation: weights above this become this (TIS)", gt=0)
     normalize: bool = option(
-        False, "divide by the weights' mean over the whole step (tokens or sequences); one extra forward pass"
+        False,
+        "divide by the weights' mean over the whole step's tokens (or sequences) that reject and icepop accept; "
+        "one extra forward pass",
     )
 
 
