@@ -123,7 +123,7 @@ def from_json(text: str) -> ConfigDict:
     if not isinstance(tree, dict):
         raise ConfigError("", f"not a JSON config (the top level is a {type(tree).__name__}, not an object)")
     try:
-        tree = compat.migrate_env_algorithms(compat.migrate(tree))
+        tree = compat.migrate_corrections(compat.migrate_env_algorithms(compat.migrate(tree)))
     except (AttributeError, TypeError, KeyError) as e:  # a hostile or damaged file: say so, no traceback
         raise ConfigError("", f"not a primejax config ({type(e).__name__}: {e})") from None
     merged = default_config()

@@ -3,6 +3,8 @@
 Each entry of `RENAMED` maps an old leaf name to its new name and a converter; `migrate()` applies them
 anywhere in the tree. A value that cannot be converted fails with one line naming the old key and the new one.
 `migrate_env_algorithms()` turns an env's old algorithm name (and custom advantage) into its own block.
+`migrate_corrections()` keeps the behaviour of correction blocks saved before the corrections followed their
+papers (docs/algorithms.md#corrections).
 """
 
 from __future__ import annotations
@@ -75,4 +77,25 @@ def migrate_env_algorithms(tree: dict[str, Any]) -> dict[str, Any]:
                 block["advantage"] = advantage
             own = _algorithm_keys(block["type"])  # the global block's options of other algorithms stay behind
             entry["algo"] = {k: v for k, v in block.items() if k in own}
+    return tree
+
+
+def migrate_corrections(tree: dict[str, Any]) -> dict[str, Any]:
+    """Correction blocks saved before `cispo.mask` existed ran cispo with DPPO's masks, gspo summed over tokens
+    and `reject.level = "sequence"` on the sequence's mean divergence: they get the settings that keep those
+    (`cispo.mask = "dppo"`, `gspo.norm = "token"`, `reject.level = "geometric"`). A saved block has every key,
+    so a `cispo` without `mask` is an old one."""
+    for key, value in tree.items():
+        if not isinstance(value, dict):
+            continue
+        cispo = value.get("cispo")
+        if key == "correction" and isinstance(cispo, dict) and "mask" not in cispo:
+            cispo["mask"] = "dppo"
+            if isinstance(value.get("gspo"), dict):
+                value["gspo"].setdefault("norm", "token")
+            reject = value.get("reject")
+            if isinstance(reject, dict) and reject.get("level") == "sequence":
+                reject["level"] = "geometric"
+        else:
+            migrate_corrections(value)
     return tree

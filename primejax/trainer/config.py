@@ -93,16 +93,23 @@ class ISWeightConfig(Section):
     )
     cap: float = option(2.0, "truncation: weights above this become this (TIS)", gt=0)
     normalize: bool = option(
-        False, "divide by the weights' mean over the whole step (tokens or sequences); one extra forward pass"
+        False,
+        "divide by the weights' mean over the whole step's tokens (or sequences) that reject and icepop accept; "
+        "one extra forward pass",
     )
 
 
 @section
 class RejectConfig(Section):
-    """Masked importance sampling (MIS): drop tokens or whole sequences whose divergence leaves [low, high]."""
+    """Rejection (the mask of masked importance sampling): drop tokens or whole sequences whose divergence
+    leaves [low, high]. A mask only; the IS weight of MIS is `is_weight` (docs/algorithms.md#corrections)."""
 
-    level: str = option("none", "none | token | sequence (the sequence's mean divergence)",
-                        choices=("none", "token", "sequence"))
+    level: str = option(
+        "none",
+        "none | token | sequence (the sum of the divergence over the sequence: k1 gives the log of the product "
+        "of its ratios) | geometric (its mean: k1 gives the log of their geometric mean)",
+        choices=("none", "token", "sequence", "geometric"),
+    )
     divergence: str = option("k1", "k1 = log(pi/mu); k3 = pi/mu - 1 - log(pi/mu) (>= 0)", choices=("k1", "k3"))
     low: float = option(-0.693, "lowest accepted divergence (k1: log 0.5)")
     high: float = option(0.693, "highest accepted divergence (k1: log 2)")
@@ -114,7 +121,8 @@ class RejectConfig(Section):
 
 @section
 class IcepopConfig(Section):
-    """IcePop: drop tokens whose ratio pi/mu leaves [low, high]."""
+    """IcePop: drop tokens whose ratio pi/mu leaves [low, high]. On the plain dppo objective a kept token
+    weighs its ratio unclipped (IcePop's M(k) = k): `high` bounds it, trainer.loss.is_clip does not apply."""
 
     enabled: bool = option(False, "mask tokens whose ratio leaves [low, high]")
     low: float = option(0.5, "lowest accepted ratio", ge=0)
@@ -126,17 +134,39 @@ class IcepopConfig(Section):
 
 
 @section
-class ClipRangeConfig(Section):
-    """A ratio clip range [1 - eps_low, 1 + eps_high]."""
+class GspoConfig(Section):
+    """GSPO's sequence-ratio clip range [1 - eps_low, 1 + eps_high] and how sequences are weighed."""
 
     eps_low: float = option(3e-4, "the range's lower side: 1 - eps_low", ge=0)
     eps_high: float = option(4e-4, "the range's upper side: 1 + eps_high", ge=0)
+    norm: str = option(
+        "sequence",
+        "sequence: each sequence's loss is the mean over its tokens and every sequence weighs the same (the "
+        "paper); token: summed over tokens like dppo (a sequence weighs its length)",
+        choices=("sequence", "token"),
+    )
 
 
-def _cispo_range() -> ClipRangeConfig:
-    # MiniMax-M1 (arXiv:2506.13585) keeps no lower bound on CISPO's weight (eps_low = 1 clips at 0); the upper
-    # bound 2 is the TIS cap default (docs/algorithms.md#corrections).
-    return ClipRangeConfig(eps_low=1.0, eps_high=1.0)
+CISPO_MASKS = ("none", "ratio", "dppo")
+
+
+@section
+class CispoConfig(Section):
+    """CISPO's IS-weight clip range and its optional mask (MiniMax-M1, arXiv:2506.13585, section 3.1)."""
+
+    # The paper keeps no lower bound (a large eps_low: 1 clips at 0) and tunes only eps_high, without giving
+    # its value; 1 (a weight of at most 2) is the TIS cap default.
+    eps_low: float = option(1.0, "the weight's lower bound: 1 - eps_low (floored at 0)", ge=0)
+    eps_high: float = option(1.0, "the weight's upper bound: 1 + eps_high", ge=0)
+    mask: str = option(
+        "none",
+        "none: no mask, every token trains (the paper's CISPO); ratio: the paper's unified mask M_t, PPO's "
+        "trust region on the ratio (A > 0 and r > 1 + mask_eps_high, or A < 0 and r < 1 - mask_eps_low, get no "
+        "gradient); dppo: DPPO's probability-difference masks (trainer.loss.dppo_mask_low/high)",
+        choices=CISPO_MASKS,
+    )
+    mask_eps_low: float = option(0.2, "mask = ratio: the trust region's lower side 1 - mask_eps_low", ge=0)
+    mask_eps_high: float = option(0.2, "mask = ratio: the trust region's upper side 1 + mask_eps_high", ge=0)
 
 
 OBJECTIVES = ("dppo", "gspo", "gspo_token", "cispo")
@@ -157,10 +187,10 @@ class CorrectionConfig(Section):
         choices=OBJECTIVES,
     )
     is_weight: ISWeightConfig = sub(ISWeightConfig, "importance weight (dppo objective only)")
-    reject: RejectConfig = sub(RejectConfig, "masked importance sampling (MIS)")
+    reject: RejectConfig = sub(RejectConfig, "rejection: the mask of masked importance sampling (MIS)")
     icepop: IcepopConfig = sub(IcepopConfig, "IcePop's two-sided token ratio mask")
-    gspo: ClipRangeConfig = sub(ClipRangeConfig, "gspo / gspo_token: the sequence ratio's clip range")
-    cispo: ClipRangeConfig = option(doc="cispo: the IS weight's clip range", factory=_cispo_range)
+    gspo: GspoConfig = sub(GspoConfig, "gspo / gspo_token: the sequence ratio's clip range, normalization")
+    cispo: CispoConfig = sub(CispoConfig, "cispo: the IS weight's clip range, optional mask")
 
     def check(self) -> None:
         if self.objective != "dppo" and self.is_weight.level != "none":
@@ -171,7 +201,7 @@ class CorrectionConfig(Section):
         if self.objective == "gspo" and (self.icepop.enabled or self.reject.level == "token"):
             key = "icepop.enabled" if self.icepop.enabled else "reject.level"
             raise ConfigError(key, "a token mask inside gspo's sequence ratio still trains the masked tokens "
-                                   "through it: use objective 'gspo_token' or reject.level 'sequence'")
+                                   "through it: use objective 'gspo_token' or a sequence-level reject.level")
 
     @property
     def is_default(self) -> bool:
@@ -288,7 +318,8 @@ __all__ = [
     "ISWeightConfig",
     "RejectConfig",
     "IcepopConfig",
-    "ClipRangeConfig",
+    "GspoConfig",
+    "CispoConfig",
     "OBJECTIVES",
     "CheckpointConfig",
     "FakeDataConfig",

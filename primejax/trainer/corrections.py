@@ -11,20 +11,25 @@ r = exp(log_r), sg = stop-gradient, and a "sequence" = one packed segment's rl m
     loss_t = -keep_t * adv_tau * pg_t + kl_tau * log_r^2        (the KL term is on every member, kept or not)
 
     objective dppo, no IS weight:  pg = A * min(r, is_clip)      (the default DPPO + KL loss)
+        with icepop:               pg = A * r                    (IcePop's M(k) = k: the mask bounds r)
     objective dppo + is_weight:    pg = A * w~ * exp(lp - sg(lp))  (value A*w~, gradient A*w~*grad lp)
         token (TIS):   w = min(sg r, cap)
         sequence:      w = min(prod_seq sg r, cap)          (computed in log space)
         geometric:     w = min(exp(mean_seq sg log_r), cap)
-        w~ = w / mean(w) over the whole step when `normalize` (tokens, or sequences for the sequence levels)
+        w~ = w / mean(w) over the whole step when `normalize` (over the tokens, or the sequences for the
+        sequence levels, that MIS and icepop accept)
     gspo:        s = exp(mean_seq log_r) (gradient through every token of the sequence);
-                 pg = min(s*A, clip(s, 1-eps_low, 1+eps_high)*A)
-    gspo_token:  s_t = sg(s) * exp(lp - sg(lp));  pg = min(s_t*A, clip(s_t, ...)*A)
+                 pg = min(s*A, clip(s, 1-eps_low, 1+eps_high)*A), divided by the sequence's |y| and scaled
+                 by N_rl / N_seq for norm 'sequence' (the loss is then the mean over sequences, as in GSPO)
+    gspo_token:  s_t = sg(s) * exp(lp - sg(lp));  pg = min(s_t*A, clip(s_t, ...)*A), normalized like gspo
     cispo:       pg = sg(clip(r, 1-eps_low, 1+eps_high)) * A * lp
 
-    keep = member and accepted by: MIS (divergence k1 = log_r or k3 = r - 1 - log_r, of the token or the
-    sequence mean, inside [low, high]), icepop (r inside [low, high]), and for dppo and cispo DPPO's
-    probability-difference masks. Masked tokens still count in N_rl, so the normalization (and therefore
-    micro-batch independence) is unchanged.
+    keep = member and accepted by: MIS (divergence k1 = log_r or k3 = r - 1 - log_r, of the token, the
+    sequence's sum (k1: the log of the product of ratios) or its mean (geometric), inside [low, high]),
+    icepop (r inside [low, high]), and the objective's trust region: DPPO's probability-difference masks for
+    dppo, none for cispo unless `cispo.mask` (ratio: PPO's ratio mask; dppo: DPPO's), none for gspo.
+    Masked tokens still count in N_rl, so the normalization (and therefore micro-batch independence) is
+    unchanged.
 
 Normalizing the IS weight needs the whole step's weights before the first micro-batch's gradient: the step
 runs a forward-only pass over all micro-batches first (`norm_sums`, summed like the token counts), only when
@@ -114,7 +119,9 @@ def _accept(log_r_sg, member, seg, c: CorrectionConfig) -> tuple[jax.Array, jax.
     ok = member
     if c.reject.level != "none":
         d = jnp.where(member, _divergence(log_r_sg, c.reject.divergence), 0.0)
-        if c.reject.level == "sequence":
+        if c.reject.level == "sequence":  # the sum: k1 is the log of the product of ratios (never exponentiated)
+            d = seq_sum(d, seg)
+        elif c.reject.level == "geometric":
             d = seq_sum(d, seg) / jnp.maximum(seq_sum(member.astype(d.dtype), seg), 1.0)
         ok = ok & (d >= c.reject.low) & (d <= c.reject.high)
     if c.icepop.enabled:
@@ -146,26 +153,43 @@ def norm_sums(lp, lq, member, seg, c: CorrectionConfig) -> tuple[jax.Array, jax.
     return jnp.sum(jnp.where(acc, w, 0.0)), jnp.sum(acc, dtype=w.dtype)
 
 
-def token_loss(lp, lq, adv, member, seg, c: CorrectionConfig, cfg: LossConfig, norm: jax.Array | None = None):
+def _trust_region_masks(lp, lq, log_r_sg, adv, accepted, c: CorrectionConfig, cfg: LossConfig):
+    """(masked_low, masked_high) of the objective's trust region: DPPO's probability-difference masks for dppo
+    (and cispo with mask 'dppo'), PPO's ratio masks for cispo with mask 'ratio', none otherwise."""
+    pos = adv > 0
+    if c.objective == "dppo" or (c.objective == "cispo" and c.cispo.mask == "dppo"):
+        d = jnp.exp(lp) - jnp.exp(lq)
+        return accepted & ~pos & (d < -cfg.dppo_mask_low), accepted & pos & (d > cfg.dppo_mask_high)
+    if c.objective == "cispo" and c.cispo.mask == "ratio":
+        r = _exp(log_r_sg)
+        return accepted & ~pos & (r < 1.0 - c.cispo.mask_eps_low), accepted & pos & (r > 1.0 + c.cispo.mask_eps_high)
+    none = jnp.zeros_like(accepted)
+    return none, none
+
+
+def token_loss(
+    lp, lq, adv, member, seg, c: CorrectionConfig, cfg: LossConfig, norm: jax.Array | None = None,
+    seq_scale: jax.Array | None = None,
+):
     """Per-token rl loss (unweighted) of correction `c` on its `member` tokens, and per-token indicators.
 
-    `norm`: the step's mean IS weight when `c.is_weight.normalize` (see `norm_sums`)."""
+    `norm`: the step's mean IS weight when `c.is_weight.normalize` (see `norm_sums`). `seq_scale`: N_rl / N_seq
+    of the whole step, for gspo's per-sequence normalization (a sequence's token shares sum to its loss times
+    this, so that dividing by N_rl gives the mean over sequences)."""
     log_r = jnp.where(member, lp - lq, 0.0)  # where: padding lq = 0 must not produce exp overflow
     log_r_sg = jax.lax.stop_gradient(log_r)
     accepted, rejected = _accept(log_r_sg, member, seg, c)
     fm = member.astype(lp.dtype)
     n_seq = jnp.maximum(seq_sum(fm, seg), 1.0)
     mean_log_r = seq_sum(log_r, seg) / n_seq  # with gradient (gspo)
-    masked_low = masked_high = jnp.zeros_like(member)
-    keep = accepted
-    if c.objective in ("dppo", "cispo"):
-        d = jnp.exp(lp) - jnp.exp(lq)
-        pos = adv > 0
-        masked_high = accepted & pos & (d > cfg.dppo_mask_high)
-        masked_low = accepted & ~pos & (d < -cfg.dppo_mask_low)
-        keep = accepted & ~(masked_high | masked_low)
+    masked_low, masked_high = _trust_region_masks(lp, lq, log_r_sg, adv, accepted, c, cfg)
+    keep = accepted & ~(masked_low | masked_high)
     grad_lp = jnp.exp(lp - jax.lax.stop_gradient(lp))  # value 1, gradient grad lp
-    if c.objective == "dppo" and c.is_weight.level == "none":
+    if c.objective == "dppo" and c.is_weight.level == "none" and c.icepop.enabled:
+        # IcePop's M(k) = k on kept tokens, 0 outside [low, high]: the mask bounds the ratio, not is_clip
+        weight = jnp.where(accepted, _exp(log_r_sg), 0.0)
+        pg = adv * _exp(log_r)
+    elif c.objective == "dppo" and c.is_weight.level == "none":
         weight = jnp.minimum(_exp(log_r_sg), cfg.is_clip)
         pg = adv * jnp.minimum(jnp.exp(log_r), cfg.is_clip)
     elif c.objective == "dppo":
@@ -183,6 +207,8 @@ def token_loss(lp, lq, adv, member, seg, c: CorrectionConfig, cfg: LossConfig, n
         if c.objective == "gspo_token":
             s = weight * grad_lp
         pg = jnp.minimum(s * adv, jnp.clip(s, lo, hi) * adv)
+        if c.gspo.norm == "sequence":  # GSPO's 1/|y| inside each sequence
+            pg = pg / n_seq * (1.0 if seq_scale is None else seq_scale)
     loss = -jnp.where(keep, cfg.adv_tau * pg, 0.0) + cfg.kl_tau * jnp.where(member, log_r * log_r, 0.0)
     kept_in_seq = seq_sum(keep.astype(lp.dtype), seg)
     info = {
@@ -239,7 +265,11 @@ def table_loss(
         if c.is_weight.normalize:
             s, n = counts[f"is_norm/{k}"][0], counts[f"is_norm/{k}"][1]
             norm = jnp.where(n > 0, s / jnp.maximum(n, 1e-30), 1.0).astype(lp.dtype)
-        tok, ind = token_loss(lp, lq, adv, m, seg, c, cfg, norm)
+        seq_scale = None
+        if c.objective in ("gspo", "gspo_token") and c.gspo.norm == "sequence":
+            n_rl, n_seqs = (jnp.maximum(counts[key], 1.0).astype(lp.dtype) for key in ("rl", "seqs/rl"))
+            seq_scale = n_rl / n_seqs  # divided in lp's dtype: the counts are exact fp32 integers
+        tok, ind = token_loss(lp, lq, adv, m, seg, c, cfg, norm, seq_scale)
         if loss is None:
             loss, info = tok, ind
         else:  # each kind is zero outside its own members

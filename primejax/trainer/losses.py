@@ -81,8 +81,12 @@ def member_masks(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def global_counts(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """N_c over every token of the arrays given (pass the whole step), as fp32 scalars."""
-    return {c: jnp.sum(m, dtype=jnp.float32) for c, m in member_masks(batch).items()}
+    """N_c over every token of the arrays given (pass the whole step), as fp32 scalars, and `seqs/rl`, the
+    sequences (packed segments) with an rl member: GSPO's per-sequence normalization needs the step's count."""
+    members = member_masks(batch)
+    counts = {c: jnp.sum(m, dtype=jnp.float32) for c, m in members.items()}
+    counts["seqs/rl"] = jnp.sum(corrections.seq_first(members["rl"], batch["segment_ids"]), dtype=jnp.float32)
+    return counts
 
 
 def _kl_term(log_r: jax.Array, member: jax.Array, kl_tau: float) -> jax.Array:

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from primejax.trainer.config import (
-    ClipRangeConfig,
+    CispoConfig,
     CorrectionConfig,
+    GspoConfig,
     IcepopConfig,
     ISWeightConfig,
     RejectConfig,
@@ -51,6 +52,7 @@ def np_corr_loss(lp, lp0, b, corr_of_env, cfg: LossConfig = LOSS):
     lq, adv, w_rl, env = b["inference_logprobs"], b["advantages"], b["rl_weights"], b["env_ids"]
     n_rl = max(int((b["loss_mask"] & (w_rl != 0)).sum()), 1)
     seqs = _sequences(b)
+    n_seqs = max(sum(1 for _, idx in seqs if len(idx)), 1)
     # 1. per sequence: acceptance and raw IS weights (from lp0), per env kind
     info = []
     for row, idx in seqs:
@@ -60,7 +62,9 @@ def np_corr_loss(lp, lp0, b, corr_of_env, cfg: LossConfig = LOSS):
         acc = np.ones(len(idx), bool)
         if c is not None and c.reject.level != "none":
             d = lr0 if c.reject.divergence == "k1" else r0 - 1 - lr0
-            if c.reject.level == "sequence":
+            if c.reject.level == "sequence":  # the sum: k1 = log of the product of the ratios
+                d = np.full(len(idx), d.sum())
+            elif c.reject.level == "geometric":
                 d = np.full(len(idx), d.mean())
             acc &= (d >= c.reject.low) & (d <= c.reject.high)
         if c is not None and c.icepop.enabled:
@@ -92,16 +96,22 @@ def np_corr_loss(lp, lp0, b, corr_of_env, cfg: LossConfig = LOSS):
         lpt, lp0t, lqt, a = lp[row, idx], lp0[row, idx], lq[row, idx], adv[row, idx]
         lr = lpt - lqt
         keep = acc.copy()
-        if c.objective in ("dppo", "cispo"):
+        r0 = np.exp(lp0t - lqt)
+        if c.objective == "dppo" or (c.objective == "cispo" and c.cispo.mask == "dppo"):
             d = np.exp(lp0t) - np.exp(lqt)
             keep &= ~(((a > 0) & (d > cfg.dppo_mask_high)) | ((a <= 0) & (d < -cfg.dppo_mask_low)))
-        if c.objective == "dppo" and w is None:
+        elif c.objective == "cispo" and c.cispo.mask == "ratio":  # MiniMax-M1's M_t
+            m = c.cispo
+            keep &= ~(((a > 0) & (r0 > 1 + m.mask_eps_high)) | ((a <= 0) & (r0 < 1 - m.mask_eps_low)))
+        if c.objective == "dppo" and w is None and c.icepop.enabled:
+            pg = a * np.exp(lr)  # IcePop: kept tokens weigh r, whatever is_clip
+        elif c.objective == "dppo" and w is None:
             pg = a * np.minimum(np.exp(lr), cfg.is_clip)
         elif c.objective == "dppo":
             wt = w / norms[c] if c.is_weight.normalize else w
             pg = a * wt * np.exp(lpt - lp0t)
         elif c.objective == "cispo":
-            pg = _clip(np.exp(lp0t - lqt), max(0.0, 1 - c.cispo.eps_low), 1 + c.cispo.eps_high) * a * lpt
+            pg = _clip(r0, max(0.0, 1 - c.cispo.eps_low), 1 + c.cispo.eps_high) * a * lpt
         else:
             lo, hi = 1 - c.gspo.eps_low, 1 + c.gspo.eps_high
             if c.objective == "gspo":
@@ -109,12 +119,14 @@ def np_corr_loss(lp, lp0, b, corr_of_env, cfg: LossConfig = LOSS):
             else:
                 s = np.exp((lp0t - lqt).mean()) * np.exp(lpt - lp0t)
             pg = np.minimum(s * a, _clip(s, lo, hi) * a)
+            if c.gspo.norm == "sequence":  # GSPO: mean over the sequence's tokens, then over sequences
+                pg = pg / len(idx) * n_rl / n_seqs
         tok = -1.0 * keep * cfg.adv_tau * pg + cfg.kl_tau * lr**2
         total += np.sum(w_rl[row, idx] * tok)
     return total / n_rl
 
 
-def np_grad(lp0, b, corr_of_env, h=1e-3):
+def np_grad(lp0, b, corr_of_env, h=2e-4):
     """d loss / d lp by a 4-point central difference (O(h^4)), stop-gradient parts frozen at lp0."""
     g = np.zeros_like(lp0)
     member = b["loss_mask"] & (b["rl_weights"] != 0)
@@ -229,26 +241,34 @@ CASES = {
         is_weight=ISWeightConfig(level="geometric", cap=1.2, normalize=True)
     ),
     "mis_token_k1": CorrectionConfig(reject=RejectConfig(level="token", divergence="k1", low=-0.3, high=0.3)),
+    "mis_geometric_k3": CorrectionConfig(
+        reject=RejectConfig(level="geometric", divergence="k3", low=0.0, high=0.1)
+    ),
     "mis_sequence_k3": CorrectionConfig(
-        reject=RejectConfig(level="sequence", divergence="k3", low=0.0, high=0.1)
+        reject=RejectConfig(level="sequence", divergence="k3", low=0.0, high=0.5)
+    ),
+    # Seq-MIS (Liu, Li et al. 2025): keep a sequence iff its ratio product is in [1/2, 2], weigh it by that product
+    "seq_mis": CorrectionConfig(
+        is_weight=ISWeightConfig(level="sequence", cap=2.0),
+        reject=RejectConfig(level="sequence", divergence="k1", low=-0.693, high=0.693),
     ),
     "mis_sequence_k1_with_tis": CorrectionConfig(
         is_weight=ISWeightConfig(level="token", cap=1.5, normalize=True),
         reject=RejectConfig(level="sequence", divergence="k1", low=-0.5, high=0.5),
     ),
     "icepop": CorrectionConfig(icepop=IcepopConfig(enabled=True, low=0.8, high=1.25)),
-    "gspo": CorrectionConfig(objective="gspo", gspo=ClipRangeConfig(eps_low=0.05, eps_high=0.07)),
+    "gspo": CorrectionConfig(objective="gspo", gspo=GspoConfig(eps_low=0.05, eps_high=0.07)),
     "gspo_mis_sequence": CorrectionConfig(
         objective="gspo",
-        gspo=ClipRangeConfig(eps_low=0.05, eps_high=0.07),
+        gspo=GspoConfig(eps_low=0.05, eps_high=0.07),
         reject=RejectConfig(level="sequence", divergence="k3", low=0.0, high=0.1),
     ),
     "gspo_token_icepop": CorrectionConfig(
         objective="gspo_token",
-        gspo=ClipRangeConfig(eps_low=0.05, eps_high=0.07),
+        gspo=GspoConfig(eps_low=0.05, eps_high=0.07),
         icepop=IcepopConfig(enabled=True, low=0.8, high=1.25),
     ),
-    "cispo": CorrectionConfig(objective="cispo", cispo=ClipRangeConfig(eps_low=0.2, eps_high=0.2)),
+    "cispo": CorrectionConfig(objective="cispo", cispo=CispoConfig(eps_low=0.2, eps_high=0.2)),
     "cispo_icepop": CorrectionConfig(
         objective="cispo", icepop=IcepopConfig(enabled=True, low=0.8, high=1.25)
     ),
@@ -332,7 +352,7 @@ def test_edge_cases_empty_all_masked_zero_advantage():
 
 def test_metrics_per_env_staleness_and_histogram():
     lp, b = make_batch(4)
-    envs = [CASES["mis_sequence_k3"], CASES["tis_token"]]
+    envs = [CASES["mis_geometric_k3"], CASES["tis_token"]]
     with jax.enable_x64(True):
         _, sums, counts, table = jax_loss(lp, b, envs)
         m = {k: float(v) for k, v in finalize_metrics(sums, counts, table).items()}  # float32 metrics: 1e-6
@@ -343,7 +363,7 @@ def test_metrics_per_env_staleness_and_histogram():
     assert m["corrections/env/e1/is_weight_mean"] == pytest.approx(np.minimum(r[sel], 1.5).mean(), rel=1e-6)
     assert m["corrections/env/e1/is_weight_max"] == pytest.approx(np.minimum(r[sel], 1.5).max(), rel=1e-6)
     assert m["corrections/env/e1/tokens"] == sel.sum()
-    # env 0 (sequence MIS on k3): rejected tokens are those of sequences whose mean k3 > 0.1
+    # env 0 (geometric MIS on k3): rejected tokens are those of sequences whose mean k3 > 0.1
     sel0 = member & (b["env_ids"] == 0)
     rejected, seqs, seqs_rej = 0, 0, 0
     for row, idx in _sequences(b):
@@ -452,6 +472,27 @@ def test_each_env_gets_its_algorithm_blocks_correction():
     assert by_env["a_env"].objective == "gspo" and by_env["a_env"].is_weight.level == "none"
     assert by_env["b_env"].is_weight.level == "token"  # inherits orchestrator.algo whole
     assert table.staleness_bins == cfg.orchestrator.async_level + 2
+
+
+def test_correction_blocks_saved_before_the_papers_defaults_keep_their_behaviour():
+    """A saved block without `cispo.mask` (before cispo dropped DPPO's masks, gspo averaged per sequence and
+    reject 'sequence' became the sum) loads with the settings that reproduce it; a current one is unchanged."""
+    import json
+
+    from primejax.config import from_json, to_json, typed
+
+    cfg = _run_config()
+    cfg.orchestrator.envs.a_env.algo.correction.reject.level = "sequence"
+    cfg.orchestrator.algo.correction.reject.level = "sequence"
+    current = to_json(cfg)
+    assert typed(from_json(current)).orchestrator.envs["a_env"].algo.correction.reject.level == "sequence"
+    tree = json.loads(current)
+    blocks = [tree["orchestrator"]["algo"]["correction"], tree["orchestrator"]["envs"]["a_env"]["algo"]["correction"]]
+    for block in blocks:
+        del block["cispo"]["mask"], block["gspo"]["norm"]
+    old = typed(from_json(json.dumps(tree))).orchestrator
+    for corr in (old.algo.correction, old.envs["a_env"].algo.correction):
+        assert (corr.reject.level, corr.cispo.mask, corr.gspo.norm) == ("geometric", "dppo", "token")
 
 
 @pytest.mark.parametrize(
