@@ -15,6 +15,7 @@ primejax.models.hf_io.state_to_hf_tensors), handed over as torch views of the sa
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
@@ -152,7 +153,14 @@ class CollectiveSender:
                 )
             t_join = time.perf_counter()
             digest = wire.new_digest()
-            nbytes = wire.send(self.group, tensors, lane_metas, self.bucket_bytes, digest)
+            try:
+                nbytes = wire.send(self.group, tensors, lane_metas, self.bucket_bytes, digest, self.device)
+            except Exception as e:
+                # The round was completed with zero buckets: tell the receivers now, not at their timeout.
+                with contextlib.suppress(Exception):
+                    self.store.set(wire.lane_digest_key(round_id, self.lane),
+                                   f"{wire.ABORTED}: {type(e).__name__}: {str(e)[:200]}")
+                raise
             self.store.set(wire.lane_digest_key(round_id, self.lane), digest.hexdigest())
             self.store.wait(
                 [wire.ack_key(round_id, r) for r in range(1, 1 + self.num_receivers)],

@@ -24,9 +24,11 @@ torch is imported inside the functions: the trainer's other code paths never nee
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +115,10 @@ def client_store(host: str, port: int, secret: str, timeout_s: float) -> Any:
     return connect_store(host, port, secret, timeout_s)
 
 
+# What a sender stores in place of its digest when it could not send the round (receivers fail at once).
+ABORTED = "aborted"
+
+
 def digest_key(round_id: str) -> str:
     return f"digest/{round_id}"
 
@@ -158,7 +164,8 @@ def open_group(
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        with _nccl_errors_raise():
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         # NCCL communicators are created lazily on the first collective: warm up so the join is inside open.
         torch.cuda.set_device(device)
         warm = torch.zeros(1, device=device)
@@ -167,6 +174,27 @@ def open_group(
     else:
         raise ValueError(f"unknown transfer backend {backend!r} (gloo | nccl)")
     return TorchGroup(pg, rank, prefixed, store)
+
+
+# Read by ProcessGroupNCCL's constructor, so they apply to this group alone. Blocking wait: a collective whose
+# peer died raises in the waiting thread at the timeout. Error handling 2 (clean up only): the failed group's
+# communicators are aborted and the process lives; torch's default (3) ends the whole process, which for a vLLM
+# worker is the inference server (seen on H200s: docs/gpu.md).
+NCCL_GROUP_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+@contextlib.contextmanager
+def _nccl_errors_raise() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in NCCL_GROUP_ENV}
+    os.environ.update(NCCL_GROUP_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _as_bytes(tensor: Any) -> Any:
@@ -179,27 +207,38 @@ def send(
     metas: Sequence[TensorMeta],
     bucket_bytes: int,
     digest: Any = None,
+    device: Any = None,
 ) -> int:
     """Rank 0: broadcast `tensors` (torch, matching `metas` in order, dtype and shape) bucket by bucket,
     feeding each bucket to `digest` (a hashlib object) when given.
 
     Returns the bytes sent. Raises ValueError naming the first tensor that disagrees with its metadata (the
     receivers cut buckets from the metadata, so a mismatch would otherwise split the stream differently).
+    When producing a bucket fails (a bad tensor, a conversion error), the round is still completed with zero
+    buckets (on `device`, the group's) before the error is raised: receivers already wait in the broadcast, and
+    an NCCL receiver left waiting is torn down with its whole process when the collective times out; completed,
+    they reject the round by its digest (the caller marks it aborted) and stay up.
     """
     import torch
 
     it: Iterator[Any] = iter(tensors)
     sent = 0
-    for idx in buckets(metas, bucket_bytes):
-        parts = []
-        for i in idx:
-            t, m = next(it), metas[i]
-            if str(t.dtype).removeprefix("torch.") != m.dtype or tuple(t.shape) != m.shape:
-                raise ValueError(
-                    f"tensor {m.name}: got {t.dtype} {tuple(t.shape)}, declared {m.dtype} {m.shape}"
-                )
-            parts.append(_as_bytes(t))
-        buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+    plan = buckets(metas, bucket_bytes)
+    for b, idx in enumerate(plan):
+        try:
+            parts = []
+            for i in idx:
+                t, m = next(it), metas[i]
+                if str(t.dtype).removeprefix("torch.") != m.dtype or tuple(t.shape) != m.shape:
+                    raise ValueError(
+                        f"tensor {m.name}: got {t.dtype} {tuple(t.shape)}, declared {m.dtype} {m.shape}"
+                    )
+                parts.append(_as_bytes(t))
+            buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+        except Exception:
+            for rest in plan[b:]:
+                group.broadcast(torch.zeros(sum(metas[i].nbytes for i in rest), dtype=torch.uint8, device=device))
+            raise
         group.broadcast(buf, src=0)
         if digest is not None:
             _hash_bucket(digest, buf)
@@ -335,6 +374,9 @@ class Receiver:
             store = self.groups[0].base
             for k, h in enumerate(digests):
                 expected = bytes(store.get(lane_digest_key(update_info["round_id"], k))).decode()
+                if expected.startswith(ABORTED):
+                    raise ValueError(f"round {update_info['round_id']}: sender {k} aborted it ({expected}); "
+                                     "not acknowledged")
                 if expected != h.hexdigest():
                     raise ValueError(
                         f"round {update_info['round_id']}: the weights received from sender {k} differ from what "

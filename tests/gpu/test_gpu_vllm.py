@@ -143,3 +143,39 @@ def test_rl_steps_on_one_gpu_shared_by_trainer_and_server(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) for r in steps)
     assert steps[0]["mismatch_kl"] < 1e-2, steps[0]
+
+
+@pytest.mark.skipif(GPUS < 2, reason="NCCL cannot join two processes on one GPU: needs 2 GPUs")
+def test_nccl_sender_killed_mid_round_leaves_the_server_up_on_its_weights(gpu_server, tmp_path):
+    """SIGKILL of an NCCL sender after one bucket: the server's worker waits in the broadcast until the transfer
+    timeout, then its group raises (blocking wait, error handling 2: transfer/wire.py) instead of NCCL's default
+    of ending the process, which took the whole server down in the first 4-GPU run. The route answers an error,
+    the server stays healthy, on version 0, serving the base weights."""
+    url = gpu_server.base_url
+    model, cfg, named = _perturbed(gpu_server.model_dir, seed=23)
+    export_safetensors(model, cfg, tmp_path / "w", dtype="bfloat16", tensors=named)
+    base_digest = _digest(url)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/transfer/sender_proc.py"), str(tmp_path / "run"),
+                             str(tmp_path / "w"), "5", "--fault", "kill", "--after", "1", "--timeout", "20",
+                             "--bucket-bytes", str(1 << 20), "--nccl"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        offer = None
+        for _ in range(1200):
+            offer = latest_offer(tmp_path / "run")
+            if offer is not None or proc.poll() is not None:
+                break
+            threading.Event().wait(0.05)
+        assert offer is not None, proc.stdout.read() if proc.poll() is not None else "no offer"
+        body = {"version": 5, "init_info": {**offer.init_info, "rank_offset": 1}, "update_info": offer.update_info}
+        r = _post(url, "/transfer_weights", body, timeout=300)
+        assert r.status_code >= 400, r.text
+    finally:
+        proc.kill()
+        proc.wait()
+    live = httpx.get(url + "/liveness", timeout=30)
+    assert live.status_code == 200, live.text
+    assert live.json()["version"] == 0
+    assert _digest(url) == base_digest

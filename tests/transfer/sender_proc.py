@@ -2,6 +2,7 @@
 and, with `--fault kill|stop`, SIGKILLs or SIGSTOPs itself after `--after` bucket broadcasts (mid-transfer).
 
     python sender_proc.py RUN_DIR WEIGHT_DIR STEP [--fault kill|stop --after N] [--timeout S] [--bucket-bytes B]
+        [--nccl]                 # NCCL from GPU 0 (tests/gpu) instead of gloo from host memory
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ def main() -> int:
     ap.add_argument("--after", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--bucket-bytes", type=int, default=4096)
+    ap.add_argument("--nccl", action="store_true")
     a = ap.parse_args()
     tensors = {}
     for f in sorted(os.listdir(a.weight_dir)):
         if f.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(a.weight_dir, f)))
     named = [(n, to_torch(t)) for n, t in sorted(tensors.items())]
+    device = None
+    if a.nccl:
+        import torch
+
+        device = torch.device("cuda", 0)
+        named = [(n, t.to(device)) for n, t in named]
     if a.fault != "none":
         broadcast, calls = wire.TorchGroup.broadcast, [0]
 
@@ -44,7 +52,8 @@ def main() -> int:
 
         wire.TorchGroup.broadcast = faulty
     sender = CollectiveSender(
-        a.run_dir, secret=process_token(), timeout_s=a.timeout, bucket_bytes=a.bucket_bytes
+        a.run_dir, secret=process_token(), timeout_s=a.timeout, bucket_bytes=a.bucket_bytes,
+        backend="nccl" if a.nccl else "gloo", device=device,
     )
     ok = sender.send(a.step, named)
     print("SENT" if ok else "FAILED", flush=True)

@@ -248,3 +248,52 @@ def test_device_tensors_of_weights_sharded_over_several_local_devices(tmp_path):
                          text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_a_sender_failing_mid_round_completes_it_and_the_receiver_rejects_it_at_once(tmp_path):
+    """The sender's tensors fail after the first bucket (a conversion error): it still completes every broadcast
+    (zero buckets) and marks the round aborted, so the receiver, already inside the collective, finishes it and
+    refuses it at once, long before the transfer timeout (an NCCL receiver left waiting is torn down with its
+    process: the inference server). The sender reports failure (the filesystem fallback)."""
+    timeout_s = 60.0
+    sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=timeout_s, bucket_bytes=64)
+    named = _named()
+    metas = tensor_metas(named)
+
+    def failing():
+        yield named[0][1]
+        raise RuntimeError("conversion failed")
+
+    receiver, outcome = wire.Receiver(), {}
+
+    def serve():
+        deadline = time.monotonic() + 10
+        while (offer := latest_offer(tmp_path)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        try:
+            receiver.receive(offer.init_info, offer.update_info, 1, "cpu", lambda pairs: None, SECRET)
+        except ValueError as e:
+            outcome["error"] = str(e)
+        outcome["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=serve)
+    t.start()
+    assert sender.send_lazy(1, metas, failing()) is False
+    t.join(30)
+    assert "aborted" in outcome.get("error", "") and "conversion failed" in outcome["error"], outcome
+    assert outcome["seconds"] < timeout_s / 4, outcome
+
+
+def test_nccl_groups_are_built_to_raise_not_to_end_the_process():
+    """torch reads these in ProcessGroupNCCL's constructor: blocking wait (a dead peer raises at the timeout in the
+    waiting thread) and error handling 2 (abort the communicators, keep the process: a vLLM worker is the server).
+    They are set only while primejax's group is built and the previous values come back."""
+    import os
+
+    assert wire.NCCL_GROUP_ENV == {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    before = {k: os.environ.get(k) for k in wire.NCCL_GROUP_ENV}
+    with wire._nccl_errors_raise():
+        assert all(os.environ[k] == v for k, v in wire.NCCL_GROUP_ENV.items())
+    assert {k: os.environ.get(k) for k in wire.NCCL_GROUP_ENV} == before
