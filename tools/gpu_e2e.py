@@ -9,7 +9,7 @@ Each `--run` is `NAME|GPUS|CONFIG[|OVERRIDES]` (GPUS: the run's CUDA_VISIBLE_DEV
 processes on them). A run still going at `--budget` seconds is interrupted (SIGINT: the launcher stops its
 children and keeps what was written) and reported with the steps it finished. Writes `<out>/e2e.md` (the table),
 `<out>/e2e.json` (per-run figures) and `<out>/e2e_runs.tar.gz` (each run's metrics/, logs/, configs/ and the
-launcher's output).
+launcher's output). `--plot RUN_DIR... --png F` draws the runs' reward and mismatch-KL curves.
 """
 
 from __future__ import annotations
@@ -96,13 +96,41 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(run_dirs: list[Path], png: Path) -> None:
+    """Reward and mismatch KL per step of each run (from its metrics JSONL) side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
+    for d in run_dirs:
+        orch, trainer = _rows(d / "metrics" / "orchestrator.jsonl"), _rows(d / "metrics" / "trainer.jsonl")
+        steps = sorted(s for s in orch if isinstance(orch[s].get("reward/mean"), (int, float)))
+        ax_r.plot(steps, [orch[s]["reward/mean"] for s in steps], label=d.name)
+        kl = sorted(s for s in trainer if isinstance(trainer[s].get("mismatch_kl"), (int, float)))
+        ax_k.semilogy(kl, [max(trainer[s]["mismatch_kl"], 1e-12) for s in kl], label=d.name)
+    ax_r.set(xlabel="step", ylabel="mean reward", title="reward")
+    ax_k.set(xlabel="step", ylabel="trainer vs vLLM (k3)", title="mismatch KL")
+    ax_r.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", action="append", required=True, help="NAME|GPUS|CONFIG[|OVERRIDES]")
-    p.add_argument("--out", required=True)
+    p.add_argument("--plot", nargs="+", default=None, help="run directories: draw their curves to --png, run nothing")
+    p.add_argument("--png", default="gpu_e2e.png")
+    p.add_argument("--run", action="append", help="NAME|GPUS|CONFIG[|OVERRIDES]")
+    p.add_argument("--out", help="where the table and the archive go (with --run)")
     p.add_argument("--runs-dir", default="outputs/gpu_e2e")
     p.add_argument("--budget", type=float, default=540.0, help="seconds before still-running runs are interrupted")
     args = p.parse_args()
+    if args.plot:
+        plot([Path(d) for d in args.plot], Path(args.png))
+        return 0
+    if not args.run or not args.out:
+        p.error("--run and --out are required")
     out, runs_dir = Path(args.out), Path(args.runs_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs_dir.mkdir(parents=True, exist_ok=True)
