@@ -420,7 +420,10 @@ def launch(cfg: Config) -> int:
             supervisors.append(supervisor)
             children.insert(len(supervisors) - 1, supervisor.child)
         if trainer is None:  # a GPU shared with the server: the trainer allocates once vLLM has profiled the card
+            t_wait = time.monotonic()
             _wait_healthy(supervisors, [orchestrator])
+            print(f"primejax: inference healthy after {time.monotonic() - t_wait:.0f} s; starting the trainer on the "
+                  "shared GPU", flush=True)
             trainer = start_trainer()
             children.insert(0, trainer)
         _write_pids(root, children)
