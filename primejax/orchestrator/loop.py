@@ -139,6 +139,7 @@ class Orchestrator:
         self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
                                         self.tracker, max_concurrent=o.max_concurrent,
                                         max_prompt_tokens=o.max_prompt_tokens, routing=routing,
+                                        max_env_message_chars=o.max_env_message_chars,
                                         max_abs_reward=o.max_abs_reward, env_timeout_s=o.env_timeout_s,
                                         limiter=self.limiter)
         self.pre_filters, self.post_filters = build_slots(o.filters)
