@@ -92,14 +92,20 @@ class InferenceClient:
         vocab_size: int | None = None,
         admin_token: str | None = None,
         api_key: str | None = None,
+        api_key_var: str = "",
     ):
         """`vocab_size`: sampled token ids must lie below it (the model's embedding rows), checked per answer.
         `admin_token`: the servers' admin secret (default $PRIMEJAX_ADMIN_TOKEN), sent on admin calls only.
-        `api_key`: the servers' OpenAI API key (vLLM's --api-key), sent as a bearer token on every call."""
+        `api_key`: the servers' OpenAI API key (vLLM's --api-key), sent as a bearer token on every call;
+        `api_key_var`: the environment variable holding it (read when `api_key` is None), also handed to the clients
+        environments open themselves (`Endpoint.api_key_var`), so every client reads one source."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
         self.base_urls = [u.rstrip("/") for u in urls]
+        self.api_key_var = api_key_var
+        if api_key is None and api_key_var:
+            api_key = os.environ.get(api_key_var) or None
         self.max_retries = max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._model = model

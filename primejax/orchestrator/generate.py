@@ -341,7 +341,8 @@ class GroupGenerator:
                                 temperature=s.temperature, top_p=s.top_p,
                                 max_turns=self._max_turns(slot),
                                 seed=self._seed(step, rollout.group_id, 0, member),
-                                env_timeout_s=self.env_timeout_s)
+                                env_timeout_s=self.env_timeout_s,
+                                api_key_var=getattr(client, "api_key_var", ""))
             async with self.semaphore:
                 version = self.policy.version
                 _note_version(version)
