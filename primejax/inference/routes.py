@@ -242,7 +242,8 @@ async def update_weights(request: Request) -> JSONResponse:
         async with state.lock:
             try:
                 await run_in_threadpool(check_stable, weight_dir, state.require_stable)
-                await run_in_threadpool(check_adapter_dir, weight_dir, state.max_lora_rank)
+                await run_in_threadpool(check_adapter_dir, weight_dir, state.max_lora_rank,
+                                        getattr(state.validate, "reference", None))
             except WeightDirError as e:
                 return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"{e}; still serving version {state.version}")
             return await _serve_adapter(state, weight_dir, version)
