@@ -307,7 +307,8 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
     reuse_sft = use_sft and resume is not None
-    preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path)
+    preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path,
+              cfg.inference.max_model_len if cfg.inference.enabled else 0)
     if resume is None:
         if cfg.run.resume_step and not cfg.run.fresh:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)

@@ -120,7 +120,47 @@ def preflight_tool(key: str, model_path: str | Path, *, weights: bool, tokenizer
         raise SystemExit(2) from None
 
 
-def preflight(envs: dict[str, EnvConfig], model_path: str | Path) -> None:
-    """All checks for an RL run whose policy starts from `model_path`."""
+#: config.json keys vLLM reads a model's context length from (it takes the smallest present).
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")
+
+
+def model_context_length(path: str | Path) -> tuple[str, int] | None:
+    """(key, value) of the model's context length as vLLM derives it from config.json (its text_config for a
+    multimodal model), or None when unknown or stretched by RoPE scaling (vLLM then derives a longer one)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+        config = {**config, **config["text_config"]}
+    if not isinstance(config, dict):
+        return None
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")
+    if isinstance(scaling, dict) and scaling.get("factor") not in (None, 1, 1.0):
+        return None
+    found = [(k, v) for k in _LENGTH_KEYS if isinstance(v := config.get(k), int) and not isinstance(v, bool) and v > 0]
+    return min(found, key=lambda kv: kv[1]) if found else None
+
+
+def check_context_length(path: str | Path, max_model_len: int) -> None:
+    """inference.max_model_len within the model's context length: one line naming both numbers and the key, not
+    vLLM's validation traceback when the server starts."""
+    known = model_context_length(path)
+    if known is not None and max_model_len > known[1]:
+        key, length = known
+        raise PreflightError(
+            "inference.max_model_len",
+            f"{max_model_len} is longer than the model's {key} {length} ({Path(path) / 'config.json'}): set "
+            f"--config.inference.max_model_len={length} or less (and orchestrator.seq_len, max_prompt_tokens + "
+            "sampling.max_tokens within it)",
+        )
+
+
+def preflight(envs: dict[str, EnvConfig], model_path: str | Path, max_model_len: int = 0) -> None:
+    """All checks for an RL run whose policy starts from `model_path` (`max_model_len`: the server's; 0 = not
+    checked)."""
     check_model_dir(model_path)
+    if max_model_len:
+        check_context_length(model_path, max_model_len)
     check_env_ids(envs)
