@@ -96,11 +96,13 @@ def _progress_line(step: int, max_steps: int, trainer: dict, orch: dict, started
                 return format(row[key], spec)
         return "-"
 
+    # an empty batch (every advantage zero, or every rollout errored) trains nothing: a loss of 0 would say it did
+    trained = (" | empty batch: nothing trained" if trainer.get("batch/num_samples") == 0 else
+               f" | loss {fmt(trainer, 'loss')} | mismatch_kl {fmt(trainer, 'mismatch_kl', spec='.2e')}")
     return (
         f"[{bar}] step {step}/{max_steps}"
         f" | reward {fmt(orch, 'reward/mean')}"
-        f" | loss {fmt(trainer, 'loss')}"
-        f" | mismatch_kl {fmt(trainer, 'mismatch_kl', spec='.2e')}"
+        f"{trained}"
         f" | tok/s {fmt(trainer, 'perf/tokens_per_s', spec='.0f')}"
         f" | wait: trainer {fmt(trainer, 'perf/wait_s', spec='.1f')}s"
         f" orch {fmt(orch, 'time/wait_for_weights', spec='.1f')}s"
