@@ -25,7 +25,7 @@ def check_model_dir(
     """An HF model directory: config.json, safetensors weights, a tokenizer with a chat template."""
     path = Path(path)
     if not path.is_dir():
-        raise PreflightError(key, f"{str(path)!r} is not a directory")
+        raise PreflightError(key, f"{str(path)!r} is not a directory{_hub_hint(path)}")
     if not (path / "config.json").is_file():
         raise PreflightError(key, f"{str(path)!r} has no config.json (not an HF model directory)")
     try:
@@ -52,6 +52,32 @@ def check_model_dir(
             f"the tokenizer in {str(path)!r} has no chat template "
             "(chat_template.jinja or tokenizer_config.json's chat_template)",
         )
+
+
+def _hub_hint(path: Path) -> str:
+    """For a missing `org/name` path (a Hugging Face hub id, as in the README's config example): how to get it."""
+    parts = str(path).split("/")
+    if path.exists() or len(parts) != 2 or not all(parts) or str(path).startswith((".", "~")):
+        return ""
+    local = f"models/{parts[1]}"
+    return (f"; if it is a Hugging Face hub id, download it first (runs read a local directory only): "
+            f"`hf download {path} --local-dir {local}` (or `huggingface-cli download ...`), then set "
+            f"model.path={local}")
+
+
+def dry_run_model_problem(cfg: object) -> str | None:
+    """What the launcher would refuse about `model.path` (None = nothing), for `--dry_run`: skipped when the
+    launcher builds the tiny model there first (`model.build_tiny`)."""
+    model, inference = cfg.model, cfg.inference  # type: ignore[attr-defined]
+    if model.build_tiny.enabled and not (Path(model.path) / "config.json").exists():
+        return None
+    try:
+        check_model_dir(model.path)
+        if inference.enabled:
+            check_context_length(model.path, inference.max_model_len)
+    except PreflightError as e:
+        return str(e)
+    return None
 
 
 def _has_chat_template(path: Path) -> bool:
