@@ -56,7 +56,13 @@ def check_envs(cfg: Any, report: Callable[[bool, str], None] | None = None) -> l
     o = cfg.orchestrator
     lines: dict[str, tuple[bool, str]] = {}
     prompts: dict[str, tuple[str, list[Message], list[dict[str, Any]] | None]] = {}
+    from primejax.launcher.preflight import env_id_problem
+
     for name, entry in o.envs.items():  # load and open every env first: its failures need no tokenizer
+        problem = env_id_problem(entry.id)  # the launcher's own line for an id that resolves to nothing
+        if problem:
+            done(name, False, f"orchestrator.envs.{name}.id: {problem}")
+            continue
         try:
             env = load_env(entry.id, dict(entry.args))
         except Exception as e:  # noqa: BLE001 - every env problem is one line, the check goes on

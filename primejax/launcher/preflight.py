@@ -6,8 +6,10 @@ a child's traceback a minute later (and a run directory half-overwritten by a st
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -89,27 +91,44 @@ def _has_chat_template(path: Path) -> bool:
         return False
 
 
-def check_env_ids(envs: dict[str, EnvConfig]) -> None:
-    """Every `orchestrator.envs` id resolves to something importable (without loading any dataset)."""
+def env_id_problem(env_id: str) -> str | None:
+    """Why `env_id` resolves to nothing importable (None: it does), without loading any dataset; the same line
+    for the launcher and `--dry_run`, with a close builtin or taskset name when there is one."""
     from primejax.envs.registry import registered_envs
 
     builtins = set(registered_envs())
+    if env_id in builtins:
+        return None
+    if ":" in env_id or "." in env_id:
+        candidates = [env_id.partition(":")[0]]
+    else:  # a verifiers taskset: an installed package, or one that ships with verifiers
+        module = env_id.replace("-", "_")
+        candidates = [module, f"verifiers.v1.tasksets.{module}"]
+    if any(_importable(m) for m in candidates):
+        return None
+    close = difflib.get_close_matches(env_id, sorted(builtins | _shipped_tasksets()), n=1, cutoff=0.7)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (f"{env_id!r} is neither a builtin ({', '.join(sorted(builtins))}) nor an importable module "
+            f"({candidates[0]!r} not found){hint}")
+
+
+def _shipped_tasksets() -> set[str]:
+    """The taskset ids that ship with verifiers (its v1.tasksets package), found without importing them."""
+    try:
+        spec = importlib.util.find_spec("verifiers.v1.tasksets")
+    except (ImportError, ValueError):
+        return set()
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    return {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations) if not m.name.startswith("_")}
+
+
+def check_env_ids(envs: dict[str, EnvConfig]) -> None:
+    """Every `orchestrator.envs` id resolves to something importable (without loading any dataset)."""
     for name, entry in envs.items():
-        env_id = entry.id
-        if env_id in builtins:
-            continue
-        if ":" in env_id or "." in env_id:
-            candidates = [env_id.partition(":")[0]]
-        else:  # a verifiers taskset: an installed package, or one that ships with verifiers
-            module = env_id.replace("-", "_")
-            candidates = [module, f"verifiers.v1.tasksets.{module}"]
-        if not any(_importable(m) for m in candidates):
-            module = candidates[0]
-            raise PreflightError(
-                f"orchestrator.envs.{name}.id",
-                f"{env_id!r} is neither a builtin ({', '.join(sorted(builtins))}) nor an importable "
-                f"module ({module!r} not found)",
-            )
+        problem = env_id_problem(entry.id)
+        if problem:
+            raise PreflightError(f"orchestrator.envs.{name}.id", problem)
 
 
 def _importable(module: str) -> bool:
