@@ -38,8 +38,11 @@ async def first_prompt(env: Environment) -> tuple[list[Message], list[dict[str, 
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    """The error's first line that says something: NLTK's LookupError, e.g., opens with a banner of asterisks
+    before `Resource 'averaged_perceptron_tagger_eng' not found.`"""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    said = next((ln for ln in lines if any(c.isalnum() for c in ln)), "")
+    return f"{type(e).__name__}: {said}"
 
 
 def check_envs(cfg: Any, report: Callable[[bool, str], None] | None = None) -> list[tuple[bool, str]]:
