@@ -341,6 +341,9 @@ def launch(cfg: Config) -> int:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, on_signal)
+    # also when started in the background (`nohup ... &`), where the shell leaves SIGINT ignored
+    previous_int = signal.signal(signal.SIGINT, on_signal)
+    interrupted = False
     lock = RunLock(root)
     try:
         # Before anything is moved or started: no other live run in this directory, a port the server can have.
@@ -397,12 +400,15 @@ def launch(cfg: Config) -> int:
         print(f"primejax: {done}", flush=True)
         return 0
     except KeyboardInterrupt as err:
-        print(f"\nprimejax: interrupted ({err or 'SIGINT'}); stopping all processes.", file=sys.stderr)
-        print(f"primejax: {resume_hint(root)}", file=sys.stderr, flush=True)
+        print(f"\nprimejax: interrupted ({str(err) or 'SIGINT'}); stopping all processes.", file=sys.stderr)
+        interrupted = True
         return 130
     finally:
         for supervisor in supervisors:
             supervisor.liveness.stop()
         stop_all(children)
+        if interrupted:  # after the children stopped: the trainer finishes an in-flight checkpoint on SIGTERM
+            print(f"primejax: {resume_hint(root, cfg.run.max_steps)}", file=sys.stderr, flush=True)
         lock.release()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)

@@ -150,3 +150,29 @@ def test_trainer_rejects_batch_with_mismatched_lengths(tiny_model_dir, tmp_path)
     assert last.startswith("error: trainer: BatchFormatError: ") and "rank_0.npz: field 'loss_mask': shape" in last
     assert not (root / "metrics" / "trainer.jsonl").exists() or not (root / "metrics" / "trainer.jsonl").read_text()
     assert not (root / "broadcasts").exists() and not (root / "checkpoints").exists()
+
+
+def test_a_background_launcher_stops_on_sigint_and_says_how_to_go_on(tiny_model_dir, tmp_path):
+    """Issue 48: a launcher started in the background (`nohup ... &`: the shell leaves SIGINT ignored) ignored
+    SIGINT entirely, and Ctrl-C printed `interrupted ()`. Here the launcher starts with SIGINT ignored, as
+    from such a shell; a SIGINT once its children run stops them all, names the signal and gives the hint."""
+    config = write_config(tmp_path, "bg", tiny_model_dir, base_url="http://127.0.0.1:9")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "primejax.train", "--config", str(config)], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:  # the launcher says when its children run
+            if "started (logs in" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "primejax: interrupted (SIGINT); stopping all processes." in err, err
+    assert "no checkpoint was written yet: rerunning the same command starts over" in err, err
+    assert_no_survivors(run_dir_of(config))
