@@ -133,6 +133,18 @@ def test_max_segments_is_computed_not_trusted(tmp_path):
     assert read_batch(bad).meta["max_segments"] == 2
 
 
+@pytest.mark.parametrize("field", ["inference_logprobs", "ref_logprobs"])
+def test_a_positive_log_probability_is_refused(tmp_path, field):
+    """Issue 48: a batch whose inference_logprobs were positive (not a log-probability) was trained on."""
+    def poison(arrays):
+        arrays[field] = arrays[field].copy()
+        arrays[field][0, 1] = 5.0
+
+    bad = _rewrite(_good(tmp_path), tmp_path / "bad.npz", arrays_fn=poison)
+    with pytest.raises(BatchFormatError, match=rf"{field}.*a log-probability above 0 \(max 5\)"):
+        read_batch(bad)
+
+
 def test_the_writer_runs_the_readers_value_checks(tmp_path):
     samples = [
         TrainingSample([1, 2, 3], [False, True, True], [0.0, -0.1, float("nan")], advantages=[1.0] * 3)
