@@ -142,6 +142,23 @@ def test_a_load_that_cannot_restore_marks_the_server_unhealthy(base_dir, tmp_pat
     assert client.get("/weights_version").json()["version"] == -1
 
 
+def test_unauthenticated_gets_do_not_reveal_absolute_paths(base_dir, tmp_path):
+    """Issue 48: GET /weights_version and /liveness (open to anyone) named the served directory's absolute path,
+    and an unhealthy server's reason (which names paths). The secret's holders still see both."""
+    run = tmp_path / "run"
+    one, two = _broadcast(base_dir, run, 1), _broadcast(base_dir, run, 2)
+    engine = FakeEngine()
+    client, _ = _client(base_dir, engine)
+    assert client.post("/update_weights", json={"weight_dir": str(one)}, headers=AUTH).status_code == 200
+    for route in ("/weights_version", "/liveness"):
+        assert client.get(route).json()["weight_dir"] == "step_1", route
+        assert client.get(route, headers=AUTH).json()["weight_dir"] == str(one), route
+    engine.fail = ("step_1", "step_2")
+    client.post("/update_weights", json={"weight_dir": str(two)}, headers=AUTH)
+    anyone, admin = client.get("/liveness"), client.get("/liveness", headers=AUTH)
+    assert anyone.status_code == admin.status_code == 503
+    assert str(tmp_path) not in anyone.text and str(tmp_path) in admin.text
+
 def test_client_sends_absolute_paths_and_the_secret_on_admin_calls_only(tmp_path, monkeypatch):
     seen = []
 
