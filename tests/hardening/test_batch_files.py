@@ -82,6 +82,18 @@ def test_malformed_manifest_names_file_and_field(tmp_path, manifest_fn, field):
     assert str(bad) in str(err.value) and field in str(err.value), err.value
 
 
+def test_a_manifest_nested_too_deeply_is_a_format_error(tmp_path):
+    """Issue 48: json's RecursionError escaped read_batch, and the trainer ended in a traceback."""
+    good = _good(tmp_path)
+    with np.load(good) as data:
+        arrays = {k: data[k] for k in data.files if k != MANIFEST_KEY}
+    buf = io.BytesIO()
+    np.savez(buf, **arrays, **{MANIFEST_KEY: np.frombuffer(b"[" * 100_000, np.uint8)})
+    bad = tmp_path / "deep.npz"
+    bad.write_bytes(buf.getvalue())
+    with pytest.raises(BatchFormatError, match="nested too deeply"):
+        read_batch(bad)
+
 def test_zero_rows_is_a_format_error(tmp_path):
     def empty(arrays):
         for k in arrays:
