@@ -39,11 +39,15 @@ def main() -> int:
         except PreflightError as e:
             print(f"# resolved config not recorded: {e}", file=sys.stderr)
         from primejax.envs.check import check_envs  # deferred: loading envs may import verifiers
+        from primejax.launcher.preflight import dry_run_model_problem
 
         def report(ok: bool, line: str) -> None:  # each env's line as soon as it is known
             print(("# " if ok else "error: ") + line, file=sys.stderr, flush=True)
 
-        return 0 if all(ok for ok, _ in check_envs(cfg, report)) else 1
+        model_problem = dry_run_model_problem(cfg)  # what the run would refuse, said now
+        if model_problem:
+            report(False, model_problem)
+        return 0 if all(ok for ok, _ in check_envs(cfg, report)) and not model_problem else 1
     from primejax.launcher.launch import launch  # deferred: the launcher imports process machinery
 
     return launch(cfg)

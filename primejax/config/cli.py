@@ -47,6 +47,8 @@ def load_config_file(path: str | Path) -> ConfigDict:
             raise UsageError(f"--config: {path}: {e}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--config: {path}: not readable as a JSON config ({e})") from None
+        except RecursionError:  # json's decoder recurses per nesting level: hostile input, not a config
+            raise UsageError(f"--config: {path}: nests too deeply to be a primejax config") from None
     spec = importlib.util.spec_from_file_location(f"primejax_config_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise UsageError(f"--config: cannot import {path}")

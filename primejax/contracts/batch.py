@@ -449,6 +449,8 @@ def read_batch(
             manifest = json.loads(_load(data, path, MANIFEST_KEY).tobytes().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise BatchFormatError(path, MANIFEST_KEY, f"not valid JSON ({e})") from None
+        except RecursionError:  # json's decoder recurses per nesting level
+            raise BatchFormatError(path, MANIFEST_KEY, "nested too deeply to be a manifest") from None
         if not isinstance(manifest, dict):
             raise BatchFormatError(
                 path, MANIFEST_KEY, f"must be a JSON object, got {type(manifest).__name__}"

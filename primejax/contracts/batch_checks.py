@@ -14,6 +14,9 @@ from typing import Any
 
 import numpy as np
 
+#: How far above 0 a stored log-probability may round (fp32 log_softmax of a near-certain token).
+LOGPROB_SLACK = 1e-3
+
 
 class BatchFormatError(ValueError):
     """A batch file or sample that violates the contract. Names the file (if any) and the field."""
@@ -170,6 +173,10 @@ def check_values(path: Path | None, b: Any, vocab_size: int | None, num_experts:
     for name in ("inference_logprobs", "advantages", "ref_logprobs", *WEIGHT_STREAMS):
         if not np.isfinite(getattr(b, name)).all():
             raise BatchFormatError(path, name, "non-finite value")
+    # log-probabilities are <= 0; the slack absorbs a log_softmax rounding of probability 1 to a hair above 0
+    for name in ("inference_logprobs", "ref_logprobs"):
+        if (getattr(b, name) > LOGPROB_SLACK).any():
+            raise BatchFormatError(path, name, f"a log-probability above 0 (max {getattr(b, name).max():g})")
     if not (b.temperatures[real] > 0).all() or not np.isfinite(b.temperatures[real]).all():
         raise BatchFormatError(path, "temperatures", "must be finite and > 0 on every real token")
     envs = b.meta.get("envs") or []

@@ -96,11 +96,16 @@ def is_stable(directory: str | Path) -> bool:
 def read_manifest(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / STABLE
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise BroadcastError(f"{directory}: no {STABLE} marker (incomplete broadcast)") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BroadcastError(f"{path}: unreadable manifest ({e})") from None
+    except RecursionError:
+        raise BroadcastError(f"{path}: unreadable manifest (nested too deeply)") from None
+    if not isinstance(manifest, dict):
+        raise BroadcastError(f"{path}: the manifest is not a JSON object")
+    return manifest
 
 
 def verify_broadcast(directory: str | Path, check_hashes: bool = True) -> dict[str, Any]:
@@ -122,6 +127,12 @@ def verify_broadcast(directory: str | Path, check_hashes: bool = True) -> dict[s
         hashed = manifest.get("hashed", True) is not False
         if not isinstance(entry, dict) or (check_hashes and hashed and not isinstance(entry.get("sha256"), str)):
             raise BroadcastError(f"{directory}: the {STABLE} manifest entry of {name} has no sha256")
+        size = entry.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise BroadcastError(f"{directory}: the {STABLE} manifest entry of {name} has no size in bytes")
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts:  # it vouches for files of this directory only
+            raise BroadcastError(f"{directory}: the {STABLE} manifest names {name!r}, outside its directory")
         p = directory / name
         if not p.is_file():
             raise BroadcastError(f"{directory}: missing file {name}")

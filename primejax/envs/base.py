@@ -58,6 +58,8 @@ class Endpoint:
     seed: int | None = None
     # orchestrator.env_timeout_s: bounds the env's own stages (task setup, scoring, finalize), not model calls
     env_timeout_s: float | None = None
+    # the environment variable holding the server's API key (orchestrator.client.api_key_env); '' = none
+    api_key_var: str = ""
 
 
 @dataclass

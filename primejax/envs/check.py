@@ -38,8 +38,11 @@ async def first_prompt(env: Environment) -> tuple[list[Message], list[dict[str, 
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    """The error's first line that says something: NLTK's LookupError, e.g., opens with a banner of asterisks
+    before `Resource 'averaged_perceptron_tagger_eng' not found.`"""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    said = next((ln for ln in lines if any(c.isalnum() for c in ln)), "")
+    return f"{type(e).__name__}: {said}"
 
 
 def check_envs(cfg: Any, report: Callable[[bool, str], None] | None = None) -> list[tuple[bool, str]]:
@@ -56,7 +59,13 @@ def check_envs(cfg: Any, report: Callable[[bool, str], None] | None = None) -> l
     o = cfg.orchestrator
     lines: dict[str, tuple[bool, str]] = {}
     prompts: dict[str, tuple[str, list[Message], list[dict[str, Any]] | None]] = {}
+    from primejax.launcher.preflight import env_id_problem
+
     for name, entry in o.envs.items():  # load and open every env first: its failures need no tokenizer
+        problem = env_id_problem(entry.id)  # the launcher's own line for an id that resolves to nothing
+        if problem:
+            done(name, False, f"orchestrator.envs.{name}.id: {problem}")
+            continue
         try:
             env = load_env(entry.id, dict(entry.args))
         except Exception as e:  # noqa: BLE001 - every env problem is one line, the check goes on

@@ -160,6 +160,9 @@ async def _main(out: Any) -> int:
         except json.JSONDecodeError as e:
             print(f"env worker {os.getpid()}: a line that is not JSON ignored ({e})", file=sys.stderr)
             continue
+        if not isinstance(msg, dict):
+            print(f"env worker {os.getpid()}: a line that is not a JSON object ignored", file=sys.stderr)
+            continue
         worker.handle(msg)
     return 0
 

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 DRIVERS = ("auto", "in_process", "verifiers")
 #: verifiers' own harness for a plain chat loop with MCP tools (its default, `bash`, is a coding agent).
 DEFAULT_HARNESS = "null"
+#: The variable verifiers reads the API key from when the run sets none (unset: it sends no real key).
+NO_API_KEY_VAR = "PRIMEJAX_NO_API_KEY"
 #: The stages of a verifiers rollout that run the env's code and no model call: bounded by env_timeout_s.
 ENV_STAGES = ("setup", "finalize", "scoring")
 
@@ -298,7 +300,7 @@ class VerifiersLoopEnv(VerifiersEnv):
         self, example: Example, state: dict[str, Any], endpoint: Endpoint
     ) -> SampledRollout:
         vf = _vf()
-        from verifiers.v1.clients import ModelContext, TrainClientConfig
+        from verifiers.v1.clients import ModelContext
 
         # max_turns: already this env's cap and the orchestrator's, >= 1
         env = self._build(endpoint.max_turns, endpoint.env_timeout_s)
@@ -310,18 +312,23 @@ class VerifiersLoopEnv(VerifiersEnv):
         }
         if endpoint.seed is not None:
             sampling["seed"] = endpoint.seed
-        ctx = ModelContext(
-            model=endpoint.model,
-            client=TrainClientConfig(
-                base_url=endpoint.base_url.rstrip("/") + "/v1",
-                api_key_var="PRIMEJAX_INFERENCE_API_KEY",
-                renderer=renderer_config(endpoint.renderer),
-                renderer_model_name=endpoint.model,
-            ),
-            sampling=vf.Sampling(**sampling),
-        )
+        ctx = ModelContext(model=endpoint.model, client=train_client(endpoint), sampling=vf.Sampling(**sampling))
         episode = await env.run_episode(self.tasks[example.info["index"]], ctx)
         return episode_to_rollout(episode, getattr(self, "policy_agents", []), state)
+
+
+def train_client(endpoint: Endpoint) -> Any:
+    """verifiers' client config for the orchestrator's server: its API key comes from the orchestrator's own
+    client's variable (orchestrator.client.api_key_env), never PRIME_API_KEY, which verifiers would fill from the
+    Prime CLI's config."""
+    from verifiers.v1.clients import TrainClientConfig
+
+    return TrainClientConfig(
+        base_url=endpoint.base_url.rstrip("/") + "/v1",
+        api_key_var=endpoint.api_key_var or NO_API_KEY_VAR,
+        renderer=renderer_config(endpoint.renderer),
+        renderer_model_name=endpoint.model,
+    )
 
 
 def episode_to_rollout(episode: Any, policy_agents: list[str], state: dict[str, Any]) -> SampledRollout:

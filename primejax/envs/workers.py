@@ -72,6 +72,7 @@ class WorkerPool:
         self.name = name or env_id
         self.procs: list[_Proc] = []
         self.replaced = 0  # workers found hung or dead and replaced (since start)
+        self.bad_lines = 0  # lines from workers that were not JSON objects (skipped)
         self._numbers = itertools.count()
         self._ids = itertools.count()
         self._started: asyncio.Task | None = None
@@ -116,30 +117,49 @@ class WorkerPool:
         return p
 
     async def _read(self, p: _Proc) -> None:
-        stdout = p.proc.stdout
-        while line := await stdout.readline():
-            p.last_answer = time.monotonic()
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                log.warning(
-                    "env worker %d (pid %d): a line that is not JSON ignored: %.200r", p.number, p.pid, line
-                )
-                continue
-            if "pong" in msg:
-                continue
-            queue = p.calls.get(msg.get("id"))
-            if queue is not None:
-                queue.put_nowait(msg)
-        rc = await p.proc.wait()
+        """Route the worker's answers to their calls. A line that is not a JSON object is skipped and counted
+        (`bad_lines`); should reading fail anyway, the worker is replaced so no call waits on a dead reader."""
+        try:
+            stdout = p.proc.stdout
+            while line := await stdout.readline():
+                p.last_answer = time.monotonic()
+                try:
+                    msg = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                    msg = None
+                if not isinstance(msg, dict):
+                    self.bad_lines += 1
+                    log.warning("env worker %d (pid %d): a line that is not a JSON object ignored: %.200r",
+                                p.number, p.pid, line)  # fmt: skip
+                    continue
+                if "pong" in msg:
+                    continue
+                queue = p.calls.get(msg.get("id"))
+                if queue is not None:
+                    queue.put_nowait(msg)
+            rc = await p.proc.wait()
+        except Exception as e:  # noqa: BLE001 - a reader that died must not leave its calls waiting
+            self._retire(p, f"env worker {p.number} (pid {p.pid}): reading its answers failed "
+                            f"({type(e).__name__}: {e}); killed and replaced")  # fmt: skip
+            return
         self._retire(p, p.dead or f"env worker {p.number} (pid {p.pid}) exited with code {rc}")
 
     async def _ping(self, p: _Proc) -> None:
-        """Liveness: a worker whose loop has answered nothing (not even a ping) for env_timeout_s is hung."""
+        """Liveness: a worker whose loop has answered nothing (not even a ping) for env_timeout_s is hung.
+
+        Only time this loop was awake to read counts as the worker's silence: while the orchestrator's own loop
+        stalls (a long render, a collection), the worker's answers wait unread in the pipe, and the first look
+        after the stall would otherwise blame the worker. So each look adds at most two intervals."""
         interval = min(1.0, self.env_timeout_s / 4)
+        silent, seen, looked = 0.0, p.last_answer, time.monotonic()
         while p.dead is None:
             await asyncio.sleep(interval)
-            silent = time.monotonic() - p.last_answer
+            now = time.monotonic()
+            if p.last_answer != seen:
+                silent, seen = 0.0, p.last_answer
+            else:
+                silent += min(now - looked, 2 * interval)
+            looked = now
             if silent > self.env_timeout_s:
                 self._retire(p, f"env worker {p.number} (pid {p.pid}) hung: no answer for {silent:.1f} s "
                                 "(orchestrator.env_timeout_s); killed and replaced")  # fmt: skip
@@ -173,8 +193,13 @@ class WorkerPool:
         except Exception as e:  # noqa: BLE001 - logged; the pool goes on with the workers it has
             log.error("env worker for %r could not be replaced: %s", self.name, e)
             return
-        if self._closed:
-            p.proc.kill()
+        if self._closed:  # closed while it started: stop it and its reader and pinger too
+            p.dead = "closed"
+            for task in (p.reader, p.pinger):
+                task.cancel()
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.kill()
+            await p.proc.wait()
             return
         self.procs.append(p)
         self._ready.set()

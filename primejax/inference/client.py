@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from primejax.inference.process import InferenceServerProcess
 
 logger = logging.getLogger("primejax.inference.client")
+#: The longest /metrics page read (vLLM's is tens of kB; each LoRA adapter and histogram adds some).
+MAX_METRICS_BYTES = 4 << 20
 
 
 #: The server each client sends the current rollout's turns to (empty until a client's first request picks one);
@@ -92,14 +94,20 @@ class InferenceClient:
         vocab_size: int | None = None,
         admin_token: str | None = None,
         api_key: str | None = None,
+        api_key_var: str = "",
     ):
         """`vocab_size`: sampled token ids must lie below it (the model's embedding rows), checked per answer.
         `admin_token`: the servers' admin secret (default $PRIMEJAX_ADMIN_TOKEN), sent on admin calls only.
-        `api_key`: the servers' OpenAI API key (vLLM's --api-key), sent as a bearer token on every call."""
+        `api_key`: the servers' OpenAI API key (vLLM's --api-key), sent as a bearer token on every call;
+        `api_key_var`: the environment variable holding it (read when `api_key` is None), also handed to the clients
+        environments open themselves (`Endpoint.api_key_var`), so every client reads one source."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
         self.base_urls = [u.rstrip("/") for u in urls]
+        self.api_key_var = api_key_var
+        if api_key is None and api_key_var:
+            api_key = os.environ.get(api_key_var) or None
         self.max_retries = max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._model = model
@@ -359,14 +367,31 @@ class InferenceClient:
             scores.append(None if entry is None else float(entry[str(tok)]["logprob"]))
         return scores
 
-    async def metrics_text(self) -> list[str | None]:
-        """Each server's Prometheus `/metrics` page (None for one that did not answer), for load-based control."""
-        async def one(url: str) -> str | None:
+    async def metrics_text(self) -> list[bytes | None]:
+        """Each server's Prometheus `/metrics` page, undecoded, for load-based control: None for one that did not
+        answer, is not the run's server (the same identity check as every request), or whose page is longer than
+        `MAX_METRICS_BYTES` (read no further: a 100 MB page cost 86 s and 717 MB on the event loop). The caller
+        decodes and parses off the loop (`primejax.orchestrator.concurrency.parse_pages`)."""
+        async def one(url: str) -> bytes | None:
             try:
-                r = await self._http.get(url + "/metrics", timeout=5.0)
-            except (httpx.TransportError, httpx.TimeoutException):
+                await self._ensure_identity(url)
+                async with self._http.stream("GET", url + "/metrics", timeout=5.0) as r:
+                    if r.status_code != 200:
+                        return None
+                    chunks, size = [], 0
+                    async for chunk in r.aiter_bytes():
+                        size += len(chunk)
+                        if size > MAX_METRICS_BYTES:
+                            logger.warning("%s/metrics: longer than %d bytes; not read", url, MAX_METRICS_BYTES)
+                            return None
+                        chunks.append(chunk)
+                    return b"".join(chunks)
+            except ServerIdentityError as e:
+                logger.warning("%s/metrics: not read: %s", url, e)
                 return None
-            return r.text if r.status_code == 200 else None
+            except (httpx.TransportError, httpx.TimeoutException):
+                self._verified.discard(url)
+                return None
 
         return list(await asyncio.gather(*(one(u) for u in self.base_urls)))
 

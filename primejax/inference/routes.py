@@ -36,7 +36,7 @@ from primejax.inference.adapter_transfer import (
     receive_adapter,
 )
 from primejax.inference.adapters import AdapterSet, adapter_name, check_adapter_dir, is_adapter_dir
-from primejax.inference.admin_auth import confine
+from primejax.inference.admin_auth import HEADER, authorized, confine
 from primejax.inference.weights import WeightDirError, check_stable, version_from_dir
 
 logger = logging.getLogger("primejax.inference")
@@ -244,7 +244,8 @@ async def update_weights(request: Request) -> JSONResponse:
         async with state.lock:
             try:
                 await run_in_threadpool(check_stable, weight_dir, state.require_stable)
-                await run_in_threadpool(check_adapter_dir, weight_dir, state.max_lora_rank)
+                await run_in_threadpool(check_adapter_dir, weight_dir, state.max_lora_rank,
+                                        getattr(state.validate, "reference", None))
             except WeightDirError as e:
                 return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"{e}; still serving version {state.version}")
             return await _serve_adapter(state, weight_dir, version)
@@ -266,9 +267,19 @@ async def reload_weights(request: Request) -> JSONResponse:
         return await _swap(state, state.base_dir, BASE_VERSION)
 
 
+def _described(request: Request) -> dict[str, Any]:
+    """`describe()` for a GET, which anyone may make: the served directory's absolute path (and a failure's
+    details, which name paths) only for holders of the admin secret; others see its last component."""
+    state = _state(request)
+    described = state.describe()
+    if not authorized(state.admin_token, request.headers.get(HEADER)):
+        described["weight_dir"] = Path(described["weight_dir"]).name if described["weight_dir"] else ""
+    return described
+
+
 @router.get("/weights_version")
 async def weights_version(request: Request) -> JSONResponse:
-    return JSONResponse(_state(request).describe())
+    return JSONResponse(_described(request))
 
 
 @router.post("/weights_digest")
@@ -314,13 +325,15 @@ async def prove_identity(request: Request, nonce: str = "") -> JSONResponse:
 
 @router.get("/liveness")
 async def liveness(request: Request) -> JSONResponse:
-    if _state(request).unhealthy:
-        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"unhealthy: {_state(request).unhealthy}")
+    state = _state(request)
+    admin = authorized(state.admin_token, request.headers.get(HEADER))
+    if state.unhealthy:
+        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"unhealthy: {state.unhealthy if admin else '(details: admin)'}")
     try:
-        await _state(request).engine.check_health()
+        await state.engine.check_health()
     except Exception as e:
-        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"engine unhealthy: {e}")
-    return JSONResponse({"status": "ok", **_state(request).describe()})
+        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"engine unhealthy: {e if admin else '(details: admin)'}")
+    return JSONResponse({"status": "ok", **_described(request)})
 
 
 # Margin over the transfer's own (gloo/NCCL) timeout before the route stops waiting for the engine.

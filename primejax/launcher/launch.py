@@ -136,11 +136,13 @@ def _progress_line(step: int, max_steps: int, trainer: dict, orch: dict, started
                 return format(row[key], spec)
         return "-"
 
+    # an empty batch (every advantage zero, or every rollout errored) trains nothing: a loss of 0 would say it did
+    trained = (" | empty batch: nothing trained" if trainer.get("batch/num_samples") == 0 else
+               f" | loss {fmt(trainer, 'loss')} | mismatch_kl {fmt(trainer, 'mismatch_kl', spec='.2e')}")
     return (
         f"[{bar}] step {step}/{max_steps}"
         f" | reward {fmt(orch, 'reward/mean')}"
-        f" | loss {fmt(trainer, 'loss')}"
-        f" | mismatch_kl {fmt(trainer, 'mismatch_kl', spec='.2e')}"
+        f"{trained}"
         f" | tok/s {fmt(trainer, 'perf/tokens_per_s', spec='.0f')}"
         f" | wait: trainer {fmt(trainer, 'perf/wait_s', spec='.1f')}s"
         f" orch {fmt(orch, 'time/wait_for_weights', spec='.1f')}s"
@@ -347,7 +349,8 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
     reuse_sft = use_sft and resume is not None
-    preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path)
+    preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path,
+              cfg.inference.max_model_len if cfg.inference.enabled else 0)
     if resume is None:
         if cfg.run.resume_step and not cfg.run.fresh:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
@@ -378,6 +381,9 @@ def launch(cfg: Config) -> int:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, on_signal)
+    # also when started in the background (`nohup ... &`), where the shell leaves SIGINT ignored
+    previous_int = signal.signal(signal.SIGINT, on_signal)
+    interrupted = False
     lock = RunLock(root)
     try:
         # Before anything is moved or started: no other live run in this directory, a port the server can have.
@@ -447,12 +453,15 @@ def launch(cfg: Config) -> int:
         print(f"primejax: {done}", flush=True)
         return 0
     except KeyboardInterrupt as err:
-        print(f"\nprimejax: interrupted ({err or 'SIGINT'}); stopping all processes.", file=sys.stderr)
-        print(f"primejax: {resume_hint(root)}", file=sys.stderr, flush=True)
+        print(f"\nprimejax: interrupted ({str(err) or 'SIGINT'}); stopping all processes.", file=sys.stderr)
+        interrupted = True
         return 130
     finally:
         for supervisor in supervisors:
             supervisor.liveness.stop()
         stop_all(children)
+        if interrupted:  # after the children stopped: the trainer finishes an in-flight checkpoint on SIGTERM
+            print(f"primejax: {resume_hint(root, cfg.run.max_steps)}", file=sys.stderr, flush=True)
         lock.release()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)

@@ -60,14 +60,17 @@ def launcher_resume_step(root: str | Path, run: Any) -> int | None:
     return resume
 
 
-def resume_hint(root: str | Path) -> str:
-    """How to go on after an interruption: the same command resumes from the newest checkpoint pair."""
+def resume_hint(root: str | Path, max_steps: int | None = None) -> str:
+    """How to go on after an interruption: the same command resumes from the newest checkpoint pair (the step
+    `launcher_resume_step` will pick: read once every process stopped)."""
     try:
         step = common_resume_step(root, "latest")
     except Exception:  # noqa: BLE001 - a hint must never mask the interruption
         step = None
     if step is None:
         return "no checkpoint was written yet: rerunning the same command starts over"
+    if max_steps is not None and step >= max_steps:
+        return f"the run's checkpoint already reaches run.max_steps={max_steps}: raise it to train on"
     return (f"rerun the same command to resume from step {step} (its newest checkpoint); "
             "add --config.run.fresh=True to start over")
 

@@ -56,6 +56,17 @@ def parse_prometheus(
     return out
 
 
+def parse_pages(pages: list[bytes | str | None]) -> list[dict[str, float] | None]:
+    """`parse_prometheus` of each server's page (None stays None); bytes are decoded leniently. Run it off the
+    event loop: a page is up to the client's `MAX_METRICS_BYTES`."""
+    out: list[dict[str, float] | None] = []
+    for page in pages:
+        if isinstance(page, bytes):
+            page = page.decode("utf-8", errors="replace")
+        out.append(None if page is None else parse_prometheus(page))
+    return out
+
+
 #: The waiting order of a request at the `Limiter` (lower goes first). The continuous pool sets it to the
 #: group's dispatch number, so the next turn of an older rollout passes before a newer group's first request:
 #: work already under way finishes (and stays within the off-policy bound) before new work starts.

@@ -200,6 +200,14 @@ class OrchestratorConfig(Section):
     async_level: int = option(1, "k: step n samples from policy n-1-k or newer; 0 = synchronous", ge=0)
     max_concurrent: int = option(64, "in-flight inference requests", gt=0, le=MAX_ROWS)
     max_prompt_tokens: int = option(256, "longest prompt (tokens); longer rollouts fail", gt=0, le=MAX_TOKENS)
+    max_env_message_chars: int = option(
+        0,
+        "every string of an environment's messages (prompts, env turns, tool results) is cut to this many "
+        "characters before it is tokenized, with a marker the model sees; 0 = 16 x max_prompt_tokens, at least "
+        "4096 (primejax/orchestrator/message_caps.py)",
+        ge=0,
+        le=1 << 26,
+    )
     max_abs_reward: float = option(
         1e6,
         "a reward outside [-max_abs_reward, max_abs_reward] errors its rollout (one line); at most 1e30 so "
@@ -254,6 +262,8 @@ class OrchestratorConfig(Section):
                 "batch_size",
                 f"must be divisible by orchestrator.group_size ({self.batch_size} % {self.group_size})",
             )
+        if 0 < self.max_env_message_chars < 1024:
+            raise ConfigError("max_env_message_chars", "must be 0 (auto) or at least 1024")
         if self.seq_len < self.max_prompt_tokens + self.sampling.max_tokens:
             raise ConfigError(
                 "seq_len",

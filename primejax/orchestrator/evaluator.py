@@ -79,6 +79,7 @@ def build_evaluator(o: OrchestratorConfig, client: Any, renderer: Renderer, poli
     """An evaluator with its own generator (its request counters stay out of the training metrics); `limiter`:
     the training generator's request limit, shared so evals and training rollouts fill one pool of requests."""
     generator = GroupGenerator(client, renderer, o.sampling, policy, max_concurrent=o.max_concurrent,
-                               max_prompt_tokens=o.max_prompt_tokens, limiter=limiter)
+                               max_prompt_tokens=o.max_prompt_tokens, limiter=limiter,
+                               max_env_message_chars=o.max_env_message_chars)
     return Evaluator(eval_slots(o), generator, num_examples=o.eval.num_examples, group_size=o.eval.group_size,
                      pass_threshold=o.eval.pass_threshold)

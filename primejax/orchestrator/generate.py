@@ -43,6 +43,7 @@ from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.concurrency import Limiter
 from primejax.orchestrator.config import SamplingConfig
+from primejax.orchestrator.message_caps import auto_limit, cap_messages
 from primejax.orchestrator.renderer import Renderer, parse_message
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 
@@ -134,14 +135,18 @@ def _sampler(slot: EnvSlot) -> SamplingClient | None:
 class GroupGenerator:
     def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingConfig, policy: VersionSource,
                  *, max_concurrent: int, max_prompt_tokens: int, routing: RoutingShape | None = None,
-                 max_abs_reward: float = 1e6, env_timeout_s: float = 600.0, limiter: Limiter | None = None):
+                 max_abs_reward: float = 1e6, env_timeout_s: float = 600.0, limiter: Limiter | None = None,
+                 max_env_message_chars: int = 0):
         """`routing`: record the policy's routed experts of every sampled token (routing replay); `limiter`: a
-        request limit shared with other generators (evaluation shares training's), else `max_concurrent`."""
+        request limit shared with other generators (evaluation shares training's), else `max_concurrent`;
+        `max_env_message_chars`: the cut of every env message before rendering (0 = from max_prompt_tokens,
+        primejax/orchestrator/message_caps.py)."""
         self.client = client
         self.routing = routing
         self.renderer = renderer
         self.settings = settings
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_env_message_chars = max_env_message_chars or auto_limit(max_prompt_tokens)
         self.max_abs_reward = max_abs_reward
         self.env_timeout_s = env_timeout_s
         self.policy = policy
@@ -206,8 +211,20 @@ class GroupGenerator:
     async def group(self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int) -> list[Rollout]:
         sticky_route()  # every turn of this group's rollouts on the server its first request goes to
         example = slot.env.example(index)
+        try:
+            prompt = self._capped(example.prompt)
+        except ValueError as e:
+            prompt, error = [], f"env: ValueError: {e}"
+        else:
+            error = None
         rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
-                            messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]
+                            messages=[dict(m) for m in prompt]) for _ in range(group_size)]
+        if error is not None:
+            log.warning("group %d (%s #%d) failed: %s", group_id, slot.name, index, error)
+            for r in rollouts:
+                r.error = error
+                self.stats.count_error("env")
+            return rollouts
         if slot.env.samples_itself:
             await asyncio.gather(*(self._sampled_by_env(slot, r, step, member) for member, r in enumerate(rollouts)))
             return rollouts
@@ -215,7 +232,7 @@ class GroupGenerator:
             await asyncio.gather(*(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts)))
             return rollouts
         try:
-            prompt_ids = self.renderer.render_ids(example.prompt, await self._env_call(slot.env.tools(example),
+            prompt_ids = self.renderer.render_ids(prompt, await self._env_call(slot.env.tools(example),
                                                                                         "tools"))
             if len(prompt_ids) > self.max_prompt_tokens:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens > max_prompt_tokens")
@@ -236,6 +253,10 @@ class GroupGenerator:
             for member, (r, c) in enumerate(zip(rollouts, completions, strict=True))
         ))
         return rollouts
+
+    def _capped(self, messages: Any) -> list[dict[str, Any]]:
+        """An environment's messages cut before anything tokenizes them (primejax/orchestrator/message_caps.py)."""
+        return cap_messages(messages, self.max_env_message_chars)
 
     async def _env_call(self, call: Any, what: str) -> Any:
         """An environment call bounded by `orchestrator.env_timeout_s`: a hung one errors its rollout alone."""
@@ -291,6 +312,7 @@ class GroupGenerator:
                 )
                 if not new:
                     break
+                new = self._capped(new)
                 rollout.messages.extend(new)
                 last = rollout.steps[-1]
                 prompt_ids = (self.renderer.bridge_to_next_turn(last.prompt_ids, last.completion_ids, new)
@@ -319,7 +341,8 @@ class GroupGenerator:
                                 temperature=s.temperature, top_p=s.top_p,
                                 max_turns=self._max_turns(slot),
                                 seed=self._seed(step, rollout.group_id, 0, member),
-                                env_timeout_s=self.env_timeout_s)
+                                env_timeout_s=self.env_timeout_s,
+                                api_key_var=getattr(client, "api_key_var", ""))
             async with self.semaphore:
                 version = self.policy.version
                 _note_version(version)
@@ -347,6 +370,7 @@ class GroupGenerator:
 
         async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                        trainable: bool = True) -> dict[str, Any] | None:
+            messages = self._capped(messages)
             if not trainable:
                 ids = self.renderer.render_ids(messages, tools)
                 (completion,), _ = await self._request(ids, 1, None, _sampler(slot))
@@ -394,6 +418,7 @@ class GroupGenerator:
                 return await call(messages, tools, trainable=trainable)
 
         async def play() -> None:
-            rollout.messages = list(await clock.run(slot.env.rollout(rollout.example, rollout.state, timed_call)))
+            rollout.messages = self._capped(await clock.run(slot.env.rollout(rollout.example, rollout.state,
+                                                                             timed_call)))
 
         await self._settle(slot, rollout, stage, play)

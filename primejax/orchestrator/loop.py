@@ -33,7 +33,7 @@ from primejax.orchestrator import metrics as M
 from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
-from primejax.orchestrator.concurrency import AIMDController, AIMDSettings, Limiter, parse_prometheus
+from primejax.orchestrator.concurrency import AIMDController, AIMDSettings, Limiter, parse_pages
 from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.evaluator import build_evaluator
 from primejax.orchestrator.failures import FailedSteps
@@ -139,6 +139,7 @@ class Orchestrator:
         self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
                                         self.tracker, max_concurrent=o.max_concurrent,
                                         max_prompt_tokens=o.max_prompt_tokens, routing=routing,
+                                        max_env_message_chars=o.max_env_message_chars,
                                         max_abs_reward=o.max_abs_reward, env_timeout_s=o.env_timeout_s,
                                         limiter=self.limiter)
         self.pre_filters, self.post_filters = build_slots(o.filters)
@@ -257,7 +258,7 @@ class Orchestrator:
         raise AssertionError("unreachable")
 
     async def _server_metrics(self) -> list[dict[str, float] | None]:
-        return [None if text is None else parse_prometheus(text) for text in await self.client.metrics_text()]
+        return await asyncio.to_thread(parse_pages, await self.client.metrics_text())
 
     async def cut_step(self, step: int) -> tuple[list[list[Rollout]], dict[str, float]]:
         """Continuous mode: step `step`'s groups cut from the pool, on a server known to serve the tracked policy.

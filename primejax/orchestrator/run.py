@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,7 +45,7 @@ def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: 
     """The live policy's client; with `vocab_size`, answers with token ids outside the vocabulary are rejected."""
     return InferenceClient(base_urls(client, inference), timeout_s=client.timeout_s, max_retries=client.max_retries,
                            vocab_size=vocab_size, admin_token=admin_token,
-                           api_key=os.environ.get(client.api_key_env) if client.api_key_env else None)
+                           api_key_var=client.api_key_env)
 
 
 async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:

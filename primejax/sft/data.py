@@ -100,6 +100,8 @@ def read_jsonl_tool_lines(path: str | Path) -> Iterator[tuple[int, list[Message]
                     raise SFTDataError("'tools' must be a list of tool schemas")
             except json.JSONDecodeError as e:
                 raise SFTDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:  # json's decoder recurses per nesting level
+                raise SFTDataError(f"{path}:{lineno}: nests too deeply to be an SFT example") from None
             except SFTDataError as e:
                 raise SFTDataError(f"{path}:{lineno}: not an SFT example ({e})") from None
             if not any(m["role"] == "assistant" for m in messages):

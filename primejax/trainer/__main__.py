@@ -63,7 +63,7 @@ def main() -> int:
     from primejax.contracts.batch import BatchFormatError
     from primejax.trainer.checkpoint import CheckpointError
     from primejax.trainer.loop import NonFiniteError, maybe_init_distributed, train
-    from primejax.utils.disk import disk_full_line, is_disk_full
+    from primejax.utils.disk import io_error_line
 
     maybe_init_distributed(cfg.trainer.distributed)
     write_resolved_config(cfg.run_dir, "trainer", cfg.to_json())
@@ -78,11 +78,10 @@ def main() -> int:
         print(f"error: trainer: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     except OSError as e:
-        if not is_disk_full(e):
-            raise
-        # A broadcast or batch write that ran out of space: its temp files were removed, nothing half-written.
-        print(f"error: trainer: {disk_full_line(getattr(e, 'filename', None) or '.', 'its outputs')}",
-              file=sys.stderr, flush=True)
+        # A broadcast or batch write that failed (disk full, EIO): its temp files were removed, nothing
+        # half-written; one line naming the run's disk, not the cwd's.
+        print(f"error: trainer: {io_error_line(e, cfg.run_dir, 'its outputs')}", file=sys.stderr,
+              flush=True)
         return 1
     return 0
 

@@ -238,7 +238,9 @@ class BroadcastConfig(Section):
     mode: str = option("filesystem", "how weights reach the inference servers", choices=("filesystem", "collective"))
     transfer_host: str = option("127.0.0.1", "collective: address the trainer's rendezvous listens on (servers connect)")
     transfer_port: int = option(0, "collective: rendezvous port; 0 = any free port", ge=0, le=65535)
-    transfer_timeout_s: float = option(60.0, "collective: bound on each phase of a transfer before the fallback", gt=0)
+    transfer_timeout_s: float = option(
+        60.0, "collective: bound on each phase of a transfer before the fallback (at most a day)", gt=0, le=86400
+    )
     bucket_mb: int = option(256, "collective: packed bucket size (MiB)", gt=0)
     max_shard_mb: float = option(
         5120.0, "safetensors file size; with several trainer processes each writes its share of files", gt=0

@@ -16,6 +16,11 @@ server that cannot answer (an impostor store). After the challenge, requests are
 (values base64), one at a time per connection; a blocking `get`/`wait` blocks only its own connection.
 The channel is authenticated at connection time, not encrypted: keep `transfer_host` on a trusted network
 (the weights themselves travel over the process group's own sockets).
+
+Unauthenticated connections are bounded: at most `MAX_PENDING` challenges run at once, each within
+`HANDSHAKE_S` in all (not per read: a peer trickling one byte at a time is cut off too); a new connection
+beyond the bound evicts the oldest pending one (2,000 idle connections had held 1,437 threads). A real peer
+answers in milliseconds, so a flood must evict it within that window to keep it out.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import os
 import socket
 import struct
 import threading
+import time
+from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger("primejax.transfer")
@@ -38,6 +45,8 @@ MAGIC = b"PJXSTORE1"
 _NONCE = 32
 _MAC = hashlib.sha256().digest_size
 _MAX_FRAME = 16 * 2**20  # store values are addresses and small records; a larger frame is hostile
+MAX_PENDING = 32  # challenges running at once (module docstring)
+HANDSHAKE_S = 10.0  # the whole challenge, from accept to the server's answer
 
 
 class RendezvousAuthError(ConnectionError):
@@ -48,9 +57,15 @@ def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, label + a + b, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with `deadline` (time.monotonic()), all of them by then (socket.timeout otherwise)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("rendezvous: handshake deadline passed")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ConnectionError("rendezvous: connection closed")
@@ -95,6 +110,9 @@ class StoreServer:
         self.data: dict[str, bytes] = {}
         self.cv = threading.Condition()
         self.refused = 0  # connections that failed the challenge (tests and logs)
+        self.evicted = 0  # pending challenges closed to make room for a newer connection
+        self._pending: OrderedDict[int, socket.socket] = OrderedDict()  # id -> socket, oldest first
+        self._pending_lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, name="pjx-store-accept", daemon=True).start()
 
@@ -111,15 +129,25 @@ class StoreServer:
                 conn, addr = self.sock.accept()
             except OSError:
                 return
+            with self._pending_lock:
+                while len(self._pending) >= MAX_PENDING:
+                    _, oldest = self._pending.popitem(last=False)
+                    self.evicted += 1
+                    try:
+                        oldest.shutdown(socket.SHUT_RDWR)  # its thread's read fails and the thread ends
+                    except OSError:
+                        pass
+                self._pending[id(conn)] = conn
             threading.Thread(
                 target=self._serve, args=(conn, addr), name="pjx-store-conn", daemon=True
             ).start()
 
     def _handshake(self, conn: socket.socket) -> bool:
-        conn.settimeout(10.0)
+        deadline = time.monotonic() + HANDSHAKE_S
+        conn.settimeout(HANDSHAKE_S)
         nonce_s = os.urandom(_NONCE)
         conn.sendall(MAGIC + nonce_s)
-        reply = _recv_exact(conn, _NONCE + _MAC)
+        reply = _recv_exact(conn, _NONCE + _MAC, deadline)
         nonce_c, mac = reply[:_NONCE], reply[_NONCE:]
         if not hmac.compare_digest(mac, _mac(self.secret, b"client", nonce_s, nonce_c)):
             return False
@@ -130,7 +158,12 @@ class StoreServer:
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         with conn:
             try:
-                if not self._handshake(conn):
+                try:
+                    passed = self._handshake(conn)
+                finally:
+                    with self._pending_lock:
+                        self._pending.pop(id(conn), None)
+                if not passed:
                     with self.cv:
                         self.refused += 1
                     log.warning(

@@ -47,6 +47,15 @@ def describe_disk(path: str | os.PathLike) -> str:
     return f"the filesystem at {mount} ({usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB)"
 
 
+def io_error_line(exc: OSError, fallback: str | os.PathLike, what: str) -> str:
+    """One line for an I/O error while writing `what`: the disk-full line (on the disk of the file the error
+    names, else of `fallback`, the directory being written, never the process's cwd), or the error itself."""
+    where = exc.filename or fallback
+    if is_disk_full(exc):
+        return disk_full_line(where, what)
+    return f"I/O error writing {what} under {where}: {os.strerror(exc.errno) if exc.errno else exc}"
+
+
 def disk_full_line(path: str | os.PathLike, what: str) -> str:
     """The one line a process prints when writing `what` under `path` ran out of space."""
     return f"disk full: no space left writing {what} under {path} on {describe_disk(path)}"

@@ -7,6 +7,7 @@ name in the same directory and renamed into place, so a reader sees either nothi
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -15,14 +16,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+#: What a filesystem that cannot fsync a directory answers (some network and FUSE filesystems): not a fault.
+_DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR}
+
 
 def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
+    """fsync a directory (its entries: a rename in it). A filesystem that cannot is tolerated; a real failure
+    (EIO, ENOSPC: the rename may not be on disk) is raised, not swallowed."""
+    try:
         fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    except OSError as e:
+        if e.errno in _DIR_FSYNC_UNSUPPORTED:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
 
 
 def _fsync_tree(root: Path) -> None:

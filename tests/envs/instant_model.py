@@ -6,6 +6,7 @@ results docs/verifiers.md records.)"""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 
@@ -48,8 +49,11 @@ class InstantServer:
     """`InstantModel` behind vLLM's token-in/token-out routes (`/inference/v1/generate`, `/v1/models`), on
     127.0.0.1, for verifiers' train client; also `openai_endpoint()` like primejax's InferenceClient."""
 
-    def __init__(self, model: InstantModel, name: str):
-        self.model, self.name = model, name
+    def __init__(self, model: InstantModel, name: str, api_key_var: str = ""):
+        """`api_key_var`: when it names a set variable, every route answers 401 without that bearer key (vLLM's
+        --api-key), and clients learn the variable from `api_key_var` as from primejax's InferenceClient."""
+        self.model, self.name, self.api_key_var = model, name, api_key_var
+        self.unauthorized = 0  # requests refused for a missing or wrong key
         self.base_url = ""
         self.served: list[tuple[list[int], list[int]]] = []  # (prompt ids, completion ids) per request
         self._runner = None
@@ -76,7 +80,15 @@ class InstantServer:
                 {"request_id": "instant", "prompt_token_ids": body["token_ids"], "choices": [choice]}
             )
 
-        app = web.Application()
+        @web.middleware
+        async def check_key(request, handler):
+            key = os.environ.get(self.api_key_var) if self.api_key_var else None
+            if key and request.headers.get("Authorization") != f"Bearer {key}":
+                self.unauthorized += 1
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[check_key])
         app.router.add_get("/v1/models", models)
         app.router.add_post("/inference/v1/generate", generate)
         self._runner = web.AppRunner(app, access_log=None)

@@ -117,6 +117,52 @@ def test_verifiers_loop_runs_the_harness_and_trains_on_the_ids_it_recorded(tiny_
     assert [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m] == rollout.completion_ids
 
 
+
+def test_every_client_reads_the_api_key_from_the_one_variable(tiny_model_dir, monkeypatch):
+    """The orchestrator's client and verifiers' client both read orchestrator.client.api_key_env's variable (before
+    issue 48 verifiers' loop read PRIMEJAX_INFERENCE_API_KEY, which nothing set: 401 on every rollout)."""
+    from verifiers.v1.configs.client import resolve_api_key
+
+    from primejax.envs.base import Endpoint
+    from primejax.envs.verifiers_loop import train_client
+    from primejax.orchestrator.config import ClientConfig
+    from primejax.orchestrator.run import policy_client
+
+    monkeypatch.setenv("PJ_TEST_API_KEY", "s3cret")
+    client = policy_client(ClientConfig(base_urls=("http://127.0.0.1:1",), api_key_env="PJ_TEST_API_KEY"), None)
+    assert client._http.headers["Authorization"] == "Bearer s3cret"
+    renderer = build_renderer("auto", load_tokenizer(str(tiny_model_dir)))
+    endpoint = Endpoint(base_url="http://127.0.0.1:1", model="m", renderer=renderer, max_tokens=8, temperature=1.0,
+                        top_p=1.0, max_turns=1, api_key_var=client.api_key_var)  # fmt: skip
+    assert resolve_api_key(train_client(endpoint)) == "s3cret"
+    monkeypatch.delenv("PJ_TEST_API_KEY")
+    assert resolve_api_key(train_client(endpoint)) == "EMPTY"  # unset: no key, and never the Prime CLI's
+
+
+@pytest.mark.slow  # verifiers' harness per rollout (~14 s on 2 cores); the key's source is checked fast above
+def test_verifiers_loop_sends_the_runs_api_key(tiny_model_dir, monkeypatch):
+    """Issue 48: verifiers' own loop read its key from a variable nothing set, so on a server started with
+    --api-key every rollout got 401. It now reads the orchestrator's client's variable
+    (orchestrator.client.api_key_env): one source of the key for every client."""
+    monkeypatch.setenv("PJ_TEST_API_KEY", "s3cret")
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    loop_env = load_env(TASKSET, {"size": 2, "driver": "verifiers"})
+
+    async def main():
+        async with InstantServer(InstantModel(tokenizer), str(tiny_model_dir), api_key_var="PJ_TEST_API_KEY") as server:
+            gen = GroupGenerator(server, build_renderer("auto", tokenizer), SamplingConfig(max_tokens=64, max_turns=4),
+                                 Version(), max_concurrent=4, max_prompt_tokens=4096)  # fmt: skip
+            slot = EnvSlot(name="calc", env=loop_env, weight=1.0, algorithm=Scorer())
+            try:
+                (rollout,) = await gen.group(slot, 1, 0, 1, step=1)
+            finally:
+                await loop_env.aclose()
+            return rollout, server
+
+    rollout, server = asyncio.run(main())
+    assert rollout.error is None, rollout.error
+    assert server.unauthorized == 0 and len(server.served) == 2
+
 class EchoModel:
     """Replies with the word the prompt asks for (tests/envs/vf_runtime_taskset.py)."""
 

@@ -202,6 +202,16 @@ def test_dry_run_reports_each_broken_env_in_one_line_before_rendering_the_others
     assert "first prompt" in healthy, healthy
 
 
+def test_a_missing_nltk_resource_is_quoted_by_its_meaningful_line():
+    """Issue 48: `--dry_run` on textarena's wordle offline said `cannot load: LookupError: ****...` (the first
+    line of NLTK's banner); the line that names the missing resource is the one quoted now."""
+    nltk = pytest.importorskip("nltk")
+    from primejax.envs.check import _one_line
+
+    with pytest.raises(LookupError) as e:
+        nltk.data.find("taggers/primejax_no_such_resource")
+    assert _one_line(e.value) == "LookupError: Resource 'primejax_no_such_resource' not found."
+
 def test_the_env_check_renders_the_first_prompt_an_env_sends(vf_examples):
     """For an Env that opens the conversation itself, the check's prompt is its first model call's."""
     from primejax.envs.check import first_prompt

@@ -182,6 +182,39 @@ def test_cli_dry_run_prints_and_records_resolved_config(tmp_path):
     assert recorded == printed
 
 
+def test_cli_dry_run_refuses_the_model_path_the_run_would_refuse(tmp_path):
+    """Issue 48: `--dry_run` passed a model.path that does not exist (the tiny build off), which the run then
+    refused; and a hub id (as the README's config example shows) got only 'is not a directory'."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "primejax.train", "--config", "configs/debug.py", "--dry_run",
+         f"--config.run.output_dir={tmp_path}", "--config.model.build_tiny.enabled=False",
+         "--config.model.path=Qwen/Qwen3-0.6B"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert errors == [
+        "error: model.path: 'Qwen/Qwen3-0.6B' is not a directory; if it is a Hugging Face hub id, download it "
+        "first (runs read a local directory only): `hf download Qwen/Qwen3-0.6B --local-dir models/Qwen3-0.6B` "
+        "(or `huggingface-cli download ...`), then set model.path=models/Qwen3-0.6B"
+    ], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+def test_a_bad_env_id_gets_one_message_with_a_suggestion_from_dry_run_and_run(tmp_path, tiny_model_dir):
+    """Issue 48: a mistyped env id got two different messages (dry run: verifiers' EnvLoadError; run: the
+    launcher's preflight) and no "did you mean"."""
+    common = ["--config", "configs/debug.py", f"--config.run.output_dir={tmp_path}",
+              "--config.model.build_tiny.enabled=False", f"--config.model.path={tiny_model_dir}",
+              "--config.orchestrator.envs.reverse_text.id=revers-text"]
+    expected = ("error: orchestrator.envs.reverse_text.id: 'revers-text' is neither a builtin (alphabet-sort, "
+                "arithmetic, reverse-text) nor an importable module ('revers_text' not found); did you mean "
+                "'reverse-text'?")
+    for extra, rc in ((["--dry_run"], 1), ([], 2)):
+        proc = subprocess.run([sys.executable, "-m", "primejax.train", *common, *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == rc, proc.stderr
+        assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")] == [expected], proc.stderr
+
 def test_help_keys_lists_every_key_with_its_doc():
     proc = subprocess.run([sys.executable, "-m", "primejax.train", "--help=keys"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -82,6 +82,18 @@ def test_malformed_manifest_names_file_and_field(tmp_path, manifest_fn, field):
     assert str(bad) in str(err.value) and field in str(err.value), err.value
 
 
+def test_a_manifest_nested_too_deeply_is_a_format_error(tmp_path):
+    """Issue 48: json's RecursionError escaped read_batch, and the trainer ended in a traceback."""
+    good = _good(tmp_path)
+    with np.load(good) as data:
+        arrays = {k: data[k] for k in data.files if k != MANIFEST_KEY}
+    buf = io.BytesIO()
+    np.savez(buf, **arrays, **{MANIFEST_KEY: np.frombuffer(b"[" * 100_000, np.uint8)})
+    bad = tmp_path / "deep.npz"
+    bad.write_bytes(buf.getvalue())
+    with pytest.raises(BatchFormatError, match="nested too deeply"):
+        read_batch(bad)
+
 def test_zero_rows_is_a_format_error(tmp_path):
     def empty(arrays):
         for k in arrays:
@@ -131,6 +143,18 @@ def test_segment_ids_must_be_contiguous(tmp_path):
 def test_max_segments_is_computed_not_trusted(tmp_path):
     bad = _rewrite(_good(tmp_path), tmp_path / "bad.npz", manifest_fn=_set("meta.max_segments", 1))
     assert read_batch(bad).meta["max_segments"] == 2
+
+
+@pytest.mark.parametrize("field", ["inference_logprobs", "ref_logprobs"])
+def test_a_positive_log_probability_is_refused(tmp_path, field):
+    """Issue 48: a batch whose inference_logprobs were positive (not a log-probability) was trained on."""
+    def poison(arrays):
+        arrays[field] = arrays[field].copy()
+        arrays[field][0, 1] = 5.0
+
+    bad = _rewrite(_good(tmp_path), tmp_path / "bad.npz", arrays_fn=poison)
+    with pytest.raises(BatchFormatError, match=rf"{field}.*a log-probability above 0 \(max 5\)"):
+        read_batch(bad)
 
 
 def test_the_writer_runs_the_readers_value_checks(tmp_path):

@@ -34,6 +34,7 @@ NAN, INF = float("nan"), float("inf")
         ("sft.batch_size", -4),
         ("sft.seq_len", 0),
         ("sft.steps", -1),
+        ("trainer.broadcast.transfer_timeout_s", 1e300),  # issue 48: unbounded (torch's timedelta overflows)
     ],
 )
 def test_bad_values_fail_at_start_up_naming_the_key(key, value):
@@ -71,6 +72,9 @@ def test_sft_lr_must_be_positive_when_sft_runs():
             "orchestrator.envs.a.args: must be a JSON object",
         ),
         ('{"inference": {"extra_args": "abc"}}', "inference.extra_args: must be a JSON list"),
+        # issue 48: json's decoder raised RecursionError (a traceback)
+        pytest.param("[" * 100_000 + "]" * 100_000, "nests too deeply", id="deep-list"),
+        pytest.param('{"a":' * 100_000 + "1" + "}" * 100_000, "nests too deeply", id="deep-object"),
     ],
 )
 def test_a_hostile_saved_config_is_one_line(tmp_path, text, fragment):

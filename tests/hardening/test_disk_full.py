@@ -124,3 +124,47 @@ def test_broadcast_on_full_disk_leaves_the_previous_one_stable(small_disk):
     assert [p.name for p in (disk / "broadcasts").iterdir()] == ["step_1"]  # the temp dir was removed
     line = disk_full_line(disk / "broadcasts", "broadcast step 2")
     assert str(disk) in line and "MB free" in line
+
+
+def test_an_io_error_line_names_the_runs_disk_and_the_error(tmp_path):
+    """Issue 48: the trainer's disk-full line for an export whose error names no file said `under .` on the
+    filesystem at `/` (the process's cwd), and an EIO ended in a traceback. Both are one line about the run's
+    directory now (`primejax/trainer/__main__.py` prints it)."""
+    import errno
+
+    from primejax.utils.disk import io_error_line, mount_point
+
+    full = io_error_line(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), tmp_path, "its outputs")
+    assert full.startswith(f"disk full: no space left writing its outputs under {tmp_path} on the filesystem at "
+                           f"{mount_point(tmp_path)} ("), full
+    eio = io_error_line(OSError(errno.EIO, os.strerror(errno.EIO), str(tmp_path / "x.safetensors")), tmp_path,
+                        "its outputs")  # fmt: skip
+    assert eio == f"I/O error writing its outputs under {tmp_path / 'x.safetensors'}: Input/output error"
+
+
+@pytest.mark.parametrize(("code", "raised"), [("EIO", True), ("ENOSPC", True), ("EINVAL", False)])
+def test_a_directory_fsync_failure_is_raised_unless_the_filesystem_cannot_fsync_dirs(tmp_path, monkeypatch,
+                                                                                     code, raised):
+    """Issue 48: every error of a directory's fsync was swallowed, so a rename that may not be on disk (EIO)
+    counted as written. A filesystem that cannot fsync directories (EINVAL) is still tolerated."""
+    import errno
+    import stat
+
+    from primejax.utils.io import atomic_write_bytes
+
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            n = getattr(errno, code)
+            raise OSError(n, os.strerror(n))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    if raised:
+        with pytest.raises(OSError) as err:
+            atomic_write_bytes(tmp_path / "f.bin", b"data")
+        assert err.value.errno == getattr(errno, code)
+    else:
+        atomic_write_bytes(tmp_path / "f.bin", b"data")
+    assert (tmp_path / "f.bin").read_bytes() == b"data"  # the file itself was written and synced

@@ -142,6 +142,23 @@ def test_a_load_that_cannot_restore_marks_the_server_unhealthy(base_dir, tmp_pat
     assert client.get("/weights_version").json()["version"] == -1
 
 
+def test_unauthenticated_gets_do_not_reveal_absolute_paths(base_dir, tmp_path):
+    """Issue 48: GET /weights_version and /liveness (open to anyone) named the served directory's absolute path,
+    and an unhealthy server's reason (which names paths). The secret's holders still see both."""
+    run = tmp_path / "run"
+    one, two = _broadcast(base_dir, run, 1), _broadcast(base_dir, run, 2)
+    engine = FakeEngine()
+    client, _ = _client(base_dir, engine)
+    assert client.post("/update_weights", json={"weight_dir": str(one)}, headers=AUTH).status_code == 200
+    for route in ("/weights_version", "/liveness"):
+        assert client.get(route).json()["weight_dir"] == "step_1", route
+        assert client.get(route, headers=AUTH).json()["weight_dir"] == str(one), route
+    engine.fail = ("step_1", "step_2")
+    client.post("/update_weights", json={"weight_dir": str(two)}, headers=AUTH)
+    anyone, admin = client.get("/liveness"), client.get("/liveness", headers=AUTH)
+    assert anyone.status_code == admin.status_code == 503
+    assert str(tmp_path) not in anyone.text and str(tmp_path) in admin.text
+
 def test_client_sends_absolute_paths_and_the_secret_on_admin_calls_only(tmp_path, monkeypatch):
     seen = []
 
@@ -223,20 +240,32 @@ def test_admin_routes_need_the_secret_under_a_root_path(base_dir, root_path, pat
     assert client.get(root_path + "/liveness").status_code == 200
 
 
-@pytest.mark.parametrize("damage", ["no_files", "no_hashes", "unlisted_weights"])
+# issue 48: the malformed ones (not UTF-8, not an object, a size that is no size, a name outside the directory)
+# answered HTTP 500 or made the server hash a file outside the broadcast
+@pytest.mark.parametrize("damage", ["no_files", "no_hashes", "unlisted_weights", "not_utf8", "not_an_object",
+                                    "deep", "no_size", "string_size", "outside"])
 def test_a_stable_manifest_that_vouches_for_nothing_is_refused(base_dir, tmp_path, damage):
     run = tmp_path / "run"
     d = _broadcast(base_dir, run, 2)
     manifest = json.loads((d / "STABLE").read_text())
+    weights = next(n for n in manifest["files"] if n.endswith(".safetensors"))
     if damage == "no_files":
         manifest["files"] = {}
     elif damage == "no_hashes":
         for entry in manifest["files"].values():
             entry.pop("sha256")
-    else:
-        weights = next(n for n in manifest["files"] if n.endswith(".safetensors"))
+    elif damage == "unlisted_weights":
         del manifest["files"][weights]
-    (d / "STABLE").write_text(json.dumps(manifest))
+    elif damage == "no_size":
+        manifest["files"][weights].pop("size")
+    elif damage == "string_size":
+        manifest["files"][weights]["size"] = "12"
+    elif damage == "outside":
+        outside = tmp_path / "elsewhere.safetensors"
+        outside.write_bytes(b"x")
+        manifest["files"]["../../../elsewhere.safetensors"] = {"size": 1, "sha256": "0" * 64}
+    raw = {"not_utf8": b"\xff\xfe{", "not_an_object": b"[1, 2]", "deep": b"[" * 100_000}.get(damage)
+    (d / "STABLE").write_bytes(raw if raw is not None else json.dumps(manifest).encode())
     engine = FakeEngine()
     client, state = _client(base_dir, engine, weights_root=str(run / "broadcasts"), require_stable=True)
     r = client.post("/update_weights", json={"weight_dir": str(d)}, headers=AUTH)

@@ -82,6 +82,53 @@ def test_busy_port_is_refused_before_anything_moves(tmp_path, capsys):
     assert (root / "metrics").is_dir() and not (root / "previous").exists()
 
 
+def test_a_symlinked_run_lock_is_not_followed(tmp_path):
+    """Issue 48: `<run>/.lock` planted as a symlink was followed, and its target truncated and overwritten with
+    the launcher's pid line."""
+    from primejax.launcher.preflight import PreflightError
+    from primejax.launcher.runlock import RunLock
+
+    root = tmp_path / "run"
+    root.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    (root / ".lock").symlink_to(target)
+    with pytest.raises(PreflightError, match=r"\.lock: cannot be the run's lock file .*a symlink\?"):
+        RunLock(root).acquire()
+    assert target.read_text() == "keep me"
+
+
+def test_an_explicit_port_is_reserved_for_the_launchers_life(tmp_path):
+    """Issue 48: run B, started while run A's server was still starting on the same explicit port (nothing bound
+    yet), passed the bind check and started a second vLLM. The port is now reserved host-wide by the launcher
+    that checked it first: B is refused at once, naming A; once A exits the port is B's."""
+    import subprocess
+    import sys
+
+    from primejax.inference.server import free_port
+    from primejax.launcher.preflight import PreflightError
+    from primejax.launcher.runlock import check_port, release_ports
+
+    port = free_port()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from primejax.launcher.runlock import check_port; "
+         f"check_port('127.0.0.1', {port}); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(PreflightError, match=rf"^inference.port: 127.0.0.1:{port} is reserved by another "
+                                                 rf"primejax run \(pid {holder.pid}, started "):
+            check_port("127.0.0.1", port)
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    try:
+        assert check_port("127.0.0.1", port) == port  # A is gone: the kernel dropped its reservation
+    finally:
+        release_ports()
+
+
 def test_port_zero_means_a_free_port(tmp_path):
     from primejax.launcher.runlock import check_port
 

@@ -29,6 +29,8 @@ CASES = {
     ),
     "non_utf8": (b'{"prompt": "\xff\xfe", "completion": "x"}', "not UTF-8"),
     "too_long": (json.dumps({"prompt": "word " * 400, "completion": "ok"}), "more than sft.seq_len"),
+    # issue 48: a RecursionError traceback
+    "deep": ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
 }
 
 

@@ -239,3 +239,61 @@ def test_a_replica_that_fails_is_routed_around_until_revived():
     assert down == {"http://b"} and version == 2
     assert not alive_while_dead and alive_after
     assert down_after == set()
+
+
+def test_a_metrics_page_is_read_only_up_to_its_bound_and_parsed_off_the_loop():
+    """Issue 48: AIMD read /metrics whole on the event loop (a 100 MB page: 86 s, 717 MB). The client stops at
+    MAX_METRICS_BYTES and hands back None for that server; a normal page comes back undecoded, and the
+    orchestrator parses it in a thread (`parse_pages`)."""
+    import threading
+
+    from primejax.inference.client import MAX_METRICS_BYTES
+    from primejax.orchestrator.concurrency import KV_USAGE, parse_pages
+
+    sent = {"http://big": 0}
+    chunk = b"# " + b"x" * (1 << 20) + b"\n"
+
+    async def endless():
+        for _ in range(64):  # 64 MiB if read whole
+            sent["http://big"] += len(chunk)
+            yield chunk
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "big":
+            return httpx.Response(200, content=endless())
+        return httpx.Response(200, content=f"{KV_USAGE}{{engine=\"0\"}} 0.5\n".encode())
+
+    async def main():
+        async with _client(handler, urls=("http://big", "http://ok")) as c:
+            pages = await c.metrics_text()
+            where = []
+
+            def parse(p):
+                where.append(threading.current_thread() is threading.main_thread())
+                return parse_pages(p)
+
+            return pages, await asyncio.to_thread(parse, pages), where
+
+    pages, parsed, where = asyncio.run(main())
+    assert pages[0] is None and sent["http://big"] <= MAX_METRICS_BYTES + 2 * len(chunk)
+    assert parsed == [None, {KV_USAGE: 0.5}] and where == [False]
+
+
+def test_metrics_are_not_read_from_a_server_that_fails_the_identity_check(monkeypatch):
+    """Issue 48: /metrics was read from whatever answered on the address; now it is the same challenge as every
+    request, and a server that is not the run's gives no metrics (None) instead of steering the limit."""
+    monkeypatch.setenv(TOKEN_ENV, "the-runs-secret")
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/identity":
+            return httpx.Response(404)
+        return httpx.Response(200, content=b"vllm:num_requests_waiting 1000\n")
+
+    async def main():
+        async with _client(handler) as c:
+            return await c.metrics_text()
+
+    assert asyncio.run(main()) == [None]
+    assert seen == ["/identity"]

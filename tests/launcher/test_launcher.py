@@ -77,7 +77,7 @@ def _earlier_outputs(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("case", ["no_config_json", "no_weights", "no_chat_template", "env_not_importable",
-                                  "bad_value", "unknown_key", "resume_missing_step"])
+                                  "bad_value", "unknown_key", "resume_missing_step", "context_too_long"])
 def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case):
     model = tiny_model_dir
     overrides: list[str] = []
@@ -98,7 +98,14 @@ def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case
         overrides = ["--config.trainer.optim.learning_rate=1e-3"]
     elif case == "resume_missing_step":
         overrides = ["--config.run.resume_step=7"]
-    config = write_config(tmp_path, "bad", model, base_url="http://127.0.0.1:9")
+    elif case == "context_too_long":  # issue 48: vLLM's validation traceback, a minute in
+        model = _copy_model(tiny_model_dir, tmp_path / "m")
+        hf = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 512}))
+        overrides = ["--config.inference.max_model_len=1024"]
+    # the context check is about the server the launcher starts: only that case has one
+    own_server = case == "context_too_long"
+    config = write_config(tmp_path, "bad", model, base_url="" if own_server else "http://127.0.0.1:9", port=0)
     root = run_dir_of(config)
     (root / "metrics").mkdir(parents=True)
     (root / "metrics" / "trainer.jsonl").write_text('{"step": 1, "time": 0, "loss": 0.5}\n')
@@ -112,7 +119,9 @@ def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     expected = {"no_config_json": "no config.json", "no_weights": "no *.safetensors", "no_chat_template":
                 "no chat template", "env_not_importable": "no_such_pkg", "bad_value": "orchestrator.group_size",
-                "unknown_key": "learning_rate", "resume_missing_step": "run.resume_step: step 7"}[case]
+                "unknown_key": "learning_rate", "resume_missing_step": "run.resume_step: step 7",
+                "context_too_long": "inference.max_model_len: 1024 is longer than the model's max_position_embeddings "
+                                    "512"}[case]
     assert expected in lines[0]
     assert _earlier_outputs(root) == before
     assert not (root / "logs").exists() and not (root / "pids.json").exists()  # nothing was started
@@ -141,3 +150,29 @@ def test_trainer_rejects_batch_with_mismatched_lengths(tiny_model_dir, tmp_path)
     assert last.startswith("error: trainer: BatchFormatError: ") and "rank_0.npz: field 'loss_mask': shape" in last
     assert not (root / "metrics" / "trainer.jsonl").exists() or not (root / "metrics" / "trainer.jsonl").read_text()
     assert not (root / "broadcasts").exists() and not (root / "checkpoints").exists()
+
+
+def test_a_background_launcher_stops_on_sigint_and_says_how_to_go_on(tiny_model_dir, tmp_path):
+    """Issue 48: a launcher started in the background (`nohup ... &`: the shell leaves SIGINT ignored) ignored
+    SIGINT entirely, and Ctrl-C printed `interrupted ()`. Here the launcher starts with SIGINT ignored, as
+    from such a shell; a SIGINT once its children run stops them all, names the signal and gives the hint."""
+    config = write_config(tmp_path, "bg", tiny_model_dir, base_url="http://127.0.0.1:9")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "primejax.train", "--config", str(config)], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:  # the launcher says when its children run
+            if "started (logs in" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "primejax: interrupted (SIGINT); stopping all processes." in err, err
+    assert "no checkpoint was written yet: rerunning the same command starts over" in err, err
+    assert_no_survivors(run_dir_of(config))

@@ -128,3 +128,64 @@ def test_a_worker_keeps_the_parents_import_order(tmp_path, monkeypatch, tokenize
 class _Algo:
     async def finalize_rollout(self, rollout):
         return None
+
+
+def _scored_by_writer(lines, timeout_s=20.0):
+    """One scoring call in a worker whose env writes `lines` into the protocol pipe first: (result or the error
+    line, lines skipped, workers replaced)."""
+    args = {"lines": lines}
+    env = in_workers(load_env("worker_envs:load_protocol_writer", args), "worker_envs:load_protocol_writer", args,
+                     1, 10.0)  # fmt: skip
+    ex = env.example(0)
+
+    async def main():
+        try:
+            try:
+                result = await asyncio.wait_for(env.score(ex, [{"role": "assistant", "content": "x"}], {}), timeout_s)
+            except EnvWorkerError as e:
+                result = str(e)
+            await asyncio.wait_for(env.pool.settled(), 30)
+            return result, env.pool.bad_lines, env.pool.replaced, len(env.pool.procs)
+        finally:
+            await env.aclose()
+
+    return asyncio.run(main())
+
+
+def test_a_worker_line_that_is_not_a_json_object_is_skipped_and_the_call_answered():
+    """Issue 48: `[1, 2]` on the pipe killed the parent's reader for that worker, and every later call waited
+    env_timeout_s. Now such lines are skipped and counted; the call's own answer still arrives."""
+    result, bad, replaced, live = _scored_by_writer(["[1, 2]", '"pong"', "3", "null", "not json"])
+    assert isinstance(result, float), result
+    assert (bad, replaced, live) == (5, 0, 1)
+
+
+def test_a_worker_whose_answers_cannot_be_read_is_replaced(monkeypatch):
+    """A line past the reader's limit (asyncio raises in readline): the worker is replaced and its call fails in
+    one line instead of waiting forever."""
+    monkeypatch.setattr("primejax.envs.workers.LINE_LIMIT", 4096)
+    result, bad, replaced, live = _scored_by_writer(["x" * 20_000])
+    assert "reading its answers failed" in result and "killed and replaced" in result, result
+    assert (replaced, live) == (1, 1)
+
+
+def test_a_stalled_orchestrator_loop_does_not_make_a_healthy_worker_hung(tokenizer):
+    """Issue 48: a stall of the orchestrator's own loop (a long render) left the worker's pongs unread, and the
+    first look after it declared the healthy worker hung. Only the loop's waking time counts as silence."""
+    import time
+
+    env = in_workers(load_env("reverse-text"), "reverse-text", {}, 1, 1.0)
+    ex = env.example(0)
+
+    async def main():
+        try:
+            await env.pool.start()
+            await env.score(ex, [{"role": "assistant", "content": "x"}], {})  # the worker answers
+            time.sleep(3.0)  # the loop stalls 3 x env_timeout_s (by construction: nothing else runs meanwhile)
+            return await asyncio.wait_for(env.score(ex, [{"role": "assistant", "content": "y"}], {}), 10), \
+                env.pool.replaced
+        finally:
+            await env.aclose()
+
+    result, replaced = asyncio.run(main())
+    assert isinstance(result, float) and replaced == 0

@@ -60,3 +60,26 @@ def test_offline_eval_rejects_a_weights_directory_without_safetensors(tmp_path):
     with pytest.raises(UsageError, match="no .safetensors"):
         asyncio.run(evaluate(typed(small_config(tmp_path / "run")).orchestrator, "unused", client=None,
                                 weights=str(tmp_path)))
+
+
+def test_offline_eval_is_seeded_so_the_same_weights_give_the_same_requests(tmp_path, tokenizer):
+    """Issue 48: two offline evals of one checkpoint with one config gave 0.113 and 0.072 (unseeded sampling).
+    Every request now carries a seed (run.seed when orchestrator.sampling.seed is -1), the same in both runs,
+    and an explicit sampling.seed wins."""
+    from primejax.eval.offline import evaluate
+
+    o = typed(small_config(tmp_path / "run")).orchestrator
+    assert o.sampling.seed == -1 and o.async_level > 0  # unseeded, as by default
+
+    def seeds(seed: int, orch=o) -> list:
+        client = FakeClient(tokenizer)
+        asyncio.run(evaluate(orch, tokenizer.name_or_path, client, seed=seed))
+        return [req["seed"] for req in client.requests]
+
+    first, second = seeds(7), seeds(7)
+    assert first and None not in first and first == second
+    assert seeds(8) != first  # run.seed picks the draw
+    from primejax.utils.sections import replace_key
+
+    explicit = replace_key(replace_key(o, "async_level", 0), "sampling.seed", 123)
+    assert seeds(7, explicit) == seeds(8, explicit) != first

@@ -5,7 +5,9 @@ cancelled), checkpoint/resume re-dispatching unfinished groups, a hung group tim
 from __future__ import annotations
 
 import asyncio
+import time
 
+import pytest
 from orch_fakes import FakeClient, FakeClock, fake_broadcast, make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
@@ -18,18 +20,23 @@ STEPS = 6
 
 
 class LongTailClient(FakeClient):
-    """Every 5th request (by prompt) takes `slow` times longer; counts requests cancelled mid-flight."""
+    """Every 5th request (by prompt) is slow by construction: it answers only once the served policy is two
+    versions past the one it started under, so it outlives an update whatever the machine's speed (a fixed
+    virtual delay did not: the batch writes run in a thread in real time, and on a loaded box the slow requests
+    finished before the update). Counts requests cancelled mid-flight."""
 
-    def __init__(self, *a, slow: float = 40.0, **kw):
+    def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.slow, self.cancelled, self.calls = slow, 0, 0
+        self.cancelled, self.calls = 0, 0
 
     async def generate(self, prompt_token_ids, **kw):
         self.calls += 1
         slow = sum(prompt_token_ids) % 5 == 0
         try:
             if slow:
-                await self.clock.sleep(self.gen_time * self.slow)
+                started = self.served_version
+                while self.served_version < started + 2:
+                    await self.clock.sleep(self.gen_time)
             return await super().generate(prompt_token_ids, **kw)
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -68,8 +75,20 @@ def run_continuous(tmp_path, tokenizer, *, k: int, steps: int = STEPS, oversampl
     return run_dir, client, orch, asyncio.run(main())
 
 
-def test_continuous_pool_keeps_every_sample_within_the_bound_and_cancels_stale_groups(tmp_path, tokenizer):
+@pytest.mark.parametrize("slow_box", [False, True])
+def test_continuous_pool_keeps_every_sample_within_the_bound_and_cancels_stale_groups(tmp_path, tokenizer,
+                                                                                      monkeypatch, slow_box):
     # Oversampling starts groups beyond the batch: the first finished fill it, and the slow ones outlive the update.
+    if slow_box:  # a loaded machine: each batch write (in a thread, real time) takes 0.3 s longer
+        from primejax.orchestrator.loop import Orchestrator
+
+        write = Orchestrator.write
+
+        def slow_write(self, *a, **kw):
+            time.sleep(0.3)
+            return write(self, *a, **kw)
+
+        monkeypatch.setattr(Orchestrator, "write", slow_write)
     k = 0
     run_dir, client, orch, history = run_continuous(tmp_path, tokenizer, k=k, oversampling=2.0, groups_in_flight=6)
     for n in range(1, STEPS + 1):

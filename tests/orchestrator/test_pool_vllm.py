@@ -18,8 +18,9 @@ pytestmark = pytest.mark.vllm
 STEPS = 3  # fake_trainer broadcasts steps 1..3
 
 
-def generated(text: str) -> float:
-    """vLLM's count of tokens generated so far."""
+def generated(page: bytes) -> float:
+    """vLLM's count of tokens generated so far (from the client's undecoded /metrics page)."""
+    text = page.decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

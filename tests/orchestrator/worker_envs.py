@@ -68,3 +68,33 @@ def load_hang_once(marker: str, **args: Any) -> HangOnce:
 
 def load_tool_episode(**_: Any) -> ToolEpisode:
     return ToolEpisode()
+
+
+class ProtocolWriter(ReverseText):
+    """reverse-text whose scoring first writes `lines` straight into the worker's protocol pipe (a hostile or
+    careless env that found it: the pipe to the parent is the worker's one writable FIFO besides stdin)."""
+
+    def __init__(self, lines: list[str], **kw: Any):
+        super().__init__(**kw)
+        self.lines = lines
+
+    async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
+        import fcntl
+        import stat
+
+        for fd in range(3, 64):
+            try:
+                st, flags = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+            except OSError:
+                continue
+            if stat.S_ISFIFO(st.st_mode) and flags & os.O_ACCMODE == os.O_WRONLY:
+                for line in self.lines:
+                    os.write(fd, line.encode() + b"\n")
+                break
+        else:
+            raise RuntimeError("the protocol pipe was not found")
+        return await super().score(example, messages, state)
+
+
+def load_protocol_writer(lines: list[str], **args: Any) -> ProtocolWriter:
+    return ProtocolWriter(lines, **args)

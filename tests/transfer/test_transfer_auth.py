@@ -75,6 +75,66 @@ def test_a_stranger_cannot_list_read_or_write_keys(tmp_path):
         server.close()
 
 
+def _until(condition, within_s: float) -> bool:
+    """Poll `condition` until it holds or `within_s` passed (a bound, not a synchronization delay)."""
+    import time
+
+    end = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _store_threads() -> int:
+    import threading
+
+    return sum(t.name == "pjx-store-conn" for t in threading.enumerate())
+
+
+def test_idle_strangers_hold_a_bounded_number_of_threads_and_a_member_still_joins():
+    """Issue 48: one thread per unauthenticated connection, uncapped (2,000 idle connections -> 1,437 threads).
+    At most MAX_PENDING challenges run at once; a newer connection evicts the oldest pending one."""
+    server = rendezvous.StoreServer("127.0.0.1", 0, SECRET)
+    idle = []
+    try:
+        before = _store_threads()
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        assert _until(lambda: server.evicted == 300 - rendezvous.MAX_PENDING, 10), server.evicted
+        assert _until(lambda: _store_threads() - before <= rendezvous.MAX_PENDING, 10), _store_threads()
+        member = rendezvous.connect_store("127.0.0.1", server.port, SECRET, 5.0)
+        member.set("k", b"v")
+        assert member.get("k") == b"v"
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
+def test_a_challenge_answered_byte_by_byte_is_cut_off_at_the_deadline(monkeypatch):
+    """The handshake's deadline covers the whole challenge, not each read (a peer sending one byte per
+    interval under the per-read timeout kept its thread forever)."""
+    monkeypatch.setattr(rendezvous, "HANDSHAKE_S", 0.5)
+    before = _store_threads()
+    server = rendezvous.StoreServer("127.0.0.1", 0, SECRET)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+            raw.recv(64)
+            sent = 0
+            try:
+                for _ in range(64):  # the full answer is 64 bytes: 6.4 s at this pace
+                    raw.sendall(b"x")
+                    sent += 1
+                    time.sleep(0.1)  # the peer's pace (what is tested), not a synchronization
+            except OSError:
+                pass
+            assert sent < 64 and (sent == 0 or raw.recv(1) == b"")
+        assert _until(lambda: _store_threads() == before, 5)  # its thread ended
+    finally:
+        server.close()
+
 def test_the_store_binds_only_the_configured_address():
     server = rendezvous.StoreServer("127.0.0.1", 0, SECRET)
     try:
