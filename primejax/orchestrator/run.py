@@ -54,7 +54,7 @@ async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
     root = cfg.run_dir
     client = policy_client(cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path),
                            admin_token=read_token(root))
-    monitor = Monitor.from_config(root, "orchestrator", cfg.monitor)
+    monitor = Monitor.from_config(root, "orchestrator", cfg.monitor, cfg.to_dict())
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s)
         orchestrator = Orchestrator(
