@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from wandb_files import wandb_history, wandb_run
 
 from primejax.utils.monitor import Monitor, read_jsonl
 
@@ -89,34 +90,6 @@ def test_run_info_records_the_config_and_git_commit(tmp_path):
     assert {"run/git", "run/config"} <= {t.split("/text_summary")[0] for t in text}
 
 
-def wandb_records(run_file):
-    """The records of a W&B run file (`run-*.wandb`: a LevelDB-style log of `wandb_internal_pb2.Record`s in
-    32 KiB blocks, each chunk a 7-byte header: crc32, little-endian length, type full/first/middle/last)."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(run_file).read_bytes()
-    assert data[:4] == b":W&B", "not a W&B run file"
-    offset, block, pending, records = 7, 32 * 1024, b"", []
-    while offset + 7 <= len(data):
-        if block - offset % block < 7:  # a block's tail too short for a header is padding
-            offset += block - offset % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
-        chunk = data[offset + 7:offset + 7 + length]
-        offset += 7 + length
-        if kind == 0 and length == 0:
-            break
-        pending += chunk
-        if kind in (1, 4):  # full, last
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
 def test_wandb_offline_run_holds_every_metric_the_other_sinks_hold(tmp_path):
     pytest.importorskip("wandb")
     from primejax.utils.monitor import MonitorConfig
@@ -127,17 +100,11 @@ def test_wandb_offline_run_holds_every_metric_the_other_sinks_hold(tmp_path):
             m.scalars(step, {"reward/mean": 0.25 * step, "server/0/gen_tokens_per_s": 100.0 * step})
         m.histogram(2, "advantage", [0.1, -0.1, float("nan")])
         m.table(2, "samples", ["env", "reward"], [["rev", 0.5]])
-    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1
-    records = wandb_records(runs[0])
-    # A media value (histogram, table) is stored under nested keys: ("samples", "_type"), ...
-    history = [{i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
-    by_step = {int(h["_step"]): h for h in history}
+    by_step = wandb_history(tmp_path)
     assert float(by_step[1]["reward/mean"]) == 0.25 and float(by_step[2]["server/0/gen_tokens_per_s"]) == 200.0
     assert json.loads(by_step[2]["advantage/_type"]) == "histogram"
     assert json.loads(by_step[2]["samples/_type"]) == "table-file"
-    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    run = wandb_run(tmp_path)
     assert (run.run_group, run.display_name, run.job_type) == (tmp_path.name, f"{tmp_path.name}/orchestrator",
                                                            "orchestrator")
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
