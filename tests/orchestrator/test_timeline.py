@@ -1,0 +1,94 @@
+"""The step timeline and sample table the orchestrator writes beside its metrics (monitor.timeline,
+monitor.samples_per_env), against an instant fake server: every request, wait, env call and phase lands on
+its track, the trace is valid Chrome trace-event JSON, and a hostile env's megabyte reply is cut."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from orch_fakes import FakeClient, FakeClock, make_orchestrator, small_config
+
+from primejax.config import typed
+from primejax.envs.base import Environment, Example, Message
+from primejax.envs.registry import register_env
+from primejax.orchestrator.timeline import Timeline, chrome_trace
+from primejax.utils.monitor import Monitor, read_jsonl
+
+
+class TwoCalls(Environment):
+    """Drives its own episode: a model call, its own work between calls, a second call."""
+
+    drives_rollout = True
+    max_turns = 4
+    num_examples = 50
+
+    def example(self, index: int) -> Example:
+        return Example(key=f"two/{index}", prompt=[{"role": "user", "content": f"count {index}"}])
+
+    async def rollout(self, example: Example, state: dict[str, Any], model: Any) -> list[Message]:
+        messages = list(example.prompt)
+        for turn in range(2):
+            messages = [*messages, await model(messages), {"role": "user", "content": f"env says {turn}"}]
+        return messages[:-1]
+
+    async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
+        return 1.0
+
+
+def trace_spans(path) -> tuple[dict[tuple[int, int], str], list[dict]]:
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): f"{lanes[e['pid']]}/{e['args']['name']}" for e in events
+               if e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all((e["pid"], e["tid"]) in threads and e["dur"] >= 0 for e in spans)
+    assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)
+    return threads, spans
+
+
+def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logged(tmp_path, tokenizer):
+    register_env("test-two-calls", lambda: TwoCalls())
+    cfg = small_config(tmp_path / "run", env_id="test-two-calls", batch_size=8, group_size=4, max_concurrent=1)
+    cfg.monitor.samples_per_env = 3
+    c = typed(cfg)
+    with Monitor(tmp_path / "run", "orchestrator", tensorboard=False) as monitor:
+        # Each request yields to the loop (virtual time), so the other rollouts' requests queue for the slot.
+        client = FakeClient(tokenizer, clock=FakeClock(), gen_time=0.1)
+        orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run",
+                                 monitor=monitor, watch=c.monitor)
+        asyncio.run(orch.run(2))
+    for step in (1, 2):
+        threads, spans = trace_spans(tmp_path / "run" / "timeline" / f"step_{step}.json")
+        by_track: dict[tuple[str, str], list[dict]] = {}
+        for e in spans:
+            by_track.setdefault((threads[(e["pid"], e["tid"])], e["name"]), []).append(e)
+        assert [e["name"] for e in spans if e["cat"] == "phase"] == ["wait_for_weights", "generate", "postprocess"]
+        for g in (0, 1):  # two groups of 4: the shared first request, then each rollout's second call
+            assert len(by_track[(f"rollouts/group {g}", "request")]) == 1
+            assert by_track[(f"rollouts/group {g}", "request")][0]["args"]["n"] == 4
+            for m in range(4):
+                track = f"rollouts/group {g} · {m}"
+                assert len(by_track[(track, "request")]) == 1 and len(by_track[(track, "score")]) == 1
+                assert len(by_track[(track, "env")]) == 3  # its own code before, between and after the model calls
+        # One request slot: with 8 rollouts wanting their second call at once, most of them waited.
+        assert len([e for e in spans if e["cat"] == "wait"]) >= 4
+    samples = read_jsonl(tmp_path / "run" / "tables" / "orchestrator" / "rollout_samples.jsonl")
+    assert [r["step"] for r in samples] == [1, 1, 1, 2, 2, 2]
+    first = samples[0]
+    assert first["prompt"] == "user: count " + str(first["example"]) and first["reward"] == 1.0
+    assert first["completion"].count("assistant: ") == 2 and "user: env says 0" in first["completion"]
+    assert first["turns"] == 2 and first["advantage"] == 0.0  # every reward equal: zero advantage
+
+
+def test_a_step_past_max_spans_drops_the_rest_and_says_so():
+    t = [0.0]
+    timeline = Timeline(clock=lambda: t[0], max_spans=3)
+    for i in range(5):
+        timeline.add("request", "request", i, i + 0.5, ("rollouts", f"group {i}"))
+    spans, dropped = timeline.take()
+    trace = chrome_trace(spans, timeline.origin, step=7, dropped=dropped)
+    assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == 3
+    assert trace["otherData"] == {"step": 7, "wall_clock_origin": 0.0, "dropped_spans": 2}
+    assert timeline.take() == ([], 0)  # the next step starts empty
