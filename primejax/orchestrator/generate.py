@@ -220,7 +220,7 @@ class GroupGenerator:
 
     async def group(self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int) -> list[Rollout]:
         sticky_route()  # every turn of this group's rollouts on the server its first request goes to
-        TRACK.set(("rollouts", f"group {group_id}"))  # this group task's work, on the timeline
+        TRACK.set(("groups", f"group {group_id}"))  # this group task's work, on the timeline
         example = slot.env.example(index)
         rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
                             messages=[dict(m) for m in example.prompt]) for _ in range(group_size)]
@@ -294,7 +294,7 @@ class GroupGenerator:
     async def _finish(self, slot: EnvSlot, rollout: Rollout, prompt_ids: list[int], completion: Any,
                       version: int, step: int, member: int) -> None:
         """An orchestrator-driven rollout: model turns alternate with the env's `env_response`."""
-        TRACK.set(("rollouts", f"group {rollout.group_id} · {member}"))
+        TRACK.set(("groups", f"group {rollout.group_id} · {member}"))
         stage = _Stage("request")
 
         async def play() -> None:
@@ -327,7 +327,7 @@ class GroupGenerator:
 
     async def _sampled_by_env(self, slot: EnvSlot, rollout: Rollout, step: int, member: int) -> None:
         """A rollout sampled by the environment's own client (`samples_itself`, see module docstring)."""
-        TRACK.set(("rollouts", f"group {rollout.group_id} · {member}"))
+        TRACK.set(("groups", f"group {rollout.group_id} · {member}"))
         s = self.settings
         stage = _Stage("env")
 
@@ -367,7 +367,7 @@ class GroupGenerator:
     async def _drive(self, slot: EnvSlot, rollout: Rollout, first: tuple[list[int], Any, int] | None, step: int,
                      member: int) -> None:
         """An env-driven rollout: the env's loop calls the model through `call` (see module docstring)."""
-        TRACK.set(("rollouts", f"group {rollout.group_id} · {member}"))
+        TRACK.set(("groups", f"group {rollout.group_id} · {member}"))
         max_turns = self._max_turns(slot)
         pending = [first]  # the group's shared first completion, used when the env's first prompt matches
         stage = _Stage("env")

@@ -6,8 +6,8 @@ on one clock, and its track, a (lane, name) pair:
     ("step", "orchestrator")       the step's phases: wait_for_weights, generate (or batch_cut), postprocess
     ("weights", "orchestrator")    each weight update the orchestrator made (its version, how it travelled)
     ("weights", "server <i>")      each server's own load time of that update (ends when the update ended)
-    ("rollouts", "group <g>")      a group's shared first request (n = group_size)
-    ("rollouts", "group <g> · <m>") one rollout's later requests, env calls (env_response, score, tools), the
+    ("groups", "group <g>")        a group's shared first request (n = group_size)
+    ("groups", "group <g> · <m>")  one rollout's later requests, env calls (env_response, score, tools), the
                                     env's own code between the model calls it makes (`env`, `tool` after a
                                     tool call) and its waits for a request slot (`wait`)
 
@@ -32,7 +32,7 @@ from typing import Any
 from primejax.utils.io import atomic_write_text
 
 Track = tuple[str, str]
-LANES = ("step", "weights", "rollouts")  # the trace's processes, top to bottom
+LANES = ("step", "weights", "groups")  # the trace's processes, top to bottom
 #: The track the running task's work belongs to (set per group and per rollout task by the generator).
 TRACK: contextvars.ContextVar[Track | None] = contextvars.ContextVar("primejax_timeline_track", default=None)
 

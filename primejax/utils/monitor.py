@@ -111,6 +111,9 @@ class _Wandb:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() may return before W&B's service has written the run's last records; teardown waits for it,
+        # so what close() returns on is on disk (a process exits right after).
+        self._wandb.teardown()
 
 
 def _markdown(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

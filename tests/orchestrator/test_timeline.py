@@ -66,10 +66,10 @@ def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logg
             by_track.setdefault((threads[(e["pid"], e["tid"])], e["name"]), []).append(e)
         assert [e["name"] for e in spans if e["cat"] == "phase"] == ["wait_for_weights", "generate", "postprocess"]
         for g in (0, 1):  # two groups of 4: the shared first request, then each rollout's second call
-            assert len(by_track[(f"rollouts/group {g}", "request")]) == 1
-            assert by_track[(f"rollouts/group {g}", "request")][0]["args"]["n"] == 4
+            assert len(by_track[(f"groups/group {g}", "request")]) == 1
+            assert by_track[(f"groups/group {g}", "request")][0]["args"]["n"] == 4
             for m in range(4):
-                track = f"rollouts/group {g} · {m}"
+                track = f"groups/group {g} · {m}"
                 assert len(by_track[(track, "request")]) == 1 and len(by_track[(track, "score")]) == 1
                 assert len(by_track[(track, "env")]) == 3  # its own code before, between and after the model calls
         # One request slot: with 8 rollouts wanting their second call at once, most of them waited.
@@ -86,7 +86,7 @@ def test_a_step_past_max_spans_drops_the_rest_and_says_so():
     t = [0.0]
     timeline = Timeline(clock=lambda: t[0], max_spans=3)
     for i in range(5):
-        timeline.add("request", "request", i, i + 0.5, ("rollouts", f"group {i}"))
+        timeline.add("request", "request", i, i + 0.5, ("groups", f"group {i}"))
     spans, dropped = timeline.take()
     trace = chrome_trace(spans, timeline.origin, step=7, dropped=dropped)
     assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == 3
