@@ -339,11 +339,12 @@ class Orchestrator:
                                    "(check group_size, rewards and filters)")
         await offload(self.write, step, samples, {"step": step, "policy_version": self.tracker.version})
         post_seconds = time.perf_counter() - t_post
+        t_gc = time.perf_counter()
         gc_metrics = self.gc.after_step(step)
-        if self.watch is not None:
+        if self.watch is not None:  # on the timeline, back to back, ending now
             phases = [("wait_for_weights", waited), ("generate", gen_seconds)] if self.pool is None else [
                 ("batch_cut", gen_seconds)]
-            self.watch.phases([*phases, ("postprocess", post_seconds)])
+            self.watch.phases([*phases, ("postprocess", post_seconds), ("gc", time.perf_counter() - t_gc)])
 
         total = time.perf_counter() - t0
         now = time.perf_counter()

@@ -3,7 +3,7 @@
 The generator records a span when a piece of work ends (`Timeline.add`): its category, name, start and end
 on one clock, and its track, a (lane, name) pair:
 
-    ("step", "orchestrator")       the step's phases: wait_for_weights, generate (or batch_cut), postprocess
+    ("step", "orchestrator")       the step's phases: wait_for_weights, generate (or batch_cut), postprocess, gc
     ("weights", "orchestrator")    each weight update the orchestrator made (its version, how it travelled)
     ("weights", "server <i>")      each server's own load time of that update (ends when the update ended)
     ("groups", "group <g>")        a group's shared first request (n = group_size)

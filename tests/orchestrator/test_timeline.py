@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from orch_fakes import FakeClient, FakeClock, make_orchestrator, small_config
 
 from primejax.config import typed
@@ -64,7 +66,7 @@ def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logg
         by_track: dict[tuple[str, str], list[dict]] = {}
         for e in spans:
             by_track.setdefault((threads[(e["pid"], e["tid"])], e["name"]), []).append(e)
-        assert [e["name"] for e in spans if e["cat"] == "phase"] == ["wait_for_weights", "generate", "postprocess"]
+        assert [e["name"] for e in spans if e["cat"] == "phase"] == ["wait_for_weights", "generate", "postprocess", "gc"]
         for g in (0, 1):  # two groups of 4: the shared first request, then each rollout's second call
             assert len(by_track[(f"groups/group {g}", "request")]) == 1
             assert by_track[(f"groups/group {g}", "request")][0]["args"]["n"] == 4
@@ -92,3 +94,25 @@ def test_a_step_past_max_spans_drops_the_rest_and_says_so():
     assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == 3
     assert trace["otherData"] == {"step": 7, "wall_clock_origin": 0.0, "dropped_spans": 2}
     assert timeline.take() == ([], 0)  # the next step starts empty
+
+
+def test_tools_plot_draws_a_steps_timeline_and_refuses_a_missing_one(tmp_path, tokenizer):
+    import subprocess
+    import sys
+
+    import matplotlib.image
+
+    from tools.plot import COLORS, plot_timeline
+
+    cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run",
+                             watch=typed(cfg).monitor)
+    asyncio.run(orch.run(1))
+    png = matplotlib.image.imread(plot_timeline(tmp_path / "run", 1, tmp_path / "t.png"))[..., :3]
+    phase = np.array([int(COLORS["phase"][i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    # The step's phases are drawn at alpha 0.9 over white: that color fills a visible part of the image.
+    drawn = np.abs(png - (0.9 * phase + 0.1)).max(axis=-1) < 0.02
+    assert drawn.mean() > 0.01
+    proc = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "run"), "--timeline", "9"],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: no ") and "step_9.json" in proc.stderr
