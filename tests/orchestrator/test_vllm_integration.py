@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -153,3 +154,55 @@ def test_the_run_logs_server_metrics_timeline_and_samples_to_every_sink(watched_
         assert float(logged["server/0/gen_tokens_per_s"]) == pytest.approx(r["server/0/gen_tokens_per_s"])
         assert float(logged["reward/mean"]) == pytest.approx(r["reward/mean"])
         assert json.loads(logged["rollout_samples/_type"]) == "table-file"
+
+
+def browser() -> str | None:
+    return next((p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))), None)
+
+
+@pytest.mark.skipif(browser() is None or importlib.util.find_spec("tensorboard") is None,
+                    reason="needs a Chromium and the tensorboard package (CI installs neither browser)")
+def test_tensorboard_in_a_headless_browser_shows_the_server_metrics(watched_run, tmp_path):
+    """TensorBoard serves the run's event files; the page a real browser renders lists the servers' metrics
+    (its time-series dashboard names each card's tag in the DOM), and a screenshot of it is taken."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.parse
+    import urllib.request
+
+    run_dir = watched_run[5]
+    with socket.socket() as s:  # a free port on the loopback interface
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir / "tensorboard"),
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # ready when it answers (a loaded box takes seconds to import TensorBoard)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/logdir", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "tensorboard did not start"
+            time.sleep(0.5)
+        names = ("server/0/gen_tokens_per_s", "server/0/prompt_tokens_per_s", "server/0/kv_cache_usage",
+                 "server/0/running", "server/0/waiting", "server/0/preemptions", "server/0/weight_update_s",
+                 "server/total/gen_tokens_per_s")
+        # The time-series dashboard draws the cards of its tag filter (one page of them): exactly these.
+        url = f"http://127.0.0.1:{port}/?tagFilter={urllib.parse.quote('^(' + '|'.join(names) + ')$')}#timeseries"
+        common = [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                  "--virtual-time-budget=30000", "--window-size=1400,3000"]
+        dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=300).stdout
+        shown = set(re.findall(r'title="(server/[^"]+)"', dom))
+        assert shown == set(names), sorted(shown)
+        shot = tmp_path / "tensorboard_servers.png"
+        subprocess.run([*common, f"--screenshot={shot}", url], capture_output=True, timeout=300)
+        assert shot.stat().st_size > 20_000  # a rendered page, not an empty one
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
