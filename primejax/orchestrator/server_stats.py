@@ -2,7 +2,7 @@
 
 `ServerStats` reads every server's Prometheus `/metrics` page (through the client's reader, the one the AIMD
 controller uses) every `poll_s` seconds while a step runs and once at its end, and `take()` turns the readings
-since the previous step into that step's metrics (docs/rollouts.md#watching-a-run):
+since the previous step into that step's metrics:
 
     server/<i>/gen_tokens_per_s     generated tokens / s  (counter vllm:generation_tokens, over the step's wall time)
     server/<i>/prompt_tokens_per_s  prefilled prompt tokens / s  (vllm:prompt_tokens)
@@ -14,7 +14,7 @@ since the previous step into that step's metrics (docs/rollouts.md#watching-a-ru
 
 `i` is the server's index in `orchestrator.client.base_urls` (as `server/<i>/busy`). A server that could not be
 read at the start or end of a step reports no rates for it; a counter that went down (the server restarted)
-counts from zero. Time is injected so tests run on a fake clock.
+counts from zero. Time is injected so tests run on a fake clock. docs/monitoring.md shows where they land.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the orchestrator logs beside its step metrics, for a person watching the run (the `monitor` section):
 the inference servers' own metrics (primejax.orchestrator.server_stats), the step's timeline
 (primejax.orchestrator.timeline) and a few sample rollouts per env (prompt, completion, reward, advantage).
-docs/rollouts.md#watching-a-run shows where each lands.
+docs/monitoring.md shows where each lands.
 """
 
 from __future__ import annotations

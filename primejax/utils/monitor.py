@@ -7,7 +7,7 @@ Each process owns one `Monitor`. Sinks:
   tables appended to `<run_dir>/tables/<process>/<name>.jsonl` (one row object per line, with its step);
 - Weights & Biases (`monitor.wandb`): one W&B run per process, grouped by the run's name, written under
   `<run_dir>/wandb/`; `monitor.wandb_mode = "offline"` (the default) needs no network or account
-  (`wandb sync <run_dir>/wandb/offline-run-*` uploads it later).
+  (`wandb sync <run_dir>/wandb/wandb/offline-run-*` uploads it later). docs/monitoring.md is the user's page.
 
 Each sink records what the run is: the resolved config and the git commit primejax was running from
 (TensorBoard text `run/config` and `run/git`, the W&B run's config, and `<run_dir>/metrics/<process>.run.json`).
