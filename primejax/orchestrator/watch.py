@@ -35,12 +35,18 @@ def _message_text(message: dict[str, Any]) -> str:
 
 
 def sample_rows(rollouts: list[Rollout], shipped: list[Rollout], per_env: int, chars: int) -> list[list[Any]]:
-    """Up to `per_env` rollouts of each env, those shipped to the trainer first, as rows of SAMPLE_COLUMNS.
-    The prompt keeps its last `chars` characters (the newest turn), the completion its first `chars`."""
+    """Up to `per_env` rollouts of each env, those shipped to the trainer first and one per group before a
+    second of the same group (different prompts say more), as rows of SAMPLE_COLUMNS. The prompt keeps its
+    last `chars` characters (the newest turn), the completion its first `chars`."""
     if per_env <= 0:
         return []
     ids = {id(r) for r in shipped}
-    ordered = shipped + [r for r in rollouts if r.ok and id(r) not in ids]
+    candidates = shipped + [r for r in rollouts if r.ok and id(r) not in ids]
+    firsts: dict[tuple[str, int], Rollout] = {}
+    for r in candidates:
+        firsts.setdefault((r.env, r.group_id), r)
+    chosen = {id(r) for r in firsts.values()}
+    ordered = list(firsts.values()) + [r for r in candidates if id(r) not in chosen]
     rows, taken = [], {}
     for r in ordered:
         if taken.get(r.env, 0) >= per_env:

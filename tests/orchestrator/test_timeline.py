@@ -82,6 +82,7 @@ def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logg
     assert first["prompt"] == "user: count " + str(first["example"]) and first["reward"] == 1.0
     assert first["completion"].count("assistant: ") == 2 and "user: env says 0" in first["completion"]
     assert first["turns"] == 2 and first["advantage"] == 0.0  # every reward equal: zero advantage
+    assert [r["group"] for r in samples] == [0, 1, 0] * 2  # one per group before a second of the same group
 
 
 def test_a_step_past_max_spans_drops_the_rest_and_says_so():
