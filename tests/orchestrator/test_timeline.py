@@ -117,3 +117,24 @@ def test_tools_plot_draws_a_steps_timeline_and_refuses_a_missing_one(tmp_path, t
     proc = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "run"), "--timeline", "9"],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: no ") and "step_9.json" in proc.stderr
+
+
+def test_continuous_pool_each_request_lands_in_exactly_one_steps_trace(tmp_path, tokenizer):
+    """In continuous mode groups outlive the step that dispatched them: a span is written by the first step
+    ending after it ended, so the step files together hold every request once."""
+    cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
+    cfg.orchestrator.pool.mode = "continuous"
+    client = FakeClient(tokenizer, clock=FakeClock(), gen_time=0.1)
+    orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run",
+                             watch=typed(cfg).monitor)
+    asyncio.run(orch.run(3))
+    requests = 0
+    for step in (1, 2, 3):
+        _, spans = trace_spans(tmp_path / "run" / "timeline" / f"step_{step}.json")
+        assert [e["name"] for e in spans if e["cat"] == "phase"] == ["batch_cut", "postprocess", "gc"]
+        requests += sum(e["cat"] == "request" for e in spans)
+    # Requests still running when the run stopped were cancelled after the last step's file: still in the timeline.
+    left, _ = orch.watch.timeline.take()
+    cancelled = [s for s in left if s.cat == "request"]
+    assert requests >= 6 and requests + len(cancelled) == len(client.requests)
+    assert all(s.name == "request (failed)" for s in cancelled)
