@@ -103,58 +103,18 @@ def plot_servers(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out
 
 
-COLORS = {"phase": "#9e9e9e", "request": "#1f77b4", "wait": "#ff7f0e", "env": "#2ca02c", "tool": "#9467bd",
-          "weights": "#d62728"}
-
-
-def _row(lane: str, thread: str) -> str:
-    """The plot's row of a trace thread: a rollout's track folds into its group's row."""
-    return f"{lane}: {thread.split(' · ')[0]}"
-
-
 def plot_timeline(run_dir: str | Path, step: int, out: str | Path | None = None) -> Path:
-    """Step `step`'s trace as horizontal bars: the step's phases, weight updates, then one row per group
-    (its rollouts' requests, waits, env and tool work overlaid); weight updates shaded across every row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """Step `step`'s trace as horizontal bars (primejax.orchestrator.timeline_plot)."""
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+
+    from primejax.orchestrator.timeline_plot import draw
 
     run = Path(run_dir)
     out = Path(out) if out else run / f"timeline_step_{step}.png"
-    events = json.loads(RunDir(run).timeline(step).read_text())["traceEvents"]
-    lanes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    spans = [e for e in events if e.get("ph") == "X"]
-    if not spans:
-        raise SystemExit(f"error: {RunDir(run).timeline(step)} holds no spans")
-    t0 = min(e["ts"] for e in spans)
-    span_s = (max(e["ts"] + e["dur"] for e in spans) - t0) / 1e6
-    rows = list(dict.fromkeys(_row(lanes[e["pid"]], threads[(e["pid"], e["tid"])])
-                              for e in sorted(spans, key=lambda e: (e["pid"], e["tid"]))))
-    index = {r: i for i, r in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(13, max(3.0, 0.28 * len(rows) + 1.5)))
-    for e in spans:
-        cat = "tool" if e["name"] == "tool" else e.get("cat", "phase")
-        y = index[_row(lanes[e["pid"]], threads[(e["pid"], e["tid"])])]
-        start, width = (e["ts"] - t0) / 1e6, max(e["dur"] / 1e6, 1e-4)
-        step_lane = lanes[e["pid"]] == "step"  # its phases abut: white edges between them
-        ax.broken_barh([(start, width)], (y - 0.4, 0.8), color=COLORS.get(cat, "#17becf"),
-                       alpha=0.35 if lanes[e["pid"]] == "groups" else 0.9, edgecolor="white",
-                       linewidth=1.0 if step_lane else 0)
-        if lanes[e["pid"]] == "weights" and threads[(e["pid"], e["tid"])] == "orchestrator":
-            ax.axvspan(start, start + width, color=COLORS["weights"], alpha=0.08)
-        if step_lane and width > 0.03 * span_s:  # a label that fits its bar
-            ax.text(start + width / 2, y, e["name"], ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(len(rows)), rows, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds since the step's first span")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], fontsize=7, ncol=len(COLORS),
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 if len(rows) > 8 else -0.25))
-    ax.set_title(f"{run.name}: step {step} timeline")
-    fig.tight_layout()
+    try:
+        fig = draw(json.loads(RunDir(run).timeline(step).read_text()), f"{run.name}: step {step} timeline")
+    except ValueError as e:
+        raise SystemExit(f"error: {RunDir(run).timeline(step)}: {e}") from None
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

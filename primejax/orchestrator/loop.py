@@ -418,8 +418,6 @@ class Orchestrator:
             self.monitor.histogram(result.step, "staleness", result.staleness)
             self.monitor.histogram(result.step, "advantage",
                                    [sum(r.advantages) / len(r.advantages) for r in result.batch if r.advantages])
-        if self.watch is not None:
-            self.watch.log(self.monitor, result.step, result.rollouts, result.batch)
 
     def _env_worker_metrics(self) -> dict[str, float]:
         workers = [slot.env for slot in self.slots if isinstance(slot.env, WorkerEnv)]
@@ -465,6 +463,8 @@ class Orchestrator:
                 if self.eval_task is not None and result.step == max_steps:
                     result.metrics.update(await self._eval_done())  # the run's last metrics include its evals
                 self._log(result)
+                if self.watch is not None:  # the step's timeline and samples
+                    await self.watch.log(self.monitor, result.step, result.rollouts, result.batch)
                 history.append(result.metrics)
                 self.next_step += 1
                 interval = self.o.checkpoint.interval

@@ -13,23 +13,20 @@ on one clock, and its track, a (lane, name) pair:
 
 Each step the orchestrator takes the spans that ended since the previous step and writes them as a
 Chrome/Perfetto trace (`<run>/timeline/step_N.json`: open it in https://ui.perfetto.dev or chrome://tracing;
-`python -m tools.plot RUN --timeline N` draws it as a PNG). Spans are kept up to `max_spans` per step (a
-step with more drops the rest and says how many in the trace's `otherData`).
+`python -m tools.plot RUN --timeline N` draws it as a PNG; every `monitor.timeline_image_every` steps the
+orchestrator logs that drawing to TensorBoard and W&B, primejax.orchestrator.timeline_plot). Spans are kept up
+to `max_spans` per step (a step with more drops the rest and says how many in the trace's `otherData`).
 """
 
 from __future__ import annotations
 
 import contextvars
-import json
 import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-from primejax.utils.io import atomic_write_text
 
 Track = tuple[str, str]
 LANES = ("step", "weights", "groups")  # the trace's processes, top to bottom
@@ -104,13 +101,3 @@ def chrome_trace(spans: list[Span], origin: float, *, step: int, wall_origin: fl
                        "args": s.args})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"step": step, "wall_clock_origin": wall_origin, "dropped_spans": dropped}}
-
-
-def write_trace(path: str | Path, timeline: Timeline, step: int) -> Path:
-    """Write the spans taken from `timeline` as step `step`'s trace file (atomically)."""
-    spans, dropped = timeline.take()
-    trace = chrome_trace(spans, timeline.origin, step=step, wall_origin=timeline.wall_origin, dropped=dropped)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(trace, separators=(",", ":"), default=str))
-    return path

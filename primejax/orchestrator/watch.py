@@ -16,7 +16,10 @@ from typing import Any
 from primejax.contracts.rundir import RunDir
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.server_stats import ServerStats
-from primejax.orchestrator.timeline import Timeline, write_trace
+from primejax.orchestrator.timeline import Timeline, chrome_trace
+from primejax.orchestrator.timeline_plot import available as can_draw
+from primejax.orchestrator.timeline_plot import to_image
+from primejax.utils.io import atomic_write_text
 from primejax.utils.monitor import MonitorConfig
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,9 @@ class RunWatch:
         self.client, self.tracker = client, tracker
         self.timeline = Timeline() if cfg.timeline else None
         generator.timeline = self.timeline
+        self.image_every = cfg.timeline_image_every if cfg.timeline and can_draw() else 0
+        if cfg.timeline and cfg.timeline_image_every and not self.image_every:
+            log.info("monitor.timeline_image_every: matplotlib is not installed, no timeline images are logged")
         read = getattr(client, "metrics_text", None)
         self.servers = ServerStats(read, poll_s=cfg.server_poll_s) if cfg.server_metrics and read else None
 
@@ -116,13 +122,23 @@ class RunWatch:
         self._weight_updates()
         return await self.servers.take() if self.servers is not None else {}
 
-    def log(self, monitor: Any, step: int, rollouts: list[Rollout], shipped: list[Rollout]) -> None:
-        """Write the step's timeline file and sample table (after its metrics were logged)."""
+    async def log(self, monitor: Any, step: int, rollouts: list[Rollout], shipped: list[Rollout]) -> None:
+        """Write the step's timeline file (and every `image_every` steps its image) and its sample table, after
+        the step's metrics were logged."""
         if self.timeline is not None:
+            spans, dropped = self.timeline.take()
+            trace = chrome_trace(spans, self.timeline.origin, step=step, wall_origin=self.timeline.wall_origin,
+                                 dropped=dropped)
+            path = RunDir(self.run_dir).timeline(step)
             try:
-                write_trace(RunDir(self.run_dir).timeline(step), self.timeline, step)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(path, json.dumps(trace, separators=(",", ":"), default=str))
             except OSError as e:  # a full disk loses the trace, not the run
                 log.warning("step %d: writing the timeline failed: %s", step, e)
+            if monitor is not None and spans and self.image_every and step % self.image_every == 0:
+                # Drawn off the event loop (a second of CPU for a large step): requests in flight go on meanwhile.
+                title = f"{self.run_dir.name}: step {step} timeline"
+                monitor.image(step, "timeline", await asyncio.to_thread(to_image, trace, title))
         rows = sample_rows(rollouts, shipped, self.cfg.samples_per_env, self.cfg.sample_chars)
         if monitor is not None and rows:
             monitor.table(step, "rollout_samples", SAMPLE_COLUMNS, rows)

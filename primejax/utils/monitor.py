@@ -51,6 +51,8 @@ class MonitorConfig(Section):
                                        "each step's end)", ge=0.0)
     timeline: bool = option(True, "a Chrome/Perfetto trace per step at <run>/timeline/step_N.json (requests, "
                                   "env and tool work, waits, weight updates)")
+    timeline_image_every: int = option(10, "every N steps, that step's timeline drawn as the image `timeline` in "
+                                           "TensorBoard and W&B (needs matplotlib); 0 = never", ge=0)
     samples_per_env: int = option(2, "sample rollouts logged per env and step (prompt, completion, reward, "
                                       "advantage); 0 = none", ge=0, le=64)
     sample_chars: int = option(2000, "characters kept of each sample's prompt and completion", gt=0,
@@ -105,6 +107,9 @@ class _Wandb:
 
     def histogram(self, step: int, name: str, values: np.ndarray) -> None:
         self.log(step, {name: self._wandb.Histogram(values)})
+
+    def image(self, step: int, name: str, image: np.ndarray) -> None:
+        self.log(step, {name: self._wandb.Image(image)})
 
     def table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         self.log(step, {name: self._wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
@@ -205,6 +210,13 @@ class Monitor:
             self._writer.add_text(name, text, int(step))
         if self._wandb is not None:
             self._wandb.table(step, name, ["text"], [[text]])
+
+    def image(self, step: int, name: str, image: np.ndarray) -> None:
+        """An RGB uint8 image [height, width, 3] at `step`: TensorBoard and W&B (JSONL has no images)."""
+        if self._writer is not None:
+            self._writer.add_image(name, image, int(step), dataformats="HWC")
+        if self._wandb is not None:
+            self._wandb.image(step, name, image)
 
     def table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         """Rows of `columns` at `step`: TensorBoard text (one block per row), a W&B table, and a JSONL line per

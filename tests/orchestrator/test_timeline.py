@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from orch_fakes import FakeClient, FakeClock, make_orchestrator, small_config
 
 from primejax.config import typed
@@ -54,8 +55,9 @@ def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logg
     register_env("test-two-calls", lambda: TwoCalls())
     cfg = small_config(tmp_path / "run", env_id="test-two-calls", batch_size=8, group_size=4, max_concurrent=1)
     cfg.monitor.samples_per_env = 3
+    cfg.monitor.timeline_image_every = 2
     c = typed(cfg)
-    with Monitor(tmp_path / "run", "orchestrator", tensorboard=False) as monitor:
+    with Monitor(tmp_path / "run", "orchestrator") as monitor:
         # Each request yields to the loop (virtual time), so the other rollouts' requests queue for the slot.
         client = FakeClient(tokenizer, clock=FakeClock(), gen_time=0.1)
         orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run",
@@ -83,6 +85,13 @@ def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logg
     assert first["completion"].count("assistant: ") == 2 and "user: env says 0" in first["completion"]
     assert first["turns"] == 2 and first["advantage"] == 0.0  # every reward equal: zero advantage
     assert [r["group"] for r in samples] == [0, 1, 0] * 2  # one per group before a second of the same group
+    # Every second step's timeline is drawn as an image in TensorBoard (read with TensorBoard's own reader).
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "orchestrator")).Reload()
+    images = events.Images("timeline")
+    assert [i.step for i in images] == [2] and images[0].width > 500 and images[0].height > 200
 
 
 def test_a_step_past_max_spans_drops_the_rest_and_says_so():
@@ -103,7 +112,8 @@ def test_tools_plot_draws_a_steps_timeline_and_refuses_a_missing_one(tmp_path, t
 
     import matplotlib.image
 
-    from tools.plot import COLORS, plot_timeline
+    from primejax.orchestrator.timeline_plot import COLORS
+    from tools.plot import plot_timeline
 
     cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run",

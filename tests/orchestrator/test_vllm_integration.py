@@ -72,6 +72,7 @@ def watched_run(tmp_path_factory, vllm_server, tiny_model_dir):
     cfg.orchestrator.filters.post_batch = ()  # a random tiny model's rewards may tie; ship everything
     cfg.monitor.wandb = importlib.util.find_spec("wandb") is not None  # in the test extra
     cfg.monitor.server_poll_s = 0.5
+    cfg.monitor.timeline_image_every = STEPS
     tokenizer = load_tokenizer(str(tiny_model_dir))
 
     async def main():
@@ -154,6 +155,8 @@ def test_the_run_logs_server_metrics_timeline_and_samples_to_every_sink(watched_
         assert float(logged["server/0/gen_tokens_per_s"]) == pytest.approx(r["server/0/gen_tokens_per_s"])
         assert float(logged["reward/mean"]) == pytest.approx(r["reward/mean"])
         assert json.loads(logged["rollout_samples/_type"]) == "table-file"
+    assert json.loads(wb[STEPS]["timeline/_type"]) == "image-file"  # the last step's timeline, drawn
+    assert not any("timeline/_type" in wb[s] for s in range(1, STEPS))
 
 
 def browser() -> str | None:
