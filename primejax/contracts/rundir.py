@@ -7,6 +7,8 @@
       checkpoints/step_N/{trainer,orchestrator}/
       sft/final/                    the SFT warm-up's model
       tensorboard/<process>/        metrics/<process>.jsonl        logs/<process>.log
+      metrics/<process>.run.json    tables/<process>/<name>.jsonl  wandb/   what each process ran, its tables, W&B
+      timeline/step_N.json          the orchestrator's Chrome/Perfetto trace of step N
       transfers/                    collective weight-transfer offers (primejax.contracts.transfer)
       stale/<time>/  previous/<time>/  what a resume set aside; an earlier run's outputs (launcher.resume)
       pids.json  .lock  admin_token the launcher's children; its lock on the directory; the admin secret
@@ -107,7 +109,8 @@ class RunDir:
     # What a fresh start moves aside (configs/ is this invocation's own): only primejax's entries, anything else
     # (a user's files, a project a run directory was pointed at by mistake) is never touched.
     ENTRIES = frozenset(
-        {*STEP_DIRS, "logs", "metrics", "tensorboard", "sft", "stale", PIDS_FILE, ADMIN_TOKEN_FILE, TRANSFERS}
+        {*STEP_DIRS, "logs", "metrics", "tensorboard", "tables", "timeline", "wandb", "sft", "stale", PIDS_FILE,
+         ADMIN_TOKEN_FILE, TRANSFERS}
     )
 
     def __init__(self, root: str | os.PathLike):
@@ -186,6 +189,25 @@ class RunDir:
 
     def tensorboard(self, process: str) -> Path:
         return self.root / "tensorboard" / process
+
+    def run_info(self, process: str) -> Path:
+        """What `process` ran: its resolved config and primejax's git commit (primejax.utils.monitor)."""
+        return self.root / "metrics" / f"{process}.run.json"
+
+    def table(self, process: str, name: str) -> Path:
+        """tables/<process>/<name>.jsonl: one row per line (a '/' in `name` becomes '.')."""
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name.replace("/", "."))
+        return self.root / "tables" / process / f"{safe}.jsonl"
+
+    def timeline(self, step: int | None = None) -> Path:
+        """timeline/ or timeline/step_N.json: the orchestrator's trace of step N (primejax.orchestrator.timeline)."""
+        root = self.root / "timeline"
+        return root if step is None else root / f"{step_name(step)}.json"
+
+    @property
+    def wandb(self) -> Path:
+        """W&B's directory (each process's run lands in wandb/wandb/offline-run-* or run-*)."""
+        return self.root / "wandb"
 
     @property
     def pids_file(self) -> Path:

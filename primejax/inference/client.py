@@ -122,6 +122,7 @@ class InferenceClient:
         self._verified: set[str] = set()
         self.busy = BusyMeter(self.base_urls)  # requests outstanding per server, and their busy time
         self.down: set[str] = set()  # servers no request goes to until revive()
+        self.last_load_seconds: dict[str, float] = {}  # each server's own load time of the last weight update
         # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
@@ -261,6 +262,16 @@ class InferenceClient:
                                 {"weight_dir": os.path.abspath(weight_dir), "version": int(version)},
                                 self._admin_headers)
 
+    def _note_loads(self, urls: list[str], answers: list[Any]) -> None:
+        """Each server's own time to load the last update (`load_seconds` of its answer), for the run's metrics;
+        an answer without a sane figure gives none."""
+        loads = {}
+        for url, a in zip(urls, answers, strict=False):
+            s = a.get("load_seconds") if isinstance(a, dict) else None
+            if isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0:
+                loads[url] = float(s)
+        self.last_load_seconds = loads
+
     def _adopt(self, answers: list[Any]) -> None:
         """Follow the servers to the adapter they all serve now (answers of /update_weights & co.)."""
         names = {a.get("adapter") or "" for a in answers if isinstance(a, dict)}
@@ -399,9 +410,12 @@ class InferenceClient:
     async def update_weights(self, weight_dir: str, version: int) -> None:
         """Load `weight_dir` in place on every server and serve it as `version`."""
         # Absolute on the wire: a server on another host (or another cwd) must not resolve our relative path.
-        self._adopt(await self._all(
+        urls = self.up_urls
+        answers = await self._all(
             "POST", "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)}
-        ))
+        )
+        self._note_loads(urls, answers)
+        self._adopt(answers)
 
     async def transfer_weights(self, version: int, init_info: dict, update_info: dict) -> None:
         """Receive `version` collectively on every server (the trainer is sending); the workers of server i join
@@ -420,7 +434,10 @@ class InferenceClient:
                 raise InferenceError(f"POST {url}/transfer_weights: {r.status_code} {_message(r)}", r.status_code)
             return r.json()
 
-        self._adopt(list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.up_urls)))))
+        urls = self.up_urls
+        answers = list(await asyncio.gather(*(one(i, u) for i, u in enumerate(urls))))
+        self._note_loads(urls, answers)
+        self._adopt(answers)
 
     async def reload_weights(self) -> None:
         """Go back to the base model on every server (version 0)."""

@@ -46,6 +46,7 @@ from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.message_caps import auto_limit, cap_messages
 from primejax.orchestrator.renderer import Renderer, parse_message
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
+from primejax.orchestrator.timeline import TRACK, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -152,23 +153,37 @@ class GroupGenerator:
         self.policy = policy
         self.semaphore = limiter or Limiter(max_concurrent)
         self.stats = GenerationStats()
+        self.timeline: Timeline | None = None  # set by the orchestrator when monitor.timeline is on
 
     async def _request(self, prompt_ids: list[int], n: int, seed: int | None,
                        client: SamplingClient | None = None) -> tuple[list[Any], int]:
         s = self.settings
         client = client or self.client
+        tl = self.timeline
+        queued = tl.clock() if tl is not None else 0.0
         async with self.semaphore:
             # Read the version when the request starts: the gate guarantees it is fresh enough, and a weight
             # update racing the request can only make the served policy newer than the tag.
             version = self.policy.version
             _note_version(version)
             start = time.perf_counter()
+            if tl is not None:
+                began = tl.clock()
+                if began - queued > 1e-3:  # it waited for a request slot (orchestrator.max_concurrent / AIMD)
+                    tl.add("wait", "request slot", queued, began)
             # Only the policy's own routing is replayed: a frozen sampler's (another model) is not asked for.
             extra = {"routed_experts": True} if self.routing is not None and client is self.client else {}
-            completions = await client.generate(
-                prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=seed,
-                **extra,
-            )
+            completions = None
+            try:
+                completions = await client.generate(
+                    prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                    seed=seed, **extra,
+                )
+            finally:
+                if tl is not None:
+                    tl.add("request", "request" if completions is not None else "request (failed)", began,
+                           tl.clock(), n=n, prompt_tokens=len(prompt_ids), version=version,
+                           completion_tokens=sum(len(c.completion_token_ids) for c in completions or ()))
             self.stats.server_seconds += time.perf_counter() - start
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
@@ -210,6 +225,7 @@ class GroupGenerator:
 
     async def group(self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int) -> list[Rollout]:
         sticky_route()  # every turn of this group's rollouts on the server its first request goes to
+        TRACK.set(("groups", f"group {group_id}"))  # this group task's work, on the timeline
         example = slot.env.example(index)
         try:
             prompt = self._capped(example.prompt)
@@ -260,11 +276,16 @@ class GroupGenerator:
 
     async def _env_call(self, call: Any, what: str) -> Any:
         """An environment call bounded by `orchestrator.env_timeout_s`: a hung one errors its rollout alone."""
+        tl = self.timeline
+        start = tl.clock() if tl is not None else 0.0
         try:
             return await asyncio.wait_for(call, self.env_timeout_s)
         except TimeoutError:
             raise TimeoutError(f"environment {what} did not answer within {self.env_timeout_s:g} s "
                                "(orchestrator.env_timeout_s)") from None
+        finally:
+            if tl is not None:
+                tl.add("env", what, start, tl.clock())
 
     async def _settle(self, slot: EnvSlot, rollout: Rollout, stage: _Stage,
                       play: Callable[[], Awaitable[None]]) -> None:
@@ -294,7 +315,7 @@ class GroupGenerator:
     async def _finish(self, slot: EnvSlot, rollout: Rollout, prompt_ids: list[int], completion: Any,
                       version: int, step: int, member: int) -> None:
         """An orchestrator-driven rollout: model turns alternate with the env's `env_response`."""
-
+        TRACK.set(("groups", f"group {rollout.group_id} · {member}"))
         stage = _Stage("request")
 
         async def play() -> None:
@@ -328,6 +349,7 @@ class GroupGenerator:
 
     async def _sampled_by_env(self, slot: EnvSlot, rollout: Rollout, step: int, member: int) -> None:
         """A rollout sampled by the environment's own client (`samples_itself`, see module docstring)."""
+        TRACK.set(("groups", f"group {rollout.group_id} · {member}"))
         s = self.settings
         stage = _Stage("env")
 
@@ -346,7 +368,11 @@ class GroupGenerator:
             async with self.semaphore:
                 version = self.policy.version
                 _note_version(version)
+                start = self.timeline.clock() if self.timeline is not None else 0.0
                 sampled = await slot.env.sample_rollout(rollout.example, rollout.state, endpoint)
+                if self.timeline is not None:  # the env's own loop: its requests and tools are one span
+                    self.timeline.add("request", "sampled by the env", start, self.timeline.clock(),
+                                      turns=len(sampled.turns), version=version)
             for turn in sampled.turns:
                 if len(turn.completion_logprobs) != len(turn.completion_ids):
                     raise RuntimeError(f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_ids)} tokens")
@@ -364,6 +390,7 @@ class GroupGenerator:
     async def _drive(self, slot: EnvSlot, rollout: Rollout, first: tuple[list[int], Any, int] | None, step: int,
                      member: int) -> None:
         """An env-driven rollout: the env's loop calls the model through `call` (see module docstring)."""
+        TRACK.set(("groups", f"group {rollout.group_id} · {member}"))
         max_turns = self._max_turns(slot)
         pending = [first]  # the group's shared first completion, used when the env's first prompt matches
         stage = _Stage("env")
@@ -411,14 +438,29 @@ class GroupGenerator:
         # The env's own code (its setup, steps between turns, scoring on close) runs under env_timeout_s; the
         # clock stops during the model calls it makes back (primejax/envs/env_clock.py).
         clock = EnvClock(self.env_timeout_s, repr(slot.name))
+        tl = self.timeline
+        env_since = [tl.clock() if tl is not None else 0.0]  # when the env's own code last took over
+
+        def env_worked() -> None:
+            """On the timeline: the env's code since it last had control (`tool` after a tool call)."""
+            if tl is not None:
+                last = rollout.messages[-1] if rollout.steps and rollout.messages else {}
+                tl.add("env", "tool" if last.get("tool_calls") else "env", env_since[0], tl.clock())
 
         async def timed_call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                              trainable: bool = True) -> dict[str, Any] | None:
-            with clock.paused():
-                return await call(messages, tools, trainable=trainable)
+            env_worked()
+            try:
+                with clock.paused():
+                    return await call(messages, tools, trainable=trainable)
+            finally:
+                env_since[0] = tl.clock() if tl is not None else 0.0
 
         async def play() -> None:
-            rollout.messages = self._capped(await clock.run(slot.env.rollout(rollout.example, rollout.state,
-                                                                             timed_call)))
+            try:
+                rollout.messages = self._capped(await clock.run(slot.env.rollout(rollout.example, rollout.state,
+                                                                                 timed_call)))
+            finally:
+                env_worked()
 
         await self._settle(slot, rollout, stage, play)

@@ -15,7 +15,6 @@ the batch stays full. Online evals run in the background next to the following s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -46,8 +45,10 @@ from primejax.orchestrator.pool import RolloutPool
 from primejax.orchestrator.renderer import build_renderer
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.orchestrator.watch import RunWatch
 from primejax.utils.faults import fault_point
 from primejax.utils.io import atomic_dir
+from primejax.utils.monitor import MonitorConfig
 
 log = logging.getLogger(__name__)
 MAX_EMPTY_BATCHES = 5
@@ -121,10 +122,12 @@ def cut_batch(groups: list[list[Rollout]], batch_size: int) -> list[Rollout]:
 class Orchestrator:
     def __init__(self, o: OrchestratorConfig, *, client: Any, tokenizer: Any, run_dir: str | Path, seed: int = 0,
                  num_shards: int = 1, pad_rows_to_multiple: int = 1, recovery_timeout_s: float = 600.0,
-                 monitor: Any = None, tracker: PolicyTracker | None = None, routing: RoutingShape | None = None):
+                 monitor: Any = None, tracker: PolicyTracker | None = None, routing: RoutingShape | None = None,
+                 watch: MonitorConfig | None = None):
         """`num_shards`: trainer processes (one batch file each); `pad_rows_to_multiple`: the trainer's
         micro_batch_size; `recovery_timeout_s`: how long an inference outage may last (a restart included);
-        `routing`: the policy's MoE routing shape, when its routed experts are recorded (routing replay)."""
+        `routing`: the policy's MoE routing shape, when its routed experts are recorded (routing replay);
+        `watch`: what to log beside the step metrics (servers' metrics, timeline, samples; None = nothing)."""
         self.o = o
         self.routing = routing
         self.client = client
@@ -160,6 +163,7 @@ class Orchestrator:
                                     kv_high=c.kv_high, waiting_high=c.waiting_high, interval_s=c.interval_s)
             self.aimd = AIMDController(self.limiter, settings, self._server_metrics)
         self.loop_lag = LoopLag()
+        self.watch = None if watch is None else RunWatch(watch, run_dir, client, self.tracker, self.generator)
         self.gc = GcPolicy(freeze=o.gc_freeze, full_every=o.gc_full_every)
         self._lost_seen = 0  # requests lost to the server up to the last continuous cut
         self.num_shards = max(1, num_shards)
@@ -336,7 +340,12 @@ class Orchestrator:
                                    "(check group_size, rewards and filters)")
         await offload(self.write, step, samples, {"step": step, "policy_version": self.tracker.version})
         post_seconds = time.perf_counter() - t_post
+        t_gc = time.perf_counter()
         gc_metrics = self.gc.after_step(step)
+        if self.watch is not None:  # on the timeline, back to back, ending now
+            phases = [("wait_for_weights", waited), ("generate", gen_seconds)] if self.pool is None else [
+                ("batch_cut", gen_seconds)]
+            self.watch.phases([*phases, ("postprocess", post_seconds), ("gc", time.perf_counter() - t_gc)])
 
         total = time.perf_counter() - t0
         now = time.perf_counter()
@@ -351,6 +360,7 @@ class Orchestrator:
             M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
             M.count_metrics("errors", errors), self.buffer.step_metrics(), pool_metrics, self.loop_lag.take(),
             self._env_worker_metrics(), gc_metrics, self._server_busy(),
+            await self.watch.step_metrics() if self.watch is not None else {},
             {
                 "concurrency/limit": self.limiter.limit,
                 "concurrency/in_flight_requests": self.limiter.in_flight,
@@ -409,9 +419,6 @@ class Orchestrator:
             self.monitor.histogram(result.step, "staleness", result.staleness)
             self.monitor.histogram(result.step, "advantage",
                                    [sum(r.advantages) / len(r.advantages) for r in result.batch if r.advantages])
-            if result.batch:
-                example = result.batch[0]
-                self.monitor.text(result.step, "rollout", json.dumps(example.messages, indent=1)[:4000])
 
     def _env_worker_metrics(self) -> dict[str, float]:
         workers = [slot.env for slot in self.slots if isinstance(slot.env, WorkerEnv)]
@@ -442,6 +449,7 @@ class Orchestrator:
             helpers.append(asyncio.create_task(self.aimd.run()))
         history = []
         try:
+            helpers += await self.watch.start() if self.watch is not None else []
             # Env workers load their envs before the first rollout (not inside its env_timeout_s); a bad env fails here.
             eval_slots = self.evaluator.slots if self.evaluator is not None else []
             await asyncio.gather(*(s.env.pool.start() for s in [*self.slots, *eval_slots] if isinstance(s.env, WorkerEnv)))
@@ -456,6 +464,8 @@ class Orchestrator:
                 if self.eval_task is not None and result.step == max_steps:
                     result.metrics.update(await self._eval_done())  # the run's last metrics include its evals
                 self._log(result)
+                if self.watch is not None:  # the step's timeline and samples
+                    await self.watch.log(self.monitor, result.step, result.rollouts, result.batch)
                 history.append(result.metrics)
                 self.next_step += 1
                 interval = self.o.checkpoint.interval

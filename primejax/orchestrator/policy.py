@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,18 @@ async def rendezvous_listening(offer: Offer, timeout_s: float = 2.0) -> bool:
         return False
     writer.close()
     return True
+
+
+@dataclass
+class WeightUpdate:
+    """One update of the served weights, as the run's timeline and server metrics show it: when the tracker
+    started and finished it (its clock), the version, how it travelled, and each server's own load seconds."""
+
+    step: int
+    start: float
+    end: float
+    transport: str  # filesystem | collective
+    load_seconds: dict[str, float] = field(default_factory=dict)  # by server URL
 
 
 def min_policy_version(step: int, async_level: int) -> int:
@@ -72,6 +86,7 @@ class PolicyTracker:
         self.update_seconds = 0.0
         self.collective_updates = 0
         self.failed_offers: set[int] = set()  # steps whose collective update failed (never retried)
+        self.update_events: deque[WeightUpdate] = deque(maxlen=1000)  # the monitor drains it each step
 
     @property
     def version(self) -> int:
@@ -142,6 +157,7 @@ class PolicyTracker:
                     return False
                 step = offer.step
                 self.collective_updates += 1
+                transport = "collective"
             else:
                 if step is None or step <= self._version:
                     return False
@@ -152,7 +168,11 @@ class PolicyTracker:
                 except Exception as e:  # noqa: BLE001 - a bad or pruned broadcast is retried on the next poll
                     log.warning("loading weights of step %d failed: %s", step, e)
                     return False
-            self.update_seconds += self._clock() - start
+                transport = "filesystem"
+            end = self._clock()
+            self.update_events.append(WeightUpdate(step, start, end, transport,
+                                                   dict(getattr(self.client, "last_load_seconds", None) or {})))
+            self.update_seconds += end - start
             self.updates += 1
             self._version = step
         async with changed:

@@ -53,7 +53,7 @@ async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
     root = cfg.run_dir
     client = policy_client(cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path),
                            admin_token=read_token(root))
-    monitor = Monitor.from_config(root, "orchestrator", cfg.monitor)
+    monitor = Monitor.from_config(root, "orchestrator", cfg.monitor, cfg.to_dict())
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s)
         orchestrator = Orchestrator(
@@ -63,6 +63,7 @@ async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
             # An outage may include a server restart (up to its start-up time) after the client's own retries.
             recovery_timeout_s=2 * cfg.inference.startup_timeout_s, monitor=monitor,
             routing=RoutingShape.of_model_dir(cfg.model.path) if cfg.orchestrator.routing_replay else None,
+            watch=cfg.monitor,
         )
         orchestrator.resume(cfg.run.resume_step)
         # Start from a known policy: the base model. A server left serving another (or a killed) run's weights

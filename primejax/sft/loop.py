@@ -112,7 +112,7 @@ def train_sft(cfg: Config) -> Path:
     order: list[int] = []
     skipped = 0
     root = cfg.run_dir
-    with Monitor.from_config(root, "sft", cfg.monitor) as monitor:
+    with Monitor.from_config(root, "sft", cfg.monitor, cfg.to_dict()) as monitor:
         for step in range(1, s.steps + 1):
             if len(order) < s.batch_size:  # epochs of a fresh shuffle
                 more = list(range(len(samples)))

@@ -279,7 +279,7 @@ def train(cfg: Config) -> TrainState:
     )
     if trainer.rank != 0:  # one writer of the run's metrics
         return trainer.run(None)
-    with Monitor.from_config(root, "trainer", cfg.monitor) as monitor:
+    with Monitor.from_config(root, "trainer", cfg.monitor, cfg.to_dict()) as monitor:
         return trainer.run(monitor)
 
 

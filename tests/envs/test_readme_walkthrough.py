@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from procs import processes_mentioning
+from wandb_files import wandb_history
 
 from primejax.utils.monitor import read_jsonl
 
@@ -30,6 +31,7 @@ SHORTER = [
     "--config.sft.batch_size=4",
     "--config.inference.port=0",
     "--config.inference.startup_timeout_s=900",  # a loaded 2-core machine took over 300 s to start the server
+    "--config.monitor.wandb=True",  # every sink of every process (W&B offline: no network)
 ]
 
 
@@ -88,3 +90,17 @@ def test_the_readme_walkthrough_runs(tmp_path):
     assert all(r["step"] - 1 - r["policy/min_version"] <= k for r in orch if r["samples/count"]), orch
     assert 0.0 <= trainer[0]["mismatch_kl"] <= 1e-3, trainer[0]["mismatch_kl"]
     assert processes_mentioning(str(run)) == []
+    # Every sink: each process's W&B offline run holds every metric of its JSONL, at the same step and value.
+    for process in ("sft", "trainer", "orchestrator"):
+        logged = wandb_history(run, process)
+        for row in read_jsonl(run / "metrics" / f"{process}.jsonl"):
+            for key, value in row.items():
+                if key not in ("step", "time") and value is not None:
+                    assert float(json.loads(logged[row["step"]][key])) == pytest.approx(value, rel=1e-6), key
+        assert (run / "tensorboard" / process).is_dir() and (run / "metrics" / f"{process}.run.json").exists()
+    assert all("server/0/gen_tokens_per_s" in r for r in orch)
+    samples = read_jsonl(run / "tables" / "orchestrator" / "rollout_samples.jsonl")
+    assert {r["step"] for r in samples} == set(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):  # the tool env's own work between model calls is on its rollouts' tracks
+        trace = json.loads((run / "timeline" / f"step_{step}.json").read_text())
+        assert any(e.get("cat") == "env" and e["name"] in ("env", "tool") for e in trace["traceEvents"])

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import pytest
+from wandb_files import wandb_history, wandb_run
 
 from primejax.utils.monitor import Monitor, read_jsonl
 
@@ -57,3 +62,51 @@ def test_jsonl_keeps_non_finite_as_null_and_skips_torn_lines(tmp_path):
         f.write('{"step": 2, "lo')  # a writer killed mid-line
     rows = read_jsonl(path)
     assert rows == [{"step": 1, "time": rows[0]["time"], "loss": None}]
+
+
+def test_table_is_tensorboard_text_and_jsonl_rows_with_hostile_cells_cut(tmp_path):
+    huge = "x" * 50_000  # an env may return megabytes: the cell is cut, the row is kept
+    with Monitor(tmp_path, "orchestrator") as m:
+        m.table(4, "samples", ["env", "reward", "completion"], [["rev", 0.5, "a\n```b"], ["rev", float("nan"), huge]])
+    rows = read_jsonl(tmp_path / "tables" / "orchestrator" / "samples.jsonl")
+    assert [(r["step"], r["env"], r["reward"]) for r in rows] == [(4, "rev", 0.5), (4, "rev", None)]
+    assert rows[0]["completion"] == "a\n```b"
+    assert len(rows[1]["completion"]) < 20_100 and rows[1]["completion"].endswith("[30000 more characters]")
+    _, _, text = _read_events_raw(tmp_path / "tensorboard" / "orchestrator")
+    assert any(t.startswith("samples") for t in text)
+
+
+def test_run_info_records_the_config_and_git_commit(tmp_path):
+    import subprocess
+
+    with Monitor(tmp_path, "trainer", run_config={"run": {"name": "x"}}) as m:
+        m.scalars(1, {"loss": 1.0})
+    info = json.loads((tmp_path / "metrics" / "trainer.run.json").read_text())
+    assert info["config"] == {"run": {"name": "x"}} and info["process"] == "trainer"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    assert info["git"].get("commit") == (head or None)  # this checkout's commit (or none outside git)
+    _, _, text = _read_events_raw(tmp_path / "tensorboard" / "trainer")
+    assert {"run/git", "run/config"} <= {t.split("/text_summary")[0] for t in text}
+
+
+def test_wandb_offline_run_holds_every_metric_the_other_sinks_hold(tmp_path):
+    pytest.importorskip("wandb")
+    from primejax.utils.monitor import MonitorConfig
+
+    cfg = MonitorConfig(wandb=True, wandb_mode="offline")
+    with Monitor.from_config(tmp_path, "orchestrator", cfg, {"run": {"name": tmp_path.name}}) as m:
+        for step in (1, 2):
+            m.scalars(step, {"reward/mean": 0.25 * step, "server/0/gen_tokens_per_s": 100.0 * step})
+        m.histogram(2, "advantage", [0.1, -0.1, float("nan")])
+        m.table(2, "samples", ["env", "reward"], [["rev", 0.5]])
+    by_step = wandb_history(tmp_path)
+    assert float(by_step[1]["reward/mean"]) == 0.25 and float(by_step[2]["server/0/gen_tokens_per_s"]) == 200.0
+    assert json.loads(by_step[2]["advantage/_type"]) == "histogram"
+    assert json.loads(by_step[2]["samples/_type"]) == "table-file"
+    run = wandb_run(tmp_path)
+    assert (run.run_group, run.display_name, run.job_type) == (tmp_path.name, f"{tmp_path.name}/orchestrator",
+                                                           "orchestrator")
+    config = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert config["run"] == {"name": tmp_path.name} and config["process"] == "orchestrator"
+    assert "git_commit" in config

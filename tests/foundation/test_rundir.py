@@ -30,6 +30,10 @@ def test_the_layout(tmp_path):
     assert run.config("trainer") == tmp_path / "configs" / "trainer.json"
     assert run.sft_final == tmp_path / "sft" / "final" and run.pids_file.name == "pids.json"
     assert run.metrics("orchestrator") == tmp_path / "metrics" / "orchestrator.jsonl"
+    assert run.run_info("sft") == tmp_path / "metrics" / "sft.run.json" and run.wandb == tmp_path / "wandb"
+    assert run.timeline(4) == tmp_path / "timeline" / "step_4.json"
+    assert run.table("orchestrator", "eval/samples") == tmp_path / "tables" / "orchestrator" / "eval.samples.jsonl"
+    assert run.table("orchestrator", "../x") == tmp_path / "tables" / "orchestrator" / "...x.jsonl"  # stays inside
 
 
 def test_no_other_module_spells_the_layout():
