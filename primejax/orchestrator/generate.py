@@ -43,7 +43,7 @@ from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.concurrency import Limiter
 from primejax.orchestrator.config import SamplingConfig
-from primejax.orchestrator.message_caps import auto_limit, cap_messages
+from primejax.orchestrator.message_caps import auto_limit, cap_messages, check_tools
 from primejax.orchestrator.renderer import Renderer, parse_message
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 from primejax.orchestrator.timeline import TRACK, Timeline
@@ -248,8 +248,8 @@ class GroupGenerator:
             await asyncio.gather(*(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts)))
             return rollouts
         try:
-            prompt_ids = self.renderer.render_ids(prompt, await self._env_call(slot.env.tools(example),
-                                                                                        "tools"))
+            tools = check_tools(await self._env_call(slot.env.tools(example), "tools"), self.max_env_message_chars)
+            prompt_ids = self.renderer.render_ids(prompt, tools)
             if len(prompt_ids) > self.max_prompt_tokens:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens > max_prompt_tokens")
             completions, version = await self._request(prompt_ids, group_size, self._seed(step, group_id, 0, 0),
@@ -398,6 +398,7 @@ class GroupGenerator:
         async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                        trainable: bool = True) -> dict[str, Any] | None:
             messages = self._capped(messages)
+            tools = check_tools(tools, self.max_env_message_chars)
             if not trainable:
                 ids = self.renderer.render_ids(messages, tools)
                 (completion,), _ = await self._request(ids, 1, None, _sampler(slot))

@@ -12,11 +12,15 @@ cap of primejax/envs/tool_limits.py covered verifiers' tool results only). So be
 - a conversation holding more than `TOTAL_FACTOR * max_chars` characters after the cut, more than
   `MAX_MESSAGES` messages, or a message that is not a plain dict of short keys fails its rollout with one line.
 
+The tool schemas an environment advertises are rendered into the prompt too: they are not cut (a cut schema
+would be wrong), but more than `TOTAL_FACTOR * max_chars` characters of them fail the rollout in one line.
+
 `max_chars` is `orchestrator.max_env_message_chars` (0 = `auto_limit(max_prompt_tokens)`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 #: A conversation may hold this many times `max_chars` characters in all (several turns of long messages).
@@ -88,3 +92,20 @@ def cap_messages(messages: Any, max_chars: int) -> list[dict[str, Any]]:
             f"orchestrator.max_env_message_chars ({max_chars})"
         )
     return out
+
+
+def check_tools(tools: Any, max_chars: int) -> Any:
+    """`tools` (None or a list of tool-schema dicts) unchanged; ValueError when they are not, or when their JSON
+    holds more than `TOTAL_FACTOR * max_chars` characters."""
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f"an environment's tools must be a list of tool-schema dicts, got {type(tools).__name__}")
+    try:
+        size = len(json.dumps(tools, default=str))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"an environment's tool schemas are not JSON ({type(e).__name__})") from None
+    if size > TOTAL_FACTOR * max_chars:
+        raise ValueError(f"an environment's tool schemas hold {size} characters > {TOTAL_FACTOR} x "
+                         f"orchestrator.max_env_message_chars ({max_chars})")
+    return tools

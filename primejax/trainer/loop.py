@@ -19,7 +19,7 @@ import numpy as np
 
 from primejax.contracts.batch import BatchFormatError, PackedBatch, prune_rollouts, read_batch, wait_for_batch
 from primejax.contracts.broadcast import broadcast_dir, is_stable
-from primejax.contracts.rundir import RunConfig
+from primejax.contracts.rundir import RunConfig, RunDir
 from primejax.models.settings import ModelSettings
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
 from primejax.trainer.config import DistributedConfig, TrainerConfig
@@ -175,6 +175,7 @@ class Trainer:
         if not self.export_enabled:
             return {}
         self.check_finite_params(step, "exporting")
+        fault_point("trainer.export", step, path=RunDir(self.root).broadcasts(step))
         adapters = publishes_adapters(self.t.broadcast, self.model_cfg)  # the adapters alone, no merge
         model = self.engine.lora_model() if adapters else self.engine.model()
         return self.publisher.publish(step, model, disk_only=disk_only)

@@ -67,7 +67,12 @@ def metas_from_update_info(info: dict[str, Any]) -> list[TensorMeta]:
     for d in dtypes:
         if d not in WIRE_DTYPES:
             raise ValueError(f"update_info: dtype {d!r} is not one of {WIRE_DTYPES}")
-    return [TensorMeta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+    for n, s in zip(names, shapes, strict=True):
+        # JSON integers only: a float (1e400 is inf), a string or a bool is a malformed offer, not a dimension
+        if not isinstance(n, str) or not isinstance(s, list) or any(
+                isinstance(x, bool) or not isinstance(x, int) for x in s):
+            raise ValueError(f"update_info: tensor {str(n)[:100]!r}: shape {str(s)[:100]} is not a list of integers")
+    return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
 
 
 def buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[int]]:

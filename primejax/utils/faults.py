@@ -7,7 +7,8 @@ code passes `fault_point("trainer.after_update", 3, ...)` the matching action ru
 - `kill:<child>`: SIGKILL the process group of a launcher child named in `<run>/pids.json` (e.g. the server);
 - `stop:<child>`: SIGSTOP that process group: a hang (alive, sockets open, nothing answered);
 - `corrupt`: flip bytes in the middle of the file passed as `path` (a silently damaged batch);
-- `enospc`: raise `OSError(ENOSPC)` there, as a write on a full disk does (where no small disk can be mounted).
+- `enospc`: raise `OSError(ENOSPC)` there, as a write on a full disk does (where no small disk can be mounted);
+- `eio`: raise `OSError(EIO)` there, as a failing disk or network filesystem does.
 
 Real faults do not announce themselves; named points only make the tests hit the exact windows that matter
 (between a write and its rename, between an update and its export) instead of racing a timer.
@@ -55,8 +56,9 @@ def fault_point(name: str, step: int, *, run_dir: str | Path | None = None, path
         pids = json.loads(RunDir(run_dir or ".").pids_file.read_text())
         verb, child = action.split(":", 1)
         os.killpg(int(pids[child]), signal.SIGKILL if verb == "kill" else signal.SIGSTOP)
-    elif action == "enospc":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path or ""))
+    elif action in ("enospc", "eio"):
+        code = errno.ENOSPC if action == "enospc" else errno.EIO
+        raise OSError(code, os.strerror(code), str(path or ""))
     elif action == "corrupt":
         target = Path(path or "")
         with target.open("r+b") as f:

@@ -200,41 +200,23 @@ def test_cli_dry_run_refuses_the_model_path_the_run_would_refuse(tmp_path):
     ], proc.stderr
     assert "Traceback" not in proc.stderr
 
-def test_a_bad_env_id_gets_one_message_with_a_suggestion_from_dry_run_and_run(tmp_path, tiny_model_dir):
+def test_a_bad_env_id_gets_one_message_with_a_suggestion_from_dry_run_and_run(tiny_model_dir):
     """Issue 48: a mistyped env id got two different messages (dry run: verifiers' EnvLoadError; run: the
-    launcher's preflight) and no "did you mean"."""
-    common = ["--config", "configs/debug.py", f"--config.run.output_dir={tmp_path}",
-              "--config.model.build_tiny.enabled=False", f"--config.model.path={tiny_model_dir}",
-              "--config.orchestrator.envs.reverse_text.id=revers-text"]
-    expected = ("error: orchestrator.envs.reverse_text.id: 'revers-text' is neither a builtin (alphabet-sort, "
-                "arithmetic, reverse-text) nor an importable module ('revers_text' not found); did you mean "
-                "'reverse-text'?")
-    for extra, rc in ((["--dry_run"], 1), ([], 2)):
-        proc = subprocess.run([sys.executable, "-m", "primejax.train", *common, *extra], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert proc.returncode == rc, proc.stderr
-        assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")] == [expected], proc.stderr
+    launcher's preflight) and no "did you mean". Both now print the preflight's line (`error: ` + it)."""
+    from primejax.config import default_config, typed
+    from primejax.envs.check import check_envs
+    from primejax.launcher.preflight import PreflightError, check_env_ids
 
-def test_help_keys_lists_every_key_with_its_doc():
-    proc = subprocess.run([sys.executable, "-m", "primejax.train", "--help=keys"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    leaves = [ln for ln in lines if " = " in ln]
-    flat = []
-
-    def walk(node, prefix=""):
-        for k, v in node.items():
-            if isinstance(v, dict) and k not in ("args", "kwargs", "roles") and v:
-                walk(v, f"{prefix}{k}.")
-            else:
-                flat.append(f"{prefix}{k}")
-
-    walk(json.loads(to_json(_cfg())))
-    for key in flat:
-        if ".envs." in key:
-            key = key.replace(".envs.reverse_text.", ".envs.<name>.")
-        assert any(ln.startswith(f"{key} = ") and "# " in ln for ln in leaves), key
+    c = default_config()
+    c.model.path = str(tiny_model_dir)
+    c.orchestrator.envs.reverse_text.id = "revers-text"
+    cfg = typed(c)
+    expected = ("orchestrator.envs.reverse_text.id: 'revers-text' is neither a builtin (alphabet-sort, arithmetic, "
+                "reverse-text) nor an importable module ('revers_text' not found); did you mean 'reverse-text'?")
+    assert check_envs(cfg) == [(False, expected)]  # the dry run's line
+    with pytest.raises(PreflightError) as err:  # the run's (launcher preflight)
+        check_env_ids(cfg.orchestrator.envs)
+    assert str(err.value) == expected
 
 
 def test_configs_saved_before_the_typed_sections_still_load(tmp_path):

@@ -280,7 +280,9 @@ class TransferEngine(FakeEngine):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("dtype_names", "float64"), ("dtype_names", ["x"]), ("shapes", [["a"]]), ("shapes", [[-1]])],
+    [("dtype_names", "float64"), ("dtype_names", ["x"]), ("shapes", [["a"]]), ("shapes", [[-1]]),
+     # issue 48: an infinite dimension (JSON's Infinity) answered HTTP 500; a string or bool passed as a number
+     ("shapes", [[float("inf")]]), ("shapes", [["2"]]), ("shapes", [[True]])],
 )
 def test_a_malformed_transfer_offer_is_refused_before_the_server_pauses(base_dir, field, value):
     validator = WeightDirValidator(base_dir)
@@ -295,7 +297,8 @@ def test_a_malformed_transfer_offer_is_refused_before_the_server_pauses(base_dir
     }
     info[field] = value if not isinstance(value, list) else value * len(names)
     body = {"version": 1, "init_info": {"timeout_s": 5}, "update_info": info}
-    r = client.post("/transfer_weights", json=body, headers=AUTH)
+    # json.dumps writes inf as `Infinity`, which Python's JSON reader (the server's) accepts
+    r = client.post("/transfer_weights", content=json.dumps(body), headers={**AUTH, "content-type": "application/json"})
     assert r.status_code in (400, 422), r.text
     assert engine.calls == [] and state.version == 0
 

@@ -152,6 +152,23 @@ def test_trainer_rejects_batch_with_mismatched_lengths(tiny_model_dir, tmp_path)
     assert not (root / "broadcasts").exists() and not (root / "checkpoints").exists()
 
 
+@pytest.mark.slow  # one real train step (the tiny model's first compile: ~30 s on 2 cores)
+def test_an_eio_while_exporting_is_one_line_naming_the_broadcast(tiny_model_dir, tmp_path):
+    """Issue 48: an EIO while the trainer exported ended in a traceback (the disk-full line's wording is
+    tests/hardening/test_disk_full.py's)."""
+    fault = "eio"
+    config = write_config(tmp_path, "io", tiny_model_dir, base_url="http://127.0.0.1:9", max_steps=1)
+    root = run_dir_of(config)
+    write_batch(root / "rollouts" / "step_1", 0, PackedBatch.empty(4, 128))
+    env = {**os.environ, "PRIMEJAX_FAULTS": f"trainer.export@1={fault}"}
+    proc = subprocess.run([sys.executable, "-m", "primejax.trainer", "--config", str(config)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=env, start_new_session=True)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    where = root / "broadcasts" / "step_1"
+    assert last == f"error: trainer: I/O error writing its outputs under {where}: Input/output error", last
+    assert "Traceback" not in proc.stderr
+
 def test_a_background_launcher_stops_on_sigint_and_says_how_to_go_on(tiny_model_dir, tmp_path):
     """Issue 48: a launcher started in the background (`nohup ... &`: the shell leaves SIGINT ignored) ignored
     SIGINT entirely, and Ctrl-C printed `interrupted ()`. Here the launcher starts with SIGINT ignored, as

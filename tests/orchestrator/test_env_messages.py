@@ -15,7 +15,7 @@ from primejax.envs.base import Environment, Example
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.message_caps import auto_limit, cap_messages, cap_text
+from primejax.orchestrator.message_caps import auto_limit, cap_messages, cap_text, check_tools
 from primejax.orchestrator.renderer import build_renderer
 
 HUGE = 300_000  # characters: big enough to show the cut, small enough that the old code's tokenization is quick
@@ -149,3 +149,22 @@ def test_a_malformed_env_response_errors_its_rollout_alone(tokenizer):
     assert all(r.error == "env: ValueError: environment messages must be a list of message dicts, got dict"
                for r in rollouts), [r.error for r in rollouts]
     assert gen.stats.errors == {"env": 2}
+
+
+
+def test_tool_schemas_too_large_fail_the_group_before_rendering(tokenizer):
+    """The tool schemas an env advertises are rendered into every first prompt: a huge one is refused in one
+    line (not cut: a cut schema would be wrong)."""
+
+    class HugeTools(Flood):
+        async def tools(self, example):
+            return [{"type": "function", "function": {"name": "f", "description": "d" * HUGE, "parameters": {}}}]
+
+    rollouts, gen = _run(tokenizer, HugeTools("env_response"))
+    assert all(r.error is not None and "tool schemas hold" in r.error and "orchestrator.max_env_message_chars"
+               in r.error for r in rollouts), [r.error for r in rollouts]
+    assert not gen.stats.requests
+    small = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert check_tools(small, LIMIT) is small and check_tools(None, LIMIT) is None
+    with pytest.raises(ValueError, match="must be a list of tool-schema dicts"):
+        check_tools({"name": "f"}, LIMIT)

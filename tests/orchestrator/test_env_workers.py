@@ -174,16 +174,17 @@ def test_a_stalled_orchestrator_loop_does_not_make_a_healthy_worker_hung(tokeniz
     first look after it declared the healthy worker hung. Only the loop's waking time counts as silence."""
     import time
 
-    env = in_workers(load_env("reverse-text"), "reverse-text", {}, 1, 1.0)
+    env = in_workers(load_env("reverse-text"), "reverse-text", {}, 1, 2.0)  # env_timeout_s 2 s
     ex = env.example(0)
 
     async def main():
         try:
             await env.pool.start()
             await env.score(ex, [{"role": "assistant", "content": "x"}], {})  # the worker answers
-            time.sleep(3.0)  # the loop stalls 3 x env_timeout_s (by construction: nothing else runs meanwhile)
-            return await asyncio.wait_for(env.score(ex, [{"role": "assistant", "content": "y"}], {}), 10), \
-                env.pool.replaced
+            time.sleep(4.5)  # the loop stalls 2.25 x env_timeout_s (by construction: nothing else runs meanwhile)
+            result = await asyncio.wait_for(env.score(ex, [{"role": "assistant", "content": "y"}], {}), 10)
+            await asyncio.wait_for(env.pool.settled(), 30)  # a replacement (the bug) finishes before the close
+            return result, env.pool.replaced
         finally:
             await env.aclose()
 
