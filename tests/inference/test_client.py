@@ -239,20 +239,3 @@ def test_a_replica_that_fails_is_routed_around_until_revived():
     assert down == {"http://b"} and version == 2
     assert not alive_while_dead and alive_after
     assert down_after == set()
-
-
-def test_each_servers_own_load_seconds_are_kept_per_server_and_insane_figures_dropped():
-    """`last_load_seconds`: what each server said its last weight load took (the run's server/<i>/weight_update_s);
-    a figure that is not a finite, non-negative number (or a bool) is dropped, not logged."""
-    said = {"a": 0.25, "b": float("nan"), "c": -1.0, "d": True, "e": "3", "f": None}
-
-    def handler(req):
-        return httpx.Response(200, content=json.dumps({"version": 2, "load_seconds": said[req.url.host]}),
-                              headers={"content-type": "application/json"})
-
-    async def go():
-        async with _client(handler, urls=[f"http://{h}" for h in said]) as c:
-            await c.update_weights("/w/step_2", 2)
-            return c.last_load_seconds
-
-    assert asyncio.run(go()) == {"http://a": 0.25}
