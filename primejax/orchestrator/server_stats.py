@@ -39,6 +39,17 @@ MAX_READINGS = 10_000  # readings kept per step (a step of days at poll_s 2 s st
 Reading = tuple[float, list[dict[str, float] | None]]  # (clock time, per server parsed metrics or None)
 
 
+def parse_pages(pages: list[bytes | str | None]) -> list[dict[str, float] | None]:
+    """Each server's page (as the client read it: bytes, or text) parsed for NAMES; None stays None. Bytes are
+    decoded leniently (a page is input, not trusted to be UTF-8). Run off the event loop: a page may be megabytes."""
+    out: list[dict[str, float] | None] = []
+    for page in pages:
+        if isinstance(page, bytes):
+            page = page.decode("utf-8", errors="replace")
+        out.append(None if page is None else parse_prometheus(page, NAMES))
+    return out
+
+
 def _increase(before: float, after: float) -> float:
     """A counter's increase between two readings; a counter that went down restarted from zero."""
     return after - before if after >= before else after
@@ -86,7 +97,7 @@ def step_metrics(start: Reading | None, readings: list[Reading], loads: dict[int
 class ServerStats:
     """Reads the servers' metrics in the background (`run()`) and per step (`take()`)."""
 
-    def __init__(self, read_texts: Callable[[], Awaitable[list[str | None]]], *, poll_s: float = 2.0,
+    def __init__(self, read_texts: Callable[[], Awaitable[list[bytes | str | None]]], *, poll_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         self._read, self.poll_s, self._clock, self._sleep = read_texts, poll_s, clock, sleep
@@ -96,7 +107,7 @@ class ServerStats:
 
     async def read(self) -> Reading:
         texts = await self._read()
-        reading = (self._clock(), [None if t is None else parse_prometheus(t, NAMES) for t in texts])
+        reading = (self._clock(), await asyncio.to_thread(parse_pages, texts))
         if len(self._readings) < MAX_READINGS:
             self._readings.append(reading)
         return reading

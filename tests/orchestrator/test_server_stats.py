@@ -4,7 +4,9 @@ gauges averaged over the step's readings, counter resets, unreadable servers and
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
 import pytest
 
 from primejax.orchestrator.server_stats import ServerStats, step_metrics
@@ -68,7 +70,8 @@ def test_a_server_unreadable_at_the_step_end_gets_no_rates_and_hostile_pages_giv
 
 
 class Pages:
-    """A fake fleet of one server whose counters grow by 100 generated tokens per clock second."""
+    """A fake fleet of one server whose counters grow by 100 generated tokens per clock second; its pages come as
+    the client reads them, undecoded bytes (one line not UTF-8)."""
 
     def __init__(self):
         self.now = 0.0
@@ -80,7 +83,7 @@ class Pages:
     async def read(self):
         if self.fail:
             raise OSError("connection refused")
-        return [page(100 * self.now, 10 * self.now, 0.5, 3, 0, 0)]
+        return [b"# \xff not utf-8\n" + page(100 * self.now, 10 * self.now, 0.5, 3, 0, 0).encode()]
 
 
 def test_each_step_is_measured_from_the_previous_steps_end():
@@ -107,3 +110,25 @@ def test_each_step_is_measured_from_the_previous_steps_end():
     assert failed == {"server/0/weight_update_s": 1.5, "server/total/weight_update_s": 1.5}
     # The failed step left the start at the previous good reading: the rate spans both steps' time.
     assert after["server/0/gen_tokens_per_s"] == pytest.approx(100.0)
+
+
+def test_each_servers_own_load_seconds_are_kept_per_server_and_insane_figures_dropped(monkeypatch):
+    """The client keeps what each server said its last weight load took (`load_seconds` of its answer), which
+    becomes server/<i>/weight_update_s; a figure that is not a finite, non-negative number (or is a bool) is
+    dropped, not logged."""
+    from primejax.inference.admin_auth import TOKEN_ENV
+    from primejax.inference.client import InferenceClient
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)  # scripted servers: no identity challenge
+    said = {"a": 0.25, "b": float("nan"), "c": -1.0, "d": True, "e": "3", "f": None}
+
+    def handler(req):
+        return httpx.Response(200, content=json.dumps({"version": 2, "load_seconds": said[req.url.host]}),
+                              headers={"content-type": "application/json"})
+
+    async def go():
+        async with InferenceClient([f"http://{h}" for h in said], transport=httpx.MockTransport(handler)) as c:
+            await c.update_weights("/w/step_2", 2)
+            return c.last_load_seconds
+
+    assert asyncio.run(go()) == {"http://a": 0.25}
