@@ -22,7 +22,6 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +54,6 @@ def parse_prometheus(
         if math.isfinite(value):
             out[name] = out.get(name, 0.0) + value
     return out
-
-
-async def servers_with_load_metrics(client: Any) -> tuple[int, int]:
-    """(servers whose /metrics page holds vLLM's load metrics, servers asked): what `concurrency.mode = auto`
-    decides on. A client without `metrics_text` (a test's stand-in) or one whose call fails counts as none."""
-    if not hasattr(client, "metrics_text"):
-        return 0, 0
-    try:
-        pages = await client.metrics_text()
-    except Exception as e:  # noqa: BLE001 - a server that cannot say its load runs at the fixed limit
-        log.info("concurrency: /metrics could not be read (%s)", e)
-        return 0, 0
-    return sum(page is not None and bool(parse_prometheus(page)) for page in pages), len(pages)
 
 
 #: The waiting order of a request at the `Limiter` (lower goes first). The continuous pool sets it to the

@@ -33,13 +33,7 @@ from primejax.orchestrator import metrics as M
 from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
-from primejax.orchestrator.concurrency import (
-    AIMDController,
-    AIMDSettings,
-    Limiter,
-    parse_prometheus,
-    servers_with_load_metrics,
-)
+from primejax.orchestrator.concurrency import AIMDController, AIMDSettings, Limiter, parse_prometheus
 from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.evaluator import build_evaluator
 from primejax.orchestrator.failures import FailedSteps
@@ -271,11 +265,17 @@ class Orchestrator:
         return AIMDController(self.limiter, settings, self._server_metrics)
 
     async def pick_concurrency(self) -> str:
-        """`concurrency.mode = auto`: AIMD when a server exposes vLLM's load metrics on /metrics, fixed at
-        max_concurrent otherwise (`concurrency.servers_with_load_metrics`); said once in the log."""
+        """`concurrency.mode = auto`: AIMD when a server's /metrics page holds vLLM's load metrics (the names
+        `concurrency.parse_prometheus` keeps), fixed at max_concurrent otherwise; said once in the log."""
         if self.concurrency_mode is not None:
             return self.concurrency_mode
-        exposing, total = await servers_with_load_metrics(self.client)
+        servers: list[dict[str, float] | None] = []
+        if hasattr(self.client, "metrics_text"):  # a client of one's own (a test's stand-in) may have none
+            try:
+                servers = await self._server_metrics()
+            except Exception as e:  # noqa: BLE001 - a server that cannot say its load runs at the fixed limit
+                log.info("concurrency: /metrics could not be read (%s)", e)
+        exposing, total = sum(bool(m) for m in servers), len(servers)
         said = f"fixed at max_concurrent = {self.o.max_concurrent}"
         if exposing:
             self.aimd = self._aimd()

@@ -56,6 +56,25 @@ def test_a_hung_env_worker_errors_its_rollouts_is_replaced_and_the_pool_refills(
         assert read_batch(step_dir(run_dir, n) / "rank_0.npz").meta["num_samples"] > 0
 
 
+def test_auto_env_workers_size_cpu_heavy_envs_to_the_machine_and_keep_the_rest_in_process(tmp_path, tokenizer):
+    heavy = load_env("worker_envs:load_hang_once", {"marker": str(tmp_path / "unused")})
+    light = load_env("reverse-text")
+    assert heavy.cpu_heavy and not light.cpu_heavy
+    # -1 (auto): a quarter of the usable CPUs for a CPU-heavy env, at least 1, at most AUTO_MAX_WORKERS
+    assert [workers_for(heavy, -1, cpus) for cpus in (1, 2, 7, 8, 16, 31, 64, 512)] == [1, 1, 1, 2, 4, 7, 8, 8]
+    assert AUTO_MAX_WORKERS == 8
+    assert workers_for(light, -1, 512) == 0  # a cheap env stays in process
+    assert workers_for(heavy, 0, 512) == 0 and workers_for(light, 3, 2) == 3  # an explicit number is kept
+    # the default config: the CPU-heavy env in worker processes, reverse-text in the orchestrator's process
+    cfg = small_config(tmp_path / "run")
+    cfg.orchestrator.envs.heavy = env_entry("worker_envs:load_hang_once", marker=str(tmp_path / "unused"))
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    envs = {slot.name: slot.env for slot in orch.slots}
+    assert isinstance(envs["heavy"], WorkerEnv) and envs["heavy"].pool.num == workers_for(heavy, -1)
+    assert not isinstance(envs["reverse_text"], WorkerEnv)
+    asyncio.run(orch.close())  # no worker was started (they start with the run)
+
+
 def _generator(tokenizer, client):
     return GroupGenerator(
         client,
@@ -134,21 +153,3 @@ class _Algo:
     async def finalize_rollout(self, rollout):
         return None
 
-
-def test_auto_env_workers_size_cpu_heavy_envs_to_the_machine_and_keep_the_rest_in_process(tmp_path, tokenizer):
-    heavy = load_env("worker_envs:load_hang_once", {"marker": str(tmp_path / "unused")})
-    light = load_env("reverse-text")
-    assert heavy.cpu_heavy and not light.cpu_heavy
-    # -1 (auto): a quarter of the usable CPUs for a CPU-heavy env, at least 1, at most AUTO_MAX_WORKERS
-    assert [workers_for(heavy, -1, cpus) for cpus in (1, 2, 7, 8, 16, 31, 64, 512)] == [1, 1, 1, 2, 4, 7, 8, 8]
-    assert AUTO_MAX_WORKERS == 8
-    assert workers_for(light, -1, 512) == 0  # a cheap env stays in process
-    assert workers_for(heavy, 0, 512) == 0 and workers_for(light, 3, 2) == 3  # an explicit number is kept
-    # the default config: the CPU-heavy env in worker processes, reverse-text in the orchestrator's process
-    cfg = small_config(tmp_path / "run")
-    cfg.orchestrator.envs.heavy = env_entry("worker_envs:load_hang_once", marker=str(tmp_path / "unused"))
-    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
-    envs = {slot.name: slot.env for slot in orch.slots}
-    assert isinstance(envs["heavy"], WorkerEnv) and envs["heavy"].pool.num == workers_for(heavy, -1)
-    assert not isinstance(envs["reverse_text"], WorkerEnv)
-    asyncio.run(orch.close())  # no worker was started (they start with the run)
