@@ -152,4 +152,3 @@ def test_a_worker_keeps_the_parents_import_order(tmp_path, monkeypatch, tokenize
 class _Algo:
     async def finalize_rollout(self, rollout):
         return None
-
