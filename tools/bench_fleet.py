@@ -337,6 +337,7 @@ def orchestrator_config(run_dir: Path, mode: str, servers: int, args: argparse.N
     o.filters.pre_batch, o.filters.post_batch = (), ()
     o.weights_poll_s = 0.2 * args.scale if args.clock == "real" else 0.2
     o.pool.mode = mode
+    o.concurrency.mode = args.concurrency
     o.pool.groups_in_flight = args.in_flight // args.group_size  # 0: the pool's default, 2 x batch
     o.gc_freeze = not args.no_gc_freeze
     return typed(cfg).orchestrator
@@ -413,6 +414,12 @@ def main() -> None:
     )
     p.add_argument(
         "--max-concurrent", type=int, default=0, help="request limit; 0 = the fleet's max_seqs x M"
+    )
+    p.add_argument(
+        "--concurrency",
+        choices=("fixed", "aimd", "auto"),
+        default="fixed",
+        help="orchestrator.concurrency.mode (the figures in docs/benchmarks.md: fixed at --max-concurrent)",
     )
     p.add_argument("--clock", choices=("virtual", "real"), default="virtual")
     p.add_argument("--scale", type=float, default=0.05, help="real clock: wall seconds per simulated second")

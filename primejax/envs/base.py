@@ -99,6 +99,10 @@ class Environment(ABC):
     #: (verifiers' own rollout loop): the orchestrator hands it the endpoint (`sample_rollout`) and receives
     #: the finished model calls' exact ids and logprobs, as the server returned them.
     samples_itself: bool = False
+    #: True when the environment's own code (tools, env_response, scoring, an episode) burns enough CPU to
+    #: stall the orchestrator's event loop: with `orchestrator.env_workers.num = -1` (auto, the default) it
+    #: runs in worker processes sized to the machine (docs/rollouts.md#environment-workers-orchestratorenv_workers).
+    cpu_heavy: bool = False
 
     async def tools(self, example: Example) -> list[dict[str, Any]] | None:
         """Tool schemas advertised on the example's first prompt (OpenAI function format), or None."""

@@ -1,5 +1,6 @@
-"""Environment work in worker processes (`orchestrator.env_workers.num > 0`): a CPU-heavy reward or a slow tool
-never stalls the orchestrator's event loop (every request, timer and weight poll shares it).
+"""Environment work in worker processes (`orchestrator.env_workers.num > 0`, or -1 = auto for an env that declares
+itself `cpu_heavy`: `workers_for`): a CPU-heavy reward or a slow tool never stalls the orchestrator's event loop
+(every request, timer and weight poll shares it).
 
 `WorkerEnv` stands in for the env in the orchestrator: examples come from the env loaded in process (they are
 deterministic per index, docs: primejax/envs/base.py), while `tools`, `env_response`, `score` and a
@@ -345,9 +346,38 @@ class WorkerEnv(Environment):
         await self.local.aclose()
 
 
+#: The most workers the auto rule gives one env: past a handful, env code is rarely what bounds a step.
+AUTO_MAX_WORKERS = 8
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one, e.g. under taskset or a cgroup)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def workers_for(env: Environment, num: int, cpus: int | None = None) -> int:
+    """Worker processes for `env` under `orchestrator.env_workers.num`: itself when >= 0; -1 (auto) gives a
+    `cpu_heavy` env a quarter of the usable CPUs (the trainer and the servers share the node), at least 1 and
+    at most AUTO_MAX_WORKERS, and runs any other env in process (a worker costs a process start and a JSON
+    round trip per call, more than a cheap reward takes)."""
+    if num >= 0:
+        return num
+    if not env.cpu_heavy:
+        return 0
+    return max(1, min(AUTO_MAX_WORKERS, (usable_cpus() if cpus is None else cpus) // 4))
+
+
 def in_workers(env: Environment, env_id: str, args: dict[str, Any], num: int, env_timeout_s: float,
                name: str = "") -> Environment:  # fmt: skip
-    """`env` run in `num` worker processes, or `env` itself (num 0, or an env that samples itself)."""
+    """`env` run in `workers_for(env, num)` worker processes, or `env` itself (0 of them, or an env that samples
+    itself)."""
+    auto, num = num < 0, workers_for(env, num)
     if num <= 0 or env.samples_itself:
         return env
+    if auto:
+        log.info("env %r declares itself CPU-heavy: %d env worker processes (env_workers.num = -1, auto; %d usable "
+                 "CPUs)", name or env_id, num, usable_cpus())
     return WorkerEnv(env, WorkerPool(env_id, args, num, env_timeout_s, name))

@@ -143,11 +143,11 @@ class PoolConfig(Section):
     """How rollouts are dispatched (docs/rollouts.md): per step behind a barrier, or from a pool kept full."""
 
     mode: str = option(
-        "step",
-        "step: each step's groups are generated together and the next step starts after the last one "
-        "(the baseline) | continuous: a pool of in-flight groups refilled as groups finish, each batch cut "
-        "from finished groups, unfinished ones carried into later steps under the per-sample off-policy bound",
-        choices=("step", "continuous"),
+        "continuous",
+        "continuous: a pool of in-flight groups refilled as groups finish, each batch cut from finished "
+        "groups, unfinished ones carried into later steps under the per-sample off-policy bound | step: each "
+        "step's groups are generated together and the next step starts after the last one (the barrier)",
+        choices=("continuous", "step"),
     )
     groups_in_flight: int = option(
         0, "continuous: most groups in flight or finished awaiting a cut; 0 = 2 x batch_size / group_size", ge=0
@@ -161,8 +161,12 @@ class PoolConfig(Section):
 class ConcurrencyConfig(Section):
     """The in-flight request limit: fixed at orchestrator.max_concurrent, or AIMD on the servers' /metrics."""
 
-    mode: str = option("fixed", "fixed (max_concurrent) | aimd (between floor and max_concurrent)",
-                       choices=("fixed", "aimd"))
+    mode: str = option(
+        "auto",
+        "auto: aimd when the servers expose vLLM's Prometheus /metrics at start-up, fixed otherwise (logged once; "
+        "floor capped at max_concurrent) | fixed (max_concurrent) | aimd (between floor and max_concurrent)",
+        choices=("auto", "fixed", "aimd"),
+    )
     floor: int = option(8, "aimd: the lowest limit", gt=0)
     initial: int = option(0, "aimd: the starting limit; 0 = floor", ge=0)
     increase: int = option(4, "aimd: requests added per look without pressure while the limit was reached", gt=0)
@@ -177,10 +181,11 @@ class EnvWorkersConfig(Section):
     """Environment code in worker processes (docs/rollouts.md#environment-workers), off the event loop."""
 
     num: int = option(
-        0,
+        -1,
         "worker processes per environment running its tools, env_response, scoring and (env-driven) episodes; "
-        "0 = in the orchestrator's process",
-        ge=0,
+        "0 = in the orchestrator's process; -1 = auto: an env that declares itself CPU-heavy (cpu_heavy) gets "
+        "max(1, min(8, usable CPUs // 4)), the others run in process",
+        ge=-1,
         le=256,
     )
 

@@ -138,7 +138,8 @@ class Orchestrator:
         self.tracker = tracker or PolicyTracker(client, self.run_dir, poll_interval_s=o.weights_poll_s)
         self.outages = OutageCounter(client)
         c = o.concurrency
-        self.limiter = Limiter(o.max_concurrent if c.mode == "fixed" else (c.initial or c.floor))
+        # auto starts fixed; `pick_concurrency` (at the start of `run`) switches it to AIMD if the servers allow.
+        self.limiter = Limiter(o.max_concurrent if c.mode != "aimd" else (c.initial or c.floor))
         self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
                                         self.tracker, max_concurrent=o.max_concurrent,
                                         max_prompt_tokens=o.max_prompt_tokens, routing=routing,
@@ -157,11 +158,8 @@ class Orchestrator:
                                     group_size=o.group_size, async_level=o.async_level, capacity=capacity,
                                     oversampling=o.buffer.oversampling_factor,
                                     group_timeout_s=o.pool.group_timeout_s)
-        self.aimd = None
-        if c.mode == "aimd":
-            settings = AIMDSettings(floor=c.floor, cap=o.max_concurrent, increase=c.increase, decrease=c.decrease,
-                                    kv_high=c.kv_high, waiting_high=c.waiting_high, interval_s=c.interval_s)
-            self.aimd = AIMDController(self.limiter, settings, self._server_metrics)
+        self.aimd = self._aimd() if c.mode == "aimd" else None
+        self.concurrency_mode = None if c.mode == "auto" else c.mode  # auto: set by pick_concurrency
         self.loop_lag = LoopLag()
         self.watch = None if watch is None else RunWatch(watch, run_dir, client, self.tracker, self.generator)
         self.gc = GcPolicy(freeze=o.gc_freeze, full_every=o.gc_full_every)
@@ -263,6 +261,36 @@ class Orchestrator:
 
     async def _server_metrics(self) -> list[dict[str, float] | None]:
         return await asyncio.to_thread(parse_pages, await self.client.metrics_text())
+
+    def _aimd(self) -> AIMDController:
+        c, cap = self.o.concurrency, self.o.max_concurrent
+        # auto may meet a max_concurrent below the floor (explicit aimd refuses that at start-up): the cap wins.
+        settings = AIMDSettings(floor=min(c.floor, cap), cap=cap, increase=c.increase, decrease=c.decrease,
+                                kv_high=c.kv_high, waiting_high=c.waiting_high, interval_s=c.interval_s)
+        return AIMDController(self.limiter, settings, self._server_metrics)
+
+    async def pick_concurrency(self) -> str:
+        """`concurrency.mode = auto`: AIMD when a server's /metrics page holds vLLM's load metrics (the names
+        `concurrency.parse_prometheus` keeps), fixed at max_concurrent otherwise; said once in the log."""
+        if self.concurrency_mode is not None:
+            return self.concurrency_mode
+        servers: list[dict[str, float] | None] = []
+        if hasattr(self.client, "metrics_text"):  # a client of one's own (a test's stand-in) may have none
+            try:
+                servers = await self._server_metrics()
+            except Exception as e:  # noqa: BLE001 - a server that cannot say its load runs at the fixed limit
+                log.info("concurrency: /metrics could not be read (%s)", e)
+        exposing, total = sum(bool(m) for m in servers), len(servers)
+        said = f"fixed at max_concurrent = {self.o.max_concurrent}"
+        if exposing:
+            self.aimd = self._aimd()
+            s = self.aimd.s
+            await self.limiter.set_limit(min(self.o.concurrency.initial or s.floor, s.cap))
+            said = f"AIMD between {s.floor} and {s.cap} requests"
+        log.info("concurrency: %s (%d of %d servers expose vLLM's load metrics on /metrics; concurrency.mode = "
+                 "auto)", said, exposing, total)
+        self.concurrency_mode = "aimd" if exposing else "fixed"
+        return self.concurrency_mode
 
     async def cut_step(self, step: int) -> tuple[list[list[Rollout]], dict[str, float]]:
         """Continuous mode: step `step`'s groups cut from the pool, on a server known to serve the tracked policy.
@@ -442,6 +470,7 @@ class Orchestrator:
 
     async def run(self, max_steps: int) -> list[dict[str, float]]:
         """Run steps next_step..max_steps; return each step's metrics."""
+        await self.pick_concurrency()
         watcher = asyncio.create_task(self.tracker.watch())
         helpers = [asyncio.create_task(self.loop_lag.run())]
         self.gc.start()

@@ -45,6 +45,10 @@ def get_config():
     c.orchestrator.sampling.max_tokens = 16
     c.orchestrator.sampling.seed = 1234  # a seed per request: generation is reproducible on CPU
     c.orchestrator.async_level = 0  # synchronous: what each step samples does not depend on timing
+    # The barrier: a batch's groups in prompt order, so runs are equal bit for bit (the continuous pool, the
+    # default, cuts groups in the order they finish; its faults: tests/orchestrator/test_pool.py, test_env_workers.py,
+    # test_replicas_vllm.py)
+    c.orchestrator.pool.mode = "step"
     c.orchestrator.weights_poll_s = 0.1
     c.orchestrator.filters.pre_batch = ()
     c.orchestrator.filters.post_batch = ()

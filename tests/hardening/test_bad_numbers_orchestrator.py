@@ -31,6 +31,18 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(out))
 
 
+def assert_one_errored_per_group(run_dir, metrics) -> None:
+    """Member 1 of each group of 4 errored, the other three were scored and trained. Whatever the dispatch mode:
+    the barrier (pool.mode step) cuts the step's 2 groups (6 trainable), the continuous pool (the default) as
+    many finished groups as hold the 8 of the batch; its errors/score also counts groups finished in the pool
+    that wait for the next cut."""
+    errored, total = metrics["rollouts/errored"], metrics["rollouts/total"]
+    assert errored >= 2 and errored * 4 == total, metrics
+    assert metrics["errors/score"] >= errored
+    assert metrics["batch/rollouts"] == min(8, total - errored)
+    assert read_batch(step_dir(run_dir, 1) / "rank_0.npz").meta["num_samples"] == metrics["batch/rollouts"]
+
+
 class BadReward(Environment):
     """reverse-text whose member-1 rollouts (reply length 5) score `bad`."""
 
@@ -71,9 +83,7 @@ def test_a_bad_reward_errors_its_rollout_and_the_group_goes_on(tmp_path, tokeniz
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
     orch.resume("")
     (metrics,) = asyncio.run(orch.run(1))
-    assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2
-    batch = read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz")
-    assert batch.meta["num_samples"] == 6
+    assert_one_errored_per_group(tmp_path / "run", metrics)
     assert any(
         "reward must be" in r.getMessage() and "reverse_text" in r.getMessage() for r in caplog.records
     )
@@ -138,5 +148,4 @@ def test_a_hung_environment_call_errors_its_rollout_and_the_group_goes_on(tmp_pa
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
     orch.resume("")
     (metrics,) = asyncio.run(orch.run(1))
-    assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2
-    assert read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz").meta["num_samples"] == 6
+    assert_one_errored_per_group(tmp_path / "run", metrics)

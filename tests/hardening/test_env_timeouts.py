@@ -35,6 +35,9 @@ def test_a_hung_episode_errors_its_rollout_and_the_rest_finish(hang_at, stage, t
     cfg = small_config(tmp_path / "run", env_id="tests.hardening.vf_hang_env", batch_size=8, group_size=4)
     cfg.orchestrator.envs.reverse_text.args = {"env_args": {"hang_at": hang_at}}
     cfg.orchestrator.env_timeout_s = 0.5
+    # The barrier: exactly the step's two groups are generated, so the requests below count the hung episodes'
+    # progress (the continuous pool, the default, would start more groups meanwhile).
+    cfg.orchestrator.pool.mode = "step"
     client = FakeClient(tokenizer)
     orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run")
     orch.resume("")

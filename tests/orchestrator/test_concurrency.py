@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from primejax.orchestrator.concurrency import (
     KV_USAGE,
@@ -117,3 +120,63 @@ def test_aimd_reads_new_preemptions_as_pressure_and_an_unreadable_fleet_as_no_ne
     assert c.decide([{PREEMPTIONS: 5.0}]) == 24  # the first look only learns the counter
     assert c.decide([{PREEMPTIONS: 7.0}]) == 10  # it moved: preemptions since the last look (20 x 0.5)
     assert c.decide([None]) == 20  # decide() proposes; tick() applies
+
+
+class _MetricsClient:
+    """FakeClient plus a /metrics page per server (None = the server did not answer)."""
+
+    def __init__(self, tokenizer, pages):
+        from orch_fakes import FakeClient
+
+        self.fake, self.pages, self.asked = FakeClient(tokenizer), pages, 0
+        self.base_urls = [f"http://127.0.0.1:{8000 + i}" for i in range(len(pages))]
+
+    def __getattr__(self, name):
+        return getattr(self.fake, name)
+
+    async def metrics_text(self):
+        self.asked += 1
+        return list(self.pages)
+
+
+@pytest.mark.parametrize(
+    ("pages", "mode"),
+    [
+        ([METRICS], "aimd"),  # vLLM's page
+        ([None, METRICS], "aimd"),  # one replica down at start-up, the other exposes it
+        (["# HELP http_requests_total\nhttp_requests_total 3\n"], "fixed"),  # a /metrics without vLLM's load
+        ([None], "fixed"),  # no answer
+        (None, "fixed"),  # a client without metrics_text
+    ],
+)
+def test_auto_concurrency_is_aimd_when_a_server_exposes_vllm_metrics_and_fixed_otherwise(
+    tmp_path, tokenizer, caplog, pages, mode
+):
+    from orch_fakes import FakeClient, make_orchestrator, small_config
+
+    cfg = small_config(tmp_path / "run", max_concurrent=4)  # below the AIMD floor (8): auto caps the floor
+    assert cfg.orchestrator.concurrency.mode == "auto"  # the default
+    client = FakeClient(tokenizer) if pages is None else _MetricsClient(tokenizer, pages)
+    orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run")
+    assert orch.limiter.limit == 4 and orch.aimd is None  # nothing decided before the run starts
+    with caplog.at_level(logging.INFO, logger="primejax.orchestrator.loop"):
+        assert asyncio.run(orch.pick_concurrency()) == mode
+        assert asyncio.run(orch.pick_concurrency()) == mode  # decided once: a second call neither asks nor logs
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("concurrency:")]
+    assert len(said) == 1 and ("AIMD between 4 and 4" if mode == "aimd" else "fixed at max_concurrent = 4") in said[0]
+    assert getattr(client, "asked", 1) == 1
+    if mode == "aimd":
+        assert orch.aimd is not None and orch.aimd.s.floor == 4 and orch.aimd.s.cap == 4
+    else:
+        assert orch.aimd is None and orch.limiter.limit == 4
+
+
+def test_auto_concurrency_starts_aimd_at_its_floor_under_a_higher_cap(tmp_path, tokenizer):
+    from orch_fakes import make_orchestrator, small_config
+
+    cfg = small_config(tmp_path / "run", max_concurrent=64)
+    orch = make_orchestrator(cfg, client=_MetricsClient(tokenizer, [METRICS]), tokenizer=tokenizer,
+                             run_dir=tmp_path / "run")
+    assert orch.limiter.limit == 64
+    assert asyncio.run(orch.pick_concurrency()) == "aimd"
+    assert orch.limiter.limit == 8 and (orch.aimd.s.floor, orch.aimd.s.cap) == (8, 64)

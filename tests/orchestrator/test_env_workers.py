@@ -9,9 +9,10 @@ import os
 import pytest
 from orch_fakes import FakeClient, make_orchestrator, small_config
 
+from primejax.config import env as env_entry
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.envs.registry import load_env
-from primejax.envs.workers import EnvWorkerError, WorkerEnv, in_workers
+from primejax.envs.workers import AUTO_MAX_WORKERS, EnvWorkerError, WorkerEnv, in_workers, workers_for
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
@@ -22,16 +23,20 @@ class Version:
     version = 0
 
 
-def test_a_hung_env_worker_errors_its_rollouts_is_replaced_and_the_pool_refills(tmp_path, tokenizer):
+@pytest.mark.parametrize("num", [-1, 2])
+def test_a_hung_env_worker_errors_its_rollouts_is_replaced_and_the_pool_refills(tmp_path, tokenizer, num):
+    """num -1: the defaults (continuous pool, auto env workers for a CPU-heavy env: one worker on a 2-core box,
+    so the hang takes every rollout in flight with it); 2: the other worker goes on meanwhile."""
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, env_id="worker_envs:load_hang_once", batch_size=8, group_size=4)
     cfg.orchestrator.envs.reverse_text.args = {"marker": str(tmp_path / "hung")}
-    cfg.orchestrator.env_workers.num = 2
+    if num >= 0:
+        cfg.orchestrator.env_workers.num = num
+    assert cfg.orchestrator.pool.mode == "continuous" and cfg.orchestrator.env_workers.num == num  # -1: default
     cfg.orchestrator.env_timeout_s = 2.0
-    cfg.orchestrator.pool.mode = "continuous"
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=run_dir)
     env = orch.slots[0].env
-    assert isinstance(env, WorkerEnv)
+    assert isinstance(env, WorkerEnv) and env.pool.num == workers_for(env.local, num)
 
     async def main():
         try:
@@ -45,10 +50,29 @@ def test_a_hung_env_worker_errors_its_rollouts_is_replaced_and_the_pool_refills(
     assert (tmp_path / "hung").exists()  # the hang happened (in a worker: this process went on)
     assert sum(m.get("errors/score", 0) for m in history) >= 1  # its rollout errored, counted
     assert sum(m.get("env_workers/replaced", 0) for m in history) == 1
-    assert len(pids) == 2 and os.getpid() not in pids
+    assert len(pids) == env.pool.num and os.getpid() not in pids
     assert [m["batch/rollouts"] for m in history] == [8, 8, 8]  # the pool refilled: every batch is full
     for n in (1, 2, 3):
         assert read_batch(step_dir(run_dir, n) / "rank_0.npz").meta["num_samples"] > 0
+
+
+def test_auto_env_workers_size_cpu_heavy_envs_to_the_machine_and_keep_the_rest_in_process(tmp_path, tokenizer):
+    heavy = load_env("worker_envs:load_hang_once", {"marker": str(tmp_path / "unused")})
+    light = load_env("reverse-text")
+    assert heavy.cpu_heavy and not light.cpu_heavy
+    # -1 (auto): a quarter of the usable CPUs for a CPU-heavy env, at least 1, at most AUTO_MAX_WORKERS
+    assert [workers_for(heavy, -1, cpus) for cpus in (1, 2, 7, 8, 16, 31, 64, 512)] == [1, 1, 1, 2, 4, 7, 8, 8]
+    assert AUTO_MAX_WORKERS == 8
+    assert workers_for(light, -1, 512) == 0  # a cheap env stays in process
+    assert workers_for(heavy, 0, 512) == 0 and workers_for(light, 3, 2) == 3  # an explicit number is kept
+    # the default config: the CPU-heavy env in worker processes, reverse-text in the orchestrator's process
+    cfg = small_config(tmp_path / "run")
+    cfg.orchestrator.envs.heavy = env_entry("worker_envs:load_hang_once", marker=str(tmp_path / "unused"))
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    envs = {slot.name: slot.env for slot in orch.slots}
+    assert isinstance(envs["heavy"], WorkerEnv) and envs["heavy"].pool.num == workers_for(heavy, -1)
+    assert not isinstance(envs["reverse_text"], WorkerEnv)
+    asyncio.run(orch.close())  # no worker was started (they start with the run)
 
 
 def _generator(tokenizer, client):

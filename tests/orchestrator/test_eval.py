@@ -43,13 +43,14 @@ def test_online_eval_runs_every_interval_on_the_eval_envs(tmp_path, tokenizer):
     # step that ends after it (3 or 4), the last one with the run's last step.
     reported = [m.get("eval/step") for m in history]
     assert reported[:2] == [None, None] and reported[-1] == 4.0 and reported[2] in (None, 2.0)
-    assert len(client.requests) == 4 * 2 + 2 * 3  # both evals ran: 3 examples each
+    training = orch.generator.stats.requests  # the continuous pool (the default) may run ahead of the steps
+    assert training >= 4 * 2
+    assert len(client.requests) == training + 2 * 3  # both evals ran: 3 examples each
     history[1] = history[3]
     # FakeClient: member 0 answers exactly, members 1-3 drop characters
     assert history[1]["eval/held_out/pass@4"] == 1.0 and history[1]["eval/held_out/pass@1"] == 0.25
     assert "eval/reverse_text/pass@4" not in history[1]
-    # eval requests stay out of the training throughput counters
-    assert orch.generator.stats.requests == 4 * 2
+    # eval requests stay out of the training throughput counters (the sum above counts them apart)
 
 
 def test_offline_eval_rejects_a_weights_directory_without_safetensors(tmp_path):

@@ -26,15 +26,22 @@ def run(cfg, client, tokenizer, steps: int) -> tuple[Orchestrator, list[dict[str
     return orch, asyncio.run(orch.run(steps))
 
 
-def test_three_steps_write_batches_the_trainer_accepts_with_the_served_token_ids(tmp_path, tokenizer):
+@pytest.mark.parametrize("mode", ["continuous", "step"])
+def test_three_steps_write_batches_the_trainer_accepts_with_the_served_token_ids(tmp_path, tokenizer, mode):
     cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
+    cfg.orchestrator.pool.mode = mode
     client = FakeClient(tokenizer)
     _, history = run(cfg, client, tokenizer, 3)
-    assert len(client.requests) == 3 * 2 and all(r["n"] == 4 for r in client.requests)
+    assert all(r["n"] == 4 for r in client.requests)
+    if mode == "step":  # the barrier: exactly each step's 2 groups, in step order
+        assert len(client.requests) == 3 * 2
+    else:  # the pool keeps up to 2 steps' groups in flight; at least every batch's groups were requested
+        assert 3 * 2 <= len(client.requests) <= 3 * 2 + 2 * 2
     for n in (1, 2, 3):
         batch = read_batch(step_dir(tmp_path / "run", n) / "rank_0.npz", vocab_size=len(tokenizer))
         assert batch.meta["num_samples"] == 8 and batch.meta["step"] == n
-        prompts = {tuple(r["prompt"]) for r in client.requests[(n - 1) * 2 : n * 2]}
+        sent = client.requests[(n - 1) * 2 : n * 2] if mode == "step" else client.requests
+        prompts = {tuple(r["prompt"]) for r in sent}
         for row in range(batch.rows):
             for seg in range(1, int(batch.segment_ids[row].max()) + 1):
                 sel = batch.segment_ids[row] == seg
@@ -63,13 +70,20 @@ class Flaky(Environment):
         return await self.inner.score(example, messages, state)
 
 
-def test_an_env_raising_fails_that_rollout_only(tmp_path, tokenizer):
+@pytest.mark.parametrize("mode", ["continuous", "step"])
+def test_an_env_raising_fails_that_rollout_only(tmp_path, tokenizer, mode):
     register_env("test-flaky", lambda: Flaky())
     cfg = small_config(tmp_path / "run", env_id="test-flaky", batch_size=8, group_size=4)
+    cfg.orchestrator.pool.mode = mode
     _, (metrics,) = run(cfg, FakeClient(tokenizer), tokenizer, 1)
-    assert metrics["rollouts/errored"] == 2 and metrics["errors/score"] == 2
-    assert metrics["batch/rollouts"] == 6
-    assert read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz").meta["num_samples"] == 6
+    # one member of every group fails; the barrier ships the step's 2 groups' 6 others, the pool cuts the batch
+    # from as many finished groups as hold 8 trainable rollouts (the third one split); errors/score also counts
+    # the groups that finished in the pool but wait for the next cut
+    groups = 2 if mode == "step" else 3
+    assert metrics["rollouts/errored"] == groups
+    assert metrics["errors/score"] == groups if mode == "step" else metrics["errors/score"] >= groups
+    assert metrics["batch/rollouts"] == (3 * groups if mode == "step" else 8)
+    assert read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz").meta["num_samples"] == metrics["batch/rollouts"]
 
 
 def sort_reply(prompt: str, member: int) -> str:

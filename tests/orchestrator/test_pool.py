@@ -1,6 +1,7 @@
 """The continuous rollout pool against a fake server on a fake clock: batches cut from finished groups, groups
 carried over steps, the per-sample off-policy bound held by cancelling stale groups (their requests
-cancelled), checkpoint/resume re-dispatching unfinished groups, a hung group timing out."""
+cancelled), checkpoint/resume re-dispatching unfinished groups, a hung group timing out. Every config here is
+the default one apart from sizes and timeouts: the continuous pool is the default mode."""
 
 from __future__ import annotations
 
@@ -61,7 +62,6 @@ def run_continuous(tmp_path, tokenizer, *, k: int, steps: int = STEPS, oversampl
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, batch_size=8, group_size=4, async_level=k)
     cfg.orchestrator.buffer.oversampling_factor = oversampling
-    cfg.orchestrator.pool.mode = "continuous"
     for key, value in pool.items():
         cfg.orchestrator.pool[key] = value
     clock = FakeClock()
@@ -119,7 +119,6 @@ def test_continuous_pool_carries_finished_groups_into_later_steps(tmp_path, toke
 def test_resume_dispatches_the_unfinished_groups_first(tmp_path, tokenizer):
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, batch_size=8, group_size=4, async_level=8)
-    cfg.orchestrator.pool.mode = "continuous"
     cfg.orchestrator.pool.groups_in_flight = 6
     cfg.orchestrator.checkpoint.interval = 1
     client = FakeClient(tokenizer)
@@ -154,7 +153,6 @@ def test_a_hung_group_times_out_and_the_pool_refills(tmp_path, tokenizer):
     register_env("hanging-reverse-text", lambda **_: HangingReverse(min_len=3, max_len=6))
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, env_id="hanging-reverse-text", batch_size=8, group_size=4)
-    cfg.orchestrator.pool.mode = "continuous"
     cfg.orchestrator.pool.group_timeout_s = 0.3
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=run_dir)
     history = asyncio.run(asyncio.wait_for(orch.run(3), 60))
@@ -181,7 +179,6 @@ def test_failed_groups_do_not_fill_the_pool_and_stall_it(tmp_path, tokenizer):
     register_env("failing-first", lambda **_: FailingFirst(8))
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, env_id="failing-first", batch_size=8, group_size=4)
-    cfg.orchestrator.pool.mode = "continuous"
     cfg.orchestrator.pool.groups_in_flight = 2  # the two all-errored groups would hold every slot
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=run_dir)
     history = asyncio.run(asyncio.wait_for(orch.run(2), 60))

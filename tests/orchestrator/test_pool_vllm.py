@@ -36,8 +36,7 @@ def test_continuous_pool_against_vllm_keeps_the_bound(tmp_path, vllm_server, tin
     cfg.orchestrator.update({"seq_len": 512, "max_prompt_tokens": 256})
     cfg.orchestrator.sampling.max_tokens = 24
     cfg.orchestrator.filters.post_batch = ()
-    cfg.orchestrator.pool.mode = "continuous"
-    cfg.orchestrator.pool.groups_in_flight = 6
+    cfg.orchestrator.pool.groups_in_flight = 6  # the defaults otherwise: continuous pool, auto concurrency
     tokenizer = load_tokenizer(str(tiny_model_dir))
 
     async def main():
@@ -45,7 +44,9 @@ def test_continuous_pool_against_vllm_keeps_the_bound(tmp_path, vllm_server, tin
         try:
             orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
             await orch.tracker.sync_with_server()
-            return (await asyncio.gather(orch.run(STEPS), fake_trainer(run_dir, tiny_model_dir)))[0]
+            history = (await asyncio.gather(orch.run(STEPS), fake_trainer(run_dir, tiny_model_dir)))[0]
+            assert orch.concurrency_mode == "aimd"  # auto: vLLM exposes its load metrics on /metrics
+            return history
         finally:
             await client.reload_weights()  # the server is shared by the session: leave it as we found it
             await client.close()
@@ -56,6 +57,7 @@ def test_continuous_pool_against_vllm_keeps_the_bound(tmp_path, vllm_server, tin
         assert batch.meta["num_samples"] == 8
         assert batch.meta["min_policy_version"] >= min_policy_version(n, k)
     assert [m["policy/min_version"] for m in history] == [0, 1, 2]  # k = 0: each step trains on θ_{n-1}
+    assert all(8 <= m["concurrency/limit"] <= cfg.orchestrator.max_concurrent for m in history)  # AIMD's range
 
 
 def test_a_cancelled_request_is_aborted_on_the_server(vllm_server):

@@ -51,8 +51,7 @@ def test_a_replica_killed_mid_run_returns_and_the_run_keeps_the_bound(tmp_path, 
     cfg.orchestrator.update({"seq_len": 512, "max_prompt_tokens": 256})
     cfg.orchestrator.sampling.max_tokens = 24
     cfg.orchestrator.filters.post_batch = ()
-    cfg.orchestrator.pool.mode = "continuous"
-    cfg.orchestrator.pool.groups_in_flight = 6
+    cfg.orchestrator.pool.groups_in_flight = 6  # the defaults otherwise: continuous pool, auto concurrency
     tokenizer = load_tokenizer(str(tiny_model_dir))
     spec = ServerSpec(model=str(tiny_model_dir), port=free_port(), dtype="float32", max_model_len=2048)
     second = InferenceServerProcess(spec, tmp_path / "inference_1.log")
@@ -82,6 +81,7 @@ def test_a_replica_killed_mid_run_returns_and_the_run_keeps_the_bound(tmp_path, 
             orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir)
             await orch.tracker.sync_with_server()
             history = (await asyncio.gather(orch.run(STEPS), trainer(client)))[0]
+            assert orch.concurrency_mode == "aimd"  # auto: the replicas expose vLLM's load metrics
             await orch.tracker.refresh()
             versions = [await client.server_version(u) for u in client.base_urls]
             return client.routed, history, versions, orch.tracker.version

@@ -13,7 +13,10 @@ from primejax.envs.reverse_text import ReverseText
 
 class HangOnce(ReverseText):
     """reverse-text whose scoring blocks its process (a reward stuck in a C call: no await, no cancel) the first
-    time any worker scores; `marker` is the file that says it happened."""
+    time any worker scores; `marker` is the file that says it happened. Declares itself CPU-heavy, so the
+    default `env_workers.num` (-1, auto) runs it in workers."""
+
+    cpu_heavy = True
 
     def __init__(self, marker: str, **kw: Any):
         super().__init__(**kw)
