@@ -15,6 +15,7 @@ much as 0.113 vs 0.072. (A different server build or device may still sample dif
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -54,6 +55,10 @@ def seeded(o: OrchestratorConfig, seed: int) -> OrchestratorConfig:
     from primejax.utils.sections import replace_key
 
     if o.sampling.seed >= 0:
+        return o
+    if not dataclasses.is_dataclass(o):  # an untyped ConfigDict (tests, library callers): a changed copy
+        o = o.copy_and_resolve_references()
+        o.async_level, o.sampling.seed = 0, seed
         return o
     return replace_key(replace_key(o, "async_level", 0), "sampling.seed", seed)
 

@@ -8,7 +8,7 @@ server's port once to see that it is free (`inference.port = 0` picks a free one
 A bind only says the port is free *now*: a run whose server was still starting (its SFT warm-up, vLLM's
 import) had not bound it yet, so a second run on the same explicit port passed the check and started a second
 server. So an explicit port is also reserved host-wide for the launcher's life: an exclusive `flock` on
-`<tmp>/primejax-ports/<host>_<port>.lock` (dropped by the kernel on any exit), and a second launcher asking for
+`<tmp>/primejax-ports/<host>_<port>.held` (dropped by the kernel on any exit), and a second launcher asking for
 it is refused at once, naming the holder.
 """
 
@@ -85,7 +85,7 @@ def reserve_port(host: str, port: int, key: str = "inference.port") -> None:
     if (host, port) in _RESERVED:
         return
     d = port_lock_dir()
-    path = d / f"{host}_{port}.lock"
+    path = d / f"{host}_{port}.held"  # not '.lock': that name belongs to the run directory (RunDir)
     try:
         if not d.is_dir():
             d.mkdir(exist_ok=True)

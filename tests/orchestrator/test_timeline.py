@@ -54,6 +54,7 @@ def trace_spans(path) -> tuple[dict[tuple[int, int], str], list[dict]]:
 def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logged(tmp_path, tokenizer):
     register_env("test-two-calls", lambda: TwoCalls())
     cfg = small_config(tmp_path / "run", env_id="test-two-calls", batch_size=8, group_size=4, max_concurrent=1)
+    cfg.orchestrator.pool.mode = "step"  # the per-step phases asserted below are the barrier's
     cfg.monitor.samples_per_env = 3
     cfg.monitor.timeline_image_every = 2
     c = typed(cfg)

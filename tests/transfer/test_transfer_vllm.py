@@ -252,6 +252,8 @@ def test_sender_stalled_after_collective_update_server_unhealthy_until_full_upda
         assert "undefined" in r.json()["error"]
         assert time.monotonic() - t0 < 4 + 30, "the round must end with the transfer timeout"
         live = _get(url, "/liveness")
+        assert live.status_code == 503 and "could not be restored" not in live.text  # details: admin only
+        live = httpx.get(url + "/liveness", headers={HEADER: read_token()}, timeout=30)
         assert live.status_code == 503 and "could not be restored" in live.text
         r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_2")})
         assert r.status_code == 200, r.text
