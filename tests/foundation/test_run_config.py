@@ -211,8 +211,12 @@ def test_a_bad_env_id_gets_one_message_with_a_suggestion_from_dry_run_and_run(ti
     c.model.path = str(tiny_model_dir)
     c.orchestrator.envs.reverse_text.id = "revers-text"
     cfg = typed(c)
-    expected = ("orchestrator.envs.reverse_text.id: 'revers-text' is neither a builtin (alphabet-sort, arithmetic, "
-                "reverse-text) nor an importable module ('revers_text' not found); did you mean 'reverse-text'?")
+    from primejax.envs.registry import registered_envs
+
+    builtins = registered_envs()  # the shipped three, and any a test in this session registered before
+    assert {"alphabet-sort", "arithmetic", "reverse-text"} <= set(builtins)
+    expected = (f"orchestrator.envs.reverse_text.id: 'revers-text' is neither a builtin ({', '.join(builtins)}) nor "
+                "an importable module ('revers_text' not found); did you mean 'reverse-text'?")
     assert check_envs(cfg) == [(False, expected)]  # the dry run's line
     with pytest.raises(PreflightError) as err:  # the run's (launcher preflight)
         check_env_ids(cfg.orchestrator.envs)

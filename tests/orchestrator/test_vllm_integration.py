@@ -70,6 +70,9 @@ def watched_run(tmp_path_factory, vllm_server, tiny_model_dir):
     cfg.orchestrator.update({"seq_len": 512, "max_prompt_tokens": 256})
     cfg.orchestrator.sampling.max_tokens = 24  # unseeded: seeds need async_level 0 (config rule)
     cfg.orchestrator.filters.post_batch = ()  # a random tiny model's rewards may tie; ship everything
+    # The barrier: each step's tokens are generated inside that step, which the server-metrics test asserts (a
+    # continuous pool may cut a step from groups that finished in the previous one: 0 tokens/s in its window).
+    cfg.orchestrator.pool.mode = "step"
     cfg.monitor.wandb = importlib.util.find_spec("wandb") is not None  # in the test extra
     cfg.monitor.server_poll_s = 0.5
     cfg.monitor.timeline_image_every = STEPS
