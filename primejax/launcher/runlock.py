@@ -43,18 +43,14 @@ class RunLock:
         except OSError as e:
             raise PreflightError("run.name", f"{self.root / LOCK_FILE}: cannot be the run's lock file "
                                              f"({e.strerror}{'; a symlink?' if os.path.islink(self.root / LOCK_FILE) else ''})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
-            os.close(fd)
+        holder = _flock_or_holder(fd)
+        if holder is not None:
             raise PreflightError(
                 "run.name",
                 f"{self.root} is in use by a live run ({holder}); stop it or pick "
                 "another run.name / run.output_dir",
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+            )
+        _stamp(fd)
         self._fd = fd
         return self
 
@@ -98,20 +94,33 @@ def reserve_port(host: str, port: int, key: str = "inference.port") -> None:
             fd, writable = os.open(path, os.O_RDONLY | os.O_NOFOLLOW), False
     except OSError as e:
         raise PreflightError(key, f"cannot reserve {host}:{port} ({path}: {e.strerror})") from None
+    holder = _flock_or_holder(fd)
+    if holder is not None:
+        raise PreflightError(
+            key,
+            f"{host}:{port} is reserved by another primejax run ({holder}) whose server may still be starting; "
+            f"stop it, pick another port, or set {key}=0 for a free one",
+        )
+    if writable:
+        _stamp(fd)
+    _RESERVED[host, port] = fd
+
+
+def _flock_or_holder(fd: int) -> str | None:
+    """Take `fd`'s exclusive flock without waiting: None when taken, else the holder's stamp (and `fd` closed)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
         os.close(fd)
-        raise PreflightError(
-            key,
-            f"{host}:{port} is reserved by another primejax run ({holder}) whose server may still be starting; "
-            f"stop it, pick another port, or set {key}=0 for a free one",
-        ) from None
-    if writable:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-    _RESERVED[host, port] = fd
+        return holder
+    return None
+
+
+def _stamp(fd: int) -> None:
+    """Write who holds the lock (read back by a refused second process)."""
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
 
 
 def release_ports() -> None:
