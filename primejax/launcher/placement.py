@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from primejax.inference.server import OWN_GPU_MEMORY_UTILIZATION as OWN_INFERENCE_FRACTION
-from primejax.utils.devices import parse_devices
+from primejax.utils.devices import check_layout, parse_devices
 
 SHARED_TRAINER_FRACTION = 0.45
 SHARED_INFERENCE_FRACTION = 0.45
@@ -149,18 +149,13 @@ def _plan(
             i = list(range(node_gpus - wanted, node_gpus))
             t = list(range(node_gpus - wanted))
             shared = False
-    elif t and i and set(t) == set(i):
-        shared = True
-    elif t and i and set(t) & set(i):
-        raise PlacementError(
-            "trainer.devices",
-            f"{sorted(set(t) & set(i))} also in inference.devices: the two share all their GPUs or none",
-        )
-    elif bool(t) != bool(i):
-        named, other = ("trainer.devices", "inference.devices") if t else ("inference.devices", "trainer.devices")
-        raise PlacementError(other, f"must be set too when {named} is (each process must see only its own GPUs)")
     else:
-        shared = False
+        try:  # the config's own rule (utils/devices.py): both named, sharing all their GPUs or none
+            check_layout(trainer_devices, inference_devices)
+        except ValueError as e:
+            key, _, message = str(e).partition(": ")
+            raise PlacementError(key, message) from None
+        shared = set(t) == set(i)
     if shared:
         if replicas != 1 or len(i) != per_server:
             raise PlacementError(
