@@ -27,6 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from primejax.contracts.rundir import RunDir  # noqa: E402
 
 
 def _rows(path: Path) -> dict[int, dict]:
@@ -49,8 +53,8 @@ def _mean(rows: list[dict], key: str, skip_first: bool = True) -> float | None:
 
 def summarize(run_dir: Path, wall_s: float, rc: int | None) -> dict:
     """One run's figures from its metrics JSONL (means skip step 1, which holds compilation)."""
-    trainer = _rows(run_dir / "metrics" / "trainer.jsonl")
-    orch = _rows(run_dir / "metrics" / "orchestrator.jsonl")
+    trainer = _rows(RunDir(run_dir).metrics("trainer"))
+    orch = _rows(RunDir(run_dir).metrics("orchestrator"))
     steps = sorted(set(trainer) & set(orch))
     t_rows, o_rows = [trainer[s] for s in steps], [orch[s] for s in steps]
     rewards = [r.get("reward/mean") for r in o_rows if isinstance(r.get("reward/mean"), (int, float))]
@@ -105,7 +109,7 @@ def plot(run_dirs: list[Path], png: Path) -> None:
 
     fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
     for d in run_dirs:
-        orch, trainer = _rows(d / "metrics" / "orchestrator.jsonl"), _rows(d / "metrics" / "trainer.jsonl")
+        orch, trainer = _rows(RunDir(d).metrics("orchestrator")), _rows(RunDir(d).metrics("trainer"))
         steps = sorted(s for s in orch if isinstance(orch[s].get("reward/mean"), (int, float)))
         ax_r.plot(steps, [orch[s]["reward/mean"] for s in steps], label=d.name)
         kl = sorted(s for s in trainer if isinstance(trainer[s].get("mismatch_kl"), (int, float)))
@@ -173,9 +177,10 @@ def main() -> int:
     with tarfile.open(out / "e2e_runs.tar.gz", "w:gz") as tar:
         for name, *_ in procs:
             tar.add(runs_dir / f"{name}.launcher.txt", arcname=f"{name}/launcher.txt")
-            for sub in ("metrics", "logs", "configs"):
-                if (runs_dir / name / sub).is_dir():
-                    tar.add(runs_dir / name / sub, arcname=f"{name}/{sub}")
+            rd = RunDir(runs_dir / name)
+            for sub in (rd.metrics("trainer").parent, rd.logs, rd.config("trainer").parent):
+                if sub.is_dir():
+                    tar.add(sub, arcname=f"{name}/{sub.name}")
     print(table(rows), flush=True)
     for name, *_ in procs:
         tail = (runs_dir / f"{name}.launcher.txt").read_text().splitlines()[-6:]
