@@ -33,6 +33,7 @@ from primejax.utils.sections import (
     describe,
     field_kind,
     option,
+    replace_key,
     section,
     sub,
     to_configdict,
@@ -76,6 +77,8 @@ _env = env  # the name config files and tests used before
 def typed(c: ConfigDict | dict) -> Config:
     """The typed, validated view of a config tree. Raises ConfigError naming the key."""
     cfg = build(Config, c)
+    if cfg.orchestrator.checkpoint.interval < 0:  # -1: the trainer's interval (a resume needs a step both saved)
+        cfg = replace_key(cfg, "orchestrator.checkpoint.interval", cfg.trainer.checkpoint.interval)
     rules.check(cfg)
     return cfg
 

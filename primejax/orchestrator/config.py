@@ -118,7 +118,11 @@ class EvalConfig(Section):
 class OrchestratorCheckpointConfig(Section):
     """Orchestrator checkpoints (a few kB each) under checkpoints/step_N/orchestrator."""
 
-    interval: int = option(10, "save every this many steps; 0 = never", ge=0)
+    # A rerun resumes from a step that both processes saved: apart, trainer.checkpoint.interval=2 beside the old
+    # default 10 gave a 2-step run nothing to resume from (seen on the GPU tier). -1 follows the trainer's.
+    interval: int = option(
+        -1, "save every this many steps (and the last); -1 = trainer.checkpoint.interval; 0 = never", ge=-1
+    )
     keep: int = option(
         0, "checkpoints kept; 0 = all (resume must pair one with any trainer checkpoint)", ge=0
     )

@@ -497,8 +497,8 @@ class Orchestrator:
                     await self.watch.log(self.monitor, result.step, result.rollouts, result.batch)
                 history.append(result.metrics)
                 self.next_step += 1
-                interval = self.o.checkpoint.interval
-                if interval and result.step % interval == 0:
+                interval = self.o.checkpoint.interval  # -1 (unresolved, a section used alone): every step
+                if interval and (result.step % interval == 0 or result.step == max_steps):  # the trainer's too
                     records = {f"{p}_examples": self.buffer.pool_records(p) for p in POOLS}
                     save_checkpoint(self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep, records)
         finally:

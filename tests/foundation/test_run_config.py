@@ -245,3 +245,18 @@ def test_configs_saved_before_the_typed_sections_still_load(tmp_path):
     path.write_text(json.dumps(old))
     with pytest.raises(UsageError, match=r"trainer\.gone: unknown key"):
         parse_config(["--config", str(path)], prog="t")
+
+
+def test_the_orchestrator_checkpoints_at_the_trainers_interval_unless_set():
+    """A resume needs a step both processes saved: trainer.checkpoint.interval=2 alone once left the orchestrator at
+    10, and a 2-step run had nothing to resume from (GPU tier, docs/testing.md)."""
+    from primejax.config import typed
+
+    c = default_config()
+    c.model.path = "m"
+    c.trainer.checkpoint.interval = 2
+    assert typed(c).orchestrator.checkpoint.interval == 2
+    c.orchestrator.checkpoint.interval = 4
+    assert typed(c).orchestrator.checkpoint.interval == 4
+    c.orchestrator.checkpoint.interval = 0
+    assert typed(c).orchestrator.checkpoint.interval == 0

@@ -129,6 +129,15 @@ def test_checkpoint_and_resume_continue_the_same_prompt_stream(tmp_path, tokeniz
     assert read_batch(step_dir(tmp_path / "b", 3) / "rank_0.npz").meta["step"] == 3
 
 
+def test_the_last_step_is_checkpointed_like_the_trainers(tmp_path, tokenizer):
+    """The trainer saves its last step whatever the interval; so does the orchestrator, or a rerun with more
+    steps would redo the steps after the last common multiple."""
+    cfg = small_config(tmp_path / "run")
+    cfg.orchestrator.checkpoint.update({"interval": 2, "keep": 0})
+    run(cfg, FakeClient(tokenizer), tokenizer, 3)
+    assert saved_steps(tmp_path / "run") == [2, 3]
+
+
 def test_algorithm_per_env_override_and_weights(tmp_path, tokenizer):
     from primejax.orchestrator.algorithms import Algorithm, register_algorithm
 
