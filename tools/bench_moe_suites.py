@@ -209,7 +209,7 @@ CONFIGS = {
             bucket_mb=2048.0, inflight=2, offload_master=False, resident_gib=15.0, micro=16,
             **dict(GPU4, steps=1, warmup=1),
         ),
-        # remat attn_experts_offload is not here: on 2 x H200 it ran 864 ms against 752 for attn (gpu2:offload)
+        # remat attn_experts_offload is not here: on 2 x H200 it ran 864 ms against 752 for attn (gpu2:offload, commit adbf550)
         _step("moe48:16k:bf16state:attn", 16384, 48, remat="attn", **GPU4),
         # the freed GPU memory spent on activations (remat auto), bf16 state beside it
         _step("moe48:16k:bf16state:auto", 16384, 48, remat="auto", skip_if_oom="", **GPU4),
