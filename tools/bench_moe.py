@@ -1,6 +1,7 @@
 """Qwen3-MoE on GPUs: grouped-matmul checks and speed, then the full RL trainer step, one table at the end.
 
-    python tools/bench_moe.py                  # 1 GPU: gmm checks + kernels, 30B-A3B cut to a few layers at 16k
+    python tools/bench_moe.py                  # 1 GPU: 30B-A3B cut to 4, 8 and 10 layers at 16k
+    python tools/bench_moe.py --suite gpu1:checks  # 1 GPU: the grouped matmul (mgpu) against XLA, then its speed
     python tools/bench_moe.py --suite gpu4     # 4 GPUs: 48-layer 30B-A3B, both expert-parallel modes
     python tools/bench_moe.py --suite gpu4:ep  # 4 GPUs: 48-layer 30B-A3B, expert parallelism by all-to-all vs fsdp
     python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
