@@ -44,7 +44,7 @@ def get_config():
     c.trainer.optim.weight_decay = 0.0
     c.trainer.scheduler.warmup_steps = 3
     c.trainer.micro_batch_size = 4
-    # Warm-up on tool-call demonstrations (tools/demo_tool_use.py writes them; rendered by the same renderer)
+    # Warm-up on tool-call demonstrations (the README walkthrough's step 2 writes them; rendered by the same renderer)
     c.sft.batch_size = 16
     c.sft.seq_len = 2048
     c.sft.lr = 1e-3

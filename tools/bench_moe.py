@@ -1,6 +1,7 @@
 """Qwen3-MoE on GPUs: grouped-matmul checks and speed, then the full RL trainer step, one table at the end.
 
-    python tools/bench_moe.py                  # 1 GPU: gmm checks + kernels, 30B-A3B cut to a few layers at 16k
+    python tools/bench_moe.py                  # 1 GPU: 30B-A3B cut to 4, 8 and 10 layers at 16k
+    python tools/bench_moe.py --suite gpu1:checks  # 1 GPU: the grouped matmul (mgpu) against XLA, then its speed
     python tools/bench_moe.py --suite gpu4     # 4 GPUs: 48-layer 30B-A3B, both expert-parallel modes
     python tools/bench_moe.py --suite gpu4:ep  # 4 GPUs: 48-layer 30B-A3B, expert parallelism by all-to-all vs fsdp
     python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
@@ -33,7 +34,6 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools import bench_offload_check  # noqa: E402
 from tools.bench_moe_suites import CONFIGS, PEAK_FLOPS, SHAPES  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ gmm worker
@@ -158,182 +158,6 @@ def gmm_worker(c: dict) -> dict:
             except Exception as e:  # noqa: BLE001 - an OOM of the xla path is a result
                 speed.append(dict(shape=name, impl=impl, error=repr(e)[:160]))
     return dict(checks=checks, ok=ok, speed=speed, impl=fast, device=str(jax.devices()[0].device_kind))
-
-
-# ------------------------------------------------------------------------------------------------ tile sweep
-
-# Qwen3-30B-A3B expert kernels: (op, contracting, output) as gmm.tiles_for keys them; gate_up is D=2048 -> 2I=1536,
-# down I=768 -> D=2048.
-TILE_SHAPES = [
-    ("fwd", 2048, 1536),
-    ("dlhs", 1536, 2048),
-    ("wgrad", 2048, 1536),
-    ("fwd", 768, 2048),
-    ("dlhs", 2048, 768),
-    ("wgrad", 768, 2048),
-]
-SMEM_BYTES = 227 * 1024
-
-
-def _tile_candidates(op: str, k: int, n: int, grid_block_ns=(1, 2, 4)) -> list[dict]:
-    """Tile arguments that tile the shape and fit shared memory (bf16 operand stages + the output tile), the
-    accumulator at most 128 x 256 fp32 (one warpgroup's registers); the likeliest first."""
-    out = []
-    tiles = ((128, 128), (128, 192), (192, 128), (64, 256), (128, 256), (64, 128), (64, 192))
-    for ti, (bm, bn) in enumerate(tiles):
-        for bk in (64, 128):
-            for stages in (2, 3, 4, 5, 6):
-                for gbn in grid_block_ns:
-                    if (op == "wgrad" and k % bm) or n % (bn * gbn) or k % bk:  # wgrad tiles K by block_m
-                        continue
-                    smem = stages * (bm * bk + bk * bn) * 2 + bm * bn * 2
-                    if smem > SMEM_BYTES or (bk == 128 and stages > 3):
-                        continue
-                    t = dict(
-                        block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=stages, grid_block_n=gbn
-                    )
-                    out.append(
-                        (gbn != grid_block_ns[0], bk != 64, {4: 0, 3: 1, 5: 2, 6: 3, 2: 4}[stages], ti, t)
-                    )
-    return [t for *_, t in sorted(out, key=lambda x: x[:4])]
-
-
-def tiles_worker(c: dict) -> dict:
-    """Time the grouped-matmul kernels over tile sizes at the expert shapes (16k tokens x top-8 rows, 128
-    uniformly loaded experts): one process per shape compiling in parallel, timings serialized by a file
-    lock; best per shape among the tiles whose output equals the default tiles' (uniform, skewed, half-empty
-    routing) within 1e-2."""
-    import tempfile
-
-    if os.environ.get("JAX_PLATFORMS") == "cpu":  # --smoke: the Mosaic GPU kernels need Hopper
-        return dict(device="cpu", tiles=[_tile_row(op, k, n, [], dry=True) for op, k, n in TILE_SHAPES])
-    budget = c.get("budget", 200)
-    lock = os.path.join(tempfile.mkdtemp(), "timing.lock")
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
-    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
-    deadline = time.time() + budget
-    procs = {}
-    for op, k, n in TILE_SHAPES:
-        job = dict(
-            kind="tile_shape", op=op, k=k, n=n, deadline=deadline, lock=lock, gbn=c.get("gbn", [1, 2, 4])
-        )
-        procs[(op, k, n)] = subprocess.Popen(
-            [sys.executable, __file__, "--worker", json.dumps(job)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-    table, device = [], ""
-    for (op, k, n), p in procs.items():
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline + 30 - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        tried = [json.loads(ln[5:]) for ln in out.splitlines() if ln.startswith("TILE ")]
-        device = next((ln[7:] for ln in out.splitlines() if ln.startswith("DEVICE ")), device)
-        row = _tile_row(op, k, n, tried)
-        if not tried:
-            row["error"] = out[-800:]
-        table.append(row)
-    return dict(tiles=table, device=device)
-
-
-def _tile_row(op, k, n, tried, dry=False):
-    from primejax.models import gmm
-
-    rows = 16384 * 8
-    ok = [t for t in tried if "ms" in t and max(t["err"].values()) < 1e-2]
-    default = next((t for t in ok if t["tiles"] == gmm.DEFAULT_TILES), None)
-    best = min(ok, key=lambda t: t["ms"]) if ok else None
-    flops = 2.0 * rows * k * n
-    return dict(
-        op=op,
-        k=k,
-        n=n,
-        best=dict(best["tiles"] if best else gmm.DEFAULT_TILES),
-        default_ms=default["ms"] if default else 0.0,
-        best_ms=best["ms"] if best else 0.0,
-        default_tflops=flops / default["ms"] / 1e9 if default else 0.0,
-        best_tflops=flops / best["ms"] / 1e9 if best else 0.0,
-        best_err=best["err"] if best else {},
-        n_tried=len(_tile_candidates(op, k, n)) if dry else len(ok),
-        n_failed=len(tried) - len(ok),
-        top=sorted(ok, key=lambda t: t["ms"])[:6],
-    )
-
-
-def tile_shape_worker(c: dict) -> dict:
-    """One kernel shape over its tile candidates until the deadline; prints a TILE line per candidate."""
-    import fcntl
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-    from primejax.models import gmm
-
-    op, k, n = c["op"], c["k"], c["n"]
-    print("DEVICE " + str(jax.devices()[0].device_kind), flush=True)
-    rng = np.random.default_rng(0)
-    rows, g = c.get("rows", 16384 * 8), c.get("groups", 128)
-    sizes = {kind: jnp.asarray(_sizes(kind, rows, g, rng)) for kind in ("uniform", "skewed", "empty")}
-    a = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    if op == "wgrad":
-        b = jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16)
-    else:  # fwd: rhs [G, K, N]; dlhs: rhs stored [G, N_out, K_contract] and read transposed
-        b = jnp.asarray(
-            rng.standard_normal((g, n, k) if op == "dlhs" else (g, k, n)) / np.sqrt(k), jnp.bfloat16
-        )
-
-    def compiled(tiles):
-        if op == "wgrad":
-
-            def f(x, y, gs):
-                return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, y, group_sizes=gs, **tiles)
-        else:
-
-            def f(x, y, gs):
-                return ragged_dot_mgpu.ragged_dot(x, y, group_sizes=gs, transpose_rhs=op == "dlhs", **tiles)
-
-        return jax.jit(f).lower(a, b, sizes["uniform"]).compile()
-
-    def rel(x, r):  # on the device: the outputs are 0.4-0.5 GB each
-        x, r = x.astype(jnp.float32), r.astype(jnp.float32)
-        return float(jnp.linalg.norm(x - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
-
-    ref = {}
-    with open(c["lock"], "a") as lock:
-        table = gmm.MEASURED_TILES.get((op, k, n))
-        firsts = [dict(gmm.DEFAULT_TILES)] + ([dict(table)] if table and table != gmm.DEFAULT_TILES else [])
-        rest = [t for t in _tile_candidates(op, k, n, tuple(c.get("gbn", (1, 2, 4)))) if t not in firsts]
-        for tiles in firsts + rest:
-            if time.time() > c["deadline"]:
-                break
-            try:
-                f = compiled(tiles)
-                outs = {kind: f(a, b, gs) for kind, gs in sizes.items()}
-                if not ref:
-                    ref = outs
-                err = {kind: rel(o, ref[kind]) for kind, o in outs.items()}
-                del outs
-            except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
-                print("TILE " + json.dumps(dict(tiles=tiles, error=repr(e)[:160])), flush=True)
-                continue
-            fcntl.flock(lock, fcntl.LOCK_EX)  # timings one process at a time; compiles and checks in parallel
-            try:
-                jax.block_until_ready(f(a, b, sizes["uniform"]))
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    out = f(a, b, sizes["uniform"])
-                jax.block_until_ready(out)
-                ms = (time.perf_counter() - t0) / 10 * 1e3
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-            print("TILE " + json.dumps(dict(tiles=tiles, ms=ms, err=err, t=time.time())), flush=True)
-    return {}
 
 
 # ------------------------------------------------------------------------------------------------ step worker
@@ -512,9 +336,6 @@ def _device_load(load, devices: int) -> dict | None:
 WORKERS = {
     "gmm": gmm_worker,
     "step": step_worker,
-    "tiles": tiles_worker,
-    "tile_shape": tile_shape_worker,
-    "offload_check": bench_offload_check.offload_check_worker,
 }
 
 
@@ -594,27 +415,6 @@ def _table(results: list[dict]) -> str:
                     f"  {s['shape']:<8} {s['impl']:<5} fwd {s['fwd_ms']:7.2f} ms {s['fwd_tflops']:6.0f} TF/s   "
                     f"bwd {s['bwd_ms']:7.2f} ms {s['bwd_tflops']:6.0f} TF/s"
                 )
-    for r in results:
-        if r["kind"] != "tiles":
-            continue
-        if r.get("error"):
-            out.append(f"tiles: FAIL {r['error'][-600:]}")
-            continue
-        out.append(
-            f"grouped-matmul tiles ({r['device']}): op K->N  default  best  (block_m,n,k,stages,grid_block_n)"
-        )
-        for t in r["tiles"]:
-            b = t["best"]
-            out.append(
-                f"  {t['op']:<5} {t['k']:>5}->{t['n']:<5} {t['default_ms']:6.2f} ms {t['default_tflops']:4.0f} TF/s"
-                f"  {t['best_ms']:6.2f} ms {t['best_tflops']:4.0f} TF/s  ({b['block_m']},{b['block_n']},"
-                f"{b['block_k']},{b['max_concurrent_steps']},{b['grid_block_n']})  tried {t['n_tried']}"
-                f" failed {t['n_failed']}  vs default: "
-                + " ".join(f"{k}={v:.1e}" for k, v in t["best_err"].items())
-            )
-    for r in results:
-        if r["kind"] == "offload_check":
-            out += bench_offload_check.table(r)
     head = f"{'config':<26}{'gpus':>5}{'tok/s':>9}{'tok/s/gpu':>10}{'MFU':>7}{'MFU/2attn':>10}{'step ms':>9}{'peak GiB':>9}"
     out += [head, "-" * len(head)]
     for r in results:

@@ -138,16 +138,8 @@ GPU4 = dict(pdt="bfloat16", ep="fsdp", devices=4, rows=4, scan=True, steps=2, wa
 # the smoke rows' expert-parallel modes on 4 emulated CPU devices: tiny shapes, XLA kernels, scanned bf16 layers
 TINY4 = dict(gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True, pdt="bfloat16", remat="full")
 
-# XLA:GPU's collective pipeliner: a scanned layer's all-gathers / reduce-scatters move into the loop iteration before
-# (after), so they run under the neighbouring layer's compute, and the loop body double-buffered for it
-PIPELINED = (
-    "--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true"
-    " --xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true"
-)
-
-LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
-OVERLAP = "--xla_gpu_experimental_parallel_collective_overlap_limit"
-
+# One row a line where it fits (a table of data): the formatter leaves it as written.
+# fmt: off
 CONFIGS = {
     # 4 of 48 layers: fp32 master weights + AdamW moments of 8 layers (~5.4B params) do not fit 80 GB.
     "gpu1": [
@@ -155,21 +147,8 @@ CONFIGS = {
         _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
         _step("moe10:16k:bf16state", 16384, 10, pdt="bfloat16", scan=True),
     ],
-    # an RL step of several 16k micro-batches: the optimizer update (and its finiteness check), paid once per
-    # step, is spread over more tokens
-    "gpu1:micro": [
-        _step("moe8:16k:bf16state", 16384, 8, pdt="bfloat16", scan=True),
-        _step("moe8:16k:bf16state:x2", 16384, 8, pdt="bfloat16", scan=True, micro=2),
-        _step("moe8:16k:bf16state:x4", 16384, 8, pdt="bfloat16", scan=True, micro=4),
-    ],
-    # the grouped-matmul tile sweep at Qwen3-30B-A3B's expert shapes: its winners go into gmm.MEASURED_TILES
-    "gpu1:tiles": [dict(kind="tiles", name="tiles", budget=90, gbn=[8, 16])],
     "gpu1:checks": [
         dict(kind="gmm", name="gmm"),
-        # the offloaded update against the on-device one (tools/bench_offload_check.py): Qwen3-30B-A3B cut to 2
-        # layers (1.8B parameters, 30 GB of fp32 state on the GPU for the reference), 3 steps of one 2k row
-        dict(_step("offload", 2048, 2, pdt="bfloat16", remat="full", scan=True, offload=True, bucket_mb=256.0,
-                   resident_gib=1.0), kind="offload_check"),
         _step("moe4:2k", 2048, 4),
         _step("moe4:2k:xla_ragged_dot", 2048, 4, gmm="xla"),
     ],
@@ -184,55 +163,30 @@ CONFIGS = {
         _step("moe24:16k:ep=fsdp", 16384, 24, remat="full", fallback=True, **GPU4),
     ],
     # expert parallelism by all-to-all token exchange (models/moe_a2a.py: each token once per device holding one of
-    # its experts) next to the fsdp expert mode in the same call, 48 layers: factor 0 (slots of N tokens, every
-    # received pair in the first MLP call's window), factor 1.5 (on 4 GPUs the same slots, a window of 1.5 N*k
-    # pairs), and ragged_all_to_all into the same slots
+    # its experts) next to the fsdp expert mode in the same call, 48 layers: factor 1.5 (on 4 GPUs slots of N
+    # tokens, a window of 1.5 N*k pairs), and ragged_all_to_all into the same slots
     "gpu4:ep": [
         _step("moe48:16k:ep=fsdp", 16384, 48, remat="full", **GPU4),
-        _step("moe48:16k:ep=a2a:padded:worst", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded:0")),
         _step("moe48:16k:ep=a2a:padded", 16384, 48, remat="full", **dict(GPU4, ep="a2a:padded:1.5")),
         _step("moe48:16k:ep=a2a:ragged", 16384, 48, remat="full", **dict(GPU4, ep="a2a:ragged:1.5")),
-        # where the a2a step's time goes on 4 GPUs (a jax.profiler trace)
-        _step("moe48:16k:ep=a2a:padded:trace", 16384, 48, remat="full", trace=True, **dict(GPU4, ep="a2a:padded:1.5")),
         # each layer's exchange kept for the backward: 4 exchanges per layer and step instead of 6; next to the
         # fsdp mode's own lever (the gathered experts kept)
         _step("moe48:16k:ep=a2a:padded:keep_exchanged", 16384, 48, remat="full", keep_exchanged=True,
               **dict(GPU4, ep="a2a:padded:1.5")),
         _step("moe48:16k:ep=fsdp:keep_gathered", 16384, 48, remat="full", keep_gathered=True, **GPU4),
-        _step("moe48:16k:ep=a2a:padded:keep_exchanged:trace", 16384, 48, remat="full", keep_exchanged=True,
-              trace=True, **dict(GPU4, ep="a2a:padded:1.5")),
         # the same modes under replayed routing spread evenly over the experts: a2a without the per-device
         # skew of random init (the busiest device held 1.35x the balanced load, docs/benchmarks.md)
         _step("moe48:16k:ep=fsdp:replay", 16384, 48, remat="full", replay=True, **GPU4),
         _step("moe48:16k:ep=a2a:padded:replay", 16384, 48, remat="full", replay=True, **dict(GPU4, ep="a2a:padded:1.5")),
-        _step("moe48:16k:ep=a2a:padded:replay:trace", 16384, 48, remat="full", replay=True, trace=True,
-              **dict(GPU4, ep="a2a:padded:1.5")),
-    ],
-    # the same on 2 GPUs (16 of 48 layers), and where the a2a step's time goes (a jax.profiler trace)
-    "gpu2:ep": [
-        _step("moe16:16k:ep=fsdp:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:ep=a2a:worst:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2, ep="a2a:padded:0")),
-        _step("moe16:16k:ep=a2a:cap1.5:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2, ep="a2a:padded:1.5")),
-        _step("moe16:16k:ep=a2a:cap1.1:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2, ep="a2a:padded:1.1")),
-        _step("moe16:16k:ep=a2a:ragged:cap1.5:2gpu", 16384, 16, remat="full",
-              **dict(GPU4, devices=2, rows=2, ep="a2a:ragged:1.5")),
-        _step("moe16:16k:ep=a2a:cap1.5:2gpu:trace", 16384, 16, remat="full", trace=True,
-              **dict(GPU4, devices=2, rows=2, ep="a2a:padded:1.5")),
     ],
     # fp32 master weights + fp32 AdamW moments (16 B/param, 490 GB) by host offload (trainer.optim.offload,
     # trainer/offload.py): master and moments in pinned host memory (12 B/param, ~92 GB per GPU of host RAM),
     # bf16 compute copies on the GPUs, the update streamed in 2 GiB buckets; next to the bf16-state row. The x4 row
     # spreads the per-step host<->device traffic (~92 GB each way per GPU) over 4 micro-batches of 16k, the x8 row
-    # over 8.
+    # over 8. (Rows measured once and left out since, with their figures in docs/benchmarks_log.md: commit adbf550.)
     "gpu4:offload": [
         _step("moe48:16k:bf16state", 16384, 48, remat="full", **GPU4),
-        # each layer's gathered experts kept for the backward: 58 GB more per GPU at 48 layers, beside bf16 state
-        _step("moe48:16k:bf16state:keep_gathered", 16384, 48, remat="full", keep_gathered=True, **GPU4),
         _step("moe48:16k:fp32offload", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, **GPU4),
-        _step(
-            "moe48:16k:fp32offload:x4", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, micro=4,
-            skip_if_oom="moe48:16k:fp32offload", **GPU4,
-        ),
         _step(
             "moe48:16k:fp32offload:x8", 16384, 48, remat="full", offload=True, bucket_mb=2048.0, micro=8,
             skip_if_oom="moe48:16k:fp32offload", **GPU4,
@@ -240,17 +194,8 @@ CONFIGS = {
         # the update's levers (trainer/offload.py): the fp32 master on the GPUs (30.5 GB each of 4) and two
         # buckets in flight; one micro-batch and eight
         _step(
-            "moe48:16k:fp32offload:master_on_gpu:inflight2", 16384, 48, remat="full", offload=True,
-            bucket_mb=2048.0, inflight=2, offload_master=False, **GPU4,
-        ),
-        _step(
             "moe48:16k:fp32offload:master_on_gpu:inflight2:x8", 16384, 48, remat="full", offload=True,
             bucket_mb=2048.0, inflight=2, offload_master=False, micro=8, **dict(GPU4, steps=1),
-        ),
-        # the GPU memory the row above leaves (103 of 133 GiB at its peak) spent on 20 GiB of resident moments
-        _step(
-            "moe48:16k:fp32offload:master_on_gpu:resident20:inflight2:x8", 16384, 48, remat="full", offload=True,
-            bucket_mb=2048.0, inflight=2, offload_master=False, resident_gib=20.0, micro=8, **dict(GPU4, steps=1),
         ),
         # remat attn (28.9% with bf16 state) in part of that memory instead. Measured 2026-11-28 as `resident8`,
         # which held 15.2 GiB through the builder-cache bug fixed in c67d81a; 15 gives 14.9 GiB (4 buckets)
@@ -264,7 +209,7 @@ CONFIGS = {
             bucket_mb=2048.0, inflight=2, offload_master=False, resident_gib=15.0, micro=16,
             **dict(GPU4, steps=1, warmup=1),
         ),
-        # remat attn_experts_offload is not here: on 2 x H200 it ran 864 ms against 752 for attn (gpu2:offload)
+        # remat attn_experts_offload is not here: on 2 x H200 it ran 864 ms against 752 for attn (gpu2:offload, commit adbf550)
         _step("moe48:16k:bf16state:attn", 16384, 48, remat="attn", **GPU4),
         # the freed GPU memory spent on activations (remat auto), bf16 state beside it
         _step("moe48:16k:bf16state:auto", 16384, 48, remat="auto", skip_if_oom="", **GPU4),
@@ -272,107 +217,6 @@ CONFIGS = {
             "moe48:16k:fp32offload:auto:inflight2:x8", 16384, 48, remat="auto", offload=True,
             bucket_mb=2048.0, inflight=2, micro=8, **GPU4,
         ),
-    ],
-    # the offload rows' per-GPU structure where only 2 GPUs are lent: 16 of 48 layers on 2 GPUs (5.2B params per
-    # GPU, 62 GB of pinned host state each; the 48-layer row on 4 GPUs has 7.6B / 92 GB), next to bf16 state
-    "gpu2:offload": [
-        _step("moe16:16k:bf16state:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:fp32offload:2gpu", 16384, 16, remat="full", offload=True, bucket_mb=2048.0,
-              **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:fp32offload:x4:2gpu", 16384, 16, remat="full", offload=True, bucket_mb=2048.0, micro=4,
-              skip_if_oom="moe16:16k:fp32offload:2gpu", **dict(GPU4, devices=2, rows=2)),
-        # the offloaded step traced: whether the copies to the device and back run at once (`host_copies`)
-        _step("moe16:16k:fp32offload:2gpu:trace", 16384, 16, remat="full", offload=True, bucket_mb=2048.0, trace=True,
-              **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        # the update's two levers, next to the rows above: two buckets in flight (copies both ways at once), and
-        # the fp32 master kept on the GPUs (only the moments cross PCIe: 8 of 12 B/param each way)
-        _step("moe16:16k:fp32offload:inflight2:2gpu", 16384, 16, remat="full", offload=True, bucket_mb=2048.0,
-              inflight=2, **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:fp32offload:master_on_gpu:inflight2:2gpu", 16384, 16, remat="full", offload=True,
-              bucket_mb=2048.0, inflight=2, offload_master=False, **dict(GPU4, devices=2, rows=2)),
-        # the memory the offload frees on the GPUs spent on activations: remat auto (the weight matmuls' and the
-        # experts' outputs kept, models/transformer.py) instead of full, bf16 state beside it; then the update
-        # spread over the 8 micro-batches of a 512k-token RL step
-        _step("moe16:16k:bf16state:auto:2gpu", 16384, 16, remat="auto", **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:fp32offload:auto:inflight2:2gpu", 16384, 16, remat="auto", offload=True,
-              bucket_mb=2048.0, inflight=2, **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:fp32offload:auto:master_on_gpu:inflight2:x8:2gpu", 16384, 16, remat="auto", offload=True,
-              bucket_mb=2048.0, inflight=2, offload_master=False, micro=8, **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:fp32offload:inflight2:2gpu:trace", 16384, 16, remat="full", offload=True, bucket_mb=2048.0,
-              inflight=2, trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        # offload_resident_gib: the GPU memory left spent on state that then never crosses PCIe. 20 of the 39.5
-        # GiB of moments per GPU stay (5 buckets), and all of it (the fp32 state entirely on the GPUs, bf16
-        # compute copies: what 16 layers on 2 H200s can hold, where 48 on 4 cannot)
-        _step("moe16:16k:fp32offload:auto:master_on_gpu:resident20:inflight2:x8:2gpu", 16384, 16, remat="auto",
-              offload=True, bucket_mb=2048.0, inflight=2, offload_master=False, resident_gib=20.0, micro=8,
-              **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:fp32offload:auto:all_resident:2gpu", 16384, 16, remat="auto", offload=True,
-              bucket_mb=2048.0, offload_master=False, resident_gib=1000.0, **dict(GPU4, devices=2, rows=2)),
-        # the experts' gate/up outputs through host memory instead of recomputed, next to attn (bf16 state)
-        _step("moe16:16k:bf16state:attn:2gpu", 16384, 16, remat="attn", **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:attn_experts_offload:2gpu", 16384, 16, remat="attn_experts_offload",
-              **dict(GPU4, devices=2, rows=2)),
-    ],
-    # where the 2-GPU fsdp step loses against the same per-GPU work on one GPU (no gathers, no reduce-scatters):
-    # the fsdp row traced (NCCL time not under compute), and XLA's collective pipelining, which lets a scanned
-    # layer's gathers start in the iteration before
-    "gpu2:fsdp": [
-        _step("moe16:16k:bf16state:2gpu", 16384, 16, remat="full", **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:1gpu", 16384, 16, remat="full", **dict(GPU4, devices=1, rows=1)),
-        _step("moe16:16k:bf16state:2gpu:pipelined", 16384, 16, remat="full", xla_flags=PIPELINED,
-              **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:2gpu:trace", 16384, 16, remat="full", trace=True,
-              **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        # each layer's gathered experts kept for the backward (model.keep_gathered_experts): a third less expert
-        # traffic for 1.2 GB per layer and GPU (19 GB at 16 layers), under remat full and attn, and traced
-        _step("moe16:16k:bf16state:2gpu:keep_gathered", 16384, 16, remat="full", keep_gathered=True,
-              **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:attn:2gpu", 16384, 16, remat="attn", **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:attn:2gpu:keep_gathered", 16384, 16, remat="attn", keep_gathered=True,
-              **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:2gpu:keep_gathered:trace", 16384, 16, remat="full", keep_gathered=True,
-              trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        # XLA:GPU's latency-hiding scheduler (off by default): collectives' starts scheduled early, compute between
-        _step("moe16:16k:bf16state:2gpu:lhs", 16384, 16, remat="full", xla_flags=LHS, **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:2gpu:lhs:pipelined", 16384, 16, remat="full", xla_flags=f"{LHS} {PIPELINED}",
-              **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:attn:2gpu:lhs", 16384, 16, remat="attn", xla_flags=LHS,
-              **dict(GPU4, devices=2, rows=2)),
-        # NCCL's Simple protocol for the large gathers (the trace names the LL kernels)
-        _step("moe16:16k:bf16state:2gpu:simple", 16384, 16, remat="full", env=dict(NCCL_PROTO="Simple"),
-              **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:2gpu:simple:trace", 16384, 16, remat="full", env=dict(NCCL_PROTO="Simple"),
-              trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        _step("moe16:16k:bf16state:2gpu:lhs:pipelined:trace", 16384, 16, remat="full", xla_flags=f"{LHS} {PIPELINED}",
-              trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        # the scheduler keeps one collective in flight by default: a layer's expert gathers queue behind its
-        # attention gathers and the router's all-reduce, and start after the attention they could hide under
-        *[
-            _step(f"moe16:16k:bf16state:2gpu:overlap{n}", 16384, 16, remat="full", xla_flags=f"{OVERLAP}={n}",
-                  **dict(GPU4, devices=2, rows=2))
-            for n in (2, 4)
-        ],
-        _step("moe16:16k:bf16state:2gpu:overlap4:trace", 16384, 16, remat="full", xla_flags=f"{OVERLAP}=4",
-              trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        _step("moe16:16k:bf16state:attn:2gpu:overlap4", 16384, 16, remat="attn", xla_flags=f"{OVERLAP}=4",
-              **dict(GPU4, devices=2, rows=2)),
-        # two or four layers per scan iteration: a layer's gathers can start under the previous layer's compute
-        _step("moe16:16k:bf16state:2gpu:unroll2", 16384, 16, remat="full", unroll=2, **dict(GPU4, devices=2, rows=2)),
-        *[
-            _step(f"moe16:16k:bf16state{r}:2gpu:unroll{u}:overlap4", 16384, 16, remat=r[1:] or "full", unroll=u,
-                  xla_flags=f"{OVERLAP}=4", **dict(GPU4, devices=2, rows=2))
-            for r, u in (("", 2), ("", 4), (":attn", 2))
-        ],
-        # the overlapped collectives slow the compute they run beside (753 against 713 ms of kernels): NCCL on
-        # fewer SMs
-        _step("moe16:16k:bf16state:2gpu:unroll2:overlap4:nch4", 16384, 16, remat="full", unroll=2,
-              xla_flags=f"{OVERLAP}=4", env=dict(NCCL_MAX_NCHANNELS="4"), **dict(GPU4, devices=2, rows=2)),
-        _step("moe16:16k:bf16state:2gpu:unroll2:overlap4:trace", 16384, 16, remat="full", unroll=2,
-              xla_flags=f"{OVERLAP}=4", trace=True, **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        _step("moe16:16k:bf16state:2gpu:lhs:trace", 16384, 16, remat="full", xla_flags=LHS, trace=True,
-              **dict(GPU4, devices=2, rows=2, steps=1, warmup=1)),
-        _step("moe16:16k:bf16state:1gpu:trace", 16384, 16, remat="full", trace=True,
-              **dict(GPU4, devices=1, rows=1, steps=1, warmup=1)),
     ],
     # context parallelism on 2 GPUs: one 32k row split over both (the experts run on each device's own tokens),
     # next to FSDP over two 16k rows (the same tokens per GPU, no split row)
@@ -437,7 +281,6 @@ CONFIGS = {
         ),  # fmt: skip
     ],
     "smoke": [
-        dict(kind="tiles", name="tiles", smoke=True),
         dict(kind="gmm", name="gmm", smoke=True),
         _step("tiny:256", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1),
         _step("tiny:256:scan", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1, scan=True),
@@ -463,10 +306,9 @@ CONFIGS = {
         _step("tiny:256:fp32offload:master_on_gpu:inflight2", 256, 2, gmm="xla", attn="xla", steps=2, warmup=1,
               devices=4, rows=4, scan=True, pdt="bfloat16", remat="full", offload=True, bucket_mb=0.05, inflight=2,
               offload_master=False),
-        dict(_step("tiny:offload_check", 64, 2, offload=True, bucket_mb=0.05, resident_gib=0.0005, **TINY4),
-             kind="offload_check"),
         _step("tiny:256:fp32offload:attn_experts_offload:resident", 256, 2, gmm="xla", attn="xla", steps=2,
               warmup=1, devices=4, rows=4, scan=True, pdt="bfloat16", remat="attn_experts_offload", offload=True,
               bucket_mb=0.05, inflight=2, offload_master=False, resident_gib=0.0005, micro=2),
     ],
 }
+# fmt: on

@@ -17,7 +17,7 @@ fi
 # The tpu-aot extra (TPU ahead-of-time compilation, tests/tpu): the libtpu that the installed jax pins for
 # its `tpu` extra, put in .venv/tpu-aot rather than the environment: vLLM takes an importable libtpu to
 # mean "TPU host" (the CPU server then stops at start-up), and every other JAX process would try to start a
-# TPU client (tools/tpu_topology.py, docs/tpu.md). ~700 MB; PRIMEJAX_TPU_AOT=0 skips it.
+# TPU client (primejax/trainer/tpu_topology.py, docs/tpu.md). ~700 MB; PRIMEJAX_TPU_AOT=0 skips it.
 if [ "${PRIMEJAX_TPU_AOT:-1}" != 0 ]; then
   LIBTPU=$(.venv/bin/python -c "import importlib.metadata as m; print(next(r.split(';')[0].replace(' ', '') for r in m.requires('jax') if r.startswith('libtpu')))")
   .venv/bin/python -m pip install -q --upgrade --no-deps --target .venv/tpu-aot "$LIBTPU"

@@ -24,7 +24,7 @@ shards and attention heads per chip (its context group takes more rows). When ro
 memory at the same tokens per chip and adds the all-to-alls.
 
 These are compile-time figures (XLA's memory plan and FLOP count for the TPU target), not measured speed.
-Needs libtpu: `tools/install.sh` puts it in `<venv>/tpu-aot` (see tools/tpu_topology.py).
+Needs libtpu: `tools/install.sh` puts it in `<venv>/tpu-aot` (see primejax/trainer/tpu_topology.py).
 """
 
 from __future__ import annotations
@@ -39,17 +39,9 @@ from absl import flags
 
 from primejax.config.cli import UsageError, parse_config, run_main
 from primejax.launcher.preflight import preflight_tool
-from tools.hlo_collectives import collective_bytes
+from primejax.trainer.hlo_collectives import collective_bytes
+from primejax.trainer.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
 from tools.model_shapes import QWEN3
-from tools.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
-
-# Tried by --recommend, mesh-major: FSDP alone with each policy in order of recompute (least first), then
-# the context-parallel meshes, then the tensor-parallel ones (`_recommend_meshes`); the first plan that fits
-# is the pick. At a fixed number of tokens per chip, tensor parallelism does not shrink the activations remat
-# trades against (a tensor group's rows are replicated on each of its chips) and adds communication, so it
-# comes in only when no policy fits without; context parallelism is how a row longer than the tokens per chip
-# is split at all, and it splits the activations with it (module docstring).
-RECOMMEND_REMAT = ("dots_no_batch_attn", "attn", "full")
 
 
 def _flags(fv: flags.FlagValues) -> None:
@@ -95,64 +87,6 @@ def _model_config(cfg, name: str):
     return ModelConfig.from_hf_config(QWEN3[name], **cfg.model.overrides())
 
 
-def _resolve_mesh(mesh: dict[str, int], chips: int) -> dict[str, int]:
-    """`trainer.mesh` sizes with its -1 axis filled in for `chips`; one line naming the mesh when they don't."""
-    from primejax.models.sharding import mesh_sizes
-
-    try:
-        return mesh_sizes(chips, **mesh)
-    except ValueError as e:
-        raise UsageError(f"trainer.mesh {mesh} does not cover the slice's {chips} chips: {e}") from None
-
-
-def _rows_per_rank(chips: int, mesh: dict[str, int], seq_len: int, tokens_per_chip: int) -> int | None:
-    """Micro-batch rows per data-parallel rank giving `tokens_per_chip`; None if the mesh cannot.
-
-    The data-parallel ranks are chips / (tensor x context): a tensor group shares its rows, and a context
-    group splits each of its rows' tokens, so a row of T tokens over C chips is T / C tokens per chip.
-    """
-    dp = chips // (mesh["tensor"] * mesh.get("context", 1))
-    rows, rem = divmod(tokens_per_chip * chips, seq_len)
-    if rem or rows % dp or rows == 0:
-        return None
-    return rows // dp
-
-
-def _layout_error(model_cfg, mesh: dict[str, int], seq_len: int) -> str:
-    """Why the model cannot be laid out on `mesh` with rows of `seq_len` tokens ("" when it can)."""
-    from primejax.models.context_parallel import check_divisible
-
-    try:
-        check_divisible(model_cfg.num_heads, mesh["tensor"], mesh.get("context", 1), seq_len)
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
-def _recommend_meshes(chips: int, model_cfg, seq_len: int, tokens: int, tensors, contexts) -> list[dict]:
-    """The meshes --recommend tries, in order of `tensors`, each with the smallest of `contexts` that gives
-    `tokens` per chip: FSDP alone (or a row over C chips), then tensor-parallel (module docstring). Each must
-    divide the chips, its tensor size the kv heads, its tensor x context the query heads, its context the row.
-
-    A larger context size than the smallest that works holds the same tokens per chip (its context group
-    takes more rows), the same weight shards and the same attention heads per row-chip, so it is not tried.
-    """
-    meshes = []
-    for tensor in tensors:
-        if chips % tensor or model_cfg.num_kv_heads % tensor:
-            continue
-        for context in sorted(contexts):
-            if chips % (tensor * context):
-                continue
-            mesh = {"data": 1, "fsdp": chips // (tensor * context), "context": context, "tensor": tensor}
-            if _layout_error(model_cfg, mesh, seq_len):
-                continue
-            if _rows_per_rank(chips, mesh, seq_len, tokens) is not None:
-                meshes.append(mesh)
-                break
-    return meshes
-
-
 def _line(r: dict[str, Any], hbm: int) -> str:
     g = lambda b: f"{b / GIB:7.2f}"  # noqa: E731
     mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
@@ -188,7 +122,15 @@ def main() -> int:
             "libtpu not found: run tools/install.sh (it installs the tpu-aot extra's libtpu into "
             "<venv>/tpu-aot) or pip install 'jax[tpu]'"
         )
-    from primejax.trainer.aot import compile_train_step
+    # after use_libtpu(): JAX reads its platform settings when it is first imported
+    from primejax.trainer.aot import (
+        RECOMMEND_REMAT,
+        compile_train_step,
+        layout_error,
+        recommend_meshes,
+        resolve_mesh,
+        rows_per_rank,
+    )
 
     devices = topology_devices(slice_)
     model_cfg = _model_config(cfg, fv["model"].value)
@@ -205,21 +147,24 @@ def main() -> int:
     if fv["recommend"].value:
         tokens = tokens or seq_len
         sizes = {k: [int(x) for x in fv[f"{k}_sizes"].value.split(",")] for k in ("tensor", "context")}
-        candidates = _recommend_meshes(
+        candidates = recommend_meshes(
             slice_.chips, model_cfg, seq_len, tokens, sizes["tensor"], sizes["context"]
         )
         if not candidates:
             raise UsageError(f"no mesh gives {tokens} tokens per chip with rows of {seq_len} tokens")
         plans = [(mesh, remat) for mesh in candidates for remat in RECOMMEND_REMAT]
     else:
-        mesh = _resolve_mesh(cfg.trainer.mesh.to_dict(), slice_.chips)
-        if err := _layout_error(model_cfg, mesh, seq_len):
+        try:
+            mesh = resolve_mesh(cfg.trainer.mesh.to_dict(), slice_.chips)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if err := layout_error(model_cfg, mesh, seq_len):
             raise UsageError(err)
         plans = [(mesh, model_cfg.remat_policy)]
     print(HEADER, flush=True)
     reports = []
     for mesh, remat in plans:
-        rows = _rows_per_rank(slice_.chips, mesh, seq_len, tokens) if tokens else None
+        rows = rows_per_rank(slice_.chips, mesh, seq_len, tokens) if tokens else None
         if tokens and rows is None:
             raise UsageError(
                 f"--tokens_per_chip {tokens} with rows of {seq_len} tokens does not divide over {mesh}"
@@ -235,7 +180,7 @@ def main() -> int:
         )
         compiled, report = compile_train_step(cfg, m_cfg, devices, **kw)
         r = report.to_dict()
-        # what the step moves between chips, by collective kind (tools/hlo_collectives.py)
+        # what the step moves between chips, by collective kind (primejax/trainer/hlo_collectives.py)
         r["collective_bytes"] = collective_bytes(compiled.as_text()) if compiled is not None else {}
         r.update(
             topology=slice_.name,
@@ -276,7 +221,7 @@ def main() -> int:
                 f"--config.trainer.mesh.fsdp={mesh['fsdp']} --config.trainer.mesh.context={mesh['context']} "
                 f"--config.trainer.mesh.tensor={mesh['tensor']} --config.model.remat_policy="
                 f"{best['remat_setting']} --config.trainer.micro_batch_size="
-                f"{_rows_per_rank(slice_.chips, mesh, seq_len, tokens)}"
+                f"{rows_per_rank(slice_.chips, mesh, seq_len, tokens)}"
             )
     if fv["json"].value:
         out = Path(fv["json"].value)

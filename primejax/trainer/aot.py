@@ -4,7 +4,8 @@
 policy, mesh and the jitted step with the state's shardings pinned) in its abstract form — the state as
 `jax.ShapeDtypeStruct`s carrying `NamedSharding`s instead of weights, so no parameter is ever allocated. Given TPU devices from a topology description
 (`jax.experimental.topologies.get_topology_desc`), XLA compiles the step for that TPU slice on a CPU host,
-and the compiled executable reports per-device memory and FLOPs (tools/tpu_compile.py, docs/tpu.md).
+and the compiled executable reports per-device memory and FLOPs (tools/tpu_compile.py, docs/tpu.md). The
+mesh plans that tool tries (`recommend_meshes`) and their checks are here, next to the step they compile.
 The attention kernel follows the mesh's platform (`attention.resolve_impl`), so "auto" compiles the TPU
 splash kernel here.
 """
@@ -170,3 +171,71 @@ def _out_of_memory_bytes(message: str) -> int | None:
     """The temporaries a RESOURCE_EXHAUSTED compile error asked for, e.g. "... temporaries (140.78G) exceeds"."""
     m = re.search(r"Ran out of memory.*?temporaries \(([\d.]+)([KMGT]?)\)", message, re.S)
     return None if m is None else int(float(m[1]) * _UNITS[m[2]])
+
+
+# Tried by `tools/tpu_compile.py --recommend`, mesh-major: FSDP alone with each policy in order of recompute
+# (least first), then the context-parallel meshes, then the tensor-parallel ones (`recommend_meshes`); the first
+# plan that fits is the pick. At a fixed number of tokens per chip, tensor parallelism does not shrink the
+# activations remat trades against (a tensor group's rows are replicated on each of its chips) and adds
+# communication, so it comes in only when no policy fits without; context parallelism is how a row longer than
+# the tokens per chip is split at all, and it splits the activations with it (docs/tpu.md).
+RECOMMEND_REMAT = ("dots_no_batch_attn", "attn", "full")
+
+
+def resolve_mesh(mesh: dict[str, int], chips: int) -> dict[str, int]:
+    """`trainer.mesh` sizes with its -1 axis filled in for `chips`; ValueError (one line naming the mesh)
+    when they don't cover them."""
+    from primejax.models.sharding import mesh_sizes
+
+    try:
+        return mesh_sizes(chips, **mesh)
+    except ValueError as e:
+        raise ValueError(f"trainer.mesh {mesh} does not cover the slice's {chips} chips: {e}") from None
+
+
+def rows_per_rank(chips: int, mesh: dict[str, int], seq_len: int, tokens_per_chip: int) -> int | None:
+    """Micro-batch rows per data-parallel rank giving `tokens_per_chip`; None if the mesh cannot.
+
+    The data-parallel ranks are chips / (tensor x context): a tensor group shares its rows, and a context
+    group splits each of its rows' tokens, so a row of T tokens over C chips is T / C tokens per chip.
+    """
+    dp = chips // (mesh["tensor"] * mesh.get("context", 1))
+    rows, rem = divmod(tokens_per_chip * chips, seq_len)
+    if rem or rows % dp or rows == 0:
+        return None
+    return rows // dp
+
+
+def layout_error(model_cfg: ModelConfig, mesh: dict[str, int], seq_len: int) -> str:
+    """Why the model cannot be laid out on `mesh` with rows of `seq_len` tokens ("" when it can)."""
+    from primejax.models.context_parallel import check_divisible
+
+    try:
+        check_divisible(model_cfg.num_heads, mesh["tensor"], mesh.get("context", 1), seq_len)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def recommend_meshes(chips: int, model_cfg: ModelConfig, seq_len: int, tokens: int, tensors, contexts) -> list[dict]:
+    """The meshes --recommend tries, in order of `tensors`, each with the smallest of `contexts` that gives
+    `tokens` per chip: FSDP alone (or a row over C chips), then tensor-parallel (docs/tpu.md). Each must
+    divide the chips, its tensor size the kv heads, its tensor x context the query heads, its context the row.
+
+    A larger context size than the smallest that works holds the same tokens per chip (its context group
+    takes more rows), the same weight shards and the same attention heads per row-chip, so it is not tried.
+    """
+    meshes = []
+    for tensor in tensors:
+        if chips % tensor or model_cfg.num_kv_heads % tensor:
+            continue
+        for context in sorted(contexts):
+            if chips % (tensor * context):
+                continue
+            mesh = {"data": 1, "fsdp": chips // (tensor * context), "context": context, "tensor": tensor}
+            if layout_error(model_cfg, mesh, seq_len):
+                continue
+            if rows_per_rank(chips, mesh, seq_len, tokens) is not None:
+                meshes.append(mesh)
+                break
+    return meshes

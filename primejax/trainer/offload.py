@@ -14,7 +14,7 @@ and moments come to the devices, AdamW updates them, they go back to host memory
 the result of the bucket `offload_inflight` places back (default 1: the previous one), so at most about that many
 buckets of fp32 state (3 x `offload_bucket_mb` per device each) are on a device at a time instead of all of it.
 With 2 in flight a bucket's copy to the devices may run beside the previous bucket's copy back; on 2 x H200 it did
-not shorten the update, which the host link bounds (below; docs/benchmarks.md).
+not shorten the update, which the host link bounds (below; docs/benchmarks_log.md).
 
 `offload_master` False keeps the fp32 master on the devices (4 B/param there) and moves only the moments: 8 of the
 12 bytes per parameter cross PCIe each way per step. `offload_resident_gib` keeps whole buckets' state (master and
@@ -22,8 +22,8 @@ moments) on the devices, the first buckets, up to that many GiB per device of wh
 memory: the memory the offload freed for activations is spent back on state that then never crosses PCIe. Each
 resident GiB saves 2 GiB of copies per step, as the master on the devices does, at any size instead of all or
 nothing. The host link is the bound: per GPU, one direction runs at ~54 GB/s and both at once at ~67 GB/s in all
-with two GPUs copying (tools/bench_host_copies.py, docs/benchmarks.md), so every GB of state left in host memory
-costs ~30 ms per step.
+with two GPUs copying (tools/bench_host_copies.py of adbf550, docs/benchmarks_log.md), so every GB of state left
+in host memory costs ~30 ms per step.
 
 Equal to the on-device update: the same clip and AdamW operations on the same fp32 values. With
 `model.param_dtype` float32 (compute copy = master) and one bucket the parameters and moments are bit-identical to

@@ -25,9 +25,9 @@ from primejax.models import moe, moe_a2a
 from primejax.models.hf_io import load_model
 from primejax.models.sharding import make_mesh
 from primejax.trainer.config import LossConfig
+from primejax.trainer.hlo_collectives import collective_bytes
 from primejax.trainer.losses import global_counts, make_loss_fn
 from primejax.trainer.step import _micro_loss_fn, _shift_left, device_batch, shift_targets, to_micro_batches
-from tools.hlo_collectives import collective_bytes
 
 CASES = {
     "fsdp@fsdp8": ("fsdp", dict(fsdp=8)),

@@ -1,4 +1,5 @@
-"""Orbax parameter checkpoints and the Orbax <-> HF safetensors conversion CLI."""
+"""Orbax parameter checkpoints and the Orbax <-> HF safetensors conversion (`tools/convert_checkpoint.py`, run as
+its users run it: a process started from the checkout)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from hf_variants import read_checkpoint_tensors
 
 from primejax.models.checkpoint import restore_params, save_params
 from primejax.models.config import ModelConfig
-from primejax.models.hf_io import param_variables
+from primejax.models.hf_io import export_safetensors, load_model, param_variables
 from primejax.models.sharding import init_model
-from tools.convert_checkpoint import main as convert_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,14 +22,21 @@ def _values(model) -> dict[str, np.ndarray]:
     return {k: np.asarray(v[...]) for k, v in param_variables(model).items()}
 
 
+def _convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tools.convert_checkpoint", *args], cwd=REPO, capture_output=True, text=True
+    )
+
+
 def test_orbax_to_safetensors_to_orbax_is_exact(hf_model_dir, tmp_path):
+    """What the tool's to-hf and to-orbax do, in process: restore, export, load, save."""
     model_dir, _ = hf_model_dir("qwen3_untied")
     cfg = ModelConfig.from_model_dir(model_dir)
     model = init_model(cfg, None, seed=7)  # random weights, unlike the HF checkpoint's
     save_params(tmp_path / "a", model)
-    assert convert_main(["to-hf", "--orbax", str(tmp_path / "a"), "--config", str(model_dir),
-                         "--out", str(tmp_path / "hf"), "--dtype", "keep"]) == 0
-    assert convert_main(["to-orbax", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "b")]) == 0
+    (tmp_path / "hf").mkdir()
+    export_safetensors(restore_params(tmp_path / "a", cfg), cfg, tmp_path / "hf", dtype=None, src_dir=model_dir)
+    save_params(tmp_path / "b", load_model(tmp_path / "hf", param_dtype="float32")[0])
     restored = restore_params(tmp_path / "b", cfg)
     want, got = _values(model), _values(restored)
     assert sorted(want) == sorted(got)
@@ -49,17 +56,16 @@ def test_restore_into_state_template_and_bf16_checkpoint(hf_model_dir, tmp_path)
     state = restore_params(tmp_path / "ck", nnx.state(model, nnx.Param))
     assert isinstance(state, nnx.State)
     assert np.array_equal(np.asarray(state["embed"][...]), np.asarray(model.embed[...]))
-    # the CLI picks the saved dtype up from Orbax metadata
-    assert convert_main(["to-hf", "--orbax", str(tmp_path / "ck"), "--config", str(model_dir / "config.json"),
-                         "--out", str(tmp_path / "hf"), "--dtype", "keep"]) == 0
+    # the tool picks the saved dtype up from Orbax metadata
+    p = _convert("to-hf", "--orbax", str(tmp_path / "ck"), "--config", str(model_dir / "config.json"),
+                 "--out", str(tmp_path / "hf"), "--dtype", "keep")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
     assert {str(t.dtype) for t in read_checkpoint_tensors(tmp_path / "hf").values()} == {"bfloat16"}
 
 
 def test_cli_round_trip_hf_to_orbax_to_hf_is_bit_identical(hf_model_dir, tmp_path):
     model_dir, _ = hf_model_dir("llama_gqa")
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "tools.convert_checkpoint", *args], cwd=REPO, capture_output=True, text=True
-    )
+    run = _convert
     p = run("to-orbax", "--hf", str(model_dir), "--out", str(tmp_path / "ck"))
     assert p.returncode == 0, p.stderr[-3000:]
     p = run("to-hf", "--orbax", str(tmp_path / "ck"), "--config", str(model_dir), "--out", str(tmp_path / "hf"),

@@ -1,6 +1,6 @@
 """LoRA export (models/lora_io.py): the PEFT adapter directory carries PEFT's names and layouts and reads back
-bit-identically (dense and per-expert adapters), and `convert_checkpoint merge-lora` writes merged HF weights
-whose forward pass, loaded through the ordinary HF load path, equals the adapted model's."""
+bit-identically (dense and per-expert adapters), and `merge_peft` (`tools/convert_checkpoint.py merge-lora`)
+writes merged HF weights whose forward pass, loaded through the ordinary HF load path, equals the adapted model's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
@@ -16,7 +17,6 @@ from primejax.models import lora, lora_io
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import load_model
 from primejax.models.sharding import init_model
-from tools import convert_checkpoint
 
 R = 4
 
@@ -71,7 +71,7 @@ def test_peft_directory_round_trips_dense_and_expert_adapters(tmp_path):
         np.testing.assert_array_equal(back["layers"][k], np.asarray(v), err_msg=k)
 
 
-def test_merge_lora_tool_gives_the_adapted_models_forward(tiny_untied_model_dir, tmp_path):
+def test_merge_peft_gives_the_adapted_models_forward(tiny_untied_model_dir, tmp_path):
     model, cfg = load_model(
         tiny_untied_model_dir, param_dtype="float32", compute_dtype="float32", lora_rank=R, lora_alpha=16.0,
         lora_targets=lora.DEFAULT_TARGETS,
@@ -80,11 +80,7 @@ def test_merge_lora_tool_gives_the_adapted_models_forward(tiny_untied_model_dir,
     params = _random_b(nnx.to_pure_dict(nnx.state(model)))
     adapters, _ = lora.split_adapters(params)
     lora_io.export_peft(adapters, cfg, tmp_path / "adapter")
-    rc = convert_checkpoint.main(
-        ["merge-lora", "--base", str(tiny_untied_model_dir), "--adapter", str(tmp_path / "adapter"),
-         "--out", str(tmp_path / "merged"), "--dtype", "float32"]
-    )  # fmt: skip
-    assert rc == 0
+    lora_io.merge_peft(tiny_untied_model_dir, tmp_path / "adapter", tmp_path / "merged", dtype="float32")
     merged, merged_cfg = load_model(tmp_path / "merged", param_dtype="float32", compute_dtype="float32")
     assert merged_cfg.lora_rank == 0 and merged_cfg.hidden_size == cfg.hidden_size
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
@@ -93,7 +89,7 @@ def test_merge_lora_tool_gives_the_adapted_models_forward(tiny_untied_model_dir,
     adapted = jax.jit(lambda p: nnx.merge(graphdef, p).logits(tokens, positions, segments))(params)
     base = jax.jit(lambda m: m.logits(tokens, positions, segments))(merged)
     np.testing.assert_allclose(np.asarray(base), np.asarray(adapted), atol=1e-5, rtol=0)
-    # a directory that is not an adapter: one line, exit code 1
-    assert convert_checkpoint.main(
-        ["merge-lora", "--base", str(tiny_untied_model_dir), "--adapter", str(tmp_path), "--out", str(tmp_path / "x")]
-    ) == 1  # fmt: skip
+    # a directory that is not an adapter: refused (the tool prints it as one line, exit code 1), nothing written
+    with pytest.raises(lora_io.AdapterError):
+        lora_io.merge_peft(tiny_untied_model_dir, tmp_path, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

@@ -114,19 +114,21 @@ def test_tools_plot_draws_a_steps_timeline_and_refuses_a_missing_one(tmp_path, t
     import matplotlib.image
 
     from primejax.orchestrator.timeline_plot import COLORS
-    from tools.plot import plot_timeline
 
     cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run",
                              watch=typed(cfg).monitor)
     asyncio.run(orch.run(1))
-    png = matplotlib.image.imread(plot_timeline(tmp_path / "run", 1, tmp_path / "t.png"))[..., :3]
+    root = Path(__file__).resolve().parents[2]  # the tool runs from the checkout, as its users run it
+    tool = [sys.executable, "-m", "tools.plot", str(tmp_path / "run"), "--timeline"]
+    proc = subprocess.run([*tool, "1", "--out", str(tmp_path / "t.png")], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(tmp_path / "t.png"), proc.stderr[-2000:]
+    png = matplotlib.image.imread(tmp_path / "t.png")[..., :3]
     phase = np.array([int(COLORS["phase"][i:i + 2], 16) / 255 for i in (1, 3, 5)])
     # The step's phases are drawn at alpha 0.9 over white: that color fills a visible part of the image.
     drawn = np.abs(png - (0.9 * phase + 0.1)).max(axis=-1) < 0.02
     assert drawn.mean() > 0.01
-    proc = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "run"), "--timeline", "9"],
-                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.run([*tool, "9"], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: no ") and "step_9.json" in proc.stderr
 
 

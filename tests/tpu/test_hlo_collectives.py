@@ -1,4 +1,4 @@
-"""tools/hlo_collectives.py on the shapes of text the TPU compiler emits (no libtpu needed).
+"""primejax/trainer/hlo_collectives.py on the shapes of text the TPU compiler emits (no libtpu needed).
 
 The excerpt below is condensed from `compiled.as_text()` of the trainer's step compiled for a v5e-4 slice
 (tools/tpu_compile.py, the tiny debug model, scanned layers): signatures with `/*index=5*/` comments, a while
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 
-from tools.hlo_collectives import collective_bytes
+from primejax.trainer.hlo_collectives import collective_bytes
 
 TPU_HLO = """\
 HloModule jit_train_step, is_scheduled=true, entry_computation_layout={(f32[384,32]{0,1:T(8,128)})->f32[]}
@@ -113,7 +113,7 @@ _CPU_SCRIPT = textwrap.dedent(
     from flax import nnx
     from conftest import tiny_config
     from primejax.models.sharding import init_model, make_mesh
-    from tools.hlo_collectives import collective_bytes
+    from primejax.trainer.hlo_collectives import collective_bytes
 
     cfg = tiny_config(num_layers=3, scan_layers=True)
     mesh = make_mesh(1, 4, 1)  # fsdp=4: every layer's weights are gathered where they are used

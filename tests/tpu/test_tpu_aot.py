@@ -14,17 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from primejax.config.cli import UsageError
 from primejax.models.config import ModelConfig
-from tools.model_shapes import QWEN3
-from tools.tpu_compile import _layout_error, _recommend_meshes, _resolve_mesh, _rows_per_rank
-from tools.tpu_topology import libtpu_dir, parse_slice
+from primejax.trainer.aot import layout_error, recommend_meshes, resolve_mesh, rows_per_rank
+from primejax.trainer.tpu_topology import libtpu_dir, parse_slice
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _libtpu_available() -> bool:
-    code = "import sys; from tools.tpu_topology import use_libtpu; sys.exit(0 if use_libtpu() else 1)"
+    code = "import sys; from primejax.trainer.tpu_topology import use_libtpu; sys.exit(0 if use_libtpu() else 1)"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), timeout=120).returncode == 0
 
 
@@ -91,7 +89,7 @@ def test_tiny_trainer_step_compiles_for_tpu_v5e(tmp_path):
         "no Pallas kernel in the compiled step: attention did not take the splash path"
     )
     assert r["flops"] > 0 and r["argument_bytes"] > 0 and r["fits"]
-    # the FSDP weight gathers inside the scanned layers (tools/hlo_collectives.py once returned {} on TPU)
+    # the FSDP weight gathers inside the scanned layers (primejax/trainer/hlo_collectives.py once returned {} on TPU)
     assert r["collective_bytes"].get("all-gather", 0) > 0, r["collective_bytes"]
     assert "collectives, GiB per chip per step" in proc.stdout
     assert "TPU v5 lite" in proc.stdout and "compile-time figures" in proc.stdout
@@ -120,33 +118,39 @@ def test_tiny_context_parallel_step_compiles_for_tpu_v5e(tmp_path):
 
 
 def _qwen3_8b() -> ModelConfig:
-    return ModelConfig.from_hf_config(QWEN3["qwen3-8b"])
+    # Qwen/Qwen3-8B's config.json (huggingface.co): only the head counts matter to the mesh rules
+    hf = dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, hidden_act="silu",
+    )  # fmt: skip
+    return ModelConfig.from_hf_config(hf)
 
 
 def test_rows_per_rank_counts_context_groups():
     # 8 chips, rows of 128k tokens, 32k tokens per chip: a row over 4 chips (context=4), 2 context groups
     mesh = {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
-    assert _rows_per_rank(8, mesh, 131072, 32768) == 1
-    assert _rows_per_rank(8, {**mesh, "fsdp": 8, "context": 1}, 131072, 32768) is None  # row on one chip
+    assert rows_per_rank(8, mesh, 131072, 32768) == 1
+    assert rows_per_rank(8, {**mesh, "fsdp": 8, "context": 1}, 131072, 32768) is None  # row on one chip
     # tensor=2 x context=2: 2 data-parallel ranks of 4 chips, each 2 rows' worth of 32k tokens per chip
-    assert _rows_per_rank(8, {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}, 131072, 32768) == 1
-    assert _resolve_mesh({"data": 1, "fsdp": -1, "context": 2, "tensor": 2}, 16)["fsdp"] == 4
-    with pytest.raises(UsageError, match="does not cover the slice's 8 chips"):
-        _resolve_mesh({"data": 1, "fsdp": -1, "context": 3, "tensor": 1}, 8)
+    assert rows_per_rank(8, {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}, 131072, 32768) == 1
+    assert resolve_mesh({"data": 1, "fsdp": -1, "context": 2, "tensor": 2}, 16)["fsdp"] == 4
+    with pytest.raises(ValueError, match="does not cover the slice's 8 chips"):
+        resolve_mesh({"data": 1, "fsdp": -1, "context": 3, "tensor": 1}, 8)
 
 
 def test_recommend_tries_fsdp_then_context_then_tensor():
     cfg = _qwen3_8b()  # 32 query heads, 8 kv heads
     order = lambda seq, tokens: [  # noqa: E731
         (m["tensor"], m["context"])
-        for m in _recommend_meshes(16, cfg, seq, tokens, [1, 2, 4, 8], [1, 2, 4, 8, 16])
+        for m in recommend_meshes(16, cfg, seq, tokens, [1, 2, 4, 8], [1, 2, 4, 8, 16])
     ]
     # a row per chip fits the tokens: no context split (as before context parallelism), FSDP then tensor
     assert order(16384, 16384) == [(1, 1), (2, 1), (4, 1), (8, 1)]
     # 128k rows at 32k tokens per chip: a row must span 4 chips; FSDP alone cannot, context=4 first
     assert order(131072, 32768) == [(1, 4), (2, 2), (4, 1), (8, 1)]
     assert order(131072, 8192) == [(1, 16), (2, 8), (4, 4), (8, 2)]
-    assert "query heads are not divisible by tensor x context = 64" in _layout_error(
+    assert "query heads are not divisible by tensor x context = 64" in layout_error(
         cfg, {"tensor": 4, "context": 16}, 131072
     )
-    assert "must divide the row length 1000" in _layout_error(cfg, {"tensor": 1, "context": 16}, 1000)
+    assert "must divide the row length 1000" in layout_error(cfg, {"tensor": 1, "context": 16}, 1000)

@@ -12,6 +12,7 @@ import textwrap
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from primejax.contracts.batch import pack_samples
@@ -19,8 +20,22 @@ from primejax.models import lora
 from primejax.trainer.checkpoint import TrainerCheckpointer
 from primejax.trainer.config import OptimConfig, TrainerConfig
 from primejax.trainer.engine import Engine
-from primejax.trainer.offload import HOST, make_plan
-from tools.bench_offload_check import state_trees
+from primejax.trainer.offload import HOST, assemble, make_plan
+
+
+def state_trees(engine) -> dict:
+    """fp32 master (or parameters), mu and nu as full host trees, whichever layout the engine keeps."""
+    host = lambda t: jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), t)  # noqa: E731
+    st = engine.state
+    if engine.offload is None:
+        get = optax.tree_utils.tree_get
+        return {"master": host(st.params), "mu": host(get(st.opt_state, "mu")), "nu": host(get(st.opt_state, "nu"))}
+    plan, treedef = engine.offload.plan, jax.tree.structure(st.params)
+    out = {"master": assemble(plan, st.opt_state["master"], treedef)}
+    for field in ("mu", "nu"):
+        out[field] = assemble(plan, [optax.tree_utils.tree_get(o, field) for o in st.opt_state["opt"]], treedef)
+    return out
+
 
 MOE = dict(
     model_type="qwen3_moe", num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
