@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from primejax.contracts.batch import LOSS_COMPONENTS
+from primejax.contracts.corrections import CorrectionConfig
 from primejax.orchestrator.rollout import Rollout
-from primejax.trainer.config import CorrectionConfig
 from primejax.utils.sections import ConfigError, Section, option, section, sub
 
 if TYPE_CHECKING:
