@@ -30,7 +30,7 @@ from primejax.orchestrator.buffer import EnvSlot  # noqa: E402
 from primejax.orchestrator.config import SamplingConfig  # noqa: E402
 from primejax.orchestrator.generate import GroupGenerator  # noqa: E402
 from primejax.orchestrator.looplag import LoopLag, percentile  # noqa: E402
-from primejax.orchestrator.renderer import build_renderer, load_tokenizer  # noqa: E402
+from primejax.rendering.renderer import build_renderer, load_tokenizer  # noqa: E402
 
 ENV_ID = "tools.bench_env_workers:load"
 

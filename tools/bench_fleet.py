@@ -435,7 +435,7 @@ def main() -> None:
         args.steps = min(args.steps, 4)
 
     from primejax.models.tiny import build_tokenizer
-    from primejax.orchestrator.renderer import load_tokenizer
+    from primejax.rendering.renderer import load_tokenizer
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     import socket
 
     from primejax.models.tiny import build_tokenizer
-    from primejax.orchestrator.renderer import load_tokenizer
+    from primejax.rendering.renderer import load_tokenizer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

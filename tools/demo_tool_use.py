@@ -82,7 +82,7 @@ def template_text(rows: list[dict]) -> list[str]:
     import tempfile
 
     from primejax.models.tiny import build_tokenizer
-    from primejax.orchestrator.renderer import build_renderer
+    from primejax.rendering.renderer import build_renderer
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = build_tokenizer(Path(tmp), tool_tokens=True)

@@ -42,10 +42,10 @@ from primejax.orchestrator.generate import TRACE, GroupGenerator
 from primejax.orchestrator.looplag import LoopLag
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version, staleness
 from primejax.orchestrator.pool import RolloutPool
-from primejax.orchestrator.renderer import build_renderer
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.samples import rollout_to_samples
 from primejax.orchestrator.watch import RunWatch
+from primejax.rendering.renderer import build_renderer
 from primejax.utils.faults import fault_point
 from primejax.utils.io import atomic_dir
 from primejax.utils.monitor import MonitorConfig

@@ -10,7 +10,7 @@ import pytest
 
 from primejax.envs.registry import load_env
 from primejax.models.tiny import build_tokenizer
-from primejax.orchestrator.renderer import build_renderer, parse_message
+from primejax.rendering.renderer import build_renderer, parse_message
 from primejax.sft.data import conversation_to_sample
 from tools.demo_tool_use import demonstrations, tokenizer_spec
 
