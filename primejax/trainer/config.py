@@ -65,19 +65,25 @@ class SchedulerConfig(Section):
 class LossConfig(Section):
     """The rl loss (DPPO + KL, or a custom per-sequence function); ce and ref_kl tokens have fixed losses."""
 
-    type: str = option("default", "default: DPPO + KL; custom: import_path", choices=("default", "custom"))
+    type: str = option(
+        "default",
+        "default: DPPO + KL (with the per-env corrections); a registered rl objective's name (ppo_clip, or "
+        "your own: trainer/objectives.py); custom: the function at import_path",
+    )
     dppo_mask_low: float = option(0.2, "DPPO trust region below the sampling probability", ge=0)
     dppo_mask_high: float = option(0.2, "DPPO trust region above the sampling probability", ge=0)
     adv_tau: float = option(1.0, "advantage scale", ge=0)
     kl_tau: float = option(1e-3, "KL penalty scale", ge=0)
     is_clip: float = option(8.0, "importance-ratio clip", gt=0)
     import_path: str = option("", "custom: 'module.function' computing one sequence's loss")
-    kwargs: dict = option(doc="custom: keyword arguments of that function", factory=dict)
+    kwargs: dict = option(doc="a registered or custom objective: keyword arguments of its function", factory=dict)
     # MoE models only (models/moe.py); off by default, as in prime-rl's RL runs.
     moe_aux_coef: float = option(0.0, "MoE: weight of the load-balancing loss (mean over sparse layers)", ge=0)
     moe_z_coef: float = option(0.0, "MoE: weight of the router z-loss (mean over sparse layers)", ge=0)
 
     def check(self) -> None:
+        if not self.type:
+            raise ConfigError("type", "must be 'default', a registered rl objective's name, or 'custom'")
         if self.type == "custom" and "." not in self.import_path:
             raise ConfigError("import_path", "custom loss needs an import path 'module.function'")
 
