@@ -10,9 +10,9 @@ The dispatch mode (dispatch.py: behind a per-step barrier, or a continuous pool)
 while a watcher task keeps the inference server on the newest broadcast weights.
 
 Pre-batch filters run on each group as it finishes; rollouts an *enforcing* pre-batch slot drops are
-replaced like groups online difficulty filtering drops (more generation rounds in step mode, more groups
-dispatched in continuous mode), so the batch stays full. Online evals run in the background next to the following steps' training requests
-(their metrics join the first step logged after they finish); a due eval waits only for the previous one.
+replaced like groups online difficulty filtering drops (the dispatch generates more), so the batch stays
+full. Online evals run in the background next to the following steps' training requests (their metrics join
+the first step logged after they finish); a due eval waits only for the previous one.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ class Orchestrator:
         self.pre_counts.clear()
         batch = cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
-        offload = self.dispatch.offload  # off the event loop while groups are in flight (continuous mode)
+        offload = self.dispatch.offload  # off the event loop while the dispatch has groups in flight
         samples = await offload(self.to_samples, batch)
         if samples:
             self.empty_batches = 0
