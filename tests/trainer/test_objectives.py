@@ -27,7 +27,8 @@ def reinforce(inputs: LossInputs, scale: float = 1.0) -> LossOutputs:
     return LossOutputs(loss=loss, metrics={"mean_adv": mean_adv})
 
 
-def test_a_registered_objective_trains_a_step_with_its_own_formula(tiny_cfg):
+def test_a_registered_objective_trains_a_step_with_its_own_formula(make_config):
+    tiny_cfg = make_config(num_layers=1)  # one layer is enough: the objective is what is under test
     graphdef = nnx.graphdef(init_model(tiny_cfg, None, seed=1))
     sched = optim.make_schedule(3e-3)
     opt = optim.make_optimizer(
