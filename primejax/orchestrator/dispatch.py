@@ -95,10 +95,10 @@ class BarrierDispatch(Dispatch):
     async def groups(self, step: int) -> StepGroups:
         waited = await self.tracker.wait_for(min_policy_version(step, self.o.async_level))
         t0 = time.perf_counter()
-        buffer_state: dict[str, Any] = {}
+        rewind: dict[str, Any] = {}
 
         async def attempt() -> tuple[list[list[Rollout]] | None, str | None]:
-            buffer_state.update(self.buffer.state_dict())  # the same prompts again after an outage
+            rewind["buffer"] = self.buffer.state_dict()  # the same prompts again after an outage
             lost_before = self.outages.count
             groups = await self.generate(step)
             if self.outages.count > lost_before:
@@ -107,7 +107,7 @@ class BarrierDispatch(Dispatch):
                 return None, "the server restarted (it no longer serves the tracked weights)"
             return groups, None
 
-        groups = await self.retry.run(step, attempt, lambda: self.buffer.load_state_dict(buffer_state),
+        groups = await self.retry.run(step, attempt, lambda: self.buffer.load_state_dict(rewind["buffer"]),
                                       redo="generating the step again once the server is back", resync_first=True)
         gen = time.perf_counter() - t0
         return StepGroups(groups, waited, gen, phases=[("wait_for_weights", waited), ("generate", gen)])
