@@ -39,12 +39,13 @@ def check(c: Config) -> None:
         raise ConfigError(key, msg) from None
     if o.routing_replay:
         _check_routing_replay(c)
-    if c.trainer.loss.type == "custom":  # the custom loss replaces the rl component the corrections change
+    if c.trainer.loss.type != "default":  # an objective of its own replaces the rl component the corrections change
         for name in o.envs:
             if not o.env_algo(name).correction.is_default:
                 own = o.envs[name].algo.type
                 key = f"orchestrator.envs.{name}.algo.correction" if own else "orchestrator.algo.correction"
-                raise ConfigError(key, "applies to the default rl loss; trainer.loss.type = 'custom' replaces it")
+                raise ConfigError(key, f"applies to the default rl loss; trainer.loss.type = {c.trainer.loss.type!r} "
+                                       "replaces it")
 
 
 def _check_routing_replay(c: Config) -> None:

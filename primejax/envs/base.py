@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-Message = dict[str, Any]
+from primejax.rendering.messages import Message  # the renderers speak it too
 
 
 class ModelCall(Protocol):

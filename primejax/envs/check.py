@@ -97,7 +97,7 @@ def check_envs(cfg: Any, report: Callable[[bool, str], None] | None = None) -> l
 def _renderer(cfg: Any) -> tuple[Any, str]:
     if not (Path(cfg.model.path) / "tokenizer_config.json").exists():
         return None, f"no tokenizer at model.path ({cfg.model.path}) yet"
-    from primejax.orchestrator.renderer import build_renderer, load_tokenizer
+    from primejax.rendering.renderer import build_renderer, load_tokenizer
 
     try:
         return build_renderer(cfg.orchestrator.renderer.name, load_tokenizer(cfg.model.path)), ""

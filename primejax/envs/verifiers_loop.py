@@ -173,8 +173,8 @@ def ensure_uv() -> str:
 def renderer_config(renderer: Any) -> Any:
     """The renderers-package config verifiers' train client renders with: the orchestrator's own renderer, so
     both drivers render a conversation to the same ids."""
-    from primejax.orchestrator.renderer import ChatTemplateRenderer
-    from primejax.orchestrator.renderers_adapter import PackageRenderer
+    from primejax.rendering.renderer import ChatTemplateRenderer
+    from primejax.rendering.renderers_adapter import PackageRenderer
 
     if isinstance(renderer, PackageRenderer):
         return renderer.impl.config

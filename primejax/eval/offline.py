@@ -67,7 +67,7 @@ async def evaluate(o: OrchestratorConfig, model_path: str, client: Any, weights:
                    seed: int = 0) -> dict[str, float]:
     """Load `weights` (if any) into the server behind `client` and run the eval envs once, sampling seeded."""
     from primejax.orchestrator.evaluator import build_evaluator
-    from primejax.orchestrator.renderer import build_renderer, load_tokenizer
+    from primejax.rendering.renderer import build_renderer, load_tokenizer
 
     o = seeded(o, seed)
     version = 0

@@ -6,7 +6,8 @@ Light on purpose (no httpx, transformers or verifiers import): the launcher and 
 from __future__ import annotations
 
 from primejax.orchestrator.algorithms import AlgorithmConfig, GRPOConfig
-from primejax.orchestrator.filters import FILTERS
+from primejax.orchestrator.filters import FiltersConfig
+from primejax.orchestrator.sampling import SamplingConfig
 from primejax.utils.sections import MAX_ROWS, MAX_TOKENS, ConfigError, Section, option, section, sub
 
 
@@ -27,41 +28,6 @@ class EnvConfig(Section):
     def check(self) -> None:
         if not self.id:
             raise ConfigError("id", "must name an environment")
-
-
-@section
-class SamplingConfig(Section):
-    """Sampling parameters of every rollout request."""
-
-    temperature: float = option(
-        1.0,
-        "sampling temperature, > 0 (the trainer divides the logits by it; 0 = greedy has no logprobs to train "
-        "on)",
-        gt=0,
-    )
-    top_p: float = option(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
-    max_tokens: int = option(128, "completion tokens per turn", gt=0, le=MAX_TOKENS)
-    max_turns: int = option(4, "model turns per rollout (multi-turn envs)", gt=0)
-    seed: int = option(-1, "per-request seed base; -1 = unseeded (needs async_level 0)")
-
-
-@section
-class FiltersConfig(Section):
-    """Rollout filters: the pre-batch slot monitors (or enforces), the post-batch slot drops what it flags."""
-
-    pre_batch: tuple = option(
-        ("gibberish", "repetition", "zero_advantage"), "filters before the batch cut", choices=FILTERS
-    )
-    pre_batch_enforce: bool = option(False, "drop what the pre-batch filters flag")
-    post_batch: tuple = option(
-        ("gibberish", "repetition", "zero_advantage"), "filters on the cut batch", choices=FILTERS
-    )
-    post_batch_enforce: bool = option(True, "drop what the post-batch filters flag")
-    gibberish_threshold: float = option(-8.0, "mean sampled logprob below this = gibberish")
-    repetition_threshold: float = option(
-        0.5, "fraction of repeated n-grams above this = repetitive", ge=0, le=1
-    )
-    repetition_ngram: int = option(4, "n of the repetition filter's n-grams", gt=0)
 
 
 @section

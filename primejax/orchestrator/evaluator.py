@@ -22,8 +22,8 @@ from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.concurrency import Limiter
 from primejax.orchestrator.config import OrchestratorConfig
 from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.renderer import Renderer
 from primejax.orchestrator.rollout import Rollout
+from primejax.rendering.renderer import Renderer
 
 
 def eval_slots(o: OrchestratorConfig) -> list[EnvSlot]:

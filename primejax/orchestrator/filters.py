@@ -11,15 +11,31 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from primejax.orchestrator.rollout import Rollout
-
-if TYPE_CHECKING:
-    from primejax.orchestrator.config import FiltersConfig
+from primejax.utils.sections import Section, option, section
 
 FilterFn = Callable[[Rollout], bool]
 FILTERS = ("gibberish", "repetition", "zero_advantage")  # the names `orchestrator.filters` slots accept
+
+
+@section
+class FiltersConfig(Section):
+    """Rollout filters: the pre-batch slot monitors (or enforces), the post-batch slot drops what it flags."""
+
+    pre_batch: tuple = option(
+        ("gibberish", "repetition", "zero_advantage"), "filters before the batch cut", choices=FILTERS
+    )
+    pre_batch_enforce: bool = option(False, "drop what the pre-batch filters flag")
+    post_batch: tuple = option(
+        ("gibberish", "repetition", "zero_advantage"), "filters on the cut batch", choices=FILTERS
+    )
+    post_batch_enforce: bool = option(True, "drop what the post-batch filters flag")
+    gibberish_threshold: float = option(-8.0, "mean sampled logprob below this = gibberish")
+    repetition_threshold: float = option(
+        0.5, "fraction of repeated n-grams above this = repetitive", ge=0, le=1
+    )
+    repetition_ngram: int = option(4, "n of the repetition filter's n-grams", gt=0)
 
 
 def zero_advantage(rollout: Rollout) -> bool:

@@ -42,11 +42,11 @@ from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.concurrency import Limiter
-from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.message_caps import auto_limit, cap_messages, check_tools
-from primejax.orchestrator.renderer import Renderer, parse_message
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
+from primejax.orchestrator.sampling import SamplingConfig
 from primejax.orchestrator.timeline import TRACK, Timeline
+from primejax.rendering.renderer import Renderer, parse_message
 
 log = logging.getLogger(__name__)
 

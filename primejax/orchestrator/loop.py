@@ -1,22 +1,24 @@
 """The orchestrator: one step is a pipeline of small stages, in the order a rollout travels.
 
-    gate (off-policy bound) -> prompts (buffer) -> groups (env <-> client; finalize_rollout on arrival)
-    -> finalize_group -> pre-batch filters -> batch cut -> post-batch filters -> samples -> pack -> write
+    dispatch (gate + prompts + groups: env <-> client; finalize_rollout on arrival; finalize_group and the
+    pre-batch filters as each group finishes) -> batch cut -> post-batch filters -> samples -> pack -> write
+
+The dispatch mode (dispatch.py: behind a per-step barrier, or a continuous pool) is chosen once from
+`orchestrator.pool.mode`; it redoes its generation after an inference outage (outages.py).
 
 `Orchestrator.run()` repeats it for steps start..max_steps, checkpointing every `checkpoint.interval` steps,
 while a watcher task keeps the inference server on the newest broadcast weights.
 
 Pre-batch filters run on each group as it finishes; rollouts an *enforcing* pre-batch slot drops are
-replaced like groups online difficulty filtering drops (more generation rounds, up to MAX_TOPUP_ROUNDS), so
-the batch stays full. Online evals run in the background next to the following steps' training requests
-(their metrics join the first step logged after they finish); a due eval waits only for the previous one.
+replaced like groups online difficulty filtering drops (the dispatch generates more), so the batch stays
+full. Online evals run in the background next to the following steps' training requests (their metrics join
+the first step logged after they finish); a due eval waits only for the previous one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,7 +28,6 @@ from typing import Any
 from primejax.contracts.batch import TrainingSample, batch_env_names, pack_samples, step_dir, write_batch
 from primejax.envs.registry import load_env
 from primejax.envs.workers import WorkerEnv, in_workers
-from primejax.inference.client import InferenceError
 from primejax.inference.routed_experts import RoutingShape
 from primejax.orchestrator import metrics as M
 from primejax.orchestrator.algorithms import build_algorithm
@@ -34,51 +35,25 @@ from primejax.orchestrator.buffer import POOLS, Buffer, EnvSlot
 from primejax.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from primejax.orchestrator.concurrency import AIMDController, AIMDSettings, Limiter, parse_pages
 from primejax.orchestrator.config import OrchestratorConfig
+from primejax.orchestrator.dispatch import build_dispatch
 from primejax.orchestrator.evaluator import build_evaluator
 from primejax.orchestrator.failures import FailedSteps
 from primejax.orchestrator.filters import build_slots
 from primejax.orchestrator.gcpause import GcPolicy
-from primejax.orchestrator.generate import TRACE, GroupGenerator
+from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.looplag import LoopLag
-from primejax.orchestrator.policy import PolicyTracker, min_policy_version, staleness
-from primejax.orchestrator.pool import RolloutPool
-from primejax.orchestrator.renderer import build_renderer
+from primejax.orchestrator.outages import OutageCounter, StepRetry
+from primejax.orchestrator.policy import PolicyTracker, staleness
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.samples import rollout_to_samples
 from primejax.orchestrator.watch import RunWatch
+from primejax.rendering.renderer import build_renderer
 from primejax.utils.faults import fault_point
 from primejax.utils.io import atomic_dir
 from primejax.utils.monitor import MonitorConfig
 
 log = logging.getLogger(__name__)
 MAX_EMPTY_BATCHES = 5
-MAX_TOPUP_ROUNDS = 3  # extra generation rounds per step when online difficulty filtering left the batch short
-MAX_STEP_ATTEMPTS = 4  # generation attempts of one step across inference outages before the run gives up
-
-
-class OutageCounter:
-    """Wraps the sampling client and counts requests lost to the server (unreachable, 5xx, after retries).
-
-    A request the server rejected (4xx) is the rollout's problem and fails it alone; a lost one says nothing
-    about the rollout, so the step is generated again once the server is back (see `Orchestrator.generate_step`).
-    """
-
-    def __init__(self, client: Any):
-        self._client = client
-        self.count = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-    async def generate(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await self._client.generate(*args, **kwargs)
-        except InferenceError as e:
-            if e.status is None or e.status >= 500:
-                self.count += 1
-                if (trace := TRACE.get()) is not None:  # a continuous pool dispatches this group again
-                    trace.lost += 1
-            raise
 
 
 @dataclass
@@ -89,10 +64,6 @@ class StepResult:
     samples: list[TrainingSample]
     metrics: dict[str, float] = field(default_factory=dict)
     staleness: list[float] = field(default_factory=list)  # per sample: trainer updates behind its policy
-
-
-async def _inline(fn: Any, *args: Any) -> Any:
-    return fn(*args)
 
 
 def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
@@ -150,29 +121,23 @@ class Orchestrator:
         # Evaluation shares the request limit (and so the servers' capacity) with training.
         self.evaluator = (build_evaluator(o, client, self.generator.renderer, self.tracker, limiter=self.limiter)
                           if o.eval.interval else None)
-        self.pool = None
-        if o.pool.mode == "continuous":
-            capacity = o.pool.groups_in_flight or math.ceil(2 * o.batch_size / o.group_size
-                                                             * o.buffer.oversampling_factor)
-            self.pool = RolloutPool(self._group, self.buffer.sample, self.tracker, batch_size=o.batch_size,
-                                    group_size=o.group_size, async_level=o.async_level, capacity=capacity,
-                                    oversampling=o.buffer.oversampling_factor,
-                                    group_timeout_s=o.pool.group_timeout_s)
+        self.pre_counts: Counter = Counter()  # pre-batch filter flags since the last cut
+        # The dispatch mode is chosen here, once; the step below names neither.
+        self.dispatch = build_dispatch(o, run_group=self._group, buffer=self.buffer, tracker=self.tracker,
+                                       outages=self.outages, retry=StepRetry(client, self.tracker, recovery_timeout_s),
+                                       pre_filters=self.pre_filters, pre_counts=self.pre_counts, client=client)
         self.aimd = self._aimd() if c.mode == "aimd" else None
         self.concurrency_mode = None if c.mode == "auto" else c.mode  # auto: set by pick_concurrency
         self.loop_lag = LoopLag()
         self.watch = None if watch is None else RunWatch(watch, run_dir, client, self.tracker, self.generator)
         self.gc = GcPolicy(freeze=o.gc_freeze, full_every=o.gc_full_every)
-        self._lost_seen = 0  # requests lost to the server up to the last continuous cut
         self.num_shards = max(1, num_shards)
         self.pad_rows_to_multiple = pad_rows_to_multiple
         self.next_step = 1
         self.empty_batches = 0
         self.failed_steps = FailedSteps(o.max_failed_steps)
-        self.pre_counts: Counter = Counter()  # pre-batch filter flags of the step being generated
         self.eval_task: asyncio.Task | None = None
         self.last_step_end: float | None = None
-        self.recovery_timeout_s = recovery_timeout_s
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -188,24 +153,6 @@ class Orchestrator:
         _, counts = self.pre_filters.apply(group)
         self.pre_counts.update(counts)
         return group
-
-    async def generate(self, step: int) -> list[list[Rollout]]:
-        """`batch_size / group_size * oversampling_factor` groups; with online difficulty filtering, more
-        rounds (sized the same way) while the dropped groups leave fewer than `batch_size` trainable rollouts."""
-        o = self.o
-        self.pre_counts = Counter()
-        replaces = o.buffer.online_difficulty_filtering or self.pre_filters.enforce
-        rounds = 1 + (MAX_TOPUP_ROUNDS if replaces else 0)
-        groups: list[list[Rollout]] = []
-        missing = o.batch_size
-        for _ in range(rounds):
-            prompts = self.buffer.sample(math.ceil(missing / o.group_size * o.buffer.oversampling_factor))
-            groups += await asyncio.gather(*(self._group(env, index, len(groups) + i, step)
-                                             for i, (env, index) in enumerate(prompts)))
-            missing = o.batch_size - sum(r.ok and not r.dropped for g in groups for r in g)
-            if missing <= 0:
-                break
-        return groups
 
     def to_samples(self, batch: list[Rollout]) -> list[TrainingSample]:
         samples, r = [], self.routing
@@ -231,33 +178,6 @@ class Orchestrator:
                 write_batch(tmp, rank, batch, meta)
             fault_point("orchestrator.before_batch_rename", step, path=tmp / "rank_0.npz")
         return target
-
-    async def generate_step(self, step: int) -> list[list[Rollout]]:
-        """`generate(step)` on a server known to serve the tracked policy; redone after an inference outage.
-
-        A server that died or restarted mid-step has lost requests or serves the base model, so the step's
-        groups are thrown away and generated again from the same prompts (the buffer is rewound) and seeds,
-        once the server answers and has been set back to the tracked weights: no step is lost or skewed.
-        """
-        for attempt in range(1, MAX_STEP_ATTEMPTS + 1):
-            buffer_state = self.buffer.state_dict()
-            lost_before = self.outages.count
-            try:
-                await self.tracker.resync()
-                groups = await self.generate(step)
-                if self.outages.count == lost_before and await self.tracker.server_matches():
-                    return groups
-                reason = (f"{self.outages.count - lost_before} requests lost" if self.outages.count > lost_before
-                          else "the server restarted (it no longer serves the tracked weights)")
-            except InferenceError as e:
-                reason = str(e)
-            if attempt == MAX_STEP_ATTEMPTS:
-                raise RuntimeError(f"step {step}: inference failed in {attempt} attempts in a row ({reason})")
-            log.warning("step %d: inference outage (%s); generating the step again once the server is back",
-                        step, reason)
-            self.buffer.load_state_dict(buffer_state)
-            await self.client.wait_ready(self.recovery_timeout_s)
-        raise AssertionError("unreachable")
 
     async def _server_metrics(self) -> list[dict[str, float] | None]:
         return await asyncio.to_thread(parse_pages, await self.client.metrics_text())
@@ -292,40 +212,6 @@ class Orchestrator:
         self.concurrency_mode = "aimd" if exposing else "fixed"
         return self.concurrency_mode
 
-    async def cut_step(self, step: int) -> tuple[list[list[Rollout]], dict[str, float]]:
-        """Continuous mode: step `step`'s groups cut from the pool, on a server known to serve the tracked policy.
-
-        A server that restarted (it serves the base model) or lost its weights has made every group not yet
-        cut suspect: all of them are dispatched again, once the server answers and is set back.
-        """
-        # One server: a lost request may mean it restarted on the base weights, and groups sampled there since
-        # carry the old tags; several: the tracker routes around a replica until it is back on the weights.
-        single = len(getattr(self.client, "base_urls", ())) <= 1
-        for attempt in range(1, MAX_STEP_ATTEMPTS + 1):
-            lost_before = self.outages.count
-            try:
-                cut = await self.pool.cut(step)
-                if single and self.outages.count > self._lost_seen:
-                    self._lost_seen = self.outages.count
-                    reason = f"{self.outages.count - lost_before} requests lost"
-                    self.pool.requeue([(g[0].env, g[0].example_index) for g in cut.groups if g])
-                elif await self.tracker.server_matches():
-                    metrics = {f"pool/{k}": float(v) for k, v in cut.counts.items()}
-                    metrics["time/batch_cut_wait"] = cut.wait_s
-                    return cut.groups, metrics
-                else:
-                    reason = "the server restarted (it no longer serves the tracked weights)"
-                    self.pool.requeue([(g[0].env, g[0].example_index) for g in cut.groups if g])
-            except InferenceError as e:
-                reason = str(e)
-            if attempt == MAX_STEP_ATTEMPTS:
-                raise RuntimeError(f"step {step}: inference failed in {attempt} attempts in a row ({reason})")
-            log.warning("step %d: inference outage (%s); every unfinished group is dispatched again", step, reason)
-            self.pool.restart_all()
-            await self.client.wait_ready(self.recovery_timeout_s)
-            await self.tracker.resync()
-        raise AssertionError("unreachable")
-
     # ------------------------------------------------------------------------------------------ a step
 
     async def step(self, step: int) -> StepResult:
@@ -333,28 +219,17 @@ class Orchestrator:
         server_before = self.generator.stats.server_seconds
         tokens_before = self.generator.stats.completion_tokens
         errors_before = Counter(self.generator.stats.errors)
-        pool_metrics: dict[str, float] = {}
-        if self.pool is None:
-            waited = await self.tracker.wait_for(min_policy_version(step, self.o.async_level))
-            t_gen = time.perf_counter()
-            groups = await self.generate_step(step)
-        else:
-            t_gen = time.perf_counter()
-            groups, pool_metrics = await self.cut_step(step)
-            waited = pool_metrics["time/batch_cut_wait"]
-        gen_seconds = time.perf_counter() - t_gen
+        cut = await self.dispatch.groups(step)
+        groups, waited, gen_seconds = cut.groups, cut.waited, cut.generate_s
         rollouts = [r for g in groups for r in g]
         self.failed_steps.observe(step, rollouts)  # RolloutsFailed: the run stops saying why
 
         t_post = time.perf_counter()
-        pre_counts = self.pre_counts
-        if self.pool is not None:  # counted as groups finish; this step's share ends at the cut
-            self.pre_counts = Counter()
+        pre_counts = Counter(self.pre_counts)  # counted as groups finish; this step's share ends at the cut
+        self.pre_counts.clear()
         batch = cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
-        # Continuous mode: packing and writing (CPU work on the whole batch) run off the event loop, so the
-        # groups still in flight are not held up meanwhile (loop_lag/*). Step mode has nothing in flight here.
-        offload = asyncio.to_thread if self.pool is not None else _inline
+        offload = self.dispatch.offload  # off the event loop while the dispatch has groups in flight
         samples = await offload(self.to_samples, batch)
         if samples:
             self.empty_batches = 0
@@ -371,9 +246,7 @@ class Orchestrator:
         t_gc = time.perf_counter()
         gc_metrics = self.gc.after_step(step)
         if self.watch is not None:  # on the timeline, back to back, ending now
-            phases = [("wait_for_weights", waited), ("generate", gen_seconds)] if self.pool is None else [
-                ("batch_cut", gen_seconds)]
-            self.watch.phases([*phases, ("postprocess", post_seconds), ("gc", time.perf_counter() - t_gc)])
+            self.watch.phases([*cut.phases, ("postprocess", post_seconds), ("gc", time.perf_counter() - t_gc)])
 
         total = time.perf_counter() - t0
         now = time.perf_counter()
@@ -386,7 +259,7 @@ class Orchestrator:
         metrics = M.merge(
             M.rollout_metrics(rollouts), M.sample_metrics(step, samples),
             M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
-            M.count_metrics("errors", errors), self.buffer.step_metrics(), pool_metrics, self.loop_lag.take(),
+            M.count_metrics("errors", errors), self.buffer.step_metrics(), cut.metrics, self.loop_lag.take(),
             self._env_worker_metrics(), gc_metrics, self._server_busy(),
             await self.watch.step_metrics() if self.watch is not None else {},
             {
@@ -414,16 +287,12 @@ class Orchestrator:
     # ------------------------------------------------------------------------------------------ the run
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"next_step": self.next_step, "buffer": self.buffer.state_dict(include_pools=False),
-                 "policy_version": self.tracker.version}
-        if self.pool is not None:  # groups not yet cut: dispatched again first on resume
-            state["pending"] = [list(p) for p in self.pool.pending_prompts()]
-        return state
+        return {"next_step": self.next_step, "buffer": self.buffer.state_dict(include_pools=False),
+                "policy_version": self.tracker.version, **self.dispatch.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_step = int(state["next_step"])
-        if self.pool is not None:
-            self.pool.requeue([(e, i) for e, i in state.get("pending", []) if e in self.buffer.envs])
+        self.dispatch.load_state_dict(state, self.buffer.envs)
         records = state.get("records", {})
         self.buffer.load_state_dict(state["buffer"], {p: records.get(f"{p}_examples", []) for p in POOLS})
         lifted = self.buffer.lift()  # easy_fraction / hard_fraction re-enter rotation on resume
@@ -506,8 +375,7 @@ class Orchestrator:
             watcher.cancel()
             for task in helpers:
                 task.cancel()
-            if self.pool is not None:
-                await self.pool.stop()
+            await self.dispatch.stop()
             pending = [t for t in (watcher, self.eval_task, *helpers) if t is not None]
             if self.eval_task is not None and not self.eval_task.done():
                 self.eval_task.cancel()

@@ -12,7 +12,7 @@ from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.server import InferenceConfig
 from primejax.orchestrator.config import ClientConfig
 from primejax.orchestrator.loop import Orchestrator
-from primejax.orchestrator.renderer import load_tokenizer
+from primejax.rendering.renderer import load_tokenizer
 from primejax.utils.monitor import Monitor
 from primejax.utils.sections import ConfigError
 

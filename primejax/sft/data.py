@@ -135,7 +135,7 @@ def conversation_to_sample(
 ) -> TrainingSample:
     """Token ids of the whole conversation with loss on every assistant turn.
 
-    With a renderers-package `renderer` (orchestrator/renderers_adapter.py), the conversation and its `tools`
+    With a renderers-package `renderer` (rendering/renderers_adapter.py), the conversation and its `tools`
     are built exactly as a rollout of it would be (see `_rendered_like_a_rollout`)."""
     if renderer is not None:
         return _rendered_like_a_rollout(tokenizer, renderer, messages, tools, max_len)

@@ -65,7 +65,7 @@ def load_samples(s: SftConfig, envs: dict[str, EnvConfig], tokenizer) -> list:
     lines = list(read_jsonl_tool_lines(s.data_path))
     renderer = None
     if any(tools for _, _, tools in lines):  # tool demonstrations: render them as rollouts will be ("auto")
-        from primejax.orchestrator.renderer import build_renderer
+        from primejax.rendering.renderer import build_renderer
 
         renderer = build_renderer("auto", tokenizer)
     samples = []

@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from primejax.contracts.batch import batch_env_names
-from primejax.trainer.config import CorrectionConfig, LossConfig
+from primejax.contracts.corrections import CorrectionConfig
+from primejax.trainer.config import LossConfig
 
 # exp() arguments are clipped here: a non-selected branch must stay finite (0 * inf is NaN in a gradient).
 LOG_MAX = 60.0

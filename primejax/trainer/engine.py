@@ -277,14 +277,14 @@ class Engine:
     def segments_key(self, kind: str, max_segments: int) -> int:
         """The static bound on samples per row the step is compiled for.
 
-        The custom loss loops over a row's samples and cuDNN attention sizes its per-row work by the bound (a
+        A per-sequence rl objective (trainer/objectives.py) loops over a row's samples and cuDNN attention sizes its per-row work by the bound (a
         loose bound costs step time), so there it is kept, rounded up to a power of two to limit recompiles.
         Elsewhere the bound changes nothing, so one compiled step (key 0) serves every batch.
         """
         m = self.model_cfg
         uses_segments = resolve_impl(m.attention_impl, jnp.dtype(m.compute_dtype)) == "cudnn"
-        if max_segments <= 0 or (self.loss_config(kind).type != "custom" and not uses_segments):
-            return 0  # 0 = unknown: the custom loss and the kernel then assume their largest bound
+        if max_segments <= 0 or (self.loss_config(kind).type == "default" and not uses_segments):
+            return 0  # 0 = unknown: the objective and the kernel then assume their largest bound
         return 1 << (max_segments - 1).bit_length()
 
     def step_fn(self, kind: str = "rl", max_segments: int = 0) -> Callable:

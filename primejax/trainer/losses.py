@@ -18,17 +18,13 @@ micro-batch adds its already-normalized share, so the result and its gradient do
 Every array here is [B, T] and already aligned so that index t is the target predicted from hidden state t
 (see `primejax.trainer.step.shift_targets`).
 
-A custom rl loss (`trainer.loss.type = "custom"`) replaces the rl component. It is called once per sequence
-(packed segment) with `LossInputs` whose arrays span the whole packed row and whose `loss_mask` selects
-exactly that sequence's rl members; it must return `LossOutputs(loss=<masked sum>, metrics={...})` built
-from jnp ops (it runs under jit and vmap, so no boolean indexing: use `jnp.where(inputs.loss_mask, x, 0)`).
+A registered rl objective (`trainer.loss.type = <its name>`, or `custom` + `import_path`) replaces the rl
+component: one function called once per sequence (packed segment), objectives.py has its signature and rules.
 Its metrics are averaged over the sequences that have rl tokens.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 from collections.abc import Callable, Mapping
 
 import jax
@@ -38,41 +34,7 @@ from primejax.contracts.batch import LOSS_COMPONENTS as COMPONENTS
 from primejax.trainer import corrections
 from primejax.trainer.config import LossConfig
 from primejax.trainer.corrections import CorrectionTable
-
-
-@dataclasses.dataclass
-class LossInputs:
-    """One sequence's view for a custom rl loss (arrays of one packed row, [T])."""
-
-    trainer_logprobs: jax.Array
-    inference_logprobs: jax.Array
-    ref_logprobs: jax.Array | None
-    advantages: jax.Array
-    loss_mask: jax.Array  # this sequence's rl member tokens
-    loss_weights: jax.Array | None  # the rl weight stream (None = 1.0)
-
-
-@dataclasses.dataclass
-class LossOutputs:
-    loss: jax.Array  # scalar: the sum of this sequence's per-token losses (normalized by N_rl by the trainer)
-    metrics: dict[str, jax.Array]
-
-
-CustomLoss = Callable[..., LossOutputs]
-
-
-def load_custom_loss(import_path: str) -> CustomLoss:
-    """Import `package.module.function`; a clear error if it does not resolve to a callable."""
-    module_name, _, attr = import_path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"trainer.loss.import_path {import_path!r} must be 'module.function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"trainer.loss.import_path {import_path!r} does not resolve: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"trainer.loss.import_path {import_path!r} is not callable")
-    return fn
+from primejax.trainer.objectives import LossFn, LossInputs, objective
 
 
 def member_masks(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -103,7 +65,7 @@ def ref_kl_token_loss(lp, lq, lref, member, cfg: LossConfig) -> tuple[jax.Array,
     return -pg + _kl_term(log_r, member, cfg.kl_tau), masked_low
 
 
-def _custom_rl(fn: CustomLoss, kwargs: dict, lp, mb, member, max_segments: int):
+def _custom_rl(fn: LossFn, kwargs: dict, lp, mb, member, max_segments: int):
     """Sum over sequences of fn(sequence) and per-metric sums over sequences that have rl tokens."""
     seg_ids = jnp.arange(1, max_segments + 1, dtype=mb["segment_ids"].dtype)
 
@@ -135,7 +97,7 @@ def make_loss_fn(
     Metric sums are additive over micro-batches except `max/...` keys (`corrections.merge_sums`).
     """
     table = table or CorrectionTable()
-    custom = load_custom_loss(cfg.import_path) if cfg.type == "custom" else None
+    custom = objective(cfg.type, cfg.import_path)  # None: the default DPPO + KL with its corrections
     kwargs = cfg.kwargs
 
     def loss_fn(lp, entropy, mb, counts):

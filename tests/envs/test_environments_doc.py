@@ -14,7 +14,7 @@ from primejax.envs.registry import load_env
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.renderer import build_renderer, load_tokenizer
+from primejax.rendering.renderer import build_renderer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "orchestrator"))

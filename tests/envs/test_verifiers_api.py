@@ -1,5 +1,5 @@
 """The verifiers / renderers / MCP surface primejax's two adapter modules rely on (envs/verifiers_adapter.py,
-orchestrator/renderers_adapter.py), including the private parts they reach into: a version bump that moves
+rendering/renderers_adapter.py), including the private parts they reach into: a version bump that moves
 any of it fails here, by name, instead of inside a rollout."""
 
 from __future__ import annotations

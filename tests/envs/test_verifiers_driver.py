@@ -12,9 +12,9 @@ from primejax.envs.registry import load_env
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.renderer import build_renderer
-from primejax.orchestrator.renderers_adapter import PackageRenderer
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.rendering.renderer import build_renderer
+from primejax.rendering.renderers_adapter import PackageRenderer
 from tests.envs.instant_model import Done
 
 TASKSET = "tests.envs.vf_calc_taskset"

@@ -17,8 +17,8 @@ from primejax.envs.verifiers_loop import VerifiersLoopEnv, in_process_blockers
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.renderer import build_renderer, load_tokenizer
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.rendering.renderer import build_renderer, load_tokenizer
 from tests.envs.instant_model import InstantModel, InstantServer
 
 TASKSET = "tests.envs.vf_calc_taskset"

@@ -14,8 +14,8 @@ from primejax.inference.client import InferenceClient
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.renderer import build_renderer, load_tokenizer
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.rendering.renderer import build_renderer, load_tokenizer
 
 pytestmark = pytest.mark.vllm
 

@@ -16,8 +16,8 @@ from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import OrchestratorConfig, SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.renderer import build_renderer, load_tokenizer
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.rendering.renderer import build_renderer, load_tokenizer
 from primejax.utils.sections import build
 
 pytestmark = pytest.mark.vllm

@@ -17,7 +17,7 @@ from primejax.config import default_config, env, typed
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.inference.client import InferenceClient
 from primejax.orchestrator.loop import Orchestrator
-from primejax.orchestrator.renderer import load_tokenizer
+from primejax.rendering.renderer import load_tokenizer
 from primejax.utils.monitor import Monitor, read_jsonl
 
 pytestmark = pytest.mark.vllm

@@ -81,7 +81,7 @@ def test_verifiers_own_loop_bounds_the_envs_scoring(tiny_model_dir):
     from primejax.orchestrator.buffer import EnvSlot
     from primejax.orchestrator.config import SamplingConfig
     from primejax.orchestrator.generate import GroupGenerator
-    from primejax.orchestrator.renderer import build_renderer, load_tokenizer
+    from primejax.rendering.renderer import build_renderer, load_tokenizer
     from tests.envs.instant_model import InstantServer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))

@@ -33,7 +33,7 @@ def check_grpo(algo):
 def check_max_rl(algo):
     assert (algo.config.length_penalty.type, algo.config.length_penalty.coef) == ("turns", 0.25)
     assert algo.length_penalty(rollouts(1)[0]) == 0.0  # one turn, target 1
-    assert algo.custom_advantage is None
+    assert algo.advantage_name == "mean_normalized"  # max_rl's own
 
 
 def check_echo(algo):
@@ -91,6 +91,6 @@ def test_an_envs_own_algorithm_keys_reach_its_instance(name, tokenizer):
         check(own)
         # the other env runs the global default block, untouched by this env's keys
         assert other.config == cfg.orchestrator.algo and other.config.type == "grpo"
-        assert other.config.length_penalty.coef == 0.0 and other.custom_advantage is None
+        assert other.config.length_penalty.coef == 0.0 and other.advantage_name == "group_relative"
     finally:
         asyncio.run(own.close())

@@ -12,9 +12,9 @@ from primejax.envs.base import Example
 from primejax.orchestrator.algorithms import build_algorithm
 from primejax.orchestrator.algorithms.advantage import extension_runs, mean_normalized
 from primejax.orchestrator.config import OrchestratorConfig
-from primejax.orchestrator.qwen3_renderer import Qwen3Renderer
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.rendering.qwen3_renderer import Qwen3Renderer
 from primejax.utils.sections import build
 
 EXAMPLE = Example(key="k", prompt=[{"role": "user", "content": "q"}], answer="the answer",

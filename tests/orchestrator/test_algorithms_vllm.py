@@ -19,7 +19,7 @@ from orch_fakes import make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.inference.client import InferenceClient
-from primejax.orchestrator.renderer import load_tokenizer
+from primejax.rendering.renderer import load_tokenizer
 
 pytestmark = pytest.mark.vllm
 ROWS, SEQ_LEN = 8, 512

@@ -16,7 +16,7 @@ from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.message_caps import auto_limit, cap_messages, cap_text, check_tools
-from primejax.orchestrator.renderer import build_renderer
+from primejax.rendering.renderer import build_renderer
 
 HUGE = 300_000  # characters: big enough to show the cut, small enough that the old code's tokenization is quick
 

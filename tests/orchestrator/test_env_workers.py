@@ -16,7 +16,7 @@ from primejax.envs.workers import AUTO_MAX_WORKERS, EnvWorkerError, WorkerEnv, i
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
-from primejax.orchestrator.renderer import build_renderer
+from primejax.rendering.renderer import build_renderer
 
 
 class Version:

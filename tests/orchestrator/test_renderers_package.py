@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from primejax.orchestrator.renderer import ChatTemplateRenderer, build_renderer
-from primejax.orchestrator.renderers_adapter import PackageRenderer, families, tool_specs
+from primejax.rendering.renderer import ChatTemplateRenderer, build_renderer
+from primejax.rendering.renderers_adapter import PackageRenderer, families, tool_specs
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],

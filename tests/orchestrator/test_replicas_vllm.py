@@ -17,7 +17,7 @@ from primejax.inference.client import InferenceClient
 from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec
 from primejax.orchestrator.policy import min_policy_version
-from primejax.orchestrator.renderer import load_tokenizer
+from primejax.rendering.renderer import load_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 STEPS = 3

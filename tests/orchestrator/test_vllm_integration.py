@@ -22,7 +22,7 @@ from primejax.config import typed
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.contracts.broadcast import write_broadcast
 from primejax.inference.client import InferenceClient
-from primejax.orchestrator.renderer import load_tokenizer
+from primejax.rendering.renderer import load_tokenizer
 from primejax.utils.monitor import Monitor, read_jsonl
 
 pytestmark = pytest.mark.vllm

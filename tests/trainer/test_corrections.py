@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from primejax.trainer.config import (
+from primejax.contracts.corrections import (
     CispoConfig,
     CorrectionConfig,
     GspoConfig,

@@ -20,15 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from primejax.trainer.config import (
+from primejax.contracts.corrections import (
     CispoConfig,
     CorrectionConfig,
     GspoConfig,
     IcepopConfig,
     ISWeightConfig,
-    LossConfig,
     RejectConfig,
 )
+from primejax.trainer.config import LossConfig
 from primejax.trainer.corrections import CorrectionTable, step_norms
 from primejax.trainer.losses import global_counts, make_loss_fn, member_masks
 from tests.trainer.test_corrections import make_batch

@@ -145,7 +145,7 @@ def test_custom_loss_per_sequence(clip_eps):
         "rl_weights": rng.choice([0.0, 1.0, 2.0], shape), "ce_weights": np.zeros(shape),
         "ref_kl_weights": np.zeros(shape), "segment_ids": seg.astype(np.int32),
     }
-    cfg = LossConfig(type="custom", import_path="primejax.trainer.custom_losses.ppo_clip_loss",
+    cfg = LossConfig(type="custom", import_path="primejax.trainer.objectives.ppo_clip_loss",
                      kwargs={"clip_eps": clip_eps})
     loss, sums, counts = _jax_loss(lp, b, cfg, max_segments=4)
     member = b["loss_mask"] & (b["rl_weights"] != 0)
@@ -163,7 +163,7 @@ def test_custom_loss_per_sequence(clip_eps):
 
 def test_bad_custom_import_path_is_a_clear_error():
     with pytest.raises(ValueError, match="does not resolve"):
-        make_loss_fn(LossConfig(type="custom", import_path="primejax.trainer.custom_losses.nope"))
+        make_loss_fn(LossConfig(type="custom", import_path="primejax.trainer.objectives.nope"))
 
 
 def test_mismatch_kl_is_accurate_for_a_nearly_synced_policy():

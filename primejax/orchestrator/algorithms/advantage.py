@@ -1,16 +1,22 @@
 """Shared credit math and reference-scoring helpers of the algorithms (plain functions, no state).
 
-Custom advantage (docs/algorithms.md): a function of one group that returns one advantage per rollout,
-named by `orchestrator.algo.advantage.import_path` ("module.function" or "module:function") with keyword
-arguments from `kwargs` (a mapping); an env may name its own (`orchestrator.envs.<name>.advantage`). It sees the
-group's clean rollouts (full trajectories, messages, example info) and the scores after any length penalty:
+Advantages are registered functions (docs/algorithms.md#registered-advantages), one signature: a function of
+one group that returns one advantage per rollout. It sees the group's clean rollouts (full trajectories,
+messages, example info) and the scores after any length penalty:
 
+    @register_advantage("my_advantage")
     def my_advantage(inputs: AdvantageInputs, *, eps: float = 1e-8) -> AdvantageOutputs | list[float]: ...
+
+`orchestrator.algo.advantage.name = "my_advantage"` (keyword arguments from `advantage.kwargs`) then credits
+the grpo family's groups (an env may name its own: `orchestrator.envs.<name>.algo.advantage`); grpo's own
+is `group_relative`, max_rl's `mean_normalized`. A function in any importable module can also be named
+without registering it: `advantage.import_path = "module.function"` (or "module:function").
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import statistics
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,12 +74,44 @@ def import_object(path: str) -> object:
     return obj
 
 
-def load_advantage_fn(import_path: str, kwargs: Mapping[str, Any] | None = None
-                      ) -> Callable[[AdvantageInputs], list[float]]:
-    """The custom advantage function, bound to its kwargs and checked to return one value per rollout."""
-    fn = import_object(import_path)
-    if not callable(fn):
-        raise TypeError(f"custom advantage {import_path!r} is not callable")
+_ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register `fn(inputs: AdvantageInputs, **kwargs)` as `algo.advantage.name = name`."""
+
+    def decorate(fn: AdvantageFn) -> AdvantageFn:
+        if not name:
+            raise ValueError("an advantage needs a name")
+        if _ADVANTAGES.get(name, fn) is not fn:
+            raise ValueError(f"an advantage is already registered as {name!r} ({_ADVANTAGES[name].__qualname__})")
+        if not callable(fn):
+            raise TypeError(f"register_advantage({name!r}) needs a function, got {type(fn).__name__}")
+        _ADVANTAGES[name] = fn
+        return fn
+
+    return decorate
+
+
+def registered_advantages() -> list[str]:
+    return sorted(_ADVANTAGES)
+
+
+@register_advantage("group_relative")
+def group_relative_advantage(inputs: AdvantageInputs) -> list[float]:
+    """grpo's credit (DR-GRPO): `group_relative` of the scores."""
+    return group_relative(inputs.scores)
+
+
+@register_advantage("mean_normalized")
+def mean_normalized_advantage(inputs: AdvantageInputs) -> list[float]:
+    """max_rl's credit (MaxRL): `mean_normalized` of the scores."""
+    return mean_normalized(inputs.scores)
+
+
+def bind_advantage(fn: AdvantageFn, kwargs: Mapping[str, Any] | None, label: str
+                   ) -> Callable[[AdvantageInputs], list[float]]:
+    """`fn` bound to its kwargs and checked to return one finite value per rollout."""
     kwargs = dict(kwargs or {})
 
     def advantage(inputs: AdvantageInputs) -> list[float]:
@@ -81,11 +119,29 @@ def load_advantage_fn(import_path: str, kwargs: Mapping[str, Any] | None = None
         values = out.advantages if isinstance(out, AdvantageOutputs) else out
         values = [float(v) for v in values]
         if len(values) != len(inputs.rollouts):
-            raise ValueError(f"custom advantage {import_path!r} returned {len(values)} values for "
-                             f"{len(inputs.rollouts)} rollouts")
+            raise ValueError(f"advantage {label} returned {len(values)} values for {len(inputs.rollouts)} rollouts")
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError(f"advantage {label} returned a non-finite value: {values}")
         return values
 
     return advantage
+
+
+def load_advantage_fn(import_path: str, kwargs: Mapping[str, Any] | None = None
+                      ) -> Callable[[AdvantageInputs], list[float]]:
+    """The function at `import_path`, bound (`bind_advantage`)."""
+    fn = import_object(import_path)
+    if not callable(fn):
+        raise TypeError(f"custom advantage {import_path!r} is not callable")
+    return bind_advantage(fn, kwargs, repr(import_path))
+
+
+def registered_advantage(name: str, kwargs: Mapping[str, Any] | None = None
+                         ) -> Callable[[AdvantageInputs], list[float]]:
+    """The advantage registered as `name`, bound (`bind_advantage`)."""
+    if name not in _ADVANTAGES:
+        raise KeyError(f"advantage {name!r} is not registered (registered: {registered_advantages()})")
+    return bind_advantage(_ADVANTAGES[name], kwargs, repr(name))
 
 
 # ------------------------------------------------------------------------------------ reference scoring

@@ -23,15 +23,13 @@ every other model is a frozen OpenAI-compatible endpoint the algorithm connects 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from primejax.contracts.batch import LOSS_COMPONENTS
+from primejax.contracts.corrections import CorrectionConfig
 from primejax.orchestrator.rollout import Rollout
-from primejax.trainer.config import CorrectionConfig
+from primejax.orchestrator.sampling import SamplingConfig
 from primejax.utils.sections import ConfigError, Section, option, section, sub
-
-if TYPE_CHECKING:
-    from primejax.orchestrator.config import SamplingConfig
 
 LOSS_TYPES = LOSS_COMPONENTS  # a sample trains one loss component (contracts/batch.py)
 

@@ -1,21 +1,26 @@
 """grpo: reward minus the group mean (DR-GRPO, no std normalization), the default algorithm.
 
 The grpo family (grpo, max_rl, echo) shares this class's scoring: an optional length penalty is subtracted
-from each reward, then credit is either the class's own group math (`advantages`) or a custom advantage
-function named by `algo.advantage.import_path`. Partial groups: only clean rollouts reach `score_group`, so
-errored ones are out of the baseline; with fewer than two clean rollouts the credit is zero.
+from each reward, then one advantage function of the group gives the credit: a registered one
+(advantage.py), the class's own `default_advantage` (grpo: `group_relative`; max_rl names another) unless
+`algo.advantage.name` names one, or any function at `algo.advantage.import_path`. Partial groups: only clean
+rollouts reach `score_group`, so errored ones are out of the baseline; with fewer than two clean rollouts the
+credit is zero.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from primejax.orchestrator.algorithms.advantage import (
     AdvantageInputs,
     group_relative,
     load_advantage_fn,
+    registered_advantage,
 )
 from primejax.orchestrator.algorithms.base import Algorithm, AlgorithmConfig, ImportConfig, register_algorithm
 from primejax.orchestrator.rollout import Rollout
-from primejax.utils.sections import Section, option, section, sub
+from primejax.utils.sections import ConfigError, Section, option, section, sub
 
 
 @section
@@ -28,11 +33,24 @@ class LengthPenaltyConfig(Section):
 
 
 @section
+class AdvantageConfig(ImportConfig):
+    """The advantage function of the group: a registered one by `name`, or any function by `import_path`."""
+
+    name: str = option("", "a registered advantage (group_relative, mean_normalized, or your own); '' = the "
+                           "algorithm's own (grpo: group_relative, max_rl: mean_normalized)")
+
+    def check(self) -> None:
+        super().check()
+        if self.name and self.import_path:
+            raise ConfigError("name", f"names {self.name!r} and import_path names {self.import_path!r}: set one")
+
+
+@section
 class GRPOConfig(AlgorithmConfig):
-    """Group-relative credit (grpo, max_rl, echo): an optional length penalty and custom advantage."""
+    """Group-relative credit (grpo, max_rl, echo): an optional length penalty and the advantage function."""
 
     length_penalty: LengthPenaltyConfig = sub(LengthPenaltyConfig, "length penalty")
-    advantage: ImportConfig = sub(ImportConfig, "a custom advantage function of the group (docs/algorithms.md)")
+    advantage: AdvantageConfig = sub(AdvantageConfig, "the advantage function of the group (docs/algorithms.md)")
 
 __all__ = ["GRPOAlgorithm", "group_relative"]
 
@@ -42,11 +60,19 @@ class GRPOAlgorithm(Algorithm):
     action_loss_type = "rl"
     config_class = GRPOConfig
     config: GRPOConfig
+    default_advantage: ClassVar[str] = "group_relative"  # the registered advantage used unless the block names one
 
     def setup(self) -> None:
         super().setup()
         adv = self.config.advantage
-        self.custom_advantage = load_advantage_fn(adv.import_path, adv.kwargs) if adv.import_path else None
+        self.advantage_name = adv.import_path or adv.name or self.default_advantage
+        if adv.import_path:
+            self.advantage = load_advantage_fn(adv.import_path, adv.kwargs)
+        else:
+            try:
+                self.advantage = registered_advantage(self.advantage_name, adv.kwargs)
+            except KeyError as e:
+                raise ConfigError("advantage.name", str(e.args[0])) from None
 
     def length_penalty(self, rollout: Rollout) -> float:
         """Subtracted from the reward before the baseline (`algo.length_penalty`, coef c, target t):
@@ -64,15 +90,7 @@ class GRPOAlgorithm(Algorithm):
     def group_scores(self, group: list[Rollout]) -> list[float]:
         return [r.reward - self.length_penalty(r) for r in group]
 
-    def advantages(self, scores: list[float]) -> list[float]:
-        """The class's group math; override for a new group-relative algorithm (see max_rl)."""
-        return group_relative(scores)
-
     def score_group(self, group: list[Rollout]) -> None:
-        scores = self.group_scores(group)
-        if self.custom_advantage is not None:
-            values = self.custom_advantage(AdvantageInputs(rollouts=group, scores=scores))
-        else:
-            values = self.advantages(scores)
+        values = self.advantage(AdvantageInputs(rollouts=group, scores=self.group_scores(group)))
         for rollout, advantage in zip(group, values, strict=True):
             rollout.assign_advantages(advantage)

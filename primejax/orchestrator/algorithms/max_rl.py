@@ -7,12 +7,10 @@ Length penalty and custom advantage come from the grpo family.
 
 from __future__ import annotations
 
-from primejax.orchestrator.algorithms.advantage import mean_normalized
 from primejax.orchestrator.algorithms.base import register_algorithm
 from primejax.orchestrator.algorithms.grpo import GRPOAlgorithm
 
 
 @register_algorithm("max_rl")
 class MaxRLAlgorithm(GRPOAlgorithm):
-    def advantages(self, scores: list[float]) -> list[float]:
-        return mean_normalized(scores)
+    default_advantage = "mean_normalized"  # advantage.py

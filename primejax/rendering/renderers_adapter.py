@@ -2,7 +2,7 @@
 token ids and completions back to structured assistant messages, for the ~25 model families it covers.
 
 `PackageRenderer` wraps `renderers.create_renderer(tokenizer, <Family>RendererConfig(...))` behind primejax's
-renderer protocol (orchestrator/renderer.py): `render_ids(messages, tools)`, `parse_message(ids, ...)` ->
+renderer protocol (rendering/renderer.py): `render_ids(messages, tools)`, `parse_message(ids, ...)` ->
 content / reasoning_content / tool_calls, and `bridge_to_next_turn`, which extends the previous prompt and
 completion ids verbatim so consecutive model calls merge into one training sample (the extension property).
 Thinking retention is `"all"` by default: with a family's template default (e.g. Qwen3 drops past `<think>`
@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from primejax.envs.base import Message
+from primejax.rendering.messages import Message
 
 #: Tool-call markers the hand-coded Qwen3-style families need in the vocabulary.
 QWEN_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")

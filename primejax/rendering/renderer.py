@@ -1,6 +1,6 @@
 """Messages <-> token ids with the policy's own tokenizer, so the ids we send are the ids we train on.
 
-Model families come from the `renderers` package (orchestrator/renderers_adapter.py): rendering with tool
+Model families come from the `renderers` package (rendering/renderers_adapter.py): rendering with tool
 schemas, parsing completions into content / reasoning_content / tool_calls, and bridging turns verbatim.
 primejax keeps two renderers of its own where they add something: `default` wraps the tokenizer's chat
 template (any model; its `bridge_to_next_turn` returns None, so the rollout loop re-renders and the sample
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from primejax.envs.base import Message
+from primejax.rendering.messages import Message
 
 Tools = list[dict[str, Any]] | None  # tool schemas, OpenAI `{"type": "function", ...}` or bare {name, ...}
 
@@ -63,11 +63,11 @@ class ChatTemplateRenderer:
 
 
 def _qwen3(tokenizer: Any) -> Renderer:
-    from primejax.orchestrator.renderers_adapter import QWEN_TOOL_TOKENS, PackageRenderer, has_tokens
+    from primejax.rendering.renderers_adapter import QWEN_TOOL_TOKENS, PackageRenderer, has_tokens
 
     if has_tokens(tokenizer, QWEN_TOOL_TOKENS):
         return PackageRenderer(tokenizer, "qwen3")
-    from primejax.orchestrator.qwen3_renderer import Qwen3Renderer
+    from primejax.rendering.qwen3_renderer import Qwen3Renderer
 
     return Qwen3Renderer(tokenizer)
 
@@ -85,7 +85,7 @@ def build_renderer(name: str, tokenizer: Any) -> Renderer:
         name = detect_renderer(tokenizer)
     if name in _RENDERERS:
         return _RENDERERS[name](tokenizer)
-    from primejax.orchestrator.renderers_adapter import PackageRenderer, families
+    from primejax.rendering.renderers_adapter import PackageRenderer, families
 
     known = families()
     if name not in known:
@@ -95,7 +95,7 @@ def build_renderer(name: str, tokenizer: Any) -> Renderer:
 
 
 def detect_renderer(tokenizer: Any) -> str:
-    from primejax.orchestrator.renderers_adapter import family_for_model
+    from primejax.rendering.renderers_adapter import family_for_model
 
     hub = family_for_model(str(getattr(tokenizer, "name_or_path", "")))
     if hub is not None:
