@@ -1,6 +1,6 @@
 """How busy each inference server was, as the orchestrator sees it: the share of wall time with at least one
 of its requests outstanding there, per server, since the previous reading (the fleet simulator's definition,
-tools/bench_fleet.py). A server idles at a step barrier while the slowest rollouts finish elsewhere; this is
+tools/bench_fleet.py at commit adbf550). A server idles at a step barrier while the slowest rollouts finish elsewhere; this is
 the figure that shows it (`server/<i>/busy` per step, docs/rollouts.md)."""
 
 from __future__ import annotations
