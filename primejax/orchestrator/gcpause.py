@@ -3,9 +3,8 @@
 With thousands of rollouts in flight the process holds hundreds of thousands of tracked objects (start-up
 imports, every in-flight rollout's token lists, closures and tasks). A full (generation 2) collection walks all
 of them while the loop waits: in the fleet simulator's `--lag` run (tools/bench_fleet.py at commit adbf550;
-10,000 rollouts in flight) single collections
-took 0.6-2.5 s and almost never found garbage, because the rollouts' data is freed by reference counting when a
-group is dropped. This is the event-loop lag's largest source (docs/benchmarks_log.md, "Event-loop lag").
+10,000 rollouts in flight) single collections took 0.6-2.5 s and almost never found garbage, because the
+rollouts' data is freed by reference counting when a group is dropped. This is the event-loop lag's largest source (docs/benchmarks_log.md, "Event-loop lag").
 
 The policy (`orchestrator.gc`):
 - automatic full collections are off (the young generations are collected as usual);
