@@ -29,15 +29,20 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from primejax.inference import identity
-from primejax.inference.adapter_transfer import (
+from primejax.inference.admin_auth import HEADER, authorized, confine
+from primejax.transports.weights.adapters.dirs import (
+    AdapterSet,
+    adapter_name,
+    check_adapter_dir,
+    is_adapter_dir,
+)
+from primejax.transports.weights.adapters.receiver import (
     PrivateAdapterDirs,
     check_adapter_round,
     is_adapter_round,
     receive_adapter,
 )
-from primejax.inference.adapters import AdapterSet, adapter_name, check_adapter_dir, is_adapter_dir
-from primejax.inference.admin_auth import HEADER, authorized, confine
-from primejax.inference.weights import WeightDirError, check_stable, version_from_dir
+from primejax.transports.weights.validate import WeightDirError, check_stable, version_from_dir
 
 logger = logging.getLogger("primejax.inference")
 
@@ -422,7 +427,7 @@ async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dic
 
     async with state.lock:
         if state.adapter_receiver is None:
-            from primejax.transfer.wire import Receiver
+            from primejax.transports.weights.collective.wire import Receiver
 
             state.adapter_receiver = Receiver()
         t0 = time.perf_counter()

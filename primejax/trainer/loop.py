@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 from primejax.contracts.batch import BatchFormatError, PackedBatch, prune_rollouts, read_batch, wait_for_batch
-from primejax.contracts.broadcast import broadcast_dir, is_stable
 from primejax.contracts.rundir import RunConfig, RunDir
 from primejax.models.settings import ModelSettings
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
@@ -26,8 +25,9 @@ from primejax.trainer.config import DistributedConfig, TrainerConfig
 from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.engine import Engine, build_model, model_config
 from primejax.trainer.moe_metrics import expert_devices, flatten_moe_metrics
-from primejax.trainer.publish import make_publisher, publishes_adapters
 from primejax.trainer.step import TrainState
+from primejax.transports.weights.filesystem.broadcast import broadcast_dir, is_stable
+from primejax.transports.weights.publish import make_publisher, publishes_adapters
 from primejax.utils.faults import fault_point
 from primejax.utils.monitor import Monitor
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gpu_env import GPUS, RUN_GPU  # tests/gpu/gpu_env.py
 
-from primejax.contracts.transfer import latest_offer
+from primejax.transports.weights.collective.offer import latest_offer
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import HEADER, process_token, read_token
 from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
@@ -77,7 +77,7 @@ def test_nccl_update_serves_bit_for_bit_what_the_filesystem_update_serves(gpu_se
     logprobs are equal, and both differ from the base weights."""
     import torch
 
-    from primejax.transfer.sender import CollectiveSender, to_torch
+    from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
 
     url = gpu_server.base_url
     prompts = _prompts(gpu_server.model_dir)

@@ -109,7 +109,7 @@ def test_atomic_dir_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
 
 
 def test_broadcast_on_full_disk_leaves_the_previous_one_stable(small_disk):
-    from primejax.contracts.broadcast import is_stable, stable_steps, write_broadcast
+    from primejax.transports.weights.filesystem.broadcast import is_stable, stable_steps, write_broadcast
 
     disk, mode = small_disk
     if mode != "tmpfs":

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from primejax.contracts.transfer import latest_offer
-from primejax.inference.adapter_transfer import ADAPTER_KEY, PrivateAdapterDirs
-from primejax.inference.adapters import check_adapter_dir
-from primejax.transfer.lanes import Piece, rows
-from primejax.transfer.sender import CollectiveSender, tensor_metas
+from primejax.transports.weights.adapters.dirs import check_adapter_dir
+from primejax.transports.weights.adapters.receiver import ADAPTER_KEY, PrivateAdapterDirs
+from primejax.transports.weights.collective.lanes import Piece, rows
+from primejax.transports.weights.collective.offer import latest_offer
+from primejax.transports.weights.collective.sender import CollectiveSender, tensor_metas
 from tests.inference.test_adapters import FakeLoraEngine, _app
 
 SECRET = "adapter-transfer-test-secret"

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import hf_tensor_plan
-from primejax.transfer.wire import TensorMeta
+from primejax.transports.weights.collective.meta import TensorMeta
 
 _CONVERTERS: dict[tuple, tuple[ModelConfig, Any, tuple]] = {}
 MAX_CHUNK_BYTES = 1 << 30  # converted bytes per call: a few calls per parameter for an 8B model

@@ -5,7 +5,7 @@ and writes `transfers/step_N.json` (atomically) saying where to join it and what
 weight-transfer engine's init info (rendezvous address, world size, timeout, bucket size) and update info
 (HF tensor names, dtypes, shapes, the round id). The orchestrator hands both to every inference server
 (`/transfer_weights`); the trainer deletes the offer when the round ends, whether it succeeded or not. A
-failed round is followed by the filesystem broadcast `broadcasts/step_N/` (primejax.contracts.broadcast).
+failed round is followed by the filesystem broadcast `broadcasts/step_N/` (primejax.transports.weights.filesystem.broadcast).
 """
 
 from __future__ import annotations
