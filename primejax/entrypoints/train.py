@@ -38,7 +38,7 @@ def main() -> int:
             print(f"# resolved config written to {path}", file=sys.stderr)
         except PreflightError as e:
             print(f"# resolved config not recorded: {e}", file=sys.stderr)
-        from primejax.envs.check import check_envs  # deferred: loading envs may import verifiers
+        from primejax.launcher.envcheck import check_envs  # deferred: loading envs may import verifiers
         from primejax.launcher.preflight import dry_run_model_problem
 
         def report(ok: bool, line: str) -> None:  # each env's line as soon as it is known

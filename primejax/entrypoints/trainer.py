@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from primejax.config.cli import parse_config, run_main
 from primejax.contracts.rundir import write_resolved_config
@@ -21,6 +22,10 @@ from primejax.utils.devices import (
     local_gpu_count,
     pinned_host_env,
 )
+
+if TYPE_CHECKING:
+    from primejax.config import Config
+    from primejax.trainer.step import TrainState
 
 
 def offloaded_state_bytes(cfg, devices: int = 0) -> int:
@@ -51,6 +56,29 @@ def _pinned_host_env(cfg) -> dict:
     return pinned_host_env(state, local * processes, os.environ)
 
 
+def train(cfg: Config) -> TrainState:
+    """The trainer process's work: a `Trainer` from the sections it reads; returns the final state."""
+    # deferred: JAX must not initialize before main() has set the accelerator environment
+    from primejax.trainer.corrections import CorrectionTable
+    from primejax.trainer.loop import Trainer
+    from primejax.utils.monitor import Monitor
+
+    root = cfg.run_dir
+    root.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        cfg.trainer,
+        cfg.model,
+        cfg.run,
+        async_level=cfg.orchestrator.async_level,
+        num_receivers=max(1, len(cfg.orchestrator.client.base_urls)) * cfg.trainer.broadcast.workers_per_server,
+        corrections=CorrectionTable.from_orchestrator(cfg.orchestrator),
+    )
+    if trainer.rank != 0:  # one writer of the run's metrics
+        return trainer.run(None)
+    with Monitor.from_config(root, "trainer", cfg.monitor, cfg.to_dict()) as monitor:
+        return trainer.run(monitor)
+
+
 def main() -> int:
     cfg, _ = parse_config(sys.argv[1:], prog="primejax.trainer", doc=__doc__.split("\n\n")[1])
     if cfg.model.path:  # '' = fake-data mode on a random model (trainer.fake_data)
@@ -62,7 +90,7 @@ def main() -> int:
         os.environ.update(_pinned_host_env(cfg))
     from primejax.contracts.batch import BatchFormatError
     from primejax.trainer.checkpoint import CheckpointError
-    from primejax.trainer.loop import NonFiniteError, maybe_init_distributed, train
+    from primejax.trainer.loop import NonFiniteError, maybe_init_distributed
     from primejax.utils.disk import io_error_line
 
     maybe_init_distributed(cfg.trainer.distributed)

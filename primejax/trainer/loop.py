@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -30,9 +30,6 @@ from primejax.transports.weights.filesystem.broadcast import broadcast_dir, is_s
 from primejax.transports.weights.publish import make_publisher, publishes_adapters
 from primejax.utils.faults import fault_point
 from primejax.utils.monitor import Monitor
-
-if TYPE_CHECKING:
-    from primejax.config import Config
 
 log = logging.getLogger("primejax.trainer")
 
@@ -266,24 +263,6 @@ class Trainer:
         return self.state
 
 
-def train(cfg: Config) -> TrainState:
-    """The trainer process's work (entry: `python -m primejax.trainer`); returns the final state."""
-    root = cfg.run_dir
-    root.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(
-        cfg.trainer,
-        cfg.model,
-        cfg.run,
-        async_level=cfg.orchestrator.async_level,
-        num_receivers=max(1, len(cfg.orchestrator.client.base_urls)) * cfg.trainer.broadcast.workers_per_server,
-        corrections=CorrectionTable.from_orchestrator(cfg.orchestrator),
-    )
-    if trainer.rank != 0:  # one writer of the run's metrics
-        return trainer.run(None)
-    with Monitor.from_config(root, "trainer", cfg.monitor, cfg.to_dict()) as monitor:
-        return trainer.run(monitor)
-
-
 def distributed_settings(
     d: DistributedConfig, environ: Mapping[str, str] | None = None
 ) -> tuple[str, int, int]:
@@ -310,7 +289,6 @@ def maybe_init_distributed(d: DistributedConfig) -> None:
 
 __all__: list[Any] = [
     "Trainer",
-    "train",
     "fake_batch",
     "build_model",
     "model_config",

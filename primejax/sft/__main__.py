@@ -1,0 +1,7 @@
+"""`python -m primejax.sft`: runs primejax/entrypoints/sft.py by name (docs/architecture.md: nothing below the
+entry points' floor imports it)."""
+
+import runpy
+
+if __name__ == "__main__":
+    runpy.run_module("primejax.entrypoints.sft", run_name="__main__", alter_sys=True)
