@@ -45,11 +45,11 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from primejax.config import default_config, typed  # noqa: E402
 from primejax.contracts.batch import step_dir  # noqa: E402
-from primejax.transports.weights.filesystem.broadcast import write_broadcast  # noqa: E402
 from primejax.envs.base import Environment, Example  # noqa: E402
 from primejax.envs.registry import register_env  # noqa: E402
 from primejax.orchestrator.loop import Orchestrator  # noqa: E402
 from primejax.orchestrator.policy import PolicyTracker  # noqa: E402
+from primejax.transports.weights.filesystem.broadcast import write_broadcast  # noqa: E402
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):

@@ -199,9 +199,9 @@ def receiver(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from primejax.transports.weights.collective.offer import latest_offer
     from primejax.inference.admin_auth import process_token
     from primejax.transports.weights.collective import wire
+    from primejax.transports.weights.collective.offer import latest_offer
 
     run = Path(args.run_dir)
     gpu = not (args.smoke or args.cpu)
@@ -245,13 +245,13 @@ def adapter_sender(args: argparse.Namespace) -> None:
     import jax
     from flax import nnx
 
-    from primejax.transports.weights.filesystem.broadcast import verify_broadcast, write_broadcast
-    from primejax.transports.weights.adapters.receiver import ADAPTER_KEY
-    from primejax.transports.weights.adapters.dirs import check_adapter_dir
     from primejax.inference.admin_auth import process_token
     from primejax.models import lora, lora_io
     from primejax.models.transformer import Transformer
+    from primejax.transports.weights.adapters.dirs import check_adapter_dir
+    from primejax.transports.weights.adapters.receiver import ADAPTER_KEY
     from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
+    from primejax.transports.weights.filesystem.broadcast import verify_broadcast, write_broadcast
 
     run = Path(args.run_dir)
     cfg = _adapter_cfg(args)
@@ -298,10 +298,10 @@ def adapter_sender(args: argparse.Namespace) -> None:
 def adapter_receiver(args: argparse.Namespace) -> None:
     import shutil
 
-    from primejax.transports.weights.collective.offer import latest_offer
-    from primejax.transports.weights.adapters.receiver import receive_adapter
     from primejax.inference.admin_auth import process_token
+    from primejax.transports.weights.adapters.receiver import receive_adapter
     from primejax.transports.weights.collective import wire
+    from primejax.transports.weights.collective.offer import latest_offer
 
     run = Path(args.run_dir)
     rx = wire.Receiver()

@@ -88,7 +88,7 @@ def sender(a: argparse.Namespace) -> None:
     if a.export:
         import functools
 
-        from primejax.transports.weights.collective import fs_export
+        from primejax.transports.weights.filesystem import export as fs_export
 
         parallel_export = fs_export.export_parallel
         for mode in a.export_modes.split(","):
@@ -123,9 +123,9 @@ def sender(a: argparse.Namespace) -> None:
 def receiver(a: argparse.Namespace) -> None:
     import torch
 
-    from primejax.transports.weights.collective.offer import latest_offer
     from primejax.inference.admin_auth import process_token
     from primejax.transports.weights.collective import wire
+    from primejax.transports.weights.collective.offer import latest_offer
 
     gpu = not (a.smoke or a.cpu)
     device = torch.device("cuda", a.gpu) if gpu else torch.device("cpu")

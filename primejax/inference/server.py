@@ -98,7 +98,7 @@ class ServerSpec:
     admin_token: str = ""
     weights_root: str = ""
     require_stable: bool = False
-    # LoRA (inference/adapters.py): the adapters' rank (0 = no LoRA) and how many adapters the engine holds at
+    # LoRA (transports/weights/adapters/dirs.py): the adapters' rank (0 = no LoRA) and how many adapters the engine holds at
     # once (the served one, the one before it, one still finishing its requests).
     lora_rank: int = 0
     max_loras: int = 3

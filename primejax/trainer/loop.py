@@ -166,7 +166,7 @@ class Trainer:
         return metrics
 
     def export(self, step: int, disk_only: bool = False) -> dict[str, float]:
-        """Hand θ_step to inference through the run's publisher (trainer/publish.py: broadcasts/step_<step>/ on
+        """Hand θ_step to inference through the run's publisher (transports/weights/publish.py: broadcasts/step_<step>/ on
         disk, or a collective send with the disk copy where one is needed) and prune what inference can no
         longer ask for. `disk_only`: write the disk copy whatever the mode (the re-export on resume)."""
         if not self.export_enabled:

@@ -34,7 +34,7 @@ _CONVERTERS: dict[tuple, Any] = {}
 
 
 def _converter(to_hf: Any, cfg: ModelConfig, dtype: str, stacked: bool, out_sharding: Any, w: Any) -> Any:
-    """The jitted cast + HF-layout conversion, built once per parameter kind (keyed as transfer/device.py's)."""
+    """The jitted cast + HF-layout conversion, built once per parameter kind (keyed as transports/weights/collective/device.py's)."""
     key = (to_hf, id(cfg), dtype, stacked, out_sharding, tuple(w.shape), str(w.dtype), w.sharding)
     if key not in _CONVERTERS:
 

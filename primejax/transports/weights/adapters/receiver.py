@@ -13,7 +13,7 @@ kept there until the adapter is unloaded. vLLM 0.31 has no in-memory route: `LoR
 tensorizer config, also a file), and `WorkerLoRAManager._load_adapter` always reads
 `get_adapter_absolute_path(lora_path)` through `PEFTHelper.from_local_dir` and `LoRAModel.from_local_checkpoint`.
 
-The checks are the filesystem route's (inference/adapters.py: PEFT LoRA, rank within the server's, lora_A /
+The checks are the filesystem route's (transports/weights/adapters/dirs.py: PEFT LoRA, rank within the server's, lora_A /
 lora_B tensors only) plus the wire's (fp32 2-d tensors of the config's rank, gloo); a bad round is refused
 before anything is received or loaded.
 """

@@ -10,7 +10,7 @@ per projection in bf16, which next to the trainer's state did not fit one GPU (d
 
 Single-process trainers only (one or several local devices: a sharded parameter is replicated over its mesh
 by the jitted call and the sending device's copy is sent): a jax.Array sharded over several processes cannot
-be gathered onto one device without a cross-process collective (transfer/shards.py sends row blocks instead).
+be gathered onto one device without a cross-process collective (transports/weights/shards.py sends row blocks instead).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class CollectivePublisher:
         return self.group_id, f"{step}-{raw[12:]}"
 
     def _send_sharded(self, step: int, model: nnx.Module) -> bool:
-        """Every process sends its own row blocks (transfer/shards.py); True only when every sender succeeded."""
+        """Every process sends its own row blocks (transports/weights/shards.py); True only when every sender succeeded."""
         from primejax.transports.weights.collective.sender import to_torch
         from primejax.transports.weights.shards import RowShards
 

@@ -108,7 +108,7 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
 
         @staticmethod
         def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-            # Abstract in vLLM < 0.28 (vllm_compat.py): primejax's trainer sends through primejax.transfer.
+            # Abstract in vLLM < 0.28 (vllm_compat.py): primejax's trainer sends through primejax.transports.weights.
             raise NotImplementedError("primejax's trainer sends weights with primejax.transports.weights.collective.sender")
 
     return PrimejaxWeightTransferEngine

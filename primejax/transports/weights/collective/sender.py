@@ -1,7 +1,7 @@
 """The trainer's side of a collective weight update (`trainer.broadcast.mode = "collective"`).
 
 One `CollectiveSender` per trainer process 0 hosts the rendezvous store for the whole run (bound to `host` only;
-every participant, this process included, answers a challenge on the run's secret: transfer/rendezvous.py). `send(step, ...)`
+every participant, this process included, answers a challenge on the run's secret: transports/weights/collective/rendezvous.py). `send(step, ...)`
 runs one round: write the offer (primejax.transports.weights.collective.offer) -> (first round, or after a failure: wait for
 every inference server to join the group) -> broadcast the HF tensors in packed buckets -> wait for every
 server's acknowledgement (each server first checks what it received against the digest the sender publishes
@@ -105,7 +105,7 @@ class CollectiveSender:
         self, step: int, named: Sequence[tuple[str, Any]], *, extra: dict[str, Any] | None = None
     ) -> bool:
         """One round for `step` with `named` = [(HF name, torch tensor)]; True when every server acknowledged.
-        `extra`: more update-info fields (a LoRA adapter round's `adapter` config, inference/adapter_transfer.py)."""
+        `extra`: more update-info fields (a LoRA adapter round's `adapter` config, transports/weights/adapters/receiver.py)."""
         return self.send_lazy(step, tensor_metas(named), (t for _, t in named), extra=extra)
 
     def send_lazy(
