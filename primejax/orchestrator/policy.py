@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from primejax.contracts.rundir import RunDir
-from primejax.transports.weights.collective.offer import Offer, latest_offer
+from primejax.transports.weights.collective.offer import Offer, latest_offer, rendezvous_listening
 from primejax.transports.weights.filesystem.broadcast import (
     broadcast_dir,
     is_stable,
@@ -37,17 +37,6 @@ from primejax.transports.weights.filesystem.broadcast import (
 )
 
 log = logging.getLogger(__name__)
-
-
-async def rendezvous_listening(offer: Offer, timeout_s: float = 2.0) -> bool:
-    """Whether something accepts connections at the offer's rendezvous address (its trainer is alive)."""
-    try:
-        host, port = str(offer.init_info["master_address"]), int(offer.init_info["master_port"])
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except (TimeoutError, OSError, KeyError, TypeError, ValueError):
-        return False
-    writer.close()
-    return True
 
 
 @dataclass

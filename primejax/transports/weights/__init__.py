@@ -1,1 +1,2 @@
-"""Collective weight transfer trainer -> vLLM (docs/weight_transfer.md): the wire protocol and the sender."""
+"""Weight transports, trainer -> inference (docs/weight_transfer.md): one interface per direction (base.py),
+one folder per transport (filesystem/, collective/, adapters/) with its publisher and receiver."""
