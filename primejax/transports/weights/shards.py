@@ -27,8 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_dtype, hf_tensor_plan, param_variables
-from primejax.transports.weights.collective.lanes import Piece
-from primejax.transports.weights.collective.meta import TensorMeta
+from primejax.transports.weights.tensors import Piece, TensorMeta, dlpack_to_torch
 
 _CONVERTERS: dict[tuple, Any] = {}
 
@@ -143,7 +142,5 @@ def _view(x: jax.Array) -> Any:
     ready first: torch's stream reads it). Indexing either yields views, each a contiguous row block."""
     if next(iter(x.devices())).platform == "cpu":
         return np.asarray(x)
-    from primejax.transports.weights.collective.device import _to_torch
-
     x.block_until_ready()
-    return _to_torch(x)
+    return dlpack_to_torch(x)

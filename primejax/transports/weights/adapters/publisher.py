@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 from flax import nnx
@@ -16,7 +17,8 @@ from jax.experimental import multihost_utils
 from primejax.contracts.rundir import RunDir
 from primejax.models.config import ModelConfig
 from primejax.models.lora import split_adapters
-from primejax.models.lora_io import write_peft
+from primejax.models.lora_io import adapter_tensors, peft_config, write_peft
+from primejax.transports.weights.collective.meta import ADAPTER_KEY
 from primejax.transports.weights.config import BroadcastConfig
 from primejax.transports.weights.filesystem.broadcast import prune_broadcasts, write_broadcast
 
@@ -44,6 +46,12 @@ class AdapterPublisher:
         if self.processes > 1:  # arrays other processes hold parts of
             adapters = multihost_utils.process_allgather(adapters, tiled=True)
         return adapters
+
+    def adapter_round(self, model: nnx.Module) -> tuple[list[tuple[str, Any]], dict]:
+        """A collective round of the adapter alone (collective/publisher.py): PEFT's fp32 lora_A / lora_B tensors by
+        name, and the update info's extra key, the adapter's config, which marks the round as an adapter round."""
+        tensors = list(adapter_tensors(self.gather(model), self.model_cfg).items())
+        return tensors, {ADAPTER_KEY: peft_config(self.model_cfg, self.base_model)}
 
     def publish(self, step: int, model: nnx.Module, *, disk_only: bool = False) -> dict[str, float]:
         """`model`: the model with its adapters apart (`Engine.lora_model()`); only the adapters are read."""

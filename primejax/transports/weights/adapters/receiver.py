@@ -37,16 +37,16 @@ from primejax.transports.weights.adapters.dirs import (
     check_lora_enabled,
 )
 from primejax.transports.weights.collective import lanes, meta, wire
+from primejax.transports.weights.collective.meta import ADAPTER_KEY
+from primejax.transports.weights.tensors import TensorMeta
 from primejax.transports.weights.validate import WeightDirError
-
-ADAPTER_KEY = "adapter"  # update_info key: the adapter's adapter_config.json; marks an adapter round
 
 
 def is_adapter_round(update_info: object) -> bool:
     return isinstance(update_info, dict) and ADAPTER_KEY in update_info
 
 
-def check_adapter_round(init_info: dict, update_info: dict, max_rank: int) -> list[meta.TensorMeta]:
+def check_adapter_round(init_info: dict, update_info: dict, max_rank: int) -> list[TensorMeta]:
     """The round's tensor metadata, checked before anything is received (raises WeightDirError)."""
     check_lora_enabled("the collective update", max_rank)
     config = update_info.get(ADAPTER_KEY)

@@ -17,26 +17,9 @@ derives the same schedule from the update info alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from primejax.transports.weights.collective.meta import TensorMeta
-
-
-@dataclass(frozen=True)
-class Piece:
-    tensor: int  # index into the round's tensor list
-    sender: int  # the process that sends it (its lane)
-    start: int  # rows [start, stop) of dim 0 (a 0-d tensor has one row)
-    stop: int
-
-
-def rows(meta: TensorMeta) -> int:
-    return meta.shape[0] if meta.shape else 1
-
-
-def piece_bytes(meta: TensorMeta, piece: Piece) -> int:
-    return meta.nbytes // max(rows(meta), 1) * (piece.stop - piece.start)
+from primejax.transports.weights.tensors import Piece, TensorMeta, piece_bytes, rows
 
 
 def pieces_of(update_info: dict[str, Any], metas: Sequence[TensorMeta]) -> tuple[int, list[Piece]]:

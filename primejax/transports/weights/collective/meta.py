@@ -1,31 +1,19 @@
-"""A round's tensor list and its cut into buckets: what sender and receiver both compute from metadata alone.
+"""A round's update info and its cut into buckets: what sender and receiver both compute from metadata alone.
 
 The names, dtypes and shapes travel over HTTP in the update info (field names as vLLM's NCCL engine's, plus the
-round id); the buckets are cut with vLLM's packed-broadcast rule (wire.py). Shared by the wire and the lanes.
+round id; an adapter round adds `ADAPTER_KEY`); the buckets are cut with vLLM's packed-broadcast rule (wire.py).
+Shared by the wire, the lanes and the server's checks.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-# torch dtype names allowed on the wire (what an HF export can hold).
-WIRE_DTYPES = ("bfloat16", "float16", "float32")
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+from primejax.transports.weights.tensors import WIRE_DTYPES, TensorMeta
 
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    dtype: str  # a WIRE_DTYPES name
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
-
+# update_info key of an adapter round (adapters/): the adapter's adapter_config.json.
+ADAPTER_KEY = "adapter"
 
 def update_info(round_id: str, metas: Sequence[TensorMeta]) -> dict[str, Any]:
     """The JSON update info of one round (field names as vLLM's NCCL engine's, plus the round id)."""

@@ -20,11 +20,8 @@ from jax.experimental import multihost_utils
 
 from primejax.contracts.secret import read_token
 from primejax.models.hf_io import state_to_hf_tensors
-from primejax.models.lora_io import adapter_tensors, peft_config
-from primejax.transports.weights.adapters.publisher import AdapterPublisher
-from primejax.transports.weights.adapters.receiver import ADAPTER_KEY
 from primejax.transports.weights.filesystem.broadcast import prune_broadcasts
-from primejax.transports.weights.filesystem.publisher import FilesystemPublisher
+from primejax.transports.weights.tensors import Piece, rows
 
 
 class CollectivePublisher:
@@ -32,18 +29,19 @@ class CollectivePublisher:
 
     def __init__(
         self,
-        disk: FilesystemPublisher | AdapterPublisher,
+        disk: Any,
         *,
         num_receivers: int,
         checkpoint_interval: int,
         last_sampled_step: int,
     ):
-        """`last_sampled_step`: the newest policy the orchestrator will still sample from
+        """`disk`: the run's disk publisher, filesystem/ or adapters/ (whose `adapter_round` makes a round carry the
+        adapter alone). `last_sampled_step`: the newest policy the orchestrator will still sample from
         (max_steps - 1 - async_level); it stops listening after that, so a later send would wait out the
         whole transfer timeout for nobody."""
         self.disk, self.num_receivers = disk, num_receivers
         # LoRA: rounds carry the adapter alone, to each server's API process (num_receivers = servers).
-        self.adapters = isinstance(disk, AdapterPublisher)
+        self.adapters = hasattr(disk, "adapter_round")
         self.checkpoint_interval, self.last_sampled_step = checkpoint_interval, last_sampled_step
         self._sender: Any = None
         # Several senders: whether the next round opens new groups (the first round, after any failure).
@@ -119,12 +117,11 @@ class CollectivePublisher:
     def _send_adapter(self, step: int, model: nnx.Module) -> bool:
         """One adapter round (PEFT's fp32 tensors + config); several processes send every P-th tensor each
         (whole tensors, over their lanes) and agree on the outcome. True only when every sender succeeded."""
-        from primejax.transports.weights.collective.lanes import Piece, rows
         from primejax.transports.weights.collective.sender import tensor_metas, to_torch
 
         disk, sender = self.disk, self.sender()
-        named = [(n, to_torch(a)) for n, a in adapter_tensors(disk.gather(model), disk.model_cfg).items()]
-        extra = {ADAPTER_KEY: peft_config(disk.model_cfg, disk.base_model)}  # type: ignore[union-attr]
+        tensors, extra = disk.adapter_round(model)
+        named = [(n, to_torch(a)) for n, a in tensors]
         if disk.processes == 1:
             return sender.send(step, named, extra=extra)
         metas, p = tensor_metas(named), disk.processes

@@ -29,6 +29,7 @@ import numpy as np
 
 from primejax.transports.weights.collective import meta, wire
 from primejax.transports.weights.collective.offer import Offer, remove_offer, write_offer
+from primejax.transports.weights.tensors import WIRE_DTYPES, TensorMeta
 
 log = logging.getLogger("primejax.transfer")
 
@@ -45,13 +46,13 @@ def to_torch(array: np.ndarray) -> Any:
         return torch.from_numpy(array)
 
 
-def tensor_metas(named: Sequence[tuple[str, Any]]) -> list[meta.TensorMeta]:
+def tensor_metas(named: Sequence[tuple[str, Any]]) -> list[TensorMeta]:
     out = []
     for name, t in named:
         dtype = str(getattr(t, "dtype", "")).removeprefix("torch.")
-        if dtype not in meta.WIRE_DTYPES:
-            raise ValueError(f"{name}: dtype {dtype!r} cannot be sent (one of {meta.WIRE_DTYPES})")
-        out.append(meta.TensorMeta(name, dtype, tuple(int(d) for d in t.shape)))
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"{name}: dtype {dtype!r} cannot be sent (one of {WIRE_DTYPES})")
+        out.append(TensorMeta(name, dtype, tuple(int(d) for d in t.shape)))
     return out
 
 
@@ -111,7 +112,7 @@ class CollectiveSender:
     def send_lazy(
         self,
         step: int,
-        metas: Sequence[meta.TensorMeta],
+        metas: Sequence[TensorMeta],
         tensors: Iterable[Any],
         *,
         pieces: Sequence[Any] | None = None,

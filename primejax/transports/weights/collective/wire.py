@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from primejax.transports.weights.collective import lanes
-from primejax.transports.weights.collective.lanes import rows
-from primejax.transports.weights.collective.meta import TensorMeta, buckets, metas_from_update_info
+from primejax.transports.weights.collective.meta import buckets, metas_from_update_info
+from primejax.transports.weights.tensors import TensorMeta, piece_bytes, rows
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -236,7 +236,7 @@ def receive_lanes(
     received = 0
     for k, j in lanes.schedule(per_lane):
         idx = per_lane[k][j]
-        sizes = [lanes.piece_bytes(metas[pieces[i].tensor], pieces[i]) for i in idx]
+        sizes = [piece_bytes(metas[pieces[i].tensor], pieces[i]) for i in idx]
         buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         groups[k].broadcast(buf, src=0)
         _hash_bucket(digests[k], buf)

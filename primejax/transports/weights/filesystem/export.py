@@ -32,8 +32,8 @@ import numpy as np
 
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import plan_files, write_export_metadata
-from primejax.transports.weights.collective.lanes import piece_bytes, rows
 from primejax.transports.weights.shards import RowShards
+from primejax.transports.weights.tensors import piece_bytes, rows
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DEFAULT_THREADS = 8
