@@ -9,6 +9,7 @@ reason; a new one fails here.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "primejax"
@@ -48,6 +49,7 @@ def _imports(path: Path, module: str) -> set[str]:
     return {m for m in out if m == "primejax" or m.startswith("primejax.")}
 
 
+@functools.cache  # one read of the tree for every test here
 def _room_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in PKG.rglob("*.py"):
