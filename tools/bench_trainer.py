@@ -201,7 +201,7 @@ def _export_times(engine, cfg, full: bool) -> dict:
     import tempfile
 
     from primejax.trainer.config import BroadcastConfig
-    from primejax.trainer.publish import AdapterPublisher, FilesystemPublisher
+    from primejax.transports.weights.publish import AdapterPublisher, FilesystemPublisher
 
     out, b = {}, BroadcastConfig()
     with tempfile.TemporaryDirectory() as root:

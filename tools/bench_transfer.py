@@ -22,10 +22,10 @@ Multi-process trainers (several senders -> tensor-parallel receivers; the filesy
 parallel): `--senders ...` / `--export ...`, run by tools/bench_transfer_multi.py (its docstring has the commands).
 
 Two processes per model size. The sender is a primejax trainer stand-in: a Qwen3-shaped model (random bf16
-weights) in JAX on GPU 0, sent each round with `primejax.transfer.sender.CollectiveSender` from
-`primejax.transfer.device.hf_device_tensors` (jitted HF-layout conversion, DLPack into torch, packed buckets).
+weights) in JAX on GPU 0, sent each round with `primejax.transports.weights.collective.sender.CollectiveSender` from
+`primejax.transports.weights.collective.device.hf_device_tensors` (jitted HF-layout conversion, DLPack into torch, packed buckets).
 The receiver is an inference-worker stand-in on GPU 1: it reads the offer file and runs
-`primejax.transfer.wire.Receiver` -- the code primejax's vLLM engine runs in the worker -- loading into a
+`primejax.transports.weights.collective.wire.Receiver` -- the code primejax's vLLM engine runs in the worker -- loading into a
 Qwen3-shaped torch parameter set in vLLM's layout (fused qkv_proj and gate_up_proj, filled by slice copies
 as vLLM's Qwen3 `load_weights` does). What differs from a live vLLM GPU server: torch.distributed's
 ProcessGroupNCCL instead of vLLM's PyNcclCommunicator (both are NCCL broadcasts; vLLM's GPU build cannot be
@@ -103,8 +103,8 @@ def sender(args: argparse.Namespace) -> None:
     from primejax.models.config import ModelConfig
     from primejax.models.hf_io import export_safetensors
     from primejax.models.sharding import init_model, make_mesh
-    from primejax.transfer.device import hf_device_tensors
-    from primejax.transfer.sender import CollectiveSender
+    from primejax.transports.weights.collective.device import hf_device_tensors
+    from primejax.transports.weights.collective.sender import CollectiveSender
 
     run = Path(args.run_dir)
     s = shape(args.size, args.smoke)
@@ -199,9 +199,9 @@ def receiver(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from primejax.contracts.transfer import latest_offer
     from primejax.inference.admin_auth import process_token
-    from primejax.transfer import wire
+    from primejax.transports.weights.collective import wire
+    from primejax.transports.weights.collective.offer import latest_offer
 
     run = Path(args.run_dir)
     gpu = not (args.smoke or args.cpu)
@@ -245,13 +245,13 @@ def adapter_sender(args: argparse.Namespace) -> None:
     import jax
     from flax import nnx
 
-    from primejax.contracts.broadcast import verify_broadcast, write_broadcast
-    from primejax.inference.adapter_transfer import ADAPTER_KEY
-    from primejax.inference.adapters import check_adapter_dir
     from primejax.inference.admin_auth import process_token
     from primejax.models import lora, lora_io
     from primejax.models.transformer import Transformer
-    from primejax.transfer.sender import CollectiveSender, to_torch
+    from primejax.transports.weights.adapters.dirs import check_adapter_dir
+    from primejax.transports.weights.adapters.receiver import ADAPTER_KEY
+    from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
+    from primejax.transports.weights.filesystem.broadcast import verify_broadcast, write_broadcast
 
     run = Path(args.run_dir)
     cfg = _adapter_cfg(args)
@@ -298,10 +298,10 @@ def adapter_sender(args: argparse.Namespace) -> None:
 def adapter_receiver(args: argparse.Namespace) -> None:
     import shutil
 
-    from primejax.contracts.transfer import latest_offer
-    from primejax.inference.adapter_transfer import receive_adapter
     from primejax.inference.admin_auth import process_token
-    from primejax.transfer import wire
+    from primejax.transports.weights.adapters.receiver import receive_adapter
+    from primejax.transports.weights.collective import wire
+    from primejax.transports.weights.collective.offer import latest_offer
 
     run = Path(args.run_dir)
     rx = wire.Receiver()

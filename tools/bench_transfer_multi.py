@@ -1,11 +1,11 @@
 """Weight transfer from a multi-process trainer (run through tools/bench_transfer.py; docs/weight_transfer.md).
 
-Two benchmarks with the trainer's own publisher (primejax.trainer.publish), model shapes of tools/model_shapes.py
+Two benchmarks with the trainer's own publisher (primejax.transports.weights.publish), model shapes of tools/model_shapes.py
 at random init (bf16):
 
 - `--senders 1,2 --receivers 2`: seconds per collective update from S trainer processes (jax.distributed, one
   GPU each: GPUs 0..S-1) to R stand-in receivers (GPUs 2, 3): the workers of one tensor-parallel (TP = R)
-  server, each running `primejax.transfer.wire.Receiver` (the code of primejax's vLLM engine) and keeping its
+  server, each running `primejax.transports.weights.collective.wire.Receiver` (the code of primejax's vLLM engine) and keeping its
   own TP slice of every tensor (column-parallel rows, row-parallel columns, as vLLM's loaders narrow), copied
   into preallocated buffers. S = 1 is today's one-sender path (the whole model converted and sent from one
   GPU); S = 2 sends each process's row blocks over its own lane.
@@ -78,7 +78,7 @@ def sender(a: argparse.Namespace) -> None:
     from primejax.models.config import ModelConfig
     from primejax.models.sharding import init_model, make_mesh
     from primejax.trainer.config import BroadcastConfig
-    from primejax.trainer.publish import FilesystemPublisher, make_publisher
+    from primejax.transports.weights.publish import FilesystemPublisher, make_publisher
 
     cfg = ModelConfig.from_hf_config(_shape(a.shape, a.smoke), param_dtype="bfloat16")
     model = init_model(cfg, make_mesh(fsdp=-1), seed=0)
@@ -88,7 +88,7 @@ def sender(a: argparse.Namespace) -> None:
     if a.export:
         import functools
 
-        from primejax.transfer import fs_export
+        from primejax.transports.weights.filesystem import export as fs_export
 
         parallel_export = fs_export.export_parallel
         for mode in a.export_modes.split(","):
@@ -123,9 +123,9 @@ def sender(a: argparse.Namespace) -> None:
 def receiver(a: argparse.Namespace) -> None:
     import torch
 
-    from primejax.contracts.transfer import latest_offer
     from primejax.inference.admin_auth import process_token
-    from primejax.transfer import wire
+    from primejax.transports.weights.collective import wire
+    from primejax.transports.weights.collective.offer import latest_offer
 
     gpu = not (a.smoke or a.cpu)
     device = torch.device("cuda", a.gpu) if gpu else torch.device("cpu")

@@ -64,8 +64,8 @@ def one_shape(args: argparse.Namespace) -> dict:
     from primejax.models.config import ModelConfig
     from primejax.models.sharding import init_model, make_mesh
     from primejax.models.tiny import build_tokenizer
-    from primejax.transfer.device import hf_device_tensors
-    from primejax.transfer.sender import CollectiveSender
+    from primejax.transports.weights.collective.device import hf_device_tensors
+    from primejax.transports.weights.collective.sender import CollectiveSender
 
     os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV) or new_token()
     hf = SMOKE if args.smoke else QWEN3[args.shape]
@@ -119,7 +119,7 @@ def _round(sender, model, cfg, url: str, run: Path, step: int) -> tuple[float, f
     import httpx
 
     from primejax.inference import InferenceClient
-    from primejax.transfer.device import hf_device_tensors
+    from primejax.transports.weights.collective.device import hf_device_tensors
 
     t0 = time.perf_counter()
     result: dict = {}
@@ -146,7 +146,7 @@ def _round(sender, model, cfg, url: str, run: Path, step: int) -> tuple[float, f
 
 
 def _wait_offer(run: Path, step: int, thread: threading.Thread):
-    from primejax.contracts.transfer import latest_offer
+    from primejax.transports.weights.collective.offer import latest_offer
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -71,32 +71,13 @@ from primejax.contracts.batch_checks import (
     routed_headers,
     segment_count,
 )
+from primejax.contracts.batch_fields import FIELDS, LOSS_COMPONENTS, OPTIONAL_STREAMS, WEIGHT_STREAMS
 from primejax.contracts.rundir import RunDir, step_dirs
 from primejax.utils.io import atomic_write_bytes
 
 FORMAT_VERSION = 2  # see "Format versions" above
 MANIFEST_KEY = "__manifest__"
 
-# The loss components (trainer/losses.py), each normalized by its own token count and selected per token by
-# its weight stream; the trainer's losses and the orchestrator's loss types read this one tuple.
-LOSS_COMPONENTS = ("rl", "ce", "ref_kl")
-# name -> dtype of every [rows, seq_len] array of a PackedBatch, in file order.
-FIELDS: dict[str, np.dtype] = {
-    "tokens": np.dtype(np.int32),
-    "positions": np.dtype(np.int32),
-    "segment_ids": np.dtype(np.int32),
-    "loss_mask": np.dtype(np.bool_),
-    "inference_logprobs": np.dtype(np.float32),
-    "advantages": np.dtype(np.float32),
-    "temperatures": np.dtype(np.float32),
-    "ref_logprobs": np.dtype(np.float32),
-    # one weight stream per loss component: "<component>_weights"
-    **{f"{c}_weights": np.dtype(np.float32) for c in LOSS_COMPONENTS},
-    "env_ids": np.dtype(np.int32),
-    "staleness": np.dtype(np.int32),
-}
-WEIGHT_STREAMS = tuple(f"{c}_weights" for c in LOSS_COMPONENTS)
-OPTIONAL_STREAMS = ("advantages", "ref_logprobs", *WEIGHT_STREAMS)
 
 
 @dataclass
@@ -537,6 +518,7 @@ def wait_for_batch(run_dir: str | Path, step: int, rank: int, timeout_s: float, 
 __all__ = [
     "FORMAT_VERSION",
     "FIELDS",
+    "LOSS_COMPONENTS",  # batch_fields.py's, named here too: the trainer's losses and the orchestrator read it
     "BatchFormatError",
     "TrainingSample",
     "PackedBatch",

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from primejax.contracts.batch_fields import WEIGHT_STREAMS
+
 #: How far above 0 a stored log-probability may round (fp32 log_softmax of a near-certain token).
 LOGPROB_SLACK = 1e-3
 
@@ -168,8 +170,6 @@ def check_values(path: Path | None, b: Any, vocab_size: int | None, num_experts:
     starts = real & (b.positions == 0)
     if (b.loss_mask & starts).any():
         raise BatchFormatError(path, "loss_mask", "set on the first token of a sample (it has no predictor)")
-    from primejax.contracts.batch import WEIGHT_STREAMS  # here: batch.py imports this module
-
     for name in ("inference_logprobs", "advantages", "ref_logprobs", *WEIGHT_STREAMS):
         if not np.isfinite(getattr(b, name)).all():
             raise BatchFormatError(path, name, "non-finite value")

@@ -3,13 +3,13 @@
     <output_dir>/<name>/
       configs/<process>.json        resolved config of each process
       rollouts/step_N/              orchestrator -> trainer (primejax.contracts.batch)
-      broadcasts/step_N/            trainer -> inference (primejax.contracts.broadcast)
+      broadcasts/step_N/            trainer -> inference (primejax.transports.weights.filesystem.broadcast)
       checkpoints/step_N/{trainer,orchestrator}/
       sft/final/                    the SFT warm-up's model
       tensorboard/<process>/        metrics/<process>.jsonl        logs/<process>.log
       metrics/<process>.run.json    tables/<process>/<name>.jsonl  wandb/   what each process ran, its tables, W&B
       timeline/step_N.json          the orchestrator's Chrome/Perfetto trace of step N
-      transfers/                    collective weight-transfer offers (primejax.contracts.transfer)
+      transfers/                    collective weight-transfer offers (primejax.transports.weights.collective.offer)
       stale/<time>/  previous/<time>/  what a resume set aside; an earlier run's outputs (launcher.resume)
       pids.json  .lock  admin_token the launcher's children; its lock on the directory; the admin secret
 
@@ -127,7 +127,7 @@ class RunDir:
         return self._step(self.ROLLOUTS, step)
 
     def broadcasts(self, step: int | None = None) -> Path:
-        """broadcasts/ or broadcasts/step_N: the trainer's weights for inference (primejax.contracts.broadcast)."""
+        """broadcasts/ or broadcasts/step_N: the trainer's weights for inference (primejax.transports.weights.filesystem.broadcast)."""
         return self._step(self.BROADCASTS, step)
 
     def checkpoints(self, step: int | None = None, process: str | None = None) -> Path:
@@ -150,7 +150,7 @@ class RunDir:
 
     def transfers(self, step: int | None = None) -> Path:
         """transfers/ or transfers/step_N.json: the trainer's offer of a collective update
-        (primejax.contracts.transfer)."""
+        (primejax.transports.weights.collective.offer)."""
         root = self.root / self.TRANSFERS
         return root if step is None else root / f"{step_name(step)}.json"
 

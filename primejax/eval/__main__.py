@@ -1,7 +1,7 @@
-"""`python -m primejax.eval --config configs/x.py --weights DIR`: offline evaluation (primejax/eval/offline.py)."""
+"""`python -m primejax.eval`: runs primejax/entrypoints/eval.py by name (docs/architecture.md: nothing below the
+entry points' floor imports it)."""
 
-from primejax.config.cli import run_main
-from primejax.eval.offline import main
+import runpy
 
 if __name__ == "__main__":
-    run_main(main)
+    runpy.run_module("primejax.entrypoints.eval", run_name="__main__", alter_sys=True)

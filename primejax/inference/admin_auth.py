@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from primejax.contracts.rundir import RunDir
+from primejax.contracts.secret import TOKEN_ENV, read_token  # the secret lives in contracts/secret.py
 
-TOKEN_ENV = "PRIMEJAX_ADMIN_TOKEN"
 WEIGHTS_ROOT_ENV = "PRIMEJAX_WEIGHTS_ROOT"  # loads must resolve inside this directory ('' = anywhere)
 REQUIRE_STABLE_ENV = "PRIMEJAX_REQUIRE_STABLE"  # "1": only broadcasts with a STABLE manifest load
 HEADER = "X-Primejax-Admin-Token"
@@ -41,18 +41,6 @@ def write_run_token(root: str | Path) -> str:
         f.write(token)
     os.replace(tmp, path)
     return token
-
-
-def read_token(root: str | Path | None = None) -> str | None:
-    """The admin secret for a client: $PRIMEJAX_ADMIN_TOKEN, else `<root>/admin_token`, else None."""
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    if root is not None:
-        try:
-            return RunDir(root).admin_token.read_text().strip() or None
-        except OSError:
-            return None
-    return None
 
 
 def server_token(root: str | Path) -> str:

@@ -111,7 +111,7 @@ class InferenceClient:
         self.max_retries = max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._model = model
-        # The LoRA adapter every server serves the current policy as (inference/adapters.py): requests name it as
+        # The LoRA adapter every server serves the current policy as (transports/weights/adapters/dirs.py): requests name it as
         # their `model`; "" = the served model itself. Learned from the servers' answers to weight updates.
         self._adapter = ""
         self.vocab_size = vocab_size

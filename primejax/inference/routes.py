@@ -29,15 +29,20 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from primejax.inference import identity
-from primejax.inference.adapter_transfer import (
+from primejax.inference.admin_auth import HEADER, authorized, confine
+from primejax.transports.weights.adapters.dirs import (
+    AdapterSet,
+    adapter_name,
+    check_adapter_dir,
+    is_adapter_dir,
+)
+from primejax.transports.weights.adapters.receiver import (
     PrivateAdapterDirs,
     check_adapter_round,
     is_adapter_round,
     receive_adapter,
 )
-from primejax.inference.adapters import AdapterSet, adapter_name, check_adapter_dir, is_adapter_dir
-from primejax.inference.admin_auth import HEADER, authorized, confine
-from primejax.inference.weights import WeightDirError, check_stable, version_from_dir
+from primejax.transports.weights.validate import WeightDirError, check_stable, version_from_dir
 
 logger = logging.getLogger("primejax.inference")
 
@@ -52,7 +57,7 @@ class AdminEngine(Protocol):
     async def check_health(self) -> None: ...  # raises if the engine is dead
     # Optional (collective updates): one round of vLLM's weight-transfer engine protocol.
     # async def transfer_weights(self, init_info: dict, update_info: dict) -> None: ...
-    # Optional (LoRA servers, inference/adapters.py): adapters loaded next to the frozen base, by name.
+    # Optional (LoRA servers, transports/weights/adapters/dirs.py): adapters loaded next to the frozen base, by name.
     # async def load_adapter(self, name: str, adapter_dir: str) -> None: ...
     # async def unload_adapter(self, name: str) -> None: ...
     # def adapter_in_use(self, name: str) -> bool: ...  # a request in the engine samples with it
@@ -79,12 +84,12 @@ class AdminState:
     # Why the served weights are undefined (a failed load that could not restore): /liveness answers 503, the
     # server stays paused (nothing is sampled from them) until a full load succeeds or the launcher restarts it.
     unhealthy: str = ""
-    # LoRA (inference/adapters.py): the server's --max-lora-rank (0 = no LoRA), the adapters loaded and served,
+    # LoRA (transports/weights/adapters/dirs.py): the server's --max-lora-rank (0 = no LoRA), the adapters loaded and served,
     # and the task unloading retired adapters once no request uses them.
     max_lora_rank: int = 0
     adapters: AdapterSet = field(default_factory=AdapterSet)
     reaper: asyncio.Task | None = None
-    # Collective adapter rounds (inference/adapter_transfer.py): this process's receiver (its groups reused
+    # Collective adapter rounds (transports/weights/adapters/receiver.py): this process's receiver (its groups reused
     # round after round) and the private directories of the adapters received that way.
     adapter_receiver: Any = None
     private_adapters: PrivateAdapterDirs = field(default_factory=PrivateAdapterDirs)
@@ -167,7 +172,7 @@ REAP_POLL_S = 1.0
 async def _serve_adapter(state: AdminState, adapter_dir: str, version: int, transport: str = "filesystem",
                          t0: float | None = None, loaded: bool = False) -> JSONResponse:
     """Load a PEFT adapter next to the others under `adapter_name(version)` (unless `loaded`) and serve it (no
-    pause, no cache reset: requests on the previous adapter finish on it; inference/adapters.py)."""
+    pause, no cache reset: requests on the previous adapter finish on it; transports/weights/adapters/dirs.py)."""
     if not hasattr(state.engine, "load_adapter"):
         return _error(HTTPStatus.NOT_IMPLEMENTED, "this server's engine cannot load LoRA adapters")
     t0 = time.perf_counter() if t0 is None else t0
@@ -222,7 +227,7 @@ async def _reap_until_done(state: AdminState) -> None:
 @router.post("/update_weights")
 async def update_weights(request: Request) -> JSONResponse:
     """Body: {"weight_dir": str, "version": int (optional; default: N of a `.../step_N` dir)}. A PEFT adapter
-    directory (LoRA servers) is loaded as an adapter named after the version (inference/adapters.py)."""
+    directory (LoRA servers) is loaded as an adapter named after the version (transports/weights/adapters/dirs.py)."""
     state = _state(request)
     body = await _json_body(request)
     if isinstance(body, JSONResponse):
@@ -403,7 +408,7 @@ async def transfer_weights(request: Request) -> JSONResponse:
 
 async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dict, version: int,
                             timeout_s: float) -> JSONResponse:
-    """A collective LoRA adapter round (inference/adapter_transfer.py): checked first (422, nothing received),
+    """A collective LoRA adapter round (transports/weights/adapters/receiver.py): checked first (422, nothing received),
     received by this process into a private PEFT directory and loaded as `adapter_name(version)` before the
     round is acknowledged (an acknowledged round is a served one), then served like a filesystem adapter.
     Nothing is paused: a failed round loads nothing and the served adapter stays."""
@@ -422,7 +427,7 @@ async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dic
 
     async with state.lock:
         if state.adapter_receiver is None:
-            from primejax.transfer.wire import Receiver
+            from primejax.transports.weights.collective.wire import Receiver
 
             state.adapter_receiver = Receiver()
         t0 = time.perf_counter()

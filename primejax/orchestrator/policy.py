@@ -10,7 +10,7 @@ one sampling step. (Reading the bound literally as θ_{n-k} would deadlock at k 
 rollouts.)
 
 A watcher task polls `broadcasts/` for STABLE steps and `transfers/` for collective offers (the trainer is
-sending a step's weights: primejax.contracts.transfer) and tells the server to load each newer one; the gate
+sending a step's weights: primejax.transports.weights.collective.offer) and tells the server to load each newer one; the gate
 waits on the watcher's version. An offer of step N is preferred over a broadcast of the same step; a failed
 collective update is never retried: the trainer writes `broadcasts/step_N` for it, which the next poll loads
 (the filesystem fallback). Time is injected (`sleep`, `clock`) so tests run on a fake clock.
@@ -27,22 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from primejax.contracts.broadcast import broadcast_dir, is_stable, latest_stable_step, verify_broadcast
 from primejax.contracts.rundir import RunDir
-from primejax.contracts.transfer import Offer, latest_offer
+from primejax.transports.weights.collective.offer import Offer, latest_offer, rendezvous_listening
+from primejax.transports.weights.filesystem.broadcast import (
+    broadcast_dir,
+    is_stable,
+    latest_stable_step,
+    verify_broadcast,
+)
 
 log = logging.getLogger(__name__)
-
-
-async def rendezvous_listening(offer: Offer, timeout_s: float = 2.0) -> bool:
-    """Whether something accepts connections at the offer's rendezvous address (its trainer is alive)."""
-    try:
-        host, port = str(offer.init_info["master_address"]), int(offer.init_info["master_port"])
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except (TimeoutError, OSError, KeyError, TypeError, ValueError):
-        return False
-    writer.close()
-    return True
 
 
 @dataclass

@@ -1,23 +1,15 @@
-"""Wiring for a real run: client, tokenizer, monitor and resume around `Orchestrator`."""
+"""The live policy's client from the config sections that name it (the orchestrator process itself:
+primejax/entrypoints/orchestrator.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from primejax.inference.admin_auth import read_token
 from primejax.inference.client import InferenceClient
-from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.server import InferenceConfig
 from primejax.orchestrator.config import ClientConfig
-from primejax.orchestrator.loop import Orchestrator
-from primejax.rendering.renderer import load_tokenizer
-from primejax.utils.monitor import Monitor
 from primejax.utils.sections import ConfigError
-
-if TYPE_CHECKING:
-    from primejax.config import Config
 
 
 def base_urls(client: ClientConfig, inference: InferenceConfig) -> list[str]:
@@ -48,31 +40,3 @@ def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: 
                            api_key_var=client.api_key_env)
 
 
-async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
-    """The orchestrator process's work (entry: `python -m primejax.orchestrator`)."""
-    root = cfg.run_dir
-    client = policy_client(cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path),
-                           admin_token=read_token(root))
-    monitor = Monitor.from_config(root, "orchestrator", cfg.monitor, cfg.to_dict())
-    try:
-        await client.wait_ready(cfg.inference.startup_timeout_s)
-        orchestrator = Orchestrator(
-            cfg.orchestrator, client=client, tokenizer=load_tokenizer(cfg.model.path), run_dir=root,
-            seed=cfg.run.seed, num_shards=cfg.trainer.distributed.num_processes,
-            pad_rows_to_multiple=cfg.trainer.micro_batch_size,
-            # An outage may include a server restart (up to its start-up time) after the client's own retries.
-            recovery_timeout_s=2 * cfg.inference.startup_timeout_s, monitor=monitor,
-            routing=RoutingShape.of_model_dir(cfg.model.path) if cfg.orchestrator.routing_replay else None,
-            watch=cfg.monitor,
-        )
-        orchestrator.resume(cfg.run.resume_step)
-        # Start from a known policy: the base model. A server left serving another (or a killed) run's weights
-        # is reset; the watcher then loads the newest broadcast of this run, which a resumed trainer re-exports.
-        await orchestrator.tracker.resync()
-        try:
-            return await orchestrator.run(cfg.run.max_steps)
-        finally:
-            await orchestrator.close()  # the algorithms' frozen-model clients (teacher, frozen sampler)
-    finally:
-        monitor.close()
-        await client.close()

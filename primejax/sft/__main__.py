@@ -1,7 +1,7 @@
-"""`python -m primejax.sft --config configs/x.py`: supervised fine-tuning (see primejax/sft/loop.py)."""
+"""`python -m primejax.sft`: runs primejax/entrypoints/sft.py by name (docs/architecture.md: nothing below the
+entry points' floor imports it)."""
 
-from primejax.config.cli import run_main
-from primejax.sft.loop import main
+import runpy
 
 if __name__ == "__main__":
-    run_main(main)
+    runpy.run_module("primejax.entrypoints.sft", run_name="__main__", alter_sys=True)

@@ -10,7 +10,7 @@ Built once from the typed config (`TrainerConfig` + the model's shape), an `Engi
 - the compiled functions: the RL step (`trainer.loss`), the SFT step (the fixed ce/rl defaults, so a custom
   rl loss never reaches SFT), a forward-only logprob pass and the finite-parameters check.
 
-The RL trainer (trainer/loop.py), SFT (sft/loop.py), the TPU compile tool (trainer/aot.py) and every trainer
+The RL trainer (trainer/loop.py), SFT (entrypoints/sft.py), the TPU compile tool (trainer/aot.py) and every trainer
 benchmark in tools/ construct it, so a benchmark times exactly the function the trainer runs; nothing else
 compiles a training step. The step's math lives in trainer/step.py (unjitted); how it is sharded, compiled and
 fed lives here. docs/engine.md shows what a new mesh axis or step argument touches.

@@ -12,13 +12,12 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from primejax.contracts.batch import BatchFormatError, PackedBatch, prune_rollouts, read_batch, wait_for_batch
-from primejax.contracts.broadcast import broadcast_dir, is_stable
 from primejax.contracts.rundir import RunConfig, RunDir
 from primejax.models.settings import ModelSettings
 from primejax.trainer.checkpoint import TrainerCheckpointer, complete_steps, resolve_resume_step
@@ -26,13 +25,11 @@ from primejax.trainer.config import DistributedConfig, TrainerConfig
 from primejax.trainer.corrections import CorrectionTable
 from primejax.trainer.engine import Engine, build_model, model_config
 from primejax.trainer.moe_metrics import expert_devices, flatten_moe_metrics
-from primejax.trainer.publish import make_publisher, publishes_adapters
 from primejax.trainer.step import TrainState
+from primejax.transports.weights.filesystem.broadcast import broadcast_dir, is_stable
+from primejax.transports.weights.publish import make_publisher, publishes_adapters
 from primejax.utils.faults import fault_point
 from primejax.utils.monitor import Monitor
-
-if TYPE_CHECKING:
-    from primejax.config import Config
 
 log = logging.getLogger("primejax.trainer")
 
@@ -169,7 +166,7 @@ class Trainer:
         return metrics
 
     def export(self, step: int, disk_only: bool = False) -> dict[str, float]:
-        """Hand θ_step to inference through the run's publisher (trainer/publish.py: broadcasts/step_<step>/ on
+        """Hand θ_step to inference through the run's publisher (transports/weights/publish.py: broadcasts/step_<step>/ on
         disk, or a collective send with the disk copy where one is needed) and prune what inference can no
         longer ask for. `disk_only`: write the disk copy whatever the mode (the re-export on resume)."""
         if not self.export_enabled:
@@ -266,24 +263,6 @@ class Trainer:
         return self.state
 
 
-def train(cfg: Config) -> TrainState:
-    """The trainer process's work (entry: `python -m primejax.trainer`); returns the final state."""
-    root = cfg.run_dir
-    root.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(
-        cfg.trainer,
-        cfg.model,
-        cfg.run,
-        async_level=cfg.orchestrator.async_level,
-        num_receivers=max(1, len(cfg.orchestrator.client.base_urls)) * cfg.trainer.broadcast.workers_per_server,
-        corrections=CorrectionTable.from_orchestrator(cfg.orchestrator),
-    )
-    if trainer.rank != 0:  # one writer of the run's metrics
-        return trainer.run(None)
-    with Monitor.from_config(root, "trainer", cfg.monitor, cfg.to_dict()) as monitor:
-        return trainer.run(monitor)
-
-
 def distributed_settings(
     d: DistributedConfig, environ: Mapping[str, str] | None = None
 ) -> tuple[str, int, int]:
@@ -310,7 +289,6 @@ def maybe_init_distributed(d: DistributedConfig) -> None:
 
 __all__: list[Any] = [
     "Trainer",
-    "train",
     "fake_batch",
     "build_model",
     "model_config",

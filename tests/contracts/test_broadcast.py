@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from primejax.contracts.broadcast import (
+from primejax.transports.weights.filesystem.broadcast import (
     STABLE,
     BroadcastError,
     broadcast_dir,

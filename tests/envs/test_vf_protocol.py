@@ -206,7 +206,7 @@ def test_a_missing_nltk_resource_is_quoted_by_its_meaningful_line():
     """Issue 48: `--dry_run` on textarena's wordle offline said `cannot load: LookupError: ****...` (the first
     line of NLTK's banner); the line that names the missing resource is the one quoted now."""
     nltk = pytest.importorskip("nltk")
-    from primejax.envs.check import _one_line
+    from primejax.launcher.envcheck import _one_line
 
     with pytest.raises(LookupError) as e:
         nltk.data.find("taggers/primejax_no_such_resource")
@@ -214,7 +214,7 @@ def test_a_missing_nltk_resource_is_quoted_by_its_meaningful_line():
 
 def test_the_env_check_renders_the_first_prompt_an_env_sends(vf_examples):
     """For an Env that opens the conversation itself, the check's prompt is its first model call's."""
-    from primejax.envs.check import first_prompt
+    from primejax.launcher.envcheck import first_prompt
 
     messages, tools = asyncio.run(first_prompt(load_env("kuhn-poker", {"num_examples": 2})))
     assert [m["role"] for m in messages] == ["system", "user"] and tools is None

@@ -86,8 +86,8 @@ def test_offloaded_trainer_sets_the_cap_from_the_model(tiny_model_dir, monkeypat
     """The trainer entry point computes the cap before JAX starts: the model's parameters from its config.json,
     over trainer.devices x processes (PRIMEJAX_NUM_PROCESSES overriding the config, as for the run)."""
     from primejax.config import typed
+    from primejax.entrypoints.trainer import _pinned_host_env, offloaded_state_bytes
     from primejax.models.config import ModelConfig
-    from primejax.trainer.__main__ import _pinned_host_env, offloaded_state_bytes
 
     monkeypatch.delenv(PINNED_HOST_LIMIT_ENV, raising=False)
     c = default_config()

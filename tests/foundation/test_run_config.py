@@ -204,7 +204,7 @@ def test_a_bad_env_id_gets_one_message_with_a_suggestion_from_dry_run_and_run(ti
     """Issue 48: a mistyped env id got two different messages (dry run: verifiers' EnvLoadError; run: the
     launcher's preflight) and no "did you mean". Both now print the preflight's line (`error: ` + it)."""
     from primejax.config import default_config, typed
-    from primejax.envs.check import check_envs
+    from primejax.launcher.envcheck import check_envs
     from primejax.launcher.preflight import PreflightError, check_env_ids
 
     c = default_config()

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from gpu_env import GPUS, RUN_GPU, SERVER_GPU  # tests/gpu/gpu_env.py
 
-from primejax.contracts.transfer import latest_offer
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import HEADER, process_token, read_token
 from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
+from primejax.transports.weights.collective.offer import latest_offer
 
 PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_nccl_update_serves_bit_for_bit_what_the_filesystem_update_serves(gpu_se
     logprobs are equal, and both differ from the base weights."""
     import torch
 
-    from primejax.transfer.sender import CollectiveSender, to_torch
+    from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
 
     url = gpu_server.base_url
     prompts = _prompts(gpu_server.model_dir)
@@ -213,7 +213,7 @@ def test_filesystem_update_into_a_cuda_graph_server_serves_what_an_eager_server_
 @pytest.mark.skipif(GPUS < 2, reason="NCCL cannot join two processes on one GPU: needs 2 GPUs")
 def test_nccl_sender_killed_mid_round_leaves_the_server_up_on_its_weights(gpu_server, tmp_path):
     """SIGKILL of an NCCL sender after one bucket: the server's worker waits in the broadcast until the transfer
-    timeout, then its group raises (blocking wait, error handling 2: transfer/wire.py) instead of NCCL's default
+    timeout, then its group raises (blocking wait, error handling 2: transports/weights/collective/wire.py) instead of NCCL's default
     of ending the process, which took the whole server down in the first 4-GPU run. The route answers an error,
     the server stays healthy, on version 0, serving the base weights."""
     url = gpu_server.base_url

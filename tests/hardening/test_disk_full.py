@@ -109,7 +109,7 @@ def test_atomic_dir_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
 
 
 def test_broadcast_on_full_disk_leaves_the_previous_one_stable(small_disk):
-    from primejax.contracts.broadcast import is_stable, stable_steps, write_broadcast
+    from primejax.transports.weights.filesystem.broadcast import is_stable, stable_steps, write_broadcast
 
     disk, mode = small_disk
     if mode != "tmpfs":
@@ -129,7 +129,7 @@ def test_broadcast_on_full_disk_leaves_the_previous_one_stable(small_disk):
 def test_an_io_error_line_names_the_runs_disk_and_the_error(tmp_path):
     """Issue 48: the trainer's disk-full line for an export whose error names no file said `under .` on the
     filesystem at `/` (the process's cwd), and an EIO ended in a traceback. Both are one line about the run's
-    directory now (`primejax/trainer/__main__.py` prints it)."""
+    directory now (`primejax/entrypoints/trainer.py` prints it)."""
     import errno
 
     from primejax.utils.disk import io_error_line, mount_point

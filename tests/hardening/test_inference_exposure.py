@@ -16,13 +16,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from primejax.contracts.broadcast import write_broadcast
 from primejax.inference.admin_auth import HEADER, TOKEN_ENV, protect
 from primejax.inference.client import InferenceClient
 from primejax.inference.identity import proof
 from primejax.inference.routes import AdminState, router
-from primejax.inference.weights import WeightDirValidator
 from primejax.models.tiny import build_tiny_model
+from primejax.transports.weights.filesystem.broadcast import write_broadcast
+from primejax.transports.weights.validate import WeightDirValidator
 
 SECRET = "s3cret-for-tests"
 

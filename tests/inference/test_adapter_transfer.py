@@ -1,4 +1,4 @@
-"""LoRA adapters over the collective protocol, server side (inference/adapter_transfer.py): a trainer-side
+"""LoRA adapters over the collective protocol, server side (transports/weights/adapters/receiver.py): a trainer-side
 `CollectiveSender` (one or two lanes, gloo) -> `/transfer_weights` over the recording fake engine of
 test_adapters.py: the adapter arrives bit-exact in a private PEFT directory, is loaded as `policy-v<N>` without a
 pause, and its directory goes when the adapter is unloaded; a bad round is refused with one line and loads nothing."""
@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from primejax.contracts.transfer import latest_offer
-from primejax.inference.adapter_transfer import ADAPTER_KEY, PrivateAdapterDirs
-from primejax.inference.adapters import check_adapter_dir
-from primejax.transfer.lanes import Piece, rows
-from primejax.transfer.sender import CollectiveSender, tensor_metas
+from primejax.transports.weights.adapters.dirs import check_adapter_dir
+from primejax.transports.weights.adapters.receiver import ADAPTER_KEY, PrivateAdapterDirs
+from primejax.transports.weights.collective.lanes import Piece, rows
+from primejax.transports.weights.collective.offer import latest_offer
+from primejax.transports.weights.collective.sender import CollectiveSender, tensor_metas
 from tests.inference.test_adapters import FakeLoraEngine, _app
 
 SECRET = "adapter-transfer-test-secret"
@@ -98,7 +98,7 @@ def test_collective_adapter_rounds_load_by_version_name_from_private_dirs(base_d
 
 
 def test_adapter_round_from_two_senders_arrives_whole(base_dir, tmp_path):
-    """A multi-process trainer splits the adapter's tensors between its lanes (trainer/publish.py)."""
+    """A multi-process trainer splits the adapter's tensors between its lanes (transports/weights/publish.py)."""
     client, state, engine = _server(base_dir, tmp_path)
     named = _adapter(7)
     metas = tensor_metas(named)

@@ -13,15 +13,15 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from safetensors.numpy import save_file
 
-from primejax.contracts.broadcast import write_broadcast
 from primejax.inference import cpu_limits, routes
-from primejax.inference.adapters import AdapterSet, adapter_name, vllm_max_lora_rank
 from primejax.inference.admin_auth import TOKEN_ENV
 from primejax.inference.client import InferenceClient
 from primejax.inference.routes import AdminState, router
 from primejax.inference.server import ServerSpec
-from primejax.inference.weights import WeightDirValidator
 from primejax.models.tiny import build_tiny_model
+from primejax.transports.weights.adapters.dirs import AdapterSet, adapter_name, vllm_max_lora_rank
+from primejax.transports.weights.filesystem.broadcast import write_broadcast
+from primejax.transports.weights.validate import WeightDirValidator
 
 
 def test_adapter_set_keeps_served_and_previous_and_retires_older():

@@ -114,12 +114,12 @@ def test_collective_adapter_update_serves_the_filesystem_updates_logprobs(tiny_u
     import threading
     from pathlib import Path
 
-    from primejax.contracts.broadcast import write_broadcast
-    from primejax.contracts.transfer import latest_offer
     from primejax.inference import InferenceClient
-    from primejax.inference.adapter_transfer import ADAPTER_KEY
     from primejax.inference.admin_auth import process_token
-    from primejax.transfer.sender import CollectiveSender, to_torch
+    from primejax.transports.weights.adapters.receiver import ADAPTER_KEY
+    from primejax.transports.weights.collective.offer import latest_offer
+    from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
+    from primejax.transports.weights.filesystem.broadcast import write_broadcast
 
     cfg, graphdef, params = _adapted(tiny_untied_model_dir)
     adapters, _ = lora.split_adapters(params)

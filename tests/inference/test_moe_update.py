@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 from vllm_reference import HFReference, write_perturbed
 
-from primejax.contracts.transfer import latest_offer
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import process_token
 from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec
 from primejax.models.hf_io import export_safetensors, load_model, state_to_hf_tensors
 from primejax.models.tiny import build_tiny_moe
-from primejax.transfer.sender import CollectiveSender, to_torch
+from primejax.transports.weights.collective.offer import latest_offer
+from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
 
 pytestmark = pytest.mark.vllm
 

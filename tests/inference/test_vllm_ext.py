@@ -83,7 +83,7 @@ def test_worker_without_reload_weights_refuses_the_load_with_a_pointer_to_the_do
 
 
 def test_lora_serving_api_the_adapter_methods_call():
-    """VllmAdminEngine's adapter methods (inference/adapters.py): vLLM's serving-models object loads, names and
+    """VllmAdminEngine's adapter methods (transports/weights/adapters/dirs.py): vLLM's serving-models object loads, names and
     forgets adapters; the engine frees one by id; each unfinished request's state names its adapter."""
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from primejax.inference.weights import (
+from primejax.models.tiny import build_tiny_model
+from primejax.transports.weights.validate import (
     WeightDirError,
     WeightDirValidator,
     read_safetensors_header,
     version_from_dir,
 )
-from primejax.models.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

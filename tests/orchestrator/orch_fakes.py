@@ -13,7 +13,7 @@ from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
 from primejax.config import default_config
-from primejax.contracts.broadcast import write_broadcast
+from primejax.transports.weights.filesystem.broadcast import write_broadcast
 
 
 @dataclass

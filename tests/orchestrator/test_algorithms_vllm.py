@@ -124,7 +124,7 @@ def test_algorithm_step_feeds_the_trainer_its_loss_components(name, tmp_path, vl
 def test_offline_eval_of_a_weights_dir_against_the_server(tmp_path, vllm_server, tiny_model_dir):
     from test_vllm_integration import write_perturbed
 
-    from primejax.eval.offline import run_eval
+    from primejax.entrypoints.eval import run_eval
 
     weights = tmp_path / "broadcasts" / "step_3"
     weights.mkdir(parents=True)

@@ -12,12 +12,12 @@ from orch_fakes import make_orchestrator, small_config
 from test_vllm_integration import write_perturbed
 
 from primejax.contracts.batch import read_batch, step_dir
-from primejax.contracts.broadcast import write_broadcast
 from primejax.inference.client import InferenceClient
 from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec
 from primejax.orchestrator.policy import min_policy_version
 from primejax.rendering.renderer import load_tokenizer
+from primejax.transports.weights.filesystem.broadcast import write_broadcast
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 STEPS = 3

@@ -8,9 +8,9 @@ import asyncio
 import socket
 
 from primejax.contracts.rundir import RunDir
-from primejax.contracts.transfer import Offer, latest_offer, write_offer
 from primejax.launcher.resume import keep_previous_run, set_aside_after
 from primejax.orchestrator.policy import PolicyTracker
+from primejax.transports.weights.collective.offer import Offer, latest_offer, write_offer
 
 
 class Client:

@@ -20,9 +20,9 @@ from wandb_files import wandb_history
 
 from primejax.config import typed
 from primejax.contracts.batch import read_batch, step_dir
-from primejax.contracts.broadcast import write_broadcast
 from primejax.inference.client import InferenceClient
 from primejax.rendering.renderer import load_tokenizer
+from primejax.transports.weights.filesystem.broadcast import write_broadcast
 from primejax.utils.monitor import Monitor, read_jsonl
 
 pytestmark = pytest.mark.vllm

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from primejax.contracts.broadcast import stable_steps, verify_broadcast
 from primejax.contracts.rundir import RunDir
-from primejax.inference.adapters import check_adapter_dir
 from primejax.models import lora
 from primejax.models.lora_io import read_peft
 from primejax.trainer.config import BroadcastConfig, TrainerConfig
 from primejax.trainer.engine import Engine
-from primejax.trainer.publish import (
+from primejax.transports.weights.adapters.dirs import check_adapter_dir
+from primejax.transports.weights.filesystem.broadcast import stable_steps, verify_broadcast
+from primejax.transports.weights.publish import (
     AdapterPublisher,
     CollectivePublisher,
     FilesystemPublisher,
@@ -72,8 +72,8 @@ def test_collective_mode_with_lora_sends_the_adapter_alone_to_the_server(
     server's /transfer_weights (the recording fake engine of tests/inference/test_adapters.py), which serves it as
     policy-v1 from a PEFT directory holding exactly what the filesystem broadcast writes; nothing is written to
     broadcasts/ (not a checkpoint step)."""
-    from primejax.contracts.transfer import latest_offer
     from primejax.inference.admin_auth import write_run_token
+    from primejax.transports.weights.collective.offer import latest_offer
     from tests.inference.test_adapters import FakeLoraEngine, _app
 
     cfg, engine = lora_engine

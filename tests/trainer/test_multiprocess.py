@@ -22,9 +22,9 @@ from safetensors.numpy import load_file
 
 from primejax.config import default_config, lock, to_json, validate
 from primejax.contracts.batch import PackedBatch, pack_samples, step_dir, write_batch
-from primejax.contracts.broadcast import broadcast_dir, stable_steps
 from primejax.models.tiny import build_tiny_model
 from primejax.trainer.checkpoint import complete_steps
+from primejax.transports.weights.filesystem.broadcast import broadcast_dir, stable_steps
 from primejax.utils.monitor import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

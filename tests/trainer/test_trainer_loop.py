@@ -13,11 +13,12 @@ from flax import nnx
 
 from primejax.config import default_config, typed
 from primejax.contracts.batch import pack_samples, step_dir, write_batch
-from primejax.contracts.broadcast import broadcast_dir, stable_steps, verify_broadcast
+from primejax.entrypoints.trainer import train
 from primejax.models.hf_io import load_model
 from primejax.models.tiny import build_tiny_model
 from primejax.trainer.checkpoint import complete_steps
-from primejax.trainer.loop import NonFiniteError, Trainer, train
+from primejax.trainer.loop import NonFiniteError, Trainer
+from primejax.transports.weights.filesystem.broadcast import broadcast_dir, stable_steps, verify_broadcast
 from primejax.utils.monitor import read_jsonl
 
 

@@ -15,8 +15,8 @@ import sys
 from safetensors.numpy import load_file
 
 from primejax.inference.admin_auth import process_token
-from primejax.transfer import wire
-from primejax.transfer.sender import CollectiveSender, to_torch
+from primejax.transports.weights.collective import wire
+from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
 
 
 def main() -> int:

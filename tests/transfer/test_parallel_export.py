@@ -1,4 +1,4 @@
-"""The parallel export (primejax/transfer/fs_export.py) writes exactly the gather export's files with either writer
+"""The parallel export (primejax/transports/weights/filesystem/export.py) writes exactly the gather export's files with either writer
 (mmap, pwrite), on a 4-device CPU mesh where the HF tensors' rows are split over the devices (Qwen3-MoE with a dense
 layer, bf16); a full disk is one OSError before the mapping is touched."""
 
@@ -18,8 +18,8 @@ _SCRIPT = textwrap.dedent(
     from primejax.models.config import ModelConfig
     from primejax.models.hf_io import export_safetensors
     from primejax.models.sharding import init_model, make_mesh
-    from primejax.transfer.fs_export import export_parallel
-    from primejax.transfer.shards import RowShards
+    from primejax.transports.weights.filesystem.export import export_parallel
+    from primejax.transports.weights.shards import RowShards
 
     assert jax.device_count() == 4
     tmp = Path(tempfile.mkdtemp())

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from primejax.contracts.transfer import latest_offer
-from primejax.transfer import rendezvous, wire
-from primejax.transfer.sender import CollectiveSender
+from primejax.transports.weights.collective import rendezvous, wire
+from primejax.transports.weights.collective.offer import latest_offer
+from primejax.transports.weights.collective.sender import CollectiveSender
 
 SECRET = "the-run-secret"
 

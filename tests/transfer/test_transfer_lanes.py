@@ -1,4 +1,4 @@
-"""Several senders, one round (primejax.transfer.lanes): the pieces' checks, the schedule, and a gloo round of
+"""Several senders, one round (primejax.transports.weights.collective.lanes): the pieces' checks, the schedule, and a gloo round of
 two senders (each holding half of every tensor's rows, as two trainer processes do) to two receivers."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from primejax.contracts.transfer import latest_offer
-from primejax.transfer import lanes, wire
-from primejax.transfer.lanes import Piece
-from primejax.transfer.sender import CollectiveSender, tensor_metas
+from primejax.transports.weights.collective import lanes, meta, wire
+from primejax.transports.weights.collective.lanes import Piece
+from primejax.transports.weights.collective.offer import latest_offer
+from primejax.transports.weights.collective.sender import CollectiveSender, tensor_metas
 
 SECRET = "the-run-secret"
 
@@ -40,7 +40,7 @@ def _pieces(named) -> list[Piece]:
 
 
 def _info(named, pieces, senders=2):
-    info = wire.update_info("r", tensor_metas(named))
+    info = meta.update_info("r", tensor_metas(named))
     info.update(senders=senders, pieces=[[p.tensor, p.sender, p.start, p.stop] for p in pieces])
     return info
 
@@ -65,7 +65,7 @@ def test_pieces_that_miss_overlap_or_exceed_rows_are_refused(edit, match):
 
 def test_without_pieces_every_tensor_is_one_piece_of_sender_0():
     named = _named(0)
-    senders, pieces = lanes.pieces_of(wire.update_info("r", tensor_metas(named)), tensor_metas(named))
+    senders, pieces = lanes.pieces_of(meta.update_info("r", tensor_metas(named)), tensor_metas(named))
     assert senders == 1 and pieces == [Piece(i, 0, 0, t.shape[0]) for i, (_, t) in enumerate(named)]
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from primejax.contracts.broadcast import broadcast_dir
-from primejax.contracts.transfer import latest_offer
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import process_token
 from primejax.inference.process import InferenceServerProcess
 from primejax.inference.server import ServerSpec, free_port
 from primejax.models.tiny import build_tiny_model
+from primejax.transports.weights.collective.offer import latest_offer
+from primejax.transports.weights.filesystem.broadcast import broadcast_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3000)]
 HERE = Path(__file__).parent

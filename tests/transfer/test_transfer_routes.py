@@ -7,8 +7,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from primejax.inference.routes import AdminState, router
-from primejax.inference.weights import WeightDirValidator, read_checkpoint_tensors
 from primejax.models.tiny import build_tiny_model
+from primejax.transports.weights.validate import WeightDirValidator, read_checkpoint_tensors
 
 
 class FakeEngine:

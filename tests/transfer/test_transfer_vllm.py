@@ -20,13 +20,13 @@ import pytest
 from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
-from primejax.contracts.broadcast import write_broadcast
-from primejax.contracts.transfer import latest_offer
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import HEADER, process_token, read_token
 from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
 from primejax.orchestrator.policy import PolicyTracker
-from primejax.transfer.sender import CollectiveSender, to_torch
+from primejax.transports.weights.collective.offer import latest_offer
+from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
+from primejax.transports.weights.filesystem.broadcast import write_broadcast
 
 pytestmark = pytest.mark.vllm
 HERE = Path(__file__).parent

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from primejax.config import ConfigError, default_config, validate
-from primejax.contracts.transfer import latest_offer
-from primejax.transfer import wire
-from primejax.transfer.sender import CollectiveSender, tensor_metas, to_torch
+from primejax.transports.weights.collective import meta, wire
+from primejax.transports.weights.collective.offer import latest_offer
+from primejax.transports.weights.collective.sender import CollectiveSender, tensor_metas, to_torch
 
 SECRET = "the-run-secret"
 
@@ -41,14 +41,14 @@ def test_buckets_cut_where_vllm_packs(bucket_bytes):
     vllm_cuts = []
     while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
         vllm_cuts.append(chunk.names)
-    ours = [[named[i][0] for i in idx] for idx in wire.buckets(tensor_metas(named), bucket_bytes)]
+    ours = [[named[i][0] for i in idx] for idx in meta.buckets(tensor_metas(named), bucket_bytes)]
     assert ours == vllm_cuts
 
 
 def test_gloo_rounds_are_bit_exact_acknowledged_and_reuse_the_group(tmp_path):
     """Two rounds through CollectiveSender -> wire.Receiver (the engine's receive path): every byte arrives,
     both rounds are acknowledged, and the second round reuses the first round's group (no new rendezvous)."""
-    from primejax.contracts.transfer import latest_offer
+    from primejax.transports.weights.collective.offer import latest_offer
 
     rounds = [_named(1), _named(2)]
     sender = CollectiveSender(tmp_path, secret=SECRET, timeout_s=10, bucket_bytes=256)
@@ -154,7 +154,7 @@ def test_config_rejects_bad_transfer_settings(key, value, match):
 
 
 def test_layers_per_call_is_the_largest_divisor_within_the_limit():
-    from primejax.transfer.device import layers_per_call
+    from primejax.transports.weights.collective.device import layers_per_call
 
     # Qwen3-30B-A3B's experts' gate_proj in bf16: 128 x 768 x 2048 x 2 bytes = 403 MB a layer, 48 layers.
     assert layers_per_call(48, 128 * 768 * 2048 * 2, 1 << 30) == 2
@@ -172,7 +172,7 @@ def test_device_tensors_equal_the_safetensors_export(variant, tmp_path):
     from primejax.models.hf_io import load_model, state_to_hf_tensors
     from primejax.models.sharding import init_model
     from primejax.models.tiny import build_tiny_model
-    from primejax.transfer.device import hf_device_tensors
+    from primejax.transports.weights.collective.device import hf_device_tensors
 
     if variant == "moe":
         cfg = ModelConfig(
@@ -219,8 +219,8 @@ import jax
 from primejax.models.hf_io import load_model, state_to_hf_tensors
 from primejax.models.sharding import make_mesh
 from primejax.models.tiny import build_tiny_model
-from primejax.transfer.device import hf_device_tensors
-from primejax.transfer.sender import to_torch
+from primejax.transports.weights.collective.device import hf_device_tensors
+from primejax.transports.weights.collective.sender import to_torch
 
 assert jax.device_count() == 2
 path = build_tiny_model(sys.argv[1], tied=False, seed=4)

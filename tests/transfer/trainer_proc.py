@@ -1,5 +1,5 @@
 """One process of an emulated multi-process trainer (jax.distributed on CPU, 2 devices per process) that
-publishes one step of weights with the trainer's own publisher (primejax.trainer.publish): the base model,
+publishes one step of weights with the trainer's own publisher (primejax.transports.weights.publish): the base model,
 sharded over every process's devices, plus seeded noise (the same weights for the same seed, whatever the
 process count).
 
@@ -42,7 +42,7 @@ def main() -> int:
     from primejax.models.hf_io import load_model, param_variables
     from primejax.models.sharding import make_mesh
     from primejax.trainer.config import BroadcastConfig
-    from primejax.trainer.publish import make_publisher
+    from primejax.transports.weights.publish import make_publisher
 
     model, cfg = load_model(a.model_dir, mesh=make_mesh(fsdp=-1), param_dtype="float32")
     perturb(model, param_variables, a.seed)

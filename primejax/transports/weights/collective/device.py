@@ -10,7 +10,7 @@ per projection in bf16, which next to the trainer's state did not fit one GPU (d
 
 Single-process trainers only (one or several local devices: a sharded parameter is replicated over its mesh
 by the jitted call and the sending device's copy is sent): a jax.Array sharded over several processes cannot
-be gathered onto one device without a cross-process collective (transfer/shards.py sends row blocks instead).
+be gathered onto one device without a cross-process collective (transports/weights/shards.py sends row blocks instead).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import hf_tensor_plan
-from primejax.transfer.wire import TensorMeta
+from primejax.transports.weights.tensors import TensorMeta
+from primejax.transports.weights.tensors import dlpack_to_torch as _to_torch
 
 _CONVERTERS: dict[tuple, tuple[ModelConfig, Any, tuple]] = {}
 MAX_CHUNK_BYTES = 1 << 30  # converted bytes per call: a few calls per parameter for an 8B model
@@ -80,15 +81,6 @@ def _on_device(x: Any, device: Any) -> Any:
     if len(x.sharding.device_set) == 1:
         return x
     return next(s.data for s in x.addressable_shards if s.device == device)
-
-
-def _to_torch(x: Any) -> Any:
-    import torch
-
-    try:
-        return torch.from_dlpack(x)
-    except (TypeError, BufferError):  # an exporter that refuses torch's stream argument: the plain capsule
-        return torch.from_dlpack(x.__dlpack__())
 
 
 def hf_device_tensors(

@@ -3,7 +3,7 @@
 The gather export (primejax.models.hf_io.export_safetensors) brings each whole tensor to the host of every
 process (a cross-process all-gather per tensor) and writes files one after another. Here the layout of every
 file is fixed first from shapes alone (the same file plan and names as the gather export: file i holds the same
-tensors), and each process then writes only the row blocks its own devices hold (primejax.transfer.shards), each
+tensors), and each process then writes only the row blocks its own devices hold (primejax.transports.weights.shards), each
 at its offset (below), from a pool of threads (the device-to-host copy of one parameter overlaps the writes of the
 previous ones). A row block is contiguous in the file because safetensors stores tensors row-major.
 
@@ -14,7 +14,7 @@ into a shared mapping of the file instead, whose page faults take no inode lock,
 copies at once. The file's blocks are reserved first (`posix_fallocate`): a full disk is then one clean OSError
 before any byte is written, not a SIGBUS on a page fault of the mapping. "pwrite" is the locked path. Process 0 also
 writes every file's header, the index and config.json. The caller makes the directory atomic and waits for
-every process (primejax.trainer.publish).
+every process (primejax.transports.weights.publish).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import numpy as np
 
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import plan_files, write_export_metadata
-from primejax.transfer.lanes import piece_bytes, rows
-from primejax.transfer.shards import RowShards
+from primejax.transports.weights.shards import RowShards
+from primejax.transports.weights.tensors import piece_bytes, rows
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DEFAULT_THREADS = 8

@@ -7,7 +7,7 @@ the bound still goes in), the same cut rule as vLLM's packed NCCL broadcast
 (`vllm/distributed/weight_transfer/packed_tensor.py`), so both sides cut identical buckets from the metadata
 alone. Each bucket is one `broadcast` from rank 0 (the trainer) to every inference worker.
 
-Rendezvous: the trainer hosts a store for the whole run (primejax.transfer.rendezvous: bound to the configured
+Rendezvous: the trainer hosts a store for the whole run (primejax.transports.weights.collective.rendezvous: bound to the configured
 host only, every participant answers a challenge on the run's secret). A process group (gloo on CPU, NCCL on
 GPU) lives under the store prefix `group/<group_id>/` and serves round after round (creating an NCCL
 communicator costs far more than moving a small model); after any failure both sides drop it and the next
@@ -27,68 +27,15 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from primejax.transports.weights.collective import lanes
+from primejax.transports.weights.collective.meta import buckets, metas_from_update_info
+from primejax.transports.weights.tensors import TensorMeta, piece_bytes, rows
+
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-# torch dtype names allowed on the wire (what an HF export can hold).
-WIRE_DTYPES = ("bfloat16", "float16", "float32")
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    dtype: str  # a WIRE_DTYPES name
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
-
-
-def update_info(round_id: str, metas: Sequence[TensorMeta]) -> dict[str, Any]:
-    """The JSON update info of one round (field names as vLLM's NCCL engine's, plus the round id)."""
-    return {
-        "round_id": round_id,
-        "names": [m.name for m in metas],
-        "dtype_names": [m.dtype for m in metas],
-        "shapes": [list(m.shape) for m in metas],
-    }
-
-
-def metas_from_update_info(info: dict[str, Any]) -> list[TensorMeta]:
-    names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise ValueError(f"update_info: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes")
-    for d in dtypes:
-        if d not in WIRE_DTYPES:
-            raise ValueError(f"update_info: dtype {d!r} is not one of {WIRE_DTYPES}")
-    for n, s in zip(names, shapes, strict=True):
-        # JSON integers only: a float (1e400 is inf), a string or a bool is a malformed offer, not a dimension
-        if not isinstance(n, str) or not isinstance(s, list) or any(
-                isinstance(x, bool) or not isinstance(x, int) for x in s):
-            raise ValueError(f"update_info: tensor {str(n)[:100]!r}: shape {str(s)[:100]} is not a list of integers")
-    return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-
-
-def buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[int]]:
-    """Indices of `metas` per bucket: add tensors until the bucket holds more than `bucket_bytes`."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
-    for i, m in enumerate(metas):
-        cur.append(i)
-        size += m.nbytes
-        if size > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
 
 
 class TorchGroup:
@@ -108,14 +55,14 @@ class TorchGroup:
 
 def host_store(host: str, port: int, secret: str) -> Any:
     """The trainer's rendezvous server, bound to `host` only (port 0 = any free port; read `.port`)."""
-    from primejax.transfer.rendezvous import StoreServer
+    from primejax.transports.weights.collective.rendezvous import StoreServer
 
     return StoreServer(host, port, secret)
 
 
 def client_store(host: str, port: int, secret: str, timeout_s: float) -> Any:
     """A participant's authenticated connection to the rendezvous (raises RendezvousAuthError for an impostor)."""
-    from primejax.transfer.rendezvous import connect_store
+    from primejax.transports.weights.collective.rendezvous import connect_store
 
     return connect_store(host, port, secret, timeout_s)
 
@@ -260,7 +207,7 @@ def ack_key(round_id: str, rank: int) -> str:
 
 
 def lane_group_id(group_id: str, lane: int) -> str:
-    """The process group of sender `lane` (primejax.transfer.lanes): one per sender, all in one store."""
+    """The process group of sender `lane` (primejax.transports.weights.collective.lanes): one per sender, all in one store."""
     return f"{group_id}/{lane}"
 
 
@@ -277,11 +224,9 @@ def receive_lanes(
     load: Callable[[list[tuple[str, Any]]], Any],
     digests: Sequence[Any],
 ) -> int:
-    """A receiver's round over every sender's lane (primejax.transfer.lanes): each bucket into a fresh buffer,
+    """A receiver's round over every sender's lane (primejax.transports.weights.collective.lanes): each bucket into a fresh buffer,
     fed to its lane's digest; `load` gets the tensors that became whole, as the lanes' schedule completes them."""
     import torch
-
-    from primejax.transfer import lanes
 
     senders, pieces = lanes.pieces_of(update_info, metas)
     if senders != len(groups):
@@ -291,7 +236,7 @@ def receive_lanes(
     received = 0
     for k, j in lanes.schedule(per_lane):
         idx = per_lane[k][j]
-        sizes = [lanes.piece_bytes(metas[pieces[i].tensor], pieces[i]) for i in idx]
+        sizes = [piece_bytes(metas[pieces[i].tensor], pieces[i]) for i in idx]
         buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         groups[k].broadcast(buf, src=0)
         _hash_bucket(digests[k], buf)
@@ -308,8 +253,6 @@ def receive_lanes(
 def lane_metas(metas: Sequence[TensorMeta], pieces: Sequence[Any], lane: int) -> list[TensorMeta]:
     """What sender `lane` sends, piece by piece, as tensor metadata (a row block's own shape), so `send` checks
     each block and cuts the lane's buckets exactly where the receivers do."""
-    from primejax.transfer.lanes import rows
-
     out = []
     for p in pieces:
         if p.sender == lane:

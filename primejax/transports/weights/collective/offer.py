@@ -5,11 +5,12 @@ and writes `transfers/step_N.json` (atomically) saying where to join it and what
 weight-transfer engine's init info (rendezvous address, world size, timeout, bucket size) and update info
 (HF tensor names, dtypes, shapes, the round id). The orchestrator hands both to every inference server
 (`/transfer_weights`); the trainer deletes the offer when the round ends, whether it succeeded or not. A
-failed round is followed by the filesystem broadcast `broadcasts/step_N/` (primejax.contracts.broadcast).
+failed round is followed by the filesystem broadcast `broadcasts/step_N/` (primejax.transports.weights.filesystem.broadcast).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from dataclasses import dataclass
@@ -72,3 +73,14 @@ def latest_offer(run_dir: str | Path, skip: frozenset[int] | set[int] = frozense
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None
+
+
+async def rendezvous_listening(offer: Offer, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts connections at the offer's rendezvous address (its trainer is alive)."""
+    try:
+        host, port = str(offer.init_info["master_address"]), int(offer.init_info["master_port"])
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (TimeoutError, OSError, KeyError, TypeError, ValueError):
+        return False
+    writer.close()
+    return True

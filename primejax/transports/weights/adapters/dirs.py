@@ -19,7 +19,7 @@ import numbers
 from collections.abc import Mapping
 from pathlib import Path
 
-from primejax.inference.weights import WeightDirError, read_safetensors_header
+from primejax.transports.weights.validate import WeightDirError, read_safetensors_header
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

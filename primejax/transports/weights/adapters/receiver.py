@@ -1,7 +1,7 @@
 """LoRA adapters received collectively: the server's side of an adapter round (docs/lora.md, docs/weight_transfer.md).
 
 With `trainer.broadcast.mode = "collective"` and LoRA the trainer sends each step's adapter over the same wire
-protocol as full weights (primejax.transfer.wire: the same rendezvous store, digest, acknowledgement, lanes),
+protocol as full weights (primejax.transports.weights.collective.wire: the same rendezvous store, digest, acknowledgement, lanes),
 marked by the update info's `adapter` key, which holds the adapter's `adapter_config.json`. The tensors are the
 PEFT directory's (names, fp32, [r, in] lora_A / [out, r] lora_B, models/lora_io.py).
 
@@ -13,7 +13,7 @@ kept there until the adapter is unloaded. vLLM 0.31 has no in-memory route: `LoR
 tensorizer config, also a file), and `WorkerLoRAManager._load_adapter` always reads
 `get_adapter_absolute_path(lora_path)` through `PEFTHelper.from_local_dir` and `LoRAModel.from_local_checkpoint`.
 
-The checks are the filesystem route's (inference/adapters.py: PEFT LoRA, rank within the server's, lora_A /
+The checks are the filesystem route's (transports/weights/adapters/dirs.py: PEFT LoRA, rank within the server's, lora_A /
 lora_B tensors only) plus the wire's (fp32 2-d tensors of the config's rank, gloo); a bad round is refused
 before anything is received or loaded.
 """
@@ -29,24 +29,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from primejax.inference.adapters import (
+from primejax.transports.weights.adapters.dirs import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     check_adapter_config,
     check_adapter_names,
     check_lora_enabled,
 )
-from primejax.inference.weights import WeightDirError
-from primejax.transfer import lanes, wire
-
-ADAPTER_KEY = "adapter"  # update_info key: the adapter's adapter_config.json; marks an adapter round
+from primejax.transports.weights.collective import lanes, meta, wire
+from primejax.transports.weights.collective.meta import ADAPTER_KEY
+from primejax.transports.weights.tensors import TensorMeta
+from primejax.transports.weights.validate import WeightDirError
 
 
 def is_adapter_round(update_info: object) -> bool:
     return isinstance(update_info, dict) and ADAPTER_KEY in update_info
 
 
-def check_adapter_round(init_info: dict, update_info: dict, max_rank: int) -> list[wire.TensorMeta]:
+def check_adapter_round(init_info: dict, update_info: dict, max_rank: int) -> list[TensorMeta]:
     """The round's tensor metadata, checked before anything is received (raises WeightDirError)."""
     check_lora_enabled("the collective update", max_rank)
     config = update_info.get(ADAPTER_KEY)
@@ -58,7 +58,7 @@ def check_adapter_round(init_info: dict, update_info: dict, max_rank: int) -> li
     if not isinstance(init_info.get("rank_offset"), int) or init_info["rank_offset"] < 1:
         raise WeightDirError("init_info.rank_offset (this server's rank, >= 1) is required")
     try:
-        metas = wire.metas_from_update_info(update_info)
+        metas = meta.metas_from_update_info(update_info)
         lanes.pieces_of(update_info, metas)
     except (KeyError, TypeError, ValueError) as e:
         raise WeightDirError(f"update_info: {e}") from None

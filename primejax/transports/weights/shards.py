@@ -10,7 +10,7 @@ own devices. A tensor whose row count does not split evenly over the devices is 
 sent by one process, picked round-robin over the tensors.
 
 `Piece` (tensor index, sending process, first row, end row) is the unit of the wire's multi-sender schedule
-(primejax.transfer.lanes) and of the parallel export (primejax.transfer.fs_export); every process computes the
+(primejax.transports.weights.collective.lanes) and of the parallel export (primejax.transports.weights.filesystem.export); every process computes the
 same list of pieces from shapes and shardings alone.
 """
 
@@ -27,14 +27,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_dtype, hf_tensor_plan, param_variables
-from primejax.transfer.lanes import Piece
-from primejax.transfer.wire import TensorMeta
+from primejax.transports.weights.tensors import Piece, TensorMeta, dlpack_to_torch
 
 _CONVERTERS: dict[tuple, Any] = {}
 
 
 def _converter(to_hf: Any, cfg: ModelConfig, dtype: str, stacked: bool, out_sharding: Any, w: Any) -> Any:
-    """The jitted cast + HF-layout conversion, built once per parameter kind (keyed as transfer/device.py's)."""
+    """The jitted cast + HF-layout conversion, built once per parameter kind (keyed as transports/weights/collective/device.py's)."""
     key = (to_hf, id(cfg), dtype, stacked, out_sharding, tuple(w.shape), str(w.dtype), w.sharding)
     if key not in _CONVERTERS:
 
@@ -143,7 +142,5 @@ def _view(x: jax.Array) -> Any:
     ready first: torch's stream reads it). Indexing either yields views, each a contiguous row block."""
     if next(iter(x.devices())).platform == "cpu":
         return np.asarray(x)
-    from primejax.transfer.device import _to_torch
-
     x.block_until_ready()
-    return _to_torch(x)
+    return dlpack_to_torch(x)

@@ -1,8 +1,8 @@
 """The trainer's side of a collective weight update (`trainer.broadcast.mode = "collective"`).
 
 One `CollectiveSender` per trainer process 0 hosts the rendezvous store for the whole run (bound to `host` only;
-every participant, this process included, answers a challenge on the run's secret: transfer/rendezvous.py). `send(step, ...)`
-runs one round: write the offer (primejax.contracts.transfer) -> (first round, or after a failure: wait for
+every participant, this process included, answers a challenge on the run's secret: transports/weights/collective/rendezvous.py). `send(step, ...)`
+runs one round: write the offer (primejax.transports.weights.collective.offer) -> (first round, or after a failure: wait for
 every inference server to join the group) -> broadcast the HF tensors in packed buckets -> wait for every
 server's acknowledgement (each server first checks what it received against the digest the sender publishes
 after the last bucket) -> delete the offer.
@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from primejax.contracts.transfer import Offer, remove_offer, write_offer
-from primejax.transfer import wire
+from primejax.transports.weights.collective import meta, wire
+from primejax.transports.weights.collective.offer import Offer, remove_offer, write_offer
+from primejax.transports.weights.tensors import WIRE_DTYPES, TensorMeta
 
 log = logging.getLogger("primejax.transfer")
 
@@ -45,20 +46,20 @@ def to_torch(array: np.ndarray) -> Any:
         return torch.from_numpy(array)
 
 
-def tensor_metas(named: Sequence[tuple[str, Any]]) -> list[wire.TensorMeta]:
+def tensor_metas(named: Sequence[tuple[str, Any]]) -> list[TensorMeta]:
     out = []
     for name, t in named:
         dtype = str(getattr(t, "dtype", "")).removeprefix("torch.")
-        if dtype not in wire.WIRE_DTYPES:
-            raise ValueError(f"{name}: dtype {dtype!r} cannot be sent (one of {wire.WIRE_DTYPES})")
-        out.append(wire.TensorMeta(name, dtype, tuple(int(d) for d in t.shape)))
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"{name}: dtype {dtype!r} cannot be sent (one of {WIRE_DTYPES})")
+        out.append(TensorMeta(name, dtype, tuple(int(d) for d in t.shape)))
     return out
 
 
 class CollectiveSender:
     """One trainer process's sender. Lane 0 (process 0, or the only process) hosts the rendezvous store and
     writes the offer; lane k > 0 (process k of a multi-process trainer) connects to lane 0's store at
-    `port` and sends its own pieces over its own group (primejax.transfer.lanes)."""
+    `port` and sends its own pieces over its own group (primejax.transports.weights.collective.lanes)."""
 
     def __init__(
         self,
@@ -105,13 +106,13 @@ class CollectiveSender:
         self, step: int, named: Sequence[tuple[str, Any]], *, extra: dict[str, Any] | None = None
     ) -> bool:
         """One round for `step` with `named` = [(HF name, torch tensor)]; True when every server acknowledged.
-        `extra`: more update-info fields (a LoRA adapter round's `adapter` config, inference/adapter_transfer.py)."""
+        `extra`: more update-info fields (a LoRA adapter round's `adapter` config, transports/weights/adapters/receiver.py)."""
         return self.send_lazy(step, tensor_metas(named), (t for _, t in named), extra=extra)
 
     def send_lazy(
         self,
         step: int,
-        metas: Sequence[wire.TensorMeta],
+        metas: Sequence[TensorMeta],
         tensors: Iterable[Any],
         *,
         pieces: Sequence[Any] | None = None,
@@ -120,7 +121,7 @@ class CollectiveSender:
     ) -> bool:
         """Like `send`, with the tensors produced one by one (e.g. converted on device as they are sent).
 
-        Several senders: `metas` are the round's tensors, `pieces` (primejax.transfer.lanes.Piece) say who sends
+        Several senders: `metas` are the round's tensors, `pieces` (primejax.transports.weights.collective.lanes.Piece) say who sends
         which rows, `tensors` are this lane's pieces in order, and `ids` = (group id, round id), the same on
         every sender (a new group id after any failed round)."""
         if ids is not None:
@@ -131,7 +132,7 @@ class CollectiveSender:
             round_id = f"{step}-{uuid.uuid4().hex[:12]}"
             if self.group is None:
                 self.group_id = uuid.uuid4().hex[:12]
-        info = {**wire.update_info(round_id, metas), **(extra or {})}
+        info = {**meta.update_info(round_id, metas), **(extra or {})}
         if pieces is not None:
             info.update(senders=self.senders, pieces=[[p.tensor, p.sender, p.start, p.stop] for p in pieces])
         lane_metas = list(metas) if pieces is None else wire.lane_metas(metas, pieces, self.lane)

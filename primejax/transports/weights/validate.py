@@ -141,8 +141,8 @@ class WeightDirValidator:
     def check_update_info(self, update_info: dict) -> None:
         """A collective update must carry exactly the served model's tensors, by name and shape, each in a dtype
         the wire carries (checked here, before the server pauses: a bad one would fail mid-round)."""
-        from primejax.transfer.lanes import pieces_of
-        from primejax.transfer.wire import metas_from_update_info
+        from primejax.transports.weights.collective.lanes import pieces_of
+        from primejax.transports.weights.collective.meta import metas_from_update_info
 
         pieces_of(update_info, metas_from_update_info(update_info))  # ValueError: pieces that miss or overlap rows
         for meta in metas_from_update_info(update_info):  # ValueError: lengths, dtype names, non-integer dims
@@ -174,7 +174,7 @@ def version_from_dir(weight_dir: str | Path) -> int | None:
 def check_stable(weight_dir: str | Path, required: bool) -> None:
     """A directory with a STABLE manifest must match it file by file (sizes and sha256s); with `required`,
     one without a manifest (an incomplete or hand-made broadcast) is refused too."""
-    from primejax.contracts.broadcast import STABLE, BroadcastError, verify_broadcast
+    from primejax.transports.weights.filesystem.broadcast import STABLE, BroadcastError, verify_broadcast
 
     d = Path(weight_dir)
     if not (d / STABLE).is_file():

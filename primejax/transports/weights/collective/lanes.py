@@ -3,11 +3,11 @@
 Every trainer process is a sender with its own *lane*: a process group of that sender (rank 0) and every
 inference worker (ranks 1..R), opened under `group/<group_id>/<lane>/` in the one rendezvous store. A round's
 update info lists the tensors (names, dtypes, shapes, as before) and, with several senders, `pieces`:
-[tensor index, sender, first row, end row] (rows of dim 0; primejax.transfer.shards computes them from where
+[tensor index, sender, first row, end row] (rows of dim 0; primejax.transports.weights.shards computes them from where
 the trainer's devices hold the data). Without `pieces` every tensor is one piece of sender 0, the
 single-sender round.
 
-Each lane cuts its own pieces into buckets with the rule of `wire.buckets` (vLLM's packed-broadcast rule).
+Each lane cuts its own pieces into buckets with the rule of `meta.buckets` (vLLM's packed-broadcast rule).
 Receivers take the lanes' buckets round-robin (lane 0's first, lane 1's first, ..., lane 0's second, ...):
 the pieces of one tensor sit at about the same place in every lane, so a receiver holds only the tensors
 that are partly arrived (about one bucket per lane) before handing them to the loader whole. Every side
@@ -17,26 +17,9 @@ derives the same schedule from the update info alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from primejax.transfer.wire import TensorMeta
-
-
-@dataclass(frozen=True)
-class Piece:
-    tensor: int  # index into the round's tensor list
-    sender: int  # the process that sends it (its lane)
-    start: int  # rows [start, stop) of dim 0 (a 0-d tensor has one row)
-    stop: int
-
-
-def rows(meta: TensorMeta) -> int:
-    return meta.shape[0] if meta.shape else 1
-
-
-def piece_bytes(meta: TensorMeta, piece: Piece) -> int:
-    return meta.nbytes // max(rows(meta), 1) * (piece.stop - piece.start)
+from primejax.transports.weights.tensors import Piece, TensorMeta, piece_bytes, rows
 
 
 def pieces_of(update_info: dict[str, Any], metas: Sequence[TensorMeta]) -> tuple[int, list[Piece]]:
@@ -76,7 +59,7 @@ def pieces_of(update_info: dict[str, Any], metas: Sequence[TensorMeta]) -> tuple
 def lane_buckets(
     metas: Sequence[TensorMeta], pieces: Sequence[Piece], senders: int, bucket_bytes: int
 ) -> list[list[list[int]]]:
-    """Per lane, its buckets as indices into `pieces` (a lane's pieces in list order, cut as `wire.buckets`)."""
+    """Per lane, its buckets as indices into `pieces` (a lane's pieces in list order, cut as `meta.buckets`)."""
     lanes: list[list[list[int]]] = [[] for _ in range(senders)]
     cur: list[list[int]] = [[] for _ in range(senders)]
     size = [0] * senders

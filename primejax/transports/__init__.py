@@ -1,0 +1,1 @@
+"""How data crosses between the processes of a run: `weights/` (trainer -> inference servers)."""

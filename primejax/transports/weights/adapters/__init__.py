@@ -1,0 +1,1 @@
+"""The LoRA adapter transport: PEFT directories on disk, or adapter rounds over the collective wire."""
