@@ -25,8 +25,8 @@ async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
     from primejax.contracts.secret import read_token
     from primejax.inference.routed_experts import RoutingShape
     from primejax.orchestrator.loop import Orchestrator
-    from primejax.rendering.renderer import load_tokenizer
     from primejax.orchestrator.run import model_vocab_size, policy_client
+    from primejax.rendering.renderer import load_tokenizer
     from primejax.utils.monitor import Monitor
 
     root = cfg.run_dir
