@@ -102,3 +102,79 @@ def test_a_local_env_server_runs_rollouts_and_a_killed_one_is_survived(tiny_mode
     assert servers.lost == 1 and servers.replaced == 1
     assert after.error is None, after.error
     assert servers.conns[0].address != dead.address
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(port: int) -> subprocess.Popen:
+    """A "remote" env server: another process with its own address, started as a user would start one."""
+    proc = subprocess.Popen([sys.executable, "-m", "primejax.envs.env_server", "--env", TASKSET,
+                             "--args", json.dumps({"size": 4}), "--address", f"tcp://127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE)  # fmt: skip
+    assert json.loads(proc.stdout.readline()) == {"address": f"tcp://127.0.0.1:{port}"}
+    return proc
+
+
+def test_no_remote_server_answering_is_one_line():
+    env = load_env(TASKSET, {"size": 2, "driver": "env_server", "server_timeout_s": 0.5,
+                             "servers": [f"tcp://127.0.0.1:{_free_port()}"]})  # fmt: skip
+
+    async def main():
+        try:
+            await env.servers.start(4, None)
+        finally:
+            await env.aclose()
+
+    with pytest.raises(EnvServerError, match=r"no env server answered \(tcp://127.0.0.1:\d+\)$"):
+        asyncio.run(main())
+
+
+@pytest.mark.slow  # two server processes and five harness rollouts (~140 s on 2 cores); the local kill test stands for it
+def test_remote_env_servers_a_killed_one_errors_its_rollout_and_reconnects(tiny_model_dir):
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    renderer = build_renderer("auto", tokenizer)
+    ports = [_free_port(), _free_port()]
+    procs = [_serve(p) for p in ports]
+    addresses = [f"tcp://127.0.0.1:{p}" for p in ports]
+    env = load_env(TASKSET, {"size": 4, "driver": "env_server", "servers": addresses, "server_timeout_s": 3})
+
+    async def main():
+        model = Signalling(tokenizer)
+        async with InstantServer(model, str(tiny_model_dir)) as server:
+            gen = _generator(server, renderer)
+            slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=Scorer())
+            try:
+                both = await gen.group(slot, 1, 0, 2, step=1)  # one rollout on each server
+                for rollout in both:
+                    _check_ok(rollout, server.served)
+                # the first server dies mid-rollout: the rollout errors once it has been silent 3 s
+                model.called.clear()
+                running = asyncio.ensure_future(gen.group(slot, 1, 1, 1, step=2))
+                await model.called.wait()
+                procs[0].send_signal(signal.SIGKILL)
+                procs[0].wait()
+                (lost,) = await running
+                (on_second,) = await gen.group(slot, 1, 2, 1, step=3)  # the live one takes the next
+                procs[0] = _serve(ports[0])  # the first comes back at its address
+                async with asyncio.timeout(60):
+                    while env.servers.reconnected == 0:
+                        await asyncio.sleep(0.2)
+                (back,) = await gen.group(slot, 1, 3, 1, step=4)
+                return both, lost, on_second, back, env.servers
+            finally:
+                await env.aclose()
+
+    try:
+        both, lost, on_second, back, servers = asyncio.run(main())
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    assert lost.error is not None and f"env server {addresses[0]} silent for 3 s" in lost.error
+    assert servers.lost == 1 and servers.reconnected == 1 and servers.replaced == 0
+    assert on_second.error is None and back.error is None, (on_second.error, back.error)
+    assert [c.address for c in servers.conns] == addresses and not any(c.down.is_set() for c in servers.conns)
