@@ -45,6 +45,7 @@ from primejax.orchestrator.pool import RolloutPool
 from primejax.orchestrator.renderer import build_renderer
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.orchestrator.token_budget import TokenMeter, cut_by_tokens
 from primejax.orchestrator.watch import RunWatch
 from primejax.utils.faults import fault_point
 from primejax.utils.io import atomic_dir
@@ -157,7 +158,7 @@ class Orchestrator:
             self.pool = RolloutPool(self._group, self.buffer.sample, self.tracker, batch_size=o.batch_size,
                                     group_size=o.group_size, async_level=o.async_level, capacity=capacity,
                                     oversampling=o.buffer.oversampling_factor,
-                                    group_timeout_s=o.pool.group_timeout_s)
+                                    group_timeout_s=o.pool.group_timeout_s, batch_tokens=o.batch_tokens)
         self.aimd = self._aimd() if c.mode == "aimd" else None
         self.concurrency_mode = None if c.mode == "auto" else c.mode  # auto: set by pick_concurrency
         self.loop_lag = LoopLag()
@@ -195,14 +196,20 @@ class Orchestrator:
         o = self.o
         self.pre_counts = Counter()
         replaces = o.buffer.online_difficulty_filtering or self.pre_filters.enforce
-        rounds = 1 + (MAX_TOPUP_ROUNDS if replaces else 0)
+        rounds = 1 + (MAX_TOPUP_ROUNDS if replaces or o.batch_tokens else 0)
         groups: list[list[Rollout]] = []
         missing = o.batch_size
+        meter, tokens = TokenMeter(), 0  # batch_tokens: rounds until the budget is covered (token_budget.py)
         for _ in range(rounds):
             prompts = self.buffer.sample(math.ceil(missing / o.group_size * o.buffer.oversampling_factor))
-            groups += await asyncio.gather(*(self._group(env, index, len(groups) + i, step)
-                                             for i, (env, index) in enumerate(prompts)))
-            missing = o.batch_size - sum(r.ok and not r.dropped for g in groups for r in g)
+            new = await asyncio.gather(*(self._group(env, index, len(groups) + i, step)
+                                         for i, (env, index) in enumerate(prompts)))
+            groups += new
+            if o.batch_tokens:
+                tokens += sum(meter.observe(g) for g in new)
+                missing = 0 if tokens >= o.batch_tokens else meter.rollouts_for(o.batch_tokens - tokens, o.batch_size)
+            else:
+                missing = o.batch_size - sum(r.ok and not r.dropped for g in groups for r in g)
             if missing <= 0:
                 break
         return groups
@@ -350,7 +357,7 @@ class Orchestrator:
         pre_counts = self.pre_counts
         if self.pool is not None:  # counted as groups finish; this step's share ends at the cut
             self.pre_counts = Counter()
-        batch = cut_batch(groups, self.o.batch_size)
+        batch = cut_by_tokens(groups, self.o.batch_tokens) if self.o.batch_tokens else cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
         # Continuous mode: packing and writing (CPU work on the whole batch) run off the event loop, so the
         # groups still in flight are not held up meanwhile (loop_lag/*). Step mode has nothing in flight here.
