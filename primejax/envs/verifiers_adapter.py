@@ -34,6 +34,7 @@ from typing import Any
 
 from primejax.envs import env_clock
 from primejax.envs.base import Environment, Example, Message, ModelCall
+from primejax.envs.env_limits import pace_tool_call
 from primejax.envs.tool_limits import (
     DEFAULT_MAX_TOOL_OUTPUT_CHARS,
     DEFAULT_TOOL_TIMEOUT_S,
@@ -216,6 +217,7 @@ class _World:
         except json.JSONDecodeError as e:
             return f"Error: tool arguments are not JSON ({e})"
         server, tool = self.servers[name]
+        await pace_tool_call()  # the env's tool-call rate (orchestrator.envs.<name>.limits)
         try:
             with env_clock.paused():  # a tool call has its own limit (tool_timeout_s), not the env's
                 result = await with_timeout(

@@ -5,6 +5,7 @@ Light on purpose (no httpx, transformers or verifiers import): the launcher and 
 
 from __future__ import annotations
 
+from primejax.envs.env_limits import EnvLimitsConfig
 from primejax.orchestrator.algorithms import AlgorithmConfig, GRPOConfig
 from primejax.orchestrator.filters import FILTERS
 from primejax.utils.sections import MAX_ROWS, MAX_TOKENS, ConfigError, Section, option, section, sub
@@ -23,6 +24,7 @@ class EnvConfig(Section):
         doc="this env's own algorithm block; type '' = inherit orchestrator.algo whole",
         factory=lambda: AlgorithmConfig(type=""),
     )
+    limits: EnvLimitsConfig = sub(EnvLimitsConfig, "this env's episodes in flight, episode timeout, tool-call rate")
 
     def check(self) -> None:
         if not self.id:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from primejax.contracts.batch import TrainingSample, batch_env_names, pack_samples, step_dir, write_batch
+from primejax.envs.env_limits import EnvLimits
 from primejax.envs.registry import load_env
 from primejax.envs.workers import WorkerEnv, in_workers
 from primejax.inference.client import InferenceError
@@ -104,7 +105,8 @@ def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
                          o.env_timeout_s, name)
         algo = o.env_algo(name)
         algorithm = build_algorithm(algo.type, algo, sampling=o.sampling, **resources)
-        slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm))
+        slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm,
+                             limits=EnvLimits(entry.limits, name)))
     return slots
 
 
