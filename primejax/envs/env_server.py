@@ -315,6 +315,13 @@ def _lifeline() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _on_sigterm(*_: Any) -> None:
+    """SIGTERM ends asyncio.run with its cleanup (verifiers' serving resources, harness programs); once only: a
+    second SIGTERM (the lifeline's and the parent's) must not interrupt that cleanup."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m primejax.envs.env_server",
                                 description="Serve one verifiers environment with verifiers' EnvServer.")
@@ -332,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s env_server %(levelname)s %(message)s")
     if a.lifeline:
         _lifeline()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     from verifiers.v1.serve import EnvServer
 
     from primejax.envs.registry import load_env
