@@ -48,6 +48,7 @@ from primejax.envs.verifiers_loop import (
     episode_to_rollout,
     model_context,
 )
+from primejax.envs.verifiers_loop import load as load_verifiers
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class EnvServers:
         self.lost = 0  # rollouts errored because their server went down
         self.reconnected = 0  # remote servers that answered again after being down
         self.replaced = 0  # local servers started again after dying
+        self._seen = {"lost": 0, "replaced": 0, "reconnected": 0}  # as of the last take_counts()
         self._watchers: list[asyncio.Task] = []
         self._started: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,7 +133,7 @@ class EnvServers:
                     self._mark_down(conn, f"env server {conn.address} did not answer at start")
             if not any(ups):
                 raise EnvServerError(f"env {self.name!r}: no env server answered ({', '.join(self.addresses)})")
-        self._watchers = [asyncio.ensure_future(self._watch(i)) for i in range(len(self.conns))]
+        self._watchers += [asyncio.ensure_future(self._watch(i)) for i in range(len(self.conns))]
 
     async def _spawn(self) -> _Conn:
         max_turns, env_timeout_s = self._spawn_args
@@ -154,13 +156,27 @@ class EnvServers:
             rc = await proc.wait()
             raise EnvServerError(f"env server for {self.name!r} did not start (exit code {rc}; its stderr says why)")
         log.info("env server for %r up at %s (pid %d)", self.name, first["address"], proc.pid)
-        return _Conn(first["address"], proc)
+        conn = _Conn(first["address"], proc)
+        self._watch_exit(conn)
+        return conn
 
-    async def _healthy(self, conn: _Conn) -> bool:
+    async def _healthy(self, conn: _Conn, timeout_s: float | None = None) -> bool:
+        timeout_s = timeout_s or self.timeout_s
         try:  # the send itself may wait while the peer is gone: bound the whole request
-            return await asyncio.wait_for(conn.client.health(timeout=self.timeout_s), self.timeout_s)
+            return await asyncio.wait_for(conn.client.health(timeout=timeout_s), timeout_s)
         except (TimeoutError, RuntimeError):
             return False
+
+    def _watch_exit(self, conn: _Conn) -> None:
+        """A local server's exit marks it down at once (not after `timeout_s` of silence)."""
+
+        async def wait() -> None:
+            rc = await conn.proc.wait()
+            if not self._closed:
+                    self._mark_down(conn, f"env server {conn.address} (pid {conn.proc.pid}) exited with code {rc}")
+
+        task = asyncio.ensure_future(wait())
+        self._watchers.append(task)
 
     def _mark_down(self, conn: _Conn, reason: str) -> None:
         if conn.down.is_set():
@@ -177,12 +193,12 @@ class EnvServers:
         last_ok = time.monotonic()
         while not self._closed:
             conn = self.conns[i]
-            if conn.proc is not None and conn.proc.returncode is not None:
-                self._mark_down(conn, f"env server {conn.address} (pid {conn.proc.pid}) exited with code "
-                                      f"{conn.proc.returncode}")  # fmt: skip
-            elif await self._healthy(conn):
+            if conn.down.is_set() and conn.proc is not None:
+                pass  # a local server that exited (_watch_exit): replaced below
+            elif await self._healthy(conn, min(self.timeout_s, 2.0)):
                 last_ok = time.monotonic()
-                if conn.down.is_set() and conn.proc is None:  # remote: reachable again
+                if conn.down.is_set() and conn.proc is None:  # remote: reachable again, on a fresh connection
+                    await conn.close()
                     self.conns[i] = conn = _Conn(conn.address)
                     self.reconnected += 1
                     log.warning("env server %s answers again", conn.address)
@@ -197,9 +213,10 @@ class EnvServers:
                     self.replaced += 1
                     self._changed.set()
                     last_ok = time.monotonic()
-                except EnvServerError as e:
+                    continue
+                except EnvServerError as e:  # it could not start: try again after a while, not in a loop
                     log.error("%s", e)
-                continue
+                    await asyncio.sleep(self.timeout_s)
             await asyncio.sleep(interval)
 
     async def pick(self) -> _Conn:
@@ -235,6 +252,12 @@ class EnvServers:
             if not running.done():
                 running.cancel()  # verifiers' client asks the server to abort the episode
                 running.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def take_counts(self) -> dict[str, float]:
+        """Rollouts lost, servers replaced and reconnected since the last call (`env_servers/*` per step)."""
+        now = {"lost": self.lost, "replaced": self.replaced, "reconnected": self.reconnected}
+        seen, self._seen = self._seen, now
+        return {f"env_servers/{k}": float(v - seen[k]) for k, v in now.items()}
 
     async def aclose(self) -> None:
         self._closed = True
@@ -342,14 +365,13 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     from verifiers.v1.serve import EnvServer
 
-    from primejax.envs.registry import load_env
-
-    args = json.loads(a.args)
+    try:
+        args = json.loads(a.args)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--args is not JSON: {e}") from None
     if not isinstance(args, dict):
         raise SystemExit("--args must be a JSON object")
-    env = load_env(a.env, {**args, "driver": "verifiers"})
-    if not isinstance(env, VerifiersLoopEnv):
-        raise SystemExit(f"{a.env!r} is not a verifiers taskset")
+    env = load_verifiers(a.env, **{**args, "driver": "verifiers"})
     vf_env = env._build(a.max_turns or env.max_turns, a.env_timeout_s)
     server = EnvServer(config=vf_env.config, address=a.address, max_concurrent=a.max_concurrent or None)
     print(json.dumps({"address": server.address}), flush=True)

@@ -459,7 +459,12 @@ class Orchestrator:
 
     def _env_worker_metrics(self) -> dict[str, float]:
         workers = [slot.env for slot in self.slots if isinstance(slot.env, WorkerEnv)]
-        return {"env_workers/replaced": float(sum(w.take_replaced() for w in workers))} if workers else {}
+        out = {"env_workers/replaced": float(sum(w.take_replaced() for w in workers))} if workers else {}
+        for slot in self.slots:  # verifiers' env servers (args.driver = "env_server"): lost rollouts, restarts
+            if (servers := getattr(slot.env, "servers", None)) is not None and hasattr(servers, "take_counts"):
+                for key, value in servers.take_counts().items():
+                    out[key] = out.get(key, 0.0) + value
+        return out
 
     def _server_busy(self) -> dict[str, float]:
         # A client of one's own (tests' stand-ins, a custom transport) may keep no meter.

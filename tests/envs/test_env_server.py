@@ -100,6 +100,8 @@ def test_a_local_env_server_runs_rollouts_and_a_killed_one_is_survived(tiny_mode
     first, lost, after, dead, servers = asyncio.run(main())
     assert lost.error is not None and f"env server {dead.address}" in lost.error and "exited" in lost.error
     assert servers.lost == 1 and servers.replaced == 1
+    counts = {"env_servers/lost": 1.0, "env_servers/replaced": 1.0, "env_servers/reconnected": 0.0}
+    assert servers.take_counts() == counts and set(servers.take_counts().values()) == {0.0}  # per step
     assert after.error is None, after.error
     assert servers.conns[0].address != dead.address
 
