@@ -4,8 +4,9 @@
 1. a registered id (the builtins `reverse-text`, `alphabet-sort`, `arithmetic`, or one added with
    `register_env`);
 2. an import path `pkg.module:function` whose function takes `**args` and returns an `Environment`;
-3. otherwise a verifiers taskset id, driven in process (`primejax.envs.verifiers_adapter`) or by verifiers' own
-   loop (`primejax.envs.verifiers_loop`), as its `args.driver` says.
+3. otherwise a verifiers taskset id, driven in process (`primejax.envs.verifiers_adapter`), by verifiers' own
+   loop (`primejax.envs.verifiers_loop`) or on verifiers' env servers (`primejax.envs.env_server`,
+   `args.driver = "env_server"`), as its `args.driver` says.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def load_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
         env = (_import(loader) if isinstance(loader, str) else loader)(**args)
     elif ":" in env_id:
         env = _import(env_id)(**args)
+    elif args.get("driver") == "env_server":  # verifiers' own env servers (primejax.envs.env_server)
+        from primejax.envs.env_server import load as load_served
+
+        args.pop("driver")
+        env = load_served(env_id, **args)
     else:
         # args.driver: in process or verifiers' own loop
         from primejax.envs.verifiers_loop import load as load_verifiers

@@ -34,6 +34,7 @@ from typing import Any
 
 from primejax.envs import env_clock
 from primejax.envs.base import Environment, Example, Message, ModelCall
+from primejax.envs.env_limits import pace_tool_call
 from primejax.envs.tool_limits import (
     DEFAULT_MAX_TOOL_OUTPUT_CHARS,
     DEFAULT_TOOL_TIMEOUT_S,
@@ -44,6 +45,7 @@ from primejax.envs.tool_limits import (
 )
 from primejax.envs.verifiers_episode import Episode, parse_policy_agents, seat_names
 from primejax.envs.verifiers_ids import load_taskset, load_vf_env
+from primejax.envs.verifiers_messages import to_dict, vf_message
 
 
 def _vf():
@@ -57,36 +59,12 @@ def _vf():
 CALLING_TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("primejax_vf_calling_trace")
 
 
-def _to_dict(message: Any) -> Message:
-    return message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
-
-
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "".join(
         p.get("text", "") if isinstance(p, dict) else str(getattr(p, "text", "")) for p in content or []
     )
-
-
-def _vf_message(message: Message) -> dict[str, Any]:
-    """A primejax (OpenAI-style) message as verifiers' typed message: flat tool calls, no unknown keys."""
-    out = {
-        k: v
-        for k, v in message.items()
-        if k in ("role", "content", "reasoning_content", "tool_call_id", "name")
-    }
-    if message.get("role") == "assistant":
-        out.setdefault("content", message.get("content") or "")
-        calls = message.get("tool_calls")
-        if calls:
-            out["tool_calls"] = [
-                {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                for c in calls
-            ]
-    elif out.get("content") is None:
-        out["content"] = ""
-    return out
 
 
 class _World:
@@ -176,7 +154,7 @@ class _World:
             MessageNode(
                 parent=i - 1 if i else None,
                 sampled=s,
-                message=self.message_adapter.validate_python(_vf_message(m)),
+                message=self.message_adapter.validate_python(vf_message(m)),
             )
             for i, (m, s) in enumerate(zip(messages, sampled, strict=True))
         ]
@@ -196,7 +174,7 @@ class _World:
                 return stop.__name__
         if self.request_stops:
             request = vf.Request(
-                messages=[self.message_adapter.validate_python(_vf_message(m)) for m in messages],
+                messages=[self.message_adapter.validate_python(vf_message(m)) for m in messages],
                 tools=[vf.Tool(**t["function"]) for t in self.tools] or None,
             )
             for stop in self.request_stops:
@@ -215,7 +193,7 @@ class _World:
             created=0,
             model="policy",
             finish_reason="stop",
-            message=self.message_adapter.validate_python(_vf_message(reply)),
+            message=self.message_adapter.validate_python(vf_message(reply)),
         )
         for stop in self.response_stops:
             if await call_hook(stop, {vf.Response: response, vf.Trace: self.trace}):
@@ -239,6 +217,7 @@ class _World:
         except json.JSONDecodeError as e:
             return f"Error: tool arguments are not JSON ({e})"
         server, tool = self.servers[name]
+        await pace_tool_call()  # the env's tool-call rate (orchestrator.envs.<name>.limits)
         try:
             with env_clock.paused():  # a tool call has its own limit (tool_timeout_s), not the env's
                 result = await with_timeout(
@@ -319,6 +298,10 @@ class VerifiersEnv(Environment):
             )
         self._tools: dict[int, list[dict[str, Any]] | None] = {}
 
+    def world(self, task: Any) -> _World:
+        """A fresh in-process world for one rollout of `task` (an Env's seats open theirs through this)."""
+        return _World(self, task)
+
     async def shared_toolsets(self) -> list[tuple[Any, Any]]:
         """The taskset's own toolsets (`Taskset.toolsets`): built and `setup` once (per event loop), no
         `setup_task`, one in-process MCP server each, shared by every rollout; each call reads and writes the
@@ -355,7 +338,7 @@ class VerifiersEnv(Environment):
             if isinstance(data.prompt, str):
                 prompt.append({"role": "user", "content": data.prompt})
             elif data.prompt:
-                prompt.extend(_to_dict(m) for m in data.prompt)
+                prompt.extend(to_dict(m) for m in data.prompt)
         answer = getattr(data, "answer", None)
         return Example(
             key=f"{self.taskset_id}/{task.key}", prompt=prompt, answer=answer, info={"index": index}

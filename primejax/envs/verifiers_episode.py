@@ -20,12 +20,10 @@ without recording training data: self-play against the current policy.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from primejax.envs.base import Message, ModelCall
-
-if TYPE_CHECKING:
-    from primejax.envs.verifiers_adapter import VerifiersEnv, _World
+from primejax.envs.verifiers_messages import to_dict, vf_message
 
 
 def _vf():
@@ -53,13 +51,11 @@ def parse_policy_agents(value: str, seats: list[str], where: str) -> list[str]:
 
 
 def _prompt_messages(data: Any) -> list[Message]:
-    from primejax.envs.verifiers_adapter import _to_dict
-
     out: list[Message] = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
     if isinstance(data.prompt, str):
         out.append({"role": "user", "content": data.prompt})
     elif data.prompt:
-        out += [_to_dict(m) for m in data.prompt]
+        out += [to_dict(m) for m in data.prompt]
     return out
 
 
@@ -68,7 +64,7 @@ class Interaction:
 
     def __init__(self, episode: Episode, agent: Agent, task: Any, trained: bool):
         self._episode, self._agent, self._task, self.trained = episode, agent, task, trained
-        self.world: _World | None = None
+        self.world: Any = None  # the adapter's per-rollout world, once open
         self._messages = _prompt_messages(task.data)
         self._sampled = [False] * len(self._messages)
         self._started = self._over = self._done = self._ended = False
@@ -79,9 +75,7 @@ class Interaction:
         return self.world.trace
 
     async def open(self) -> None:
-        from primejax.envs.verifiers_adapter import _World
-
-        self.world = _World(self._episode.driver, self._task)
+        self.world = self._episode.driver.world(self._task)
         await self.world.open()
         self.world.name_agent(self._agent.name, self._agent.trainable)
         if self.trained:
@@ -91,8 +85,6 @@ class Interaction:
     async def turn(self, message: Any = None) -> Any:
         """One user turn (a string or messages; none for a prompted task's opening reply), one agent segment."""
         from verifiers.v1.agent import Segment
-
-        from primejax.envs.verifiers_adapter import _to_dict, _vf_message
 
         if self._done:
             raise RuntimeError("this interaction is closed")
@@ -108,7 +100,7 @@ class Interaction:
             new = (
                 [{"role": "user", "content": message}]
                 if isinstance(message, str)
-                else [_to_dict(m) for m in message]
+                else [to_dict(m) for m in message]
             )
             self._messages, self._sampled = self._messages + new, self._sampled + [False] * len(new)
         before = len(self._messages)
@@ -127,7 +119,7 @@ class Interaction:
             self._over = True
             return Segment(messages=[], terminated=True)
         adapter = self.world.message_adapter
-        return Segment(messages=[adapter.validate_python(_vf_message(m)) for m in produced])
+        return Segment(messages=[adapter.validate_python(vf_message(m)) for m in produced])
 
     async def _untrained(self, messages: list[Message], tools: Any = None) -> Message | None:
         if self._calls >= self._episode.driver.max_turns:
@@ -194,11 +186,11 @@ class Agent:
 class Episode:
     """One episode of a verifiers Env: its agents, which seat trains, its finished traces (completion order)."""
 
-    def __init__(self, driver: VerifiersEnv, state: dict[str, Any], model: ModelCall, seat_index: int):
+    def __init__(self, driver: Any, state: dict[str, Any], model: ModelCall, seat_index: int):
         self.driver, self.state, self.model = driver, state, model
         self.seat_index = seat_index
-        self.finished: list[_World] = []
-        self.policy: _World | None = None
+        self.finished: list[Any] = []  # the worlds of finished runs
+        self.policy: Any = None  # the trained seat's world
         self.messages: list[Message] = []
         self.sampled: list[bool] = []
         self._trained_seat: str | None = None

@@ -64,7 +64,7 @@ def load(
     """A verifiers taskset driven in process or by verifiers' own loop, as `driver` says (module docstring)."""
     where = f"verifiers env {taskset_id!r}"
     if driver not in DRIVERS:
-        raise ValueError(f"{where}: args.driver must be one of {', '.join(DRIVERS)} (got {driver!r})")
+        raise ValueError(f"{where}: args.driver must be one of {', '.join(DRIVERS)} or env_server (got {driver!r})")
     if driver == "in_process" and (harness or harness_args):
         raise ValueError(
             f"{where}: args.harness needs args.driver = 'verifiers' (the in-process driver has none)"
@@ -299,22 +299,26 @@ class VerifiersLoopEnv(VerifiersEnv):
     async def sample_rollout(
         self, example: Example, state: dict[str, Any], endpoint: Endpoint
     ) -> SampledRollout:
-        vf = _vf()
-        from verifiers.v1.clients import ModelContext
-
         # max_turns: already this env's cap and the orchestrator's, >= 1
         env = self._build(endpoint.max_turns, endpoint.env_timeout_s)
         await self._serve(env)
-        sampling = {
-            "temperature": endpoint.temperature,
-            "top_p": endpoint.top_p,
-            "max_tokens": endpoint.max_tokens,
-        }
-        if endpoint.seed is not None:
-            sampling["seed"] = endpoint.seed
-        ctx = ModelContext(model=endpoint.model, client=train_client(endpoint), sampling=vf.Sampling(**sampling))
-        episode = await env.run_episode(self.tasks[example.info["index"]], ctx)
+        episode = await env.run_episode(self.tasks[example.info["index"]], model_context(endpoint))
         return episode_to_rollout(episode, getattr(self, "policy_agents", []), state)
+
+
+def model_context(endpoint: Endpoint) -> Any:
+    """verifiers' model context for one rollout: the orchestrator's server, model and sampling settings."""
+    vf = _vf()
+    from verifiers.v1.clients import ModelContext
+
+    sampling = {
+        "temperature": endpoint.temperature,
+        "top_p": endpoint.top_p,
+        "max_tokens": endpoint.max_tokens,
+    }
+    if endpoint.seed is not None:
+        sampling["seed"] = endpoint.seed
+    return ModelContext(model=endpoint.model, client=train_client(endpoint), sampling=vf.Sampling(**sampling))
 
 
 def train_client(endpoint: Endpoint) -> Any:

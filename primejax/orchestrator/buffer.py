@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from primejax.envs.base import Environment
+from primejax.envs.env_limits import EnvLimits
 from primejax.orchestrator.config import BufferConfig
 
 POOLS = ("easy", "hard")
@@ -32,6 +33,7 @@ class EnvSlot:
     env: Environment
     weight: float
     algorithm: Any  # primejax.orchestrator.algorithms.Algorithm
+    limits: EnvLimits | None = None  # orchestrator.envs.<name>.limits (None: none)
 
 
 BufferSettings = BufferConfig  # the `orchestrator.buffer` section is the buffer's settings

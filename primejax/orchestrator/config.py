@@ -5,6 +5,7 @@ Light on purpose (no httpx, transformers or verifiers import): the launcher and 
 
 from __future__ import annotations
 
+from primejax.envs.env_limits import EnvLimitsConfig
 from primejax.orchestrator.algorithms import AlgorithmConfig, GRPOConfig
 from primejax.orchestrator.filters import FiltersConfig
 from primejax.orchestrator.sampling import SamplingConfig
@@ -24,6 +25,7 @@ class EnvConfig(Section):
         doc="this env's own algorithm block; type '' = inherit orchestrator.algo whole",
         factory=lambda: AlgorithmConfig(type=""),
     )
+    limits: EnvLimitsConfig = sub(EnvLimitsConfig, "this env's episodes in flight, episode timeout, tool-call rate")
 
     def check(self) -> None:
         if not self.id:
@@ -171,6 +173,14 @@ class OrchestratorConfig(Section):
     envs: dict[str, EnvConfig] = option(doc="training environments by name", factory=_default_envs)
     batch_size: int = option(32, "rollouts per step", gt=0, le=MAX_ROWS)
     group_size: int = option(8, "rollouts per prompt", gt=0, le=MAX_ROWS)
+    batch_tokens: int = option(
+        0,
+        "size each step's batch in training tokens instead: the trainable rollouts in group order while their "
+        "tokens fit this budget; batch_size then only sizes the first round of groups; 0 = off "
+        "(primejax/orchestrator/token_budget.py)",
+        ge=0,
+        le=MAX_ROWS * MAX_TOKENS,
+    )
     seq_len: int = option(1024, "packed row length", gt=0, le=MAX_TOKENS)
     async_level: int = option(1, "k: step n samples from policy n-1-k or newer; 0 = synchronous", ge=0)
     max_concurrent: int = option(64, "in-flight inference requests", gt=0, le=MAX_ROWS)
@@ -236,6 +246,11 @@ class OrchestratorConfig(Section):
             raise ConfigError(
                 "batch_size",
                 f"must be divisible by orchestrator.group_size ({self.batch_size} % {self.group_size})",
+            )
+        if 0 < self.batch_tokens < self.seq_len:
+            raise ConfigError(
+                "batch_tokens",
+                f"must be 0 (off) or at least seq_len ({self.seq_len}): one rollout's sample may be that long",
             )
         if 0 < self.max_env_message_chars < 1024:
             raise ConfigError("max_env_message_chars", "must be 0 (auto) or at least 1024")

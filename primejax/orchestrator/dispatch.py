@@ -30,6 +30,7 @@ from primejax.orchestrator.outages import OutageCounter, StepRetry
 from primejax.orchestrator.policy import PolicyTracker, min_policy_version
 from primejax.orchestrator.pool import RolloutPool, RunGroup
 from primejax.orchestrator.rollout import Rollout
+from primejax.orchestrator.token_budget import TokenMeter
 
 MAX_TOPUP_ROUNDS = 3  # extra generation rounds per step when online difficulty filtering left the batch short
 
@@ -80,14 +81,20 @@ class BarrierDispatch(Dispatch):
         o = self.o
         self.pre_counts.clear()  # an attempt redone after an outage counts afresh
         replaces = o.buffer.online_difficulty_filtering or self.pre_filters.enforce
-        rounds = 1 + (MAX_TOPUP_ROUNDS if replaces else 0)
+        rounds = 1 + (MAX_TOPUP_ROUNDS if replaces or o.batch_tokens else 0)
         groups: list[list[Rollout]] = []
         missing = o.batch_size
+        meter, tokens = TokenMeter(), 0  # batch_tokens: rounds until the budget is covered (token_budget.py)
         for _ in range(rounds):
             prompts = self.buffer.sample(math.ceil(missing / o.group_size * o.buffer.oversampling_factor))
-            groups += await asyncio.gather(*(self.run_group(env, index, len(groups) + i, step)
-                                             for i, (env, index) in enumerate(prompts)))
-            missing = o.batch_size - sum(r.ok and not r.dropped for g in groups for r in g)
+            new = await asyncio.gather(*(self.run_group(env, index, len(groups) + i, step)
+                                         for i, (env, index) in enumerate(prompts)))
+            groups += new
+            if o.batch_tokens:
+                tokens += sum(meter.observe(g) for g in new)
+                missing = 0 if tokens >= o.batch_tokens else meter.rollouts_for(o.batch_tokens - tokens, o.batch_size)
+            else:
+                missing = o.batch_size - sum(r.ok and not r.dropped for g in groups for r in g)
             if missing <= 0:
                 break
         return groups
@@ -124,7 +131,8 @@ class ContinuousDispatch(Dispatch):
                                                          * o.buffer.oversampling_factor)
         self.pool = RolloutPool(run_group, buffer.sample, tracker, batch_size=o.batch_size,
                                 group_size=o.group_size, async_level=o.async_level, capacity=capacity,
-                                oversampling=o.buffer.oversampling_factor, group_timeout_s=o.pool.group_timeout_s)
+                                oversampling=o.buffer.oversampling_factor, group_timeout_s=o.pool.group_timeout_s,
+                                batch_tokens=o.batch_tokens)
         self.tracker, self.outages, self.retry = tracker, outages, retry
         # One server: a lost request may mean it restarted on the base weights, and groups sampled there since
         # carry the old tags; several: the tracker routes around a replica until it is back on the weights.

@@ -25,6 +25,7 @@ fails that rollout only (`rollout.error`, logged and counted). A failed first re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import math
@@ -37,6 +38,7 @@ from typing import Any, Protocol
 
 from primejax.envs.base import Endpoint
 from primejax.envs.env_clock import EnvClock
+from primejax.envs.env_limits import pace_tool_call
 from primejax.inference.client import sticky_route
 from primejax.inference.routed_experts import RoutingShape
 from primejax.inference.routed_experts import decode as decode_routed
@@ -277,6 +279,8 @@ class GroupGenerator:
     async def _env_call(self, call: Any, what: str) -> Any:
         """An environment call bounded by `orchestrator.env_timeout_s`: a hung one errors its rollout alone."""
         tl = self.timeline
+        if what == "env_response":
+            await pace_tool_call()  # the env's tool-call rate (its limits.tool_calls_per_s)
         start = tl.clock() if tl is not None else 0.0
         try:
             return await asyncio.wait_for(call, self.env_timeout_s)
@@ -292,7 +296,8 @@ class GroupGenerator:
         """Run a rollout's turns (`play`, which keeps `stage` current), then score it and let the algorithm
         finish it. Any failure errors this rollout alone, counted under the stage it happened in."""
         try:
-            await play()
+            async with slot.limits.episode() if slot.limits is not None else contextlib.nullcontext():
+                await play()  # under the env's own limits (primejax/envs/env_limits.py)
             if not rollout.steps:
                 raise RuntimeError("the environment finished without calling the model")
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from primejax.contracts.batch import TrainingSample, batch_env_names, pack_samples, step_dir, write_batch
+from primejax.envs.env_limits import EnvLimits
 from primejax.envs.registry import load_env
 from primejax.envs.workers import WorkerEnv, in_workers
 from primejax.inference.routed_experts import RoutingShape
@@ -46,6 +47,7 @@ from primejax.orchestrator.outages import OutageCounter, StepRetry
 from primejax.orchestrator.policy import PolicyTracker, staleness
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.samples import rollout_to_samples
+from primejax.orchestrator.token_budget import cut_by_tokens
 from primejax.orchestrator.watch import RunWatch
 from primejax.rendering.renderer import build_renderer
 from primejax.utils.faults import fault_point
@@ -74,7 +76,8 @@ def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
                          o.env_timeout_s, name)
         algo = o.env_algo(name)
         algorithm = build_algorithm(algo.type, algo, sampling=o.sampling, **resources)
-        slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm))
+        slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm,
+                             limits=EnvLimits(entry.limits, name)))
     return slots
 
 
@@ -227,7 +230,7 @@ class Orchestrator:
         t_post = time.perf_counter()
         pre_counts = Counter(self.pre_counts)  # counted as groups finish; this step's share ends at the cut
         self.pre_counts.clear()
-        batch = cut_batch(groups, self.o.batch_size)
+        batch = cut_by_tokens(groups, self.o.batch_tokens) if self.o.batch_tokens else cut_batch(groups, self.o.batch_size)
         batch, post_counts = self.post_filters.apply(batch)
         offload = self.dispatch.offload  # off the event loop while the dispatch has groups in flight
         samples = await offload(self.to_samples, batch)
@@ -319,7 +322,12 @@ class Orchestrator:
 
     def _env_worker_metrics(self) -> dict[str, float]:
         workers = [slot.env for slot in self.slots if isinstance(slot.env, WorkerEnv)]
-        return {"env_workers/replaced": float(sum(w.take_replaced() for w in workers))} if workers else {}
+        out = {"env_workers/replaced": float(sum(w.take_replaced() for w in workers))} if workers else {}
+        for slot in self.slots:  # verifiers' env servers (args.driver = "env_server"): lost rollouts, restarts
+            if (servers := getattr(slot.env, "servers", None)) is not None and hasattr(servers, "take_counts"):
+                for key, value in servers.take_counts().items():
+                    out[key] = out.get(key, 0.0) + value
+        return out
 
     def _server_busy(self) -> dict[str, float]:
         # A client of one's own (tests' stand-ins, a custom transport) may keep no meter.

@@ -81,6 +81,7 @@ def sample_metrics(step: int, samples: list[TrainingSample]) -> dict[str, float]
         out["staleness/max"] = max(stale)
         out["policy/min_version"] = min(s.policy_version for s in samples)
     out["samples/loss_tokens"] = sum(sum(s.loss_mask) for s in samples)
+    out["samples/tokens"] = sum(len(s) for s in samples)  # what orchestrator.batch_tokens budgets
     return out
 
 

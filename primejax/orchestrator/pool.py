@@ -2,7 +2,8 @@
 
 Groups are dispatched as soon as there is room, not per step: a dispatcher task keeps up to `capacity` groups
 in flight or finished-and-waiting, and each step's batch is cut from finished groups (first finished, first
-cut) as soon as they hold `batch_size` trainable rollouts; what is left waits for the next cut.
+cut) as soon as they hold `batch_size` trainable rollouts (or `batch_tokens` of their training tokens,
+primejax/orchestrator/token_budget.py); what is left waits for the next cut.
 
 The off-policy bound holds per sample. Every request of a group notes the policy version it started under
 (`generate.GroupTrace`); a group's samples are no older than its oldest request. Step n may train on samples
@@ -39,6 +40,7 @@ from primejax.orchestrator.concurrency import PRIORITY
 from primejax.orchestrator.generate import TRACE, GroupTrace
 from primejax.orchestrator.policy import min_policy_version
 from primejax.orchestrator.rollout import Rollout
+from primejax.orchestrator.token_budget import TokenMeter
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class Ticket:
     #: conditions sum it over every finished group at each group's end, which at 10,000 rollouts in flight made
     #: a per-rollout count the loop's largest own cost (docs/rollouts.md).
     trainable: int = 0
+    tokens: int = 0  # their training tokens, with orchestrator.batch_tokens (counted once too)
 
     def finish(self, rollouts: list[Rollout] | None) -> None:
         self.rollouts = rollouts
@@ -96,6 +99,7 @@ class RolloutPool:
         oversampling: float = 1.0,
         group_timeout_s: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
+        batch_tokens: int = 0,
     ):
         """`run_group(env, index, group_id, step)` generates and finalizes one group; `sample(n)` draws n
         (env, index) prompts; `policy` has `.version` and `wait_for(v)` (the PolicyTracker); a group running
@@ -104,6 +108,8 @@ class RolloutPool:
         self.group_timeout_s = group_timeout_s
         self.batch_size, self.group_size, self.k = batch_size, group_size, async_level
         self.capacity, self.oversampling, self.clock = max(1, capacity), oversampling, clock
+        # orchestrator.batch_tokens: cuts hold a token budget; dispatch sizes a batch at the rollouts one held
+        self.batch_tokens, self.meter = batch_tokens, TokenMeter()
         self.running: dict[int, Ticket] = {}
         self.done: deque[Ticket] = deque()
         self.requeued: deque[tuple[str, int]] = deque()  # prompts dispatched first (resume, lost requests)
@@ -139,7 +145,8 @@ class RolloutPool:
         # started now can serve one more step at most, and dispatching past that only feeds the bound's
         # cancellations. A running group that yields fewer trainable rollouts frees its share when it finishes.
         covered = sum(t.trainable for t in self.done) + len(self.running) * self.group_size
-        missing = useful_steps * self.batch_size - covered
+        per_batch = self.meter.rollouts_for(self.batch_tokens, self.batch_size) if self.batch_tokens else self.batch_size
+        missing = useful_steps * per_batch - covered
         if missing <= 0:
             return 0  # finished and running work already covers every step a group started now could serve
         # A finished group without a trainable rollout (all errored: a hung env worker, a failing env) holds no
@@ -152,6 +159,13 @@ class RolloutPool:
         # step mode's draw): a burst up to `capacity` at the bound would start groups no step can use.
         wanted = math.ceil(missing * self.oversampling / self.group_size)
         return max(0, min(self.capacity - held, wanted))
+
+    def _target(self) -> int:
+        """What a cut waits for: trainable rollouts (batch_size) or their tokens (batch_tokens)."""
+        return self.batch_tokens or self.batch_size
+
+    def _held(self, tickets: Any) -> int:
+        return sum(t.tokens for t in tickets) if self.batch_tokens else sum(t.trainable for t in tickets)
 
     def _empty(self) -> int:
         return sum(t.trainable == 0 for t in self.done)
@@ -218,6 +232,8 @@ class RolloutPool:
             if self.group_timeout_s > 0:
                 group = asyncio.wait_for(group, self.group_timeout_s)
             ticket.finish(await group)
+            if self.batch_tokens:
+                ticket.tokens = self.meter.observe(ticket.rollouts or [])
         except TimeoutError:
             log.warning(
                 "group %d (%s #%d) timed out after %.0f s: cancelled",
@@ -284,16 +300,16 @@ class RolloutPool:
             cond.notify_all()
             await cond.wait_for(
                 lambda: (
-                    sum(t.trainable for t in self.done) >= self.batch_size
+                    self._held(self.done) >= self._target()
                     or self._empty() >= 2 * self.capacity
                 )  # dispatch stopped: only failed groups (`_need`)
             )
         taken: list[Ticket] = []
         count = 0
-        while count < self.batch_size and self.done:  # short only when the pool filled with failed groups
+        while count < self._target() and self.done:  # short only when the pool filled with failed groups
             ticket = self.done.popleft()
             taken.append(ticket)
-            count += ticket.trainable
+            count += ticket.tokens if self.batch_tokens else ticket.trainable
         # Groups finished without a trainable rollout (all errored or filtered) are cut too: their rollouts
         # belong in this step's metrics, and they must not fill the pool.
         empty = [t for t in self.done if t.trainable == 0]

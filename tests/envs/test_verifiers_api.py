@@ -135,3 +135,15 @@ def test_verifiers_own_loop_surface():
     )
     assert callable(message_to_wire) and callable(agent_config_fields)
     assert default_harness_id("") == "bash" and environment_class("") is vf.SingleAgentEnv
+
+
+def test_verifiers_env_server_surface():
+    """What primejax/envs/env_server.py uses of verifiers' env server (verifiers.v1.serve)."""
+    from verifiers.v1.serve import EnvClient, EnvServer
+
+    assert list(inspect.signature(EnvServer).parameters) == ["config", "address", "max_concurrent"]
+    assert inspect.iscoroutinefunction(EnvServer.run)
+    assert list(inspect.signature(EnvClient.run).parameters)[:6] == [
+        "self", "client", "model", "sampling", "task_data", "on_delta"]
+    assert "timeout" in inspect.signature(EnvClient.health).parameters
+    assert inspect.iscoroutinefunction(EnvClient.close)

@@ -35,7 +35,7 @@ class Scorer:
 
 def test_driver_args_are_checked_with_one_line():
     with pytest.raises(
-        ValueError, match=r"args.driver must be one of auto, in_process, verifiers \(got 'harness'\)"
+        ValueError, match=r"args.driver must be one of auto, in_process, verifiers or env_server \(got 'harness'\)"
     ):
         load_env(TASKSET, {"size": 2, "driver": "harness"})
     with pytest.raises(ValueError, match="args.harness needs args.driver = 'verifiers'"):
