@@ -36,6 +36,7 @@ from primejax.models.attention import SegmentRuns, attention, prepare_segments, 
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import to_heads, to_tokens
 from primejax.models.deltanet import gated_deltanet
+from primejax.models.families.base import FULL_ATTENTION, LINEAR_ATTENTION
 from primejax.models.layers import apply_rope, rms_norm, rope_tables
 from primejax.models.mla import attention_scale as mla_attention_scale
 from primejax.models.mla import mla_qkv
@@ -201,8 +202,61 @@ def _attention(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, co
     return o_btd
 
 
+def _deltanet(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, cos, sin, runs) -> jax.Array:
+    """The Gated DeltaNet token mixer [B, T, D] -> [B, T, D] (models/deltanet.py; no rotary, no kernel runs)."""
+    return gated_deltanet(cfg, p, h_btd, segment_ids)
+
+
+def _dense_mlp(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, replay) -> tuple[jax.Array, None]:
+    """The SwiGLU MLP [B, T, D] -> [B, T, D], with the adapters (models/lora.py) of the weights that have them."""
+    dt, s = h_btd.dtype, cfg.lora_scale
+    g_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt)), h_btd, p, "gate_proj", s)
+    u_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt)), h_btd, p, "up_proj", s)
+    a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
+    y_btd = lora.with_adapter(jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt)), a_btf, p, "down_proj", s)
+    return y_btd, None
+
+
+def _sparse_mlp(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, replay):
+    """The mixture of experts [B, T, D] -> ([B, T, D], this layer's routing statistics per token shard: the
+    stack combines them once after its layers). `replay` = (experts [B, T, k], mask [B, T]) forces the masked
+    tokens onto recorded experts (moe.route)."""
+    y_btd, r = moe_block(
+        h_btd,
+        p,
+        top_k=cfg.num_experts_per_tok,
+        norm_topk_prob=cfg.norm_topk_prob,
+        impl=cfg.gmm_impl,
+        mode=cfg.expert_parallel,
+        a2a_impl=cfg.a2a_impl,
+        a2a_capacity_factor=cfg.a2a_capacity_factor,
+        keep_gathered_experts=cfg.keep_gathered_experts,
+        replay_idx=None if replay is None else replay[0],
+        replay_mask=None if replay is None else replay[1],
+        scoring=cfg.router_scoring,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        scale=cfg.routed_scaling_factor,
+        lora_scale=cfg.lora_scale,
+    )
+    return y_btd, router_partials(r, segment_ids > 0, cfg.num_experts)
+
+
+# A layer's kind is (token mixer, MLP): the mixer by HF's `layer_types` name (ModelConfig.layer_type), the MLP
+# dense or sparse (ModelConfig.is_sparse_layer). A new kind of layer is one function here and its weights in
+# DecoderStack; the families (models/families/) only say which kinds their layers are.
+MIXERS = {FULL_ATTENTION: _attention, LINEAR_ATTENTION: _deltanet}
+MLPS = {False: _dense_mlp, True: _sparse_mlp}  # by ModelConfig.is_sparse_layer
+
+
+def layer_kind(cfg: ModelConfig, layer: int) -> tuple[str, bool]:
+    """(token mixer, sparse MLP) of model layer `layer`."""
+    return cfg.layer_type(layer), cfg.is_sparse_layer(layer)
+
+
 def decoder_layer(
     cfg: ModelConfig,
+    kind: tuple[str, bool],
     p: dict[str, jax.Array],
     x_btd,
     segment_ids,
@@ -211,51 +265,22 @@ def decoder_layer(
     runs: SegmentRuns | None = None,
     replay: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `p` holds one layer's (unstacked) weights.
+    """One pre-norm block of `kind` (`layer_kind`): x + mixer(norm(x)), then + mlp(norm(.)). `p` holds one
+    layer's (unstacked) weights.
 
     `runs`: the attention kernel's per-forward description of the rows (`attention.prepare_segments`).
     Returns (output, routing statistics of a sparse layer or None); `replay` = (experts [B, T, k], mask [B, T])
     forces the masked tokens of a sparse layer onto recorded experts (moe.route).
     """
-    dt = x_btd.dtype
+    mixer, sparse = kind
     eps = cfg.rms_norm_eps
-    s = cfg.lora_scale  # adapters (models/lora.py) add s·(x·A)·B to the weights that have them
-
     h_btd = rms_norm(x_btd, p["attn_norm"], eps, offset=cfg.norm_offset)
-    if "lin_qkv" in p:  # Qwen3.5's Gated DeltaNet layers (models/deltanet.py)
-        o_btd = gated_deltanet(cfg, p, h_btd, segment_ids)
-    else:
-        o_btd = _attention(cfg, p, h_btd, segment_ids, cos, sin, runs)
+    o_btd = MIXERS[mixer](cfg, p, h_btd, segment_ids, cos, sin, runs)
     x_btd = constrain(x_btd + o_btd, ("batch", "seq", "act_embed"))
 
     h_btd = rms_norm(x_btd, p["mlp_norm"], eps, offset=cfg.norm_offset)
-    if "router" in p:
-        y_btd, r = moe_block(
-            h_btd,
-            p,
-            top_k=cfg.num_experts_per_tok,
-            norm_topk_prob=cfg.norm_topk_prob,
-            impl=cfg.gmm_impl,
-            mode=cfg.expert_parallel,
-            a2a_impl=cfg.a2a_impl,
-            a2a_capacity_factor=cfg.a2a_capacity_factor,
-            keep_gathered_experts=cfg.keep_gathered_experts,
-            replay_idx=None if replay is None else replay[0],
-            replay_mask=None if replay is None else replay[1],
-            scoring=cfg.router_scoring,
-            n_group=cfg.n_group,
-            topk_group=cfg.topk_group,
-            scale=cfg.routed_scaling_factor,
-            lora_scale=s,
-        )
-        # per token shard: the layers' stack is combined once after them (_Layers)
-        stats = router_partials(r, segment_ids > 0, cfg.num_experts)
-        return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), stats
-    g_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt)), h_btd, p, "gate_proj", s)
-    u_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt)), h_btd, p, "up_proj", s)
-    a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
-    y_btd = lora.with_adapter(jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt)), a_btf, p, "down_proj", s)
-    return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), None
+    y_btd, stats = MLPS[sparse](cfg, p, h_btd, segment_ids, replay)
+    return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), stats
 
 
 # Parameters the optimizer leaves unchanged (trainer/optim.py): GLM-4.5's router correction bias steers the
@@ -414,13 +439,7 @@ class DecoderStack(nnx.Module):
         `replay` = (experts [B, T, Ls, k], mask [B, T]): routing replay for the sparse layers (moe.route).
         """
         cfg = self.cfg
-        layer = functools.partial(decoder_layer, cfg)
-
-        def step(x, p, rp):
-            return layer(p, x, segment_ids, cos, sin, runs, rp)
-
         policy = resolve_remat_policy(cfg.remat_policy, x_btd.shape[0] * x_btd.shape[1])
-        stacked = self.stacked_params()
         if policy != "none":
             if policy == "attn_offload":
                 fn = _offloads_attention(resolve_impl(self.cfg.attention_impl, x_btd.dtype) == "cudnn")
@@ -430,10 +449,23 @@ class DecoderStack(nnx.Module):
                 fn = _also_saves(fn, EXPERTS_GATHERED)
             if cfg.keep_exchanged_tokens:
                 fn = _also_saves(fn, EXCHANGED)
+
+        @functools.cache
+        def step_of(kind):  # one (remat-wrapped) step function per kind of layer
+            layer = functools.partial(decoder_layer, cfg, kind)
+
+            def step(x, p, rp):
+                return layer(p, x, segment_ids, cos, sin, runs, rp)
+
+            if policy == "none":
+                return step
             # Inside a scan CSE cannot merge the recomputation with the forward pass; unrolled it can.
-            step = jax.checkpoint(step, policy=fn, prevent_cse=not cfg.scan_layers)
+            return jax.checkpoint(step, policy=fn, prevent_cse=not cfg.scan_layers)
+
+        stacked = self.stacked_params()
         sparse = cfg.sparse_layers()
-        if cfg.scan_layers:
+        if cfg.scan_layers:  # every layer of one kind (ModelConfig's checks)
+            step = step_of(layer_kind(cfg, 0))
             if not sparse or replay is None:
                 x_btd, stats = jax.lax.scan(lambda x, p: step(x, p, None), x_btd, stacked, unroll=cfg.scan_unroll)
             else:
@@ -458,7 +490,7 @@ class DecoderStack(nnx.Module):
                 rp = (replay[0][:, :, sparse.index(i)], replay[1])
             # the weights this layer has (a sparse layer no dense MLP, a DeltaNet layer no q_proj, ...)
             p = {k: v[covers[k].index(i)] for k, v in per_layer.items() if i in covers[k]}
-            x_btd, st = step(x_btd, p, rp)
+            x_btd, st = step_of(layer_kind(cfg, i))(x_btd, p, rp)
             if st is not None:
                 per_stats.append(st)
         if not per_stats:
