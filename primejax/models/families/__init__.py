@@ -1,6 +1,12 @@
-"""The model families, one file each; importing this package registers them all (families/base.py)."""
+"""The model families, one file each; importing this package registers every module of it (families/base.py),
+so a new family is its file alone."""
 
-from primejax.models.families import deepseek_v3, glm4_moe, llama, qwen2, qwen3, qwen3_5, qwen3_moe  # noqa: F401
+import importlib
+import pkgutil
+
 from primejax.models.families.base import FAMILIES, WRAPPERS, Family, family_of, register
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["FAMILIES", "WRAPPERS", "Family", "family_of", "register"]
