@@ -75,7 +75,8 @@ def offload_check_worker(c: dict) -> dict:
     import numpy as np
     from flax import nnx
 
-    from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.sharding import make_mesh
+    from primejax.models.transformer import init_model
     from primejax.trainer.config import OptimConfig, TrainerConfig
     from primejax.trainer.engine import Engine
     from tools.bench_moe import _model_config

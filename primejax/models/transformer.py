@@ -37,13 +37,14 @@ from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import to_heads, to_tokens
 from primejax.models.deltanet import gated_deltanet
 from primejax.models.families.base import FULL_ATTENTION, LINEAR_ATTENTION
+from primejax.models.gmm import GMM_OUTPUTS
 from primejax.models.layers import apply_rope, rms_norm, rope_tables
 from primejax.models.mla import attention_scale as mla_attention_scale
 from primejax.models.mla import mla_qkv
-from primejax.models.moe import EXPERTS_GATHERED, GMM_OUTPUTS, moe_block, router_partials, router_stats
+from primejax.models.moe import EXPERTS_GATHERED, moe_block, router_partials, router_stats
 from primejax.models.moe_a2a import EXCHANGED
 from primejax.models.precision import accumulating_einsum
-from primejax.models.sharding import constrain
+from primejax.models.sharding import constrain, create_sharded
 from primejax.models.splash_attention import RESIDUALS as SPLASH_RESIDUALS
 
 _INIT_STD = 0.02  # HF initializer_range default for these families
@@ -569,3 +570,8 @@ class Transformer(nnx.Module):
         w_dv = self.lm_head_weight()
         out = accumulating_einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), jnp.float32)
         return constrain(out, ("batch", "seq", "act_vocab"))
+
+
+def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None, seed: int = 0) -> Transformer:
+    """A randomly initialized Transformer (HF-style normal(0.02) weights, unit norms), sharded by the rules."""
+    return create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)), mesh)

@@ -12,7 +12,7 @@ from hf_variants import read_checkpoint_tensors
 from primejax.models.checkpoint import restore_params, save_params
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import param_variables
-from primejax.models.sharding import init_model
+from primejax.models.transformer import init_model
 from tools.convert_checkpoint import main as convert_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
