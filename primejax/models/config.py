@@ -20,7 +20,7 @@ from primejax.models.families import FAMILIES, WRAPPERS, Family, family_of
 from primejax.models.families.base import FULL_ATTENTION, LINEAR_ATTENTION
 
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
-# Remat policies, applied per decoder layer (see `transformer.resolve_remat_policy`):
+# Remat policies, applied per decoder layer (see `remat.resolve_remat_policy`):
 #   none           keep every activation (fastest, most memory)
 #   full           save only the layer input; recompute the whole layer in the backward pass
 #   dots           save the outputs of all matmuls (projections and attention scores), recompute elementwise ops
@@ -31,7 +31,7 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #   attn_experts_offload  attn, and the experts' gate/up grouped-matmul output offloaded to pinned host memory
 #                  instead of recomputed (MoE; slower than attn on H200 PCIe hosts: docs/memory.md)
 #   auto           dots_no_batch_attn up to 32k tokens per micro-batch, attn beyond (fastest measured, and
-#                  the long rows fit: see transformer.resolve_remat_policy and docs/benchmarks.md)
+#                  the long rows fit: see remat.resolve_remat_policy and docs/benchmarks.md)
 REMAT_POLICIES = (
     "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "attn_offload", "attn_experts_offload",
     "auto",

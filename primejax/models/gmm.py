@@ -184,7 +184,7 @@ def mgpu_available() -> bool:
 
 # The experts' SwiGLU over rows grouped by expert, which both of moe.py's exchanges and moe_a2a.py's run.
 # Checkpoint names of the grouped matmuls' outputs: remat policies that keep the weight matmuls' outputs keep
-# these too (transformer._saves_attention_and_weight_dots); the kernels are custom calls, not dot_general, so
+# these too (remat._saves_attention_and_weight_dots); the kernels are custom calls, not dot_general, so
 # jax's dots policies alone would re-run them in the backward pass.
 GMM_OUTPUTS = ("moe_gate_up", "moe_down")
 
