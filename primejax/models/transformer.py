@@ -1,25 +1,25 @@
-"""Causal decoder for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 / DeepSeek-V3 families (Flax NNX).
+"""The causal decoder every family runs (Flax NNX); the families (models/families/) only configure it.
 
 Layer parameters are stacked on a leading `layers` axis and the forward pass applies one pure layer function
 per layer, unrolled by default or as a `lax.scan` (`ModelConfig.scan_layers`: traced and compiled once however
-deep the model is); the remat policy wraps exactly one layer either way. The HF name mapping (hf_io.py) stacks
-and unstacks at the boundary.
+deep the model is); the remat policy (models/remat.py) wraps exactly one layer either way. A layer's kind, its
+token mixer and its dense or sparse MLP, picks its functions (`MIXERS`, `MLPS`). The HF name mapping
+(hf_io.py) stacks and unstacks at the boundary.
 
 Weights are stored in einsum-friendly layouts, shapes named by their axes:
   embed        [V, D]           q_proj [L, D, H, Dh]   k_proj/v_proj [L, D, K, Dh]   o_proj [L, H, Dh, D]
   gate/up_proj [L, D, F]        down_proj [L, F, D]    lm_head [D, V] (absent when tied)
 Letters: B batch, T sequence, D hidden, H query heads, K kv heads, Dh head dim, F MLP width, V vocab.
 
-Mixture of experts (qwen3_moe, glm4_moe; models/moe.py): the dense MLP weights are stacked over the dense
-layers only and the sparse layers' weights over the sparse layers only (router [Ls, D, E], experts_gate_up
-[Ls, E, D, 2, I], experts_down [Ls, E, I, D]; glm4_moe adds router_bias [Ls, E] (fp32) and the shared experts
-shared_gate_proj/shared_up_proj [Ls, D, Fs], shared_down_proj [Ls, Fs, D]; qwen3_5_moe_text one shared expert
-and its gate shared_expert_gate [Ls, D]); attention weights stay stacked over all L layers.
+Mixture of experts (models/moe.py): the dense MLP weights are stacked over the dense layers only and the sparse
+layers' weights over the sparse layers only (router [Ls, D, E], experts_gate_up [Ls, E, D, 2, I], experts_down
+[Ls, E, I, D]; the sigmoid router adds router_bias [Ls, E] (fp32), shared experts shared_gate_proj/
+shared_up_proj [Ls, D, Fs], shared_down_proj [Ls, Fs, D], and a gated shared expert shared_expert_gate
+[Ls, D]); attention weights stay stacked over all L layers.
 
-DeepSeek-V3 (deepseek_v3) replaces q/k/v_proj with multi-head latent attention's weights (models/mla.py); its
-MoE layers are GLM-4.5's (sigmoid router with the correction bias, groups, shared experts).
-Qwen3.5 (qwen3_5_text, and qwen3_5_moe_text with MoE MLPs) mixes Gated DeltaNet layers (models/deltanet.py) with gated full-attention ones: each
-kind's weights are stacked over its own layers (`stacked_over`), the norms and MLP over all.
+Multi-head latent attention (models/mla.py) replaces q/k/v_proj with its own weights. A hybrid stack
+(`layer_types`) mixes Gated DeltaNet layers (models/deltanet.py) with full-attention ones: each kind's weights
+are stacked over its own layers (`stacked_over`), the norms and MLP over all.
 """
 
 from __future__ import annotations
