@@ -245,7 +245,7 @@ def jax_worker(c: dict) -> dict:
     import jax
     import numpy as np
 
-    from primejax.models.transformer import resolve_remat_policy
+    from primejax.models.remat import resolve_remat_policy
     from primejax.trainer.config import TrainerConfig
     from primejax.trainer.engine import Engine
     from primejax.trainer.fused_head import saved_logits_bytes

@@ -102,7 +102,8 @@ def sender(args: argparse.Namespace) -> None:
     from primejax.inference.admin_auth import process_token
     from primejax.models.config import ModelConfig
     from primejax.models.hf_io import export_safetensors
-    from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.sharding import make_mesh
+    from primejax.models.transformer import init_model
     from primejax.transports.weights.collective.device import hf_device_tensors
     from primejax.transports.weights.collective.sender import CollectiveSender
 

@@ -76,7 +76,8 @@ def sender(a: argparse.Namespace) -> None:
         kw = {"local_device_ids": [a.pid]} if gpu else {}
         jax.distributed.initialize(a.coordinator, a.nproc, a.pid, **kw)
     from primejax.models.config import ModelConfig
-    from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.sharding import make_mesh
+    from primejax.models.transformer import init_model
     from primejax.trainer.config import BroadcastConfig
     from primejax.transports.weights.publish import FilesystemPublisher, make_publisher
 

@@ -62,8 +62,9 @@ def one_shape(args: argparse.Namespace) -> dict:
     from primejax.inference.process import InferenceServerProcess
     from primejax.inference.server import ServerSpec, free_port
     from primejax.models.config import ModelConfig
-    from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.sharding import make_mesh
     from primejax.models.tiny import build_tokenizer
+    from primejax.models.transformer import init_model
     from primejax.transports.weights.collective.device import hf_device_tensors
     from primejax.transports.weights.collective.sender import CollectiveSender
 

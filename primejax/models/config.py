@@ -1,9 +1,9 @@
-"""Model configuration: one frozen dataclass for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 / DeepSeek-V3
-decoder families.
+"""Model configuration: one frozen dataclass for every decoder family (models/families/).
 
 Built from (and written back to) a Hugging Face `config.json`, so a checkpoint directory alone describes the
-model. Training-side choices (dtypes, attention kernel, remat policy) are not part of the HF config and come
-in as overrides.
+model: this module reads and writes the keys every family shares and asks the checkpoint's family
+(`families.family_of(model_type)`) for the rest, its checks and its FLOPs convention. Training-side choices
+(dtypes, attention kernel, remat policy) are not part of the HF config and come in as overrides.
 """
 
 from __future__ import annotations
@@ -16,17 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from primejax.models.hf_families import (
-    DEEPSEEK_V3_KEYS,
-    deepseek_v3_fields,
-    deepseek_v3_hf,
-    glm4_moe_fields,
-    glm4_moe_hf,
-    read_rope,
-)
+from primejax.models.families import FAMILIES, WRAPPERS, Family, family_of
+from primejax.models.families.base import FULL_ATTENTION, LINEAR_ATTENTION
 
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
-# Remat policies, applied per decoder layer (see `transformer.resolve_remat_policy`):
+# Remat policies, applied per decoder layer (see `remat.resolve_remat_policy`):
 #   none           keep every activation (fastest, most memory)
 #   full           save only the layer input; recompute the whole layer in the backward pass
 #   dots           save the outputs of all matmuls (projections and attention scores), recompute elementwise ops
@@ -37,27 +31,24 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #   attn_experts_offload  attn, and the experts' gate/up grouped-matmul output offloaded to pinned host memory
 #                  instead of recomputed (MoE; slower than attn on H200 PCIe hosts: docs/memory.md)
 #   auto           dots_no_batch_attn up to 32k tokens per micro-batch, attn beyond (fastest measured, and
-#                  the long rows fit: see transformer.resolve_remat_policy and docs/benchmarks.md)
+#                  the long rows fit: see remat.resolve_remat_policy and docs/benchmarks.md)
 REMAT_POLICIES = (
     "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "attn_offload", "attn_experts_offload",
     "auto",
 )
 _DTYPES = ("float32", "bfloat16", "float16")
-# The model families (HF model_type -> its transformers class): the one list of them.
-ARCHITECTURES = {
-    "qwen3": "Qwen3ForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "qwen3_5_text": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-}
+# The model families (HF model_type -> its transformers class), as registered in models/families/.
+ARCHITECTURES = {t: f.architecture for t, f in FAMILIES.items()}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
-# Multimodal checkpoints whose language model primejax trains (models/qwen3_5.py `text_config_of`).
-QWEN3_5_WRAPPERS = ("qwen3_5", "qwen3_5_moe")
-MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.moe)
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the token mixers (transformer.MIXERS)
+# config.json keys every family reads (from_hf_config); a family's own are its `hf_keys`
+COMMON_HF_KEYS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+    "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "max_position_embeddings",
+    "architectures", "torch_dtype", "dtype", "transformers_version",
+})  # fmt: skip
 # How a MoE router turns its logits into experts and combine weights (models/moe.py `route`):
 #   softmax  Qwen3-MoE: softmax over all experts, top-k of the probabilities
 #   sigmoid  GLM-4.5 / DeepSeek-V3: a sigmoid score per expert; the top-k is chosen on score + a fixed
@@ -183,7 +174,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # DeepSeek's rope layout: interleaved pairs (models/layers.py)
-    # Qwen3.5's hybrid stack (qwen3_5_text; models/deltanet.py, models/qwen3_5.py): each layer's token mixer,
+    # Qwen3.5's hybrid stack (qwen3_5_text; models/deltanet.py, models/families/qwen3_5.py): each layer's token mixer,
     # "full_attention" or "linear_attention" (Gated DeltaNet); () = every layer full attention. The linear_*
     # fields size the DeltaNet layers. attn_output_gate: q_proj also gives a per-head sigmoid gate on the
     # attention output; norm_offset: RMSNorm weights are stored zero-centered and applied as 1 + w.
@@ -205,8 +196,7 @@ class ModelConfig:
     hf_extra: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
+        family = family_of(self.model_type)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
@@ -263,22 +253,36 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            supported = ("default", "llama3", "yarn") if self.model_type == "deepseek_v3" else ("default", "llama3")
+            supported = family.rope_types
             if rope_type not in supported:
                 raise NotImplementedError(
                     f"rope scaling type {rope_type!r} is not implemented for {self.model_type} (supported: "
                     f"{', '.join(supported)})"
                 )
         if self.layer_types:
-            from primejax.models.qwen3_5 import check_hybrid
-
-            check_hybrid(self)
+            self._check_layer_types(family)
         if self.mla:
             self._check_mla()
             if self.lora_rank:
                 raise NotImplementedError("LoRA on multi-head latent attention (deepseek_v3) is not implemented")
-        elif self.model_type == "deepseek_v3":
-            raise ValueError("deepseek_v3 needs kv_lora_rank > 0 (multi-head latent attention)")
+        family.check(self)
+
+    def _check_layer_types(self, family: Family) -> None:
+        if len(self.layer_types) != self.num_layers or any(t not in family.mixers for t in self.layer_types):
+            raise ValueError(
+                f"layer_types must give one of {family.mixers} ({self.model_type}'s layer kinds) for each of the "
+                f"{self.num_layers} layers"
+            )
+        if self.linear_attention_layers():
+            dims = (self.linear_conv_kernel_dim, self.linear_key_head_dim, self.linear_value_head_dim,
+                    self.linear_num_key_heads, self.linear_num_value_heads)  # fmt: skip
+            if min(dims) <= 0 or self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(
+                    "Gated DeltaNet layers need positive linear_* sizes and linear_num_value_heads a multiple of "
+                    "linear_num_key_heads"
+                )
+        if self.scan_layers and len(set(self.layer_types)) > 1:
+            raise ValueError("scan_layers=True needs every layer of one kind: a hybrid stack runs unrolled")
 
     def _check_mla(self) -> None:
         if self.num_kv_heads != self.num_heads:
@@ -309,7 +313,13 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
 
     def layer_type(self, layer: int) -> str:
-        return self.layer_types[layer] if self.layer_types else "full_attention"
+        """The token mixer of `layer` (transformer.MIXERS): `layer_types`' entry, full attention without one."""
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    @property
+    def family(self) -> Family:
+        """This model_type's family (models/families/)."""
+        return FAMILIES[self.model_type]
 
     @property
     def qk_head_dim(self) -> int:
@@ -341,15 +351,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict, **overrides: Any) -> ModelConfig:
-        """Map an HF `config.json` dict to a ModelConfig; `overrides` set fields (dtypes, attention_impl, ...)."""
-        model_type = hf.get("model_type")
-        if model_type in QWEN3_5_WRAPPERS:
-            from primejax.models.qwen3_5 import text_config_of
+        """Map an HF `config.json` dict to a ModelConfig; `overrides` set fields (dtypes, attention_impl, ...).
 
-            hf = text_config_of(hf)
-            model_type = hf["model_type"]
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        The keys every family shares are read here, the family's own by its `fields` (models/families/)."""
+        if hf.get("model_type") in WRAPPERS:  # a multimodal checkpoint: its language model
+            hf = WRAPPERS[hf["model_type"]].text_config(hf)
+        model_type = hf.get("model_type")
+        if model_type not in FAMILIES:
             raise ValueError(f"HF model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
+        family = FAMILIES[model_type]
         if hf.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is implemented")
         if hf.get("mlp_bias", False):
@@ -363,76 +373,28 @@ class ModelConfig:
         rope_theta, rope_scaling = read_rope(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
-        head_dim = int(hf.get("head_dim") or hidden // num_heads)
-        if model_type == "deepseek_v3":  # the rotated part of a head (transformers sets head_dim to it too)
-            head_dim = int(hf.get("qk_rope_head_dim", 64))
-        if model_type == "qwen2":
-            qkv_bias, out_bias = True, False
-        elif model_type in ("glm4_moe", "deepseek_v3"):  # GLM-4.5: a bias on q/k/v only, never on o_proj
-            qkv_bias, out_bias = bool(hf.get("attention_bias", False)), False
-        else:
-            qkv_bias = out_bias = bool(hf.get("attention_bias", False))
-        known = {
-            "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
-            "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "max_position_embeddings",
-            "architectures", "torch_dtype", "dtype", "transformers_version",
-        }
-        moe: dict[str, Any] = {}
-        if model_type == "qwen3_moe":
-            known |= {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                      "decoder_sparse_step", "mlp_only_layers"}
-            moe = dict(
-                # transformers 5 writes num_local_experts (an alias it maps num_experts to); the Hub's
-                # configs and older readers use num_experts, which is what to_hf_config writes.
-                num_experts=int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]),
-                num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-            )
-        if model_type == "glm4_moe":
-            known |= {"n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                      "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "n_shared_experts",
-                      "first_k_dense_replace", "use_qk_norm", "partial_rotary_factor", "hidden_act"}
-            moe = glm4_moe_fields(hf)
-        if model_type == "deepseek_v3":
-            known |= DEEPSEEK_V3_KEYS
-            moe = deepseek_v3_fields(hf)
-        if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
-            from primejax.models.qwen3_5 import (
-                QWEN3_5_KEYS,
-                QWEN3_5_MOE_KEYS,
-                qwen3_5_fields,
-                qwen3_5_moe_fields,
-            )
-
-            known |= QWEN3_5_KEYS
-            moe = qwen3_5_fields(hf)
-            if model_type == "qwen3_5_moe_text":  # every layer sparse: no dense MLP width
-                known |= QWEN3_5_MOE_KEYS
-                moe.update(qwen3_5_moe_fields(hf))
+        bias = bool(hf.get("attention_bias", False))
+        known = COMMON_HF_KEYS | family.hf_keys
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"] if model_type != "qwen3_5_moe_text" else 0),
+            intermediate_size=int(hf.get("intermediate_size", 0)),
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=head_dim,
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text") or bool(hf.get("use_qk_norm", False)),
-            attention_bias=qkv_bias,
-            attention_out_bias=out_bias,
+            qk_norm=bool(hf.get("use_qk_norm", False)),
+            attention_bias=bias,
+            attention_out_bias=bias,
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             hf_extra={k: v for k, v in hf.items() if k not in known},
-            **moe,
         )
+        fields.update(family.fields(hf))
         fields.update(overrides)
         return cls(**fields)
 
@@ -475,31 +437,14 @@ class ModelConfig:
             rope_parameters=rope_params,
             torch_dtype=dtype,
             dtype=dtype,
+            attention_bias=self.attention_bias,
         )
-        if self.model_type != "qwen2":
-            hf["attention_bias"] = self.attention_bias
-        if self.model_type == "glm4_moe":
-            hf.update(glm4_moe_hf(self))
+        family = self.family
+        if family.partial_rotary:
             rope_params["partial_rotary_factor"] = self.partial_rotary_factor
-        if self.model_type == "deepseek_v3":
-            hf.update(deepseek_v3_hf(self))
-        if self.model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
-            from primejax.models.qwen3_5 import qwen3_5_hf, qwen3_5_moe_hf
-
-            hf.update(qwen3_5_hf(self))
-            rope_params["partial_rotary_factor"] = self.partial_rotary_factor
-            if self.model_type == "qwen3_5_moe_text":  # transformers' config class has no intermediate_size
-                hf.update(qwen3_5_moe_hf(self))
-                del hf["intermediate_size"]
-        if self.model_type == "qwen3_moe":
-            hf.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-            )
+        hf.update(family.hf_fields(self))
+        for key in family.hf_absent:
+            del hf[key]
         return hf
 
     # ------------------------------------------------------------------ mixture of experts
@@ -543,7 +488,7 @@ class ModelConfig:
         """The Gated DeltaNet layers' weights (qwen3_5_text): all, or only those in matmuls."""
         if not self.layer_types:
             return 0
-        from primejax.models.qwen3_5 import deltanet_params
+        from primejax.models.deltanet import deltanet_params
 
         return len(self.linear_attention_layers()) * deltanet_params(self, matmul=matmul)
 
@@ -576,7 +521,7 @@ class ModelConfig:
         GLM-4.5 uses its own head width (12 * layers * heads * head_dim * seq_len: QK^T and PV, forward and
         backward): its 96 heads of 128 are three times its hidden size of 4096, which hidden/heads would miss.
         Qwen3.5 MoE too (16 heads of 256 against a hidden size of 2048), over its full-attention layers only;
-        the hybrid families add their DeltaNet layers' own term (qwen3_5.deltanet_flops_per_token).
+        the hybrid families add their DeltaNet layers' own term (deltanet.deltanet_flops_per_token).
         DeepSeek-V3 (MLA, trained decompressed) counts QK^T over Dn + Dr and PV over Dv per head:
         6 * layers * heads * (Dn + Dr + Dv) * seq_len (V3: 192 + 128 against hidden/heads = 56).
         """
@@ -584,12 +529,12 @@ class ModelConfig:
             per_token = 6 * self.num_layers * self.num_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
             return float(6 * self.num_matmul_params() + per_token)
         # GLM-4.5 and Qwen3.5 MoE (16 heads of 256 over a hidden size of 2048) use their own head width
-        own = self.model_type in ("glm4_moe", "qwen3_5_moe_text")
+        own = self.family.flops_own_head_dim
         per_head = self.head_dim if own else self.hidden_size // self.num_heads
         full = len(self.full_attention_layers())
         linear = 0.0
         if self.layer_types:
-            from primejax.models.qwen3_5 import deltanet_flops_per_token
+            from primejax.models.deltanet import deltanet_flops_per_token
 
             linear = len(self.linear_attention_layers()) * deltanet_flops_per_token(self)
         return float(6 * self.num_matmul_params() + 12 * full * self.num_heads * per_head * seq_len + linear)
@@ -615,3 +560,23 @@ class ModelConfig:
 
     def num_matmul_params_per_layer(self) -> int:
         return (self.num_matmul_params() - self.hidden_size * self.vocab_size) // self.num_layers
+
+
+def read_rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the transformers-5 `rope_parameters` or the legacy keys."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        scaling = None
+        if rope_type != "default":
+            scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+            scaling["rope_type"] = rope_type
+        return float(theta), scaling
+    scaling = hf.get("rope_scaling")
+    if scaling:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(hf.get("rope_theta", 10000.0)), scaling or None

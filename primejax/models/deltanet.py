@@ -285,3 +285,27 @@ def gated_deltanet(cfg, p: dict[str, jax.Array], h_btd: jax.Array, segment_ids: 
     o = to_tokens(_to_heads(o))
     o = gated_rms_norm(o, p["lin_norm"], z, cfg.rms_norm_eps)
     return jnp.einsum("btnh,nhd->btd", o, p["lin_out"].astype(dt))
+
+
+def deltanet_params(cfg, *, matmul: bool) -> int:
+    """One Gated DeltaNet layer's weights: the projections, and unless `matmul` the conv, decay and norm."""
+    d, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv = 2 * hk * dk + hv * dv
+    projections = d * conv + d * hv * dv + 2 * d * hv + hv * dv * d  # qkv, z, a and b, out
+    if matmul:
+        return projections
+    return projections + cfg.linear_conv_kernel_dim * conv + 2 * hv + dv
+
+
+def deltanet_flops_per_token(cfg) -> float:
+    """Training FLOPs per token of one DeltaNet layer beyond its projections (6 x multiply-adds: forward and
+    backward), for the chunked form as run (models/deltanet.py, chunk C): per value head and token the
+    intra-chunk [C, C] products k k^T and q k^T (2 C dk), the UT matrix's inverse (deltanet.unit_lower_inverse:
+    (C^2 - 1) / 3) and its products with the keys and values (C (dk + dv)), the intra-chunk attention times
+    the new values (C dv), and the state's read by keys and queries and its update (3 dk dv); plus the
+    depthwise conv (K per channel). Independent of the sequence length."""
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv = 2 * cfg.linear_num_key_heads * dk + hv * dv
+    per_head = CHUNK * (3 * dk + 2 * dv) + (CHUNK * CHUNK - 1) // 3 + 3 * dk * dv
+    return float(6 * (hv * per_head + cfg.linear_conv_kernel_dim * conv))

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 IMPLS = ("xla", "mgpu", "auto")
 
@@ -179,3 +180,48 @@ _mgpu_gmm.defvjp(_mgpu_fwd, _mgpu_bwd)
 @functools.cache
 def mgpu_available() -> bool:
     return resolve_impl("auto") == "mgpu"
+
+
+# The experts' SwiGLU over rows grouped by expert, which both of moe.py's exchanges and moe_a2a.py's run.
+# Checkpoint names of the grouped matmuls' outputs: remat policies that keep the weight matmuls' outputs keep
+# these too (remat._saves_attention_and_weight_dots); the kernels are custom calls, not dot_general, so
+# jax's dots policies alone would re-run them in the backward pass.
+GMM_OUTPUTS = ("moe_gate_up", "moe_down")
+
+
+def sort_pairs(key):
+    """(order, inv): the stable sort of the pairs by `key` and its inverse permutation."""
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inv = (
+        jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
+    )
+    return order, inv
+
+
+def expert_mlp(xs, group_sizes, gate_up, down, adapters=None, *, impl, full, lora_scale):
+    """SwiGLU of rows sorted by expert (group_sizes [E_local]) -> [rows, D]; rows past the groups come out zero.
+
+    `full` (static): every row belongs to a group (models/gmm.py `all_rows_grouped`).
+    """
+    e_local, d, _, i = gate_up.shape
+    h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
+    if adapters is not None:
+        h = h + _expert_gate_up_delta(xs, adapters, group_sizes, lora_scale, impl, full)
+    h = checkpoint_name(h, GMM_OUTPUTS[0])
+    a = jax.nn.silu(h[:, :i]) * h[:, i:]
+    ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [rows, D]
+    if adapters is not None:
+        _, _, a_down, b_down = adapters
+        t = adapter_grouped_matmul(a, a_down, group_sizes, impl, all_rows_grouped=full)
+        t = t * jnp.asarray(lora_scale, a.dtype)
+        ys = ys + adapter_grouped_matmul(t, b_down, group_sizes, impl, all_rows_grouped=full)
+    return checkpoint_name(ys, GMM_OUTPUTS[1])
+
+
+def _expert_gate_up_delta(xs, adapters, group_sizes, scale, impl, full):
+    """[N*k, 2I]: each pair's gate and up adapters' s·(x·A)·B, laid out like the fused gate_up output."""
+    a_gu, b_gu, _, _ = adapters
+    e, d, two, r = a_gu.shape
+    gmm = functools.partial(adapter_grouped_matmul, group_sizes=group_sizes, impl=impl, all_rows_grouped=full)
+    t = gmm(xs, a_gu.reshape(e, d, two * r)) * jnp.asarray(scale, xs.dtype)
+    return jnp.concatenate([gmm(t[:, c * r : (c + 1) * r], b_gu[:, c]) for c in range(two)], axis=-1)

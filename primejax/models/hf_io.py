@@ -39,7 +39,6 @@ from safetensors.numpy import save_file
 
 from primejax.models.config import ModelConfig
 from primejax.models.lora import LoraParam
-from primejax.models.qwen3_5 import MOE_TENSOR_NAMES, language_model_name
 from primejax.models.sharding import param_spec
 from primejax.models.transformer import Transformer, stacked_over
 
@@ -99,7 +98,7 @@ _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "o_bias": ("self_attn.o_proj.bias", _same, _same),
     "q_norm": ("self_attn.q_norm.weight", _same, _same),
     "k_norm": ("self_attn.k_norm.weight", _same, _same),
-    # deepseek_v3: multi-head latent attention (models/mla.py; q_proj and o_proj above)
+    # multi-head latent attention (models/mla.py; q_proj and o_proj above)
     "q_a_proj": ("self_attn.q_a_proj.weight", _transpose, _transpose),
     "q_a_norm": ("self_attn.q_a_layernorm.weight", _same, _same),
     "q_b_proj": ("self_attn.q_b_proj.weight", _to_out_in,
@@ -108,7 +107,7 @@ _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "kv_a_norm": ("self_attn.kv_a_layernorm.weight", _same, _same),
     "kv_b_proj": ("self_attn.kv_b_proj.weight", _to_out_in,
                   lambda w, c: w.T.reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)),
-    # qwen3_5_text: Gated DeltaNet (models/deltanet.py); conv1d.weight is [C, 1, Kc]
+    # Gated DeltaNet (models/deltanet.py); conv1d.weight is [C, 1, Kc]
     "lin_qkv": ("linear_attn.in_proj_qkv.weight", _transpose, _transpose),
     "lin_conv": ("linear_attn.conv1d.weight", lambda w, c: w.T[:, None, :], lambda w, c: w[:, 0, :].T),
     "lin_z": ("linear_attn.in_proj_z.weight", _to_out_in,
@@ -125,13 +124,13 @@ _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "up_proj": ("mlp.up_proj.weight", _transpose, _transpose),
     "down_proj": ("mlp.down_proj.weight", _transpose, _transpose),
     "router": ("mlp.gate.weight", _transpose, _transpose),
-    # glm4_moe, deepseek_v3: the sigmoid router's correction bias and the shared experts
+    # the sigmoid router's correction bias and the shared experts
     "router_bias": ("mlp.gate.e_score_correction_bias", _same, _same),
     "shared_gate_proj": ("mlp.shared_experts.gate_proj.weight", _transpose, _transpose),
     "shared_up_proj": ("mlp.shared_experts.up_proj.weight", _transpose, _transpose),
     "shared_down_proj": ("mlp.shared_experts.down_proj.weight", _transpose, _transpose),
-    # qwen3_5_moe_text: the shared expert's gate, HF Linear(D, 1) [1, D] (its shared expert's names:
-    # qwen3_5.MOE_TENSOR_NAMES)
+    # the shared expert's gate, HF Linear(D, 1) [1, D]. A family whose names differ says so in its
+    # `tensor_names` (models/families/base.py)
     "shared_expert_gate": ("mlp.shared_expert_gate.weight", lambda w, c: w[None, :], lambda w, c: w[0]),
 }
 # Written in fp32 whatever the export dtype, as transformers (`_keep_in_fp32_modules_strict`) and vLLM keep
@@ -183,9 +182,7 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
                 for e in range(cfg.num_experts)
                 for suffix, _ in _EXPERT_TENSORS[short]
             ]
-        suffix = _LAYER_TENSORS[short][0]
-        if cfg.model_type == "qwen3_5_moe_text":
-            suffix = MOE_TENSOR_NAMES.get(short, suffix)
+        suffix = cfg.family.tensor_names.get(short, _LAYER_TENSORS[short][0])
         return [f"model.layers.{i}.{suffix}" for i in _layer_indices(short, cfg)]
     return [_TOP_TENSORS[our_name][0]]
 
@@ -320,8 +317,9 @@ def _read_experts(get_tensor, short: str, shape, dtype, cfg: ModelConfig) -> np.
 class _SafetensorsReader:
     """Tensors by name across the single-file or sharded (index json) layouts of an HF directory."""
 
-    def __init__(self, model_dir: str | os.PathLike):
+    def __init__(self, model_dir: str | os.PathLike, stored_name: Callable[[str, dict], str] = lambda n, m: n):
         self.dir = Path(model_dir)
+        self._stored_name = stored_name  # the family's: where a wrapper checkpoint keeps the tensor
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -337,7 +335,7 @@ class _SafetensorsReader:
         self.weight_map: dict[str, str] = weight_map
 
     def __call__(self, name: str) -> np.ndarray:
-        name = language_model_name(name, self.weight_map)  # a multimodal Qwen3.5 checkpoint's language model
+        name = self._stored_name(name, self.weight_map)  # e.g. a multimodal checkpoint's language model
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} not found in the safetensors of {str(self.dir)!r}")
         return self._handles[self.weight_map[name]].get_tensor(name)
@@ -348,7 +346,7 @@ def load_model(
 ) -> tuple[Transformer, ModelConfig]:
     """Build the model described by `model_dir/config.json` and load its safetensors weights (sharded)."""
     cfg = ModelConfig.from_model_dir(model_dir, **cfg_overrides)
-    reader = _SafetensorsReader(model_dir)
+    reader = _SafetensorsReader(model_dir, cfg.family.stored_name)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     return hf_tensors_to_state(reader, model, cfg, mesh), cfg
 

@@ -21,7 +21,6 @@ the step as a constant); `join_params` puts them back together for the forward p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -219,22 +218,6 @@ def without_lora(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, lora_rank=0, lora_alpha=0.0, lora_targets=(), lora_init="kaiming")
 
 
-@functools.lru_cache(maxsize=8)
-def _merger(cfg: ModelConfig) -> tuple[nnx.GraphDef, Any]:
-    """(the plain model's graph, the jitted merge) for `cfg`: built once, every export after reuses them."""
-    from primejax.models.hf_io import abstract_model
-
-    return nnx.graphdef(abstract_model(without_lora(cfg))), jax.jit(
-        functools.partial(merge_adapters, cfg=cfg)
-    )
-
-
-def merged_model(params: dict, cfg: ModelConfig) -> nnx.Module:
-    """A plain Transformer (no adapters) whose weights are `merge_adapters(params)` (jitted, sharding kept)."""
-    graphdef, merge = _merger(cfg)
-    return nnx.merge(graphdef, merge(params))
-
-
 def stack_adapters(layers: nnx.Module, cfg: ModelConfig) -> dict[str, AdapterSpec]:
     """The adapters `cfg` asks for on the decoder stack `layers` (from its frozen weights' shapes and axes)."""
     base = {
@@ -290,7 +273,6 @@ __all__ = [
     "is_adapter",
     "join_params",
     "merge_adapters",
-    "merged_model",
     "split_adapters",
     "stack_adapters",
     "weight_delta",

@@ -11,9 +11,11 @@ of W + s·A·B (tools/convert_checkpoint.py `merge-lora`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,7 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from primejax.models import lora
 from primejax.models.config import ModelConfig
-from primejax.models.hf_io import _layer_indices, export_safetensors, load_model
+from primejax.models.hf_io import _layer_indices, abstract_model, export_safetensors, load_model
 from primejax.utils.io import atomic_dir
 
 PREFIX = "base_model.model.model.layers"
@@ -195,6 +197,20 @@ def read_peft(adapter_dir: str | os.PathLike, cfg: ModelConfig) -> dict:
     return {"layers": layers}
 
 
+@functools.lru_cache(maxsize=8)
+def _merger(cfg: ModelConfig) -> tuple[nnx.GraphDef, Any]:
+    """(the plain model's graph, the jitted merge) for `cfg`: built once, every export after reuses them."""
+    return nnx.graphdef(abstract_model(lora.without_lora(cfg))), jax.jit(
+        functools.partial(lora.merge_adapters, cfg=cfg)
+    )
+
+
+def merged_model(params: dict, cfg: ModelConfig) -> nnx.Module:
+    """A plain Transformer (no adapters) whose weights are `lora.merge_adapters(params)` (jitted, sharding kept)."""
+    graphdef, merge = _merger(cfg)
+    return nnx.merge(graphdef, merge(params))
+
+
 def _stack(cfg: ModelConfig):
     from primejax.models.transformer import DecoderStack
 
@@ -213,7 +229,7 @@ def merge_peft(
     model, cfg = load_model(base_dir, param_dtype="float32", **adapter_settings(adapter_dir))
     params = nnx.to_pure_dict(nnx.state(model))
     _, frozen = lora.split_adapters(params)
-    merged = lora.merged_model(lora.join_params(read_peft(adapter_dir, cfg), frozen), cfg)
+    merged = merged_model(lora.join_params(read_peft(adapter_dir, cfg), frozen), cfg)
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         return export_safetensors(merged, lora.without_lora(cfg), tmp, dtype=dtype, src_dir=base_dir)
 
@@ -224,6 +240,7 @@ __all__ = [
     "adapter_tensors",
     "export_peft",
     "merge_peft",
+    "merged_model",
     "peft_config",
     "peft_tensors",
     "read_peft",

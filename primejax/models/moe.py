@@ -42,14 +42,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from primejax.models.config import A2A_CAPACITY_FACTOR
-from primejax.models.gmm import adapter_grouped_matmul, grouped_matmul
+from primejax.models.gmm import expert_mlp, sort_pairs
 from primejax.models.sharding import constrain, current_mesh, logical_to_spec, mesh_axes
 
 (EP_AXIS,) = mesh_axes("experts")  # the one mesh axis experts are split over (the sharding table)
-# Checkpoint names of the grouped matmuls' outputs: remat policies that keep the weight matmuls' outputs keep
-# these too (transformer._saves_attention_and_weight_dots); the kernels are custom calls, not dot_general, so
-# jax's dots policies alone would re-run them in the backward pass.
-GMM_OUTPUTS = ("moe_gate_up", "moe_down")
 # checkpoint_name of a sparse layer's all-gathered experts under ModelConfig.keep_gathered_experts: the layer's
 # remat policy saves them, so its backward reuses them instead of gathering them again (transformer.py)
 EXPERTS_GATHERED = "moe_experts_gathered"
@@ -161,33 +157,6 @@ def _permute_bwd(res, g):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def _sort_pairs(key):
-    """(order, inv): the stable sort of the pairs by `key` and its inverse permutation."""
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    inv = (
-        jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
-    )
-    return order, inv
-
-
-def _expert_mlp(xs, group_sizes, gate_up, down, adapters=None, *, impl, full, lora_scale):
-    """SwiGLU of rows sorted by expert (group_sizes [E_local]) -> [rows, D]; rows past the groups come out zero.
-
-    `full` (static): every row belongs to a group (models/gmm.py `all_rows_grouped`).
-    """
-    e_local, d, _, i = gate_up.shape
-    h = grouped_matmul(xs, gate_up.reshape(e_local, d, 2 * i), group_sizes, impl, all_rows_grouped=full)
-    if adapters is not None:
-        h = h + _expert_gate_up_delta(xs, adapters, group_sizes, lora_scale, impl, full)
-    h = checkpoint_name(h, GMM_OUTPUTS[0])
-    a = jax.nn.silu(h[:, :i]) * h[:, i:]
-    ys = grouped_matmul(a, down, group_sizes, impl, all_rows_grouped=full)  # [rows, D]
-    if adapters is not None:
-        _, _, a_down, b_down = adapters
-        t = adapter_grouped_matmul(a, a_down, group_sizes, impl, all_rows_grouped=full)
-        t = t * jnp.asarray(lora_scale, a.dtype)
-        ys = ys + adapter_grouped_matmul(t, b_down, group_sizes, impl, all_rows_grouped=full)
-    return checkpoint_name(ys, GMM_OUTPUTS[1])
 
 
 def _combine(ys, order, inv, scores):
@@ -213,22 +182,14 @@ def _experts_local(
     local = topk_idx - expert_offset  # [N, k]
     in_range = (local >= 0) & (local < e_local)
     key = jnp.where(in_range, local, e_local).reshape(-1)  # non-local pairs sort last
-    order, inv = _sort_pairs(key)
+    order, inv = sort_pairs(key)
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
     xs = _dispatch(x_nd, order, inv, k)  # [N*k, D], sorted by expert
-    ys = _expert_mlp(
+    ys = expert_mlp(
         xs, group_sizes, gate_up, down, adapters, impl=impl, full=all_local, lora_scale=lora_scale
     )  # every pair has a local expert when all_local: the groups cover all rows
     return _combine(ys, order, inv, scores)
 
-
-def _expert_gate_up_delta(xs, adapters, group_sizes, scale, impl, full):
-    """[N*k, 2I]: each pair's gate and up adapters' s·(x·A)·B, laid out like the fused gate_up output."""
-    a_gu, b_gu, _, _ = adapters
-    e, d, two, r = a_gu.shape
-    gmm = functools.partial(adapter_grouped_matmul, group_sizes=group_sizes, impl=impl, all_rows_grouped=full)
-    t = gmm(xs, a_gu.reshape(e, d, two * r)) * jnp.asarray(scale, xs.dtype)
-    return jnp.concatenate([gmm(t[:, c * r : (c + 1) * r], b_gu[:, c]) for c in range(two)], axis=-1)
 
 
 def experts_forward(

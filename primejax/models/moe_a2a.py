@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from primejax.models import moe
 from primejax.models.config import A2A_IMPLS
+from primejax.models.gmm import expert_mlp, sort_pairs
 
 # The ragged exchange; tests/models/moe_mesh_check.py swaps in a stand-in built from all_to_all to run the
 # ragged path's offset arithmetic on XLA:CPU, which lacks the collective.
@@ -237,7 +237,7 @@ def _received(first, plan: _Plan, ids, rows, scores, me, gate_up, down, adapters
     e_local = gate_up.shape[0]
     local = ids - me * e_local
     key = jnp.where((local >= 0) & (local < e_local), local, e_local).reshape(-1)  # other pairs sort last
-    order, inv = moe._sort_pairs(key)
+    order, inv = sort_pairs(key)
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
     most = m * min(k, e_local)  # every row's pairs on this device's experts (pair_window's bound)
     window = plan.window
@@ -290,7 +290,7 @@ def mlp_ranges(window: int, balanced: int) -> tuple[int, ...]:
 
 
 def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale, ranges, base):
-    """moe._expert_mlp over the ranges of `rows` (the sorted pairs [base, base + len(rows))) that start at
+    """gmm.expert_mlp over the ranges of `rows` (the sorted pairs [base, base + len(rows))) that start at
     `ranges`, each run only when it holds a grouped row: the work follows the pairs received, not the buffer
     size. Each range is its own grouped-matmul call (one kernel per range size to compile)."""
     m = rows.shape[0]
@@ -302,7 +302,7 @@ def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale
         sizes_c = (jnp.clip(ends, base + lo, base + hi) - jnp.clip(starts, base + lo, base + hi)).astype(jnp.int32)
 
         def run(x, sizes_c=sizes_c):
-            return moe._expert_mlp(
+            return expert_mlp(
                 x, sizes_c, gate_up, down, adapters, impl=impl, full=False, lora_scale=lora_scale
             )
 

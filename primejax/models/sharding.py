@@ -280,12 +280,3 @@ def create_sharded(constructor: Callable[[], nnx.Module], mesh: Mesh | None) -> 
     with jax.set_mesh(mesh):
         state = jax.jit(lambda: nnx.state(constructor()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
-
-
-def init_model(cfg, mesh: Mesh | None, seed: int = 0):
-    """A randomly initialized Transformer (HF-style normal(0.02) weights, unit norms), sharded by the rules."""
-    from flax import nnx
-
-    from primejax.models.transformer import Transformer
-
-    return create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)), mesh)

@@ -13,25 +13,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
+from primejax.models.families import FAMILIES as _REGISTRY
+from primejax.models.families import Family, family_of
 from primejax.utils.io import atomic_write_json
 from primejax.utils.sections import ConfigError, Section, option, section
 
-Family = Literal["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text"]
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text")  # the builder's subset of config.ARCHITECTURES
-# deepseek_v3's latent widths: vLLM's CPU MLA decode kernel is compiled for a latent cache of 512 + 64 only
-# (DeepSeek-V2/V3's kv_lora_rank + qk_rope_head_dim), so a tiny model vLLM serves keeps them.
-MLA_KV_LORA_RANK, MLA_ROPE_HEAD_DIM = 512, 64
+# The families the builder writes: those whose file gives a tiny shape (`Family.tiny`).
+FAMILIES = tuple(t for t, f in _REGISTRY.items() if type(f).tiny is not Family.tiny)
 # The RoPE base of every tiny model: written to its config.json and used by `TinyModelConfig.architecture`.
 ROPE_THETA = 1_000_000.0
-# deepseek_v3's rope is DeepSeek-V3's released one (its config.json): yarn stretching 4096 positions 40x over
-# theta 1e4. It is also what vLLM serves right on CPU: without rope scaling, vLLM's DeepseekV2 takes its CPU
-# rotary kernel, which mis-rotates MLA's [tokens, heads, 64] query and key views (docs/models.md).
-MLA_ROPE = dict(
-    rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
-    beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
-)  # fmt: skip
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -154,7 +146,7 @@ def build_tokenizer(
 def build_tiny_model(
     out_dir: str | Path,
     *,
-    family: Family = "qwen3",
+    family: str = "qwen3",
     tied: bool = True,
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -175,20 +167,12 @@ def build_tiny_model(
     mlp_only_layers: tuple[int, ...] = (),
     extra_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random-init tiny Qwen3, Llama, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3, Qwen3.5 (`_qwen3_5_shape`) or
-    Qwen3.5 MoE (that hybrid stack, every MLP sparse, one gated shared expert of moe_intermediate_size) model
-    (fp32 safetensors) plus tokenizer to `out_dir`.
+    """Write a random-init tiny model of `family` (fp32 safetensors) plus tokenizer to `out_dir`.
 
-    "deepseek_v3" has GLM-4.5's MoE structure below (without the q/k/v bias and partial rotary) and multi-head
-    latent attention: query bottleneck hidden/2, latent 512 + rope key 64 (vLLM's CPU MLA kernel needs them),
-    `head_dim` for the unrotated query/key part and the values, interleaved rope with DeepSeek-V3's yarn
-    (`MLA_ROPE`); num_kv_heads is ignored.
-
-    The MoE arguments apply to families "qwen3_moe" (norm_topk_prob on, as in Qwen3-30B-A3B) and "glm4_moe"
-    (GLM-4.5's structure: the first layer dense (unless mlp_only_layers says otherwise, as a prefix), one shared
-    expert, q/k/v bias, half the head dims rotated, sigmoid routing over 2 expert groups of which 1 is kept,
-    routed scaling 2.5, a random correction bias (std 0.1; HF starts it at 0)). Routers are drawn wider
-    (std 0.5) than the rest so routing is decided clearly, not by near-ties.
+    The family's file shapes its config.json from these arguments (`Family.tiny` in models/families/: e.g.
+    deepseek_v3's latent widths, glm4_moe's groups and shared expert, qwen3_5's layer pattern); the MoE
+    arguments apply to the MoE families. Routers are drawn wider (std 0.5) than the rest so routing is decided
+    clearly, not by near-ties, and a sigmoid router's correction bias is random (std 0.1; HF starts it at 0).
 
     `tokenizer` "bpe" trains a byte-level BPE of `vocab_size` tokens (default 384); "bytes" is character-level
     (one token per byte) padded to `vocab_size`. The model's vocab equals the tokenizer's size, so every id the
@@ -217,7 +201,9 @@ def build_tiny_model(
     n_vocab = len(tok)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + THINK_TOKENS}
 
-    common = dict(
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (expected one of {FAMILIES})")
+    shape = dict(
         vocab_size=n_vocab,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -233,87 +219,18 @@ def build_tiny_model(
         eos_token_id=ids[IM_END],
         pad_token_id=ids[ENDOFTEXT],
         rope_theta=ROPE_THETA,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        mlp_only_layers=tuple(mlp_only_layers),
     )
-    if family == "qwen3":
-        config = transformers.Qwen3Config(**common)
-        model_cls = transformers.Qwen3ForCausalLM
-    elif family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **common,
-            num_experts=num_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
-            norm_topk_prob=True,
-            mlp_only_layers=list(mlp_only_layers),
-        )
-        model_cls = transformers.Qwen3MoeForCausalLM
-    elif family == "glm4_moe":
-        common.pop("rope_theta")
-        config = transformers.Glm4MoeConfig(
-            **common,
-            rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.5),
-            n_routed_experts=num_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
-            norm_topk_prob=True,
-            first_k_dense_replace=len(mlp_only_layers) if mlp_only_layers else 1,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            attention_bias=True,
-            num_nextn_predict_layers=0,
-        )
-        model_cls = transformers.Glm4MoeForCausalLM
-    elif family == "deepseek_v3":
-        common.pop("rope_theta")
-        common.update(num_key_value_heads=num_heads, head_dim=MLA_ROPE_HEAD_DIM)
-        config = transformers.DeepseekV3Config(
-            **common,
-            **_deepseek_v3_shape(hidden_size, head_dim),
-            rope_parameters=dict(MLA_ROPE),
-            n_routed_experts=num_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
-            norm_topk_prob=True,
-            first_k_dense_replace=len(mlp_only_layers) if mlp_only_layers else 1,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            num_nextn_predict_layers=0,
-        )
-        model_cls = transformers.DeepseekV3ForCausalLM
-    elif family == "qwen3_5_text":
-        common.pop("rope_theta")
-        config = transformers.Qwen3_5TextConfig(
-            **common,
-            **_qwen3_5_shape(num_layers, num_heads, head_dim),
-            rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.25),
-        )
-        model_cls = transformers.Qwen3_5ForCausalLM
-    elif family == "qwen3_5_moe_text":  # every layer sparse: no dense MLP width; a shared expert as wide as one
-        common.pop("rope_theta")
-        common.pop("intermediate_size")
-        config = transformers.Qwen3_5MoeTextConfig(
-            **common,
-            **_qwen3_5_shape(num_layers, num_heads, head_dim),
-            rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.25),
-            num_experts=num_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
-            shared_expert_intermediate_size=moe_intermediate_size,
-        )
-        model_cls = transformers.Qwen3_5MoeForCausalLM
-    elif family == "llama":
-        config = transformers.LlamaConfig(**common)
-        model_cls = transformers.LlamaForCausalLM
-    else:
-        raise ValueError(f"unknown family {family!r} (expected one of {FAMILIES})")
+    hf = family_of(family).tiny(shape)
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model_cls = getattr(transformers, family_of(family).architecture)
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text"):
+    if family_of(family).moe:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):
@@ -362,26 +279,6 @@ TINY_MOE: MappingProxyType[str, Any] = MappingProxyType(
 )
 
 
-def _deepseek_v3_shape(hidden_size: int, head_dim: int) -> dict[str, Any]:
-    """build_tiny_model's multi-head latent attention: a query bottleneck of hidden/2, vLLM's CPU latent widths
-    (MLA_KV_LORA_RANK + MLA_ROPE_HEAD_DIM), and `head_dim` for the unrotated query/key part and the values."""
-    return dict(
-        q_lora_rank=max(hidden_size // 2, 16), kv_lora_rank=MLA_KV_LORA_RANK, qk_rope_head_dim=MLA_ROPE_HEAD_DIM,
-        qk_nope_head_dim=head_dim, v_head_dim=head_dim, rope_interleave=True,
-    )  # fmt: skip
-
-
-def _qwen3_5_shape(num_layers: int, num_heads: int, head_dim: int) -> dict[str, Any]:
-    """build_tiny_model's Qwen3.5 hybrid: full attention every 4th layer and last (so 2 layers are one of each),
-    Gated DeltaNet with num_heads key heads and twice as many value heads of head_dim, conv kernel 4."""
-    every = min(4, num_layers)
-    return dict(
-        layer_types=["linear_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)],
-        linear_num_key_heads=num_heads, linear_num_value_heads=2 * num_heads, linear_key_head_dim=head_dim,
-        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
-    )  # fmt: skip
-
-
 def build_tiny_moe(out_dir: str | Path, **overrides: Any) -> Path:
     """`build_tiny_model` with the `TINY_MOE` arguments, any of them (or others) replaced by `overrides`."""
     return build_tiny_model(out_dir, **{**TINY_MOE, **overrides})
@@ -413,8 +310,10 @@ class TinyModelConfig(Section):
             raise ConfigError("num_experts_per_tok", f"must be <= num_experts ({self.num_experts})")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("num_kv_heads", f"must divide num_heads ({self.num_heads})")
-        if self.family in ("glm4_moe", "deepseek_v3") and (self.num_experts % 2 or self.num_experts < 4):
-            raise ConfigError("num_experts", f"{self.family} routes over 2 expert groups: an even number, at least 4")
+        try:  # the family's tiny shape at these sizes must be a model (e.g. glm4_moe's 2 expert groups)
+            self.architecture()
+        except (ValueError, NotImplementedError) as e:
+            raise ConfigError("family", f"{self.family} at these sizes: {e}") from None
         if self.tokenizer == "bytes" and 0 < self.vocab_size < BYTES_VOCAB_SIZE:
             raise ConfigError("vocab_size", f"a byte tokenizer has {BYTES_VOCAB_SIZE} tokens at least")
 
@@ -423,64 +322,19 @@ class TinyModelConfig(Section):
         return self.vocab_size or (DEFAULT_VOCAB_SIZE if self.tokenizer == "bpe" else BYTES_VOCAB_SIZE)
 
     def architecture(self, *, max_positions: int = 4096, **overrides: str):
-        """The `ModelConfig` this section describes, without building anything (benchmarks with no model dir)."""
+        """The `ModelConfig` this section describes, without building anything (benchmarks with no model dir):
+        the family's tiny config.json (`Family.tiny`, what `build` writes) read back."""
         from primejax.models.config import ModelConfig
 
-        mla = self.family == "deepseek_v3"
-        fields = {"intermediate_size": self.intermediate_size, **self._moe_fields(), **self._mla_fields(),
-                  **self._qwen3_5_fields()}  # fmt: skip
-        return ModelConfig(
-            model_type=self.family,
-            vocab_size=self.resolved_vocab_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_heads if self.family == "deepseek_v3" else self.num_kv_heads,
-            head_dim=MLA_ROPE_HEAD_DIM if self.family == "deepseek_v3" else self.head_dim,
-            rope_theta=MLA_ROPE["rope_theta"] if mla else ROPE_THETA,
-            rope_scaling={k: v for k, v in MLA_ROPE.items() if k != "rope_theta"} if mla else None,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=self.tied,
-            qk_norm=self.family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"),
-            attention_bias=self.family == "glm4_moe",
-            max_position_embeddings=max_positions,
-            **{**fields, **overrides},
-        )
-
-    def _qwen3_5_fields(self) -> dict:
-        if self.family not in ("qwen3_5_text", "qwen3_5_moe_text"):
-            return {}
-        shape = _qwen3_5_shape(self.num_layers, self.num_heads, self.head_dim)
-        shape["layer_types"] = tuple(shape["layer_types"])
-        return dict(shape, attn_output_gate=True, norm_offset=True, partial_rotary_factor=0.25)
-
-    def _mla_fields(self) -> dict:
-        if self.family != "deepseek_v3":
-            return {}
-        shape = _deepseek_v3_shape(self.hidden_size, self.head_dim)
-        shape.pop("qk_rope_head_dim")  # ModelConfig.head_dim
-        return shape
-
-    def _moe_fields(self) -> dict:
-        if self.family not in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text"):
-            return {}
-        moe = dict(
-            num_experts=self.num_experts,
-            num_experts_per_tok=self.num_experts_per_tok,
-            moe_intermediate_size=self.moe_intermediate_size,
-            norm_topk_prob=True,
-        )
-        if self.family in ("glm4_moe", "deepseek_v3"):  # build_tiny_model's GLM-4.5 / DeepSeek-V3 structure
-            moe.update(
-                mlp_only_layers=(0,), router_scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                n_shared_experts=1,
-            )  # fmt: skip
-        if self.family == "glm4_moe":
-            moe.update(partial_rotary_factor=0.5)
-        if self.family == "qwen3_5_moe_text":  # build_tiny_model's: every layer sparse, one gated shared expert
-            moe.update(intermediate_size=0, n_shared_experts=1, shared_intermediate_size=self.moe_intermediate_size,
-                       shared_expert_gate=True)  # fmt: skip
-        return moe
+        shape = dict(
+            vocab_size=self.resolved_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=self.tied,
+            rope_theta=ROPE_THETA, num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size, mlp_only_layers=(),
+        )  # fmt: skip
+        return ModelConfig.from_hf_config(family_of(self.family).tiny(shape), **overrides)
 
     def build(self, out_dir: str | Path) -> Path:
         """Write the model to `out_dir` (the one place this section becomes `build_tiny_model` arguments)."""

@@ -1,25 +1,25 @@
-"""Causal decoder for the Qwen3 / Qwen2 / Llama / Qwen3-MoE / GLM-4.5 / DeepSeek-V3 families (Flax NNX).
+"""The causal decoder every family runs (Flax NNX); the families (models/families/) only configure it.
 
 Layer parameters are stacked on a leading `layers` axis and the forward pass applies one pure layer function
 per layer, unrolled by default or as a `lax.scan` (`ModelConfig.scan_layers`: traced and compiled once however
-deep the model is); the remat policy wraps exactly one layer either way. The HF name mapping (hf_io.py) stacks
-and unstacks at the boundary.
+deep the model is); the remat policy (models/remat.py) wraps exactly one layer either way. A layer's kind, its
+token mixer and its dense or sparse MLP, picks its functions (`MIXERS`, `MLPS`). The HF name mapping
+(hf_io.py) stacks and unstacks at the boundary.
 
 Weights are stored in einsum-friendly layouts, shapes named by their axes:
   embed        [V, D]           q_proj [L, D, H, Dh]   k_proj/v_proj [L, D, K, Dh]   o_proj [L, H, Dh, D]
   gate/up_proj [L, D, F]        down_proj [L, F, D]    lm_head [D, V] (absent when tied)
 Letters: B batch, T sequence, D hidden, H query heads, K kv heads, Dh head dim, F MLP width, V vocab.
 
-Mixture of experts (qwen3_moe, glm4_moe; models/moe.py): the dense MLP weights are stacked over the dense
-layers only and the sparse layers' weights over the sparse layers only (router [Ls, D, E], experts_gate_up
-[Ls, E, D, 2, I], experts_down [Ls, E, I, D]; glm4_moe adds router_bias [Ls, E] (fp32) and the shared experts
-shared_gate_proj/shared_up_proj [Ls, D, Fs], shared_down_proj [Ls, Fs, D]; qwen3_5_moe_text one shared expert
-and its gate shared_expert_gate [Ls, D]); attention weights stay stacked over all L layers.
+Mixture of experts (models/moe.py): the dense MLP weights are stacked over the dense layers only and the sparse
+layers' weights over the sparse layers only (router [Ls, D, E], experts_gate_up [Ls, E, D, 2, I], experts_down
+[Ls, E, I, D]; the sigmoid router adds router_bias [Ls, E] (fp32), shared experts shared_gate_proj/
+shared_up_proj [Ls, D, Fs], shared_down_proj [Ls, Fs, D], and a gated shared expert shared_expert_gate
+[Ls, D]); attention weights stay stacked over all L layers.
 
-DeepSeek-V3 (deepseek_v3) replaces q/k/v_proj with multi-head latent attention's weights (models/mla.py); its
-MoE layers are GLM-4.5's (sigmoid router with the correction bias, groups, shared experts).
-Qwen3.5 (qwen3_5_text, and qwen3_5_moe_text with MoE MLPs) mixes Gated DeltaNet layers (models/deltanet.py) with gated full-attention ones: each
-kind's weights are stacked over its own layers (`stacked_over`), the norms and MLP over all.
+Multi-head latent attention (models/mla.py) replaces q/k/v_proj with its own weights. A hybrid stack
+(`layer_types`) mixes Gated DeltaNet layers (models/deltanet.py) with full-attention ones: each kind's weights
+are stacked over its own layers (`stacked_over`), the norms and MLP over all.
 """
 
 from __future__ import annotations
@@ -29,123 +29,23 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import Offloadable, checkpoint_name
+from jax.ad_checkpoint import checkpoint_name
 
 from primejax.models import lora
-from primejax.models.attention import SegmentRuns, attention, prepare_segments, resolve_impl
+from primejax.models.attention import SegmentRuns, attention, prepare_segments
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import to_heads, to_tokens
 from primejax.models.deltanet import gated_deltanet
+from primejax.models.families.base import FULL_ATTENTION, LINEAR_ATTENTION
 from primejax.models.layers import apply_rope, rms_norm, rope_tables
 from primejax.models.mla import attention_scale as mla_attention_scale
 from primejax.models.mla import mla_qkv
-from primejax.models.moe import EXPERTS_GATHERED, GMM_OUTPUTS, moe_block, router_partials, router_stats
-from primejax.models.moe_a2a import EXCHANGED
+from primejax.models.moe import moe_block, router_partials, router_stats
 from primejax.models.precision import accumulating_einsum
-from primejax.models.sharding import constrain
-from primejax.models.splash_attention import RESIDUALS as SPLASH_RESIDUALS
+from primejax.models.remat import ATTN_OUT, layer_policy, resolve_remat_policy
+from primejax.models.sharding import constrain, create_sharded
 
 _INIT_STD = 0.02  # HF initializer_range default for these families
-
-ATTN_OUT = "attn_out"  # checkpoint name of the attention output (the xla path's saveable result)
-
-
-def _saves_attention(prim, *args, **params) -> bool:
-    """Keep the attention kernel's results for the backward pass instead of re-running it.
-
-    Under remat the policy sees the primitives inside a custom_vjp's forward rule, so cuDNN's fused forward
-    (output + softmax statistics, the residuals its backward kernel needs) is saved by primitive name; the
-    xla path's output by its checkpoint name, and the splash kernel's residuals by theirs. Attention is the
-    one part of a layer whose recompute costs O(T^2), so at long context this removes most of full remat's
-    extra work for a few [T, H, Dh] per layer.
-    """
-    if prim.name.startswith("dot_product_attention_fwd"):
-        return True
-    return jax.checkpoint_policies.save_only_these_names(ATTN_OUT, SPLASH_RESIDUALS)(prim, *args, **params)
-
-
-def _saves_attention_and_weight_dots(prim, *args, **params) -> bool:
-    """Attention's results and every weight matmul's output, the experts' grouped matmuls included."""
-    return (
-        _saves_attention(prim, *args, **params)
-        or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-        or jax.checkpoint_policies.save_only_these_names(*GMM_OUTPUTS)(prim, *args, **params)
-    )
-
-
-def _offloads_attention(cudnn: bool):
-    """`attn`, but the attention results go to pinned host memory instead of staying on the device.
-
-    At 64k+ tokens per device the saved attention outputs are half of all residuals (Qwen3-8B: 8 kB per token
-    per layer, 19 GB at 64k); offloaded, the device keeps only each layer's input, at `full` remat's memory
-    without its recompute of the attention forward. The copies (one out and back per layer) ride PCIe
-    alongside the layer's compute. On the cudnn path the kernel's results (output + softmax statistics) are
-    offloaded, elsewhere the named output; not both, which would copy the output twice.
-    """
-
-    def policy(prim, *args, **params):
-        if (
-            prim.name.startswith("dot_product_attention_fwd")
-            if cudnn
-            else (prim.name == "name" and params.get("name") == ATTN_OUT)
-        ):
-            return Offloadable(src="device", dst="pinned_host")
-        return False
-
-    return policy
-
-
-def _saves_attention_offloads_experts(prim, *args, **params):
-    """`attn`, and the experts' gate/up grouped-matmul output goes to pinned host memory in the forward and comes
-    back for the backward instead of being recomputed.
-
-    Under `full` or `attn` remat the backward re-runs both grouped matmuls of every MoE layer; the gate/up one is
-    two thirds of the experts' FLOPs. Its output is 2 x moe_intermediate_size bf16 values per routed row: 24.6 kB
-    per token per layer for Qwen3-30B-A3B (top-8), 18 GiB at 48 layers and 16k tokens per device, memory that fp32
-    optimizer state needs. Offloaded it rides the host link, which carries the offloaded optimizer state only
-    during the update: ~35 GB/s one way if the forward is a quarter of the step (2.2 s at that shape), under the
-    ~53 GB/s one direction runs at (docs/benchmarks.md). The down projection's output stays recomputed: keeping
-    it too would more than double the traffic, and the forward would wait on the link. Measured on 2 x H200 it is
-    slower than `attn` (864 against 752 ms per step): the copies are not hidden (docs/memory.md).
-    """
-    if _saves_attention(prim, *args, **params):
-        return True
-    if prim.name == "name" and params.get("name") == GMM_OUTPUTS[0]:
-        return Offloadable(src="device", dst="pinned_host")
-    return False
-
-
-def _also_saves(policy, name: str):
-    """`policy` (None: save nothing), and the values named `name` saved too. Not jax's save_from_both_policies,
-    which refuses a policy that offloads (returns Offloadable, not a bool)."""
-    named = jax.checkpoint_policies.save_only_these_names(name)
-
-    def fn(prim, *args, **params):
-        return named(prim, *args, **params) or (policy is not None and policy(prim, *args, **params))
-
-    return fn
-
-
-_REMAT_POLICIES = {
-    "full": None,  # jax.checkpoint with no policy saves nothing but the inputs
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "attn": _saves_attention,
-    "dots_no_batch_attn": _saves_attention_and_weight_dots,
-    "attn_experts_offload": _saves_attention_offloads_experts,
-}
-# "auto": save the weight matmuls' outputs as well as attention's up to 32k tokens per micro-batch (it writes
-# fewer fp32 temporaries than plain autodiff keeps, so it is also faster than no remat), but that costs ~1 GiB
-# per 1k tokens; beyond it keep only attention's outputs and re-run the cheap matmuls (docs/benchmarks.md).
-AUTO_REMAT_MAX_TOKENS_FOR_DOTS = 32768
-
-
-def resolve_remat_policy(policy: str, tokens: int) -> str:
-    """The policy that runs for `policy` on a micro-batch of `tokens` tokens ("auto" picks by size)."""
-    if policy != "auto":
-        return policy
-    return "dots_no_batch_attn" if tokens <= AUTO_REMAT_MAX_TOKENS_FOR_DOTS else "attn"
-
 
 def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, ones=False,
            zeros=False):
@@ -201,8 +101,61 @@ def _attention(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, co
     return o_btd
 
 
+def _deltanet(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, cos, sin, runs) -> jax.Array:
+    """The Gated DeltaNet token mixer [B, T, D] -> [B, T, D] (models/deltanet.py; no rotary, no kernel runs)."""
+    return gated_deltanet(cfg, p, h_btd, segment_ids)
+
+
+def _dense_mlp(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, replay) -> tuple[jax.Array, None]:
+    """The SwiGLU MLP [B, T, D] -> [B, T, D], with the adapters (models/lora.py) of the weights that have them."""
+    dt, s = h_btd.dtype, cfg.lora_scale
+    g_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt)), h_btd, p, "gate_proj", s)
+    u_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt)), h_btd, p, "up_proj", s)
+    a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
+    y_btd = lora.with_adapter(jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt)), a_btf, p, "down_proj", s)
+    return y_btd, None
+
+
+def _sparse_mlp(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, replay):
+    """The mixture of experts [B, T, D] -> ([B, T, D], this layer's routing statistics per token shard: the
+    stack combines them once after its layers). `replay` = (experts [B, T, k], mask [B, T]) forces the masked
+    tokens onto recorded experts (moe.route)."""
+    y_btd, r = moe_block(
+        h_btd,
+        p,
+        top_k=cfg.num_experts_per_tok,
+        norm_topk_prob=cfg.norm_topk_prob,
+        impl=cfg.gmm_impl,
+        mode=cfg.expert_parallel,
+        a2a_impl=cfg.a2a_impl,
+        a2a_capacity_factor=cfg.a2a_capacity_factor,
+        keep_gathered_experts=cfg.keep_gathered_experts,
+        replay_idx=None if replay is None else replay[0],
+        replay_mask=None if replay is None else replay[1],
+        scoring=cfg.router_scoring,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        scale=cfg.routed_scaling_factor,
+        lora_scale=cfg.lora_scale,
+    )
+    return y_btd, router_partials(r, segment_ids > 0, cfg.num_experts)
+
+
+# A layer's kind is (token mixer, MLP): the mixer by HF's `layer_types` name (ModelConfig.layer_type), the MLP
+# dense or sparse (ModelConfig.is_sparse_layer). A new kind of layer is one function here and its weights in
+# DecoderStack; the families (models/families/) only say which kinds their layers are.
+MIXERS = {FULL_ATTENTION: _attention, LINEAR_ATTENTION: _deltanet}
+MLPS = {False: _dense_mlp, True: _sparse_mlp}  # by ModelConfig.is_sparse_layer
+
+
+def layer_kind(cfg: ModelConfig, layer: int) -> tuple[str, bool]:
+    """(token mixer, sparse MLP) of model layer `layer`."""
+    return cfg.layer_type(layer), cfg.is_sparse_layer(layer)
+
+
 def decoder_layer(
     cfg: ModelConfig,
+    kind: tuple[str, bool],
     p: dict[str, jax.Array],
     x_btd,
     segment_ids,
@@ -211,51 +164,22 @@ def decoder_layer(
     runs: SegmentRuns | None = None,
     replay: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `p` holds one layer's (unstacked) weights.
+    """One pre-norm block of `kind` (`layer_kind`): x + mixer(norm(x)), then + mlp(norm(.)). `p` holds one
+    layer's (unstacked) weights.
 
     `runs`: the attention kernel's per-forward description of the rows (`attention.prepare_segments`).
     Returns (output, routing statistics of a sparse layer or None); `replay` = (experts [B, T, k], mask [B, T])
     forces the masked tokens of a sparse layer onto recorded experts (moe.route).
     """
-    dt = x_btd.dtype
+    mixer, sparse = kind
     eps = cfg.rms_norm_eps
-    s = cfg.lora_scale  # adapters (models/lora.py) add s·(x·A)·B to the weights that have them
-
     h_btd = rms_norm(x_btd, p["attn_norm"], eps, offset=cfg.norm_offset)
-    if "lin_qkv" in p:  # Qwen3.5's Gated DeltaNet layers (models/deltanet.py)
-        o_btd = gated_deltanet(cfg, p, h_btd, segment_ids)
-    else:
-        o_btd = _attention(cfg, p, h_btd, segment_ids, cos, sin, runs)
+    o_btd = MIXERS[mixer](cfg, p, h_btd, segment_ids, cos, sin, runs)
     x_btd = constrain(x_btd + o_btd, ("batch", "seq", "act_embed"))
 
     h_btd = rms_norm(x_btd, p["mlp_norm"], eps, offset=cfg.norm_offset)
-    if "router" in p:
-        y_btd, r = moe_block(
-            h_btd,
-            p,
-            top_k=cfg.num_experts_per_tok,
-            norm_topk_prob=cfg.norm_topk_prob,
-            impl=cfg.gmm_impl,
-            mode=cfg.expert_parallel,
-            a2a_impl=cfg.a2a_impl,
-            a2a_capacity_factor=cfg.a2a_capacity_factor,
-            keep_gathered_experts=cfg.keep_gathered_experts,
-            replay_idx=None if replay is None else replay[0],
-            replay_mask=None if replay is None else replay[1],
-            scoring=cfg.router_scoring,
-            n_group=cfg.n_group,
-            topk_group=cfg.topk_group,
-            scale=cfg.routed_scaling_factor,
-            lora_scale=s,
-        )
-        # per token shard: the layers' stack is combined once after them (_Layers)
-        stats = router_partials(r, segment_ids > 0, cfg.num_experts)
-        return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), stats
-    g_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt)), h_btd, p, "gate_proj", s)
-    u_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt)), h_btd, p, "up_proj", s)
-    a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
-    y_btd = lora.with_adapter(jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt)), a_btf, p, "down_proj", s)
-    return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), None
+    y_btd, stats = MLPS[sparse](cfg, p, h_btd, segment_ids, replay)
+    return constrain(x_btd + y_btd, ("batch", "seq", "act_embed")), stats
 
 
 # Parameters the optimizer leaves unchanged (trainer/optim.py): GLM-4.5's router correction bias steers the
@@ -414,26 +338,26 @@ class DecoderStack(nnx.Module):
         `replay` = (experts [B, T, Ls, k], mask [B, T]): routing replay for the sparse layers (moe.route).
         """
         cfg = self.cfg
-        layer = functools.partial(decoder_layer, cfg)
-
-        def step(x, p, rp):
-            return layer(p, x, segment_ids, cos, sin, runs, rp)
-
         policy = resolve_remat_policy(cfg.remat_policy, x_btd.shape[0] * x_btd.shape[1])
-        stacked = self.stacked_params()
         if policy != "none":
-            if policy == "attn_offload":
-                fn = _offloads_attention(resolve_impl(self.cfg.attention_impl, x_btd.dtype) == "cudnn")
-            else:
-                fn = _REMAT_POLICIES[policy]
-            if cfg.keep_gathered_experts:
-                fn = _also_saves(fn, EXPERTS_GATHERED)
-            if cfg.keep_exchanged_tokens:
-                fn = _also_saves(fn, EXCHANGED)
+            fn = layer_policy(cfg, policy, x_btd.dtype)
+
+        @functools.cache
+        def step_of(kind):  # one (remat-wrapped) step function per kind of layer
+            layer = functools.partial(decoder_layer, cfg, kind)
+
+            def step(x, p, rp):
+                return layer(p, x, segment_ids, cos, sin, runs, rp)
+
+            if policy == "none":
+                return step
             # Inside a scan CSE cannot merge the recomputation with the forward pass; unrolled it can.
-            step = jax.checkpoint(step, policy=fn, prevent_cse=not cfg.scan_layers)
+            return jax.checkpoint(step, policy=fn, prevent_cse=not cfg.scan_layers)
+
+        stacked = self.stacked_params()
         sparse = cfg.sparse_layers()
-        if cfg.scan_layers:
+        if cfg.scan_layers:  # every layer of one kind (ModelConfig's checks)
+            step = step_of(layer_kind(cfg, 0))
             if not sparse or replay is None:
                 x_btd, stats = jax.lax.scan(lambda x, p: step(x, p, None), x_btd, stacked, unroll=cfg.scan_unroll)
             else:
@@ -458,7 +382,7 @@ class DecoderStack(nnx.Module):
                 rp = (replay[0][:, :, sparse.index(i)], replay[1])
             # the weights this layer has (a sparse layer no dense MLP, a DeltaNet layer no q_proj, ...)
             p = {k: v[covers[k].index(i)] for k, v in per_layer.items() if i in covers[k]}
-            x_btd, st = step(x_btd, p, rp)
+            x_btd, st = step_of(layer_kind(cfg, i))(x_btd, p, rp)
             if st is not None:
                 per_stats.append(st)
         if not per_stats:
@@ -537,3 +461,8 @@ class Transformer(nnx.Module):
         w_dv = self.lm_head_weight()
         out = accumulating_einsum("btd,dv->btv", h_btd, w_dv.astype(h_btd.dtype), jnp.float32)
         return constrain(out, ("batch", "seq", "act_vocab"))
+
+
+def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None, seed: int = 0) -> Transformer:
+    """A randomly initialized Transformer (HF-style normal(0.02) weights, unit norms), sharded by the rules."""
+    return create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)), mesh)

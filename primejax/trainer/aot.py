@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from primejax.models.config import ModelConfig
-from primejax.models.transformer import resolve_remat_policy
+from primejax.models.remat import resolve_remat_policy
 from primejax.trainer.engine import Engine
 from primejax.trainer.step import dp_size
 

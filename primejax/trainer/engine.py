@@ -32,13 +32,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from primejax.contracts.batch import FIELDS, PackedBatch
-from primejax.models import lora
+from primejax.models import lora, lora_io
 from primejax.models.attention import resolve_impl
 from primejax.models.config import ModelConfig
 from primejax.models.context_parallel import check_divisible
 from primejax.models.settings import ModelSettings
-from primejax.models.sharding import axis_size, init_model, make_mesh, state_shardings
-from primejax.models.transformer import Transformer
+from primejax.models.sharding import axis_size, make_mesh, state_shardings
+from primejax.models.transformer import Transformer, init_model
 from primejax.trainer import optim
 from primejax.trainer.config import LossConfig, TrainerConfig
 from primejax.trainer.corrections import CorrectionTable
@@ -382,7 +382,7 @@ class Engine:
         if self.frozen is None:
             return nnx.merge(self.graphdef, self.state.params)
         with jax.set_mesh(self.mesh):
-            return lora.merged_model(self.params(), self.model_cfg)
+            return lora_io.merged_model(self.params(), self.model_cfg)
 
     def lora_model(self) -> nnx.Module:
         """The model with its adapters as separate parameters (LoRA engines; PEFT export reads them)."""

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from primejax.contracts.batch import pack_samples
-from primejax.models.sharding import init_model, make_mesh
+from primejax.models.sharding import make_mesh
+from primejax.models.transformer import init_model
 from primejax.trainer import optim
 from primejax.trainer.engine import jit_train_step
 from primejax.trainer.losses import LossConfig

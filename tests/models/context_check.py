@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))  # test
 from conftest import random_samples, tiny_config  # noqa: E402
 
 from primejax.contracts.batch import pack_samples  # noqa: E402
-from primejax.models.sharding import init_model, make_mesh  # noqa: E402
+from primejax.models.sharding import make_mesh  # noqa: E402
+from primejax.models.transformer import init_model
 from primejax.trainer import optim  # noqa: E402
 from primejax.trainer.engine import jit_train_step
 from primejax.trainer.losses import LossConfig  # noqa: E402

@@ -21,8 +21,9 @@ import numpy as np
 from flax import nnx
 
 from primejax.models.deltanet import gated_deltanet
-from primejax.models.sharding import constrain, init_model, make_mesh
+from primejax.models.sharding import constrain, make_mesh
 from primejax.models.tiny import TinyModelConfig
+from primejax.models.transformer import init_model
 
 T = 192
 COLLECTIVE = re.compile(

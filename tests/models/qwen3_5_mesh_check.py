@@ -67,7 +67,7 @@ def _train_steps(cfg, mesh) -> tuple[list[float], dict]:
     from conftest import random_samples
 
     from primejax.contracts.batch import pack_samples
-    from primejax.models.sharding import init_model
+    from primejax.models.transformer import init_model
     from primejax.trainer import optim
     from primejax.trainer.engine import jit_train_step
     from primejax.trainer.losses import LossConfig

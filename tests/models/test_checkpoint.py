@@ -13,7 +13,7 @@ from hf_variants import read_checkpoint_tensors
 from primejax.models.checkpoint import restore_params, save_params
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import export_safetensors, load_model, param_variables
-from primejax.models.sharding import init_model
+from primejax.models.transformer import init_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

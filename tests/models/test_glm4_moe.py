@@ -179,7 +179,7 @@ def test_optimizer_step_leaves_the_correction_bias_unchanged():
     through the trainer's optimizer, moves every matrix but not the bias (stacked [Ls, E]: rank 2, like a matrix)."""
     from flax import nnx
 
-    from primejax.models.sharding import init_model
+    from primejax.models.transformer import init_model
     from primejax.trainer.optim import make_optimizer
 
     cfg = ModelConfig.from_hf_config(

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from primejax.models import lora
+from primejax.models import lora, lora_io
 from primejax.models.config import ModelConfig
 from primejax.models.settings import ModelSettings
-from primejax.models.sharding import init_model
-from primejax.models.transformer import Transformer
+from primejax.models.transformer import Transformer, init_model
 from primejax.utils.sections import ConfigError
 
 MOE = dict(model_type="qwen3_moe", num_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -76,7 +75,7 @@ def test_lora_forward_equals_merged_weights_forward(family):
 
     @jax.jit
     def merged(p):
-        return lora.merged_model(p, cfg).logits(*args)
+        return lora_io.merged_model(p, cfg).logits(*args)
 
     # the same weights with the adapters' B zeroed, through the same compiled forward (no third compile)
     zero_b = {k: jnp.zeros_like(v) if k.endswith("_lora_b") else v for k, v in params["layers"].items()}

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from primejax.models import lora, lora_io
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import load_model
-from primejax.models.sharding import init_model
+from primejax.models.transformer import init_model
 
 R = 4
 

@@ -262,7 +262,7 @@ def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
     the gradients of no remat."""
     from flax import nnx
 
-    from primejax.models.sharding import init_model
+    from primejax.models.transformer import init_model
 
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (1, 16)), jnp.int32)
     pos = jnp.arange(16, dtype=jnp.int32)[None]
@@ -300,7 +300,7 @@ def test_scan_unroll_gives_the_one_layer_scan_results():
     gradients as one layer per iteration; 0 is refused."""
     from flax import nnx
 
-    from primejax.models.sharding import init_model
+    from primejax.models.transformer import init_model
 
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (1, 16)), jnp.int32)
     pos = jnp.arange(16, dtype=jnp.int32)[None]

@@ -351,8 +351,8 @@ def test_tiny_qwen3_5_build_matches_its_section_and_transformers(family, tmp_pat
 @pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): a whole Qwen3.5 step compile
 def test_weight_decay_spares_the_deltanet_decay_rates_norm_and_dt_bias():
     """AdamW decay (trainer/optim.py) moves the DeltaNet matrices and conv, not A_log, dt_bias or its norm."""
-    from primejax.models.sharding import init_model
     from primejax.models.tiny import TinyModelConfig
+    from primejax.models.transformer import init_model
     from primejax.trainer import optim
 
     cfg = TinyModelConfig(family="qwen3_5_text", vocab_size=128, hidden_size=32, head_dim=32).architecture()

@@ -12,8 +12,7 @@ from flax import nnx
 
 from primejax.models.config import ModelConfig
 from primejax.models.hf_io import param_variables
-from primejax.models.sharding import init_model
-from primejax.models.transformer import Transformer
+from primejax.models.transformer import Transformer, init_model
 
 CFG = ModelConfig(
     model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -29,7 +29,8 @@ ROWS, SEQ_LEN = 8, 512
 def trainer_step(tiny_model_dir):
     """(jitted train step, initial state): a random-init trainer model of the served architecture."""
     from primejax.models.config import ModelConfig
-    from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.sharding import make_mesh
+    from primejax.models.transformer import init_model
     from primejax.trainer import optim
     from primejax.trainer.engine import jit_train_step
     from primejax.trainer.losses import LossConfig

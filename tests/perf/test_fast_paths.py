@@ -266,7 +266,7 @@ def test_rows_over_the_segment_bound_come_out_nan_once_per_forward(monkeypatch):
 
 
 def test_auto_remat_policy_picks_by_micro_batch_tokens():
-    from primejax.models.transformer import AUTO_REMAT_MAX_TOKENS_FOR_DOTS, resolve_remat_policy
+    from primejax.models.remat import AUTO_REMAT_MAX_TOKENS_FOR_DOTS, resolve_remat_policy
 
     assert resolve_remat_policy("auto", 16384) == "dots_no_batch_attn"
     assert resolve_remat_policy("auto", AUTO_REMAT_MAX_TOKENS_FOR_DOTS) == "dots_no_batch_attn"

@@ -112,7 +112,8 @@ _CPU_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp
     from flax import nnx
     from conftest import tiny_config
-    from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.sharding import make_mesh
+    from primejax.models.transformer import init_model
     from primejax.trainer.hlo_collectives import collective_bytes
 
     cfg = tiny_config(num_layers=3, scan_layers=True)

@@ -416,7 +416,7 @@ def test_step_with_normalized_weights_does_not_depend_on_the_micro_batch_split(t
     from flax import nnx
 
     from primejax.contracts.batch import pack_samples
-    from primejax.models.sharding import init_model
+    from primejax.models.transformer import init_model
     from primejax.trainer.step import make_grad_fn, target_logprobs, to_micro_batches
 
     samples = make_samples(5, 8, max_len=24, streams=False)

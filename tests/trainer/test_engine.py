@@ -16,7 +16,7 @@ from conftest import random_samples, tiny_config
 from flax import nnx
 
 from primejax.contracts.batch import pack_samples
-from primejax.models.sharding import init_model
+from primejax.models.transformer import init_model
 from primejax.trainer.config import LossConfig, TrainerConfig
 from primejax.trainer.engine import STEP_KINDS, Engine
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from primejax.contracts.batch import pack_samples
 from primejax.models import moe
-from primejax.models.sharding import init_model
+from primejax.models.transformer import init_model
 from primejax.trainer.losses import LossConfig
 from primejax.trainer.moe_metrics import flatten_moe_metrics
 from primejax.trainer.step import make_grad_fn, to_micro_batches

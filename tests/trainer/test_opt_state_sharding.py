@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, jax
 from primejax.models.config import ModelConfig
-from primejax.models.sharding import init_model, make_mesh
+from primejax.models.sharding import make_mesh
+from primejax.models.transformer import init_model
 from primejax.trainer import optim
 from primejax.trainer.step import init_state
 cfg = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,

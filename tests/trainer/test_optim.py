@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from primejax.models.config import ModelConfig
-from primejax.models.sharding import init_model
+from primejax.models.transformer import init_model
 from primejax.trainer import optim
 
 

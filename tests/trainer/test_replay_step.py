@@ -12,7 +12,7 @@ from flax import nnx
 
 from primejax.contracts.batch import TrainingSample, pack_samples, read_batch, write_batch
 from primejax.models.config import ModelConfig
-from primejax.models.sharding import init_model
+from primejax.models.transformer import init_model
 from primejax.trainer.step import _micro_loss_fn, to_micro_batches
 
 E, K = 4, 2

@@ -15,7 +15,8 @@ _SCRIPT = textwrap.dedent(
     from flax import nnx
     from conftest import random_samples, tiny_config
     from primejax.contracts.batch import pack_samples
-    from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.sharding import make_mesh
+    from primejax.models.transformer import init_model
     from primejax.trainer import optim
     from primejax.trainer.losses import LossConfig
     from primejax.trainer.engine import jit_train_step

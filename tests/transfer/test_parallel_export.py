@@ -17,7 +17,8 @@ _SCRIPT = textwrap.dedent(
     from safetensors.numpy import load_file
     from primejax.models.config import ModelConfig
     from primejax.models.hf_io import export_safetensors
-    from primejax.models.sharding import init_model, make_mesh
+    from primejax.models.sharding import make_mesh
+    from primejax.models.transformer import init_model
     from primejax.transports.weights.filesystem.export import export_parallel
     from primejax.transports.weights.shards import RowShards
 

@@ -170,8 +170,8 @@ def test_device_tensors_equal_the_safetensors_export(variant, tmp_path):
     converts all its layers in one call or one layer per call (a chunk limit below one layer's bytes)."""
     from primejax.models.config import ModelConfig
     from primejax.models.hf_io import load_model, state_to_hf_tensors
-    from primejax.models.sharding import init_model
     from primejax.models.tiny import build_tiny_model
+    from primejax.models.transformer import init_model
     from primejax.transports.weights.collective.device import hf_device_tensors
 
     if variant == "moe":
