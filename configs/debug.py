@@ -9,7 +9,9 @@ def get_config():
     c.run.max_steps = 5
     c.model.path = "outputs/models/tiny-qwen3"
     c.model.build_tiny.enabled = True
-    c.model.compute_dtype = "float32"  # CPU: fp32 is faster than emulated bf16 and matches vLLM's fp32 serving
+    c.model.compute_dtype = (
+        "float32"  # CPU: fp32 is faster than emulated bf16 and matches vLLM's fp32 serving
+    )
     c.orchestrator.batch_size = 16
     c.orchestrator.group_size = 4
     # Room for a real taskset's prompt (verifiers' textarena Hangman opens with ~400 tokens of the tiny

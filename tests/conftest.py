@@ -57,14 +57,17 @@ def free_port() -> int:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 (tied embeddings, fp32) with its tokenizer, Qwen3's tool-call tokens included (so the
     renderers package's qwen3 renders for it). Treat as read-only."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-tied") / "model", tied=True, seed=0, tool_tokens=True)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3-tied") / "model", tied=True, seed=0, tool_tokens=True
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Like `tiny_model_dir` (same tokenizer) with a separate lm_head. Treat as read-only."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-untied") / "model", tied=False, seed=1,
-                            tool_tokens=True)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3-untied") / "model", tied=False, seed=1, tool_tokens=True
+    )
 
 
 @dataclass

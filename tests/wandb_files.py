@@ -20,8 +20,8 @@ def wandb_records(run_file):
         if block - offset % block < 7:  # a block's tail too short for a header is padding
             offset += block - offset % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
-        chunk = data[offset + 7:offset + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[offset : offset + 7])
+        chunk = data[offset + 7 : offset + 7 + length]
         offset += 7 + length
         if kind == 0 and length == 0:
             break

@@ -99,11 +99,17 @@ def main() -> None:
 
         from primejax.models.tiny import build_tiny_model
 
-        model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "model", tied=True, seed=0, tool_tokens=True))
-    rows = [asyncio.run(measure(model_dir, leg, a.episodes, a.workers, a.server_max_concurrent)) for leg in a.legs]
+        model_dir = str(
+            build_tiny_model(Path(tempfile.mkdtemp()) / "model", tied=True, seed=0, tool_tokens=True)
+        )
+    rows = [
+        asyncio.run(measure(model_dir, leg, a.episodes, a.workers, a.server_max_concurrent)) for leg in a.legs
+    ]
     for row in rows:
         print(json.dumps(row))
-    print("\n| path | episodes (ok) | rollouts/s | loop lag p50 | p99 | max | wall s |\n|---|---|---|---|---|---|---|")
+    print(
+        "\n| path | episodes (ok) | rollouts/s | loop lag p50 | p99 | max | wall s |\n|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         print(f"| {r['leg']} ({r['workers']}) | {r['episodes']} ({r['ok']}) | {r['rollouts_per_s']} | "
               f"{r['lag_p50_ms']} ms | {r['lag_p99_ms']} ms | {r['lag_max_ms']} ms | {r['wall_s']} |")  # fmt: skip

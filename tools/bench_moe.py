@@ -79,7 +79,11 @@ def gmm_worker(c: dict) -> dict:
     # cover all rows and run with all_rows_grouped=True (no select for the rows past the groups)
     # the base's matmuls, then a rank-16 LoRA factor's two (rank as N, then as K: padded to the tiles on mgpu)
     cases = [(kind, "base", k, n) for kind in ("uniform", "skewed", "empty", "partial")]
-    cases += [(kind, op, kk, nn) for kind in ("uniform", "partial") for op, kk, nn in (("lora_a", k, 16), ("lora_b", 16, n))]
+    cases += [
+        (kind, op, kk, nn)
+        for kind in ("uniform", "partial")
+        for op, kk, nn in (("lora_a", k, 16), ("lora_b", 16, n))
+    ]
     for kind, op, k, n in cases:
         gmm = grouped_matmul if op == "base" else adapter_grouped_matmul
         full = kind != "partial"
@@ -292,7 +296,9 @@ def step_worker(c: dict) -> dict:
         device=str(jax.devices()[0].device_kind),
         # optimizer state per device by memory kind (offload: fp32 master + moments in pinned host memory)
         state_gib={
-            kind: sum(x.nbytes for x in jax.tree.leaves(engine.state) if x.sharding.memory_kind == kind) / n_dev / 2**30
+            kind: sum(x.nbytes for x in jax.tree.leaves(engine.state) if x.sharding.memory_kind == kind)
+            / n_dev
+            / 2**30
             for kind in {x.sharding.memory_kind for x in jax.tree.leaves(engine.state)}
         },
         buckets=len(engine.offload.plan.buckets) if engine.offload else 0,
@@ -330,7 +336,9 @@ def _device_load(load, devices: int) -> dict | None:
     from primejax.trainer.moe_metrics import device_load_max
 
     top = device_load_max(load, devices)
-    return dict(layer_max_mean=float(top.mean()), layer_max_max=float(top.max()), layer_max=np.round(top, 3).tolist())
+    return dict(
+        layer_max_mean=float(top.mean()), layer_max_max=float(top.max()), layer_max=np.round(top, 3).tolist()
+    )
 
 
 WORKERS = {
@@ -376,7 +384,9 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
     except subprocess.TimeoutExpired as e:  # keep where it was: the worker's progress lines (stderr)
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         done = [ln for ln in err.splitlines() if ln.startswith("PROGRESS ")]
-        return dict(c, error=f"timeout after {timeout:.0f}s" + (f"; last: {' | '.join(done[-4:])}" if done else ""))
+        return dict(
+            c, error=f"timeout after {timeout:.0f}s" + (f"; last: {' | '.join(done[-4:])}" if done else "")
+        )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
         tail = (p.stderr or p.stdout)[-2000:]
@@ -431,7 +441,11 @@ def _table(results: list[dict]) -> str:
                     if r.get("adapter_export_s") is not None
                     else ""
                 )
-                + (f" offload: {r['buckets']} buckets, state GiB/gpu {r['state_gib']}" if r.get("offload") else "")
+                + (
+                    f" offload: {r['buckets']} buckets, state GiB/gpu {r['state_gib']}"
+                    if r.get("offload")
+                    else ""
+                )
             )
         else:
             out.append(

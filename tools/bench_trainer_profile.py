@@ -125,7 +125,10 @@ def _exposed(named: list, compute: list) -> list[tuple[int, int, str, int]]:
     import bisect
 
     ends = [b for _, b in compute]
-    return [(a, b, name, b - a - _intersect([(a, b)], compute[bisect.bisect_right(ends, a) :])) for a, b, name in named]
+    return [
+        (a, b, name, b - a - _intersect([(a, b)], compute[bisect.bisect_right(ends, a) :]))
+        for a, b, name in named
+    ]
 
 
 def _exposed_by_name(events: list, t0: int, window: int, steps: int) -> dict:

@@ -57,15 +57,46 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {  # Qwen3 configs (config.json of Qwen/Qwen3-0.6B, -4B, -8B)
-    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-                 num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
-    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
-               num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
-    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-               num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    "0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
-SMOKE = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-             head_dim=32)
+SMOKE = dict(
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
 
 
 def shape(size: str, smoke: bool) -> dict:
@@ -109,8 +140,17 @@ def sender(args: argparse.Namespace) -> None:
 
     run = Path(args.run_dir)
     s = shape(args.size, args.smoke)
-    cfg = ModelConfig(model_type="qwen3", rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6, qk_norm=True,
-                      attention_bias=False, max_position_embeddings=4096, param_dtype="bfloat16", **s)
+    cfg = ModelConfig(
+        model_type="qwen3",
+        rope_theta=1e6,
+        rope_scaling=None,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+        attention_bias=False,
+        max_position_embeddings=4096,
+        param_dtype="bfloat16",
+        **s,
+    )
     t0 = time.perf_counter()
     model = init_model(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]), seed=0)
     jax.block_until_ready(jax.tree.leaves(model))
@@ -122,8 +162,15 @@ def sender(args: argparse.Namespace) -> None:
 
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-    sender = CollectiveSender(run, secret=process_token(), timeout_s=300, bucket_bytes=args.bucket_mb * 2**20, num_receivers=1,
-                              backend="nccl" if gpu else "gloo", device=device)
+    sender = CollectiveSender(
+        run,
+        secret=process_token(),
+        timeout_s=300,
+        bucket_bytes=args.bucket_mb * 2**20,
+        num_receivers=1,
+        backend="nccl" if gpu else "gloo",
+        device=device,
+    )
     times, sends = [], []
     for r in range(args.rounds + 1):
         t0 = time.perf_counter()
@@ -141,12 +188,24 @@ def sender(args: argparse.Namespace) -> None:
     export_s = time.perf_counter() - t0
     _write(run / "fs_request.json", {"dir": str(run / "fs")})
     done = _wait_file(run / "fs_done.json", 1800)
-    print(json.dumps({
-        "size": args.size, "gb": gb, "init_s": init_s, "collective_s": statistics.median(times),
-        "collective_min_s": min(times), "send_s": statistics.median(sends), "export_s": export_s,
-        "load_s": done["load_s"], "identical": done["identical"], "params": int(sum(
-            np.prod(m.shape) for m in metas)), "device": str(jax.local_devices()[0].device_kind),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "size": args.size,
+                "gb": gb,
+                "init_s": init_s,
+                "collective_s": statistics.median(times),
+                "collective_min_s": min(times),
+                "send_s": statistics.median(sends),
+                "export_s": export_s,
+                "load_s": done["load_s"],
+                "identical": done["identical"],
+                "params": int(sum(np.prod(m.shape) for m in metas)),
+                "device": str(jax.local_devices()[0].device_kind),
+            }
+        ),
+        flush=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- receiver
@@ -158,27 +217,47 @@ class VllmLayoutParams:
     def __init__(self, s: dict, device, dtype):
         import torch
 
-        d, i, h, kv, hd, v = (s["hidden_size"], s["intermediate_size"], s["num_heads"], s["num_kv_heads"],
-                              s["head_dim"], s["vocab_size"])
+        d, i, h, kv, hd, v = (
+            s["hidden_size"],
+            s["intermediate_size"],
+            s["num_heads"],
+            s["num_kv_heads"],
+            s["head_dim"],
+            s["vocab_size"],
+        )
+
         def empty(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, device=device, dtype=dtype)
 
-        self.p: dict[str, torch.Tensor] = {"model.embed_tokens.weight": empty(v, d), "model.norm.weight": empty(d)}
+        self.p: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": empty(v, d),
+            "model.norm.weight": empty(d),
+        }
         if not s["tie_word_embeddings"]:
             self.p["lm_head.weight"] = empty(v, d)
         for layer in range(s["num_layers"]):
             pre = f"model.layers.{layer}."
-            self.p.update({
-                pre + "self_attn.qkv_proj.weight": empty((h + 2 * kv) * hd, d),
-                pre + "self_attn.o_proj.weight": empty(d, h * hd),
-                pre + "self_attn.q_norm.weight": empty(hd), pre + "self_attn.k_norm.weight": empty(hd),
-                pre + "input_layernorm.weight": empty(d), pre + "post_attention_layernorm.weight": empty(d),
-                pre + "mlp.gate_up_proj.weight": empty(2 * i, d), pre + "mlp.down_proj.weight": empty(d, i),
-            })
+            self.p.update(
+                {
+                    pre + "self_attn.qkv_proj.weight": empty((h + 2 * kv) * hd, d),
+                    pre + "self_attn.o_proj.weight": empty(d, h * hd),
+                    pre + "self_attn.q_norm.weight": empty(hd),
+                    pre + "self_attn.k_norm.weight": empty(hd),
+                    pre + "input_layernorm.weight": empty(d),
+                    pre + "post_attention_layernorm.weight": empty(d),
+                    pre + "mlp.gate_up_proj.weight": empty(2 * i, d),
+                    pre + "mlp.down_proj.weight": empty(d, i),
+                }
+            )
         q, k = h * hd, kv * hd
         # vLLM Qwen3's stacked_params_mapping: (fused name, HF name, row offset)
-        self.stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + k),
-                        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", i)}
+        self.stacked = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q),
+            "v_proj": ("qkv_proj", q + k),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", i),
+        }
 
     def load_weights(self, pairs) -> None:
         for name, t in pairs:
@@ -235,11 +314,20 @@ def receiver(args: argparse.Namespace) -> None:
 def _adapter_cfg(args: argparse.Namespace):
     from primejax.models.config import ModelConfig
 
-    return ModelConfig(model_type="qwen3", rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6, qk_norm=True,
-                       attention_bias=False, max_position_embeddings=4096, param_dtype="bfloat16",
-                       lora_rank=args.adapter, lora_alpha=2.0 * args.adapter,
-                       lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                       **shape(args.size, args.smoke))
+    return ModelConfig(
+        model_type="qwen3",
+        rope_theta=1e6,
+        rope_scaling=None,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+        attention_bias=False,
+        max_position_embeddings=4096,
+        param_dtype="bfloat16",
+        lora_rank=args.adapter,
+        lora_alpha=2.0 * args.adapter,
+        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        **shape(args.size, args.smoke),
+    )
 
 
 def adapter_sender(args: argparse.Namespace) -> None:
@@ -256,15 +344,25 @@ def adapter_sender(args: argparse.Namespace) -> None:
 
     run = Path(args.run_dir)
     cfg = _adapter_cfg(args)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))  # the base's shapes, nothing allocated
+    abstract = nnx.eval_shape(
+        lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+    )  # the base's shapes, nothing allocated
     specs = lora.stack_adapters(abstract.layers, cfg)
     layers = jax.jit(lambda: {k: v[...] for k, v in lora.adapter_params(specs, jax.random.key(0)).items()})()
     # B random too (a fresh B is zero): the receiver's copy is compared value for value.
-    layers = {k: v + 0.01 * jax.random.normal(jax.random.key(i), v.shape) for i, (k, v) in enumerate(layers.items())}
+    layers = {
+        k: v + 0.01 * jax.random.normal(jax.random.key(i), v.shape) for i, (k, v) in enumerate(layers.items())
+    }
     adapters = {"layers": jax.block_until_ready(layers)}
     config = lora_io.peft_config(cfg)
-    sender = CollectiveSender(run, secret=process_token(), timeout_s=300, bucket_bytes=args.bucket_mb * 2**20,
-                              num_receivers=1, backend="gloo")
+    sender = CollectiveSender(
+        run,
+        secret=process_token(),
+        timeout_s=300,
+        bucket_bytes=args.bucket_mb * 2**20,
+        num_receivers=1,
+        backend="gloo",
+    )
     coll, fs, checks = [], [], []
     for r in range(args.rounds + 1):
         t0 = time.perf_counter()
@@ -272,7 +370,9 @@ def adapter_sender(args: argparse.Namespace) -> None:
         if not sender.send(r, named, extra={ADAPTER_KEY: config}):
             raise RuntimeError(f"round {r} failed")
         t1 = time.perf_counter()
-        d, nbytes = write_broadcast(run / "fs", r, lambda d: lora_io.write_peft(adapters, cfg, d), hash_files=True)
+        d, nbytes = write_broadcast(
+            run / "fs", r, lambda d: lora_io.write_peft(adapters, cfg, d), hash_files=True
+        )
         t2 = time.perf_counter()
         verify_broadcast(d)  # the server's check_stable(require_stable) hashes every file
         check_adapter_dir(d, max_rank=512)
@@ -287,12 +387,23 @@ def adapter_sender(args: argparse.Namespace) -> None:
 
     got = load_file(str(Path(done["dir"]) / "adapter_model.safetensors"))
     identical = list(got) == sorted(want) and all((got[k] == want[k]).all() for k in want)
-    print(json.dumps({
-        "size": args.size, "rank": args.adapter, "gb": sender.last["transfer/gb"], "mb_file": nbytes / 1e6,
-        "collective_s": statistics.median(coll), "export_s": statistics.median(fs),
-        "load_s": statistics.median(checks), "identical": identical, "tensors": len(want),
-        "device": str(jax.local_devices()[0].device_kind),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "size": args.size,
+                "rank": args.adapter,
+                "gb": sender.last["transfer/gb"],
+                "mb_file": nbytes / 1e6,
+                "collective_s": statistics.median(coll),
+                "export_s": statistics.median(fs),
+                "load_s": statistics.median(checks),
+                "identical": identical,
+                "tensors": len(want),
+                "device": str(jax.local_devices()[0].device_kind),
+            }
+        ),
+        flush=True,
+    )
     _write(run / "adapter_read.json", {})
 
 
@@ -325,15 +436,33 @@ def adapter_receiver(args: argparse.Namespace) -> None:
 
 def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-transfer-{size}-", dir=args.tmp) as run:
-        common = [sys.executable, __file__, "--size", size, "--run-dir", run, "--rounds", str(args.rounds),
-                  "--bucket-mb", str(args.bucket_mb)] + (["--smoke"] if args.smoke else []) + (
-                      ["--cpu"] if args.cpu else [])
+        common = (
+            [
+                sys.executable,
+                __file__,
+                "--size",
+                size,
+                "--run-dir",
+                run,
+                "--rounds",
+                str(args.rounds),
+                "--bucket-mb",
+                str(args.bucket_mb),
+            ]
+            + (["--smoke"] if args.smoke else [])
+            + (["--cpu"] if args.cpu else [])
+        )
         from primejax.inference.admin_auth import TOKEN_ENV, process_token
 
         # One run secret for both processes (each would otherwise make its own and refuse the other's store).
-        env = {**os.environ, TOKEN_ENV: process_token(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                              os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            TOKEN_ENV: process_token(),
+            "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
         if args.smoke or args.cpu:
             env["JAX_PLATFORMS"] = "cpu"
         # Both processes see both GPUs (as vLLM's workers do), so NCCL can use direct peer access (NVLink);
@@ -342,8 +471,13 @@ def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
             common += ["--adapter", str(args.adapter)]
         rx = subprocess.Popen(common + ["--role", "receiver"], env=env)
         try:
-            out = subprocess.run(common + ["--role", "sender"], env=env, stdout=subprocess.PIPE, text=True,
-                                 timeout=args.timeout)
+            out = subprocess.run(
+                common + ["--role", "sender"],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+                timeout=args.timeout,
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"{size}: sender exited with {out.returncode}")
             rx.wait(120)
@@ -366,7 +500,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=0, help="packed bucket size (default 1024 GPU, 1 smoke)")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--tmp", default=None, help="directory for the filesystem path's files (default: $TMPDIR)")
+    ap.add_argument(
+        "--tmp", default=None, help="directory for the filesystem path's files (default: $TMPDIR)"
+    )
     ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
     ap.add_argument("--size", default="")
     ap.add_argument("--run-dir", default="")
@@ -391,15 +527,21 @@ def main() -> int:
         rows.append(run_size(size, args, devices))
         print(json.dumps(rows[-1]), flush=True)
     where = "smoke (CPU, gloo, tiny shapes)" if args.smoke else "CPU, gloo" if args.cpu else rows[0]["device"]
-    print(f"\n{where}; bucket {args.bucket_mb} MiB; "
-          f"median of {args.rounds} rounds after a warm-up; total {time.perf_counter() - start:.0f} s\n")
-    print("| model shape | GB (bf16) | collective s/update | GB/s | filesystem export s | load s | export+load s | "
-          "same params |")
+    print(
+        f"\n{where}; bucket {args.bucket_mb} MiB; "
+        f"median of {args.rounds} rounds after a warm-up; total {time.perf_counter() - start:.0f} s\n"
+    )
+    print(
+        "| model shape | GB (bf16) | collective s/update | GB/s | filesystem export s | load s | export+load s | "
+        "same params |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| Qwen3-{r['size'].upper()} | {r['gb']:.2f} | {r['collective_s']:.3f} | "
-              f"{r['gb'] / r['collective_s']:.1f} | {r['export_s']:.2f} | {r['load_s']:.2f} | "
-              f"{r['export_s'] + r['load_s']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+        print(
+            f"| Qwen3-{r['size'].upper()} | {r['gb']:.2f} | {r['collective_s']:.3f} | "
+            f"{r['gb'] / r['collective_s']:.1f} | {r['export_s']:.2f} | {r['load_s']:.2f} | "
+            f"{r['export_s'] + r['load_s']:.2f} | {'yes' if r['identical'] else 'NO'} |"
+        )
     return 0 if all(r["identical"] for r in rows) else 1
 
 
@@ -410,15 +552,21 @@ def adapter_table(args: argparse.Namespace, devices: list[str]) -> int:
         rows.append(run_size(size, args, devices))
         print(json.dumps(rows[-1]), flush=True)
     where = "smoke (CPU, tiny shapes)" if args.smoke else rows[0]["device"]
-    print(f"\nLoRA adapter sync; adapters on {where}, sent over gloo from host memory; bucket {args.bucket_mb} MiB; "
-          f"median of {args.rounds} rounds after a warm-up; total {time.perf_counter() - start:.0f} s\n")
-    print("| adapter | tensors | MB (fp32) | collective s (gather + send + receive + private dir) | "
-          "filesystem export s (gather + write + sha256) | server checks s | same tensors |")
+    print(
+        f"\nLoRA adapter sync; adapters on {where}, sent over gloo from host memory; bucket {args.bucket_mb} MiB; "
+        f"median of {args.rounds} rounds after a warm-up; total {time.perf_counter() - start:.0f} s\n"
+    )
+    print(
+        "| adapter | tensors | MB (fp32) | collective s (gather + send + receive + private dir) | "
+        "filesystem export s (gather + write + sha256) | server checks s | same tensors |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| Qwen3-{r['size'].upper()} r{r['rank']} | {r['tensors']} | {r['gb'] * 1e3:.1f} | "
-              f"{r['collective_s']:.3f} | {r['export_s']:.3f} | {r['load_s']:.3f} | "
-              f"{'yes' if r['identical'] else 'NO'} |")
+        print(
+            f"| Qwen3-{r['size'].upper()} r{r['rank']} | {r['tensors']} | {r['gb'] * 1e3:.1f} | "
+            f"{r['collective_s']:.3f} | {r['export_s']:.3f} | {r['load_s']:.3f} | "
+            f"{'yes' if r['identical'] else 'NO'} |"
+        )
     return 0 if all(r["identical"] for r in rows) else 1
 
 

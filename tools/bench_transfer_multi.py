@@ -96,7 +96,9 @@ def sender(a: argparse.Namespace) -> None:
             # "parallel-pwrite": the parallel export's locked pwrite writer (fs_export's docstring), the one before
             # the mmap writer; the same publisher, its export function bound to writer="pwrite"
             fs_export.export_parallel = (
-                functools.partial(parallel_export, writer="pwrite") if mode == "parallel-pwrite" else parallel_export
+                functools.partial(parallel_export, writer="pwrite")
+                if mode == "parallel-pwrite"
+                else parallel_export
             )
             b = BroadcastConfig(mode="filesystem", export=mode.partition("-")[0], hash=False)
             pub = FilesystemPublisher(run / mode, cfg, b, async_level=0)
@@ -254,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=0, help="default 1024 GPU, 1 smoke")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--tmp", default=None)
-    ap.add_argument("--export-modes", default="gather,parallel", help="export rows: which of gather, parallel, parallel-pwrite (the writer before mmap)")
+    ap.add_argument(
+        "--export-modes",
+        default="gather,parallel",
+        help="export rows: which of gather, parallel, parallel-pwrite (the writer before mmap)",
+    )
     ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
     ap.add_argument("--shape", default="")
     ap.add_argument("--run-dir", default="")

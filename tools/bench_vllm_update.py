@@ -35,8 +35,16 @@ if __package__ in (None, ""):
 
 from tools.model_shapes import QWEN3  # noqa: E402
 
-SMOKE = dict(QWEN3["qwen3-0.6b"], vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+SMOKE = dict(
+    QWEN3["qwen3-0.6b"],
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
 _ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
@@ -44,7 +52,11 @@ def write_sparse_safetensors(path: Path, metas: list) -> int:
     """A safetensors file with these tensors' header and a data region that is a hole (nothing written)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for m in metas:
-        header[m.name] = {"dtype": _ST_DTYPE[m.dtype], "shape": list(m.shape), "data_offsets": [offset, offset + m.nbytes]}
+        header[m.name] = {
+            "dtype": _ST_DTYPE[m.dtype],
+            "shape": list(m.shape),
+            "data_offsets": [offset, offset + m.nbytes],
+        }
         offset += m.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -90,25 +102,47 @@ def one_shape(args: argparse.Namespace) -> dict:
 
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
-    spec = ServerSpec(model=str(model_dir), port=free_port(), dtype="bfloat16", max_model_len=1024,
-                      devices=args.server_gpu if gpu else "", gpu_memory_utilization=0.9,
-                      extra_args=("--load-format", "dummy"), enforce_eager=True)
+    spec = ServerSpec(
+        model=str(model_dir),
+        port=free_port(),
+        dtype="bfloat16",
+        max_model_len=1024,
+        devices=args.server_gpu if gpu else "",
+        gpu_memory_utilization=0.9,
+        extra_args=("--load-format", "dummy"),
+        enforce_eager=True,
+    )
     server = InferenceServerProcess(spec, work / "inference.log")
-    row: dict = {"shape": args.shape, "gb": nbytes / 1e9, "tensors": len(metas), "init_s": init_s,
-                 "device": str(jax.local_devices()[0].device_kind)}
+    row: dict = {
+        "shape": args.shape,
+        "gb": nbytes / 1e9,
+        "tensors": len(metas),
+        "init_s": init_s,
+        "device": str(jax.local_devices()[0].device_kind),
+    }
     try:
         row["server_start_s"] = server.start().wait_healthy(900)
-        sender = CollectiveSender(work / "run", secret=os.environ[TOKEN_ENV], timeout_s=600,
-                                  bucket_bytes=args.bucket_mb * 2**20, backend="nccl" if gpu else "gloo",
-                                  device=device)
+        sender = CollectiveSender(
+            work / "run",
+            secret=os.environ[TOKEN_ENV],
+            timeout_s=600,
+            bucket_bytes=args.bucket_mb * 2**20,
+            backend="nccl" if gpu else "gloo",
+            device=device,
+        )
         rounds, loads = [], []
         for r in range(args.rounds + 1):
             seconds, load_s = _round(sender, model, cfg, spec.base_url, work / "run", r + 1)
             if r:  # round 0 warms up: rendezvous, communicator, jit
                 rounds.append(seconds)
                 loads.append(load_s)
-        row.update(update_s=statistics.median(rounds), update_min_s=min(rounds), server_s=statistics.median(loads),
-                   send_s=sender.last.get("transfer/send_seconds", 0.0), gb_per_s=row["gb"] / statistics.median(rounds))
+        row.update(
+            update_s=statistics.median(rounds),
+            update_min_s=min(rounds),
+            server_s=statistics.median(loads),
+            send_s=sender.last.get("transfer/send_seconds", 0.0),
+            gb_per_s=row["gb"] / statistics.median(rounds),
+        )
     finally:
         server.stop()
     return row
@@ -177,24 +211,44 @@ def main() -> int:
         return 0
     rows = []
     for shape in args.shapes.split(","):
-        cmd = [sys.executable, __file__, "--shape", shape, "--server-gpu", args.server_gpu, "--rounds",
-               str(args.rounds), "--bucket-mb", str(args.bucket_mb)] + (["--tmp", args.tmp] if args.tmp else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--shape",
+            shape,
+            "--server-gpu",
+            args.server_gpu,
+            "--rounds",
+            str(args.rounds),
+            "--bucket-mb",
+            str(args.bucket_mb),
+        ] + (["--tmp", args.tmp] if args.tmp else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-        row = json.loads(found[-1]) if found else {"shape": shape, "error": (proc.stderr or proc.stdout)[-1500:]}
+        row = (
+            json.loads(found[-1])
+            if found
+            else {"shape": shape, "error": (proc.stderr or proc.stdout)[-1500:]}
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             Path(args.out, "vllm_update.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| shape | GB (bf16) | tensors | update s (median) | min s | server load s | GB/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| shape | GB (bf16) | tensors | update s (median) | min s | server load s | GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | failed: {r['error'].splitlines()[-1][:80] if r['error'] else '?'} |")
+            lines.append(
+                f"| {r['shape']} | failed: {r['error'].splitlines()[-1][:80] if r['error'] else '?'} |"
+            )
             continue
-        lines.append(f"| {r['shape']} | {r['gb']:.2f} | {r['tensors']} | {r['update_s']:.3f} | {r['update_min_s']:.3f}"
-                     f" | {r['server_s']:.3f} | {r['gb_per_s']:.1f} |")
+        lines.append(
+            f"| {r['shape']} | {r['gb']:.2f} | {r['tensors']} | {r['update_s']:.3f} | {r['update_min_s']:.3f}"
+            f" | {r['server_s']:.3f} | {r['gb_per_s']:.1f} |"
+        )
     print("\n".join(lines))
     if args.out:
         Path(args.out, "vllm_update.md").write_text("\n".join(lines) + "\n")

@@ -69,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     b.add_argument("--overwrite", action="store_true")
-    c = sub.add_parser("merge-lora", help="HF base model + PEFT LoRA adapter -> merged HF safetensors directory")
+    c = sub.add_parser(
+        "merge-lora", help="HF base model + PEFT LoRA adapter -> merged HF safetensors directory"
+    )
     c.add_argument("--base", required=True, help="HF model directory the adapter was trained on")
-    c.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json + safetensors)")
+    c.add_argument(
+        "--adapter", required=True, help="PEFT adapter directory (adapter_config.json + safetensors)"
+    )
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "keep"])
     c.add_argument("--overwrite", action="store_true")

@@ -47,7 +47,11 @@ def _rows(path: Path) -> dict[int, dict]:
 
 
 def _mean(rows: list[dict], key: str, skip_first: bool = True) -> float | None:
-    vals = [r[key] for r in rows[1 if skip_first and len(rows) > 2 else 0 :] if isinstance(r.get(key), (int, float))]
+    vals = [
+        r[key]
+        for r in rows[1 if skip_first and len(rows) > 2 else 0 :]
+        if isinstance(r.get(key), (int, float))
+    ]
     return statistics.fmean(vals) if vals else None
 
 
@@ -59,7 +63,10 @@ def summarize(run_dir: Path, wall_s: float, rc: int | None) -> dict:
     t_rows, o_rows = [trainer[s] for s in steps], [orch[s] for s in steps]
     rewards = [r.get("reward/mean") for r in o_rows if isinstance(r.get("reward/mean"), (int, float))]
     out = {
-        "run": run_dir.name, "rc": rc, "wall_s": wall_s, "steps": len(steps),
+        "run": run_dir.name,
+        "rc": rc,
+        "wall_s": wall_s,
+        "steps": len(steps),
         "reward_first3": statistics.fmean(rewards[:3]) if rewards else None,
         "reward_last5": statistics.fmean(rewards[-5:]) if rewards else None,
         "step_wall_s": _mean(o_rows, "time/step_wall"),
@@ -123,12 +130,16 @@ def plot(run_dirs: list[Path], png: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--plot", nargs="+", default=None, help="run directories: draw their curves to --png, run nothing")
+    p.add_argument(
+        "--plot", nargs="+", default=None, help="run directories: draw their curves to --png, run nothing"
+    )
     p.add_argument("--png", default="gpu_e2e.png")
     p.add_argument("--run", action="append", help="NAME|GPUS|CONFIG[|OVERRIDES]")
     p.add_argument("--out", help="where the table and the archive go (with --run)")
     p.add_argument("--runs-dir", default="outputs/gpu_e2e")
-    p.add_argument("--budget", type=float, default=540.0, help="seconds before still-running runs are interrupted")
+    p.add_argument(
+        "--budget", type=float, default=540.0, help="seconds before still-running runs are interrupted"
+    )
     args = p.parse_args()
     if args.plot:
         plot([Path(d) for d in args.plot], Path(args.png))
@@ -142,13 +153,29 @@ def main() -> int:
     t0 = time.monotonic()
     for spec in args.run:
         name, gpus, config, *rest = spec.split("|")
-        cmd = [sys.executable, "-m", "primejax.train", "--config", config, f"--config.run.name={name}",
-               f"--config.run.output_dir={runs_dir}", *shlex.split(rest[0] if rest else "")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "primejax.train",
+            "--config",
+            config,
+            f"--config.run.name={name}",
+            f"--config.run.output_dir={runs_dir}",
+            *shlex.split(rest[0] if rest else ""),
+        ]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONUNBUFFERED": "1"}
         log = open(runs_dir / f"{name}.launcher.txt", "w")  # noqa: SIM115 (closed after the run)
         print(f"[{time.monotonic() - t0:6.0f}s] start {name} on GPU(s) {gpus}: {shlex.join(cmd)}", flush=True)
-        procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True), log, time.monotonic()))
+        procs.append(
+            (
+                name,
+                subprocess.Popen(
+                    cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                ),
+                log,
+                time.monotonic(),
+            )
+        )
     ends: dict[str, tuple[float, int | None]] = {}
     while len(ends) < len(procs):
         for name, proc, _, started in procs:

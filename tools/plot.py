@@ -134,8 +134,11 @@ def main() -> None:
             parser.exit(2, f"error: {run} has no metrics/ directory (is it a primejax run dir?)\n")
     if args.timeline is not None:
         if not RunDir(args.run_dir[0]).timeline(args.timeline).is_file():
-            parser.exit(2, f"error: no {RunDir(args.run_dir[0]).timeline(args.timeline)} (monitor.timeline off, "
-                           "or the step has not run)\n")
+            parser.exit(
+                2,
+                f"error: no {RunDir(args.run_dir[0]).timeline(args.timeline)} (monitor.timeline off, "
+                "or the step has not run)\n",
+            )
         print(plot_timeline(args.run_dir[0], args.timeline, args.out))
     elif args.servers:
         print(plot_servers(args.run_dir[0], args.out))

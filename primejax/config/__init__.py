@@ -77,7 +77,9 @@ _env = env  # the name config files and tests used before
 def typed(c: ConfigDict | dict) -> Config:
     """The typed, validated view of a config tree. Raises ConfigError naming the key."""
     cfg = build(Config, c)
-    if cfg.orchestrator.checkpoint.interval < 0:  # -1: the trainer's interval (a resume needs a step both saved)
+    if (
+        cfg.orchestrator.checkpoint.interval < 0
+    ):  # -1: the trainer's interval (a resume needs a step both saved)
         cfg = replace_key(cfg, "orchestrator.checkpoint.interval", cfg.trainer.checkpoint.interval)
     rules.check(cfg)
     return cfg

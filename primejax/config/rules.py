@@ -14,6 +14,7 @@ from primejax.utils.sections import ConfigError
 if TYPE_CHECKING:
     from primejax.config import Config
 
+
 def check(c: Config) -> None:
     o = c.orchestrator
     prompt_and_completion = o.max_prompt_tokens + o.sampling.max_tokens
@@ -39,13 +40,18 @@ def check(c: Config) -> None:
         raise ConfigError(key, msg) from None
     if o.routing_replay:
         _check_routing_replay(c)
-    if c.trainer.loss.type != "default":  # an objective of its own replaces the rl component the corrections change
+    if (
+        c.trainer.loss.type != "default"
+    ):  # an objective of its own replaces the rl component the corrections change
         for name in o.envs:
             if not o.env_algo(name).correction.is_default:
                 own = o.envs[name].algo.type
                 key = f"orchestrator.envs.{name}.algo.correction" if own else "orchestrator.algo.correction"
-                raise ConfigError(key, f"applies to the default rl loss; trainer.loss.type = {c.trainer.loss.type!r} "
-                                       "replaces it")
+                raise ConfigError(
+                    key,
+                    f"applies to the default rl loss; trainer.loss.type = {c.trainer.loss.type!r} "
+                    "replaces it",
+                )
 
 
 def _check_routing_replay(c: Config) -> None:
@@ -60,12 +66,16 @@ def _check_routing_replay(c: Config) -> None:
     tiny = c.model.build_tiny
     if tiny.enabled and not (Path(c.model.path) / "config.json").exists():  # the launcher builds it first
         if tiny.family not in MOE_MODEL_TYPES:
-            raise ConfigError("orchestrator.routing_replay", f"needs an MoE model; model.build_tiny.family is "
-                                                             f"{tiny.family!r}")
+            raise ConfigError(
+                "orchestrator.routing_replay",
+                f"needs an MoE model; model.build_tiny.family is {tiny.family!r}",
+            )
         return
     try:
         routing = RoutingShape.of_model_dir(c.model.path)
     except (OSError, ValueError) as e:
-        raise ConfigError("model.path", f"orchestrator.routing_replay needs the model's config.json ({e})") from None
+        raise ConfigError(
+            "model.path", f"orchestrator.routing_replay needs the model's config.json ({e})"
+        ) from None
     if routing is None:
         raise ConfigError("orchestrator.routing_replay", f"needs an MoE model; {c.model.path} is dense")

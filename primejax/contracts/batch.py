@@ -79,7 +79,6 @@ FORMAT_VERSION = 2  # see "Format versions" above
 MANIFEST_KEY = "__manifest__"
 
 
-
 @dataclass
 class TrainingSample:
     """One (possibly multi-turn merged) token sequence with its per-token training signal."""

@@ -181,7 +181,9 @@ def check_values(path: Path | None, b: Any, vocab_size: int | None, num_experts:
         raise BatchFormatError(path, "temperatures", "must be finite and > 0 on every real token")
     envs = b.meta.get("envs") or []
     if (b.env_ids < 0).any() or (envs and (b.env_ids >= len(envs)).any()):
-        raise BatchFormatError(path, "env_ids", f"outside [0, {len(envs) or 'envs'}) (meta.envs lists {len(envs)})")
+        raise BatchFormatError(
+            path, "env_ids", f"outside [0, {len(envs) or 'envs'}) (meta.envs lists {len(envs)})"
+        )
     if (b.staleness < 0).any():
         raise BatchFormatError(path, "staleness", "negative staleness")
     if getattr(b, "routed_experts", None) is not None:

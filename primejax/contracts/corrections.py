@@ -39,7 +39,9 @@ class RejectConfig(Section):
         "of its ratios) | geometric (its mean: k1 gives the log of their geometric mean)",
         choices=("none", "token", "sequence", "geometric"),
     )
-    divergence: str = option("k1", "k1 = log(pi/mu); k3 = pi/mu - 1 - log(pi/mu) (>= 0)", choices=("k1", "k3"))
+    divergence: str = option(
+        "k1", "k1 = log(pi/mu); k3 = pi/mu - 1 - log(pi/mu) (>= 0)", choices=("k1", "k3")
+    )
     low: float = option(-0.693, "lowest accepted divergence (k1: log 0.5)")
     high: float = option(0.693, "highest accepted divergence (k1: log 2)")
 
@@ -123,14 +125,20 @@ class CorrectionConfig(Section):
 
     def check(self) -> None:
         if self.objective != "dppo" and self.is_weight.level != "none":
-            raise ConfigError("is_weight.level", f"must be 'none' with objective {self.objective!r}: its ratio "
-                                                 "already is the importance weight")
+            raise ConfigError(
+                "is_weight.level",
+                f"must be 'none' with objective {self.objective!r}: its ratio "
+                "already is the importance weight",
+            )
         if self.is_weight.normalize and self.is_weight.level == "none":
             raise ConfigError("is_weight.normalize", "needs is_weight.level (token, sequence or geometric)")
         if self.objective == "gspo" and (self.icepop.enabled or self.reject.level == "token"):
             key = "icepop.enabled" if self.icepop.enabled else "reject.level"
-            raise ConfigError(key, "a token mask inside gspo's sequence ratio still trains the masked tokens "
-                                   "through it: use objective 'gspo_token' or a sequence-level reject.level")
+            raise ConfigError(
+                key,
+                "a token mask inside gspo's sequence ratio still trains the masked tokens "
+                "through it: use objective 'gspo_token' or a sequence-level reject.level",
+            )
 
     @property
     def is_default(self) -> bool:

@@ -39,11 +39,13 @@ class RunConfig(Section):
     max_steps: int = option(20, "training steps", gt=0, le=MAX_STEPS)
     seed: int = option(0, "seed of initialization, sampling order and the server", ge=0)
     resume_step: str = option(
-        "", "'' = the launcher resumes from the newest checkpoint pair when the run directory has one (a process "
-        "started alone starts fresh), 'latest', or a step number"
+        "",
+        "'' = the launcher resumes from the newest checkpoint pair when the run directory has one (a process "
+        "started alone starts fresh), 'latest', or a step number",
     )
-    fresh: bool = option(False, "start over even when the run directory has a checkpoint (the old run is kept "
-                                "under previous/)")
+    fresh: bool = option(
+        False, "start over even when the run directory has a checkpoint (the old run is kept under previous/)"
+    )
 
     def check(self) -> None:
         if self.fresh and self.resume_step:
@@ -109,8 +111,20 @@ class RunDir:
     # What a fresh start moves aside (configs/ is this invocation's own): only primejax's entries, anything else
     # (a user's files, a project a run directory was pointed at by mistake) is never touched.
     ENTRIES = frozenset(
-        {*STEP_DIRS, "logs", "metrics", "tensorboard", "tables", "timeline", "wandb", "sft", "stale", PIDS_FILE,
-         ADMIN_TOKEN_FILE, TRANSFERS}
+        {
+            *STEP_DIRS,
+            "logs",
+            "metrics",
+            "tensorboard",
+            "tables",
+            "timeline",
+            "wandb",
+            "sft",
+            "stale",
+            PIDS_FILE,
+            ADMIN_TOKEN_FILE,
+            TRANSFERS,
+        }
     )
 
     def __init__(self, root: str | os.PathLike):

@@ -42,8 +42,13 @@ async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
     server = None
     if cfg.inference.enabled:
         # Its own server loads exactly the directory being evaluated (a checkpoint anywhere, manifest or not).
-        spec = ServerSpec.from_config(cfg.inference, cfg.model.path, cfg.run.seed, require_stable=False,
-                                      weights_root=str(Path(weights).resolve()) if weights else "")
+        spec = ServerSpec.from_config(
+            cfg.inference,
+            cfg.model.path,
+            cfg.run.seed,
+            require_stable=False,
+            weights_root=str(Path(weights).resolve()) if weights else "",
+        )
         server = InferenceServerProcess(spec, log_path(cfg.run_dir, "eval-inference"))
         server.start()
         cfg = replace_key(cfg, "inference.port", spec.port)  # inference.port = 0: the port picked for it
@@ -60,14 +65,19 @@ async def run_eval(cfg: Config, weights: str | None) -> dict[str, float]:
 
 
 def _flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("weights", "", "broadcast or HF safetensors directory to evaluate ('' = model.path)",
-                        flag_values=fv)
+    flags.DEFINE_string(
+        "weights", "", "broadcast or HF safetensors directory to evaluate ('' = model.path)", flag_values=fv
+    )
     flags.DEFINE_string("out", "", "also write the metrics to this JSON file", flag_values=fv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, fv = parse_config(sys.argv[1:] if argv is None else argv, prog="primejax.eval",
-                           doc=__doc__.split("\n\n")[1], define_flags=_flags)
+    cfg, fv = parse_config(
+        sys.argv[1:] if argv is None else argv,
+        prog="primejax.eval",
+        doc=__doc__.split("\n\n")[1],
+        define_flags=_flags,
+    )
     from primejax.launcher.preflight import check_model_dir, preflight_entrypoint
 
     preflight_entrypoint("eval", cfg.model.path)

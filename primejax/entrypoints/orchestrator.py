@@ -30,17 +30,23 @@ async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
     from primejax.utils.monitor import Monitor
 
     root = cfg.run_dir
-    client = policy_client(cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path),
-                           admin_token=read_token(root))
+    client = policy_client(
+        cfg.orchestrator.client, cfg.inference, model_vocab_size(cfg.model.path), admin_token=read_token(root)
+    )
     monitor = Monitor.from_config(root, "orchestrator", cfg.monitor, cfg.to_dict())
     try:
         await client.wait_ready(cfg.inference.startup_timeout_s)
         orchestrator = Orchestrator(
-            cfg.orchestrator, client=client, tokenizer=load_tokenizer(cfg.model.path), run_dir=root,
-            seed=cfg.run.seed, num_shards=cfg.trainer.distributed.num_processes,
+            cfg.orchestrator,
+            client=client,
+            tokenizer=load_tokenizer(cfg.model.path),
+            run_dir=root,
+            seed=cfg.run.seed,
+            num_shards=cfg.trainer.distributed.num_processes,
             pad_rows_to_multiple=cfg.trainer.micro_batch_size,
             # An outage may include a server restart (up to its start-up time) after the client's own retries.
-            recovery_timeout_s=2 * cfg.inference.startup_timeout_s, monitor=monitor,
+            recovery_timeout_s=2 * cfg.inference.startup_timeout_s,
+            monitor=monitor,
             routing=RoutingShape.of_model_dir(cfg.model.path) if cfg.orchestrator.routing_replay else None,
             watch=cfg.monitor,
         )
@@ -70,15 +76,21 @@ def main() -> int:
 
     try:
         asyncio.run(run_orchestrator(cfg))  # imports transformers and httpx, deferred to here
-    except (ServerIdentityError, RolloutsFailed) as e:  # one line says it all (no sample came from an impostor)
+    except (
+        ServerIdentityError,
+        RolloutsFailed,
+    ) as e:  # one line says it all (no sample came from an impostor)
         print(f"error: orchestrator: {e}", file=sys.stderr, flush=True)
         return 1
     except OSError as e:
         if not is_disk_full(e):
             raise
         # A batch or checkpoint write that ran out of space: its temp file was removed, nothing half-written.
-        print(f"error: orchestrator: {disk_full_line(cfg.run_dir, 'a batch or checkpoint')}", file=sys.stderr,
-              flush=True)
+        print(
+            f"error: orchestrator: {disk_full_line(cfg.run_dir, 'a batch or checkpoint')}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 

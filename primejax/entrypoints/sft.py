@@ -114,6 +114,5 @@ def main() -> int:
     return 0
 
 
-
 if __name__ == "__main__":
     run_main(main)

@@ -18,12 +18,20 @@ DEFAULT_CONFIG = "configs/demo.py"
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_bool("dry_run", False, "resolve, validate and print the config, check every environment, then exit", flag_values=fv)
+    flags.DEFINE_bool(
+        "dry_run",
+        False,
+        "resolve, validate and print the config, check every environment, then exit",
+        flag_values=fv,
+    )
 
 
 def main() -> int:
     cfg, fv = parse_config(
-        sys.argv[1:], prog="primejax.train", doc=__doc__.split("\n\n")[1], define_flags=_define_flags,
+        sys.argv[1:],
+        prog="primejax.train",
+        doc=__doc__.split("\n\n")[1],
+        define_flags=_define_flags,
         default_config_path=DEFAULT_CONFIG,
     )
     if fv["dry_run"].value:

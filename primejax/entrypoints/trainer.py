@@ -49,7 +49,9 @@ def _pinned_host_env(cfg) -> dict:
     device (local GPUs x processes); one line first if this host lacks the memory."""
     from primejax.trainer.loop import distributed_settings  # imports JAX, does not start a backend
 
-    processes = distributed_settings(cfg.trainer.distributed)[1]  # PRIMEJAX_NUM_PROCESSES wins, as for the run
+    processes = distributed_settings(cfg.trainer.distributed)[
+        1
+    ]  # PRIMEJAX_NUM_PROCESSES wins, as for the run
     local = local_gpu_count(cfg.trainer.devices, os.environ)
     state = offloaded_state_bytes(cfg, local * processes)
     check_host_memory(state, local, local * processes, host_memory_available())
@@ -70,7 +72,8 @@ def train(cfg: Config) -> TrainState:
         cfg.model,
         cfg.run,
         async_level=cfg.orchestrator.async_level,
-        num_receivers=max(1, len(cfg.orchestrator.client.base_urls)) * cfg.trainer.broadcast.workers_per_server,
+        num_receivers=max(1, len(cfg.orchestrator.client.base_urls))
+        * cfg.trainer.broadcast.workers_per_server,
         corrections=CorrectionTable.from_orchestrator(cfg.orchestrator),
     )
     if trainer.rank != 0:  # one writer of the run's metrics
@@ -108,8 +111,7 @@ def main() -> int:
     except OSError as e:
         # A broadcast or batch write that failed (disk full, EIO): its temp files were removed, nothing
         # half-written; one line naming the run's disk, not the cwd's.
-        print(f"error: trainer: {io_error_line(e, cfg.run_dir, 'its outputs')}", file=sys.stderr,
-              flush=True)
+        print(f"error: trainer: {io_error_line(e, cfg.run_dir, 'its outputs')}", file=sys.stderr, flush=True)
         return 1
     return 0
 

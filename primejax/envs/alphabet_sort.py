@@ -14,8 +14,31 @@ from primejax.envs.base import Environment, Example, Message, extract_tag, index
 from primejax.envs.reverse_text import lcs_ratio
 
 NAMES = (
-    "alice", "bruno", "carla", "dmitri", "elena", "farid", "greta", "hugo", "ines", "jonas", "kenji", "lena",
-    "marco", "nadia", "oscar", "petra", "quinn", "rosa", "sven", "tara", "ugo", "vera", "walt", "xena", "yuri",
+    "alice",
+    "bruno",
+    "carla",
+    "dmitri",
+    "elena",
+    "farid",
+    "greta",
+    "hugo",
+    "ines",
+    "jonas",
+    "kenji",
+    "lena",
+    "marco",
+    "nadia",
+    "oscar",
+    "petra",
+    "quinn",
+    "rosa",
+    "sven",
+    "tara",
+    "ugo",
+    "vera",
+    "walt",
+    "xena",
+    "yuri",
     "zoe",
 )
 SYSTEM_PROMPT = (
@@ -26,8 +49,15 @@ TAG = "alphabetical_sorted"
 
 
 class AlphabetSort(Environment):
-    def __init__(self, num_turns: int = 2, initial_names: int = 3, names_per_turn: int = 2, seed: int = 0,
-                 num_examples: int = 1_000_000, system_prompt: str = SYSTEM_PROMPT):
+    def __init__(
+        self,
+        num_turns: int = 2,
+        initial_names: int = 3,
+        names_per_turn: int = 2,
+        seed: int = 0,
+        num_examples: int = 1_000_000,
+        system_prompt: str = SYSTEM_PROMPT,
+    ):
         total = initial_names + (num_turns - 1) * names_per_turn
         if num_turns < 1 or initial_names < 1 or names_per_turn < 1 or total > len(NAMES):
             raise ValueError(f"alphabet-sort: bad sizes (turns {num_turns}, names {total} of {len(NAMES)})")
@@ -49,11 +79,18 @@ class AlphabetSort(Environment):
             prompt.insert(0, {"role": "system", "content": self.system_prompt})
         return Example(key=f"alphabet-sort/{','.join(names)}", prompt=prompt, answer=turns)
 
-    async def env_response(self, example: Example, messages: list[Message], state: dict[str, Any]) -> list[Message] | None:
+    async def env_response(
+        self, example: Example, messages: list[Message], state: dict[str, Any]
+    ) -> list[Message] | None:
         turn = sum(m["role"] == "assistant" for m in messages)
         if turn >= len(example.answer):
             return None
-        return [{"role": "user", "content": "More names: " + ", ".join(example.answer[turn]) + ". Sort all of them."}]
+        return [
+            {
+                "role": "user",
+                "content": "More names: " + ", ".join(example.answer[turn]) + ". Sort all of them.",
+            }
+        ]
 
     async def score(self, example: Example, messages: list[Message], state: dict[str, Any]) -> float:
         replies = [m.get("content") or "" for m in messages if m["role"] == "assistant"]

@@ -12,10 +12,18 @@ _INT = re.compile(r"-?\d+")
 
 
 class Arithmetic(Environment):
-    def __init__(self, max_operand: int = 20, ops: str = "+*", seed: int = 0, num_examples: int = 1_000_000,
-                 system_prompt: str = SYSTEM_PROMPT):
+    def __init__(
+        self,
+        max_operand: int = 20,
+        ops: str = "+*",
+        seed: int = 0,
+        num_examples: int = 1_000_000,
+        system_prompt: str = SYSTEM_PROMPT,
+    ):
         if max_operand < 1 or not ops or set(ops) - set("+-*"):
-            raise ValueError(f"arithmetic needs max_operand >= 1 and ops from '+-*', got {max_operand}, {ops!r}")
+            raise ValueError(
+                f"arithmetic needs max_operand >= 1 and ops from '+-*', got {max_operand}, {ops!r}"
+            )
         self.max_operand, self.ops, self.seed = max_operand, ops, seed
         self.num_examples, self.system_prompt = num_examples, system_prompt
 

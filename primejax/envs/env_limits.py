@@ -50,7 +50,9 @@ class Pacer:
 
 
 #: The limits of the env whose episode this task runs (tool paths deep in an env's driver pace through it).
-CURRENT: contextvars.ContextVar[EnvLimits | None] = contextvars.ContextVar("primejax_env_limits", default=None)
+CURRENT: contextvars.ContextVar[EnvLimits | None] = contextvars.ContextVar(
+    "primejax_env_limits", default=None
+)
 
 
 class EnvLimits:

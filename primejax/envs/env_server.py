@@ -132,7 +132,9 @@ class EnvServers:
                 if not up:
                     self._mark_down(conn, f"env server {conn.address} did not answer at start")
             if not any(ups):
-                raise EnvServerError(f"env {self.name!r}: no env server answered ({', '.join(self.addresses)})")
+                raise EnvServerError(
+                    f"env {self.name!r}: no env server answered ({', '.join(self.addresses)})"
+                )
         self._watchers += [asyncio.ensure_future(self._watch(i)) for i in range(len(self.conns))]
 
     async def _spawn(self) -> _Conn:
@@ -154,7 +156,9 @@ class EnvServers:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             rc = await proc.wait()
-            raise EnvServerError(f"env server for {self.name!r} did not start (exit code {rc}; its stderr says why)")
+            raise EnvServerError(
+                f"env server for {self.name!r} did not start (exit code {rc}; its stderr says why)"
+            )
         log.info("env server for %r up at %s (pid %d)", self.name, first["address"], proc.pid)
         conn = _Conn(first["address"], proc)
         self._watch_exit(conn)
@@ -173,7 +177,9 @@ class EnvServers:
         async def wait() -> None:
             rc = await conn.proc.wait()
             if not self._closed:
-                    self._mark_down(conn, f"env server {conn.address} (pid {conn.proc.pid}) exited with code {rc}")
+                self._mark_down(
+                    conn, f"env server {conn.address} (pid {conn.proc.pid}) exited with code {rc}"
+                )
 
         task = asyncio.ensure_future(wait())
         self._watchers.append(task)
@@ -307,7 +313,9 @@ class VerifiersServerEnv(VerifiersLoopEnv):
         self._loop_envs, self._serving, self._lock = {}, {}, None
         return self
 
-    async def sample_rollout(self, example: Example, state: dict[str, Any], endpoint: Endpoint) -> SampledRollout:
+    async def sample_rollout(
+        self, example: Example, state: dict[str, Any], endpoint: Endpoint
+    ) -> SampledRollout:
         await self.servers.start(endpoint.max_turns, endpoint.env_timeout_s)
         task = self.tasks[example.info["index"]]
         episode = await self.servers.run(model_context(endpoint), task.data.model_dump(mode="json"))
@@ -346,16 +354,24 @@ def _on_sigterm(*_: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m primejax.envs.env_server",
-                                description="Serve one verifiers environment with verifiers' EnvServer.")
+    p = argparse.ArgumentParser(
+        prog="python -m primejax.envs.env_server",
+        description="Serve one verifiers environment with verifiers' EnvServer.",
+    )
     p.add_argument("--env", required=True, help="the taskset id (as orchestrator.envs.<name>.id)")
     p.add_argument("--args", default="{}", help="the env's args as JSON (as orchestrator.envs.<name>.args)")
     p.add_argument("--address", default="tcp://127.0.0.1:5000", help="ZMQ address to bind (port 0: any)")
     p.add_argument("--max-turns", type=int, default=0, help="model calls per episode (0: the env's own)")
-    p.add_argument("--env-timeout-s", type=float, default=None, help="deadline of the env's setup/scoring stages")
-    p.add_argument("--max-concurrent", type=int, default=0, help="episodes in flight on this server (0: no cap)")
+    p.add_argument(
+        "--env-timeout-s", type=float, default=None, help="deadline of the env's setup/scoring stages"
+    )
+    p.add_argument(
+        "--max-concurrent", type=int, default=0, help="episodes in flight on this server (0: no cap)"
+    )
     p.add_argument("--lifeline", action="store_true", help="exit when stdin closes (a parent started us)")
-    p.add_argument("--sys-path", default="", help=argparse.SUPPRESS)  # the parent's import path (test tasksets)
+    p.add_argument(
+        "--sys-path", default="", help=argparse.SUPPRESS
+    )  # the parent's import path (test tasksets)
     a = p.parse_args(argv)
     if a.sys_path:
         sys.path[:] = json.loads(a.sys_path)

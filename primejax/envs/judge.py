@@ -72,7 +72,12 @@ class Judge:
         headers = {}
         if c.api_key_env and os.environ.get(c.api_key_env):
             headers["Authorization"] = f"Bearer {os.environ[c.api_key_env]}"
-        body = {"model": c.model, "messages": messages, "max_tokens": c.max_tokens, "temperature": c.temperature}
+        body = {
+            "model": c.model,
+            "messages": messages,
+            "max_tokens": c.max_tokens,
+            "temperature": c.temperature,
+        }
         url = c.base_url.rstrip("/") + "/v1/chat/completions"
         async with self._slots:
             self.in_flight += 1
@@ -81,7 +86,9 @@ class Judge:
                 async with httpx.AsyncClient(timeout=c.timeout_s) as client:
                     response = await client.post(url, json=body, headers=headers)
             except httpx.TimeoutException:
-                raise JudgeError(f"judge {c.model!r} at {c.base_url} did not answer within {c.timeout_s:g} s") from None
+                raise JudgeError(
+                    f"judge {c.model!r} at {c.base_url} did not answer within {c.timeout_s:g} s"
+                ) from None
             except httpx.HTTPError as e:
                 raise JudgeError(f"judge {c.model!r} at {c.base_url}: {type(e).__name__}: {e}") from None
             finally:
@@ -95,6 +102,8 @@ class Judge:
             raise JudgeError(f"judge {c.model!r} at {c.base_url}: a reply without a message: "
                              f"{response.text[:200]!r}") from None  # fmt: skip
         if not isinstance(text, str):
-            raise JudgeError(f"judge {c.model!r} at {c.base_url}: the reply's content is {type(text).__name__}")
+            raise JudgeError(
+                f"judge {c.model!r} at {c.base_url}: the reply's content is {type(text).__name__}"
+            )
         self.calls += 1
         return text

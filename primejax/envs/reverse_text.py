@@ -21,8 +21,15 @@ def lcs_ratio(a: str, b: str) -> float:
 
 
 class ReverseText(Environment):
-    def __init__(self, min_len: int = 3, max_len: int = 6, seed: int = 0, num_examples: int = 1_000_000,
-                 system_prompt: str = SYSTEM_PROMPT, alphabet: str = string.ascii_lowercase):
+    def __init__(
+        self,
+        min_len: int = 3,
+        max_len: int = 6,
+        seed: int = 0,
+        num_examples: int = 1_000_000,
+        system_prompt: str = SYSTEM_PROMPT,
+        alphabet: str = string.ascii_lowercase,
+    ):
         if not 1 <= min_len <= max_len:
             raise ValueError(f"reverse-text needs 1 <= min_len <= max_len, got {min_len}, {max_len}")
         self.min_len, self.max_len, self.seed = min_len, max_len, seed

@@ -64,7 +64,9 @@ def load(
     """A verifiers taskset driven in process or by verifiers' own loop, as `driver` says (module docstring)."""
     where = f"verifiers env {taskset_id!r}"
     if driver not in DRIVERS:
-        raise ValueError(f"{where}: args.driver must be one of {', '.join(DRIVERS)} or env_server (got {driver!r})")
+        raise ValueError(
+            f"{where}: args.driver must be one of {', '.join(DRIVERS)} or env_server (got {driver!r})"
+        )
     if driver == "in_process" and (harness or harness_args):
         raise ValueError(
             f"{where}: args.harness needs args.driver = 'verifiers' (the in-process driver has none)"

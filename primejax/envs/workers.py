@@ -378,6 +378,11 @@ def in_workers(env: Environment, env_id: str, args: dict[str, Any], num: int, en
     if num <= 0 or env.samples_itself:
         return env
     if auto:
-        log.info("env %r declares itself CPU-heavy: %d env worker processes (env_workers.num = -1, auto; %d usable "
-                 "CPUs)", name or env_id, num, usable_cpus())
+        log.info(
+            "env %r declares itself CPU-heavy: %d env worker processes (env_workers.num = -1, auto; %d usable "
+            "CPUs)",
+            name or env_id,
+            num,
+            usable_cpus(),
+        )
     return WorkerEnv(env, WorkerPool(env_id, args, num, env_timeout_s, name))

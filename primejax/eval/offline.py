@@ -45,8 +45,9 @@ def seeded(o: OrchestratorConfig, seed: int) -> OrchestratorConfig:
     return replace_key(replace_key(o, "async_level", 0), "sampling.seed", seed)
 
 
-async def evaluate(o: OrchestratorConfig, model_path: str, client: Any, weights: str | None = None,
-                   seed: int = 0) -> dict[str, float]:
+async def evaluate(
+    o: OrchestratorConfig, model_path: str, client: Any, weights: str | None = None, seed: int = 0
+) -> dict[str, float]:
     """Load `weights` (if any) into the server behind `client` and run the eval envs once, sampling seeded."""
     from primejax.orchestrator.evaluator import build_evaluator
     from primejax.rendering.renderer import build_renderer, load_tokenizer
@@ -63,5 +64,3 @@ async def evaluate(o: OrchestratorConfig, model_path: str, client: Any, weights:
     renderer = build_renderer(o.renderer.name, tokenizer)
     metrics = await build_evaluator(o, client, renderer, _Version(version)).run(version)
     return {"eval/weights_version": float(version), **metrics}
-
-

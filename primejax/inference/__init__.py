@@ -10,5 +10,10 @@ from primejax.inference.process import InferenceServerProcess, ServerDiedError
 from primejax.inference.server import ServerSpec
 
 __all__ = [
-    "Completion", "InferenceClient", "InferenceError", "InferenceServerProcess", "ServerDiedError", "ServerSpec",
+    "Completion",
+    "InferenceClient",
+    "InferenceError",
+    "InferenceServerProcess",
+    "ServerDiedError",
+    "ServerSpec",
 ]

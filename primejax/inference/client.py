@@ -165,7 +165,9 @@ class InferenceClient:
         return r.status_code == 200
 
     async def server_version(self, url: str) -> int:
-        return int((await self._request("GET", url, "/weights_version", None, self._admin_headers))["version"])
+        return int(
+            (await self._request("GET", url, "/weights_version", None, self._admin_headers))["version"]
+        )
 
     async def revive(self, url: str) -> None:
         """Route requests to `url` again (the caller checked it answers and serves the current weights)."""
@@ -173,8 +175,14 @@ class InferenceClient:
             self.down.discard(url)
             logger.warning("inference server %s is back", url)
 
-    async def _request(self, method: str, url: str, path: str, payload: dict | None = None,
-                       headers: dict[str, str] | None = None) -> Any:
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        payload: dict | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         """One HTTP call with retries on connection errors, timeouts and 5xx. Returns the decoded JSON."""
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
@@ -196,7 +204,9 @@ class InferenceClient:
             if r.status_code >= 400:
                 raise InferenceError(f"{method} {url}{path}: {r.status_code} {_message(r)}", r.status_code)
             return r.json() if r.content else None
-        raise InferenceError(f"{method} {url}{path} failed after {self.max_retries + 1} attempts: {last}") from last
+        raise InferenceError(
+            f"{method} {url}{path} failed after {self.max_retries + 1} attempts: {last}"
+        ) from last
 
     async def _ensure_identity(self, url: str) -> None:
         if self._secret and url not in self._verified:
@@ -226,16 +236,23 @@ class InferenceClient:
         probabilities here, naming the server, rather than as a bad batch deep in the trainer."""
         for c in out.get("choices") or []:
             ids = c.get("token_ids") or []
-            bad = [t for t in ids if not isinstance(t, int) or t < 0 or (self.vocab_size and t >= self.vocab_size)]
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int) or t < 0 or (self.vocab_size and t >= self.vocab_size)
+            ]
             if bad:
-                raise InferenceError(f"server {url} returned token id {bad[0]!r} outside the vocabulary "
-                                     f"[0, {self.vocab_size or 'vocab'})")
+                raise InferenceError(
+                    f"server {url} returned token id {bad[0]!r} outside the vocabulary "
+                    f"[0, {self.vocab_size or 'vocab'})"
+                )
             lp = c.get("logprobs") or {}
             values = lp.get("token_logprobs") or [t.get("logprob") for t in lp.get("content") or []]
             for v in values:
                 if not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-3:
-                    raise InferenceError(f"server {url} returned sampling logprob {v!r} (not a finite log "
-                                         "probability)")
+                    raise InferenceError(
+                        f"server {url} returned sampling logprob {v!r} (not a finite log probability)"
+                    )
 
     async def _all(self, method: str, path: str, payload: dict | None = None) -> list[Any]:
         # Admin calls (and only these) carry the secret: generation may go to endpoints that are not ours.
@@ -258,9 +275,13 @@ class InferenceClient:
         if weight_dir is None:
             await self._request("POST", url, "/reload_weights", None, self._admin_headers)
         else:
-            await self._request("POST", url, "/update_weights",
-                                {"weight_dir": os.path.abspath(weight_dir), "version": int(version)},
-                                self._admin_headers)
+            await self._request(
+                "POST",
+                url,
+                "/update_weights",
+                {"weight_dir": os.path.abspath(weight_dir), "version": int(version)},
+                self._admin_headers,
+            )
 
     def _note_loads(self, urls: list[str], answers: list[Any]) -> None:
         """Each server's own time to load the last update (`load_seconds` of its answer), for the run's metrics;
@@ -320,8 +341,14 @@ class InferenceClient:
             ids = c["token_ids"]
             lps = c["logprobs"]["token_logprobs"] if c.get("logprobs") else []
             completions.append(
-                Completion(c.get("prompt_token_ids") or list(prompt_token_ids), ids, _floats(lps, len(ids)),
-                           c["finish_reason"] or "stop", c["text"], c.get("routed_experts"))
+                Completion(
+                    c.get("prompt_token_ids") or list(prompt_token_ids),
+                    ids,
+                    _floats(lps, len(ids)),
+                    c["finish_reason"] or "stop",
+                    c["text"],
+                    c.get("routed_experts"),
+                )
             )
         return completions
 
@@ -357,8 +384,13 @@ class InferenceClient:
             ids = c["token_ids"]
             lps = [t["logprob"] for t in (c.get("logprobs") or {}).get("content") or []]
             completions.append(
-                Completion(list(prompt_ids), ids, _floats(lps, len(ids)), c["finish_reason"] or "stop",
-                           c["message"].get("content") or "")
+                Completion(
+                    list(prompt_ids),
+                    ids,
+                    _floats(lps, len(ids)),
+                    c["finish_reason"] or "stop",
+                    c["message"].get("content") or "",
+                )
             )
         return completions
 
@@ -383,6 +415,7 @@ class InferenceClient:
         answer, is not the run's server (the same identity check as every request), or whose page is longer than
         `MAX_METRICS_BYTES` (read no further: a 100 MB page cost 86 s and 717 MB on the event loop). The caller
         decodes and parses off the loop (`primejax.orchestrator.concurrency.parse_pages`)."""
+
         async def one(url: str) -> bytes | None:
             try:
                 await self._ensure_identity(url)
@@ -393,7 +426,9 @@ class InferenceClient:
                     async for chunk in r.aiter_bytes():
                         size += len(chunk)
                         if size > MAX_METRICS_BYTES:
-                            logger.warning("%s/metrics: longer than %d bytes; not read", url, MAX_METRICS_BYTES)
+                            logger.warning(
+                                "%s/metrics: longer than %d bytes; not read", url, MAX_METRICS_BYTES
+                            )
                             return None
                         chunks.append(chunk)
                     return b"".join(chunks)
@@ -423,15 +458,25 @@ class InferenceClient:
 
         Not retried: a round is one rendezvous with the trainer and cannot be joined twice.
         """
+
         async def one(i: int, url: str) -> Any:
             workers = int(init_info.get("workers_per_server", 1))
-            body = {"version": int(version), "init_info": {**init_info, "rank_offset": 1 + i * workers},
-                    "update_info": update_info}
+            body = {
+                "version": int(version),
+                "init_info": {**init_info, "rank_offset": 1 + i * workers},
+                "update_info": update_info,
+            }
             await self._ensure_identity(url)
-            r = await self._http.post(url + "/transfer_weights", json=body, headers=self._admin_headers,
-                                      timeout=float(init_info.get("timeout_s", 60.0)) + 120.0)
+            r = await self._http.post(
+                url + "/transfer_weights",
+                json=body,
+                headers=self._admin_headers,
+                timeout=float(init_info.get("timeout_s", 60.0)) + 120.0,
+            )
             if r.status_code >= 400:
-                raise InferenceError(f"POST {url}/transfer_weights: {r.status_code} {_message(r)}", r.status_code)
+                raise InferenceError(
+                    f"POST {url}/transfer_weights: {r.status_code} {_message(r)}", r.status_code
+                )
             return r.json()
 
         urls = self.up_urls
@@ -472,13 +517,17 @@ class InferenceClient:
                         await self._ensure_identity(url)  # ServerIdentityError: not the run's server
                         pending.discard(url)
                     elif r.status_code == 404:
-                        raise ServerIdentityError(f"the server at {url} is not this run's inference server: "
-                                                  "it has no /liveness route (another program holds the port?)")
+                        raise ServerIdentityError(
+                            f"the server at {url} is not this run's inference server: "
+                            "it has no /liveness route (another program holds the port?)"
+                        )
                 except (httpx.TransportError, httpx.TimeoutException):
                     pass
             if pending:
                 if time.monotonic() > deadline:
-                    raise InferenceError(f"inference servers not ready after {timeout_s:.0f} s: {sorted(pending)}")
+                    raise InferenceError(
+                        f"inference servers not ready after {timeout_s:.0f} s: {sorted(pending)}"
+                    )
                 await asyncio.sleep(0.5)
 
     async def close(self) -> None:
@@ -492,7 +541,12 @@ class InferenceClient:
 
 
 def _sampling(
-    n: int, max_tokens: int, temperature: float, top_p: float, stop: list[str] | None, seed: int | None,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop: list[str] | None,
+    seed: int | None,
     stop_token_ids: list[int] | None,
 ) -> dict[str, Any]:
     p: dict[str, Any] = {

@@ -24,9 +24,7 @@ class ServerDiedError(RuntimeError):
 class InferenceServerProcess:
     """`with InferenceServerProcess(spec, log_path) as server: server.wait_healthy(300); ...`"""
 
-    def __init__(
-        self, spec: ServerSpec, log_path: str | Path, *, die_with_parent: bool = True
-    ):
+    def __init__(self, spec: ServerSpec, log_path: str | Path, *, die_with_parent: bool = True):
         """`spec`: what to start (`ServerSpec.from_config` builds one from the `inference` section).
 
         `die_with_parent` makes the kernel stop the server when the thread that started it exits, which
@@ -50,7 +48,10 @@ class InferenceServerProcess:
         if self.child is not None:
             raise RuntimeError("server already started")
         self.child = ChildProcess(
-            "inference", self.spec.argv(), self.log_path, env=self.spec.environ(),
+            "inference",
+            self.spec.argv(),
+            self.log_path,
+            env=self.spec.environ(),
             die_with_parent=self.die_with_parent,
         )
         self.started_at = time.monotonic()

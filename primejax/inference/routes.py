@@ -55,6 +55,7 @@ class AdminEngine(Protocol):
     async def load_weights(self, weight_dir: str) -> None: ...  # in place, from an HF safetensors dir
     async def reset_cache(self) -> None: ...  # forget KV computed with previous weights
     async def check_health(self) -> None: ...  # raises if the engine is dead
+
     # Optional (collective updates): one round of vLLM's weight-transfer engine protocol.
     # async def transfer_weights(self, init_info: dict, update_info: dict) -> None: ...
     # Optional (LoRA servers, transports/weights/adapters/dirs.py): adapters loaded next to the frozen base, by name.
@@ -99,9 +100,14 @@ class AdminState:
 
     def describe(self) -> dict[str, Any]:
         version = -1 if self.unhealthy else self.version
-        return {"version": version, "weight_dir": self.weight_dir, "load_seconds": self.last_load_s,
-                "transport": self.transport, "adapter": self.adapters.current,
-                "adapters_loaded": list(self.adapters.loaded)}
+        return {
+            "version": version,
+            "weight_dir": self.weight_dir,
+            "load_seconds": self.last_load_s,
+            "transport": self.transport,
+            "adapter": self.adapters.current,
+            "adapters_loaded": list(self.adapters.loaded),
+        }
 
 
 router = APIRouter()
@@ -137,8 +143,10 @@ async def _after_failed_load(state: AdminState, what: str) -> str:
         except Exception:
             logger.exception("restoring %s failed", state.weight_dir)
     state.unhealthy = f"{what} and the previous weights could not be restored"
-    return ("the served weights are undefined: the server stays paused and reports unhealthy until a full "
-            "weight update (/update_weights) succeeds")
+    return (
+        "the served weights are undefined: the server stays paused and reports unhealthy until a full "
+        "weight update (/update_weights) succeeds"
+    )
 
 
 async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONResponse:
@@ -149,7 +157,9 @@ async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONRespons
         try:
             await state.engine.load_weights(weight_dir)
         except Exception as e:
-            logger.exception("loading %s failed; restoring %s", weight_dir, state.weight_dir or "(none on disk)")
+            logger.exception(
+                "loading %s failed; restoring %s", weight_dir, state.weight_dir or "(none on disk)"
+            )
             restored = await _after_failed_load(state, f"loading {weight_dir} failed")
             return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"loading {weight_dir} failed ({e}); {restored}")
         await state.engine.reset_cache()
@@ -169,8 +179,14 @@ async def _swap(state: AdminState, weight_dir: str, version: int) -> JSONRespons
 REAP_POLL_S = 1.0
 
 
-async def _serve_adapter(state: AdminState, adapter_dir: str, version: int, transport: str = "filesystem",
-                         t0: float | None = None, loaded: bool = False) -> JSONResponse:
+async def _serve_adapter(
+    state: AdminState,
+    adapter_dir: str,
+    version: int,
+    transport: str = "filesystem",
+    t0: float | None = None,
+    loaded: bool = False,
+) -> JSONResponse:
     """Load a PEFT adapter next to the others under `adapter_name(version)` (unless `loaded`) and serve it (no
     pause, no cache reset: requests on the previous adapter finish on it; transports/weights/adapters/dirs.py)."""
     if not hasattr(state.engine, "load_adapter"):
@@ -182,15 +198,22 @@ async def _serve_adapter(state: AdminState, adapter_dir: str, version: int, tran
             await state.engine.load_adapter(name, adapter_dir)  # type: ignore[attr-defined]
     except Exception as e:
         logger.exception("loading adapter %s from %s failed", name, adapter_dir)
-        return _error(HTTPStatus.INTERNAL_SERVER_ERROR,
-                      f"loading LoRA adapter {adapter_dir} failed ({e}); still serving version {state.version}")
+        return _error(
+            HTTPStatus.INTERNAL_SERVER_ERROR,
+            f"loading LoRA adapter {adapter_dir} failed ({e}); still serving version {state.version}",
+        )
     state.adapters.serve(name)
     if transport == "filesystem":  # the name's earlier collective copy (if any) is no longer what vLLM reads
         state.private_adapters.drop(name)
     state.version, state.weight_dir, state.transport = version, adapter_dir, transport
     state.last_load_s = time.perf_counter() - t0
-    logger.info("serving policy version %d as LoRA adapter %s from %s (%.3f s)", version, name, adapter_dir,
-                state.last_load_s)
+    logger.info(
+        "serving policy version %d as LoRA adapter %s from %s (%.3f s)",
+        version,
+        name,
+        adapter_dir,
+        state.last_load_s,
+    )
     await _reap(state)
     _start_reaper(state)
     return JSONResponse(state.describe())
@@ -249,8 +272,12 @@ async def update_weights(request: Request) -> JSONResponse:
         async with state.lock:
             try:
                 await run_in_threadpool(check_stable, weight_dir, state.require_stable)
-                await run_in_threadpool(check_adapter_dir, weight_dir, state.max_lora_rank,
-                                        getattr(state.validate, "reference", None))
+                await run_in_threadpool(
+                    check_adapter_dir,
+                    weight_dir,
+                    state.max_lora_rank,
+                    getattr(state.validate, "reference", None),
+                )
             except WeightDirError as e:
                 return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"{e}; still serving version {state.version}")
             return await _serve_adapter(state, weight_dir, version)
@@ -259,7 +286,9 @@ async def update_weights(request: Request) -> JSONResponse:
             await run_in_threadpool(check_stable, weight_dir, state.require_stable)
             await run_in_threadpool(state.validate, weight_dir)
         except WeightDirError as e:
-            status = HTTPStatus.NOT_FOUND if not Path(weight_dir).exists() else HTTPStatus.UNPROCESSABLE_ENTITY
+            status = (
+                HTTPStatus.NOT_FOUND if not Path(weight_dir).exists() else HTTPStatus.UNPROCESSABLE_ENTITY
+            )
             return _error(status, f"{e}; still serving version {state.version}")
         return await _swap(state, weight_dir, version)
 
@@ -333,11 +362,15 @@ async def liveness(request: Request) -> JSONResponse:
     state = _state(request)
     admin = authorized(state.admin_token, request.headers.get(HEADER))
     if state.unhealthy:
-        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"unhealthy: {state.unhealthy if admin else '(details: admin)'}")
+        return _error(
+            HTTPStatus.SERVICE_UNAVAILABLE, f"unhealthy: {state.unhealthy if admin else '(details: admin)'}"
+        )
     try:
         await state.engine.check_health()
     except Exception as e:
-        return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"engine unhealthy: {e if admin else '(details: admin)'}")
+        return _error(
+            HTTPStatus.SERVICE_UNAVAILABLE, f"engine unhealthy: {e if admin else '(details: admin)'}"
+        )
     return JSONResponse({"status": "ok", **_described(request)})
 
 
@@ -345,19 +378,25 @@ async def liveness(request: Request) -> JSONResponse:
 TRANSFER_GRACE_S = 30.0
 
 
-async def _transfer(state: AdminState, init_info: dict, update_info: dict, version: int,
-                    timeout_s: float) -> JSONResponse:
+async def _transfer(
+    state: AdminState, init_info: dict, update_info: dict, version: int, timeout_s: float
+) -> JSONResponse:
     t0 = time.perf_counter()
     await state.engine.pause()
     try:
         try:
-            await asyncio.wait_for(state.engine.transfer_weights(init_info, update_info),  # type: ignore[attr-defined]
-                                   timeout_s + TRANSFER_GRACE_S)
+            await asyncio.wait_for(
+                state.engine.transfer_weights(init_info, update_info),  # type: ignore[attr-defined]
+                timeout_s + TRANSFER_GRACE_S,
+            )
         except Exception as e:
             logger.exception("collective weight transfer of version %d failed", version)
             restored = await _after_failed_load(state, f"the collective transfer of version {version} failed")
-            return _error(HTTPStatus.BAD_GATEWAY, f"collective transfer of version {version} failed "
-                          f"({type(e).__name__}: {str(e)[:300]}); {restored}")
+            return _error(
+                HTTPStatus.BAD_GATEWAY,
+                f"collective transfer of version {version} failed "
+                f"({type(e).__name__}: {str(e)[:300]}); {restored}",
+            )
         await state.engine.reset_cache()
         state.unhealthy = ""
     finally:
@@ -385,10 +424,14 @@ async def transfer_weights(request: Request) -> JSONResponse:
     if isinstance(body, JSONResponse):
         return body
     version, init_info, update_info = body.get("version"), body.get("init_info"), body.get("update_info")
-    if (state.check_transfer is None or not hasattr(state.engine, "transfer_weights")) and not is_adapter_round(
-            update_info):
-        return _error(HTTPStatus.NOT_IMPLEMENTED, "collective weight transfer is not enabled on this server "
-                      "(start it with the primejax weight-transfer engine; see docs/weight_transfer.md)")
+    if (
+        state.check_transfer is None or not hasattr(state.engine, "transfer_weights")
+    ) and not is_adapter_round(update_info):
+        return _error(
+            HTTPStatus.NOT_IMPLEMENTED,
+            "collective weight transfer is not enabled on this server "
+            "(start it with the primejax weight-transfer engine; see docs/weight_transfer.md)",
+        )
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         return _error(HTTPStatus.BAD_REQUEST, "'version' (int >= 0) is required")
     if not isinstance(init_info, dict) or not isinstance(update_info, dict):
@@ -401,13 +444,16 @@ async def transfer_weights(request: Request) -> JSONResponse:
     try:
         state.check_transfer(update_info)
     except (WeightDirError, KeyError, TypeError, ValueError) as e:
-        return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"update_info: {e}; still serving version {state.version}")
+        return _error(
+            HTTPStatus.UNPROCESSABLE_ENTITY, f"update_info: {e}; still serving version {state.version}"
+        )
     async with state.lock:
         return await _transfer(state, init_info, update_info, version, float(timeout_s))
 
 
-async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dict, version: int,
-                            timeout_s: float) -> JSONResponse:
+async def _transfer_adapter(
+    state: AdminState, init_info: dict, update_info: dict, version: int, timeout_s: float
+) -> JSONResponse:
     """A collective LoRA adapter round (transports/weights/adapters/receiver.py): checked first (422, nothing received),
     received by this process into a private PEFT directory and loaded as `adapter_name(version)` before the
     round is acknowledged (an acknowledged round is a served one), then served like a filesystem adapter.
@@ -433,9 +479,18 @@ async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dic
         t0 = time.perf_counter()
         directory = state.private_adapters.create()
         try:
-            await asyncio.wait_for(run_in_threadpool(receive_adapter, state.adapter_receiver, init_info,
-                                                     update_info, state.admin_token, directory, load),
-                                   2 * timeout_s + TRANSFER_GRACE_S)
+            await asyncio.wait_for(
+                run_in_threadpool(
+                    receive_adapter,
+                    state.adapter_receiver,
+                    init_info,
+                    update_info,
+                    state.admin_token,
+                    directory,
+                    load,
+                ),
+                2 * timeout_s + TRANSFER_GRACE_S,
+            )
         except Exception as e:
             logger.exception("collective transfer of LoRA adapter version %d failed", version)
             if loaded:  # loaded but not acknowledged: the trainer falls back to the filesystem broadcast
@@ -444,9 +499,12 @@ async def _transfer_adapter(state: AdminState, init_info: dict, update_info: dic
                 except Exception:
                     logger.exception("unloading the unacknowledged adapter %s failed", name)
             shutil.rmtree(directory, ignore_errors=True)
-            return _error(HTTPStatus.BAD_GATEWAY, f"collective transfer of LoRA adapter version {version} failed "
-                          f"({type(e).__name__}: {str(e)[:300]}); nothing loaded, still serving version "
-                          f"{state.version}")
+            return _error(
+                HTTPStatus.BAD_GATEWAY,
+                f"collective transfer of LoRA adapter version {version} failed "
+                f"({type(e).__name__}: {str(e)[:300]}); nothing loaded, still serving version "
+                f"{state.version}",
+            )
         state.private_adapters.keep(name, directory)
         return await _serve_adapter(state, str(directory), version, "collective", t0, loaded=True)
 

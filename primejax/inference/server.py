@@ -41,7 +41,10 @@ class InferenceConfig(Section):
     enabled: bool = option(True, "the launcher starts a server; False = use orchestrator.client.base_urls")
     host: str = option("127.0.0.1", "bind address")
     port: int = option(
-        0, "port; 0 = a free port, picked at start (two runs on one host never meet on a default)", ge=0, le=65535
+        0,
+        "port; 0 = a free port, picked at start (two runs on one host never meet on a default)",
+        ge=0,
+        le=65535,
     )
     max_model_len: int = option(1024, "longest sequence (prompt + completion)", gt=0, le=MAX_TOKENS)
     max_logprobs: int = option(20, "most logprobs a request may ask for", ge=0)
@@ -49,14 +52,20 @@ class InferenceConfig(Section):
     kvcache_space_gb: int = option(1, "CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)", gt=0)
     dtype: str = option("auto", "serving dtype; auto = the checkpoint's own (config.json)")
     gpu_memory_utilization: float = option(
-        0.0, "share of each GPU vLLM may take; 0 = 0.85 on its own GPUs, 0.45 on a GPU shared with the trainer "
-        "(docs/gpu.md)", ge=0, le=1
+        0.0,
+        "share of each GPU vLLM may take; 0 = 0.85 on its own GPUs, 0.45 on a GPU shared with the trainer "
+        "(docs/gpu.md)",
+        ge=0,
+        le=1,
     )
     devices: str = option(
-        "", "GPU ids (CUDA_VISIBLE_DEVICES) of all replicas together; '' = placed by the launcher (docs/gpu.md)"
+        "",
+        "GPU ids (CUDA_VISIBLE_DEVICES) of all replicas together; '' = placed by the launcher (docs/gpu.md)",
     )
     tensor_parallel_size: int = option(1, "GPUs per server (vLLM's --tensor-parallel-size)", gt=0, le=64)
-    replicas: int = option(1, "servers the launcher starts on this node (ports port+i, devices split evenly)", gt=0)
+    replicas: int = option(
+        1, "servers the launcher starts on this node (ports port+i, devices split evenly)", gt=0
+    )
     extra_args: tuple = option((), "more vLLM command-line arguments")
     return_routed_experts: bool = option(
         False, "replies carry each completion token's routed experts (MoE; orchestrator.routing_replay)"
@@ -163,20 +172,33 @@ class ServerSpec:
 
     def argv(self) -> list[str]:
         args = [
-            sys.executable, "-m", VLLM_MODULE,
-            "--model", str(Path(self.model).resolve()) if Path(self.model).exists() else self.model,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len),
-            "--max-logprobs", str(self.max_logprobs),
-            "--dtype", self.resolved_dtype(),
-            "--seed", str(self.seed),
-            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            sys.executable,
+            "-m",
+            VLLM_MODULE,
+            "--model",
+            str(Path(self.model).resolve()) if Path(self.model).exists() else self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-logprobs",
+            str(self.max_logprobs),
+            "--dtype",
+            self.resolved_dtype(),
+            "--seed",
+            str(self.seed),
+            "--gpu-memory-utilization",
+            str(self.gpu_memory_utilization),
             # Sampling logprobs after temperature (and top-p/top-k), i.e. of the distribution actually
             # sampled from: that is what the trainer's importance ratio compares against.
-            "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", WORKER_EXTENSION,
-            "--generation-config", "vllm",  # sampling defaults come from the request, not the model dir
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
+            "--generation-config",
+            "vllm",  # sampling defaults come from the request, not the model dir
         ]
         # Token-in/token-out /inference/v1/generate: verifiers' own rollout loop samples through it
         # (primejax/envs/verifiers_loop.py); primejax's own client uses /v1/completions. Its flag is per release.
@@ -189,8 +211,13 @@ class ServerSpec:
             args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         self.check_model()
         if self.lora_rank > 0:
-            args += ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(self.lora_rank)),
-                     "--max-loras", str(self.max_loras)]
+            args += [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(vllm_max_lora_rank(self.lora_rank)),
+                "--max-loras",
+                str(self.max_loras),
+            ]
         return args + list(self.extra_args)
 
     def environ(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

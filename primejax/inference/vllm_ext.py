@@ -254,14 +254,22 @@ class PrimejaxEndpointPlugin:
             logger.warning("%s is not set: the admin routes answer 401 to every caller", TOKEN_ENV)
         validator = WeightDirValidator(base_dir)
         transfer = getattr(args, "weight_transfer_config", None)
-        backend = transfer.get("backend") if isinstance(transfer, dict) else getattr(transfer, "backend", None)
+        backend = (
+            transfer.get("backend") if isinstance(transfer, dict) else getattr(transfer, "backend", None)
+        )
         lora_rank = int(getattr(args, "max_lora_rank", 0) or 0) if getattr(args, "enable_lora", False) else 0
         state.primejax = AdminState(
             engine=VllmAdminEngine(engine_client, getattr(state, "openai_serving_models", None)),
-            base_dir=base_dir, validate=validator, max_lora_rank=lora_rank,
-            admin_token=token or new_token(), weights_root=os.environ.get(WEIGHTS_ROOT_ENV, ""),
+            base_dir=base_dir,
+            validate=validator,
+            max_lora_rank=lora_rank,
+            admin_token=token or new_token(),
+            weights_root=os.environ.get(WEIGHTS_ROOT_ENV, ""),
             require_stable=os.environ.get(REQUIRE_STABLE_ENV) == "1",
             check_transfer=validator.check_update_info if backend == TRANSFER_BACKEND else None,
         )
-        logger.info("primejax admin routes ready (base model %s, loads from %s)", base_dir,
-                    state.primejax.weights_root or "anywhere")
+        logger.info(
+            "primejax admin routes ready (base model %s, loads from %s)",
+            base_dir,
+            state.primejax.weights_root or "anywhere",
+        )

@@ -61,11 +61,11 @@ class ChildFailed(RuntimeError):
         super().__init__(f"{child.name} failed ({self.reason})")
 
 
-
-
 def _child_env(devices: str, platform_cpu: bool, memory_fraction: float = 0.0) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    if os.environ.get(TOKEN_ENV):  # the run's admin secret (launch() sets it): server and orchestrator share it
+    if os.environ.get(
+        TOKEN_ENV
+    ):  # the run's admin secret (launch() sets it): server and orchestrator share it
         env[TOKEN_ENV] = os.environ[TOKEN_ENV]
     env.update(accelerator_env(devices, memory_fraction))  # a node's layout (utils/devices.py): config wins
     if platform_cpu:
@@ -74,7 +74,11 @@ def _child_env(devices: str, platform_cpu: bool, memory_fraction: float = 0.0) -
 
 
 def _start(
-    cfg: Config, process: str, module: str, devices: str = "", memory_fraction: float = 0.0,
+    cfg: Config,
+    process: str,
+    module: str,
+    devices: str = "",
+    memory_fraction: float = 0.0,
     hide_gpus: bool = False,
 ) -> ChildProcess:
     """Start `python -m module` on the resolved config (written to configs/<process>.json); `hide_gpus`: the
@@ -83,28 +87,43 @@ def _start(
     env = _child_env(devices, hide_gpus or os.environ.get("JAX_PLATFORMS") == "cpu", memory_fraction)
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    return ChildProcess(process, [sys.executable, "-m", module, "--config", str(config_path)],
-                        log_path(cfg.run_dir, process), env=env)
+    return ChildProcess(
+        process,
+        [sys.executable, "-m", module, "--config", str(config_path)],
+        log_path(cfg.run_dir, process),
+        env=env,
+    )
 
 
 def _place(cfg: Config) -> tuple[Config, Placement]:
     """The node's layout (launcher/placement.py) written into the config the children get."""
     inf, tr = cfg.inference, cfg.trainer
     try:
-        p = plan(node_gpu_count(), tr.devices, inf.devices, inference_enabled=inf.enabled, replicas=inf.replicas,
-                 tensor_parallel=inf.tensor_parallel_size, trainer_memory_fraction=tr.memory_fraction,
-                 inference_memory_fraction=inf.gpu_memory_utilization,
-                 visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        p = plan(
+            node_gpu_count(),
+            tr.devices,
+            inf.devices,
+            inference_enabled=inf.enabled,
+            replicas=inf.replicas,
+            tensor_parallel=inf.tensor_parallel_size,
+            trainer_memory_fraction=tr.memory_fraction,
+            inference_memory_fraction=inf.gpu_memory_utilization,
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
     except PlacementError as e:
         raise PreflightError(e.key, str(e).split(": ", 1)[1]) from None
     if not p.node_gpus:
         return cfg, p
     if p.shared and tr.broadcast.mode == "collective":
-        raise PreflightError("trainer.broadcast.mode", "collective needs the trainer and the server on different "
-                             "GPUs (NCCL cannot join two processes on one GPU): use filesystem on a shared GPU")
+        raise PreflightError(
+            "trainer.broadcast.mode",
+            "collective needs the trainer and the server on different "
+            "GPUs (NCCL cannot join two processes on one GPU): use filesystem on a shared GPU",
+        )
     print(f"primejax: {p.describe()}", flush=True)
     changes: dict[str, object] = {
-        "trainer.devices": p.trainer_devices, "inference.devices": p.inference_devices,
+        "trainer.devices": p.trainer_devices,
+        "inference.devices": p.inference_devices,
         "trainer.memory_fraction": p.trainer_memory_fraction,
         "inference.gpu_memory_utilization": p.inference_memory_fraction,
     }
@@ -137,8 +156,11 @@ def _progress_line(step: int, max_steps: int, trainer: dict, orch: dict, started
         return "-"
 
     # an empty batch (every advantage zero, or every rollout errored) trains nothing: a loss of 0 would say it did
-    trained = (" | empty batch: nothing trained" if trainer.get("batch/num_samples") == 0 else
-               f" | loss {fmt(trainer, 'loss')} | mismatch_kl {fmt(trainer, 'mismatch_kl', spec='.2e')}")
+    trained = (
+        " | empty batch: nothing trained"
+        if trainer.get("batch/num_samples") == 0
+        else f" | loss {fmt(trainer, 'loss')} | mismatch_kl {fmt(trainer, 'mismatch_kl', spec='.2e')}"
+    )
     return (
         f"[{bar}] step {step}/{max_steps}"
         f" | reward {fmt(orch, 'reward/mean')}"
@@ -162,13 +184,20 @@ class _Progress:
 
     def update(self) -> None:
         def rows(name: str) -> dict[int, dict]:
-            return {r["step"]: r for r in read_jsonl(RunDir(self.root).metrics(name))
-                    if r.get("time", self.started_wall) >= self.started_wall}
+            return {
+                r["step"]: r
+                for r in read_jsonl(RunDir(self.root).metrics(name))
+                if r.get("time", self.started_wall) >= self.started_wall
+            }
 
         trainer_rows, orch_rows = rows("trainer"), rows("orchestrator")
         for step in sorted(s for s in trainer_rows if s > self.printed):
-            print(_progress_line(step, self.max_steps, trainer_rows[step], orch_rows.get(step, {}), self.started),
-                  flush=True)
+            print(
+                _progress_line(
+                    step, self.max_steps, trainer_rows[step], orch_rows.get(step, {}), self.started
+                ),
+                flush=True,
+            )
             self.printed = step
 
 
@@ -216,8 +245,12 @@ class _Liveness(threading.Thread):
 class _InferenceSupervisor:
     """Keeps the run's inference server up: restarts it when it exits or hangs, a bounded number of times."""
 
-    def __init__(self, start: Callable[[], ChildProcess], inf: InferenceConfig,
-                 on_restart: Callable[[ChildProcess], None]):
+    def __init__(
+        self,
+        start: Callable[[], ChildProcess],
+        inf: InferenceConfig,
+        on_restart: Callable[[ChildProcess], None],
+    ):
         """`start` starts the server child; `inf` (the `inference` section) says where it listens and the
         restart policy."""
         self.start_child, self.inf = start, inf
@@ -256,8 +289,12 @@ class _InferenceSupervisor:
             limit = "" if not inf.restart_on_failure else f"; {self.restarts} restarts already"
             raise ChildFailed(self.child, self.child.poll(), problem + limit)
         self.restarts += 1
-        print(f"primejax: inference server failed ({problem}); restarting it "
-              f"({self.restarts}/{inf.max_restarts}), log {self.child.log_path}", file=sys.stderr, flush=True)
+        print(
+            f"primejax: inference server failed ({problem}); restarting it "
+            f"({self.restarts}/{inf.max_restarts}), log {self.child.log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.stop()
         self._start()
         self.on_restart(self.child)
@@ -267,8 +304,12 @@ class _InferenceSupervisor:
         self.child.stop()
 
 
-def _watch(children: list[ChildProcess], until_done: list[ChildProcess], progress: _Progress | None,
-           supervisors: list[_InferenceSupervisor] = ()) -> None:
+def _watch(
+    children: list[ChildProcess],
+    until_done: list[ChildProcess],
+    progress: _Progress | None,
+    supervisors: list[_InferenceSupervisor] = (),
+) -> None:
     """Block until every child in `until_done` exits 0; raise ChildFailed as soon as any child fails."""
     while True:
         for supervisor in supervisors:
@@ -300,8 +341,10 @@ def _error_line(log_text: str) -> str:
 def _report_failure(err: ChildFailed) -> None:
     tail = err.child.log_tail(40)
     cause = _error_line(tail)
-    print(f"\nprimejax: {err.child.name} failed ({err.reason}){': ' + cause if cause else ''}; stopping the run.",
-          file=sys.stderr)
+    print(
+        f"\nprimejax: {err.child.name} failed ({err.reason}){': ' + cause if cause else ''}; stopping the run.",
+        file=sys.stderr,
+    )
     print(f"--- last lines of {err.child.log_path} ---", file=sys.stderr)
     print(tail, file=sys.stderr)
 
@@ -349,8 +392,11 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
     sft_final = RunDir(root).sft_final
     use_sft = cfg.sft.steps > 0
     reuse_sft = use_sft and resume is not None
-    preflight(cfg.orchestrator.envs, sft_final if reuse_sft else cfg.model.path,
-              cfg.inference.max_model_len if cfg.inference.enabled else 0)
+    preflight(
+        cfg.orchestrator.envs,
+        sft_final if reuse_sft else cfg.model.path,
+        cfg.inference.max_model_len if cfg.inference.enabled else 0,
+    )
     if resume is None:
         if cfg.run.resume_step and not cfg.run.fresh:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
@@ -359,9 +405,12 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
             print(f"primejax: {root} held an earlier run: kept under {kept}", flush=True)
     else:
         moved = set_aside_after(root, resume)
-        print(f"primejax: resuming from step {resume}"
-              + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else "")
-              + "; --config.run.fresh=True starts over", flush=True)
+        print(
+            f"primejax: resuming from step {resume}"
+            + (f" ({len(moved)} outputs of later steps moved to {moved[0].parents[1]})" if moved else "")
+            + "; --config.run.fresh=True starts over",
+            flush=True,
+        )
     changes: dict[str, object] = {"run.resume_step": "" if resume is None else str(resume)}
     if use_sft:
         if not reuse_sft:  # SFT on resume would redo work and change the policy the checkpoints continue
@@ -405,8 +454,11 @@ def launch(cfg: Config) -> int:
         # A fresh admin secret per run ($PRIMEJAX_ADMIN_TOKEN when set: multi-node), in the environment of the
         # children only, never in a config or a log.
         os.environ[TOKEN_ENV] = write_run_token(root)
+
         def start_trainer() -> ChildProcess:
-            return _start(cfg, "trainer", "primejax.trainer", cfg.trainer.devices, cfg.trainer.memory_fraction)
+            return _start(
+                cfg, "trainer", "primejax.trainer", cfg.trainer.devices, cfg.trainer.memory_fraction
+            )
 
         # The orchestrator needs no accelerator: it sees none (no JAX backend of it may take a GPU's memory).
         orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator", hide_gpus=placement.node_gpus > 0)
@@ -425,11 +477,16 @@ def launch(cfg: Config) -> int:
             supervisor = _InferenceSupervisor(start_server, replica_cfg.inference, on_restart)
             supervisors.append(supervisor)
             children.insert(len(supervisors) - 1, supervisor.child)
-        if trainer is None:  # a GPU shared with the server: the trainer allocates once vLLM has profiled the card
+        if (
+            trainer is None
+        ):  # a GPU shared with the server: the trainer allocates once vLLM has profiled the card
             t_wait = time.monotonic()
             _wait_healthy(supervisors, [orchestrator])
-            print(f"primejax: inference healthy after {time.monotonic() - t_wait:.0f} s; starting the trainer on the "
-                  "shared GPU", flush=True)
+            print(
+                f"primejax: inference healthy after {time.monotonic() - t_wait:.0f} s; starting the trainer on the "
+                "shared GPU",
+                flush=True,
+            )
             trainer = start_trainer()
             children.insert(0, trainer)
         _write_pids(root, children)

@@ -57,11 +57,17 @@ class Placement:
             return "placement: CPU node"
         t = self.trainer_devices or ",".join(map(str, range(self.node_gpus)))
         if self.shared:
-            return (f"placement: trainer and inference share GPU(s) {t}: JAX {self.trainer_memory_fraction:g}, "
-                    f"vLLM {self.inference_memory_fraction:g} of each (server starts first)")
-        jax_share = f"{self.trainer_memory_fraction:g}" if self.trainer_memory_fraction else "0.75 (JAX default)"
-        return (f"placement: trainer on GPU(s) {t} (JAX {jax_share}); inference on GPU(s) "
-                f"{self.inference_devices} (vLLM {self.inference_memory_fraction:g})")
+            return (
+                f"placement: trainer and inference share GPU(s) {t}: JAX {self.trainer_memory_fraction:g}, "
+                f"vLLM {self.inference_memory_fraction:g} of each (server starts first)"
+            )
+        jax_share = (
+            f"{self.trainer_memory_fraction:g}" if self.trainer_memory_fraction else "0.75 (JAX default)"
+        )
+        return (
+            f"placement: trainer on GPU(s) {t} (JAX {jax_share}); inference on GPU(s) "
+            f"{self.inference_devices} (vLLM {self.inference_memory_fraction:g})"
+        )
 
 
 def node_gpu_count(environ: Mapping[str, str] | None = None) -> int:
@@ -93,8 +99,10 @@ def to_physical(ids: str, visible: str | None) -> str:
         return ids
     entries = [v.strip() for v in visible.split(",") if v.strip()]
     if not all(e.isdigit() for e in entries):
-        raise PlacementError("trainer.devices", f"CUDA_VISIBLE_DEVICES={visible!r} holds non-numeric ids: give "
-                                                "the launcher numeric GPU ids")
+        raise PlacementError(
+            "trainer.devices",
+            f"CUDA_VISIBLE_DEVICES={visible!r} holds non-numeric ids: give the launcher numeric GPU ids",
+        )
     return ",".join(entries[int(i)] for i in ids.split(","))
 
 
@@ -113,26 +121,47 @@ def plan(
     """The layout for this node from the config's settings (see the module docstring); PlacementError names
     the key to change when the layout cannot work. Device ids in the settings count the GPUs this launcher
     sees; the placement's are the ids its children get (`visible`: the launcher's CUDA_VISIBLE_DEVICES)."""
-    p = _plan(node_gpus, trainer_devices, inference_devices, inference_enabled, replicas, tensor_parallel,
-              trainer_memory_fraction, inference_memory_fraction)
+    p = _plan(
+        node_gpus,
+        trainer_devices,
+        inference_devices,
+        inference_enabled,
+        replicas,
+        tensor_parallel,
+        trainer_memory_fraction,
+        inference_memory_fraction,
+    )
     if not p.node_gpus or not inference_enabled:
         return p
-    return replace(p, trainer_devices=to_physical(p.trainer_devices, visible),
-                   inference_devices=to_physical(p.inference_devices, visible))
+    return replace(
+        p,
+        trainer_devices=to_physical(p.trainer_devices, visible),
+        inference_devices=to_physical(p.inference_devices, visible),
+    )
 
 
 def _plan(
-    node_gpus: int, trainer_devices: str, inference_devices: str, inference_enabled: bool, replicas: int,
-    tensor_parallel: int, trainer_memory_fraction: float, inference_memory_fraction: float,
+    node_gpus: int,
+    trainer_devices: str,
+    inference_devices: str,
+    inference_enabled: bool,
+    replicas: int,
+    tensor_parallel: int,
+    trainer_memory_fraction: float,
+    inference_memory_fraction: float,
 ) -> Placement:
     t = parse_devices(trainer_devices, "trainer.devices")
     i = parse_devices(inference_devices, "inference.devices")
     own_inf = inference_memory_fraction or OWN_INFERENCE_FRACTION
     if not inference_enabled or node_gpus == 0:
-        return Placement(node_gpus, trainer_devices, inference_devices, False, trainer_memory_fraction, own_inf)
+        return Placement(
+            node_gpus, trainer_devices, inference_devices, False, trainer_memory_fraction, own_inf
+        )
     for ids, key in ((t, "trainer.devices"), (i, "inference.devices")):
         if ids and max(ids) >= node_gpus:
-            raise PlacementError(key, f"GPU {max(ids)} does not exist: this node has {node_gpus} (0..{node_gpus - 1})")
+            raise PlacementError(
+                key, f"GPU {max(ids)} does not exist: this node has {node_gpus} (0..{node_gpus - 1})"
+            )
     per_server = tensor_parallel
     if not t and not i:
         if node_gpus == 1:
@@ -179,4 +208,6 @@ def _plan(
             f"{len(i)} GPU(s) for {replicas} replica(s) x tensor parallel {per_server}: give exactly "
             f"{replicas * per_server}",
         )
-    return Placement(node_gpus, ",".join(map(str, t)), ",".join(map(str, i)), False, trainer_memory_fraction, own_inf)
+    return Placement(
+        node_gpus, ",".join(map(str, t)), ",".join(map(str, i)), False, trainer_memory_fraction, own_inf
+    )

@@ -72,9 +72,11 @@ def _hub_hint(path: Path) -> str:
     if path.exists() or len(parts) != 2 or not all(parts) or str(path).startswith((".", "~")):
         return ""
     local = f"models/{parts[1]}"
-    return (f"; if it is a Hugging Face hub id, download it first (runs read a local directory only): "
-            f"`hf download {path} --local-dir {local}` (or `huggingface-cli download ...`), then set "
-            f"model.path={local}")
+    return (
+        f"; if it is a Hugging Face hub id, download it first (runs read a local directory only): "
+        f"`hf download {path} --local-dir {local}` (or `huggingface-cli download ...`), then set "
+        f"model.path={local}"
+    )
 
 
 def dry_run_model_problem(cfg: object) -> str | None:
@@ -118,8 +120,10 @@ def env_id_problem(env_id: str) -> str | None:
         return None
     close = difflib.get_close_matches(env_id, sorted(builtins | _shipped_tasksets()), n=1, cutoff=0.7)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return (f"{env_id!r} is neither a builtin ({', '.join(sorted(builtins))}) nor an importable module "
-            f"({candidates[0]!r} not found){hint}")
+    return (
+        f"{env_id!r} is neither a builtin ({', '.join(sorted(builtins))}) nor an importable module "
+        f"({candidates[0]!r} not found){hint}"
+    )
 
 
 def _shipped_tasksets() -> set[str]:
@@ -130,7 +134,9 @@ def _shipped_tasksets() -> set[str]:
         return set()
     if spec is None or not spec.submodule_search_locations:
         return set()
-    return {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations) if not m.name.startswith("_")}
+    return {
+        m.name for m in pkgutil.iter_modules(spec.submodule_search_locations) if not m.name.startswith("_")
+    }
 
 
 def check_env_ids(envs: dict[str, EnvConfig]) -> None:
@@ -176,8 +182,15 @@ def preflight_tool(key: str, model_path: str | Path, *, weights: bool, tokenizer
 
 
 #: config.json keys vLLM reads a model's context length from (it takes the smallest present).
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
-                "max_seq_length", "seq_len")
+_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 
 
 def model_context_length(path: str | Path) -> tuple[str, int] | None:
@@ -194,7 +207,11 @@ def model_context_length(path: str | Path) -> tuple[str, int] | None:
     scaling = config.get("rope_scaling") or config.get("rope_parameters")
     if isinstance(scaling, dict) and scaling.get("factor") not in (None, 1, 1.0):
         return None
-    found = [(k, v) for k in _LENGTH_KEYS if isinstance(v := config.get(k), int) and not isinstance(v, bool) and v > 0]
+    found = [
+        (k, v)
+        for k in _LENGTH_KEYS
+        if isinstance(v := config.get(k), int) and not isinstance(v, bool) and v > 0
+    ]
     return min(found, key=lambda kv: kv[1]) if found else None
 
 

@@ -35,13 +35,19 @@ def common_resume_step(root: str | Path, resume_step: str) -> int | None:
     common = sorted(trainer & orchestrator)
     if resume_step == "latest":
         for step in sorted(set(complete_steps(root)) - trainer):
-            print(f"primejax: trainer checkpoint step {step} is damaged ({checkpoint_problem(root, step)}); "
-                  "not resuming from it", flush=True)
+            print(
+                f"primejax: trainer checkpoint step {step} is damaged ({checkpoint_problem(root, step)}); "
+                "not resuming from it",
+                flush=True,
+            )
         return common[-1] if common else None
     step = int(resume_step)
     if step not in common:
-        raise PreflightError("run.resume_step", f"step {step} has no intact trainer and orchestrator checkpoint "
-                                                f"in {root} (both have: {common or 'none'})")
+        raise PreflightError(
+            "run.resume_step",
+            f"step {step} has no intact trainer and orchestrator checkpoint "
+            f"in {root} (both have: {common or 'none'})",
+        )
     return step
 
 
@@ -55,8 +61,10 @@ def launcher_resume_step(root: str | Path, run: Any) -> int | None:
     checkpoint already reaches `run.max_steps` raises RunAlreadyDone."""
     resume = common_resume_step(root, "" if run.fresh else (run.resume_step or "latest"))
     if resume is not None and resume >= run.max_steps:
-        raise RunAlreadyDone(f"{root} already finished at step {resume} (run.max_steps={run.max_steps}): "
-                             "raise run.max_steps to train on, or add --config.run.fresh=True to start over")
+        raise RunAlreadyDone(
+            f"{root} already finished at step {resume} (run.max_steps={run.max_steps}): "
+            "raise run.max_steps to train on, or add --config.run.fresh=True to start over"
+        )
     return resume
 
 
@@ -71,8 +79,10 @@ def resume_hint(root: str | Path, max_steps: int | None = None) -> str:
         return "no checkpoint was written yet: rerunning the same command starts over"
     if max_steps is not None and step >= max_steps:
         return f"the run's checkpoint already reaches run.max_steps={max_steps}: raise it to train on"
-    return (f"rerun the same command to resume from step {step} (its newest checkpoint); "
-            "add --config.run.fresh=True to start over")
+    return (
+        f"rerun the same command to resume from step {step} (its newest checkpoint); "
+        "add --config.run.fresh=True to start over"
+    )
 
 
 def _stamp() -> str:

@@ -41,8 +41,11 @@ class RunLock:
         try:  # no symlink followed: a link planted as .lock must not get its target truncated and overwritten
             fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            raise PreflightError("run.name", f"{self.root / LOCK_FILE}: cannot be the run's lock file "
-                                             f"({e.strerror}{'; a symlink?' if os.path.islink(self.root / LOCK_FILE) else ''})") from None
+            raise PreflightError(
+                "run.name",
+                f"{self.root / LOCK_FILE}: cannot be the run's lock file "
+                f"({e.strerror}{'; a symlink?' if os.path.islink(self.root / LOCK_FILE) else ''})",
+            ) from None
         holder = _flock_or_holder(fd)
         if holder is not None:
             raise PreflightError(

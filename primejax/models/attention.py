@@ -125,8 +125,17 @@ def attention(
         if dv > q.shape[-1]:
             raise ValueError(f"value head width {dv} exceeds the query/key width {q.shape[-1]}")
         pad = [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - dv)]
-        return attention(q, k, jnp.pad(v, pad), segment_ids, impl=impl, scale=scale, max_runs=max_runs,
-                         runs=runs, interpret=interpret)[..., :dv]
+        return attention(
+            q,
+            k,
+            jnp.pad(v, pad),
+            segment_ids,
+            impl=impl,
+            scale=scale,
+            max_runs=max_runs,
+            runs=runs,
+            interpret=interpret,
+        )[..., :dv]
     if impl == "cudnn":
         if runs is not None:
             return _cudnn_attention(q, k, v, runs, scale)
@@ -209,9 +218,7 @@ def segment_runs(segment_ids: jax.Array, max_runs: int) -> SegmentRuns:
     M = max_runs runs, whose extra runs are not described.
     """
     b, t = segment_ids.shape
-    starts_bt = jnp.concatenate(
-        [jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-    )
+    starts_bt = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     num_runs_b = jnp.sum(starts_bt, axis=1, dtype=jnp.int32)
     # Start indices of the first M+1 runs, padded with t: consecutive differences are the run lengths.
     idx_bm = jax.vmap(lambda s: jnp.nonzero(s, size=max_runs + 1, fill_value=t)[0])(starts_bt)
@@ -230,7 +237,15 @@ def _cudnn_attention(q, k, v, runs: SegmentRuns, scale):
     if runs.lengths.shape[1] < 2:
         raise ValueError("cudnn packed attention needs at least 2 run slots (1 means 'not packed' to jax)")
     out = cudnn_fa.dot_product_attention(
-        q, k, v, q_seqlen=runs.lengths, kv_seqlen=runs.lengths, q_offsets=runs.offsets, kv_offsets=runs.offsets,
-        scale=scale, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+        q,
+        k,
+        v,
+        q_seqlen=runs.lengths,
+        kv_seqlen=runs.lengths,
+        q_offsets=runs.offsets,
+        kv_offsets=runs.offsets,
+        scale=scale,
+        mask_type=cudnn_fa.MaskType.PADDING_CAUSAL,
+        qkv_layout="BTNH",
     )
     return out.astype(q.dtype)

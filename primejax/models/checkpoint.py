@@ -31,7 +31,9 @@ def _param_state(model_or_state: nnx.Module | nnx.State) -> nnx.State:
     return model_or_state
 
 
-def save_params(path: str | os.PathLike, model_or_state: nnx.Module | nnx.State, *, force: bool = False) -> None:
+def save_params(
+    path: str | os.PathLike, model_or_state: nnx.Module | nnx.State, *, force: bool = False
+) -> None:
     """Write the parameters (a model, or its `nnx.State`) to the Orbax checkpoint directory `path`."""
     pure = nnx.to_pure_dict(_param_state(model_or_state))
     ckptr = ocp.StandardCheckpointer()

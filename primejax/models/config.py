@@ -33,7 +33,14 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 #   auto           dots_no_batch_attn up to 32k tokens per micro-batch, attn beyond (fastest measured, and
 #                  the long rows fit: see remat.resolve_remat_policy and docs/benchmarks.md)
 REMAT_POLICIES = (
-    "none", "full", "dots", "dots_no_batch", "attn", "dots_no_batch_attn", "attn_offload", "attn_experts_offload",
+    "none",
+    "full",
+    "dots",
+    "dots_no_batch",
+    "attn",
+    "dots_no_batch_attn",
+    "attn_offload",
+    "attn_experts_offload",
     "auto",
 )
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -64,7 +71,9 @@ GMM_IMPLS = ("xla", "mgpu", "auto")
 # exchanged (all-gather in, reduce-scatter out).
 EXPERT_PARALLEL = ("fsdp", "ep", "a2a")
 A2A_IMPLS = ("auto", "ragged", "padded")  # expert_parallel="a2a"'s exchange (models/moe_a2a.py)
-A2A_CAPACITY_FACTOR = 1.5  # a2a's default slot per peer and round and pair window, in balanced shares (moe_a2a.py)
+A2A_CAPACITY_FACTOR = (
+    1.5  # a2a's default slot per peer and round and pair window, in balanced shares (moe_a2a.py)
+)
 
 
 # The keys that keep a sparse layer's transfer for the backward under remat, the expert_parallel mode each
@@ -90,13 +99,25 @@ def a2a_capacity_problem(factor: float) -> str | None:
     if 0 < factor < 1:
         return f"{factor} is below 1: every batch would take extra rounds (<= 0: worst-case slots)"
     return None
+
+
 # The Gated DeltaNet's chunk recurrence (models/deltanet.py): "xla" = a lax.scan over chunks (any backend),
 # "pallas" = the Triton kernels of models/deltanet_pallas.py (GPU), "auto" = pallas on an NVIDIA GPU (Ampere on), xla elsewhere.
 DELTANET_IMPLS = ("xla", "pallas", "auto")
 # LoRA adapter targets (models/lora.py, docs/lora.md): the attention projections, the dense MLP's, every
 # expert of the sparse layers (per-expert adapters on gate, up and down) and the MoE router.
 LORA_INITS = ("kaiming", "gaussian")  # the adapters' A (B starts at zero): models/lora.py
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts", "router")
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "experts",
+    "router",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +219,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         family = family_of(self.model_type)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         for name in ("param_dtype", "compute_dtype"):
@@ -226,26 +249,41 @@ class ModelConfig:
                     f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
                 )
             if self.num_experts > 256:
-                raise ValueError(f"num_experts={self.num_experts}: at most 256 (routed experts travel as uint8)")
+                raise ValueError(
+                    f"num_experts={self.num_experts}: at most 256 (routed experts travel as uint8)"
+                )
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
-                raise ValueError("moe_intermediate_size and decoder_sparse_step must be positive with num_experts > 0")
+                raise ValueError(
+                    "moe_intermediate_size and decoder_sparse_step must be positive with num_experts > 0"
+                )
             if self.scan_layers and 0 < len(self.sparse_layers()) < self.num_layers:
-                raise ValueError("scan_layers=True needs every layer dense or every layer sparse (mlp_only_layers)")
+                raise ValueError(
+                    "scan_layers=True needs every layer dense or every layer sparse (mlp_only_layers)"
+                )
         if self.scan_unroll < 1:
             raise ValueError(f"scan_unroll={self.scan_unroll} must be >= 1")
         if self.router_scoring not in ROUTER_SCORING:
             raise ValueError(f"router_scoring={self.router_scoring!r} is not one of {ROUTER_SCORING}")
-        if self.num_experts and (self.n_group < 1 or self.num_experts % self.n_group
-                                 or not 1 <= self.topk_group <= self.n_group):
+        if self.num_experts and (
+            self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group
+        ):
             raise ValueError(
                 f"n_group={self.n_group} must divide num_experts={self.num_experts} and topk_group="
                 f"{self.topk_group} be in [1, n_group]"
             )
-        if self.lora_rank < 0 or self.lora_init not in LORA_INITS or any(t not in LORA_TARGETS for t in self.lora_targets):
-            raise ValueError(f"lora_rank={self.lora_rank} / lora_targets={self.lora_targets}: rank >= 0, targets "
-                             f"among {LORA_TARGETS}")
+        if (
+            self.lora_rank < 0
+            or self.lora_init not in LORA_INITS
+            or any(t not in LORA_TARGETS for t in self.lora_targets)
+        ):
+            raise ValueError(
+                f"lora_rank={self.lora_rank} / lora_targets={self.lora_targets}: rank >= 0, targets "
+                f"among {LORA_TARGETS}"
+            )
         if self.n_group > 1 and self.num_experts // self.n_group < 2:
-            raise ValueError("group-limited routing scores a group by its two best experts: >= 2 experts per group")
+            raise ValueError(
+                "group-limited routing scores a group by its two best experts: >= 2 experts per group"
+            )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(
                 f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim={self.rotary_dim}: must be "
@@ -264,7 +302,9 @@ class ModelConfig:
         if self.mla:
             self._check_mla()
             if self.lora_rank:
-                raise NotImplementedError("LoRA on multi-head latent attention (deepseek_v3) is not implemented")
+                raise NotImplementedError(
+                    "LoRA on multi-head latent attention (deepseek_v3) is not implemented"
+                )
         family.check(self)
 
     def _check_layer_types(self, family: Family) -> None:
@@ -290,7 +330,12 @@ class ModelConfig:
                 f"multi-head latent attention expands its latent to every head: num_key_value_heads="
                 f"{self.num_kv_heads} must equal num_attention_heads={self.num_heads}"
             )
-        if self.attention_bias or self.attention_out_bias or self.qk_norm or self.partial_rotary_factor != 1.0:
+        if (
+            self.attention_bias
+            or self.attention_out_bias
+            or self.qk_norm
+            or self.partial_rotary_factor != 1.0
+        ):
             raise NotImplementedError(
                 "multi-head latent attention with attention_bias, qk norm or partial rotary is not implemented"
             )
@@ -358,7 +403,9 @@ class ModelConfig:
             hf = WRAPPERS[hf["model_type"]].text_config(hf)
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
-            raise ValueError(f"HF model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
+            raise ValueError(
+                f"HF model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})"
+            )
         family = FAMILIES[model_type]
         if hf.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is implemented")
@@ -366,7 +413,9 @@ class ModelConfig:
             raise NotImplementedError("mlp_bias=true is not implemented")
         if hf.get("quantization_config"):
             method = hf["quantization_config"].get("quant_method", "?")
-            raise NotImplementedError(f"quantized checkpoints ({method}) are not loaded: convert the weights to bf16 first")
+            raise NotImplementedError(
+                f"quantized checkpoints ({method}) are not loaded: convert the weights to bf16 first"
+            )
         if hf.get("use_sliding_window", False):
             raise NotImplementedError("sliding-window attention (use_sliding_window=true) is not implemented")
 
@@ -480,9 +529,13 @@ class ModelConfig:
         if self.attn_output_gate:  # q_proj's second half: the output gate
             attn += d * h * hd
         mlp = 3 * d * self.intermediate_size
-        return len(self.full_attention_layers()) * attn + self._linear_attention_params(
-            matmul=True
-        ) + len(self.dense_layers()) * mlp + self._moe_params(active=True) + (d * self.vocab_size)
+        return (
+            len(self.full_attention_layers()) * attn
+            + self._linear_attention_params(matmul=True)
+            + len(self.dense_layers()) * mlp
+            + self._moe_params(active=True)
+            + (d * self.vocab_size)
+        )
 
     def _linear_attention_params(self, *, matmul: bool) -> int:
         """The Gated DeltaNet layers' weights (qwen3_5_text): all, or only those in matmuls."""
@@ -551,7 +604,9 @@ class ModelConfig:
             per_layer += (h + 2 * k) * hd
         if self.attention_out_bias:
             per_layer += d
-        attention = len(self.full_attention_layers()) * per_layer + self._linear_attention_params(matmul=False)
+        attention = len(self.full_attention_layers()) * per_layer + self._linear_attention_params(
+            matmul=False
+        )
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         mlp = len(self.dense_layers()) * 3 * d * self.intermediate_size + self._moe_params(active=False)
         if self.router_scoring == "sigmoid":  # e_score_correction_bias

@@ -68,7 +68,12 @@ def _round_up(n: int, m: int) -> int:
 
 
 def adapter_grouped_matmul(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "xla", *, all_rows_grouped: bool = False
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    impl: str = "xla",
+    *,
+    all_rows_grouped: bool = False,
 ) -> jax.Array:
     """grouped_matmul for a rank-r LoRA factor (K or N is the rank), with the experts' own implementation.
 
@@ -83,7 +88,7 @@ def adapter_grouped_matmul(
     rhs_n = rhs.shape[2]
     lhs, rhs = pad_to_tiles(lhs, rhs, ADAPTER_TILE)
     out = grouped_matmul(lhs, rhs, group_sizes, "mgpu", all_rows_grouped=all_rows_grouped)
-    return out[:, : rhs_n]
+    return out[:, :rhs_n]
 
 
 def pad_to_tiles(lhs: jax.Array, rhs: jax.Array, tile: int) -> tuple[jax.Array, jax.Array]:
@@ -97,6 +102,7 @@ def pad_to_tiles(lhs: jax.Array, rhs: jax.Array, tile: int) -> tuple[jax.Array, 
 
 
 # ---------------------------------------------------------------------- Mosaic GPU (Hopper)
+
 
 # Tile sizes per kernel and shape. Keys: (op, contracting dim, output dim) with op "fwd" (lhs [M, K] @ rhs
 # [G, K, N] -> [M, N]), "dlhs" (dout [M, N] @ rhs^T -> [M, K]: contracting N, output K) and "wgrad" (lhs^T @ dout

@@ -84,14 +84,26 @@ def _transpose(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     "attn_norm": ("input_layernorm.weight", _same, _same),
     # Qwen3.5 (attn_output_gate): each head's rows are [query | output gate], kept together per head
-    "q_proj": ("self_attn.q_proj.weight", _to_out_in,
-               lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, -1)),
-    "k_proj": ("self_attn.k_proj.weight", _to_out_in,
-               lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim)),
-    "v_proj": ("self_attn.v_proj.weight", _to_out_in,
-               lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim)),
-    "o_proj": ("self_attn.o_proj.weight", _heads_to_out_in,
-               lambda w, c: w.T.reshape(c.num_heads, c.v_dim, c.hidden_size)),
+    "q_proj": (
+        "self_attn.q_proj.weight",
+        _to_out_in,
+        lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, -1),
+    ),
+    "k_proj": (
+        "self_attn.k_proj.weight",
+        _to_out_in,
+        lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+    ),
+    "v_proj": (
+        "self_attn.v_proj.weight",
+        _to_out_in,
+        lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+    ),
+    "o_proj": (
+        "self_attn.o_proj.weight",
+        _heads_to_out_in,
+        lambda w, c: w.T.reshape(c.num_heads, c.v_dim, c.hidden_size),
+    ),
     "q_bias": ("self_attn.q_proj.bias", _flat, lambda w, c: w.reshape(c.num_heads, c.head_dim)),
     "k_bias": ("self_attn.k_proj.bias", _flat, lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
     "v_bias": ("self_attn.v_proj.bias", _flat, lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
@@ -101,24 +113,36 @@ _LAYER_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
     # multi-head latent attention (models/mla.py; q_proj and o_proj above)
     "q_a_proj": ("self_attn.q_a_proj.weight", _transpose, _transpose),
     "q_a_norm": ("self_attn.q_a_layernorm.weight", _same, _same),
-    "q_b_proj": ("self_attn.q_b_proj.weight", _to_out_in,
-                 lambda w, c: w.T.reshape(c.q_lora_rank, c.num_heads, c.qk_head_dim)),
+    "q_b_proj": (
+        "self_attn.q_b_proj.weight",
+        _to_out_in,
+        lambda w, c: w.T.reshape(c.q_lora_rank, c.num_heads, c.qk_head_dim),
+    ),
     "kv_a_proj": ("self_attn.kv_a_proj_with_mqa.weight", _transpose, _transpose),
     "kv_a_norm": ("self_attn.kv_a_layernorm.weight", _same, _same),
-    "kv_b_proj": ("self_attn.kv_b_proj.weight", _to_out_in,
-                  lambda w, c: w.T.reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)),
+    "kv_b_proj": (
+        "self_attn.kv_b_proj.weight",
+        _to_out_in,
+        lambda w, c: w.T.reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim),
+    ),
     # Gated DeltaNet (models/deltanet.py); conv1d.weight is [C, 1, Kc]
     "lin_qkv": ("linear_attn.in_proj_qkv.weight", _transpose, _transpose),
     "lin_conv": ("linear_attn.conv1d.weight", lambda w, c: w.T[:, None, :], lambda w, c: w[:, 0, :].T),
-    "lin_z": ("linear_attn.in_proj_z.weight", _to_out_in,
-              lambda w, c: w.T.reshape(c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim)),
+    "lin_z": (
+        "linear_attn.in_proj_z.weight",
+        _to_out_in,
+        lambda w, c: w.T.reshape(c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim),
+    ),
     "lin_a": ("linear_attn.in_proj_a.weight", _transpose, _transpose),
     "lin_b": ("linear_attn.in_proj_b.weight", _transpose, _transpose),
     "lin_A_log": ("linear_attn.A_log", _same, _same),
     "lin_dt_bias": ("linear_attn.dt_bias", _same, _same),
     "lin_norm": ("linear_attn.norm.weight", _same, _same),
-    "lin_out": ("linear_attn.out_proj.weight", _heads_to_out_in,
-                lambda w, c: w.T.reshape(c.linear_num_value_heads, c.linear_value_head_dim, c.hidden_size)),
+    "lin_out": (
+        "linear_attn.out_proj.weight",
+        _heads_to_out_in,
+        lambda w, c: w.T.reshape(c.linear_num_value_heads, c.linear_value_head_dim, c.hidden_size),
+    ),
     "mlp_norm": ("post_attention_layernorm.weight", _same, _same),
     "gate_proj": ("mlp.gate_proj.weight", _transpose, _transpose),
     "up_proj": ("mlp.up_proj.weight", _transpose, _transpose),
@@ -146,8 +170,10 @@ _EXPERT_TENSORS: dict[str, list[tuple[str, Callable[[np.ndarray, int], np.ndarra
 }
 # transformers' fused in-memory form (save_original_format=False): gate_up [E, 2I, D] gate rows first, down [E, D, I]
 _FUSED_EXPERTS = {
-    "experts_gate_up": ("mlp.experts.gate_up_proj",
-                        lambda w, c: w.reshape(w.shape[0], 2, -1, w.shape[-1]).transpose(0, 3, 1, 2)),
+    "experts_gate_up": (
+        "mlp.experts.gate_up_proj",
+        lambda w, c: w.reshape(w.shape[0], 2, -1, w.shape[-1]).transpose(0, 3, 1, 2),
+    ),
     "experts_down": ("mlp.experts.down_proj", lambda w, c: w.transpose(0, 2, 1)),
 }
 _TOP_TENSORS: dict[str, tuple[str, Converter, Converter]] = {
@@ -187,7 +213,9 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
     return [_TOP_TENSORS[our_name][0]]
 
 
-def hf_tensor_plan(model: Transformer, cfg: ModelConfig) -> list[tuple[nnx.Variable, list[str], Callable, int]]:
+def hf_tensor_plan(
+    model: Transformer, cfg: ModelConfig
+) -> list[tuple[nnx.Variable, list[str], Callable, int]]:
     """(our parameter, its HF names, converter, tensors per slice) in export order, the order of
     `state_to_hf_tensors`. A layer parameter is stacked over layers and its converter maps one layer's slice
     to that layer's HF tensors, stacked when there are several (MoE experts: expert-major, then gate/up);
@@ -225,9 +253,9 @@ def _to_numpy(x: jax.Array, dtype) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def state_to_hf_tensors(model: Transformer, cfg: ModelConfig, dtype: str | None = None) -> Iterator[
-    tuple[str, np.ndarray]
-]:
+def state_to_hf_tensors(
+    model: Transformer, cfg: ModelConfig, dtype: str | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, host array) one tensor at a time; `dtype=None` keeps the parameters' dtype.
 
     With parameters sharded over several processes each tensor is gathered collectively: every process must
@@ -317,7 +345,9 @@ def _read_experts(get_tensor, short: str, shape, dtype, cfg: ModelConfig) -> np.
 class _SafetensorsReader:
     """Tensors by name across the single-file or sharded (index json) layouts of an HF directory."""
 
-    def __init__(self, model_dir: str | os.PathLike, stored_name: Callable[[str, dict], str] = lambda n, m: n):
+    def __init__(
+        self, model_dir: str | os.PathLike, stored_name: Callable[[str, dict], str] = lambda n, m: n
+    ):
         self.dir = Path(model_dir)
         self._stored_name = stored_name  # the family's: where a wrapper checkpoint keeps the tensor
         index = self.dir / "model.safetensors.index.json"
@@ -395,15 +425,19 @@ def export_safetensors(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     variables = param_variables(model)
-    itemsize = {k: (np.dtype(v.dtype) if dtype is None else np.dtype(_NP_DTYPES[export_dtype(k, dtype)])).itemsize
-                for k, v in variables.items()}
+    itemsize = {
+        k: (np.dtype(v.dtype) if dtype is None else np.dtype(_NP_DTYPES[export_dtype(k, dtype)])).itemsize
+        for k, v in variables.items()
+    }
     sizes = []
     for our_name, var in variables.items():
         per_tensor = int(np.prod(var.shape)) * itemsize[our_name]
         names = _hf_names(our_name, cfg)
         sizes += [(n, per_tensor // len(names)) for n in names]
     shards = plan_files(sizes, max_shard_bytes)
-    file_of = {n: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards) for n in s}
+    file_of = {
+        n: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards) for n in s
+    }
 
     pending: dict[str, np.ndarray] = {}
     total = written = 0

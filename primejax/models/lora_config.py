@@ -35,7 +35,9 @@ class LoraConfig(Section):
     def check(self) -> None:
         if self.dropout:
             raise ConfigError("dropout", f"LoRA dropout is not implemented: must be 0, got {self.dropout}")
-        if self.rank and self.alpha > 1024 * self.rank:  # the servers' bound (inference/adapters.py MAX_LORA_SCALE)
+        if (
+            self.rank and self.alpha > 1024 * self.rank
+        ):  # the servers' bound (inference/adapters.py MAX_LORA_SCALE)
             raise ConfigError("alpha", f"alpha / rank must be at most 1024, got {self.alpha:g} / {self.rank}")
         if self.rank and not self.target_modules:
             raise ConfigError("target_modules", "LoRA needs at least one target module")

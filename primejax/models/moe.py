@@ -157,8 +157,6 @@ def _permute_bwd(res, g):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-
-
 def _combine(ys, order, inv, scores):
     """Each token's k expert outputs (rows `ys` [N*k, D] in the pairs' sorted `order`) weighted by its scores."""
     n, k = scores.shape
@@ -169,7 +167,17 @@ def _combine(ys, order, inv, scores):
 
 
 def _experts_local(
-    x_nd, topk_idx, scores, gate_up, down, adapters=None, *, impl, expert_offset=0, all_local=True, lora_scale=0.0
+    x_nd,
+    topk_idx,
+    scores,
+    gate_up,
+    down,
+    adapters=None,
+    *,
+    impl,
+    expert_offset=0,
+    all_local=True,
+    lora_scale=0.0,
 ):
     """Dropless expert MLP of N tokens on the experts [expert_offset, expert_offset + E_local) held here.
 
@@ -189,7 +197,6 @@ def _experts_local(
         xs, group_sizes, gate_up, down, adapters, impl=impl, full=all_local, lora_scale=lora_scale
     )  # every pair has a local expert when all_local: the groups cover all rows
     return _combine(ys, order, inv, scores)
-
 
 
 def experts_forward(
@@ -218,14 +225,22 @@ def experts_forward(
     tok_axes = None if mesh is None else logical_to_spec(("batch_context",), x_nd.shape, mesh)[0]
     if tok_axes is None:
         return _experts_local(
-            x_nd, route_out.topk_idx, route_out.scores, gate_up, down, *extra, impl=impl, lora_scale=lora_scale
+            x_nd,
+            route_out.topk_idx,
+            route_out.scores,
+            gate_up,
+            down,
+            *extra,
+            impl=impl,
+            lora_scale=lora_scale,
         )
     tok = P(tok_axes, None)
     n_ep = mesh.shape[EP_AXIS]
     if mode == "fsdp" or n_ep == 1:
         if keep_gathered:  # gathered here, by name, rather than by the shard_map's replicated in_specs
             gate_up, down = (
-                checkpoint_name(jax.lax.with_sharding_constraint(w, P()), EXPERTS_GATHERED) for w in (gate_up, down)
+                checkpoint_name(jax.lax.with_sharding_constraint(w, P()), EXPERTS_GATHERED)
+                for w in (gate_up, down)
             )
         fn = functools.partial(_experts_local, impl=impl, lora_scale=lora_scale)
         specs = (tok, tok, tok, P(), P(), *[P()] * len(extra))
@@ -300,8 +315,19 @@ def moe_block(
     x = h_btd.reshape(b * t, d)
     ri = None if replay_idx is None else replay_idx.reshape(b * t, top_k)
     rm = None if replay_mask is None else replay_mask.reshape(b * t)
-    r = route(x, lora.router_weight(p, lora_scale), top_k, norm_topk_prob, ri, rm, scoring=scoring, bias_e=p.get("router_bias"),
-              n_group=n_group, topk_group=topk_group, scale=scale)
+    r = route(
+        x,
+        lora.router_weight(p, lora_scale),
+        top_k,
+        norm_topk_prob,
+        ri,
+        rm,
+        scoring=scoring,
+        bias_e=p.get("router_bias"),
+        n_group=n_group,
+        topk_group=topk_group,
+        scale=scale,
+    )
     # HF casts the combine weights to the hidden dtype before weighting the experts' outputs.
     r_used = r._replace(scores=r.scores.astype(dt))
     y = experts_forward(
@@ -315,7 +341,12 @@ def moe_block(
         a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
         s_btd = jnp.einsum("btf,fd->btd", a_btf, p["shared_down_proj"].astype(dt))
         if "shared_expert_gate" in p:  # Qwen3.5 MoE: a per-token sigmoid gate on the shared expert
-            s_btd = s_btd * jax.nn.sigmoid(jnp.einsum("btd,d->bt", h_btd, p["shared_expert_gate"].astype(dt)))[..., None]
+            s_btd = (
+                s_btd
+                * jax.nn.sigmoid(jnp.einsum("btd,d->bt", h_btd, p["shared_expert_gate"].astype(dt)))[
+                    ..., None
+                ]
+            )
         y_btd = y_btd + s_btd
     return y_btd, r
 
@@ -372,4 +403,3 @@ def router_stats(parts: dict[str, jax.Array], num_experts: int) -> dict[str, jax
     n = jnp.maximum(s["tokens"], 1.0)
     f, p_mean = s["load"] / n[:, None], s["probs"] / n[:, None]
     return {"load": s["load"], "lb_loss": num_experts * jnp.sum(f * p_mean, axis=-1), "z_loss": s["z"] / n}
-

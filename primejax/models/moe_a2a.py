@@ -139,7 +139,9 @@ def experts_a2a(
     rounds = -(-n // c)
 
     peers = jnp.arange(p, dtype=jnp.int32)
-    hit = jnp.any(topk_idx[None] // e_local == peers[:, None, None], axis=-1)  # [P, N]: token n goes to peer q
+    hit = jnp.any(
+        topk_idx[None] // e_local == peers[:, None, None], axis=-1
+    )  # [P, N]: token n goes to peer q
     pos = jnp.cumsum(hit, axis=1, dtype=jnp.int32) - 1  # its place among what peer q is sent
     send_counts = jnp.sum(hit, axis=1, dtype=jnp.int32)
     counts = jax.lax.all_gather(send_counts, axis)  # [source, destination], the same on every device
@@ -155,7 +157,9 @@ def experts_a2a(
     y = _round(0, plan, ints, x_nd, scores, gate_up, down, adapters)
     if rounds > 1:  # only as many as some device's most bundles to one peer need (all devices agree)
         more = -(-jnp.max(counts) // c) - 1
-        y = y + _loop_sum(functools.partial(_later_round, plan), more, ints, x_nd, scores, gate_up, down, adapters)
+        y = y + _loop_sum(
+            functools.partial(_later_round, plan), more, ints, x_nd, scores, gate_up, down, adapters
+        )
     return y
 
 
@@ -226,7 +230,9 @@ def _round(r, plan: _Plan, ints, x, scores, gate_up, down, adapters):
     got = (recv_ids, there(send), there(send_sc))
     if first:
         got = tuple(checkpoint_name(v, EXCHANGED) for v in got)
-    return _from_slots(back(_received(first, plan, *got, me, gate_up, down, adapters)), slot, here, src, valid)
+    return _from_slots(
+        back(_received(first, plan, *got, me, gate_up, down, adapters)), slot, here, src, valid
+    )
 
 
 def _received(first, plan: _Plan, ids, rows, scores, me, gate_up, down, adapters):
@@ -271,7 +277,15 @@ def _pairs(lo, length, ranges, plan: _Plan, pairs, rows, scores, gate_up, down, 
     at = jnp.where(local, inv - lo, -1)
     xs = _expand(rows, idx, at, k)  # [length, D]
     ys = _chunked_mlp(
-        xs, group_sizes, gate_up, down, adapters, impl=plan.impl, lora_scale=plan.lora_scale, ranges=ranges, base=lo
+        xs,
+        group_sizes,
+        gate_up,
+        down,
+        adapters,
+        impl=plan.impl,
+        lora_scale=plan.lora_scale,
+        ranges=ranges,
+        base=lo,
     )
     return _weigh(ys, scores, idx, at)
 
@@ -299,7 +313,9 @@ def _chunked_mlp(rows, group_sizes, gate_up, down, adapters, *, impl, lora_scale
     total = ends[-1]
     outs = []
     for lo, hi in zip(ranges, (*ranges[1:], m), strict=True):
-        sizes_c = (jnp.clip(ends, base + lo, base + hi) - jnp.clip(starts, base + lo, base + hi)).astype(jnp.int32)
+        sizes_c = (jnp.clip(ends, base + lo, base + hi) - jnp.clip(starts, base + lo, base + hi)).astype(
+            jnp.int32
+        )
 
         def run(x, sizes_c=sizes_c):
             return expert_mlp(

@@ -47,8 +47,16 @@ from primejax.models.sharding import constrain, create_sharded
 
 _INIT_STD = 0.02  # HF initializer_range default for these families
 
-def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, ones=False,
-           zeros=False):
+
+def _param(
+    rngs: nnx.Rngs | None,
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    dtype,
+    *,
+    ones=False,
+    zeros=False,
+):
     assert len(shape) == len(axes), (shape, axes)
     if ones or zeros:
         value = jnp.ones(shape, dtype) if ones else jnp.zeros(shape, dtype)
@@ -62,12 +70,18 @@ def _gqa_qkv(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, cos, sin):
     LoRA adapters (models/lora.py) of the projections that have them, and Qwen3.5's output gate [B, T, H, Dh]
     (the second half of each head's q_proj columns; None without `attn_output_gate`)."""
     dt, eps, s = h_btd.dtype, cfg.rms_norm_eps, cfg.lora_scale
-    q_btnh = lora.with_adapter(jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt)), h_btd, p, "q_proj", s)
+    q_btnh = lora.with_adapter(
+        jnp.einsum("btd,dnh->btnh", h_btd, p["q_proj"].astype(dt)), h_btd, p, "q_proj", s
+    )
     gate_btnh = None
     if cfg.attn_output_gate:
         q_btnh, gate_btnh = q_btnh[..., : cfg.head_dim], q_btnh[..., cfg.head_dim :]
-    k_btkh = lora.with_adapter(jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt)), h_btd, p, "k_proj", s)
-    v_btkh = lora.with_adapter(jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt)), h_btd, p, "v_proj", s)
+    k_btkh = lora.with_adapter(
+        jnp.einsum("btd,dkh->btkh", h_btd, p["k_proj"].astype(dt)), h_btd, p, "k_proj", s
+    )
+    v_btkh = lora.with_adapter(
+        jnp.einsum("btd,dkh->btkh", h_btd, p["v_proj"].astype(dt)), h_btd, p, "v_proj", s
+    )
     if cfg.attention_bias:
         q_btnh = q_btnh + p["q_bias"].astype(dt)
         k_btkh = k_btkh + p["k_bias"].astype(dt)
@@ -95,7 +109,9 @@ def _attention(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, co
     o_btnh = to_tokens(checkpoint_name(o_btnh, ATTN_OUT))
     if gate_btnh is not None:
         o_btnh = o_btnh * jax.nn.sigmoid(gate_btnh)
-    o_btd = lora.with_adapter(jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt)), o_btnh, p, "o_proj", s)
+    o_btd = lora.with_adapter(
+        jnp.einsum("btnh,nhd->btd", o_btnh, p["o_proj"].astype(dt)), o_btnh, p, "o_proj", s
+    )
     if cfg.attention_out_bias:
         o_btd = o_btd + p["o_bias"].astype(dt)
     return o_btd
@@ -106,13 +122,21 @@ def _deltanet(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, cos
     return gated_deltanet(cfg, p, h_btd, segment_ids)
 
 
-def _dense_mlp(cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, replay) -> tuple[jax.Array, None]:
+def _dense_mlp(
+    cfg: ModelConfig, p: dict[str, jax.Array], h_btd, segment_ids, replay
+) -> tuple[jax.Array, None]:
     """The SwiGLU MLP [B, T, D] -> [B, T, D], with the adapters (models/lora.py) of the weights that have them."""
     dt, s = h_btd.dtype, cfg.lora_scale
-    g_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt)), h_btd, p, "gate_proj", s)
-    u_btf = lora.with_adapter(jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt)), h_btd, p, "up_proj", s)
+    g_btf = lora.with_adapter(
+        jnp.einsum("btd,df->btf", h_btd, p["gate_proj"].astype(dt)), h_btd, p, "gate_proj", s
+    )
+    u_btf = lora.with_adapter(
+        jnp.einsum("btd,df->btf", h_btd, p["up_proj"].astype(dt)), h_btd, p, "up_proj", s
+    )
     a_btf = constrain(jax.nn.silu(g_btf) * u_btf, ("batch", "seq", "act_mlp"))
-    y_btd = lora.with_adapter(jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt)), a_btf, p, "down_proj", s)
+    y_btd = lora.with_adapter(
+        jnp.einsum("btf,fd->btd", a_btf, p["down_proj"].astype(dt)), a_btf, p, "down_proj", s
+    )
     return y_btd, None
 
 
@@ -191,16 +215,43 @@ NOT_DECAYED = ("lin_A_log",)
 # Per-layer weights of the MLP part: stacked over the dense layers (dense MLP) or the sparse ones (experts).
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 SPARSE_MLP = (
-    "router", "router_bias", "experts_gate_up", "experts_down", "shared_gate_proj", "shared_up_proj",
-    "shared_down_proj", "shared_expert_gate",
+    "router",
+    "router_bias",
+    "experts_gate_up",
+    "experts_down",
+    "shared_gate_proj",
+    "shared_up_proj",
+    "shared_down_proj",
+    "shared_expert_gate",
 )
 # Per-layer weights of the token mixer, stacked over the layers of their kind (cfg.layer_types): softmax
 # attention's over the full-attention layers (all of them but in Qwen3.5's hybrid stack), Gated DeltaNet's
 # over the linear-attention ones. Letters: C = 2 Hk dk + Hv dv conv channels, Kc the conv kernel.
 #   lin_qkv [Ll, D, C]  lin_conv [Ll, Kc, C]  lin_z [Ll, D, Hv, dv]  lin_a/lin_b [Ll, D, Hv]
 #   lin_A_log/lin_dt_bias [Ll, Hv]  lin_norm [Ll, dv]  lin_out [Ll, Hv, dv, D]
-FULL_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
-LINEAR_ATTN = ("lin_qkv", "lin_conv", "lin_z", "lin_a", "lin_b", "lin_A_log", "lin_dt_bias", "lin_norm", "lin_out")
+FULL_ATTN = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_bias",
+    "k_bias",
+    "v_bias",
+    "o_bias",
+    "q_norm",
+    "k_norm",
+)
+LINEAR_ATTN = (
+    "lin_qkv",
+    "lin_conv",
+    "lin_z",
+    "lin_a",
+    "lin_b",
+    "lin_A_log",
+    "lin_dt_bias",
+    "lin_norm",
+    "lin_out",
+)
 
 
 def stacked_over(cfg: ModelConfig, name: str) -> tuple[int, ...]:
@@ -359,7 +410,9 @@ class DecoderStack(nnx.Module):
         if cfg.scan_layers:  # every layer of one kind (ModelConfig's checks)
             step = step_of(layer_kind(cfg, 0))
             if not sparse or replay is None:
-                x_btd, stats = jax.lax.scan(lambda x, p: step(x, p, None), x_btd, stacked, unroll=cfg.scan_unroll)
+                x_btd, stats = jax.lax.scan(
+                    lambda x, p: step(x, p, None), x_btd, stacked, unroll=cfg.scan_unroll
+                )
             else:
                 mask = replay[1]
                 xs = (stacked, jnp.moveaxis(replay[0], 2, 0))
@@ -387,7 +440,9 @@ class DecoderStack(nnx.Module):
                 per_stats.append(st)
         if not per_stats:
             return x_btd, {}
-        return x_btd, router_stats({k: jnp.stack([s[k] for s in per_stats]) for k in per_stats[0]}, cfg.num_experts)
+        return x_btd, router_stats(
+            {k: jnp.stack([s[k] for s in per_stats]) for k in per_stats[0]}, cfg.num_experts
+        )
 
 
 class Transformer(nnx.Module):
@@ -398,8 +453,9 @@ class Transformer(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
         self.layers = DecoderStack(cfg, rngs=rngs)
-        self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), dt, ones=not cfg.norm_offset,
-                                 zeros=cfg.norm_offset)
+        self.final_norm = _param(
+            rngs, (cfg.hidden_size,), ("norm",), dt, ones=not cfg.norm_offset, zeros=cfg.norm_offset
+        )
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
 

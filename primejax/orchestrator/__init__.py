@@ -7,9 +7,12 @@ processes that never run an orchestrator.
 from typing import Any
 
 _EXPORTS = {
-    "Orchestrator": "primejax.orchestrator.loop", "StepResult": "primejax.orchestrator.loop",
-    "PolicyTracker": "primejax.orchestrator.policy", "min_policy_version": "primejax.orchestrator.policy",
-    "staleness": "primejax.orchestrator.policy", "Rollout": "primejax.orchestrator.rollout",
+    "Orchestrator": "primejax.orchestrator.loop",
+    "StepResult": "primejax.orchestrator.loop",
+    "PolicyTracker": "primejax.orchestrator.policy",
+    "min_policy_version": "primejax.orchestrator.policy",
+    "staleness": "primejax.orchestrator.policy",
+    "Rollout": "primejax.orchestrator.rollout",
     "TrajectoryStep": "primejax.orchestrator.rollout",
 }
 

@@ -62,7 +62,9 @@ class Buffer:
         bound = self._bound(name)
         easy, hard = self.pools["easy"][name], self.pools["hard"][name]
         if len(easy) + len(hard) >= bound:
-            raise RuntimeError(f"environment {name!r} has no example left in rotation (all in difficulty pools)")
+            raise RuntimeError(
+                f"environment {name!r} has no example left in rotation (all in difficulty pools)"
+            )
         while True:  # rejection sampling; switch to an explicit list once most examples are retired
             if len(easy) + len(hard) > bound // 2:
                 return self.rng.choice(sorted(set(range(bound)) - easy - hard))
@@ -118,8 +120,13 @@ class Buffer:
             bound = self.envs[env].env.num_examples
             easy, hard = len(self.pools["easy"][env]), len(self.pools["hard"][env])
             if bound:
-                out.update({f"pool/{env}/easy": easy / bound, f"pool/{env}/hard": hard / bound,
-                            f"pool/{env}/normal": (bound - easy - hard) / bound})
+                out.update(
+                    {
+                        f"pool/{env}/easy": easy / bound,
+                        f"pool/{env}/hard": hard / bound,
+                        f"pool/{env}/normal": (bound - easy - hard) / bound,
+                    }
+                )
             else:
                 out.update({f"pool/{env}/easy_count": float(easy), f"pool/{env}/hard_count": float(hard)})
             groups = self._observed[env]
@@ -149,17 +156,23 @@ class Buffer:
         version, internal, gauss = self.rng.getstate()
         state: dict[str, Any] = {"rng": [version, list(internal), gauss]}
         if include_pools:
-            state["pools"] = {pool: {env: sorted(ix) for env, ix in envs.items()} for pool, envs in self.pools.items()}
+            state["pools"] = {
+                pool: {env: sorted(ix) for env, ix in envs.items()} for pool, envs in self.pools.items()
+            }
         return state
 
-    def load_state_dict(self, state: dict[str, Any], records: dict[str, list[dict[str, Any]]] | None = None) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], records: dict[str, list[dict[str, Any]]] | None = None
+    ) -> None:
         """Restore a `state_dict()`; pools come from `state["pools"]` or from checkpoint `records`
         (`{"easy": [...], "hard": [...]}`, as written by `pool_records`). Lifting is a separate `lift()`."""
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         if "pools" in state:
-            records = {pool: [{"env": env, "index": i} for env, ix in envs.items() for i in ix]
-                       for pool, envs in state["pools"].items()}
+            records = {
+                pool: [{"env": env, "index": i} for env, ix in envs.items() for i in ix]
+                for pool, envs in state["pools"].items()
+            }
         if records is None:
             return
         for pool in POOLS:

@@ -23,8 +23,13 @@ def saved_steps(run_dir: str | Path) -> list[int]:
     return [s for s, p in step_dirs(RunDir(run_dir).checkpoints()) if (p / PROCESS / STATE_FILE).is_file()]
 
 
-def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep: int,
-                    records: dict[str, list[dict[str, Any]]] | None = None) -> Path:
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    records: dict[str, list[dict[str, Any]]] | None = None,
+) -> Path:
     """Write the state of the orchestrator after `step` (and each `records[name]` as `name.jsonl`, one JSON
     object a line) and keep only the newest `keep` checkpoints."""
     path = checkpoint_dir(run_dir, step, PROCESS)
@@ -55,6 +60,8 @@ def load_checkpoint(run_dir: str | Path, resume_step: str) -> dict[str, Any] | N
             raise FileNotFoundError(f"no orchestrator checkpoint for step {step} in {run_dir} (have {steps})")
     path = checkpoint_dir(run_dir, step, PROCESS)
     state = json.loads((path / STATE_FILE).read_text())
-    state["records"] = {f.stem: [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-                        for f in sorted(path.glob("*.jsonl"))}
+    state["records"] = {
+        f.stem: [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        for f in sorted(path.glob("*.jsonl"))
+    }
     return state

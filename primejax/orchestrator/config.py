@@ -25,7 +25,9 @@ class EnvConfig(Section):
         doc="this env's own algorithm block; type '' = inherit orchestrator.algo whole",
         factory=lambda: AlgorithmConfig(type=""),
     )
-    limits: EnvLimitsConfig = sub(EnvLimitsConfig, "this env's episodes in flight, episode timeout, tool-call rate")
+    limits: EnvLimitsConfig = sub(
+        EnvLimitsConfig, "this env's episodes in flight, episode timeout, tool-call rate"
+    )
 
     def check(self) -> None:
         if not self.id:
@@ -122,10 +124,14 @@ class PoolConfig(Section):
         choices=("continuous", "step"),
     )
     groups_in_flight: int = option(
-        0, "continuous: most groups in flight or finished awaiting a cut; 0 = 2 x batch_size / group_size", ge=0
+        0,
+        "continuous: most groups in flight or finished awaiting a cut; 0 = 2 x batch_size / group_size",
+        ge=0,
     )
     group_timeout_s: float = option(
-        0.0, "continuous: a group running longer is cancelled and counted timed out (a hung env); 0 = never", ge=0
+        0.0,
+        "continuous: a group running longer is cancelled and counted timed out (a hung env); 0 = never",
+        ge=0,
     )
 
 
@@ -141,7 +147,9 @@ class ConcurrencyConfig(Section):
     )
     floor: int = option(8, "aimd: the lowest limit", gt=0)
     initial: int = option(0, "aimd: the starting limit; 0 = floor", ge=0)
-    increase: int = option(4, "aimd: requests added per look without pressure while the limit was reached", gt=0)
+    increase: int = option(
+        4, "aimd: requests added per look without pressure while the limit was reached", gt=0
+    )
     decrease: float = option(0.7, "aimd: factor applied under pressure", gt=0, le=1)
     kv_high: float = option(0.9, "aimd: KV-cache usage (0-1) above this is pressure", gt=0, le=1)
     waiting_high: float = option(0.0, "aimd: a waiting queue longer than this is pressure", ge=0)
@@ -220,7 +228,9 @@ class OrchestratorConfig(Section):
         "(primejax/orchestrator/gcpause.py)",
     )
     gc_full_every: int = option(
-        50, "with gc_freeze: one full collection (frees reference cycles) every this many steps; 0 = never", ge=0
+        50,
+        "with gc_freeze: one full collection (frees reference cycles) every this many steps; 0 = never",
+        ge=0,
     )
     routing_replay: bool = option(
         False,

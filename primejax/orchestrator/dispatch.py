@@ -70,8 +70,18 @@ class Dispatch:
 class BarrierDispatch(Dispatch):
     """Step mode: `batch_size / group_size * oversampling_factor` groups per round, all at once."""
 
-    def __init__(self, o: OrchestratorConfig, *, run_group: RunGroup, buffer: Buffer, tracker: PolicyTracker,
-                 outages: OutageCounter, retry: StepRetry, pre_filters: FilterSlot, pre_counts: Counter):
+    def __init__(
+        self,
+        o: OrchestratorConfig,
+        *,
+        run_group: RunGroup,
+        buffer: Buffer,
+        tracker: PolicyTracker,
+        outages: OutageCounter,
+        retry: StepRetry,
+        pre_filters: FilterSlot,
+        pre_counts: Counter,
+    ):
         self.o, self.run_group, self.buffer, self.tracker = o, run_group, buffer, tracker
         self.outages, self.retry, self.pre_filters, self.pre_counts = outages, retry, pre_filters, pre_counts
 
@@ -87,12 +97,17 @@ class BarrierDispatch(Dispatch):
         meter, tokens = TokenMeter(), 0  # batch_tokens: rounds until the budget is covered (token_budget.py)
         for _ in range(rounds):
             prompts = self.buffer.sample(math.ceil(missing / o.group_size * o.buffer.oversampling_factor))
-            new = await asyncio.gather(*(self.run_group(env, index, len(groups) + i, step)
-                                         for i, (env, index) in enumerate(prompts)))
+            new = await asyncio.gather(
+                *(self.run_group(env, index, len(groups) + i, step) for i, (env, index) in enumerate(prompts))
+            )
             groups += new
             if o.batch_tokens:
                 tokens += sum(meter.observe(g) for g in new)
-                missing = 0 if tokens >= o.batch_tokens else meter.rollouts_for(o.batch_tokens - tokens, o.batch_size)
+                missing = (
+                    0
+                    if tokens >= o.batch_tokens
+                    else meter.rollouts_for(o.batch_tokens - tokens, o.batch_size)
+                )
             else:
                 missing = o.batch_size - sum(r.ok and not r.dropped for g in groups for r in g)
             if missing <= 0:
@@ -114,8 +129,13 @@ class BarrierDispatch(Dispatch):
                 return None, "the server restarted (it no longer serves the tracked weights)"
             return groups, None
 
-        groups = await self.retry.run(step, attempt, lambda: self.buffer.load_state_dict(rewind["buffer"]),
-                                      redo="generating the step again once the server is back", resync_first=True)
+        groups = await self.retry.run(
+            step,
+            attempt,
+            lambda: self.buffer.load_state_dict(rewind["buffer"]),
+            redo="generating the step again once the server is back",
+            resync_first=True,
+        )
         gen = time.perf_counter() - t0
         return StepGroups(groups, waited, gen, phases=[("wait_for_weights", waited), ("generate", gen)])
 
@@ -125,14 +145,32 @@ class ContinuousDispatch(Dispatch):
 
     offload = staticmethod(asyncio.to_thread)  # groups in flight keep the event loop (loop_lag/*)
 
-    def __init__(self, o: OrchestratorConfig, *, run_group: RunGroup, buffer: Buffer, tracker: PolicyTracker,
-                 outages: OutageCounter, retry: StepRetry, client: Any):
-        capacity = o.pool.groups_in_flight or math.ceil(2 * o.batch_size / o.group_size
-                                                         * o.buffer.oversampling_factor)
-        self.pool = RolloutPool(run_group, buffer.sample, tracker, batch_size=o.batch_size,
-                                group_size=o.group_size, async_level=o.async_level, capacity=capacity,
-                                oversampling=o.buffer.oversampling_factor, group_timeout_s=o.pool.group_timeout_s,
-                                batch_tokens=o.batch_tokens)
+    def __init__(
+        self,
+        o: OrchestratorConfig,
+        *,
+        run_group: RunGroup,
+        buffer: Buffer,
+        tracker: PolicyTracker,
+        outages: OutageCounter,
+        retry: StepRetry,
+        client: Any,
+    ):
+        capacity = o.pool.groups_in_flight or math.ceil(
+            2 * o.batch_size / o.group_size * o.buffer.oversampling_factor
+        )
+        self.pool = RolloutPool(
+            run_group,
+            buffer.sample,
+            tracker,
+            batch_size=o.batch_size,
+            group_size=o.group_size,
+            async_level=o.async_level,
+            capacity=capacity,
+            oversampling=o.buffer.oversampling_factor,
+            group_timeout_s=o.pool.group_timeout_s,
+            batch_tokens=o.batch_tokens,
+        )
         self.tracker, self.outages, self.retry = tracker, outages, retry
         # One server: a lost request may mean it restarted on the base weights, and groups sampled there since
         # carry the old tags; several: the tracker routes around a replica until it is back on the weights.
@@ -159,9 +197,13 @@ class ContinuousDispatch(Dispatch):
             self.pool.requeue([(g[0].env, g[0].example_index) for g in cut.groups if g])
             return None, reason
 
-        groups, metrics = await self.retry.run(step, attempt, self.pool.restart_all,
-                                               redo="every unfinished group is dispatched again",
-                                               resync_first=False)
+        groups, metrics = await self.retry.run(
+            step,
+            attempt,
+            self.pool.restart_all,
+            redo="every unfinished group is dispatched again",
+            resync_first=False,
+        )
         gen = time.perf_counter() - t0
         return StepGroups(groups, metrics["time/batch_cut_wait"], gen, metrics, phases=[("batch_cut", gen)])
 
@@ -175,9 +217,18 @@ class ContinuousDispatch(Dispatch):
         await self.pool.stop()
 
 
-def build_dispatch(o: OrchestratorConfig, *, run_group: RunGroup, buffer: Buffer, tracker: PolicyTracker,
-                   outages: OutageCounter, retry: StepRetry, pre_filters: FilterSlot, pre_counts: Counter,
-                   client: Any) -> Dispatch:
+def build_dispatch(
+    o: OrchestratorConfig,
+    *,
+    run_group: RunGroup,
+    buffer: Buffer,
+    tracker: PolicyTracker,
+    outages: OutageCounter,
+    retry: StepRetry,
+    pre_filters: FilterSlot,
+    pre_counts: Counter,
+    client: Any,
+) -> Dispatch:
     """The mode `orchestrator.pool.mode` names."""
     common = dict(run_group=run_group, buffer=buffer, tracker=tracker, outages=outages, retry=retry)
     if o.pool.mode == "continuous":

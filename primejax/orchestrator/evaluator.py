@@ -30,10 +30,22 @@ def eval_slots(o: OrchestratorConfig) -> list[EnvSlot]:
     """`orchestrator.eval.envs`, or the training envs when it is empty; no credit is assigned in evals."""
     entries = o.eval.envs if o.eval.envs else o.envs
     scorer = Algorithm(o.algo)
-    return [EnvSlot(name=name, env=in_workers(load_env(e.id, dict(e.args)), e.id, dict(e.args), o.env_workers.num,
-                                              o.env_timeout_s, f"eval/{name}"),
-                    weight=e.weight, algorithm=scorer)
-            for name, e in entries.items()]
+    return [
+        EnvSlot(
+            name=name,
+            env=in_workers(
+                load_env(e.id, dict(e.args)),
+                e.id,
+                dict(e.args),
+                o.env_workers.num,
+                o.env_timeout_s,
+                f"eval/{name}",
+            ),
+            weight=e.weight,
+            algorithm=scorer,
+        )
+        for name, e in entries.items()
+    ]
 
 
 def env_metrics(name: str, groups: list[list[Rollout]], threshold: float) -> dict[str, float]:
@@ -57,8 +69,15 @@ def env_metrics(name: str, groups: list[list[Rollout]], threshold: float) -> dic
 
 
 class Evaluator:
-    def __init__(self, slots: list[EnvSlot], generator: GroupGenerator, *, num_examples: int, group_size: int,
-                 pass_threshold: float):
+    def __init__(
+        self,
+        slots: list[EnvSlot],
+        generator: GroupGenerator,
+        *,
+        num_examples: int,
+        group_size: int,
+        pass_threshold: float,
+    ):
         self.slots, self.generator = slots, generator
         self.num_examples, self.group_size, self.pass_threshold = num_examples, group_size, pass_threshold
 
@@ -67,19 +86,38 @@ class Evaluator:
         # Scored against the policy served when it started (a rollout's turns may be newer, never older).
         out: dict[str, float] = {"eval/policy_version": float(self.generator.policy.version)}
         for slot in self.slots:
-            n = self.num_examples if slot.env.num_examples is None else min(self.num_examples, slot.env.num_examples)
-            groups = await asyncio.gather(*(self.generator.group(slot, i, i, self.group_size, step) for i in range(n)))
+            n = (
+                self.num_examples
+                if slot.env.num_examples is None
+                else min(self.num_examples, slot.env.num_examples)
+            )
+            groups = await asyncio.gather(
+                *(self.generator.group(slot, i, i, self.group_size, step) for i in range(n))
+            )
             out.update(env_metrics(slot.name, list(groups), self.pass_threshold))
         out["eval/time"] = time.perf_counter() - start
         return out
 
 
-def build_evaluator(o: OrchestratorConfig, client: Any, renderer: Renderer, policy: Any,
-                    limiter: Limiter | None = None) -> Evaluator:
+def build_evaluator(
+    o: OrchestratorConfig, client: Any, renderer: Renderer, policy: Any, limiter: Limiter | None = None
+) -> Evaluator:
     """An evaluator with its own generator (its request counters stay out of the training metrics); `limiter`:
     the training generator's request limit, shared so evals and training rollouts fill one pool of requests."""
-    generator = GroupGenerator(client, renderer, o.sampling, policy, max_concurrent=o.max_concurrent,
-                               max_prompt_tokens=o.max_prompt_tokens, limiter=limiter,
-                               max_env_message_chars=o.max_env_message_chars)
-    return Evaluator(eval_slots(o), generator, num_examples=o.eval.num_examples, group_size=o.eval.group_size,
-                     pass_threshold=o.eval.pass_threshold)
+    generator = GroupGenerator(
+        client,
+        renderer,
+        o.sampling,
+        policy,
+        max_concurrent=o.max_concurrent,
+        max_prompt_tokens=o.max_prompt_tokens,
+        limiter=limiter,
+        max_env_message_chars=o.max_env_message_chars,
+    )
+    return Evaluator(
+        eval_slots(o),
+        generator,
+        num_examples=o.eval.num_examples,
+        group_size=o.eval.group_size,
+        pass_threshold=o.eval.pass_threshold,
+    )

@@ -62,8 +62,17 @@ class Completion(Protocol):
 
 
 class SamplingClient(Protocol):
-    async def generate(self, prompt_token_ids: list[int], *, n: int, max_tokens: int, temperature: float,
-                       top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None) -> list[Any]: ...
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+    ) -> list[Any]: ...
 
 
 class VersionSource(Protocol):
@@ -86,7 +95,9 @@ class GroupTrace:
 
 
 #: The running group's trace; a task inherits it from the group task that spawned it (asyncio copies contexts).
-TRACE: contextvars.ContextVar[GroupTrace | None] = contextvars.ContextVar("primejax_group_trace", default=None)
+TRACE: contextvars.ContextVar[GroupTrace | None] = contextvars.ContextVar(
+    "primejax_group_trace", default=None
+)
 
 
 def _note_version(version: int) -> None:
@@ -119,8 +130,9 @@ def checked_reward(value: Any, max_abs: float = 1e6) -> float:
     if not math.isfinite(reward):
         raise ValueError(f"reward must be finite, got {reward}")
     if abs(reward) > max_abs:
-        raise ValueError(f"reward must be within [-{max_abs:g}, {max_abs:g}] (orchestrator.max_abs_reward), got "
-                         f"{reward:g}")
+        raise ValueError(
+            f"reward must be within [-{max_abs:g}, {max_abs:g}] (orchestrator.max_abs_reward), got {reward:g}"
+        )
     return reward
 
 
@@ -136,10 +148,21 @@ def _sampler(slot: EnvSlot) -> SamplingClient | None:
 
 
 class GroupGenerator:
-    def __init__(self, client: SamplingClient, renderer: Renderer, settings: SamplingConfig, policy: VersionSource,
-                 *, max_concurrent: int, max_prompt_tokens: int, routing: RoutingShape | None = None,
-                 max_abs_reward: float = 1e6, env_timeout_s: float = 600.0, limiter: Limiter | None = None,
-                 max_env_message_chars: int = 0):
+    def __init__(
+        self,
+        client: SamplingClient,
+        renderer: Renderer,
+        settings: SamplingConfig,
+        policy: VersionSource,
+        *,
+        max_concurrent: int,
+        max_prompt_tokens: int,
+        routing: RoutingShape | None = None,
+        max_abs_reward: float = 1e6,
+        env_timeout_s: float = 600.0,
+        limiter: Limiter | None = None,
+        max_env_message_chars: int = 0,
+    ):
         """`routing`: record the policy's routed experts of every sampled token (routing replay); `limiter`: a
         request limit shared with other generators (evaluation shares training's), else `max_concurrent`;
         `max_env_message_chars`: the cut of every env message before rendering (0 = from max_prompt_tokens,
@@ -157,8 +180,9 @@ class GroupGenerator:
         self.stats = GenerationStats()
         self.timeline: Timeline | None = None  # set by the orchestrator when monitor.timeline is on
 
-    async def _request(self, prompt_ids: list[int], n: int, seed: int | None,
-                       client: SamplingClient | None = None) -> tuple[list[Any], int]:
+    async def _request(
+        self, prompt_ids: list[int], n: int, seed: int | None, client: SamplingClient | None = None
+    ) -> tuple[list[Any], int]:
         s = self.settings
         client = client or self.client
         tl = self.timeline
@@ -178,14 +202,26 @@ class GroupGenerator:
             completions = None
             try:
                 completions = await client.generate(
-                    prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                    seed=seed, **extra,
+                    prompt_ids,
+                    n=n,
+                    max_tokens=s.max_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    seed=seed,
+                    **extra,
                 )
             finally:
                 if tl is not None:
-                    tl.add("request", "request" if completions is not None else "request (failed)", began,
-                           tl.clock(), n=n, prompt_tokens=len(prompt_ids), version=version,
-                           completion_tokens=sum(len(c.completion_token_ids) for c in completions or ()))
+                    tl.add(
+                        "request",
+                        "request" if completions is not None else "request (failed)",
+                        began,
+                        tl.clock(),
+                        n=n,
+                        prompt_tokens=len(prompt_ids),
+                        version=version,
+                        completion_tokens=sum(len(c.completion_token_ids) for c in completions or ()),
+                    )
             self.stats.server_seconds += time.perf_counter() - start
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
@@ -194,8 +230,9 @@ class GroupGenerator:
             raise RuntimeError(f"asked for {n} completions, got {len(completions)}")
         return completions, version
 
-    def _step(self, prompt_ids: list[int], completion: Any, version: int,
-              sampler: SamplingClient | None = None) -> TrajectoryStep:
+    def _step(
+        self, prompt_ids: list[int], completion: Any, version: int, sampler: SamplingClient | None = None
+    ) -> TrajectoryStep:
         """One trajectory step from a reply; `sampler`: the frozen model that served it (None = the policy)."""
         ids = list(completion.completion_token_ids)
         logprobs = [float(x) for x in completion.completion_logprobs]
@@ -207,14 +244,28 @@ class GroupGenerator:
         routed = None
         if self.routing is not None and getattr(completion, "routed_experts", None) is not None:
             r = self.routing
-            routed = decode_routed(completion.routed_experts, len(ids), r.num_layers, r.top_k, r.num_experts,
-                                   r.sparse_layers, prompt_len=len(prompt_ids))
+            routed = decode_routed(
+                completion.routed_experts,
+                len(ids),
+                r.num_layers,
+                r.top_k,
+                r.num_experts,
+                r.sparse_layers,
+                prompt_len=len(prompt_ids),
+            )
         elif self.routing is not None and sampler is None:
-            raise RuntimeError("orchestrator.routing_replay is on but the server returned no routed_experts "
-                               "(is inference.return_routed_experts on?)")
-        return TrajectoryStep(prompt_ids=prompt_ids, completion_ids=ids, completion_logprobs=logprobs,
-                              finish_reason=str(completion.finish_reason), policy_version=version,
-                              routed_experts=routed)
+            raise RuntimeError(
+                "orchestrator.routing_replay is on but the server returned no routed_experts "
+                "(is inference.return_routed_experts on?)"
+            )
+        return TrajectoryStep(
+            prompt_ids=prompt_ids,
+            completion_ids=ids,
+            completion_logprobs=logprobs,
+            finish_reason=str(completion.finish_reason),
+            policy_version=version,
+            routed_experts=routed,
+        )
 
     def _max_turns(self, slot: EnvSlot) -> int:
         """Model calls one rollout may make: the env's own cap and orchestrator.sampling.max_turns."""
@@ -225,7 +276,9 @@ class GroupGenerator:
             return None
         return (self.settings.seed * 1_000_003 + step * 10_007 + group_id * 101 + turn * 7 + member) % (2**31)
 
-    async def group(self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int) -> list[Rollout]:
+    async def group(
+        self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int
+    ) -> list[Rollout]:
         sticky_route()  # every turn of this group's rollouts on the server its first request goes to
         TRACK.set(("groups", f"group {group_id}"))  # this group task's work, on the timeline
         example = slot.env.example(index)
@@ -235,8 +288,16 @@ class GroupGenerator:
             prompt, error = [], f"env: ValueError: {e}"
         else:
             error = None
-        rollouts = [Rollout(env=slot.name, example_index=index, example=example, group_id=group_id,
-                            messages=[dict(m) for m in prompt]) for _ in range(group_size)]
+        rollouts = [
+            Rollout(
+                env=slot.name,
+                example_index=index,
+                example=example,
+                group_id=group_id,
+                messages=[dict(m) for m in prompt],
+            )
+            for _ in range(group_size)
+        ]
         if error is not None:
             log.warning("group %d (%s #%d) failed: %s", group_id, slot.name, index, error)
             for r in rollouts:
@@ -244,18 +305,25 @@ class GroupGenerator:
                 self.stats.count_error("env")
             return rollouts
         if slot.env.samples_itself:
-            await asyncio.gather(*(self._sampled_by_env(slot, r, step, member) for member, r in enumerate(rollouts)))
+            await asyncio.gather(
+                *(self._sampled_by_env(slot, r, step, member) for member, r in enumerate(rollouts))
+            )
             return rollouts
         if slot.env.drives_rollout and not example.prompt:  # the env opens the conversation itself
-            await asyncio.gather(*(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts)))
+            await asyncio.gather(
+                *(self._drive(slot, r, None, step, member) for member, r in enumerate(rollouts))
+            )
             return rollouts
         try:
-            tools = check_tools(await self._env_call(slot.env.tools(example), "tools"), self.max_env_message_chars)
+            tools = check_tools(
+                await self._env_call(slot.env.tools(example), "tools"), self.max_env_message_chars
+            )
             prompt_ids = self.renderer.render_ids(prompt, tools)
             if len(prompt_ids) > self.max_prompt_tokens:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens > max_prompt_tokens")
-            completions, version = await self._request(prompt_ids, group_size, self._seed(step, group_id, 0, 0),
-                                                       _sampler(slot))
+            completions, version = await self._request(
+                prompt_ids, group_size, self._seed(step, group_id, 0, 0), _sampler(slot)
+            )
         except Exception as e:  # noqa: BLE001 - a failed group must not take the step down
             log.warning("group %d (%s #%d) failed on its first request: %s", group_id, slot.name, index, e)
             for r in rollouts:
@@ -263,13 +331,19 @@ class GroupGenerator:
                 self.stats.count_error("request")
             return rollouts
         if slot.env.drives_rollout:
-            await asyncio.gather(*(self._drive(slot, r, (prompt_ids, c, version), step, member)
-                                   for member, (r, c) in enumerate(zip(rollouts, completions, strict=True))))
+            await asyncio.gather(
+                *(
+                    self._drive(slot, r, (prompt_ids, c, version), step, member)
+                    for member, (r, c) in enumerate(zip(rollouts, completions, strict=True))
+                )
+            )
             return rollouts
-        await asyncio.gather(*(
-            self._finish(slot, r, prompt_ids, c, version, step, member)
-            for member, (r, c) in enumerate(zip(rollouts, completions, strict=True))
-        ))
+        await asyncio.gather(
+            *(
+                self._finish(slot, r, prompt_ids, c, version, step, member)
+                for member, (r, c) in enumerate(zip(rollouts, completions, strict=True))
+            )
+        )
         return rollouts
 
     def _capped(self, messages: Any) -> list[dict[str, Any]]:
@@ -285,14 +359,17 @@ class GroupGenerator:
         try:
             return await asyncio.wait_for(call, self.env_timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"environment {what} did not answer within {self.env_timeout_s:g} s "
-                               "(orchestrator.env_timeout_s)") from None
+            raise TimeoutError(
+                f"environment {what} did not answer within {self.env_timeout_s:g} s "
+                "(orchestrator.env_timeout_s)"
+            ) from None
         finally:
             if tl is not None:
                 tl.add("env", what, start, tl.clock())
 
-    async def _settle(self, slot: EnvSlot, rollout: Rollout, stage: _Stage,
-                      play: Callable[[], Awaitable[None]]) -> None:
+    async def _settle(
+        self, slot: EnvSlot, rollout: Rollout, stage: _Stage, play: Callable[[], Awaitable[None]]
+    ) -> None:
         """Run a rollout's turns (`play`, which keeps `stage` current), then score it and let the algorithm
         finish it. Any failure errors this rollout alone, counted under the stage it happened in."""
         try:
@@ -302,23 +379,40 @@ class GroupGenerator:
                 raise RuntimeError("the environment finished without calling the model")
             rollout.truncated = rollout.truncated or rollout.steps[-1].finish_reason == "length"
             stage.name = "score"
-            rollout.reward = checked_reward(await self._env_call(slot.env.score(rollout.example, rollout.messages,
-                                                                                rollout.state), "score"),
-                                            self.max_abs_reward)
+            rollout.reward = checked_reward(
+                await self._env_call(
+                    slot.env.score(rollout.example, rollout.messages, rollout.state), "score"
+                ),
+                self.max_abs_reward,
+            )
             stage.name = "algorithm"
             await slot.algorithm.finalize_rollout(rollout)
         except Exception as e:  # noqa: BLE001 - one bad rollout fails alone
             rollout.error = f"{stage.name}: {type(e).__name__}: {e}"
             rollout.reward = None
             self.stats.count_error(stage.name)
-            log.warning("rollout failed at %s (%s #%d): %s\n%s", stage.name, slot.name, rollout.example_index, e,
-                        traceback.format_exc(limit=3))
+            log.warning(
+                "rollout failed at %s (%s #%d): %s\n%s",
+                stage.name,
+                slot.name,
+                rollout.example_index,
+                e,
+                traceback.format_exc(limit=3),
+            )
         finally:
             if (forget := getattr(slot.env, "forget", None)) is not None:  # an env in workers drops its state
                 forget(rollout.state)
 
-    async def _finish(self, slot: EnvSlot, rollout: Rollout, prompt_ids: list[int], completion: Any,
-                      version: int, step: int, member: int) -> None:
+    async def _finish(
+        self,
+        slot: EnvSlot,
+        rollout: Rollout,
+        prompt_ids: list[int],
+        completion: Any,
+        version: int,
+        step: int,
+        member: int,
+    ) -> None:
         """An orchestrator-driven rollout: model turns alternate with the env's `env_response`."""
         TRACK.set(("groups", f"group {rollout.group_id} · {member}"))
         stage = _Stage("request")
@@ -341,8 +435,9 @@ class GroupGenerator:
                 new = self._capped(new)
                 rollout.messages.extend(new)
                 last = rollout.steps[-1]
-                prompt_ids = (self.renderer.bridge_to_next_turn(last.prompt_ids, last.completion_ids, new)
-                              or self.renderer.render_ids(rollout.messages))
+                prompt_ids = self.renderer.bridge_to_next_turn(
+                    last.prompt_ids, last.completion_ids, new
+                ) or self.renderer.render_ids(rollout.messages)
                 if len(prompt_ids) > self.max_prompt_tokens:
                     rollout.truncated = True
                     break
@@ -360,31 +455,52 @@ class GroupGenerator:
 
         async def play() -> None:
             if self.routing is not None:
-                raise RuntimeError("orchestrator.routing_replay needs the routed experts of every call: drive this "
-                                   "env in process (args.driver = 'in_process')")
+                raise RuntimeError(
+                    "orchestrator.routing_replay needs the routed experts of every call: drive this "
+                    "env in process (args.driver = 'in_process')"
+                )
             client = _sampler(slot) or self.client
             base_url, model = await client.openai_endpoint()
-            endpoint = Endpoint(base_url=base_url, model=model, renderer=self.renderer, max_tokens=s.max_tokens,
-                                temperature=s.temperature, top_p=s.top_p,
-                                max_turns=self._max_turns(slot),
-                                seed=self._seed(step, rollout.group_id, 0, member),
-                                env_timeout_s=self.env_timeout_s,
-                                api_key_var=getattr(client, "api_key_var", ""))
+            endpoint = Endpoint(
+                base_url=base_url,
+                model=model,
+                renderer=self.renderer,
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_turns=self._max_turns(slot),
+                seed=self._seed(step, rollout.group_id, 0, member),
+                env_timeout_s=self.env_timeout_s,
+                api_key_var=getattr(client, "api_key_var", ""),
+            )
             async with self.semaphore:
                 version = self.policy.version
                 _note_version(version)
                 start = self.timeline.clock() if self.timeline is not None else 0.0
                 sampled = await slot.env.sample_rollout(rollout.example, rollout.state, endpoint)
                 if self.timeline is not None:  # the env's own loop: its requests and tools are one span
-                    self.timeline.add("request", "sampled by the env", start, self.timeline.clock(),
-                                      turns=len(sampled.turns), version=version)
+                    self.timeline.add(
+                        "request",
+                        "sampled by the env",
+                        start,
+                        self.timeline.clock(),
+                        turns=len(sampled.turns),
+                        version=version,
+                    )
             for turn in sampled.turns:
                 if len(turn.completion_logprobs) != len(turn.completion_ids):
-                    raise RuntimeError(f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_ids)} tokens")
-                rollout.steps.append(TrajectoryStep(prompt_ids=list(turn.prompt_ids),
-                                                    completion_ids=list(turn.completion_ids),
-                                                    completion_logprobs=[float(x) for x in turn.completion_logprobs],
-                                                    finish_reason=turn.finish_reason, policy_version=version))
+                    raise RuntimeError(
+                        f"{len(turn.completion_logprobs)} logprobs for {len(turn.completion_ids)} tokens"
+                    )
+                rollout.steps.append(
+                    TrajectoryStep(
+                        prompt_ids=list(turn.prompt_ids),
+                        completion_ids=list(turn.completion_ids),
+                        completion_logprobs=[float(x) for x in turn.completion_logprobs],
+                        finish_reason=turn.finish_reason,
+                        policy_version=version,
+                    )
+                )
                 self.stats.requests += 1
                 self.stats.prompt_tokens += len(turn.prompt_ids)
                 self.stats.completion_tokens += len(turn.completion_ids)
@@ -392,16 +508,26 @@ class GroupGenerator:
 
         await self._settle(slot, rollout, stage, play)
 
-    async def _drive(self, slot: EnvSlot, rollout: Rollout, first: tuple[list[int], Any, int] | None, step: int,
-                     member: int) -> None:
+    async def _drive(
+        self,
+        slot: EnvSlot,
+        rollout: Rollout,
+        first: tuple[list[int], Any, int] | None,
+        step: int,
+        member: int,
+    ) -> None:
         """An env-driven rollout: the env's loop calls the model through `call` (see module docstring)."""
         TRACK.set(("groups", f"group {rollout.group_id} · {member}"))
         max_turns = self._max_turns(slot)
         pending = [first]  # the group's shared first completion, used when the env's first prompt matches
         stage = _Stage("env")
 
-        async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
-                       trainable: bool = True) -> dict[str, Any] | None:
+        async def call(
+            messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None = None,
+            *,
+            trainable: bool = True,
+        ) -> dict[str, Any] | None:
             messages = self._capped(messages)
             tools = check_tools(tools, self.max_env_message_chars)
             if not trainable:
@@ -416,8 +542,9 @@ class GroupGenerator:
             last = rollout.steps[-1] if rollout.steps else None
             prompt_ids = None
             if last is not None and messages[:known] == rollout.messages:
-                prompt_ids = self.renderer.bridge_to_next_turn(last.prompt_ids, last.completion_ids,
-                                                               messages[known:], tools)
+                prompt_ids = self.renderer.bridge_to_next_turn(
+                    last.prompt_ids, last.completion_ids, messages[known:], tools
+                )
             prompt_ids = prompt_ids or self.renderer.render_ids(messages, tools)
             if len(prompt_ids) > self.max_prompt_tokens:
                 rollout.truncated = True
@@ -430,11 +557,15 @@ class GroupGenerator:
                 (completion,), version = await self._request(prompt_ids, 1, seed, _sampler(slot))
             pending[0] = None
             rollout.steps.append(self._step(prompt_ids, completion, version, _sampler(slot)))
-            message, malformed = parse_message(self.renderer, rollout.steps[-1].completion_ids, prompt_ids, tools)
+            message, malformed = parse_message(
+                self.renderer, rollout.steps[-1].completion_ids, prompt_ids, tools
+            )
             for _ in malformed:
                 self.stats.count_error("malformed_tool_call")
             rollout.state["malformed_tool_calls"] = malformed
-            rollout.state["num_malformed_tool_calls"] = rollout.state.get("num_malformed_tool_calls", 0) + len(malformed)
+            rollout.state["num_malformed_tool_calls"] = rollout.state.get(
+                "num_malformed_tool_calls", 0
+            ) + len(malformed)
             rollout.messages = [*messages, message]
             rollout.state["output_tokens"] = rollout.num_completion_tokens
             rollout.state["total_tokens"] = len(prompt_ids) + len(rollout.steps[-1].completion_ids)
@@ -453,8 +584,12 @@ class GroupGenerator:
                 last = rollout.messages[-1] if rollout.steps and rollout.messages else {}
                 tl.add("env", "tool" if last.get("tool_calls") else "env", env_since[0], tl.clock())
 
-        async def timed_call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
-                             trainable: bool = True) -> dict[str, Any] | None:
+        async def timed_call(
+            messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None = None,
+            *,
+            trainable: bool = True,
+        ) -> dict[str, Any] | None:
             env_worked()
             try:
                 with clock.paused():
@@ -464,8 +599,9 @@ class GroupGenerator:
 
         async def play() -> None:
             try:
-                rollout.messages = self._capped(await clock.run(slot.env.rollout(rollout.example, rollout.state,
-                                                                                 timed_call)))
+                rollout.messages = self._capped(
+                    await clock.run(slot.env.rollout(rollout.example, rollout.state, timed_call))
+                )
             finally:
                 env_worked()
 

@@ -72,12 +72,25 @@ def build_env_slots(o: OrchestratorConfig, **resources: Any) -> list[EnvSlot]:
     """One slot per `orchestrator.envs` entry: the environment and its (possibly overridden) algorithm."""
     slots = []
     for name, entry in o.envs.items():
-        env = in_workers(load_env(entry.id, dict(entry.args)), entry.id, dict(entry.args), o.env_workers.num,
-                         o.env_timeout_s, name)
+        env = in_workers(
+            load_env(entry.id, dict(entry.args)),
+            entry.id,
+            dict(entry.args),
+            o.env_workers.num,
+            o.env_timeout_s,
+            name,
+        )
         algo = o.env_algo(name)
         algorithm = build_algorithm(algo.type, algo, sampling=o.sampling, **resources)
-        slots.append(EnvSlot(name=name, env=env, weight=entry.weight, algorithm=algorithm,
-                             limits=EnvLimits(entry.limits, name)))
+        slots.append(
+            EnvSlot(
+                name=name,
+                env=env,
+                weight=entry.weight,
+                algorithm=algorithm,
+                limits=EnvLimits(entry.limits, name),
+            )
+        )
     return slots
 
 
@@ -94,10 +107,22 @@ def cut_batch(groups: list[list[Rollout]], batch_size: int) -> list[Rollout]:
 
 
 class Orchestrator:
-    def __init__(self, o: OrchestratorConfig, *, client: Any, tokenizer: Any, run_dir: str | Path, seed: int = 0,
-                 num_shards: int = 1, pad_rows_to_multiple: int = 1, recovery_timeout_s: float = 600.0,
-                 monitor: Any = None, tracker: PolicyTracker | None = None, routing: RoutingShape | None = None,
-                 watch: MonitorConfig | None = None):
+    def __init__(
+        self,
+        o: OrchestratorConfig,
+        *,
+        client: Any,
+        tokenizer: Any,
+        run_dir: str | Path,
+        seed: int = 0,
+        num_shards: int = 1,
+        pad_rows_to_multiple: int = 1,
+        recovery_timeout_s: float = 600.0,
+        monitor: Any = None,
+        tracker: PolicyTracker | None = None,
+        routing: RoutingShape | None = None,
+        watch: MonitorConfig | None = None,
+    ):
         """`num_shards`: trainer processes (one batch file each); `pad_rows_to_multiple`: the trainer's
         micro_batch_size; `recovery_timeout_s`: how long an inference outage may last (a restart included);
         `routing`: the policy's MoE routing shape, when its routed experts are recorded (routing replay);
@@ -114,21 +139,39 @@ class Orchestrator:
         c = o.concurrency
         # auto starts fixed; `pick_concurrency` (at the start of `run`) switches it to AIMD if the servers allow.
         self.limiter = Limiter(o.max_concurrent if c.mode != "aimd" else (c.initial or c.floor))
-        self.generator = GroupGenerator(self.outages, build_renderer(o.renderer.name, tokenizer), o.sampling,
-                                        self.tracker, max_concurrent=o.max_concurrent,
-                                        max_prompt_tokens=o.max_prompt_tokens, routing=routing,
-                                        max_env_message_chars=o.max_env_message_chars,
-                                        max_abs_reward=o.max_abs_reward, env_timeout_s=o.env_timeout_s,
-                                        limiter=self.limiter)
+        self.generator = GroupGenerator(
+            self.outages,
+            build_renderer(o.renderer.name, tokenizer),
+            o.sampling,
+            self.tracker,
+            max_concurrent=o.max_concurrent,
+            max_prompt_tokens=o.max_prompt_tokens,
+            routing=routing,
+            max_env_message_chars=o.max_env_message_chars,
+            max_abs_reward=o.max_abs_reward,
+            env_timeout_s=o.env_timeout_s,
+            limiter=self.limiter,
+        )
         self.pre_filters, self.post_filters = build_slots(o.filters)
         # Evaluation shares the request limit (and so the servers' capacity) with training.
-        self.evaluator = (build_evaluator(o, client, self.generator.renderer, self.tracker, limiter=self.limiter)
-                          if o.eval.interval else None)
+        self.evaluator = (
+            build_evaluator(o, client, self.generator.renderer, self.tracker, limiter=self.limiter)
+            if o.eval.interval
+            else None
+        )
         self.pre_counts: Counter = Counter()  # pre-batch filter flags since the last cut
         # The dispatch mode is chosen here, once; the step below names neither.
-        self.dispatch = build_dispatch(o, run_group=self._group, buffer=self.buffer, tracker=self.tracker,
-                                       outages=self.outages, retry=StepRetry(client, self.tracker, recovery_timeout_s),
-                                       pre_filters=self.pre_filters, pre_counts=self.pre_counts, client=client)
+        self.dispatch = build_dispatch(
+            o,
+            run_group=self._group,
+            buffer=self.buffer,
+            tracker=self.tracker,
+            outages=self.outages,
+            retry=StepRetry(client, self.tracker, recovery_timeout_s),
+            pre_filters=self.pre_filters,
+            pre_counts=self.pre_counts,
+            client=client,
+        )
         self.aimd = self._aimd() if c.mode == "aimd" else None
         self.concurrency_mode = None if c.mode == "auto" else c.mode  # auto: set by pick_concurrency
         self.loop_lag = LoopLag()
@@ -159,19 +202,32 @@ class Orchestrator:
 
     def to_samples(self, batch: list[Rollout]) -> list[TrainingSample]:
         samples, r = [], self.routing
-        env_index = {name: i for i, name in enumerate(batch_env_names(self.o.envs))}  # the batch's env_ids (contracts.batch)
+        env_index = {
+            name: i for i, name in enumerate(batch_env_names(self.o.envs))
+        }  # the batch's env_ids (contracts.batch)
         for rollout in batch:
             loss_type = self.buffer.envs[rollout.env].algorithm.action_loss_type
-            new = rollout_to_samples(rollout, loss_type, self.o.sampling.temperature, self.o.seq_len,
-                                     None if r is None else (r.num_layers, r.top_k))
+            new = rollout_to_samples(
+                rollout,
+                loss_type,
+                self.o.sampling.temperature,
+                self.o.seq_len,
+                None if r is None else (r.num_layers, r.top_k),
+            )
             for sample in new:
                 sample.env_index = env_index.get(rollout.env, 0)
             samples += new
         return samples
 
     def write(self, step: int, samples: list[TrainingSample], meta: dict[str, Any]) -> Path:
-        batches = pack_samples(samples, self.o.seq_len, num_shards=self.num_shards,
-                               pad_rows_to_multiple=self.pad_rows_to_multiple, step=step, envs=batch_env_names(self.o.envs))
+        batches = pack_samples(
+            samples,
+            self.o.seq_len,
+            num_shards=self.num_shards,
+            pad_rows_to_multiple=self.pad_rows_to_multiple,
+            step=step,
+            envs=batch_env_names(self.o.envs),
+        )
         target = step_dir(self.run_dir, step)
         # The whole step directory appears at once, so the trainer never sees some ranks' files only.
         with atomic_dir(target, overwrite=True) as tmp:
@@ -188,8 +244,15 @@ class Orchestrator:
     def _aimd(self) -> AIMDController:
         c, cap = self.o.concurrency, self.o.max_concurrent
         # auto may meet a max_concurrent below the floor (explicit aimd refuses that at start-up): the cap wins.
-        settings = AIMDSettings(floor=min(c.floor, cap), cap=cap, increase=c.increase, decrease=c.decrease,
-                                kv_high=c.kv_high, waiting_high=c.waiting_high, interval_s=c.interval_s)
+        settings = AIMDSettings(
+            floor=min(c.floor, cap),
+            cap=cap,
+            increase=c.increase,
+            decrease=c.decrease,
+            kv_high=c.kv_high,
+            waiting_high=c.waiting_high,
+            interval_s=c.interval_s,
+        )
         return AIMDController(self.limiter, settings, self._server_metrics)
 
     async def pick_concurrency(self) -> str:
@@ -210,8 +273,13 @@ class Orchestrator:
             s = self.aimd.s
             await self.limiter.set_limit(min(self.o.concurrency.initial or s.floor, s.cap))
             said = f"AIMD between {s.floor} and {s.cap} requests"
-        log.info("concurrency: %s (%d of %d servers expose vLLM's load metrics on /metrics; concurrency.mode = "
-                 "auto)", said, exposing, total)
+        log.info(
+            "concurrency: %s (%d of %d servers expose vLLM's load metrics on /metrics; concurrency.mode = "
+            "auto)",
+            said,
+            exposing,
+            total,
+        )
         self.concurrency_mode = "aimd" if exposing else "fixed"
         return self.concurrency_mode
 
@@ -230,7 +298,11 @@ class Orchestrator:
         t_post = time.perf_counter()
         pre_counts = Counter(self.pre_counts)  # counted as groups finish; this step's share ends at the cut
         self.pre_counts.clear()
-        batch = cut_by_tokens(groups, self.o.batch_tokens) if self.o.batch_tokens else cut_batch(groups, self.o.batch_size)
+        batch = (
+            cut_by_tokens(groups, self.o.batch_tokens)
+            if self.o.batch_tokens
+            else cut_batch(groups, self.o.batch_size)
+        )
         batch, post_counts = self.post_filters.apply(batch)
         offload = self.dispatch.offload  # off the event loop while the dispatch has groups in flight
         samples = await offload(self.to_samples, batch)
@@ -242,14 +314,18 @@ class Orchestrator:
             self.empty_batches += 1
             log.warning("step %d: no trainable rollout survived (writing an empty batch)", step)
             if self.empty_batches > MAX_EMPTY_BATCHES:
-                raise RuntimeError(f"{self.empty_batches} empty batches in a row: nothing to train on "
-                                   "(check group_size, rewards and filters)")
+                raise RuntimeError(
+                    f"{self.empty_batches} empty batches in a row: nothing to train on "
+                    "(check group_size, rewards and filters)"
+                )
         await offload(self.write, step, samples, {"step": step, "policy_version": self.tracker.version})
         post_seconds = time.perf_counter() - t_post
         t_gc = time.perf_counter()
         gc_metrics = self.gc.after_step(step)
         if self.watch is not None:  # on the timeline, back to back, ending now
-            self.watch.phases([*cut.phases, ("postprocess", post_seconds), ("gc", time.perf_counter() - t_gc)])
+            self.watch.phases(
+                [*cut.phases, ("postprocess", post_seconds), ("gc", time.perf_counter() - t_gc)]
+            )
 
         total = time.perf_counter() - t0
         now = time.perf_counter()
@@ -260,10 +336,17 @@ class Orchestrator:
         errors = Counter(self.generator.stats.errors) - errors_before
         server_seconds = self.generator.stats.server_seconds - server_before
         metrics = M.merge(
-            M.rollout_metrics(rollouts), M.sample_metrics(step, samples),
-            M.count_metrics("filters/pre_batch", pre_counts), M.count_metrics("filters/post_batch", post_counts),
-            M.count_metrics("errors", errors), self.buffer.step_metrics(), cut.metrics, self.loop_lag.take(),
-            self._env_worker_metrics(), gc_metrics, self._server_busy(),
+            M.rollout_metrics(rollouts),
+            M.sample_metrics(step, samples),
+            M.count_metrics("filters/pre_batch", pre_counts),
+            M.count_metrics("filters/post_batch", post_counts),
+            M.count_metrics("errors", errors),
+            self.buffer.step_metrics(),
+            cut.metrics,
+            self.loop_lag.take(),
+            self._env_worker_metrics(),
+            gc_metrics,
+            self._server_busy(),
             await self.watch.step_metrics() if self.watch is not None else {},
             {
                 "concurrency/limit": self.limiter.limit,
@@ -290,8 +373,12 @@ class Orchestrator:
     # ------------------------------------------------------------------------------------------ the run
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_step": self.next_step, "buffer": self.buffer.state_dict(include_pools=False),
-                "policy_version": self.tracker.version, **self.dispatch.state_dict()}
+        return {
+            "next_step": self.next_step,
+            "buffer": self.buffer.state_dict(include_pools=False),
+            "policy_version": self.tracker.version,
+            **self.dispatch.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_step = int(state["next_step"])
@@ -310,21 +397,36 @@ class Orchestrator:
 
     def _log(self, result: StepResult) -> None:
         m = result.metrics
-        log.info("step %d | reward %.3f | rollouts %d (%d errored) | samples %d | wait %.2fs | step %.2fs | v%d",
-                 result.step, m.get("reward/mean", float("nan")), m["rollouts/total"], m["rollouts/errored"],
-                 m["samples/count"], m["time/wait_for_weights"], m["time/step"], m["policy/version"])
+        log.info(
+            "step %d | reward %.3f | rollouts %d (%d errored) | samples %d | wait %.2fs | step %.2fs | v%d",
+            result.step,
+            m.get("reward/mean", float("nan")),
+            m["rollouts/total"],
+            m["rollouts/errored"],
+            m["samples/count"],
+            m["time/wait_for_weights"],
+            m["time/step"],
+            m["policy/version"],
+        )
         if self.monitor is not None:
             self.monitor.scalars(result.step, m)
             self.monitor.histogram(result.step, "reward", [r.reward for r in result.rollouts if r.ok])
             self.monitor.histogram(result.step, "staleness", result.staleness)
-            self.monitor.histogram(result.step, "advantage",
-                                   [sum(r.advantages) / len(r.advantages) for r in result.batch if r.advantages])
+            self.monitor.histogram(
+                result.step,
+                "advantage",
+                [sum(r.advantages) / len(r.advantages) for r in result.batch if r.advantages],
+            )
 
     def _env_worker_metrics(self) -> dict[str, float]:
         workers = [slot.env for slot in self.slots if isinstance(slot.env, WorkerEnv)]
         out = {"env_workers/replaced": float(sum(w.take_replaced() for w in workers))} if workers else {}
-        for slot in self.slots:  # verifiers' env servers (args.driver = "env_server"): lost rollouts, restarts
-            if (servers := getattr(slot.env, "servers", None)) is not None and hasattr(servers, "take_counts"):
+        for (
+            slot
+        ) in self.slots:  # verifiers' env servers (args.driver = "env_server"): lost rollouts, restarts
+            if (servers := getattr(slot.env, "servers", None)) is not None and hasattr(
+                servers, "take_counts"
+            ):
                 for key, value in servers.take_counts().items():
                     out[key] = out.get(key, 0.0) + value
         return out
@@ -358,7 +460,9 @@ class Orchestrator:
             helpers += await self.watch.start() if self.watch is not None else []
             # Env workers load their envs before the first rollout (not inside its env_timeout_s); a bad env fails here.
             eval_slots = self.evaluator.slots if self.evaluator is not None else []
-            await asyncio.gather(*(s.env.pool.start() for s in [*self.slots, *eval_slots] if isinstance(s.env, WorkerEnv)))
+            await asyncio.gather(
+                *(s.env.pool.start() for s in [*self.slots, *eval_slots] if isinstance(s.env, WorkerEnv))
+            )
             while self.next_step <= max_steps:
                 result = await self.step(self.next_step)
                 if self.eval_task is not None and self.eval_task.done():
@@ -375,9 +479,13 @@ class Orchestrator:
                 history.append(result.metrics)
                 self.next_step += 1
                 interval = self.o.checkpoint.interval  # -1 (unresolved, a section used alone): every step
-                if interval and (result.step % interval == 0 or result.step == max_steps):  # the trainer's too
+                if interval and (
+                    result.step % interval == 0 or result.step == max_steps
+                ):  # the trainer's too
                     records = {f"{p}_examples": self.buffer.pool_records(p) for p in POOLS}
-                    save_checkpoint(self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep, records)
+                    save_checkpoint(
+                        self.run_dir, result.step, self.state_dict(), self.o.checkpoint.keep, records
+                    )
         finally:
             self.gc.stop()
             watcher.cancel()

@@ -63,7 +63,9 @@ def _cap_value(value: Any, max_chars: int | None, depth: int, total: list[int]) 
         out = {}
         for key, item in value.items():
             if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
-                raise ValueError(f"an environment message has a key that is not a short string: {str(key)[:80]!r}")
+                raise ValueError(
+                    f"an environment message has a key that is not a short string: {str(key)[:80]!r}"
+                )
             out[key] = _cap_value(item, max_chars, depth + 1, total)
         return out
     if isinstance(value, (list, tuple)):
@@ -77,7 +79,9 @@ def cap_messages(messages: Any, max_chars: int) -> list[dict[str, Any]]:
     """Copies of `messages` with every string cut to `max_chars` (module docstring); ValueError for what is not
     a list of message dicts or holds too much in all."""
     if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"environment messages must be a list of message dicts, got {type(messages).__name__}")
+        raise ValueError(
+            f"environment messages must be a list of message dicts, got {type(messages).__name__}"
+        )
     if len(messages) > MAX_MESSAGES:
         raise ValueError(f"an environment handed over {len(messages)} messages (at most {MAX_MESSAGES})")
     total = [0]
@@ -100,12 +104,16 @@ def check_tools(tools: Any, max_chars: int) -> Any:
     if tools is None:
         return None
     if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
-        raise ValueError(f"an environment's tools must be a list of tool-schema dicts, got {type(tools).__name__}")
+        raise ValueError(
+            f"an environment's tools must be a list of tool-schema dicts, got {type(tools).__name__}"
+        )
     try:
         size = len(json.dumps(tools, default=str))
     except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"an environment's tool schemas are not JSON ({type(e).__name__})") from None
     if size > TOTAL_FACTOR * max_chars:
-        raise ValueError(f"an environment's tool schemas hold {size} characters > {TOTAL_FACTOR} x "
-                         f"orchestrator.max_env_message_chars ({max_chars})")
+        raise ValueError(
+            f"an environment's tool schemas hold {size} characters > {TOTAL_FACTOR} x "
+            f"orchestrator.max_env_message_chars ({max_chars})"
+        )
     return tools

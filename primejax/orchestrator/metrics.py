@@ -15,8 +15,12 @@ from primejax.orchestrator.rollout import Rollout
 def _stats(prefix: str, values: list[float]) -> dict[str, float]:
     if not values:
         return {}
-    return {f"{prefix}/mean": statistics.fmean(values), f"{prefix}/std": statistics.pstdev(values),
-            f"{prefix}/min": min(values), f"{prefix}/max": max(values)}
+    return {
+        f"{prefix}/mean": statistics.fmean(values),
+        f"{prefix}/std": statistics.pstdev(values),
+        f"{prefix}/min": min(values),
+        f"{prefix}/max": max(values),
+    }
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
@@ -27,8 +31,12 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     out["rollouts/errored"] = len(rollouts) - len(clean)
     out.update(_stats("reward", [r.reward for r in clean]))
     for env in sorted({r.env for r in clean}):
-        out.update({k.replace("reward/", f"reward/{env}/", 1): v
-                    for k, v in _stats("reward", [r.reward for r in clean if r.env == env]).items()})
+        out.update(
+            {
+                k.replace("reward/", f"reward/{env}/", 1): v
+                for k, v in _stats("reward", [r.reward for r in clean if r.env == env]).items()
+            }
+        )
     per_rollout_adv = [statistics.fmean(r.advantages) for r in clean if r.advantages]
     out.update(_stats("advantage", per_rollout_adv))
     if per_rollout_adv:
@@ -53,7 +61,11 @@ def env_signal_metrics(rollouts: list[Rollout]) -> dict[str, float]:
             values: dict[str, list[float]] = {}
             for r in mine:
                 for name, value in (r.state.get(key) or {}).items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    if (
+                        isinstance(value, (int, float))
+                        and not isinstance(value, bool)
+                        and math.isfinite(value)
+                    ):
                         values.setdefault(str(name), []).append(float(value))
             out.update({f"{prefix}/{env}/{name}": statistics.fmean(v) for name, v in sorted(values.items())})
         stops = Counter(str(r.state["stop_condition"]) for r in mine if r.state.get("stop_condition"))

@@ -56,8 +56,15 @@ class StepRetry:
         self.tracker = tracker
         self.recovery_timeout_s = recovery_timeout_s
 
-    async def run(self, step: int, attempt: Callable[[], Awaitable[tuple[T | None, str | None]]],
-                  discard: Callable[[], None], *, redo: str, resync_first: bool) -> T:
+    async def run(
+        self,
+        step: int,
+        attempt: Callable[[], Awaitable[tuple[T | None, str | None]]],
+        discard: Callable[[], None],
+        *,
+        redo: str,
+        resync_first: bool,
+    ) -> T:
         for n in range(1, MAX_STEP_ATTEMPTS + 1):
             try:
                 if n > 1 or resync_first:

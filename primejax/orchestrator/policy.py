@@ -62,12 +62,19 @@ def staleness(step: int, policy_version: int) -> int:
 
 
 class PolicyTracker:
-    def __init__(self, client: Any, run_dir: str | Path, *, poll_interval_s: float = 0.5, initial_version: int = 0,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 clock: Callable[[], float] = time.monotonic,
-                 latest_step: Callable[[Path], int | None] = latest_stable_step,
-                 offers: Callable[[Path, set[int]], Offer | None] = latest_offer,
-                 owner_alive: Callable[[Offer], Awaitable[bool]] | None = None):
+    def __init__(
+        self,
+        client: Any,
+        run_dir: str | Path,
+        *,
+        poll_interval_s: float = 0.5,
+        initial_version: int = 0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        latest_step: Callable[[Path], int | None] = latest_stable_step,
+        offers: Callable[[Path, set[int]], Offer | None] = latest_offer,
+        owner_alive: Callable[[Offer], Awaitable[bool]] | None = None,
+    ):
         self.client = client
         self.run_dir = Path(run_dir)
         self.poll_interval_s = poll_interval_s
@@ -122,13 +129,17 @@ class PolicyTracker:
                 step = self._version if is_stable(broadcast_dir(self.run_dir, self._version)) else None
                 step = step or self._latest_step(self.run_dir)
                 if step is None or step < self._version:
-                    raise RuntimeError(f"the server lost policy version {self._version} and no broadcast of it or "
-                                       f"a newer one is left in {RunDir(self.run_dir).broadcasts()}")
+                    raise RuntimeError(
+                        f"the server lost policy version {self._version} and no broadcast of it or "
+                        f"a newer one is left in {RunDir(self.run_dir).broadcasts()}"
+                    )
                 directory = broadcast_dir(self.run_dir, step)
                 verify_broadcast(directory, check_hashes=False)
                 await self.client.update_weights(str(directory), step)
                 self._version = step
-            log.warning("inference server served version %d: set it back to version %d", served, self._version)
+            log.warning(
+                "inference server served version %d: set it back to version %d", served, self._version
+            )
         async with changed:
             changed.notify_all()
         return self._version
@@ -140,14 +151,21 @@ class PolicyTracker:
             step = self._latest_step(self.run_dir)
             offer = await self._live_offer()
             start = self._clock()
-            if offer is not None and offer.step > self._version and offer.step >= (step or 0) \
-                    and offer.step not in self.failed_offers:
+            if (
+                offer is not None
+                and offer.step > self._version
+                and offer.step >= (step or 0)
+                and offer.step not in self.failed_offers
+            ):
                 try:
                     await self.client.transfer_weights(offer.step, offer.init_info, offer.update_info)
                 except Exception as e:  # noqa: BLE001 - the trainer falls back to broadcasts/step_N
                     self.failed_offers.add(offer.step)
-                    log.warning("collective update to step %d failed (%s); waiting for its filesystem broadcast",
-                                offer.step, str(e)[:500])
+                    log.warning(
+                        "collective update to step %d failed (%s); waiting for its filesystem broadcast",
+                        offer.step,
+                        str(e)[:500],
+                    )
                     return False
                 step = offer.step
                 self.collective_updates += 1
@@ -164,8 +182,11 @@ class PolicyTracker:
                     return False
                 transport = "filesystem"
             end = self._clock()
-            self.update_events.append(WeightUpdate(step, start, end, transport,
-                                                   dict(getattr(self.client, "last_load_seconds", None) or {})))
+            self.update_events.append(
+                WeightUpdate(
+                    step, start, end, transport, dict(getattr(self.client, "last_load_seconds", None) or {})
+                )
+            )
             self.update_seconds += end - start
             self.updates += 1
             self._version = step
@@ -182,8 +203,11 @@ class PolicyTracker:
             if await self._owner_alive(offer):
                 return offer
             self.failed_offers.add(offer.step)
-            log.warning("collective offer of step %d: no trainer listens at its rendezvous (a dead trainer's "
-                        "leftover); ignored", offer.step)
+            log.warning(
+                "collective offer of step %d: no trainer listens at its rendezvous (a dead trainer's "
+                "leftover); ignored",
+                offer.step,
+            )
         return None
 
     async def revive_replicas(self) -> list[str]:
@@ -208,7 +232,9 @@ class PolicyTracker:
                     if int(await self.client.server_version(url)) != self._version:
                         raise RuntimeError("it does not report the tracked version after the load")
                 except Exception as e:  # noqa: BLE001 - it stays down and is tried again on the next poll
-                    log.warning("replica %s answers but could not be set to version %d: %s", url, self._version, e)
+                    log.warning(
+                        "replica %s answers but could not be set to version %d: %s", url, self._version, e
+                    )
                     continue
                 await self.client.revive(url)
                 revived.append(url)

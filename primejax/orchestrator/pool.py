@@ -145,7 +145,11 @@ class RolloutPool:
         # started now can serve one more step at most, and dispatching past that only feeds the bound's
         # cancellations. A running group that yields fewer trainable rollouts frees its share when it finishes.
         covered = sum(t.trainable for t in self.done) + len(self.running) * self.group_size
-        per_batch = self.meter.rollouts_for(self.batch_tokens, self.batch_size) if self.batch_tokens else self.batch_size
+        per_batch = (
+            self.meter.rollouts_for(self.batch_tokens, self.batch_size)
+            if self.batch_tokens
+            else self.batch_size
+        )
         missing = useful_steps * per_batch - covered
         if missing <= 0:
             return 0  # finished and running work already covers every step a group started now could serve
@@ -300,8 +304,7 @@ class RolloutPool:
             cond.notify_all()
             await cond.wait_for(
                 lambda: (
-                    self._held(self.done) >= self._target()
-                    or self._empty() >= 2 * self.capacity
+                    self._held(self.done) >= self._target() or self._empty() >= 2 * self.capacity
                 )  # dispatch stopped: only failed groups (`_need`)
             )
         taken: list[Ticket] = []

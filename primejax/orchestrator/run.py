@@ -17,9 +17,12 @@ def base_urls(client: ClientConfig, inference: InferenceConfig) -> list[str]:
     if client.base_urls:
         return list(client.base_urls)
     if not inference.port:
-        raise ConfigError("inference.port", "0 (a free port the launcher picks) is not an address: started on its "
-                          "own, the orchestrator needs the server's port (--config.inference.port=N, the port "
-                          "`python -m primejax.inference` printed) or orchestrator.client.base_urls")
+        raise ConfigError(
+            "inference.port",
+            "0 (a free port the launcher picks) is not an address: started on its "
+            "own, the orchestrator needs the server's port (--config.inference.port=N, the port "
+            "`python -m primejax.inference` printed) or orchestrator.client.base_urls",
+        )
     return [f"http://{inference.host}:{inference.port}"]
 
 
@@ -32,11 +35,18 @@ def model_vocab_size(model_path: str) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
-def policy_client(client: ClientConfig, inference: InferenceConfig, vocab_size: int | None = None,
-                  admin_token: str | None = None) -> InferenceClient:
+def policy_client(
+    client: ClientConfig,
+    inference: InferenceConfig,
+    vocab_size: int | None = None,
+    admin_token: str | None = None,
+) -> InferenceClient:
     """The live policy's client; with `vocab_size`, answers with token ids outside the vocabulary are rejected."""
-    return InferenceClient(base_urls(client, inference), timeout_s=client.timeout_s, max_retries=client.max_retries,
-                           vocab_size=vocab_size, admin_token=admin_token,
-                           api_key_var=client.api_key_env)
-
-
+    return InferenceClient(
+        base_urls(client, inference),
+        timeout_s=client.timeout_s,
+        max_retries=client.max_retries,
+        vocab_size=vocab_size,
+        admin_token=admin_token,
+        api_key_var=client.api_key_env,
+    )

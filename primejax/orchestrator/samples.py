@@ -52,8 +52,14 @@ class _Builder:
         self.observation_ce += [0.0 if first and i == 0 else w for i, w in enumerate(ce)]
         self.routed_mask += [False] * len(ids)
 
-    def add_completion(self, ids: list[int], logprobs: list[float], advantages: list[float] | None,
-                       ref_logprobs: list[float] | None, routed: np.ndarray | None = None) -> None:
+    def add_completion(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        advantages: list[float] | None,
+        ref_logprobs: list[float] | None,
+        routed: np.ndarray | None = None,
+    ) -> None:
         n = len(ids)
         self.tokens += ids
         self.mask += [True] * n
@@ -72,11 +78,17 @@ def extends(sample_ids: list[int], prompt_ids: list[int]) -> bool:
     return len(prompt_ids) >= n and prompt_ids[:n] == sample_ids
 
 
-def _finish(b: _Builder, rollout: Rollout, loss_type: str, temperature: float,
-            routing: tuple[int, int] | None = None) -> TrainingSample:
+def _finish(
+    b: _Builder, rollout: Rollout, loss_type: str, temperature: float, routing: tuple[int, int] | None = None
+) -> TrainingSample:
     has_obs = any(b.observation_ce)
-    sample = TrainingSample(token_ids=b.tokens, loss_mask=b.mask, inference_logprobs=b.logprobs,
-                            temperature=temperature, policy_version=min(b.versions))
+    sample = TrainingSample(
+        token_ids=b.tokens,
+        loss_mask=b.mask,
+        inference_logprobs=b.logprobs,
+        temperature=temperature,
+        policy_version=min(b.versions),
+    )
     if routing is not None:
         # Every sample of a routing-replay batch carries the arrays; tokens without a recorded routing (prompt
         # and env tokens, a frozen sampler's turns) are unmarked and route freely in the trainer.
@@ -102,8 +114,9 @@ def _finish(b: _Builder, rollout: Rollout, loss_type: str, temperature: float,
     return sample
 
 
-def rollout_to_samples(rollout: Rollout, loss_type: str, temperature: float, seq_len: int,
-                       routing: tuple[int, int] | None = None) -> list[TrainingSample]:
+def rollout_to_samples(
+    rollout: Rollout, loss_type: str, temperature: float, seq_len: int, routing: tuple[int, int] | None = None
+) -> list[TrainingSample]:
     """The training samples of one finalized rollout (see module docstring). `routing` = (moe_layers, top_k):
     the samples carry the steps' routed experts for routing replay (every turn's completion tokens)."""
     if loss_type == "ref_kl" and rollout.ref_logprobs is None:
@@ -124,8 +137,13 @@ def rollout_to_samples(rollout: Rollout, loss_type: str, temperature: float, seq
             b, start = _Builder(), 0
         ce = None if step.prompt_ce_weights is None else step.prompt_ce_weights[start:]
         b.add_context(step.prompt_ids[start:], ce)
-        b.add_completion(step.completion_ids, step.completion_logprobs, adv, ref,
-                         step.routed_experts if routing is not None else None)
+        b.add_completion(
+            step.completion_ids,
+            step.completion_logprobs,
+            adv,
+            ref,
+            step.routed_experts if routing is not None else None,
+        )
         b.versions.append(step.policy_version)
     if b is not None:
         samples.append(_finish(b, rollout, loss_type, temperature, routing))

@@ -55,8 +55,11 @@ def _increase(before: float, after: float) -> float:
     return after - before if after >= before else after
 
 
-def step_metrics(start: Reading | None, readings: list[Reading], loads: dict[int, float] | None = None,
-                 ) -> dict[str, float]:
+def step_metrics(
+    start: Reading | None,
+    readings: list[Reading],
+    loads: dict[int, float] | None = None,
+) -> dict[str, float]:
     """The metrics of one step from the reading that closed the previous step (`start`, None for the first)
     and the step's own readings (the last closes it); `loads`: weight-load seconds per server index."""
     out: dict[str, float] = {}
@@ -97,9 +100,14 @@ def step_metrics(start: Reading | None, readings: list[Reading], loads: dict[int
 class ServerStats:
     """Reads the servers' metrics in the background (`run()`) and per step (`take()`)."""
 
-    def __init__(self, read_texts: Callable[[], Awaitable[list[bytes | str | None]]], *, poll_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+    def __init__(
+        self,
+        read_texts: Callable[[], Awaitable[list[bytes | str | None]]],
+        *,
+        poll_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
         self._read, self.poll_s, self._clock, self._sleep = read_texts, poll_s, clock, sleep
         self._start: Reading | None = None  # the reading that closed the previous step
         self._readings: list[Reading] = []

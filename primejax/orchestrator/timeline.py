@@ -53,12 +53,16 @@ class Timeline:
         self._spans: list[Span] = []
         self.dropped = 0
 
-    def add(self, cat: str, name: str, start: float, end: float, track: Track | None = None, **args: Any) -> None:
+    def add(
+        self, cat: str, name: str, start: float, end: float, track: Track | None = None, **args: Any
+    ) -> None:
         """Record finished work; `track` defaults to the running task's (TRACK), else the step's track."""
         if len(self._spans) >= self.max_spans:
             self.dropped += 1
             return
-        self._spans.append(Span(cat, name, start, end, track or TRACK.get() or ("step", "orchestrator"), args))
+        self._spans.append(
+            Span(cat, name, start, end, track or TRACK.get() or ("step", "orchestrator"), args)
+        )
 
     @contextmanager
     def span(self, cat: str, name: str, track: Track | None = None, **args: Any) -> Iterator[None]:
@@ -79,25 +83,44 @@ def _natural(text: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
 
 
-def chrome_trace(spans: list[Span], origin: float, *, step: int, wall_origin: float = 0.0,
-                 dropped: int = 0) -> dict[str, Any]:
+def chrome_trace(
+    spans: list[Span], origin: float, *, step: int, wall_origin: float = 0.0, dropped: int = 0
+) -> dict[str, Any]:
     """The spans as a Chrome trace-event JSON object ("X" complete events, microseconds since `origin`; one
     process per lane, one thread per track, named by metadata events)."""
-    tracks = sorted({s.track for s in spans}, key=lambda t: (LANES.index(t[0]) if t[0] in LANES else len(LANES),
-                                                            t[0], _natural(t[1])))
+    tracks = sorted(
+        {s.track for s in spans},
+        key=lambda t: (LANES.index(t[0]) if t[0] in LANES else len(LANES), t[0], _natural(t[1])),
+    )
     pids = {lane: i + 1 for i, lane in enumerate(dict.fromkeys(t[0] for t in tracks))}
     tids = {t: i + 1 for i, t in enumerate(tracks)}
     events: list[dict[str, Any]] = []
     for lane, pid in pids.items():
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": lane}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        events.append(
+            {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
+        )
     for track, tid in tids.items():
         pid = pids[track[0]]
         events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track[1]}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+        )
     for s in sorted(spans, key=lambda s: s.start):
-        events.append({"name": s.name, "cat": s.cat, "ph": "X", "pid": pids[s.track[0]], "tid": tids[s.track],
-                       "ts": round((s.start - origin) * 1e6, 1), "dur": round(max(0.0, s.end - s.start) * 1e6, 1),
-                       "args": s.args})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"step": step, "wall_clock_origin": wall_origin, "dropped_spans": dropped}}
+        events.append(
+            {
+                "name": s.name,
+                "cat": s.cat,
+                "ph": "X",
+                "pid": pids[s.track[0]],
+                "tid": tids[s.track],
+                "ts": round((s.start - origin) * 1e6, 1),
+                "dur": round(max(0.0, s.end - s.start) * 1e6, 1),
+                "args": s.args,
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"step": step, "wall_clock_origin": wall_origin, "dropped_spans": dropped},
+    }

@@ -13,8 +13,14 @@ from typing import Any
 
 import numpy as np
 
-COLORS = {"phase": "#9e9e9e", "request": "#1f77b4", "wait": "#ff7f0e", "env": "#2ca02c", "tool": "#9467bd",
-          "weights": "#d62728"}
+COLORS = {
+    "phase": "#9e9e9e",
+    "request": "#1f77b4",
+    "wait": "#ff7f0e",
+    "env": "#2ca02c",
+    "tool": "#9467bd",
+    "weights": "#d62728",
+}
 
 
 def available() -> bool:
@@ -43,10 +49,14 @@ def draw(trace: dict[str, Any], title: str, max_rows: int = 0) -> Any:
         raise ValueError("the trace holds no spans")
     t0 = min(e["ts"] for e in spans)
     span_s = (max(e["ts"] + e["dur"] for e in spans) - t0) / 1e6
-    rows = list(dict.fromkeys(_row(lanes[e["pid"]], threads[(e["pid"], e["tid"])])
-                              for e in sorted(spans, key=lambda e: (e["pid"], e["tid"]))))
+    rows = list(
+        dict.fromkeys(
+            _row(lanes[e["pid"]], threads[(e["pid"], e["tid"])])
+            for e in sorted(spans, key=lambda e: (e["pid"], e["tid"]))
+        )
+    )
     left_out = len(rows) - max_rows if 0 < max_rows < len(rows) else 0
-    rows = rows[:len(rows) - left_out]
+    rows = rows[: len(rows) - left_out]
     index = {r: i for i, r in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(13, max(3.0, 0.28 * len(rows) + 1.5)))
     for e in spans:
@@ -57,19 +67,31 @@ def draw(trace: dict[str, Any], title: str, max_rows: int = 0) -> Any:
         cat = "tool" if e["name"] == "tool" else e.get("cat", "phase")
         start, width = (e["ts"] - t0) / 1e6, max(e["dur"] / 1e6, 1e-4)
         step_lane = lane == "step"  # its phases abut: white edges between them
-        ax.broken_barh([(start, width)], (y - 0.4, 0.8), color=COLORS.get(cat, "#17becf"),
-                       alpha=0.35 if lane == "groups" else 0.9, edgecolor="white", linewidth=1.0 if step_lane else 0)
+        ax.broken_barh(
+            [(start, width)],
+            (y - 0.4, 0.8),
+            color=COLORS.get(cat, "#17becf"),
+            alpha=0.35 if lane == "groups" else 0.9,
+            edgecolor="white",
+            linewidth=1.0 if step_lane else 0,
+        )
         if lane == "weights" and thread == "orchestrator":
             ax.axvspan(start, start + width, color=COLORS["weights"], alpha=0.08)
         if step_lane and width > 0.03 * span_s:  # a label that fits its bar
             ax.text(start + width / 2, y, e["name"], ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), rows, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since the step's first span"
-                  + (f" ({left_out} more groups not drawn)" if left_out else ""))
+    ax.set_xlabel(
+        "seconds since the step's first span" + (f" ({left_out} more groups not drawn)" if left_out else "")
+    )
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], fontsize=7, ncol=len(COLORS),
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 if len(rows) > 8 else -0.25))
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
+        fontsize=7,
+        ncol=len(COLORS),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 if len(rows) > 8 else -0.25),
+    )
     ax.set_title(title)
     fig.tight_layout()
     return fig

@@ -24,14 +24,27 @@ from primejax.utils.monitor import MonitorConfig
 
 log = logging.getLogger(__name__)
 
-SAMPLE_COLUMNS = ("env", "example", "group", "reward", "advantage", "reward_components", "turns",
-                  "completion_tokens", "policy_version", "prompt", "completion")
+SAMPLE_COLUMNS = (
+    "env",
+    "example",
+    "group",
+    "reward",
+    "advantage",
+    "reward_components",
+    "turns",
+    "completion_tokens",
+    "policy_version",
+    "prompt",
+    "completion",
+)
 STEP_TRACK = ("step", "orchestrator")
 WEIGHTS_TRACK = ("weights", "orchestrator")
 
 
 def _message_text(message: dict[str, Any]) -> str:
-    text = f"{message.get('role', '?')}: {message.get('content') if message.get('content') is not None else ''}"
+    text = (
+        f"{message.get('role', '?')}: {message.get('content') if message.get('content') is not None else ''}"
+    )
     if message.get("tool_calls"):
         text += f"\n  tool_calls: {json.dumps(message['tool_calls'], default=str)}"
     return text
@@ -59,14 +72,21 @@ def sample_rows(rollouts: list[Rollout], shipped: list[Rollout], per_env: int, c
         prompt = "\n".join(_message_text(m) for m in r.messages[:n_prompt])
         completion = "\n".join(_message_text(m) for m in r.messages[n_prompt:])
         components = {str(k): v for k, v in (r.state.get("reward_components") or {}).items()}
-        rows.append([
-            r.env, r.example_index, r.group_id, float(r.reward) if r.reward is not None else float("nan"),
-            statistics.fmean(r.advantages) if r.advantages else float("nan"),
-            json.dumps(components, default=str)[:chars], r.num_turns, r.num_completion_tokens,
-            r.min_policy_version,
-            prompt if len(prompt) <= chars else "..." + prompt[-chars:],
-            completion if len(completion) <= chars else completion[:chars] + "...",
-        ])
+        rows.append(
+            [
+                r.env,
+                r.example_index,
+                r.group_id,
+                float(r.reward) if r.reward is not None else float("nan"),
+                statistics.fmean(r.advantages) if r.advantages else float("nan"),
+                json.dumps(components, default=str)[:chars],
+                r.num_turns,
+                r.num_completion_tokens,
+                r.min_policy_version,
+                prompt if len(prompt) <= chars else "..." + prompt[-chars:],
+                completion if len(completion) <= chars else completion[:chars] + "...",
+            ]
+        )
     return rows
 
 
@@ -82,7 +102,9 @@ class RunWatch:
         generator.timeline = self.timeline
         self.image_every = cfg.timeline_image_every if cfg.timeline and can_draw() else 0
         if cfg.timeline and cfg.timeline_image_every and not self.image_every:
-            log.info("monitor.timeline_image_every: matplotlib is not installed, no timeline images are logged")
+            log.info(
+                "monitor.timeline_image_every: matplotlib is not installed, no timeline images are logged"
+            )
         read = getattr(client, "metrics_text", None)
         self.servers = ServerStats(read, poll_s=cfg.server_poll_s) if cfg.server_metrics and read else None
 
@@ -111,11 +133,24 @@ class RunWatch:
             if self.servers is not None:
                 self.servers.weight_loads(loads)
             if self.timeline is not None:
-                self.timeline.add("weights", f"update to v{u.step}", u.start, u.end, WEIGHTS_TRACK,
-                                  transport=u.transport, version=u.step)
+                self.timeline.add(
+                    "weights",
+                    f"update to v{u.step}",
+                    u.start,
+                    u.end,
+                    WEIGHTS_TRACK,
+                    transport=u.transport,
+                    version=u.step,
+                )
                 for i, seconds in loads.items():  # each server's own load, ending when the update ended
-                    self.timeline.add("weights", f"load v{u.step}", max(u.start, u.end - seconds), u.end,
-                                      ("weights", f"server {i}"), load_seconds=seconds)
+                    self.timeline.add(
+                        "weights",
+                        f"load v{u.step}",
+                        max(u.start, u.end - seconds),
+                        u.end,
+                        ("weights", f"server {i}"),
+                        load_seconds=seconds,
+                    )
 
     async def step_metrics(self) -> dict[str, float]:
         """The servers' metrics of the step that just ended (server/*); {} when they are not logged."""
@@ -135,8 +170,9 @@ class RunWatch:
         the step's metrics were logged."""
         if self.timeline is not None:
             spans, dropped = self.timeline.take()
-            trace = chrome_trace(spans, self.timeline.origin, step=step, wall_origin=self.timeline.wall_origin,
-                                 dropped=dropped)
+            trace = chrome_trace(
+                spans, self.timeline.origin, step=step, wall_origin=self.timeline.wall_origin, dropped=dropped
+            )
             # Serialized and written (fsync) off the event loop: requests in flight go on meanwhile.
             await asyncio.to_thread(self._write_trace, RunDir(self.run_dir).timeline(step), trace, step)
             if monitor is not None and spans and self.image_every and step % self.image_every == 0:

@@ -52,8 +52,10 @@ def render_text(messages: list[Message]) -> str:
 
 def _no_tools(tools: list[dict[str, Any]] | None) -> None:
     if tools:
-        raise ValueError("the hand-written qwen3 renderer cannot render tool schemas: give the tokenizer Qwen3's "
-                         "<tool_call>/<tool_response> tokens so the renderers package's qwen3 is used")
+        raise ValueError(
+            "the hand-written qwen3 renderer cannot render tool schemas: give the tokenizer Qwen3's "
+            "<tool_call>/<tool_response> tokens so the renderers package's qwen3 is used"
+        )
 
 
 @dataclass
@@ -94,12 +96,19 @@ class Qwen3Renderer:
             text = before + after
         return ParsedResponse(content=text.strip(), reasoning_content=reasoning, tool_calls=calls)
 
-    def bridge_to_next_turn(self, prev_prompt_ids: list[int], prev_completion_ids: list[int],
-                            new_messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int] | None:
+    def bridge_to_next_turn(
+        self,
+        prev_prompt_ids: list[int],
+        prev_completion_ids: list[int],
+        new_messages: list[Message],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int] | None:
         _no_tools(tools)
         if any(m.get("role") == "assistant" for m in new_messages):
             return None  # the environment rewrote the model's side: only a full re-render is honest
         ids = list(prev_prompt_ids) + list(prev_completion_ids)
         if not prev_completion_ids or prev_completion_ids[-1] != self.im_end:
-            ids.append(self.im_end)  # truncated or stopped on another token: close the turn as the template would
+            ids.append(
+                self.im_end
+            )  # truncated or stopped on another token: close the turn as the template would
         return ids + self._encode("\n" + render_text(new_messages) + GENERATION_PROMPT)

@@ -28,12 +28,18 @@ class Renderer(Protocol):
 
     def parse_response(self, completion_ids: list[int]) -> str: ...
 
-    def bridge_to_next_turn(self, prev_prompt_ids: list[int], prev_completion_ids: list[int],
-                            new_messages: list[Message], tools: Tools = None) -> list[int] | None: ...
+    def bridge_to_next_turn(
+        self,
+        prev_prompt_ids: list[int],
+        prev_completion_ids: list[int],
+        new_messages: list[Message],
+        tools: Tools = None,
+    ) -> list[int] | None: ...
 
 
-def parse_message(renderer: Renderer, completion_ids: list[int], prompt_ids: list[int] | None = None,
-                  tools: Tools = None) -> tuple[Message, list[dict[str, Any]]]:
+def parse_message(
+    renderer: Renderer, completion_ids: list[int], prompt_ids: list[int] | None = None, tools: Tools = None
+) -> tuple[Message, list[dict[str, Any]]]:
     """The assistant message of a completion and its malformed tool calls; plain text for renderers that do
     not parse structure."""
     parse = getattr(renderer, "parse_message", None)
@@ -51,14 +57,21 @@ class ChatTemplateRenderer:
         # Render to text then encode without extra specials: the template already wrote them, and some
         # tokenizers' `tokenize=True` path adds a BOS the server would not see.
         kwargs = {"tools": tools} if tools else {}
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def parse_response(self, completion_ids: list[int]) -> str:
         return self.tokenizer.decode(completion_ids, skip_special_tokens=True)
 
-    def bridge_to_next_turn(self, prev_prompt_ids: list[int], prev_completion_ids: list[int],
-                            new_messages: list[Message], tools: Tools = None) -> list[int] | None:
+    def bridge_to_next_turn(
+        self,
+        prev_prompt_ids: list[int],
+        prev_completion_ids: list[int],
+        new_messages: list[Message],
+        tools: Tools = None,
+    ) -> list[int] | None:
         return None
 
 
@@ -89,8 +102,10 @@ def build_renderer(name: str, tokenizer: Any) -> Renderer:
 
     known = families()
     if name not in known:
-        raise KeyError(f"orchestrator.renderer.name: unknown renderer {name!r} (primejax: {sorted(_RENDERERS)}; "
-                       f"renderers package: {known})")
+        raise KeyError(
+            f"orchestrator.renderer.name: unknown renderer {name!r} (primejax: {sorted(_RENDERERS)}; "
+            f"renderers package: {known})"
+        )
     return PackageRenderer(tokenizer, name)
 
 
@@ -106,7 +121,10 @@ def detect_renderer(tokenizer: Any) -> str:
         return named
     vocab = tokenizer.get_vocab()
     template = str(getattr(tokenizer, "chat_template", "") or "")
-    if all(t in vocab for t in ("<|im_start|>", "<|im_end|>", "<think>", "</think>")) and "<|im_start|>" in template:
+    if (
+        all(t in vocab for t in ("<|im_start|>", "<|im_end|>", "<think>", "</think>"))
+        and "<|im_start|>" in template
+    ):
         return "qwen3"
     return "default"
 

@@ -41,6 +41,7 @@ class SftConfig(Section):
         if self.steps > 0 and not self.lr > 0:
             raise ConfigError("lr", f"must be > 0 when sft.steps > 0, got {self.lr}")
 
+
 Message = dict[str, Any]
 
 
@@ -56,8 +57,10 @@ def _as_messages(value: Any, role: str) -> list[Message]:
             if not isinstance(m.get("role"), str):
                 raise SFTDataError(f"message {i} has no string 'role'")
             if not isinstance(m.get("content"), str):
-                raise SFTDataError(f"message {i} ({m['role']}): 'content' must be a string, got "
-                                   f"{type(m.get('content')).__name__}")
+                raise SFTDataError(
+                    f"message {i} ({m['role']}): 'content' must be a string, got "
+                    f"{type(m.get('content')).__name__}"
+                )
         return value
     raise SFTDataError(f"expected a string or a non-empty list of messages, got {type(value).__name__}")
 

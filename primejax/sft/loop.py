@@ -71,5 +71,3 @@ def load_samples(s: SftConfig, envs: dict[str, EnvConfig], tokenizer) -> list:
             detail = str(e) if isinstance(e, SFTDataError) else f"{type(e).__name__}: {e}"
             raise SFTDataError(f"{s.data_path}:{lineno}: {detail}") from None
     return samples
-
-

@@ -217,7 +217,9 @@ def layout_error(model_cfg: ModelConfig, mesh: dict[str, int], seq_len: int) -> 
     return ""
 
 
-def recommend_meshes(chips: int, model_cfg: ModelConfig, seq_len: int, tokens: int, tensors, contexts) -> list[dict]:
+def recommend_meshes(
+    chips: int, model_cfg: ModelConfig, seq_len: int, tokens: int, tensors, contexts
+) -> list[dict]:
     """The meshes --recommend tries, in order of `tensors`, each with the smallest of `contexts` that gives
     `tokens` per chip: FSDP alone (or a row over C chips), then tensor-parallel (docs/tpu.md). Each must
     divide the chips, its tensor size the kv heads, its tensor x context the query heads, its context the row.

@@ -44,14 +44,20 @@ def trainer_ckpt_dir(run_dir: str | Path, step: int) -> Path:
 
 def complete_steps(run_dir: str | Path, verified: bool = False) -> list[int]:
     """Steps with a completion marker; with `verified`, only those whose files still match it."""
-    steps = [s for s, _ in step_dirs(RunDir(run_dir).checkpoints()) if (trainer_ckpt_dir(run_dir, s) / META).is_file()]
+    steps = [
+        s
+        for s, _ in step_dirs(RunDir(run_dir).checkpoints())
+        if (trainer_ckpt_dir(run_dir, s) / META).is_file()
+    ]
     if verified:
         steps = [s for s in steps if checkpoint_problem(run_dir, s) is None]
     return steps
 
 
 def _state_files(state_dir: Path) -> dict[str, int]:
-    return {str(p.relative_to(state_dir)): p.stat().st_size for p in sorted(state_dir.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(state_dir)): p.stat().st_size for p in sorted(state_dir.rglob("*")) if p.is_file()
+    }
 
 
 def checkpoint_problem(run_dir: str | Path, step: int) -> str | None:
@@ -90,12 +96,15 @@ def resolve_resume_step(run_dir: str | Path, resume_step: str) -> int | None:
             problem = checkpoint_problem(run_dir, step)
             if problem is None:
                 return step
-            log.warning("trainer checkpoint step %d is damaged (%s): falling back to an older one", step, problem)
+            log.warning(
+                "trainer checkpoint step %d is damaged (%s): falling back to an older one", step, problem
+            )
         return None
     step = int(resume_step)
     if step not in complete_steps(run_dir):
-        raise FileNotFoundError(f"run.resume_step={step}: no complete trainer checkpoint (have "
-                                f"{complete_steps(run_dir)})")
+        raise FileNotFoundError(
+            f"run.resume_step={step}: no complete trainer checkpoint (have {complete_steps(run_dir)})"
+        )
     problem = checkpoint_problem(run_dir, step)
     if problem is not None:
         raise FileNotFoundError(f"run.resume_step={step}: trainer checkpoint damaged: {problem}")
@@ -104,10 +113,14 @@ def resolve_resume_step(run_dir: str | Path, resume_step: str) -> int | None:
 
 class TrainerCheckpointer:
     def __init__(self, run_dir: str | Path, keep: int = 2, async_save: bool = True):
-        self.run_dir = Path(run_dir).absolute()  # Orbax refuses relative paths (run.output_dir usually is one)
+        self.run_dir = Path(
+            run_dir
+        ).absolute()  # Orbax refuses relative paths (run.output_dir usually is one)
         self.keep = keep
         self.async_save = async_save
-        self._ckptr = ocp.StandardCheckpointer() if async_save else ocp.Checkpointer(ocp.StandardCheckpointHandler())
+        self._ckptr = (
+            ocp.StandardCheckpointer() if async_save else ocp.Checkpointer(ocp.StandardCheckpointHandler())
+        )
         self._pending: tuple[int, dict[str, Any]] | None = None
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:

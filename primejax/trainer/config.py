@@ -27,7 +27,9 @@ class OptimConfig(Section):
         "the update; the devices keep model.param_dtype compute copies (set bfloat16 to save memory), docs/memory.md",
     )
     offload_bucket_mb: float = option(
-        1024.0, "offload: MiB per device of fp32 master weights per update bucket (3x that of state on device)", gt=0
+        1024.0,
+        "offload: MiB per device of fp32 master weights per update bucket (3x that of state on device)",
+        gt=0,
     )
     offload_master: bool = option(
         True,
@@ -77,9 +79,13 @@ class LossConfig(Section):
     kl_tau: float = option(1e-3, "KL penalty scale", ge=0)
     is_clip: float = option(8.0, "importance-ratio clip", gt=0)
     import_path: str = option("", "custom: 'module.function' computing one sequence's loss")
-    kwargs: dict = option(doc="a registered or custom objective: keyword arguments of its function", factory=dict)
+    kwargs: dict = option(
+        doc="a registered or custom objective: keyword arguments of its function", factory=dict
+    )
     # MoE models only (models/moe.py); off by default, as in prime-rl's RL runs.
-    moe_aux_coef: float = option(0.0, "MoE: weight of the load-balancing loss (mean over sparse layers)", ge=0)
+    moe_aux_coef: float = option(
+        0.0, "MoE: weight of the load-balancing loss (mean over sparse layers)", ge=0
+    )
     moe_z_coef: float = option(0.0, "MoE: weight of the router z-loss (mean over sparse layers)", ge=0)
 
     def check(self) -> None:

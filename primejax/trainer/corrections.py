@@ -120,7 +120,9 @@ def _accept(log_r_sg, member, seg, c: CorrectionConfig) -> tuple[jax.Array, jax.
     ok = member
     if c.reject.level != "none":
         d = jnp.where(member, _divergence(log_r_sg, c.reject.divergence), 0.0)
-        if c.reject.level == "sequence":  # the sum: k1 is the log of the product of ratios (never exponentiated)
+        if (
+            c.reject.level == "sequence"
+        ):  # the sum: k1 is the log of the product of ratios (never exponentiated)
             d = seq_sum(d, seg)
         elif c.reject.level == "geometric":
             d = seq_sum(d, seg) / jnp.maximum(seq_sum(member.astype(d.dtype), seg), 1.0)
@@ -163,13 +165,22 @@ def _trust_region_masks(lp, lq, log_r_sg, adv, accepted, c: CorrectionConfig, cf
         return accepted & ~pos & (d < -cfg.dppo_mask_low), accepted & pos & (d > cfg.dppo_mask_high)
     if c.objective == "cispo" and c.cispo.mask == "ratio":
         r = _exp(log_r_sg)
-        return accepted & ~pos & (r < 1.0 - c.cispo.mask_eps_low), accepted & pos & (r > 1.0 + c.cispo.mask_eps_high)
+        return accepted & ~pos & (r < 1.0 - c.cispo.mask_eps_low), accepted & pos & (
+            r > 1.0 + c.cispo.mask_eps_high
+        )
     none = jnp.zeros_like(accepted)
     return none, none
 
 
 def token_loss(
-    lp, lq, adv, member, seg, c: CorrectionConfig, cfg: LossConfig, norm: jax.Array | None = None,
+    lp,
+    lq,
+    adv,
+    member,
+    seg,
+    c: CorrectionConfig,
+    cfg: LossConfig,
+    norm: jax.Array | None = None,
     seq_scale: jax.Array | None = None,
 ):
     """Per-token rl loss (unweighted) of correction `c` on its `member` tokens, and per-token indicators.

@@ -221,7 +221,10 @@ class Engine:
             if offload is not None:
                 off = offload(trained)
                 state = TrainState(
-                    trained, off.init(trained), jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed))
+                    trained,
+                    off.init(trained),
+                    jnp.zeros((), jnp.int32),
+                    jax.random.key_data(jax.random.key(seed)),
                 )
                 state = shard_state(state, mesh)
             else:
@@ -389,7 +392,9 @@ class Engine:
         return nnx.merge(self.graphdef, self.params())
 
 
-def _offload_builder(t: TrainerConfig, schedule: optax.Schedule, mesh: Mesh) -> Callable[[Any], Offload] | None:
+def _offload_builder(
+    t: TrainerConfig, schedule: optax.Schedule, mesh: Mesh
+) -> Callable[[Any], Offload] | None:
     """`trainer.optim.offload`: a function from the trained parameters (arrays or ShapeDtypeStructs) to their
     offloaded update, or None when the optimizer state stays on the devices."""
     if not getattr(t.optim, "offload", False):

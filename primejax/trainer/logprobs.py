@@ -73,8 +73,14 @@ def token_logprobs(
     t = hidden_btd.shape[1]
     # Under context parallelism each device's tokens of a row become a row of their own, so the chunk loop
     # runs over local tokens only (a loop over the split token axis would run every chunk everywhere).
-    lp, ent = fused_token_logprobs(fold_context(hidden_btd), lm_head_dv, fold_context(targets_bt),
-                                   fold_context(temperatures_bt), chunk_size, saved_logits_max_bytes)
+    lp, ent = fused_token_logprobs(
+        fold_context(hidden_btd),
+        lm_head_dv,
+        fold_context(targets_bt),
+        fold_context(temperatures_bt),
+        chunk_size,
+        saved_logits_max_bytes,
+    )
     return unfold_context(lp, t), unfold_context(ent, t)
 
 
@@ -96,7 +102,9 @@ def token_logprobs_autodiff(
         lp, ent = body(h_cbkd[0], y_cbk[0], tau_cbk[0])
         return merge(lp[None]), merge(ent[None])
 
-    def step(carry: None, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
+    def step(
+        carry: None, xs: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[None, tuple[jax.Array, jax.Array]]:
         return carry, body(*xs)
 
     _, (lp_cbk, ent_cbk) = jax.lax.scan(step, None, (h_cbkd, y_cbk, tau_cbk))

@@ -79,8 +79,14 @@ def _custom_rl(fn: LossFn, kwargs: dict, lp, mb, member, max_segments: int):
     per_seg = jax.vmap(one, in_axes=(None,) * 7 + (0,))
     per_row = jax.vmap(per_seg, in_axes=(0,) * 7 + (None,))
     loss, metrics, present = per_row(
-        lp, mb["inference_logprobs"], mb["ref_logprobs"], mb["advantages"], mb["rl_weights"], member,
-        mb["segment_ids"], seg_ids,
+        lp,
+        mb["inference_logprobs"],
+        mb["ref_logprobs"],
+        mb["advantages"],
+        mb["rl_weights"],
+        member,
+        mb["segment_ids"],
+        seg_ids,
     )
     sums = {f"custom/{k}": jnp.sum(v) for k, v in metrics.items()}
     sums["custom/num_sequences"] = jnp.sum(present)
@@ -144,6 +150,7 @@ def finalize_metrics(
     sums: Mapping[str, jax.Array], counts: Mapping[str, jax.Array], table: CorrectionTable | None = None
 ) -> dict[str, jax.Array]:
     """Turn the step's accumulated sums into logged metrics (still arrays: no host sync)."""
+
     def mean(num, den):
         return num / jnp.maximum(den, 1.0)
 

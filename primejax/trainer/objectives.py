@@ -55,9 +55,13 @@ def register_loss(name: str) -> Callable[[LossFn], LossFn]:
 
     def decorate(fn: LossFn) -> LossFn:
         if name in BUILTIN or not name:
-            raise ValueError(f"trainer.loss.type {name!r} is built in: register the objective under another name")
+            raise ValueError(
+                f"trainer.loss.type {name!r} is built in: register the objective under another name"
+            )
         if _LOSSES.get(name, fn) is not fn:
-            raise ValueError(f"an rl objective is already registered as {name!r} ({_LOSSES[name].__qualname__})")
+            raise ValueError(
+                f"an rl objective is already registered as {name!r} ({_LOSSES[name].__qualname__})"
+            )
         if not callable(fn):
             raise TypeError(f"register_loss({name!r}) needs a function, got {type(fn).__name__}")
         _LOSSES[name] = fn
@@ -92,8 +96,10 @@ def objective(loss_type: str, import_path: str = "") -> LossFn | None:
     if loss_type == "custom":
         return load_custom_loss(import_path)
     if loss_type not in _LOSSES:
-        raise ValueError(f"trainer.loss.type {loss_type!r} is not a registered rl objective (registered: "
-                         f"{sorted(_LOSSES)}; built in: {list(BUILTIN)})")
+        raise ValueError(
+            f"trainer.loss.type {loss_type!r} is not a registered rl objective (registered: "
+            f"{sorted(_LOSSES)}; built in: {list(BUILTIN)})"
+        )
     return _LOSSES[loss_type]
 
 

@@ -124,7 +124,9 @@ def assemble(plan: Plan, trees: Any, treedef: Any) -> Any:
     for k, tree in enumerate(trees):
         for p, v in zip(plan.buckets[k], plan.values(k, tree), strict=True):
             parts.setdefault(p.leaf, []).append((p.start, np.asarray(jax.device_get(v))))
-    leaves = [np.concatenate([v for _, v in sorted(parts[i], key=lambda t: t[0])]) for i in range(len(plan.paths))]
+    leaves = [
+        np.concatenate([v for _, v in sorted(parts[i], key=lambda t: t[0])]) for i in range(len(plan.paths))
+    ]
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -171,7 +173,9 @@ class Offload:
     mesh: Mesh
     master_kind: str = HOST  # where the fp32 master rests between steps (DEVICE: only the moments travel)
     inflight: int = 1  # buckets whose transfers may run at once
-    resident: tuple[bool, ...] = ()  # per bucket: its whole state rests on the devices (no transfers); () = none
+    resident: tuple[
+        bool, ...
+    ] = ()  # per bucket: its whole state rests on the devices (no transfers); () = none
 
     def _resident(self, k: int) -> bool:
         return bool(self.resident) and self.resident[k]
@@ -277,7 +281,9 @@ class Offload:
         for k, bucket in enumerate(self.plan.buckets):
             host = (opt_state["master"][k], opt_state["opt"][k])
             moves = not self._resident(k)  # a resident bucket has no transfer to order: it may run any time
-            if moves and len(done) >= self.inflight:  # the transfer waits for the result `inflight` moving buckets back
+            if (
+                moves and len(done) >= self.inflight
+            ):  # the transfer waits for the result `inflight` moving buckets back
                 host, _ = jax.lax.optimization_barrier((host, done[-self.inflight]))
             master, state = _to(host, (dev["master"][k], dev["opt"][k]), DEVICE)
             g = self.plan.tree(k, [self._slice(g_leaves[p.leaf], p).astype(MASTER_DTYPE) for p in bucket])

@@ -65,18 +65,27 @@ def optimizer_parts(
         optim = SimpleNamespace(**optim)
     clip = optax.clip_by_global_norm(optim.max_norm) if optim.max_norm > 0 else None
     adamw = optax.adamw(
-        schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=_decay_mask,
+        schedule,
+        b1=optim.b1,
+        b2=optim.b2,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        mask=_decay_mask,
     )
     return clip, adamw
 
 
-def make_optimizer(optim: OptimConfig | Mapping[str, Any], schedule: optax.Schedule) -> optax.GradientTransformation:
+def make_optimizer(
+    optim: OptimConfig | Mapping[str, Any], schedule: optax.Schedule
+) -> optax.GradientTransformation:
     """Global-norm clip (if max_norm > 0) then AdamW with the given schedule."""
     clip, adamw = optimizer_parts(optim, schedule)
     return optax.chain(*([clip] if clip is not None else []), adamw)
 
 
-def from_config(o: OptimConfig, s: SchedulerConfig, max_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def from_config(
+    o: OptimConfig, s: SchedulerConfig, max_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(optimizer, schedule) from the `trainer.optim` and `trainer.scheduler` sections."""
     schedule = make_schedule(o.lr, s.type, s.warmup_steps, s.total_steps(max_steps), s.min_lr_ratio)
     return make_optimizer(o, schedule), schedule

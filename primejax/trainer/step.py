@@ -193,7 +193,9 @@ def _micro_loss_fn(
     def micro_loss(params, mb, counts, micro_share=1.0, frozen=None):
         # LoRA: `params` are the adapters (the only differentiated argument), `frozen` the rest of the model
         whole = params if frozen is None else join_params(params, frozen)
-        lp, ent, streams, moe_stats = _forward(graphdef, whole, mb, chunk_size, max_segments, saved_logits_max_bytes)
+        lp, ent, streams, moe_stats = _forward(
+            graphdef, whole, mb, chunk_size, max_segments, saved_logits_max_bytes
+        )
         loss, sums = loss_fn(lp, ent, streams, counts)
         if moe_stats:
             loss, sums = _add_moe_terms(loss, sums, moe_stats, loss_cfg or LossConfig(), micro_share)
@@ -202,13 +204,17 @@ def _micro_loss_fn(
     return micro_loss
 
 
-def _norm_prepass(graphdef, table: CorrectionTable, chunk_size, max_segments, saved_logits_max_bytes) -> Callable:
+def _norm_prepass(
+    graphdef, table: CorrectionTable, chunk_size, max_segments, saved_logits_max_bytes
+) -> Callable:
     """The whole step's IS-weight sums (corrections.step_norms) from a forward-only pass over its micro-batches:
     a normalized weight needs them before the first micro-batch's gradient (docs/algorithms.md#corrections)."""
 
     def prepass(params, batch):
         def one(mb):
-            lp, _, streams, _ = _forward(graphdef, params, mb, chunk_size, max_segments, saved_logits_max_bytes)
+            lp, _, streams, _ = _forward(
+                graphdef, params, mb, chunk_size, max_segments, saved_logits_max_bytes
+            )
             return step_norms(jax.lax.stop_gradient(lp), streams, member_masks(streams)["rl"], table)
 
         per_micro = jax.lax.map(one, batch)
@@ -257,7 +263,9 @@ def make_grad_fn(
     """
     table = corrections or CorrectionTable()
     prepass = (
-        _norm_prepass(graphdef, table, chunk_size, max_segments, saved_logits_max_bytes) if table.needs_norm else None
+        _norm_prepass(graphdef, table, chunk_size, max_segments, saved_logits_max_bytes)
+        if table.needs_norm
+        else None
     )
     micro_loss = _micro_loss_fn(
         graphdef,

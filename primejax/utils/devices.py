@@ -125,5 +125,5 @@ def check_host_memory(state_bytes: float, local_devices: int, total_devices: int
             "trainer.optim.offload",
             f"this host's {local_devices} GPU(s) need {need / 2**30:.0f} GiB of pinned host "
             f"memory for their share of the fp32 master weights and moments (12 B/param), and {available / 2**30:.0f}"
-            " GiB are available: use more hosts or GPUs, or turn offload off (docs/memory.md)"
+            " GiB are available: use more hosts or GPUs, or turn offload off (docs/memory.md)",
         )

@@ -38,7 +38,9 @@ def _armed() -> dict[str, str]:
     return faults
 
 
-def fault_point(name: str, step: int, *, run_dir: str | Path | None = None, path: str | Path | None = None) -> None:
+def fault_point(
+    name: str, step: int, *, run_dir: str | Path | None = None, path: str | Path | None = None
+) -> None:
     """Run the fault armed for `name@step`, if any (no-op when PRIMEJAX_FAULTS is unset)."""
     if ENV_VAR not in os.environ:
         return

@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 #: What a filesystem that cannot fsync a directory answers (some network and FUSE filesystems): not a fault.
-_DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR}
+_DIR_FSYNC_UNSUPPORTED = {
+    errno.EINVAL,
+    errno.ENOTSUP,
+    errno.EOPNOTSUPP,
+    errno.EBADF,
+    errno.EACCES,
+    errno.EISDIR,
+}
 
 
 def _fsync_dir(path: Path) -> None:

@@ -42,26 +42,43 @@ class MonitorConfig(Section):
     tensorboard: bool = option(True, "TensorBoard event files under <run>/tensorboard/<process>")
     jsonl: bool = option(True, "scalars appended to <run>/metrics/<process>.jsonl, tables to <run>/tables/")
     wandb: bool = option(False, "Weights & Biases, one run per process under <run>/wandb (pip install wandb)")
-    wandb_mode: str = option("offline", "offline: files only, no network (wandb sync uploads later); online",
-                             choices=("offline", "online"))
+    wandb_mode: str = option(
+        "offline",
+        "offline: files only, no network (wandb sync uploads later); online",
+        choices=("offline", "online"),
+    )
     wandb_project: str = option("primejax", "W&B project")
     wandb_entity: str = option("", "W&B entity (team or user); '' = the account's default")
     server_metrics: bool = option(True, "log the inference servers' own /metrics per step (server/<i>/*)")
-    server_poll_s: float = option(2.0, "how often the servers' /metrics are read within a step (0 = only at "
-                                       "each step's end)", ge=0.0)
-    timeline: bool = option(True, "a Chrome/Perfetto trace per step at <run>/timeline/step_N.json (requests, "
-                                  "env and tool work, waits, weight updates)")
-    timeline_image_every: int = option(10, "every N steps, that step's timeline drawn as the image `timeline` in "
-                                           "TensorBoard and W&B (needs matplotlib); 0 = never", ge=0)
-    samples_per_env: int = option(2, "sample rollouts logged per env and step (prompt, completion, reward, "
-                                      "advantage); 0 = none", ge=0, le=64)
-    sample_chars: int = option(2000, "characters kept of each sample's prompt and completion", gt=0,
-                               le=MAX_CELL_CHARS)
+    server_poll_s: float = option(
+        2.0, "how often the servers' /metrics are read within a step (0 = only at each step's end)", ge=0.0
+    )
+    timeline: bool = option(
+        True,
+        "a Chrome/Perfetto trace per step at <run>/timeline/step_N.json (requests, "
+        "env and tool work, waits, weight updates)",
+    )
+    timeline_image_every: int = option(
+        10,
+        "every N steps, that step's timeline drawn as the image `timeline` in "
+        "TensorBoard and W&B (needs matplotlib); 0 = never",
+        ge=0,
+    )
+    samples_per_env: int = option(
+        2,
+        "sample rollouts logged per env and step (prompt, completion, reward, advantage); 0 = none",
+        ge=0,
+        le=64,
+    )
+    sample_chars: int = option(
+        2000, "characters kept of each sample's prompt and completion", gt=0, le=MAX_CELL_CHARS
+    )
 
     def check(self) -> None:
         if self.wandb and importlib.util.find_spec("wandb") is None:
-            raise ConfigError("wandb", "needs the wandb package: pip install 'primejax[wandb]' (or set "
-                                       "monitor.wandb=False)")
+            raise ConfigError(
+                "wandb", "needs the wandb package: pip install 'primejax[wandb]' (or set monitor.wandb=False)"
+            )
 
 
 def _to_float(value: Any) -> float:
@@ -78,10 +95,16 @@ def git_info(path: str | Path | None = None) -> dict[str, Any]:
     changes; {} where it is not a git checkout or git is missing."""
     where = str(path or Path(__file__).resolve().parent)
     try:
-        commit = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"commit": commit, "dirty": bool(dirty)}
@@ -97,8 +120,14 @@ class _Wandb:
         directory = RunDir(run_dir).wandb
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=cfg.wandb_project, entity=cfg.wandb_entity or None, mode=cfg.wandb_mode, dir=str(directory),
-            group=run_dir.name, name=f"{run_dir.name}/{process}", job_type=process, config=dict(config),
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity or None,
+            mode=cfg.wandb_mode,
+            dir=str(directory),
+            group=run_dir.name,
+            name=f"{run_dir.name}/{process}",
+            job_type=process,
+            config=dict(config),
             settings=wandb.Settings(console="off", silent=True),  # the process's log stays ours
         )
 
@@ -140,13 +169,32 @@ def _markdown(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 class Monitor:
     @classmethod
-    def from_config(cls, run_dir: str | Path, process: str, cfg: MonitorConfig,
-                    run_config: Mapping[str, Any] | None = None) -> Monitor:
-        return cls(run_dir, process, tensorboard=cfg.tensorboard, jsonl=cfg.jsonl,
-                   wandb=cfg if cfg.wandb else None, run_config=run_config)
+    def from_config(
+        cls,
+        run_dir: str | Path,
+        process: str,
+        cfg: MonitorConfig,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> Monitor:
+        return cls(
+            run_dir,
+            process,
+            tensorboard=cfg.tensorboard,
+            jsonl=cfg.jsonl,
+            wandb=cfg if cfg.wandb else None,
+            run_config=run_config,
+        )
 
-    def __init__(self, run_dir: str | Path, process: str, *, tensorboard: bool = True, jsonl: bool = True,
-                 wandb: MonitorConfig | None = None, run_config: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        process: str,
+        *,
+        tensorboard: bool = True,
+        jsonl: bool = True,
+        wandb: MonitorConfig | None = None,
+        run_config: Mapping[str, Any] | None = None,
+    ):
         """`wandb`: the section whose W&B settings to use (None = no W&B); `run_config`: the resolved config,
         recorded by every sink with the git commit."""
         self.run_dir = Path(run_dir)
@@ -161,8 +209,12 @@ class Monitor:
 
             self._writer = SummaryWriter(logdir=str(RunDir(self.run_dir).tensorboard(process)), flush_secs=10)
             git = info["git"]
-            self._writer.add_text("run/git", f"commit `{git.get('commit', 'unknown')}`"
-                                             + (" (with uncommitted changes)" if git.get("dirty") else ""), 0)
+            self._writer.add_text(
+                "run/git",
+                f"commit `{git.get('commit', 'unknown')}`"
+                + (" (with uncommitted changes)" if git.get("dirty") else ""),
+                0,
+            )
             if run_config:
                 self._writer.add_text("run/config", f"```\n{json.dumps(info['config'], indent=1)}\n```", 0)
         if jsonl:
@@ -171,9 +223,17 @@ class Monitor:
             self._jsonl = path.open("a", buffering=1)  # line-buffered: readers see whole lines
             atomic_write_text(RunDir(self.run_dir).run_info(process), json.dumps(info, indent=1, default=str))
         if wandb is not None:
-            self._wandb = _Wandb(wandb, self.run_dir, process,
-                                 {**info["config"], "git_commit": info["git"].get("commit", ""),
-                                  "git_dirty": bool(info["git"].get("dirty")), "process": process})
+            self._wandb = _Wandb(
+                wandb,
+                self.run_dir,
+                process,
+                {
+                    **info["config"],
+                    "git_commit": info["git"].get("commit", ""),
+                    "git_dirty": bool(info["git"].get("dirty")),
+                    "process": process,
+                },
+            )
 
     @property
     def jsonl_path(self) -> Path:
@@ -223,8 +283,10 @@ class Monitor:
         row under <run>/tables/<process>/<name>.jsonl. Text cells longer than MAX_CELL_CHARS are cut."""
         if not rows:
             return
-        rows = [[v if isinstance(v, (int, float)) and not isinstance(v, bool) else _cut(v) for v in r]
-                for r in rows]
+        rows = [
+            [v if isinstance(v, (int, float)) and not isinstance(v, bool) else _cut(v) for v in r]
+            for r in rows
+        ]
         if self._writer is not None:
             self._writer.add_text(name, _markdown(columns, rows), int(step))
         if self._tables_jsonl:
@@ -232,8 +294,10 @@ class Monitor:
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
                 for r in rows:
-                    cells = {c: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                             for c, v in zip(columns, r, strict=True)}
+                    cells = {
+                        c: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                        for c, v in zip(columns, r, strict=True)
+                    }
                     f.write(json.dumps({"step": int(step), **cells}) + "\n")
         if self._wandb is not None:
             self._wandb.table(step, name, columns, rows)

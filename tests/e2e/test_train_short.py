@@ -31,14 +31,28 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
     out = tmp_path_factory.mktemp("e2e")
     proc = subprocess.run(
         [
-            sys.executable, "-m", "primejax.train", "--config", "configs/debug.py",
-            f"--config.run.output_dir={out}", "--config.run.name=short", "--config.inference.port=0", f"--config.run.max_steps={STEPS}",
+            sys.executable,
+            "-m",
+            "primejax.train",
+            "--config",
+            "configs/debug.py",
+            f"--config.run.output_dir={out}",
+            "--config.run.name=short",
+            "--config.inference.port=0",
+            f"--config.run.max_steps={STEPS}",
             f"--config.model.path={out / 'model'}",
-            "--config.sft.steps=4", "--config.sft.from_env=reverse_text", "--config.sft.batch_size=16",
-            "--config.sft.num_examples=64", "--config.sft.seq_len=128",
+            "--config.sft.steps=4",
+            "--config.sft.from_env=reverse_text",
+            "--config.sft.batch_size=16",
+            "--config.sft.num_examples=64",
+            "--config.sft.seq_len=128",
             "--config.trainer.optim.lr=1e-4",
         ],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     return proc, out / "short"
 

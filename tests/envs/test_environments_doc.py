@@ -88,6 +88,8 @@ def test_the_verifiers_taskset_example_loads_by_id_and_scores(doc_modules, tiny_
     env = load_env("my_echo_taskset", {})
     assert env.example(0).prompt == [{"role": "user", "content": "Say apple"}]
 
-    rollouts = _play(env, tiny_model_dir, lambda prompt, member: "apple" if member == 0 else "nope", max_turns=1)
+    rollouts = _play(
+        env, tiny_model_dir, lambda prompt, member: "apple" if member == 0 else "nope", max_turns=1
+    )
     assert [r.error for r in rollouts] == [None, None]
     assert [r.reward for r in rollouts] == [1.0, 0.0]

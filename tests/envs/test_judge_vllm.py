@@ -37,7 +37,10 @@ def test_judge_config_is_checked_with_one_line():
     with pytest.raises(ValueError, match=r"judge.model must name the served judge model"):
         Judge({"base_url": "http://127.0.0.1:8000"})
     assert JudgeConfig(base_url="http://h:1/", model="m", api_key_env="K").verifiers_client() == {
-        "base_url": "http://h:1/v1", "model": "m", "api_key_var": "K"}
+        "base_url": "http://h:1/v1",
+        "model": "m",
+        "api_key_var": "K",
+    }
 
 
 def _free_port() -> int:
@@ -48,10 +51,16 @@ def _free_port() -> int:
 
 def test_a_judge_on_vllm_scores_each_rollout_within_its_own_concurrency(vllm_server, tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    judge = {"base_url": vllm_server.base_url, "model": str(tiny_model_dir), "max_concurrent": 2, "max_tokens": 8}
+    judge = {
+        "base_url": vllm_server.base_url,
+        "model": str(tiny_model_dir),
+        "max_concurrent": 2,
+        "max_tokens": 8,
+    }
     env = load_env("tests.envs.judged_reverse:load", {"judge": judge})
-    dead = load_env("tests.envs.judged_reverse:load",
-                    {"judge": {**judge, "base_url": f"http://127.0.0.1:{_free_port()}"}})  # nothing listens
+    dead = load_env(
+        "tests.envs.judged_reverse:load", {"judge": {**judge, "base_url": f"http://127.0.0.1:{_free_port()}"}}
+    )  # nothing listens
 
     async def main():
         client = InferenceClient(vllm_server.base_url, timeout_s=120, max_retries=2)

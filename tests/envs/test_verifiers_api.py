@@ -144,6 +144,12 @@ def test_verifiers_env_server_surface():
     assert list(inspect.signature(EnvServer).parameters) == ["config", "address", "max_concurrent"]
     assert inspect.iscoroutinefunction(EnvServer.run)
     assert list(inspect.signature(EnvClient.run).parameters)[:6] == [
-        "self", "client", "model", "sampling", "task_data", "on_delta"]
+        "self",
+        "client",
+        "model",
+        "sampling",
+        "task_data",
+        "on_delta",
+    ]
     assert "timeout" in inspect.signature(EnvClient.health).parameters
     assert inspect.iscoroutinefunction(EnvClient.close)

@@ -35,7 +35,8 @@ class Scorer:
 
 def test_driver_args_are_checked_with_one_line():
     with pytest.raises(
-        ValueError, match=r"args.driver must be one of auto, in_process, verifiers or env_server \(got 'harness'\)"
+        ValueError,
+        match=r"args.driver must be one of auto, in_process, verifiers or env_server \(got 'harness'\)",
     ):
         load_env(TASKSET, {"size": 2, "driver": "harness"})
     with pytest.raises(ValueError, match="args.harness needs args.driver = 'verifiers'"):
@@ -117,7 +118,6 @@ def test_verifiers_loop_runs_the_harness_and_trains_on_the_ids_it_recorded(tiny_
     assert [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m] == rollout.completion_ids
 
 
-
 def test_every_client_reads_the_api_key_from_the_one_variable(tiny_model_dir, monkeypatch):
     """The orchestrator's client and verifiers' client both read orchestrator.client.api_key_env's variable (before
     issue 48 verifiers' loop read PRIMEJAX_INFERENCE_API_KEY, which nothing set: 401 on every rollout)."""
@@ -129,7 +129,9 @@ def test_every_client_reads_the_api_key_from_the_one_variable(tiny_model_dir, mo
     from primejax.orchestrator.run import policy_client
 
     monkeypatch.setenv("PJ_TEST_API_KEY", "s3cret")
-    client = policy_client(ClientConfig(base_urls=("http://127.0.0.1:1",), api_key_env="PJ_TEST_API_KEY"), None)
+    client = policy_client(
+        ClientConfig(base_urls=("http://127.0.0.1:1",), api_key_env="PJ_TEST_API_KEY"), None
+    )
     assert client._http.headers["Authorization"] == "Bearer s3cret"
     renderer = build_renderer("auto", load_tokenizer(str(tiny_model_dir)))
     endpoint = Endpoint(base_url="http://127.0.0.1:1", model="m", renderer=renderer, max_tokens=8, temperature=1.0,
@@ -149,7 +151,9 @@ def test_verifiers_loop_sends_the_runs_api_key(tiny_model_dir, monkeypatch):
     loop_env = load_env(TASKSET, {"size": 2, "driver": "verifiers"})
 
     async def main():
-        async with InstantServer(InstantModel(tokenizer), str(tiny_model_dir), api_key_var="PJ_TEST_API_KEY") as server:
+        async with InstantServer(
+            InstantModel(tokenizer), str(tiny_model_dir), api_key_var="PJ_TEST_API_KEY"
+        ) as server:
             gen = GroupGenerator(server, build_renderer("auto", tokenizer), SamplingConfig(max_tokens=64, max_turns=4),
                                  Version(), max_concurrent=4, max_prompt_tokens=4096)  # fmt: skip
             slot = EnvSlot(name="calc", env=loop_env, weight=1.0, algorithm=Scorer())
@@ -162,6 +166,7 @@ def test_verifiers_loop_sends_the_runs_api_key(tiny_model_dir, monkeypatch):
     rollout, server = asyncio.run(main())
     assert rollout.error is None, rollout.error
     assert server.unauthorized == 0 and len(server.served) == 2
+
 
 class EchoModel:
     """Replies with the word the prompt asks for (tests/envs/vf_runtime_taskset.py)."""

@@ -123,7 +123,9 @@ def test_tool_rollouts_on_vllm_match_the_server_turn_by_turn_with_tool_results_m
     async def main():
         client = ToolForcingClient(tokenizer, vllm_server.base_url, timeout_s=120, max_retries=2)
         try:
-            gen = GroupGenerator(client, renderer, settings, Version(), max_concurrent=4, max_prompt_tokens=1900)
+            gen = GroupGenerator(
+                client, renderer, settings, Version(), max_concurrent=4, max_prompt_tokens=1900
+            )
             slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=grpo)
             groups = await asyncio.gather(*(gen.group(slot, i, i, 2, step=1) for i in range(2)))
             return [r for g in groups for r in g], client.completions
@@ -175,7 +177,11 @@ def test_opsd_on_a_verifiers_taskset_scores_every_turn_with_the_answer_as_hint(v
                 "opsd", cfg.algo, sampling=cfg.sampling, tokenizer=tokenizer, policy_client=client
             )
             gen = GroupGenerator(
-                client, build_renderer("auto", tokenizer), settings, Version(), max_concurrent=4,
+                client,
+                build_renderer("auto", tokenizer),
+                settings,
+                Version(),
+                max_concurrent=4,
                 max_prompt_tokens=1900,
             )
             slot = EnvSlot(name="calc", env=env, weight=1.0, algorithm=opsd)

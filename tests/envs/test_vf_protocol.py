@@ -212,6 +212,7 @@ def test_a_missing_nltk_resource_is_quoted_by_its_meaningful_line():
         nltk.data.find("taggers/primejax_no_such_resource")
     assert _one_line(e.value) == "LookupError: Resource 'primejax_no_such_resource' not found."
 
+
 def test_the_env_check_renders_the_first_prompt_an_env_sends(vf_examples):
     """For an Env that opens the conversation itself, the check's prompt is its first model call's."""
     from primejax.launcher.envcheck import first_prompt

@@ -38,8 +38,9 @@ def fault_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference(shared_server, fault_dir: Path) -> Reference:
     """An uninterrupted run with the same seed and config as every fault run."""
-    config = write_config(fault_dir, "reference", shared_server.model_dir, base_url=shared_server.base_url,
-                          max_steps=MAX_STEPS)
+    config = write_config(
+        fault_dir, "reference", shared_server.model_dir, base_url=shared_server.base_url, max_steps=MAX_STEPS
+    )
     result = launch(config)
     reload_base_weights(shared_server.base_url)
     assert result.returncode == 0, result.output[-3000:]

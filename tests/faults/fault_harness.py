@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 420.0
 MAX_STEPS = 4
 
-CONFIG_TEMPLATE = '''
+CONFIG_TEMPLATE = """
 from primejax.config import default_config
 
 
@@ -66,7 +66,7 @@ def get_config():
     c.inference.max_model_len = 256
     c.inference.startup_timeout_s = 240.0
     return c
-'''
+"""
 
 
 def reload_base_weights(base_url: str) -> None:
@@ -75,8 +75,9 @@ def reload_base_weights(base_url: str) -> None:
 
     from primejax.inference.admin_auth import HEADER, read_token
 
-    request = urllib.request.Request(base_url + "/reload_weights", data=b"", method="POST",
-                                     headers={HEADER: read_token() or ""})
+    request = urllib.request.Request(
+        base_url + "/reload_weights", data=b"", method="POST", headers={HEADER: read_token() or ""}
+    )
     with urllib.request.urlopen(request, timeout=120) as r:
         assert r.status == 200
 
@@ -87,14 +88,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(directory: Path, name: str, model_dir: Path, *, base_url: str = "", port: int = 8000,
-                 max_steps: int = 4) -> Path:
+def write_config(
+    directory: Path, name: str, model_dir: Path, *, base_url: str = "", port: int = 8000, max_steps: int = 4
+) -> Path:
     """A config file for a tiny 4-step run; `base_url` = use that server, else the launcher starts one."""
     path = directory / f"{name}.py"
-    path.write_text(CONFIG_TEMPLATE.format(
-        name=name, output_dir=str(directory / "runs"), max_steps=max_steps, model_dir=str(model_dir),
-        base_urls=(base_url,) if base_url else (), inference_enabled=not base_url, port=port,
-    ))
+    path.write_text(
+        CONFIG_TEMPLATE.format(
+            name=name,
+            output_dir=str(directory / "runs"),
+            max_steps=max_steps,
+            model_dir=str(model_dir),
+            base_urls=(base_url,) if base_url else (),
+            inference_enabled=not base_url,
+            port=port,
+        )
+    )
     return path
 
 
@@ -107,7 +116,11 @@ class Result:
 
     def metrics(self, process: str) -> list[dict]:
         path = self.run_dir / "metrics" / f"{process}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return (
+            [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if path.exists()
+            else []
+        )
 
     def log(self, process: str) -> str:
         path = self.run_dir / "logs" / f"{process}.log"
@@ -126,7 +139,12 @@ def launch(config: Path, *overrides: str, faults: str = "", timeout_s: float = L
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "primejax.train", "--config", str(config), *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, start_new_session=True,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        start_new_session=True,
     )
     result = Result(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, run_dir_of(config))
     assert_no_survivors(result.run_dir)

@@ -40,8 +40,13 @@ def test_trainer_killed_mid_step_and_newest_checkpoint_truncated(shared_server, 
     The resume must skip the damaged checkpoint, fall back to the previous intact one, set aside the later
     outputs and redo the lost steps: 0 steps lost, final parameters equal.
     """
-    config = write_config(fault_dir, "trainer_kill", shared_server.model_dir, base_url=shared_server.base_url,
-                          max_steps=MAX_STEPS)
+    config = write_config(
+        fault_dir,
+        "trainer_kill",
+        shared_server.model_dir,
+        base_url=shared_server.base_url,
+        max_steps=MAX_STEPS,
+    )
     killed = launch(config, faults="trainer.after_update@4=kill:self")
     assert killed.returncode == 1, killed.output[-3000:]
     assert "primejax: trainer failed (exit status -9)" in killed.output
@@ -57,7 +62,9 @@ def test_trainer_killed_mid_step_and_newest_checkpoint_truncated(shared_server, 
     assert "resuming from step 1" in resumed.output
     assert "resumed from checkpoint step 1" in resumed.log("trainer")
     assert trained_steps_since(resumed, since) == [2, 3, 4]  # each lost step redone once, none skipped
-    assert list((root / "stale").glob("*/checkpoints/step_2")), "the damaged checkpoint is kept aside, not deleted"
+    assert list((root / "stale").glob("*/checkpoints/step_2")), (
+        "the damaged checkpoint is kept aside, not deleted"
+    )
     assert_params_equal(final_params(root, MAX_STEPS), reference.params)
 
 
@@ -66,8 +73,9 @@ def test_orchestrator_killed_before_batch_rename_then_corrupted_batch(shared_ser
     """kill -9 of the orchestrator between writing step 3's batch and its rename; on resume, step 3's batch is
     published with flipped bytes (silent corruption: the rename itself succeeds). The trainer must refuse it (sha256 in the manifest), the
     run stop with that one line, and a second resume regenerate the batch: final parameters equal."""
-    config = write_config(fault_dir, "orch_kill", shared_server.model_dir, base_url=shared_server.base_url,
-                          max_steps=MAX_STEPS)
+    config = write_config(
+        fault_dir, "orch_kill", shared_server.model_dir, base_url=shared_server.base_url, max_steps=MAX_STEPS
+    )
     root = config.parent / "runs" / config.stem
     killed = launch(config, faults="orchestrator.before_batch_rename@3=kill:self")
     assert killed.returncode == 1, killed.output[-3000:]
@@ -78,13 +86,19 @@ def test_orchestrator_killed_before_batch_rename_then_corrupted_batch(shared_ser
     assert complete_steps(root)[-1] == 2  # the trainer, stopped by SIGTERM, completed its pending checkpoint
 
     since = time.time()
-    corrupted = launch(config, "--config.run.resume_step=latest", faults="orchestrator.before_batch_rename@3=corrupt")
+    corrupted = launch(
+        config, "--config.run.resume_step=latest", faults="orchestrator.before_batch_rename@3=corrupt"
+    )
     assert corrupted.returncode == 1, corrupted.output[-3000:]
     # Flipped bytes fail the zip CRC or, past it, the manifest's sha256: either way a BatchFormatError line.
-    assert re.search(r"primejax: trainer failed \(exit status 1\): error: trainer: BatchFormatError: .*"
-                     r"rank_0\.npz: field '\w+': (sha256 mismatch|unreadable)", corrupted.output), \
-        corrupted.output[-3000:]
-    assert not list((root / "rollouts").glob(".step_3.*.tmp")), "the resume should drop the dead writer's temp dir"
+    assert re.search(
+        r"primejax: trainer failed \(exit status 1\): error: trainer: BatchFormatError: .*"
+        r"rank_0\.npz: field '\w+': (sha256 mismatch|unreadable)",
+        corrupted.output,
+    ), corrupted.output[-3000:]
+    assert not list((root / "rollouts").glob(".step_3.*.tmp")), (
+        "the resume should drop the dead writer's temp dir"
+    )
     assert trained_steps_since(corrupted, since) == []  # the corrupted batch was never trained on
     assert complete_steps(root)[-1] == 2
 
@@ -102,12 +116,17 @@ def test_inference_hung_mid_generation(shared_server, fault_dir, reference):
     answers) while step 2's requests are in flight. The launcher sees /liveness go silent for
     `hang_timeout_s`, kills and restarts it; the orchestrator's stuck requests fail with the dead sockets and
     it redoes step 2 on the new server: the run finishes in one go with the reference's final parameters."""
-    config = write_config(fault_dir, "inference_hang", shared_server.model_dir, port=free_port(),
-                          max_steps=MAX_STEPS)
-    result = launch(config, "--config.inference.hang_timeout_s=15", faults="orchestrator.generate@2=stop:inference")
+    config = write_config(
+        fault_dir, "inference_hang", shared_server.model_dir, port=free_port(), max_steps=MAX_STEPS
+    )
+    result = launch(
+        config, "--config.inference.hang_timeout_s=15", faults="orchestrator.generate@2=stop:inference"
+    )
     assert result.returncode == 0, result.output[-3000:]
-    assert re.search(r"inference server failed \(hung: no answer on /liveness for \d+ s\); restarting it \(1/3\)",
-                     result.output), result.output[-3000:]
+    assert re.search(
+        r"inference server failed \(hung: no answer on /liveness for \d+ s\); restarting it \(1/3\)",
+        result.output,
+    ), result.output[-3000:]
     assert "step 2: inference outage" in result.log("orchestrator")
     assert [r["step"] for r in result.metrics("trainer")] == list(range(1, MAX_STEPS + 1))
     assert_params_equal(final_params(result.run_dir, MAX_STEPS), reference.params)
@@ -118,8 +137,9 @@ def test_inference_killed_mid_generation(shared_server, fault_dir, reference):
     """The launcher's own vLLM server is killed (SIGKILL, whole process group) while step 2's requests are in
     flight. The launcher restarts it, the orchestrator redoes step 2 once the server is back (after putting θ_1
     back: a restarted server serves the base model), and the run finishes in one go: final parameters equal."""
-    config = write_config(fault_dir, "inference_kill", shared_server.model_dir, port=free_port(),
-                          max_steps=MAX_STEPS)
+    config = write_config(
+        fault_dir, "inference_kill", shared_server.model_dir, port=free_port(), max_steps=MAX_STEPS
+    )
     result = launch(config, faults="orchestrator.generate@2=kill:inference")
     assert result.returncode == 0, result.output[-3000:]
     assert "inference server failed (exit status -9); restarting it (1/3)" in result.output

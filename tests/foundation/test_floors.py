@@ -77,7 +77,10 @@ def test_the_imports_are_read_deferred_and_relative_ones_included(tmp_path):
     f.parent.mkdir(parents=True)
     f.write_text("from . import loop\ndef g():\n    from primejax.config import cli\n")
     assert _imports(f, _module(f, tmp_path / "primejax")) == {
-        "primejax.trainer", "primejax.trainer.loop", "primejax.config", "primejax.config.cli"
+        "primejax.trainer",
+        "primejax.trainer.loop",
+        "primejax.config",
+        "primejax.config.cli",
     }
 
 

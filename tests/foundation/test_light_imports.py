@@ -15,5 +15,7 @@ def test_config_and_launcher_import_nothing_heavy():
         "import sys; import primejax.config, primejax.config.cli, primejax.train, primejax.entrypoints.train, "
         f"primejax.launcher.launch, primejax.launcher.envcheck; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "", f"imported at config/launch time: {out.stdout.strip()}"

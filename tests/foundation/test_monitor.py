@@ -67,7 +67,12 @@ def test_jsonl_keeps_non_finite_as_null_and_skips_torn_lines(tmp_path):
 def test_table_is_tensorboard_text_and_jsonl_rows_with_hostile_cells_cut(tmp_path):
     huge = "x" * 50_000  # an env may return megabytes: the cell is cut, the row is kept
     with Monitor(tmp_path, "orchestrator") as m:
-        m.table(4, "samples", ["env", "reward", "completion"], [["rev", 0.5, "a\n```b"], ["rev", float("nan"), huge]])
+        m.table(
+            4,
+            "samples",
+            ["env", "reward", "completion"],
+            [["rev", 0.5, "a\n```b"], ["rev", float("nan"), huge]],
+        )
     rows = read_jsonl(tmp_path / "tables" / "orchestrator" / "samples.jsonl")
     assert [(r["step"], r["env"], r["reward"]) for r in rows] == [(4, "rev", 0.5), (4, "rev", None)]
     assert rows[0]["completion"] == "a\n```b"
@@ -83,8 +88,9 @@ def test_run_info_records_the_config_and_git_commit(tmp_path):
         m.scalars(1, {"loss": 1.0})
     info = json.loads((tmp_path / "metrics" / "trainer.run.json").read_text())
     assert info["config"] == {"run": {"name": "x"}} and info["process"] == "trainer"
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).parent).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
     assert info["git"].get("commit") == (head or None)  # this checkout's commit (or none outside git)
     _, _, text = _read_events_raw(tmp_path / "tensorboard" / "trainer")
     assert {"run/git", "run/config"} <= {t.split("/text_summary")[0] for t in text}
@@ -101,12 +107,17 @@ def test_wandb_offline_run_holds_every_metric_the_other_sinks_hold(tmp_path):
         m.histogram(2, "advantage", [0.1, -0.1, float("nan")])
         m.table(2, "samples", ["env", "reward"], [["rev", 0.5]])
     by_step = wandb_history(tmp_path)
-    assert float(by_step[1]["reward/mean"]) == 0.25 and float(by_step[2]["server/0/gen_tokens_per_s"]) == 200.0
+    assert (
+        float(by_step[1]["reward/mean"]) == 0.25 and float(by_step[2]["server/0/gen_tokens_per_s"]) == 200.0
+    )
     assert json.loads(by_step[2]["advantage/_type"]) == "histogram"
     assert json.loads(by_step[2]["samples/_type"]) == "table-file"
     run = wandb_run(tmp_path)
-    assert (run.run_group, run.display_name, run.job_type) == (tmp_path.name, f"{tmp_path.name}/orchestrator",
-                                                           "orchestrator")
+    assert (run.run_group, run.display_name, run.job_type) == (
+        tmp_path.name,
+        f"{tmp_path.name}/orchestrator",
+        "orchestrator",
+    )
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert config["run"] == {"name": tmp_path.name} and config["process"] == "orchestrator"
     assert "git_commit" in config

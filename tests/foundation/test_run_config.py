@@ -43,7 +43,10 @@ def test_defaults_validate():
         ({"orchestrator__sampling__temperature": -1.0}, "orchestrator.sampling.temperature"),
         ({"trainer__optim__lr": -1.0}, "trainer.optim.lr"),
         ({"trainer__scheduler__type": "exp"}, "trainer.scheduler.type"),
-        ({"trainer__scheduler__type": "cosine", "trainer__scheduler__warmup_steps": 50}, "trainer.scheduler.warmup_steps"),
+        (
+            {"trainer__scheduler__type": "cosine", "trainer__scheduler__warmup_steps": 50},
+            "trainer.scheduler.warmup_steps",
+        ),
         ({"trainer__loss__type": "custom"}, "trainer.loss.import_path"),
         ({"trainer__loss__is_clip": 0.0}, "trainer.loss.is_clip"),
         ({"trainer__mesh__fsdp": 0}, "trainer.mesh.fsdp"),
@@ -57,7 +60,10 @@ def test_defaults_validate():
         ({"model__deltanet_impl": "triton"}, "model.deltanet_impl"),
         ({"model__a2a_capacity_factor": float("inf")}, "model.a2a_capacity_factor"),
         ({"model__a2a_capacity_factor": 0.5}, "model.a2a_capacity_factor"),
-        ({"model__keep_gathered_experts": True, "model__expert_parallel": "a2a"}, "model.keep_gathered_experts"),
+        (
+            {"model__keep_gathered_experts": True, "model__expert_parallel": "a2a"},
+            "model.keep_gathered_experts",
+        ),
         ({"model__keep_exchanged_tokens": True}, "model.keep_exchanged_tokens"),
         ({"model__path": ""}, "model.path"),
         ({"run__resume_step": "yesterday"}, "run.resume_step"),
@@ -65,16 +71,20 @@ def test_defaults_validate():
         ({"run__max_steps": 0}, "run.max_steps"),
         ({"orchestrator__filters__pre_batch": ("gibberish", "nonsense")}, "orchestrator.filters.pre_batch"),
         ({"orchestrator__filters__repetition_threshold": 1.5}, "orchestrator.filters.repetition_threshold"),
-        ({"orchestrator__buffer__easy_fraction": 0.7, "orchestrator__buffer__hard_fraction": 0.7},
-         "orchestrator.buffer.easy_fraction"),
+        (
+            {"orchestrator__buffer__easy_fraction": 0.7, "orchestrator__buffer__hard_fraction": 0.7},
+            "orchestrator.buffer.easy_fraction",
+        ),
         ({"orchestrator__buffer__oversampling_factor": 0.5}, "orchestrator.buffer.oversampling_factor"),
         ({"orchestrator__algo__sampling__source": "teacher"}, "orchestrator.algo.sampling.source"),
         ({"orchestrator__algo__length_penalty__type": "words"}, "orchestrator.algo.length_penalty.type"),
         ({"sft__steps": 10}, "sft.data_path"),
         ({"orchestrator__sampling__seed": 7}, "orchestrator.sampling.seed"),
         ({"sft__steps": 10, "sft__from_env": "nope"}, "sft.from_env"),
-        ({"model__build_tiny__tokenizer": "bytes", "model__build_tiny__vocab_size": 100},
-         "model.build_tiny.vocab_size"),
+        (
+            {"model__build_tiny__tokenizer": "bytes", "model__build_tiny__vocab_size": 100},
+            "model.build_tiny.vocab_size",
+        ),
         ({"model__build_tiny__num_kv_heads": 3}, "model.build_tiny.num_kv_heads"),
         ({"orchestrator__algo__roles": {"tool": -1.0}}, "orchestrator.algo.roles"),
         ({"inference__gpu_memory_utilization": 1.5}, "inference.gpu_memory_utilization"),
@@ -91,13 +101,24 @@ def test_model_section_choices_reach_the_model_config():
     from primejax.trainer.loop import model_config
 
     cfg = typed(
-        _cfg(model__path="", trainer__fake_data__enabled=True, model__build_tiny__family="qwen3_moe",
-             model__scan_layers=True,
-             model__expert_parallel="ep", model__gmm_impl="xla", model__remat_policy="full")
+        _cfg(
+            model__path="",
+            trainer__fake_data__enabled=True,
+            model__build_tiny__family="qwen3_moe",
+            model__scan_layers=True,
+            model__expert_parallel="ep",
+            model__gmm_impl="xla",
+            model__remat_policy="full",
+        )
     )
     m = model_config(cfg.model)
     assert (m.model_type, m.scan_layers, m.expert_parallel, m.gmm_impl, m.remat_policy) == (
-        "qwen3_moe", True, "ep", "xla", "full")
+        "qwen3_moe",
+        True,
+        "ep",
+        "xla",
+        "full",
+    )
 
 
 def test_env_rules():
@@ -127,7 +148,9 @@ def test_json_round_trip_keeps_every_value():
     c.orchestrator.envs.extra.id = "arithmetic"
     c2 = from_json(to_json(c))
     assert json.loads(to_json(c2)) == json.loads(to_json(c))
-    assert c2.orchestrator.envs.reverse_text.args.min_len == 2 and c2.orchestrator.envs.extra.id == "arithmetic"
+    assert (
+        c2.orchestrator.envs.reverse_text.args.min_len == 2 and c2.orchestrator.envs.extra.id == "arithmetic"
+    )
     with pytest.raises(ConfigError, match=r"\.lrr: unknown key"):
         from_json(to_json(c).replace('"lr":', '"lrr":'))
     assert c2.orchestrator.filters.post_batch == ("zero_advantage",)
@@ -135,7 +158,12 @@ def test_json_round_trip_keeps_every_value():
 
 def test_parse_config_applies_overrides(tmp_path):
     cfg, fv = parse_config(
-        ["--config", str(ROOT / "configs/debug.py"), "--config.trainer.optim.lr=1e-5", "--config.run.name=exp1"],
+        [
+            "--config",
+            str(ROOT / "configs/debug.py"),
+            "--config.trainer.optim.lr=1e-5",
+            "--config.run.name=exp1",
+        ],
         prog="t",
     )
     assert cfg.trainer.optim.lr == 1e-5 and cfg.run.name == "exp1"
@@ -156,13 +184,27 @@ def test_parse_config_errors_name_the_key(arg, fragment):
 
 @pytest.mark.parametrize(
     "arg, fragment",
-    [("--config.trainer.optim.lrr=1", "trainer.optim.lrr"), ("--config.orchestrator.group_size=abc", "group_size")],
+    [
+        ("--config.trainer.optim.lrr=1", "trainer.optim.lrr"),
+        ("--config.orchestrator.group_size=abc", "group_size"),
+    ],
 )
 def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, arg, fragment):
     proc = subprocess.run(
-        [sys.executable, "-m", "primejax.train", "--config", "configs/debug.py", "--dry_run", arg,
-         f"--config.run.output_dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "primejax.train",
+            "--config",
+            "configs/debug.py",
+            "--dry_run",
+            arg,
+            f"--config.run.output_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -171,9 +213,20 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, arg, fragment):
 
 def test_cli_dry_run_prints_and_records_resolved_config(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "primejax.train", "--config", "configs/debug.py", "--dry_run",
-         f"--config.run.output_dir={tmp_path}", "--config.trainer.optim.lr=0.25"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "primejax.train",
+            "--config",
+            "configs/debug.py",
+            "--dry_run",
+            f"--config.run.output_dir={tmp_path}",
+            "--config.trainer.optim.lr=0.25",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)
@@ -186,10 +239,21 @@ def test_cli_dry_run_refuses_the_model_path_the_run_would_refuse(tmp_path):
     """Issue 48: `--dry_run` passed a model.path that does not exist (the tiny build off), which the run then
     refused; and a hub id (as the README's config example shows) got only 'is not a directory'."""
     proc = subprocess.run(
-        [sys.executable, "-m", "primejax.train", "--config", "configs/debug.py", "--dry_run",
-         f"--config.run.output_dir={tmp_path}", "--config.model.build_tiny.enabled=False",
-         "--config.model.path=Qwen/Qwen3-0.6B"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "primejax.train",
+            "--config",
+            "configs/debug.py",
+            "--dry_run",
+            f"--config.run.output_dir={tmp_path}",
+            "--config.model.build_tiny.enabled=False",
+            "--config.model.path=Qwen/Qwen3-0.6B",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
@@ -199,6 +263,7 @@ def test_cli_dry_run_refuses_the_model_path_the_run_would_refuse(tmp_path):
         "(or `huggingface-cli download ...`), then set model.path=models/Qwen3-0.6B"
     ], proc.stderr
     assert "Traceback" not in proc.stderr
+
 
 def test_a_bad_env_id_gets_one_message_with_a_suggestion_from_dry_run_and_run(tiny_model_dir):
     """Issue 48: a mistyped env id got two different messages (dry run: verifiers' EnvLoadError; run: the
@@ -215,8 +280,10 @@ def test_a_bad_env_id_gets_one_message_with_a_suggestion_from_dry_run_and_run(ti
 
     builtins = registered_envs()  # the shipped three, and any a test in this session registered before
     assert {"alphabet-sort", "arithmetic", "reverse-text"} <= set(builtins)
-    expected = (f"orchestrator.envs.reverse_text.id: 'revers-text' is neither a builtin ({', '.join(builtins)}) nor "
-                "an importable module ('revers_text' not found); did you mean 'reverse-text'?")
+    expected = (
+        f"orchestrator.envs.reverse_text.id: 'revers-text' is neither a builtin ({', '.join(builtins)}) nor "
+        "an importable module ('revers_text' not found); did you mean 'reverse-text'?"
+    )
     assert check_envs(cfg) == [(False, expected)]  # the dry run's line
     with pytest.raises(PreflightError) as err:  # the run's (launcher preflight)
         check_env_ids(cfg.orchestrator.envs)

@@ -10,11 +10,17 @@ from primejax.contracts.rundir import RunDir, parse_step, step_dirs, step_name
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = ROOT / "primejax" / "contracts" / "rundir.py"
 # Spellings of the layout that only the owner may write.
-SPELLINGS = re.compile(r"""f["']step_\{|step_\(\\d|["'](rollouts|broadcasts|checkpoints)["']|["']sft["']\s*/\s*["']final""")
+SPELLINGS = re.compile(
+    r"""f["']step_\{|step_\(\\d|["'](rollouts|broadcasts|checkpoints)["']|["']sft["']\s*/\s*["']final"""
+)
 
 
 def test_step_names_round_trip_and_temp_entries_never_match(tmp_path):
-    assert step_name(12) == "step_12" and parse_step("step_12") == 12 and parse_step("/a/broadcasts/step_3/") == 3
+    assert (
+        step_name(12) == "step_12"
+        and parse_step("step_12") == 12
+        and parse_step("/a/broadcasts/step_3/") == 3
+    )
     for other in ("step_", "step_1a", ".step_4.abc.tmp", "xstep_2", "/a/hf"):
         assert parse_step(other) is None, other
     for name in ("step_10", "step_2", ".step_3.x.tmp", "notes"):
@@ -32,8 +38,13 @@ def test_the_layout(tmp_path):
     assert run.metrics("orchestrator") == tmp_path / "metrics" / "orchestrator.jsonl"
     assert run.run_info("sft") == tmp_path / "metrics" / "sft.run.json" and run.wandb == tmp_path / "wandb"
     assert run.timeline(4) == tmp_path / "timeline" / "step_4.json"
-    assert run.table("orchestrator", "eval/samples") == tmp_path / "tables" / "orchestrator" / "eval.samples.jsonl"
-    assert run.table("orchestrator", "../x") == tmp_path / "tables" / "orchestrator" / "...x.jsonl"  # stays inside
+    assert (
+        run.table("orchestrator", "eval/samples")
+        == tmp_path / "tables" / "orchestrator" / "eval.samples.jsonl"
+    )
+    assert (
+        run.table("orchestrator", "../x") == tmp_path / "tables" / "orchestrator" / "...x.jsonl"
+    )  # stays inside
 
 
 def test_no_other_module_spells_the_layout():

@@ -29,8 +29,15 @@ def gpu_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from primejax.models.tiny import build_tiny_model
 
     return build_tiny_model(
-        tmp_path_factory.mktemp("gpu-qwen3") / "model", tied=False, seed=3, hidden_size=256, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512,
+        tmp_path_factory.mktemp("gpu-qwen3") / "model",
+        tied=False,
+        seed=3,
+        hidden_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        intermediate_size=512,
     )
 
 
@@ -40,13 +47,21 @@ def gpu_server(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     from primejax.inference.process import InferenceServerProcess
     from primejax.inference.server import ServerSpec, free_port
 
-    spec = ServerSpec(model=str(gpu_model_dir), port=free_port(), dtype="bfloat16", max_model_len=1024,
-                      devices=SERVER_GPU, gpu_memory_utilization=0.3)
+    spec = ServerSpec(
+        model=str(gpu_model_dir),
+        port=free_port(),
+        dtype="bfloat16",
+        max_model_len=1024,
+        devices=SERVER_GPU,
+        gpu_memory_utilization=0.3,
+    )
     proc = InferenceServerProcess(spec, tmp_path_factory.mktemp("gpu-server") / "inference.log")
     try:
         proc.start()
         startup_s = proc.wait_healthy(600)
         print(f"\nGPU vLLM server healthy in {startup_s:.0f} s (log {proc.log_path})")
-        yield SimpleNamespace(base_url=spec.base_url, model_dir=Path(gpu_model_dir), process=proc, startup_s=startup_s)
+        yield SimpleNamespace(
+            base_url=spec.base_url, model_dir=Path(gpu_model_dir), process=proc, startup_s=startup_s
+        )
     finally:
         proc.stop()

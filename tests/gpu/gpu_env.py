@@ -17,6 +17,9 @@ RUN_GPU = "0"
 
 # This process's JAX shares GPU 0 with the collective sender's torch: allocate on demand, never 75% up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-for _var, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                     ("NVSHMEM_DISABLE_NVLS", "1")):
+for _var, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
     os.environ.setdefault(_var, _value)  # never NVLink multicast (docs/gpu.md)

@@ -58,7 +58,9 @@ def _perturbed(base_dir: Path, seed: int) -> tuple[object, object, list[tuple[st
     key = jax.random.key(seed)
     for i, var in enumerate(param_variables(model).values()):
         w = var[...]
-        var[...] = w + max(float(w.std()), 0.1) * jax.random.normal(jax.random.fold_in(key, i), w.shape, w.dtype)
+        var[...] = w + max(float(w.std()), 0.1) * jax.random.normal(
+            jax.random.fold_in(key, i), w.shape, w.dtype
+        )
     return model, cfg, list(state_to_hf_tensors(model, cfg, "bfloat16"))
 
 
@@ -82,7 +84,9 @@ def test_nccl_update_serves_bit_for_bit_what_the_filesystem_update_serves(gpu_se
     url = gpu_server.base_url
     prompts = _prompts(gpu_server.model_dir)
     model, cfg, named = _perturbed(gpu_server.model_dir, seed=21)
-    export_safetensors(model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=gpu_server.model_dir, tensors=named)
+    export_safetensors(
+        model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=gpu_server.model_dir, tensors=named
+    )
     try:
         base, base_digest = asyncio.run(_greedy(url, prompts)), _digest(url)
         r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
@@ -92,8 +96,14 @@ def test_nccl_update_serves_bit_for_bit_what_the_filesystem_update_serves(gpu_se
         assert _digest(url) == base_digest
 
         device = torch.device("cuda", 0)
-        sender = CollectiveSender(tmp_path / "run", secret=process_token(), timeout_s=120, backend="nccl",
-                                  device=device, bucket_bytes=16 * 2**20)
+        sender = CollectiveSender(
+            tmp_path / "run",
+            secret=process_token(),
+            timeout_s=120,
+            backend="nccl",
+            device=device,
+            bucket_bytes=16 * 2**20,
+        )
         gpu_named = [(n, to_torch(a).to(device)) for n, a in named]
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(ok=sender.send(2, gpu_named)))
@@ -125,15 +135,30 @@ def _small_run(tmp_path: Path, *extra: str, max_steps: int = 3) -> subprocess.Co
     """The user's command (configs/gpu_single.py) with a small bf16 model, on RUN_GPU. On a one-GPU node the
     session's server (30% of the card) holds the same GPU, so the run's two shares shrink to fit beside it."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": RUN_GPU, "PYTHONUNBUFFERED": "1"}
-    shares = [] if GPUS >= 2 else ["--config.trainer.memory_fraction=0.25",
-                                   "--config.inference.gpu_memory_utilization=0.25"]
+    shares = (
+        []
+        if GPUS >= 2
+        else ["--config.trainer.memory_fraction=0.25", "--config.inference.gpu_memory_utilization=0.25"]
+    )
     args = [
-        sys.executable, "-m", "primejax.train", "--config", str(REPO / "configs/gpu_single.py"),
-        f"--config.run.output_dir={tmp_path}", "--config.run.name=run", f"--config.run.max_steps={max_steps}",
-        f"--config.model.path={tmp_path / 'model'}", "--config.model.build_tiny.hidden_size=256",
-        "--config.model.build_tiny.num_layers=2", "--config.model.build_tiny.num_heads=4",
-        "--config.model.build_tiny.num_kv_heads=2", "--config.model.build_tiny.intermediate_size=512",
-        "--config.sft.steps=20", "--config.orchestrator.batch_size=64", *shares, *extra,
+        sys.executable,
+        "-m",
+        "primejax.train",
+        "--config",
+        str(REPO / "configs/gpu_single.py"),
+        f"--config.run.output_dir={tmp_path}",
+        "--config.run.name=run",
+        f"--config.run.max_steps={max_steps}",
+        f"--config.model.path={tmp_path / 'model'}",
+        "--config.model.build_tiny.hidden_size=256",
+        "--config.model.build_tiny.num_layers=2",
+        "--config.model.build_tiny.num_heads=4",
+        "--config.model.build_tiny.num_kv_heads=2",
+        "--config.model.build_tiny.intermediate_size=512",
+        "--config.sft.steps=20",
+        "--config.orchestrator.batch_size=64",
+        *shares,
+        *extra,
     ]
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -160,9 +185,14 @@ def test_lora_run_with_cuda_graphs_resumes_from_its_checkpoint(tmp_path):
     """LoRA adapters loaded into the GPU server each step, CUDA graphs on (`inference.enforce_eager=False`), and a
     rerun of the same command resuming: 2 steps with a checkpoint at step 2, then `max_steps=4` continues at 3.
     The step-1 mismatch KL is small only if the graph-captured server serves the adapter the trainer holds."""
-    lora = ["--config.model.lora.rank=16", "--config.model.lora.alpha=32", "--config.sft.warmup_lora=False",
-            "--config.trainer.optim.lr=4e-4", "--config.inference.enforce_eager=False",
-            "--config.trainer.checkpoint.interval=2"]  # the orchestrator follows (it once stayed at 10: no resume)
+    lora = [
+        "--config.model.lora.rank=16",
+        "--config.model.lora.alpha=32",
+        "--config.sft.warmup_lora=False",
+        "--config.trainer.optim.lr=4e-4",
+        "--config.inference.enforce_eager=False",
+        "--config.trainer.checkpoint.interval=2",
+    ]  # the orchestrator follows (it once stayed at 10: no resume)
     _small_run(tmp_path, *lora, max_steps=2)
     first = _trained_steps(tmp_path / "run")
     assert [r["step"] for r in first] == [1, 2]
@@ -184,9 +214,18 @@ def test_filesystem_update_into_a_cuda_graph_server_serves_what_an_eager_server_
 
     prompts = _prompts(gpu_server.model_dir)
     model, cfg, named = _perturbed(gpu_server.model_dir, seed=29)
-    export_safetensors(model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=gpu_server.model_dir, tensors=named)
-    spec = ServerSpec(model=str(gpu_server.model_dir), port=free_port(), dtype="bfloat16", max_model_len=1024,
-                      devices=SERVER_GPU, gpu_memory_utilization=0.25, enforce_eager=False)
+    export_safetensors(
+        model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=gpu_server.model_dir, tensors=named
+    )
+    spec = ServerSpec(
+        model=str(gpu_server.model_dir),
+        port=free_port(),
+        dtype="bfloat16",
+        max_model_len=1024,
+        devices=SERVER_GPU,
+        gpu_memory_utilization=0.25,
+        enforce_eager=False,
+    )
     graphs = InferenceServerProcess(spec, tmp_path / "graphs.log")
     try:
         graphs.start()
@@ -202,8 +241,10 @@ def test_filesystem_update_into_a_cuda_graph_server_serves_what_an_eager_server_
         graphs.stop()
     # Graph replay may pick other GEMM kernels than eager mode (padded batch sizes), so a near-tie can flip a later
     # greedy token; the first token of each prompt and its logprob are compared, the whole sequences reported.
-    print(f"sequences equal to the eager server's: {sum(a[0] == b[0] for a, b in zip(with_graphs, eager, strict=True))}"
-          f" of {len(prompts)}")
+    print(
+        f"sequences equal to the eager server's: {sum(a[0] == b[0] for a, b in zip(with_graphs, eager, strict=True))}"
+        f" of {len(prompts)}"
+    )
     assert [t[:1] for t, _ in with_graphs] == [t[:1] for t, _ in eager]
     # Measured on one H200 (vLLM 0.26): 0.062 on this random model, whose perturbed weights make large logits.
     assert max(abs(a[1][0] - b[1][0]) for a, b in zip(with_graphs, eager, strict=True)) < 0.15
@@ -220,12 +261,33 @@ def test_nccl_sender_killed_mid_round_leaves_the_server_up_on_its_weights(gpu_se
     model, cfg, named = _perturbed(gpu_server.model_dir, seed=23)
     export_safetensors(model, cfg, tmp_path / "w", dtype="bfloat16", tensors=named)
     base_digest = _digest(url)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests/transfer/sender_proc.py"), str(tmp_path / "run"),
-                             str(tmp_path / "w"), "5", "--fault", "kill", "--after", "1", "--timeout", "20",
-                             "--bucket-bytes", str(1 << 20), "--nccl"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "0",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tests/transfer/sender_proc.py"),
+            str(tmp_path / "run"),
+            str(tmp_path / "w"),
+            "5",
+            "--fault",
+            "kill",
+            "--after",
+            "1",
+            "--timeout",
+            "20",
+            "--bucket-bytes",
+            str(1 << 20),
+            "--nccl",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         offer = None
         for _ in range(1200):
@@ -234,7 +296,11 @@ def test_nccl_sender_killed_mid_round_leaves_the_server_up_on_its_weights(gpu_se
                 break
             threading.Event().wait(0.05)
         assert offer is not None, proc.stdout.read() if proc.poll() is not None else "no offer"
-        body = {"version": 5, "init_info": {**offer.init_info, "rank_offset": 1}, "update_info": offer.update_info}
+        body = {
+            "version": 5,
+            "init_info": {**offer.init_info, "rank_offset": 1},
+            "update_info": offer.update_info,
+        }
         r = _post(url, "/transfer_weights", body, timeout=300)
         assert r.status_code >= 400, r.text
     finally:

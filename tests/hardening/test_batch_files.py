@@ -94,6 +94,7 @@ def test_a_manifest_nested_too_deeply_is_a_format_error(tmp_path):
     with pytest.raises(BatchFormatError, match="nested too deeply"):
         read_batch(bad)
 
+
 def test_zero_rows_is_a_format_error(tmp_path):
     def empty(arrays):
         for k in arrays:
@@ -148,6 +149,7 @@ def test_max_segments_is_computed_not_trusted(tmp_path):
 @pytest.mark.parametrize("field", ["inference_logprobs", "ref_logprobs"])
 def test_a_positive_log_probability_is_refused(tmp_path, field):
     """Issue 48: a batch whose inference_logprobs were positive (not a log-probability) was trained on."""
+
     def poison(arrays):
         arrays[field] = arrays[field].copy()
         arrays[field][0, 1] = 5.0

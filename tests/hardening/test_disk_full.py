@@ -135,16 +135,19 @@ def test_an_io_error_line_names_the_runs_disk_and_the_error(tmp_path):
     from primejax.utils.disk import io_error_line, mount_point
 
     full = io_error_line(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), tmp_path, "its outputs")
-    assert full.startswith(f"disk full: no space left writing its outputs under {tmp_path} on the filesystem at "
-                           f"{mount_point(tmp_path)} ("), full
+    assert full.startswith(
+        f"disk full: no space left writing its outputs under {tmp_path} on the filesystem at "
+        f"{mount_point(tmp_path)} ("
+    ), full
     eio = io_error_line(OSError(errno.EIO, os.strerror(errno.EIO), str(tmp_path / "x.safetensors")), tmp_path,
                         "its outputs")  # fmt: skip
     assert eio == f"I/O error writing its outputs under {tmp_path / 'x.safetensors'}: Input/output error"
 
 
 @pytest.mark.parametrize(("code", "raised"), [("EIO", True), ("ENOSPC", True), ("EINVAL", False)])
-def test_a_directory_fsync_failure_is_raised_unless_the_filesystem_cannot_fsync_dirs(tmp_path, monkeypatch,
-                                                                                     code, raised):
+def test_a_directory_fsync_failure_is_raised_unless_the_filesystem_cannot_fsync_dirs(
+    tmp_path, monkeypatch, code, raised
+):
     """Issue 48: every error of a directory's fsync was swallowed, so a rename that may not be on disk (EIO)
     counted as written. A filesystem that cannot fsync directories (EINVAL) is still tolerated."""
     import errno

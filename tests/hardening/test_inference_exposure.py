@@ -159,6 +159,7 @@ def test_unauthenticated_gets_do_not_reveal_absolute_paths(base_dir, tmp_path):
     assert anyone.status_code == admin.status_code == 503
     assert str(tmp_path) not in anyone.text and str(tmp_path) in admin.text
 
+
 def test_client_sends_absolute_paths_and_the_secret_on_admin_calls_only(tmp_path, monkeypatch):
     seen = []
 
@@ -242,8 +243,20 @@ def test_admin_routes_need_the_secret_under_a_root_path(base_dir, root_path, pat
 
 # issue 48: the malformed ones (not UTF-8, not an object, a size that is no size, a name outside the directory)
 # answered HTTP 500 or made the server hash a file outside the broadcast
-@pytest.mark.parametrize("damage", ["no_files", "no_hashes", "unlisted_weights", "not_utf8", "not_an_object",
-                                    "deep", "no_size", "string_size", "outside"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "no_files",
+        "no_hashes",
+        "unlisted_weights",
+        "not_utf8",
+        "not_an_object",
+        "deep",
+        "no_size",
+        "string_size",
+        "outside",
+    ],
+)
 def test_a_stable_manifest_that_vouches_for_nothing_is_refused(base_dir, tmp_path, damage):
     run = tmp_path / "run"
     d = _broadcast(base_dir, run, 2)
@@ -280,9 +293,16 @@ class TransferEngine(FakeEngine):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("dtype_names", "float64"), ("dtype_names", ["x"]), ("shapes", [["a"]]), ("shapes", [[-1]]),
-     # issue 48: an infinite dimension (JSON's Infinity) answered HTTP 500; a string or bool passed as a number
-     ("shapes", [[float("inf")]]), ("shapes", [["2"]]), ("shapes", [[True]])],
+    [
+        ("dtype_names", "float64"),
+        ("dtype_names", ["x"]),
+        ("shapes", [["a"]]),
+        ("shapes", [[-1]]),
+        # issue 48: an infinite dimension (JSON's Infinity) answered HTTP 500; a string or bool passed as a number
+        ("shapes", [[float("inf")]]),
+        ("shapes", [["2"]]),
+        ("shapes", [[True]]),
+    ],
 )
 def test_a_malformed_transfer_offer_is_refused_before_the_server_pauses(base_dir, field, value):
     validator = WeightDirValidator(base_dir)
@@ -298,7 +318,9 @@ def test_a_malformed_transfer_offer_is_refused_before_the_server_pauses(base_dir
     info[field] = value if not isinstance(value, list) else value * len(names)
     body = {"version": 1, "init_info": {"timeout_s": 5}, "update_info": info}
     # json.dumps writes inf as `Infinity`, which Python's JSON reader (the server's) accepts
-    r = client.post("/transfer_weights", content=json.dumps(body), headers={**AUTH, "content-type": "application/json"})
+    r = client.post(
+        "/transfer_weights", content=json.dumps(body), headers={**AUTH, "content-type": "application/json"}
+    )
     assert r.status_code in (400, 422), r.text
     assert engine.calls == [] and state.version == 0
 

@@ -117,8 +117,11 @@ def test_an_explicit_port_is_reserved_for_the_launchers_life(tmp_path):
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(PreflightError, match=rf"^inference.port: 127.0.0.1:{port} is reserved by another "
-                                                 rf"primejax run \(pid {holder.pid}, started "):
+        with pytest.raises(
+            PreflightError,
+            match=rf"^inference.port: 127.0.0.1:{port} is reserved by another "
+            rf"primejax run \(pid {holder.pid}, started ",
+        ):
             check_port("127.0.0.1", port)
     finally:
         holder.stdin.close()

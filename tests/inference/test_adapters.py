@@ -126,7 +126,10 @@ def _app(base_dir, engine, max_lora_rank=8) -> tuple[TestClient, AdminState]:
     return TestClient(app), app.state.primejax
 
 
-Q_PROJ = (64, 64)  # the tiny base model's layers.0.self_attn.q_proj.weight [out, in] (checked in the test below)
+Q_PROJ = (
+    64,
+    64,
+)  # the tiny base model's layers.0.self_attn.q_proj.weight [out, in] (checked in the test below)
 
 
 def _adapter_broadcast(run, step, rank=8, tensor_names=("q_proj.lora_A.weight", "q_proj.lora_B.weight"),
@@ -138,7 +141,8 @@ def _adapter_broadcast(run, step, rank=8, tensor_names=("q_proj.lora_A.weight", 
     def write(d):
         tensors = {
             f"base_model.model.model.layers.0.self_attn.{n}": np.zeros(
-                (shapes or {}).get(n, (rank, inp) if ".lora_A." in n else (out, rank)), np.float32)
+                (shapes or {}).get(n, (rank, inp) if ".lora_A." in n else (out, rank)), np.float32
+            )
             for n in tensor_names
         }
         save_file(tensors, str(d / "adapter_model.safetensors"))
@@ -214,15 +218,29 @@ def test_full_weights_after_adapters_serve_the_base_name(base_dir, tmp_path):
         (8, {"rank": 16}, "rank 16 is not in 1..8"),
         (8, {"tensor_names": ("q_proj.weight",)}, "other than lora_A"),
         # issue 48: these loaded with 200 (alpha 1e30 made the server sample uniformly)
-        (8, {"config": {"lora_alpha": 1e30}}, "lora_alpha 1e+30 must be a finite number in (0, 1024 x r = 8192]"),
+        (
+            8,
+            {"config": {"lora_alpha": 1e30}},
+            "lora_alpha 1e+30 must be a finite number in (0, 1024 x r = 8192]",
+        ),
         (8, {"config": {"lora_alpha": float("nan")}}, "lora_alpha nan must be"),
         (8, {"config": {"lora_alpha": "16"}}, "lora_alpha '16' must be"),
         (8, {"config": {"lora_alpha": 0}}, "lora_alpha 0 must be"),
-        (8, {"shapes": {"q_proj.lora_A.weight": (4, 64)}}, "q_proj.lora_A.weight: F32 [4, 64] is not a float lora_A "
-                                                          "[r, in] of rank 8"),
-        (8, {"shapes": {"q_proj.lora_B.weight": (64, 4)}}, "[64, 4] is not a float lora_B [out, r] of rank 8"),
-        (8, {"shapes": {"q_proj.lora_A.weight": (8, 33)}}, "adapter maps 33 -> 64 but the base model's weight is "
-                                                          "[64, 64] [out, in]"),
+        (
+            8,
+            {"shapes": {"q_proj.lora_A.weight": (4, 64)}},
+            "q_proj.lora_A.weight: F32 [4, 64] is not a float lora_A [r, in] of rank 8",
+        ),
+        (
+            8,
+            {"shapes": {"q_proj.lora_B.weight": (64, 4)}},
+            "[64, 4] is not a float lora_B [out, r] of rank 8",
+        ),
+        (
+            8,
+            {"shapes": {"q_proj.lora_A.weight": (8, 33)}},
+            "adapter maps 33 -> 64 but the base model's weight is [64, 64] [out, in]",
+        ),
         (8, {"shapes": {"q_proj.lora_B.weight": (65, 8)}}, "adapter maps 64 -> 65"),
         (8, {"shapes": {"q_proj.lora_A.weight": (8, 64, 1)}}, "[8, 64, 1] is not a float lora_A"),
         (8, {"tensor_names": ("q_proj.lora_A.weight",)}, "has lora_A without its pair"),
@@ -247,7 +265,9 @@ def test_the_adapter_fixture_fits_the_tiny_base(base_dir):
 def test_an_adapter_with_a_usual_alpha_loads(base_dir, tmp_path):
     engine = FakeLoraEngine()
     client, _ = _app(base_dir, engine)
-    r = client.post("/update_weights", json={"weight_dir": _adapter_broadcast(tmp_path, 7, config={"lora_alpha": 16})})
+    r = client.post(
+        "/update_weights", json={"weight_dir": _adapter_broadcast(tmp_path, 7, config={"lora_alpha": 16})}
+    )
     assert r.status_code == 200, r.text
 
 

@@ -13,10 +13,22 @@ from primejax.inference.client import InferenceClient, InferenceError
 
 COMPLETION = {
     "choices": [
-        {"index": 1, "text": "b", "token_ids": [7, 2], "finish_reason": "stop",
-         "logprobs": {"token_logprobs": [-0.5, -0.25]}, "prompt_token_ids": [1, 2, 3]},
-        {"index": 0, "text": "a", "token_ids": [5, 6], "finish_reason": "length",
-         "logprobs": {"token_logprobs": [-1.0, -2.0]}, "prompt_token_ids": [1, 2, 3]},
+        {
+            "index": 1,
+            "text": "b",
+            "token_ids": [7, 2],
+            "finish_reason": "stop",
+            "logprobs": {"token_logprobs": [-0.5, -0.25]},
+            "prompt_token_ids": [1, 2, 3],
+        },
+        {
+            "index": 0,
+            "text": "a",
+            "token_ids": [5, 6],
+            "finish_reason": "length",
+            "logprobs": {"token_logprobs": [-1.0, -2.0]},
+            "prompt_token_ids": [1, 2, 3],
+        },
     ]
 }
 MODELS = {"data": [{"id": "served-model"}]}
@@ -49,7 +61,9 @@ def test_generate_parses_samples_in_index_order_and_sends_token_prompt():
     out = asyncio.run(go())
     assert [o.completion_token_ids for o in out] == [[5, 6], [7, 2]]
     assert out[0].completion_logprobs == [-1.0, -2.0] and out[1].finish_reason == "stop"
-    assert seen["prompt"] == [1, 2, 3] and seen["model"] == "served-model" and seen["return_token_ids"] is True
+    assert (
+        seen["prompt"] == [1, 2, 3] and seen["model"] == "served-model" and seen["return_token_ids"] is True
+    )
     assert seen["temperature"] == 0.7 and seen["n"] == 2 and seen["seed"] == 5 and seen["logprobs"] == 0
 
 
@@ -137,8 +151,20 @@ def test_generation_is_spread_over_servers():
 
 def test_score_maps_prompt_logprobs_by_token():
     def handler(req):
-        return httpx.Response(200, json={"choices": [{"prompt_logprobs": [
-            None, {"9": {"logprob": -1.5}, "4": {"logprob": -0.1}}, {"3": {"logprob": -2.0}}]}]})
+        return httpx.Response(
+            200,
+            json={
+                "choices": [
+                    {
+                        "prompt_logprobs": [
+                            None,
+                            {"9": {"logprob": -1.5}, "4": {"logprob": -0.1}},
+                            {"3": {"logprob": -2.0}},
+                        ]
+                    }
+                ]
+            },
+        )
 
     async def go():
         async with _client(handler, model="m") as c:
@@ -165,7 +191,9 @@ def test_a_rollouts_turns_stay_on_one_replica_and_new_rollouts_go_to_the_least_l
             await c.generate([1, 2, 3], n=2, max_tokens=2, temperature=1.0)
 
     async def go():
-        async with InferenceClient(["http://a", "http://b"], transport=httpx.AsyncBaseTransport(), backoff_s=0.0) as c:
+        async with InferenceClient(
+            ["http://a", "http://b"], transport=httpx.AsyncBaseTransport(), backoff_s=0.0
+        ) as c:
             c._http._transport = httpx.MockTransport(handler)
             tasks = [asyncio.create_task(rollout(c, 3)) for _ in range(2)]
             await asyncio.gather(*tasks)
@@ -188,12 +216,16 @@ def test_a_sticky_rollout_reaches_a_second_clients_own_server():
             return httpx.Response(200, json=MODELS)
         hits.append(req.url.host)
         if req.url.host == "teacher":
-            return httpx.Response(200, json={"choices": [{"prompt_logprobs": [None, {"2": {"logprob": -0.5}}]}]})
+            return httpx.Response(
+                200, json={"choices": [{"prompt_logprobs": [None, {"2": {"logprob": -0.5}}]}]}
+            )
         return httpx.Response(200, json=COMPLETION)
 
     async def go():
-        async with _client(handler, urls=("http://policy",)) as policy, _client(handler, urls=("http://teacher",)) \
-                as teacher:
+        async with (
+            _client(handler, urls=("http://policy",)) as policy,
+            _client(handler, urls=("http://teacher",)) as teacher,
+        ):
             sticky_route()
             await policy.generate([1, 2, 3], n=2, max_tokens=2, temperature=1.0)
             scores = await teacher.score([1, 2])
@@ -235,7 +267,9 @@ def test_a_replica_that_fails_is_routed_around_until_revived():
 
     outcomes, down, version, alive_while_dead, alive_after, down_after = asyncio.run(go())
     # Only the one request that found it dead is lost (the caller redoes it); every later one goes to "a".
-    assert outcomes.count("lost") == 1 and outcomes[outcomes.index("lost") + 1 :] == ["ok"] * (5 - outcomes.index("lost"))
+    assert outcomes.count("lost") == 1 and outcomes[outcomes.index("lost") + 1 :] == ["ok"] * (
+        5 - outcomes.index("lost")
+    )
     assert down == {"http://b"} and version == 2
     assert not alive_while_dead and alive_after
     assert down_after == set()
@@ -261,7 +295,7 @@ def test_a_metrics_page_is_read_only_up_to_its_bound_and_parsed_off_the_loop():
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "big":
             return httpx.Response(200, content=endless())
-        return httpx.Response(200, content=f"{KV_USAGE}{{engine=\"0\"}} 0.5\n".encode())
+        return httpx.Response(200, content=f'{KV_USAGE}{{engine="0"}} 0.5\n'.encode())
 
     async def main():
         async with _client(handler, urls=("http://big", "http://ok")) as c:

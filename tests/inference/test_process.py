@@ -43,8 +43,9 @@ def _gone(pid: int, wait_s: float = 5.0) -> bool:
 
 
 def test_dead_server_raises_with_log_tail(tmp_path):
-    proc = InferenceServerProcess(ScriptSpec("print('model config is broken'); raise SystemExit(3)"),
-                                  tmp_path / "server.log")
+    proc = InferenceServerProcess(
+        ScriptSpec("print('model config is broken'); raise SystemExit(3)"), tmp_path / "server.log"
+    )
     with pytest.raises(ServerDiedError) as e, proc:
         proc.wait_healthy(timeout_s=60)
     assert "exited with code 3" in str(e.value) and "model config is broken" in str(e.value)
@@ -77,9 +78,16 @@ def test_spec_builds_the_documented_command(tmp_path):
     argv = spec.argv()
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(argv)
-    for part in ("--port 8123", "--host 127.0.0.1", "--max-model-len 512", "--logprobs-mode processed_logprobs",
-                 "--worker-extension-cls primejax.inference.vllm_ext.PrimejaxWorkerExtension", "--enforce-eager",
-                 "--enable-scale-out", "--max-num-seqs 8"):
+    for part in (
+        "--port 8123",
+        "--host 127.0.0.1",
+        "--max-model-len 512",
+        "--logprobs-mode processed_logprobs",
+        "--worker-extension-cls primejax.inference.vllm_ext.PrimejaxWorkerExtension",
+        "--enforce-eager",
+        "--enable-scale-out",
+        "--max-num-seqs 8",
+    ):
         assert part in joined
     env = spec.environ({})
     assert env["VLLM_PLUGINS"] == "primejax" and env["HF_HUB_OFFLINE"] == "1"
@@ -89,8 +97,12 @@ def test_spec_from_config():
     from primejax.inference.server import InferenceConfig
 
     spec = ServerSpec.from_config(InferenceConfig(port=9001, extra_args=("--foo",)), "/models/x")
-    assert (spec.model, spec.port, spec.base_url, spec.extra_args) == ("/models/x", 9001, "http://127.0.0.1:9001",
-                                                                     ("--foo",))
+    assert (spec.model, spec.port, spec.base_url, spec.extra_args) == (
+        "/models/x",
+        9001,
+        "http://127.0.0.1:9001",
+        ("--foo",),
+    )
 
 
 def test_module_entry_prints_the_server_command(tmp_path, tiny_model_dir):
@@ -106,9 +118,21 @@ def test_module_entry_prints_the_server_command(tmp_path, tiny_model_dir):
         "    return c\n"
     )
     out = subprocess.run(
-        [sys.executable, "-m", "primejax.inference", "--config", str(cfg), "--config.inference.port=8123",
-         "--dry_run", "--", "--max-num-seqs", "4"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "primejax.inference",
+            "--config",
+            str(cfg),
+            "--config.inference.port=8123",
+            "--dry_run",
+            "--",
+            "--max-num-seqs",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "VLLM_PLUGINS=primejax" in out.stdout and "--port 8123" in out.stdout

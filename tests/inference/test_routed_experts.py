@@ -50,11 +50,14 @@ def test_decode_drops_the_prompt_rows_of_a_server_that_ignored_the_prompt_start(
     last (prompt_len + completion_len - 1): the completion's rows start at the prompt's last token."""
     prompt_len, completion_len, layers, top_k = 5, 3, 2, 2
     rows = np.stack([np.full((layers, top_k), 0) + [0, 1] for _ in range(prompt_len + completion_len - 1)])
-    rows[:, 0, 0] = np.arange(len(rows)) % 4 * 2  # a distinct, valid top-k per row: row i names expert 2(i % 4)
+    rows[:, 0, 0] = (
+        np.arange(len(rows)) % 4 * 2
+    )  # a distinct, valid top-k per row: row i names expert 2(i % 4)
     rows[:, 0, 1] = rows[:, 0, 0] + 1
     out = decode(_b64(rows.astype(np.uint8)), completion_len, layers, top_k, 8, prompt_len=prompt_len)
     np.testing.assert_array_equal(out, rows[prompt_len - 1 :])
     # A server that honoured the prompt start returns exactly the completion's rows: kept as they are.
     honoured = rows[prompt_len - 1 :].astype(np.uint8)
-    np.testing.assert_array_equal(decode(_b64(honoured), completion_len, layers, top_k, 8, prompt_len=prompt_len),
-                                  honoured)
+    np.testing.assert_array_equal(
+        decode(_b64(honoured), completion_len, layers, top_k, 8, prompt_len=prompt_len), honoured
+    )

@@ -42,7 +42,9 @@ def base_dir(tmp_path_factory):
 def _client(base_dir, engine) -> tuple[TestClient, AdminState]:
     app = FastAPI()
     app.include_router(router)
-    app.state.primejax = AdminState(engine=engine, base_dir=str(base_dir), validate=WeightDirValidator(base_dir))
+    app.state.primejax = AdminState(
+        engine=engine, base_dir=str(base_dir), validate=WeightDirValidator(base_dir)
+    )
     return TestClient(app), app.state.primejax
 
 

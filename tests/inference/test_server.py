@@ -97,7 +97,9 @@ def test_score_returns_prompt_logprobs(vllm_server):
 
     scores = _run(go())
     assert scores[0] is None and len(scores) == len(ids)
-    np.testing.assert_allclose(scores[1:], HFReference(vllm_server.model_dir).prompt_logprobs(ids), atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(
+        scores[1:], HFReference(vllm_server.model_dir).prompt_logprobs(ids), atol=LOGPROB_ATOL
+    )
 
 
 def test_chat_applies_the_template_server_side(vllm_server):
@@ -137,7 +139,8 @@ def test_update_weights_then_reload_restores_base(server, tmp_path):
     assert [c.completion_token_ids for c in restored] == [c.completion_token_ids for c in base]
     np.testing.assert_allclose(
         np.concatenate([c.completion_logprobs for c in restored]),
-        np.concatenate([c.completion_logprobs for c in base]), atol=1e-5,
+        np.concatenate([c.completion_logprobs for c in base]),
+        atol=1e-5,
     )
 
 
@@ -176,8 +179,11 @@ def test_requests_in_flight_during_update_all_complete(vllm_server, tmp_path):
                         break
                 await c.update_weights(str(new_dir), version=4)
                 unfinished_at_update = sum(not t.done() for t in tasks)
-                streamed = [json.loads(ln[6:]) for ln in [line] + [ln async for ln in events]
-                            if ln.startswith("data: ") and ln != "data: [DONE]"]
+                streamed = [
+                    json.loads(ln[6:])
+                    for ln in [line] + [ln async for ln in events]
+                    if ln.startswith("data: ") and ln != "data: [DONE]"
+                ]
             results = await asyncio.gather(*tasks)
             after = await _greedy(vllm_server.base_url, prompts)
             await c.reload_weights()

@@ -31,8 +31,12 @@ def test_tokenizer_round_trips_every_builtin_env_string(built):
     tok = AutoTokenizer.from_pretrained(str(built[0]))
     samples = [
         string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation + " \n\t",
-        "Reverse the text: hello world!", "dlrow olleh", "apple banana cherry", "(12 + 30) * 4 - 7 / 2 = ?",
-        "<reversed_text>abc</reversed_text>", "héllo ünïcode ✓",
+        "Reverse the text: hello world!",
+        "dlrow olleh",
+        "apple banana cherry",
+        "(12 + 30) * 4 - 7 / 2 = ?",
+        "<reversed_text>abc</reversed_text>",
+        "héllo ünïcode ✓",
     ]
     for s in samples:
         assert tok.decode(tok(s)["input_ids"]) == s
@@ -42,7 +46,9 @@ def test_tokenizer_round_trips_every_builtin_env_string(built):
 def test_chat_template_special_tokens_and_generation_config(built):
     d = built[0]
     tok = AutoTokenizer.from_pretrained(str(d))
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     ids = tok("<think>x</think><|im_end|>")["input_ids"]
     # think tags survive skip_special_tokens (reasoning parsers read them); <|im_end|> does not

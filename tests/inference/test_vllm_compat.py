@@ -13,8 +13,13 @@ from primejax.inference.vllm_compat import VllmRelease, check_supported, generat
 
 @pytest.mark.parametrize(
     "text, number",
-    [("0.26.0", (0, 26, 0)), ("0.31.0+cpu", (0, 31, 0)), ("0.12.0.post2", (0, 12, 0)), ("0.33.0rc1", (0, 33, 0)),
-     ("1.0", (1, 0, 0))],
+    [
+        ("0.26.0", (0, 26, 0)),
+        ("0.31.0+cpu", (0, 31, 0)),
+        ("0.12.0.post2", (0, 12, 0)),
+        ("0.33.0rc1", (0, 33, 0)),
+        ("1.0", (1, 0, 0)),
+    ],
 )
 def test_parse_version(text, number):
     assert parse_version(text) == number
@@ -67,8 +72,15 @@ def test_the_transfer_engine_implements_what_older_releases_declare_abstract():
 
     engine_cls = vllm_ext._transfer_engine_cls()
     own = vars(engine_cls)
-    for name in ("init_transfer_engine", "start_weight_update", "update_weights", "receive_weights",
-                 "finish_weight_update", "shutdown", "trainer_send_weights"):
+    for name in (
+        "init_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "receive_weights",
+        "finish_weight_update",
+        "shutdown",
+        "trainer_send_weights",
+    ):
         assert name in own, name
     assert not inspect.isabstract(engine_cls)
     with pytest.raises(NotImplementedError):

@@ -64,11 +64,17 @@ def test_weight_transfer_engine_registers_in_vllms_registry_and_implements_its_p
     engine_cls = WeightTransferEngineFactory._registry[vllm_ext.TRANSFER_BACKEND]()
     assert issubclass(engine_cls, WeightTransferEngine) and not inspect.isabstract(engine_cls)
     assert WeightTransferConfig(backend=vllm_ext.TRANSFER_BACKEND).backend == vllm_ext.TRANSFER_BACKEND
-    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+    for name in (
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ):
         assert callable(getattr(EngineClient, name)) and callable(getattr(Worker, name))
     assert callable(initialize_layerwise_reload) and callable(finalize_layerwise_reload)
-    init = engine_cls.init_info_cls(master_address="127.0.0.1", master_port=1, group_id="g", rank_offset=1,
-                                    world_size=2)
+    init = engine_cls.init_info_cls(
+        master_address="127.0.0.1", master_port=1, group_id="g", rank_offset=1, world_size=2
+    )
     assert init.backend == "gloo" and init.timeout_s > 0
 
 

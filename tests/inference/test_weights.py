@@ -49,8 +49,19 @@ def test_extra_lm_head_is_tolerated_for_tied_models(base, tmp_path):
     WeightDirValidator(base)(d)
 
 
-@pytest.mark.parametrize("defect", ["missing_tensor", "extra_tensor", "shape", "truncated", "garbage", "no_config",
-                                    "bad_config", "no_safetensors"])
+@pytest.mark.parametrize(
+    "defect",
+    [
+        "missing_tensor",
+        "extra_tensor",
+        "shape",
+        "truncated",
+        "garbage",
+        "no_config",
+        "bad_config",
+        "no_safetensors",
+    ],
+)
 def test_defects_are_rejected_with_a_message(base, tmp_path, defect):
     d, f = _copy(base, tmp_path)
     t = load_file(str(f))
@@ -86,8 +97,14 @@ def test_header_reader_reports_shapes(base):
 
 @pytest.mark.parametrize(
     "path,version",
-    [("/run/broadcasts/step_12", 12), ("/run/broadcasts/step_3/", 3), ("step_0", 0), ("/x/step_3a", None),
-     ("/x/mystep_3", None), ("/x/y", None)],
+    [
+        ("/run/broadcasts/step_12", 12),
+        ("/run/broadcasts/step_3/", 3),
+        ("step_0", 0),
+        ("/x/step_3a", None),
+        ("/x/mystep_3", None),
+        ("/x/y", None),
+    ],
 )
 def test_version_from_dir(path, version):
     assert version_from_dir(path) == version

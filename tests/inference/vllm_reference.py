@@ -21,7 +21,9 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
     @torch.no_grad()
-    def logprobs(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    def logprobs(
+        self, prompt: list[int], completion: list[int], temperature: float = 1.0
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(log p(completion_t | ...) after temperature, argmax ids at each completion position)."""
         ids = torch.tensor([prompt + completion])
         logits = self.model(ids).logits[0, len(prompt) - 1 : -1].double()

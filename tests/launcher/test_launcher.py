@@ -28,12 +28,18 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 def test_orchestrator_killed_mid_run_stops_everything(vllm_server, tmp_path):
     """kill -9 of the orchestrator child: the launcher stops the others and exits non-zero within 30 s, naming
     the orchestrator and showing its log tail; no process of the run survives."""
-    config = write_config(tmp_path, "orch_sigkill", vllm_server.model_dir, base_url=vllm_server.base_url,
-                          max_steps=50)
+    config = write_config(
+        tmp_path, "orch_sigkill", vllm_server.model_dir, base_url=vllm_server.base_url, max_steps=50
+    )
     root = run_dir_of(config)
-    launcher = subprocess.Popen([sys.executable, "-m", "primejax.train", "--config", str(config)], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "primejax.train", "--config", str(config)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         metrics = root / "metrics" / "trainer.jsonl"
         _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 300, "the first trainer step")
@@ -59,8 +65,14 @@ def test_orchestrator_killed_mid_run_stops_everything(vllm_server, tmp_path):
 
 
 def _run(config: Path, *overrides: str, module: str = "primejax.train") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, "--config", str(config), *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=180, start_new_session=True)
+    return subprocess.run(
+        [sys.executable, "-m", module, "--config", str(config), *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        start_new_session=True,
+    )
 
 
 def _copy_model(src: Path, dst: Path, drop: tuple[str, ...] = ()) -> Path:
@@ -72,19 +84,35 @@ def _copy_model(src: Path, dst: Path, drop: tuple[str, ...] = ()) -> Path:
 
 
 def _earlier_outputs(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-            and not p.is_relative_to(root / "configs") and p.name != ".lock"}  # written by each invocation
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_relative_to(root / "configs") and p.name != ".lock"
+    }  # written by each invocation
 
 
-@pytest.mark.parametrize("case", ["no_config_json", "no_weights", "no_chat_template", "env_not_importable",
-                                  "bad_value", "unknown_key", "resume_missing_step", "context_too_long"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no_config_json",
+        "no_weights",
+        "no_chat_template",
+        "env_not_importable",
+        "bad_value",
+        "unknown_key",
+        "resume_missing_step",
+        "context_too_long",
+    ],
+)
 def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case):
     model = tiny_model_dir
     overrides: list[str] = []
     if case == "no_config_json":
         model = _copy_model(tiny_model_dir, tmp_path / "m", drop=("config.json",))
     elif case == "no_weights":
-        model = _copy_model(tiny_model_dir, tmp_path / "m", drop=tuple(p.name for p in tiny_model_dir.glob("*.safetensors")))
+        model = _copy_model(
+            tiny_model_dir, tmp_path / "m", drop=tuple(p.name for p in tiny_model_dir.glob("*.safetensors"))
+        )
     elif case == "no_chat_template":
         model = _copy_model(tiny_model_dir, tmp_path / "m", drop=("chat_template.jinja",))
         cfg = json.loads((model / "tokenizer_config.json").read_text())
@@ -117,11 +145,17 @@ def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    expected = {"no_config_json": "no config.json", "no_weights": "no *.safetensors", "no_chat_template":
-                "no chat template", "env_not_importable": "no_such_pkg", "bad_value": "orchestrator.group_size",
-                "unknown_key": "learning_rate", "resume_missing_step": "run.resume_step: step 7",
-                "context_too_long": "inference.max_model_len: 1024 is longer than the model's max_position_embeddings "
-                                    "512"}[case]
+    expected = {
+        "no_config_json": "no config.json",
+        "no_weights": "no *.safetensors",
+        "no_chat_template": "no chat template",
+        "env_not_importable": "no_such_pkg",
+        "bad_value": "orchestrator.group_size",
+        "unknown_key": "learning_rate",
+        "resume_missing_step": "run.resume_step: step 7",
+        "context_too_long": "inference.max_model_len: 1024 is longer than the model's max_position_embeddings "
+        "512",
+    }[case]
     assert expected in lines[0]
     assert _earlier_outputs(root) == before
     assert not (root / "logs").exists() and not (root / "pids.json").exists()  # nothing was started
@@ -147,8 +181,14 @@ def test_trainer_rejects_batch_with_mismatched_lengths(tiny_model_dir, tmp_path)
     proc = _run(config, module="primejax.trainer")
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: trainer: BatchFormatError: ") and "rank_0.npz: field 'loss_mask': shape" in last
-    assert not (root / "metrics" / "trainer.jsonl").exists() or not (root / "metrics" / "trainer.jsonl").read_text()
+    assert (
+        last.startswith("error: trainer: BatchFormatError: ")
+        and "rank_0.npz: field 'loss_mask': shape" in last
+    )
+    assert (
+        not (root / "metrics" / "trainer.jsonl").exists()
+        or not (root / "metrics" / "trainer.jsonl").read_text()
+    )
     assert not (root / "broadcasts").exists() and not (root / "checkpoints").exists()
 
 
@@ -168,6 +208,7 @@ def test_an_eio_while_exporting_is_one_line_naming_the_broadcast(tiny_model_dir,
     where = root / "broadcasts" / "step_1"
     assert last == f"error: trainer: I/O error writing its outputs under {where}: Input/output error", last
     assert "Traceback" not in proc.stderr
+
 
 def test_a_background_launcher_stops_on_sigint_and_says_how_to_go_on(tiny_model_dir, tmp_path):
     """Issue 48: a launcher started in the background (`nohup ... &`: the shell leaves SIGINT ignored) ignored

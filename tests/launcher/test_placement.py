@@ -24,8 +24,11 @@ def test_one_gpu_is_shared_with_its_memory_split():
     assert p.trainer_memory_fraction + p.inference_memory_fraction <= SHARED_MAX_TOTAL
     # Named and equal: shared too, the user's fractions kept.
     p = plan(4, "2", "2", trainer_memory_fraction=0.3, inference_memory_fraction=0.6)
-    assert p.shared and p.trainer_devices == "2" and (p.trainer_memory_fraction, p.inference_memory_fraction) == (
-        0.3, 0.6)
+    assert (
+        p.shared
+        and p.trainer_devices == "2"
+        and (p.trainer_memory_fraction, p.inference_memory_fraction) == (0.3, 0.6)
+    )
 
 
 def test_shared_fractions_that_do_not_fit_are_refused_naming_the_key():

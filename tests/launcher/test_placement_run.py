@@ -16,11 +16,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _train(tmp_path: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
-    args = [sys.executable, "-m", "primejax.train", "--config", str(REPO / "configs/demo.py"),
-            f"--config.run.output_dir={tmp_path}", "--config.run.name=run", f"--config.model.path={tmp_path / 'm'}",
-            *overrides]
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                          start_new_session=True)
+    args = [
+        sys.executable,
+        "-m",
+        "primejax.train",
+        "--config",
+        str(REPO / "configs/demo.py"),
+        f"--config.run.output_dir={tmp_path}",
+        "--config.run.name=run",
+        f"--config.model.path={tmp_path / 'm'}",
+        *overrides,
+    ]
+    return subprocess.run(
+        args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True
+    )
 
 
 def test_collective_updates_on_a_shared_gpu_are_refused_before_anything_starts(tmp_path):
@@ -41,12 +50,17 @@ def test_a_shared_gpu_starts_the_server_first_and_the_trainer_once_it_is_healthy
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     placed = next(i for i, ln in enumerate(lines) if "placement: trainer and inference share GPU(s) 0" in ln)
-    healthy = next(i for i, ln in enumerate(lines) if "inference healthy after" in ln and "starting the trainer" in ln)
+    healthy = next(
+        i for i, ln in enumerate(lines) if "inference healthy after" in ln and "starting the trainer" in ln
+    )
     started = next(i for i, ln in enumerate(lines) if ln.startswith("primejax: run ") and "started" in ln)
     assert placed < healthy < started
     configs = tmp_path / "run" / "configs"
     trainer = json.loads((configs / "trainer.json").read_text())
     server = json.loads((configs / "inference.json").read_text())
     assert trainer["trainer"]["devices"] == server["inference"]["devices"] == "0"
-    assert trainer["trainer"]["memory_fraction"] == 0.45 and server["inference"]["gpu_memory_utilization"] == 0.45
+    assert (
+        trainer["trainer"]["memory_fraction"] == 0.45
+        and server["inference"]["gpu_memory_utilization"] == 0.45
+    )
     assert server["trainer"]["broadcast"]["workers_per_server"] == 1

@@ -48,7 +48,12 @@ def test_set_aside_moves_later_steps_and_drops_temp_writes(tmp_path):
     _trainer_ckpt(tmp_path, 3)
     moved = set_aside_after(tmp_path, 1)
     assert sorted(p.relative_to(p.parents[1]).as_posix() for p in moved) == [
-        "broadcasts/step_2", "broadcasts/step_3", "checkpoints/step_3", "rollouts/step_2", "rollouts/step_3"]
+        "broadcasts/step_2",
+        "broadcasts/step_3",
+        "checkpoints/step_3",
+        "rollouts/step_2",
+        "rollouts/step_3",
+    ]
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_1"]
     assert all(p.exists() for p in moved)  # moved, never deleted
 

@@ -21,4 +21,3 @@ def hf_model_dir(tmp_path_factory):
         return cache[variant]
 
     return get
-

@@ -24,13 +24,25 @@ _COMMON = dict(
 
 # YaRN as DeepSeek-V3 configures it, stretched so the test positions (up to 40) cross its ramp, with the
 # cos/sin factor and the softmax mscale both away from 1 (mscale != mscale_all_dim).
-_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
-             mscale_all_dim=0.8, beta_fast=32, beta_slow=1)
+_YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=16,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+    beta_fast=32,
+    beta_slow=1,
+)
 
 # name -> (config class, model class, config kwargs)
 VARIANTS = {
     "qwen3_tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True)),
-    "qwen3_untied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=False)),
+    "qwen3_untied": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(tie_word_embeddings=False),
+    ),
     "llama_gqa": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
@@ -58,20 +70,38 @@ VARIANTS = {
     "qwen3_moe_e8k2_tied": (
         transformers.Qwen3MoeConfig,
         transformers.Qwen3MoeForCausalLM,
-        dict(tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-             norm_topk_prob=True),
+        dict(
+            tie_word_embeddings=True,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
     ),
     "qwen3_moe_e4k1_dense0": (
         transformers.Qwen3MoeConfig,
         transformers.Qwen3MoeForCausalLM,
-        dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=48,
-             norm_topk_prob=False, mlp_only_layers=[0]),
+        dict(
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        ),
     ),
     "qwen3_moe_e6k3_step2": (
         transformers.Qwen3MoeConfig,
         transformers.Qwen3MoeForCausalLM,
-        dict(tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
-             norm_topk_prob=False, decoder_sparse_step=2, num_hidden_layers=4),
+        dict(
+            tie_word_embeddings=False,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            num_hidden_layers=4,
+        ),
     ),
     # GLM-4.5 MoE: sigmoid router with correction bias, group-limited top-k (4 groups, 2 kept), routed scaling,
     # a shared expert, the first layer dense, q/k/v bias, partial rotary (0.5); and tied embeddings with qk
@@ -79,17 +109,41 @@ VARIANTS = {
     "glm4_moe_g4_dense1": (
         transformers.Glm4MoeConfig,
         transformers.Glm4MoeForCausalLM,
-        dict(tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-             n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_shared_experts=1,
-             norm_topk_prob=True, attention_bias=True, num_hidden_layers=3, num_nextn_predict_layers=0),
+        dict(
+            tie_word_embeddings=False,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            attention_bias=True,
+            num_hidden_layers=3,
+            num_nextn_predict_layers=0,
+        ),
     ),
     "glm4_moe_tied_qknorm": (
         transformers.Glm4MoeConfig,
         transformers.Glm4MoeForCausalLM,
-        dict(tie_word_embeddings=True, n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
-             n_group=1, topk_group=1, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2,
-             norm_topk_prob=False, use_qk_norm=True, attention_bias=False, num_nextn_predict_layers=0,
-             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)),
+        dict(
+            tie_word_embeddings=True,
+            n_routed_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            routed_scaling_factor=1.0,
+            n_shared_experts=2,
+            norm_topk_prob=False,
+            use_qk_norm=True,
+            attention_bias=False,
+            num_nextn_predict_layers=0,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
+        ),
     ),
     # DeepSeek-V3: multi-head latent attention with a query bottleneck (q_lora_rank), interleaved rope, 8 experts
     # top-2 in 4 groups of which 2 are kept, a shared expert, the first layer dense, untied; and without the
@@ -98,20 +152,54 @@ VARIANTS = {
     "deepseek_v3_qlora": (
         transformers.DeepseekV3Config,
         transformers.DeepseekV3ForCausalLM,
-        dict(tie_word_embeddings=False, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
-             qk_nope_head_dim=32, qk_rope_head_dim=16, head_dim=16, v_head_dim=24, rope_interleave=True, n_routed_experts=8,
-             num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2, first_k_dense_replace=1,
-             routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True, num_hidden_layers=3,
-             num_nextn_predict_layers=0),
+        dict(
+            tie_word_embeddings=False,
+            num_key_value_heads=4,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            head_dim=16,
+            v_head_dim=24,
+            rope_interleave=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            num_hidden_layers=3,
+            num_nextn_predict_layers=0,
+        ),
     ),
     "deepseek_v3_noqlora_tied": (
         transformers.DeepseekV3Config,
         transformers.DeepseekV3ForCausalLM,
-        dict(tie_word_embeddings=True, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
-             qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=16, v_head_dim=32, rope_interleave=False, n_routed_experts=6,
-             num_experts_per_tok=3, moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=0,
-             routed_scaling_factor=1.0, n_shared_experts=2, norm_topk_prob=False, num_nextn_predict_layers=0,
-             rope_parameters=_YARN),
+        dict(
+            tie_word_embeddings=True,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            head_dim=16,
+            v_head_dim=32,
+            rope_interleave=False,
+            n_routed_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            routed_scaling_factor=1.0,
+            n_shared_experts=2,
+            norm_topk_prob=False,
+            num_nextn_predict_layers=0,
+            rope_parameters=_YARN,
+        ),
     ),
     # Qwen3.5 hybrid: three Gated DeltaNet layers then full attention (the default pattern), 4 value heads
     # over 2 key heads, quarter rotary, untied; and an alternating pattern starting with full attention, equal
@@ -119,16 +207,30 @@ VARIANTS = {
     "qwen3_5_hybrid": (
         transformers.Qwen3_5TextConfig,
         transformers.Qwen3_5ForCausalLM,
-        dict(tie_word_embeddings=False, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4),
+        dict(
+            tie_word_embeddings=False,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+        ),
     ),
     "qwen3_5_alt_tied": (
         transformers.Qwen3_5TextConfig,
         transformers.Qwen3_5ForCausalLM,
-        dict(tie_word_embeddings=True, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=2,
-             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3,
-             layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
-             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+        dict(
+            tie_word_embeddings=True,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=24,
+            linear_conv_kernel_dim=3,
+            layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
     ),
     # Qwen3.5 MoE: the hybrid stack with every MLP sparse (renormalized softmax top-k, one shared expert with
     # its sigmoid gate). Three DeltaNet layers then full attention, 8 experts top-2, a shared expert wider
@@ -137,18 +239,38 @@ VARIANTS = {
     "qwen3_5_moe_hybrid": (
         transformers.Qwen3_5MoeTextConfig,
         transformers.Qwen3_5MoeForCausalLM,
-        dict(tie_word_embeddings=False, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=8,
-             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+        dict(
+            tie_word_embeddings=False,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
     ),
     "qwen3_5_moe_alt_tied": (
         transformers.Qwen3_5MoeTextConfig,
         transformers.Qwen3_5MoeForCausalLM,
-        dict(tie_word_embeddings=True, num_hidden_layers=2, linear_num_key_heads=2, linear_num_value_heads=2,
-             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3, num_experts=6,
-             num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=16,
-             layer_types=["full_attention", "linear_attention"],
-             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+        dict(
+            tie_word_embeddings=True,
+            num_hidden_layers=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=24,
+            linear_conv_kernel_dim=3,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=16,
+            layer_types=["full_attention", "linear_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
     ),
 }
 MOE_VARIANTS = [v for v in VARIANTS if v.startswith(("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe"))]
@@ -185,11 +307,17 @@ def write_multimodal_checkpoint(src: Path, out: Path, wrapper_type: str) -> None
     tensors = {}
     for f in src.glob("*.safetensors"):
         for name, t in load_file(f).items():
-            tensors[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
+            tensors[
+                name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+            ] = t
     tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
     tensors["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
     save_file(tensors, str(out / "model.safetensors"))
-    arch = "Qwen3_5MoeForConditionalGeneration" if wrapper_type == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    arch = (
+        "Qwen3_5MoeForConditionalGeneration"
+        if wrapper_type == "qwen3_5_moe"
+        else "Qwen3_5ForConditionalGeneration"
+    )
     wrapper = dict(
         model_type=wrapper_type,
         architectures=[arch],

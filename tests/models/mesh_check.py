@@ -20,7 +20,11 @@ from primejax.models.hf_io import load_model, param_variables
 from primejax.models.sharding import make_mesh
 from primejax.models.transformer import init_model
 
-MESHES = {"fsdp8": dict(fsdp=8), "fsdp4_tensor2": dict(fsdp=4, tensor=2), "data2_fsdp2_tensor2": dict(data=2, tensor=2)}
+MESHES = {
+    "fsdp8": dict(fsdp=8),
+    "fsdp4_tensor2": dict(fsdp=4, tensor=2),
+    "data2_fsdp2_tensor2": dict(data=2, tensor=2),
+}
 
 
 @nnx.jit

@@ -270,7 +270,9 @@ def _a2a_direct() -> dict:
         # devices the most (token, expert) pairs one device receives (against round 0's pair window)
         dest = idx.reshape(devices, per_dev, k) // e_local
         sent = np.stack([np.any(dest == q, axis=-1).sum(axis=1) for q in range(peers)], axis=1)  # [dev, peer]
-        pairs = np.stack([(dest == q).sum(axis=(1, 2)) for q in range(peers)], axis=1).reshape(2, peers, peers)
+        pairs = np.stack([(dest == q).sum(axis=(1, 2)) for q in range(peers)], axis=1).reshape(
+            2, peers, peers
+        )
         idx = jnp.asarray(idx, jnp.int32)
         (_, y_ref), g_ref = fn(x, sc, w, ad, idx, "fsdp", "auto", 0.0)  # no mesh: one device
         for exchange in ("padded", "ragged"):
@@ -287,8 +289,10 @@ def _a2a_direct() -> dict:
                     rounds_needed=-(-int(sent.max()) // c),
                     # round 0's pairs past its window: only the first c tokens from each source arrive in it
                     overflow=bool(
-                        (np.minimum(pairs, c * min(k, e_local)).sum(axis=1)
-                         > moe_a2a.pair_window(per_dev, k, e_local, peers, factor)).any()
+                        (
+                            np.minimum(pairs, c * min(k, e_local)).sum(axis=1)
+                            > moe_a2a.pair_window(per_dev, k, e_local, peers, factor)
+                        ).any()
                     ),
                 )
     # bf16 tokens, scores and weights (the training dtype) through the rounds' and windows' loops, against one
@@ -298,6 +302,7 @@ def _a2a_direct() -> dict:
     (_, y_ref), g_ref = fn(*half, idx, "fsdp", "auto", 0.0)
     with jax.set_mesh(mesh):
         (_, y), g = fn(*half, idx, "a2a", "padded", A2A_VARIANTS["capacity"])
+
     def rel(a, b):
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
         return float(jnp.abs(a - b).max() / jnp.abs(b).max())
@@ -314,7 +319,10 @@ def _collective_results(hlo: str, op: str) -> list[list[tuple[int, ...]]]:
     """The result shapes of every `op` instruction of an optimized HLO module's text, one list per instruction
     (XLA:CPU splits a tiled all-to-all into one operand per peer: (f32[c, D], ...) all-to-all(...))."""
     results = re.findall(rf"= (\([^=]*?\)|\w+\[[\d,]*\]\S*) {op}\(", hlo)
-    return [[tuple(int(v) for v in dims.split(",")) for dims in re.findall(r"\w+\[([\d,]+)\]", r)] for r in results]
+    return [
+        [tuple(int(v) for v in dims.split(",")) for dims in re.findall(r"\w+\[([\d,]+)\]", r)]
+        for r in results
+    ]
 
 
 def _layer_loop_collectives(hf_dir: str) -> dict:
@@ -335,7 +343,8 @@ def _layer_loop_collectives(hf_dir: str) -> dict:
         hlo = jax.jit(fwd).lower(params).compile().as_text()
     inside, everywhere = collective_bytes(hlo, within_loops=True), collective_bytes(hlo)
     return dict(
-        all_reduce=inside.get("all-reduce", 0), all_gather=inside.get("all-gather", 0),
+        all_reduce=inside.get("all-reduce", 0),
+        all_gather=inside.get("all-gather", 0),
         all_reduce_outside=everywhere.get("all-reduce", 0) - inside.get("all-reduce", 0),
     )
 
@@ -374,7 +383,9 @@ def _kept(hf_dir: str, lever: str) -> dict:
             hlo = fn.lower(params).compile().as_text()
             val, grads = fn(params)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        if lever == "keep_gathered":  # one layer's whole experts ([1, E, D, 2, I] and [1, E, I, D] from the stack)
+        if (
+            lever == "keep_gathered"
+        ):  # one layer's whole experts ([1, E, D, 2, I] and [1, E, I, D] from the stack)
             shapes = [result[0] for result in _collective_results(hlo, "all-gather")]
             moved = (
                 sum(s[-3:] == (d, 2, i) and math.prod(s) == e * d * 2 * i for s in shapes),
@@ -383,13 +394,17 @@ def _kept(hf_dir: str, lever: str) -> dict:
         else:  # XLA:CPU splits a tiled all-to-all into one [c, D] operand per peer
             moved = sum(dims[0][-1] == d for dims in _collective_results(hlo, "all-to-all"))
         out[f"keep={keep}"] = dict(
-            loss=float(val), grads={"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)},
+            loss=float(val),
+            grads={"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)},
             moved=moved,
         )
     ref, got = out["keep=False"], out["keep=True"]
     return dict(
         loss_diff=abs(got["loss"] - ref["loss"]),
-        grad_diff=max(float(np.abs(got["grads"][k] - g).max() / max(np.abs(g).max(), 1e-12)) for k, g in ref["grads"].items()),
+        grad_diff=max(
+            float(np.abs(got["grads"][k] - g).max() / max(np.abs(g).max(), 1e-12))
+            for k, g in ref["grads"].items()
+        ),
         moved={k: v["moved"] for k, v in out.items()},
     )
 
@@ -415,8 +430,12 @@ def _a2a_exchange_rows() -> dict:
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, sc, w).compile().as_text()
     exchanges = [(sum(r[0] for r in dims), dims[0][-1]) for dims in _collective_results(hlo, "all-to-all")]
     return dict(
-        exchanges=sorted(set(exchanges)), count=len(exchanges),
-        tokens_per_device=per_dev, devices=p, hidden=d, k=k,
+        exchanges=sorted(set(exchanges)),
+        count=len(exchanges),
+        tokens_per_device=per_dev,
+        devices=p,
+        hidden=d,
+        k=k,
     )
 
 

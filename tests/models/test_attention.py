@@ -49,7 +49,9 @@ def test_xla_matches_per_segment_reference(packed_qkv):
 def test_splash_kernel_matches_xla_forward_and_grad(packed_qkv):
     """The TPU splash path, run by the Pallas interpreter on CPU."""
     q, k, v, seg = packed_qkv
-    fwd_err = float(jnp.abs(attention(q, k, v, seg, impl="splash", interpret=True) - attention(q, k, v, seg)).max())
+    fwd_err = float(
+        jnp.abs(attention(q, k, v, seg, impl="splash", interpret=True) - attention(q, k, v, seg)).max()
+    )
     assert fwd_err < 1e-5, f"splash vs xla forward: {fwd_err:.3e}"
 
     def loss(impl, **kw):

@@ -35,7 +35,9 @@ def test_orbax_to_safetensors_to_orbax_is_exact(hf_model_dir, tmp_path):
     model = init_model(cfg, None, seed=7)  # random weights, unlike the HF checkpoint's
     save_params(tmp_path / "a", model)
     (tmp_path / "hf").mkdir()
-    export_safetensors(restore_params(tmp_path / "a", cfg), cfg, tmp_path / "hf", dtype=None, src_dir=model_dir)
+    export_safetensors(
+        restore_params(tmp_path / "a", cfg), cfg, tmp_path / "hf", dtype=None, src_dir=model_dir
+    )
     save_params(tmp_path / "b", load_model(tmp_path / "hf", param_dtype="float32")[0])
     restored = restore_params(tmp_path / "b", cfg)
     want, got = _values(model), _values(restored)
@@ -68,8 +70,17 @@ def test_cli_round_trip_hf_to_orbax_to_hf_is_bit_identical(hf_model_dir, tmp_pat
     run = _convert
     p = run("to-orbax", "--hf", str(model_dir), "--out", str(tmp_path / "ck"))
     assert p.returncode == 0, p.stderr[-3000:]
-    p = run("to-hf", "--orbax", str(tmp_path / "ck"), "--config", str(model_dir), "--out", str(tmp_path / "hf"),
-            "--dtype", "keep")
+    p = run(
+        "to-hf",
+        "--orbax",
+        str(tmp_path / "ck"),
+        "--config",
+        str(model_dir),
+        "--out",
+        str(tmp_path / "hf"),
+        "--dtype",
+        "keep",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "wrote" in p.stdout
     src, out = read_checkpoint_tensors(model_dir), read_checkpoint_tensors(tmp_path / "hf")

@@ -56,10 +56,18 @@ def test_hf_config_round_trip_keeps_fields():
 def test_reads_transformers5_rope_parameters():
     hf = dict(QWEN3_0_6B, model_type="llama")
     del hf["rope_theta"], hf["rope_scaling"]
-    hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                             "original_max_position_embeddings": 8192}
+    hf["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+    }
     cfg = ModelConfig.from_hf_config(hf)
-    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
+    assert (
+        cfg.rope_theta == 5e5
+        and cfg.rope_scaling["rope_type"] == "llama3"
+        and cfg.rope_scaling["factor"] == 8.0
+    )
     assert not cfg.qk_norm
 
 

@@ -59,10 +59,17 @@ def test_auto_picks_the_xla_scan_where_the_kernels_cannot_tile(monkeypatch):
     from primejax.models import deltanet
 
     assert deltanet.resolve_impl("auto") == "xla"  # no GPU here
-    monkeypatch.setattr(jax, "devices", lambda: [type("D", (), {"platform": "gpu", "compute_capability": "9.0"})()])
+    monkeypatch.setattr(
+        jax, "devices", lambda: [type("D", (), {"platform": "gpu", "compute_capability": "9.0"})()]
+    )
     assert deltanet.resolve_impl("auto", 64, 128, 128) == "pallas"
-    assert deltanet.resolve_impl("auto", 64, 96, 128) == "xla" and deltanet.resolve_impl("auto", 64, 128, 80) == "xla"
-    monkeypatch.setattr(jax, "devices", lambda: [type("D", (), {"platform": "gpu", "compute_capability": "7.5"})()])
+    assert (
+        deltanet.resolve_impl("auto", 64, 96, 128) == "xla"
+        and deltanet.resolve_impl("auto", 64, 128, 80) == "xla"
+    )
+    monkeypatch.setattr(
+        jax, "devices", lambda: [type("D", (), {"platform": "gpu", "compute_capability": "7.5"})()]
+    )
     assert deltanet.resolve_impl("auto", 64, 128, 128) == "xla"  # no TF32 before Ampere
 
 
@@ -185,7 +192,9 @@ def test_tiny_qwen3_5_with_the_kernels_equals_the_xla_path(remat, hf_model_dir, 
 
     kernel_calls = []
     real = deltanet_pallas.chunk_recurrence
-    monkeypatch.setattr(deltanet_pallas, "chunk_recurrence", lambda *a, **k: kernel_calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        deltanet_pallas, "chunk_recurrence", lambda *a, **k: kernel_calls.append(1) or real(*a, **k)
+    )
     loss_x, logits_x, grads_x = run("xla")
     assert not kernel_calls
     loss_p, logits_p, grads_p = run("pallas_interpret")

@@ -114,7 +114,9 @@ def _deepseek_reference(model_dir, completions):
     for prompt, c in zip(PROMPTS, completions, strict=True):
         assert len(c.completion_token_ids) == MAX_TOKENS
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + c.completion_token_ids])).logits[0, len(prompt) - 1 : -1].double()
+            logits = (
+                hf(torch.tensor([prompt + c.completion_token_ids])).logits[0, len(prompt) - 1 : -1].double()
+            )
         lp_all = torch.log_softmax(logits, -1)
         lp = lp_all.gather(-1, torch.tensor(c.completion_token_ids)[:, None])[:, 0]
         out.append((lp.numpy(), lp_all.max(-1).values.numpy()))

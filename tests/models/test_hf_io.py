@@ -33,9 +33,22 @@ TOKENS = np.random.default_rng(0).integers(0, 512, size=(2, 24))
 
 @pytest.mark.parametrize(
     "variant",
-    ["qwen3_tied", "qwen3_untied", "llama_rope3", "qwen2_bias", "qwen3_moe_e8k2_tied", "qwen3_moe_e6k3_step2",
-     "glm4_moe_g4_dense1", "glm4_moe_tied_qknorm", "deepseek_v3_qlora", "deepseek_v3_noqlora_tied",
-     "qwen3_5_hybrid", "qwen3_5_alt_tied", "qwen3_5_moe_hybrid", "qwen3_5_moe_alt_tied"],
+    [
+        "qwen3_tied",
+        "qwen3_untied",
+        "llama_rope3",
+        "qwen2_bias",
+        "qwen3_moe_e8k2_tied",
+        "qwen3_moe_e6k3_step2",
+        "glm4_moe_g4_dense1",
+        "glm4_moe_tied_qknorm",
+        "deepseek_v3_qlora",
+        "deepseek_v3_noqlora_tied",
+        "qwen3_5_hybrid",
+        "qwen3_5_alt_tied",
+        "qwen3_5_moe_hybrid",
+        "qwen3_5_moe_alt_tied",
+    ],
 )
 def test_round_trip_is_bit_identical_and_loads_in_transformers(variant, hf_model_dir, tmp_path):
     src, torch_model = hf_model_dir(variant)
@@ -110,7 +123,9 @@ def test_bf16_params_load_and_run(hf_model_dir):
     src, _ = hf_model_dir("llama_gqa")
     model, cfg = load_model(src, param_dtype="bfloat16", compute_dtype="bfloat16")
     assert model.layers.q_proj[...].dtype == np.dtype(ml_dtypes.bfloat16)
-    hidden = model(TOKENS.astype(np.int32), np.tile(np.arange(24, dtype=np.int32), (2, 1)), np.ones((2, 24), np.int32))
+    hidden = model(
+        TOKENS.astype(np.int32), np.tile(np.arange(24, dtype=np.int32), (2, 1)), np.ones((2, 24), np.int32)
+    )
     assert hidden.dtype == np.dtype(ml_dtypes.bfloat16) and hidden.shape == (2, 24, cfg.hidden_size)
     assert np.isfinite(np.asarray(hidden, np.float32)).all()
 
@@ -122,7 +137,9 @@ def test_moe_export_is_per_expert_and_fused_checkpoints_load(hf_model_dir, tmp_p
     model, cfg = load_model(src, param_dtype="float32")
     export_safetensors(model, cfg, tmp_path / "ours", dtype=None)
     names = set(_read_dir(tmp_path / "ours"))
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
+    assert (
+        "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
+    )
     assert "model.layers.0.mlp.gate_proj.weight" in names  # mlp_only_layers=[0] stays dense
     assert not any("gate_up_proj" in n for n in names)
     hf_cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
@@ -133,8 +150,9 @@ def test_moe_export_is_per_expert_and_fused_checkpoints_load(hf_model_dir, tmp_p
     fused, _ = load_model(tmp_path / "fused", param_dtype="float32")
     for name, var in vars(model.layers).items():
         if hasattr(var, "shape"):
-            np.testing.assert_array_equal(np.asarray(getattr(fused.layers, name)[...]), np.asarray(var[...]),
-                                          err_msg=name)
+            np.testing.assert_array_equal(
+                np.asarray(getattr(fused.layers, name)[...]), np.asarray(var[...]), err_msg=name
+            )
 
 
 def test_glm4_moe_bf16_export_keeps_the_correction_bias_fp32(hf_model_dir, tmp_path):
@@ -153,8 +171,18 @@ def test_glm4_moe_bf16_export_keeps_the_correction_bias_fp32(hf_model_dir, tmp_p
     assert "model.layers.2.mlp.gate.e_score_correction_bias" in tensors
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
     src_cfg = json.loads((src / "config.json").read_text())
-    for key in ("n_routed_experts", "n_group", "topk_group", "first_k_dense_replace", "routed_scaling_factor",
-                "n_shared_experts", "partial_rotary_factor", "use_qk_norm", "attention_bias", "norm_topk_prob",
-                "num_nextn_predict_layers"):
+    for key in (
+        "n_routed_experts",
+        "n_group",
+        "topk_group",
+        "first_k_dense_replace",
+        "routed_scaling_factor",
+        "n_shared_experts",
+        "partial_rotary_factor",
+        "use_qk_norm",
+        "attention_bias",
+        "norm_topk_prob",
+        "num_nextn_predict_layers",
+    ):
         assert hf_cfg[key] == src_cfg[key], key
     assert hf_cfg["architectures"] == ["Glm4MoeForCausalLM"]

@@ -53,7 +53,11 @@ def mesh_results(hf_model_dir, tmp_path_factory):
     )
     script = Path(__file__).with_name("mesh_check.py")
     proc = subprocess.run(
-        [sys.executable, str(script), str(model_dir), str(out)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script), str(model_dir), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -63,7 +67,9 @@ def mesh_results(hf_model_dir, tmp_path_factory):
 def test_same_logits_and_rule_shardings_on_mesh(mesh_name, mesh_results):
     res = mesh_results["meshes"][mesh_name]
     specs, sizes, logits_spec = EXPECTED[mesh_name]
-    assert res["max_abs_diff"] <= TOL, f"{mesh_name}: logits differ from one device by {res['max_abs_diff']:.3e}"
+    assert res["max_abs_diff"] <= TOL, (
+        f"{mesh_name}: logits differ from one device by {res['max_abs_diff']:.3e}"
+    )
     print(f"{mesh_name}: max abs logits diff vs one device = {res['max_abs_diff']:.2e}")
     assert res["logits_spec"] == logits_spec
     assert {k: v["spec"] for k, v in res["params"].items()} == specs

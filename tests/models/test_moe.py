@@ -68,7 +68,9 @@ def _unwritten_kernels(monkeypatch):
     def wgrad(lhs, dout, group_sizes):
         ends = jnp.cumsum(group_sizes)
         rows = jnp.arange(lhs.shape[0])
-        mask = ((rows[None] >= (ends - group_sizes)[:, None]) & (rows[None] < ends[:, None])).astype(lhs.dtype)
+        mask = ((rows[None] >= (ends - group_sizes)[:, None]) & (rows[None] < ends[:, None])).astype(
+            lhs.dtype
+        )
         return jnp.einsum("gm,mk,mn->gkn", mask, lhs, dout)
 
     monkeypatch.setattr(gmm, "_fwd_kernel", fwd)
@@ -278,7 +280,10 @@ def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
         counts[policy] = _count_prims(jaxpr, "ragged_dot_general")
         puts[policy] = _count_prims(jaxpr, "device_put")  # the offload's copies out and back
-        if policy in ("none", "attn_experts_offload"):  # values in fp32: bf16 recompute differs by its rounding
+        if policy in (
+            "none",
+            "attn_experts_offload",
+        ):  # values in fp32: bf16 recompute differs by its rounding
             cfg = _cfg(remat_policy=policy, scan_layers=scan, gmm_impl="xla", compute_dtype="float32")
             graphdef, params = nnx.split(init_model(cfg, None, seed=0))
             grads[policy] = jax.jit(jax.grad(functools.partial(loss, graphdef=graphdef)))(params)
@@ -292,7 +297,10 @@ def test_weight_dots_policy_keeps_the_grouped_matmul_outputs(scan):
     ref, got = jax.tree.leaves(grads["none"]), jax.tree.leaves(grads["attn_experts_offload"])
     err = max(float(jnp.abs(a - b).max()) for a, b in zip(ref, got, strict=True))
     scale = max(float(jnp.abs(a).max()) for a in ref)
-    assert err <= 1e-5 * scale, (err, scale)  # any remat reorders fp32 sums: `full` is 1.3e-6 of the scale here
+    assert err <= 1e-5 * scale, (
+        err,
+        scale,
+    )  # any remat reorders fp32 sums: `full` is 1.3e-6 of the scale here
 
 
 def test_scan_unroll_gives_the_one_layer_scan_results():
@@ -307,7 +315,9 @@ def test_scan_unroll_gives_the_one_layer_scan_results():
     seg = jnp.ones((1, 16), jnp.int32)
     out = {}
     for unroll in (1, 2):
-        cfg = _cfg(scan_layers=True, scan_unroll=unroll, remat_policy="full", gmm_impl="xla", compute_dtype="float32")
+        cfg = _cfg(
+            scan_layers=True, scan_unroll=unroll, remat_policy="full", gmm_impl="xla", compute_dtype="float32"
+        )
         graphdef, params = nnx.split(init_model(cfg, None, seed=0))
 
         def loss(p, graphdef=graphdef):
@@ -317,7 +327,9 @@ def test_scan_unroll_gives_the_one_layer_scan_results():
     (l1, g1), (l2, g2) = out[1], out[2]
     np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6 * float(jnp.abs(a).max()))
+        np.testing.assert_allclose(
+            np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6 * float(jnp.abs(a).max())
+        )
     with pytest.raises(ValueError, match="scan_unroll"):
         _cfg(scan_layers=True, scan_unroll=0)
 
@@ -354,7 +366,10 @@ def test_adapter_factors_padded_to_the_kernel_tiles_keep_their_product_and_grads
 
         def padded(x, w, k=k, n=n):
             xp, wp = gmm.pad_to_tiles(x, w, gmm.ADAPTER_TILE)
-            assert xp.shape[1] % gmm.DEFAULT_TILES["block_k"] == 0 and wp.shape[2] % gmm.DEFAULT_TILES["block_n"] == 0
+            assert (
+                xp.shape[1] % gmm.DEFAULT_TILES["block_k"] == 0
+                and wp.shape[2] % gmm.DEFAULT_TILES["block_n"] == 0
+            )
             return grouped_matmul(xp, wp, sizes, "xla")[:, :n]
 
         def plain(x, w):

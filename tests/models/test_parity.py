@@ -43,8 +43,15 @@ def test_logits_match_transformers_fp32(variant, hf_model_dir):
 
 @pytest.mark.parametrize(
     "variant",
-    ["qwen3_tied", "llama_rope3", "glm4_moe_g4_dense1", "deepseek_v3_qlora", "deepseek_v3_noqlora_tied",
-     "qwen3_5_moe_hybrid", "qwen3_5_moe_alt_tied"],
+    [
+        "qwen3_tied",
+        "llama_rope3",
+        "glm4_moe_g4_dense1",
+        "deepseek_v3_qlora",
+        "deepseek_v3_noqlora_tied",
+        "qwen3_5_moe_hybrid",
+        "qwen3_5_moe_alt_tied",
+    ],
 )
 def test_packed_rows_equal_per_sample_logits(variant, hf_model_dir):
     """Three samples packed in one row (plus padding) and one alone in another row give each sample's

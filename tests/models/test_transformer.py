@@ -15,10 +15,23 @@ from primejax.models.hf_io import param_variables
 from primejax.models.transformer import Transformer, init_model
 
 CFG = ModelConfig(
-    model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=32, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
-    tie_word_embeddings=True, qk_norm=True, attention_bias=False, max_position_embeddings=512,
-    param_dtype="float32", compute_dtype="float32",
+    model_type="qwen3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    attention_bias=False,
+    max_position_embeddings=512,
+    param_dtype="float32",
+    compute_dtype="float32",
 )
 rng = np.random.default_rng(0)
 TOKENS = jnp.asarray(rng.integers(0, 256, size=(2, 16)), jnp.int32)
@@ -51,12 +64,16 @@ def baseline(model):
     return _loss_and_grad(model)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots_no_batch", pytest.param("attn_offload", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "policy", ["full", "dots_no_batch", pytest.param("attn_offload", marks=pytest.mark.slow)]
+)
 def test_remat_policy_gives_the_same_gradients(policy, model, baseline):
     loss0, g0 = baseline
     loss, g = _loss_and_grad(_with_cfg(model, dataclasses.replace(CFG, remat_policy=policy)))
     assert float(loss) == pytest.approx(float(loss0), rel=1e-6)
-    err = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g), strict=True))
+    err = max(
+        float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g), strict=True)
+    )
     assert err < 1e-6, f"remat={policy}: gradients differ by {err:.3e}"
 
 

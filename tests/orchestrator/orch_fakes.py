@@ -66,7 +66,9 @@ class FakeClient:
         self.updates: list[tuple[str, int]] = []
         self.requests: list[dict] = []
 
-    async def generate(self, prompt_token_ids, *, n, max_tokens, temperature, top_p=1.0, stop=None, seed=None):
+    async def generate(
+        self, prompt_token_ids, *, n, max_tokens, temperature, top_p=1.0, stop=None, seed=None
+    ):
         self.served.append(self.served_version)
         self.requests.append({"prompt": list(prompt_token_ids), "n": n, "seed": seed})
         if self.clock is not None and self.gen_time:
@@ -74,7 +76,9 @@ class FakeClient:
         prompt = self.tokenizer.decode(prompt_token_ids)
         out = []
         for member in range(n):
-            ids = self.tokenizer.encode(self.replies(prompt, member), add_special_tokens=False)[: max_tokens - 1]
+            ids = self.tokenizer.encode(self.replies(prompt, member), add_special_tokens=False)[
+                : max_tokens - 1
+            ]
             ids = ids + [self.eos]
             out.append(FakeCompletion(list(prompt_token_ids), ids, [-0.25] * len(ids), "stop"))
         return out
@@ -87,8 +91,9 @@ class FakeClient:
         return self.served_version
 
 
-def small_config(run_dir, *, env_id: str = "reverse-text", batch_size: int = 8, group_size: int = 4,
-                 **orchestrator: Any) -> ConfigDict:
+def small_config(
+    run_dir, *, env_id: str = "reverse-text", batch_size: int = 8, group_size: int = 4, **orchestrator: Any
+) -> ConfigDict:
     cfg = default_config()
     cfg.run.output_dir = str(run_dir.parent)
     cfg.run.name = run_dir.name
@@ -111,9 +116,14 @@ def make_orchestrator(cfg: ConfigDict, **kwargs: Any):
     from primejax.orchestrator.loop import Orchestrator
 
     c = typed(cfg)
-    return Orchestrator(c.orchestrator, seed=c.run.seed, num_shards=c.trainer.distributed.num_processes,
-                        pad_rows_to_multiple=c.trainer.micro_batch_size,
-                        recovery_timeout_s=2 * c.inference.startup_timeout_s, **kwargs)
+    return Orchestrator(
+        c.orchestrator,
+        seed=c.run.seed,
+        num_shards=c.trainer.distributed.num_processes,
+        pad_rows_to_multiple=c.trainer.micro_batch_size,
+        recovery_timeout_s=2 * c.inference.startup_timeout_s,
+        **kwargs,
+    )
 
 
 def fake_broadcast(run_dir: Path, step: int) -> None:

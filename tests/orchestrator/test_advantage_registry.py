@@ -62,7 +62,9 @@ def test_the_registry_and_the_config_refuse_what_is_ambiguous():
     assert register_advantage("rank_for_test")(rank) is rank  # the same function again: a no-op
     with pytest.raises(ValueError, match="already registered as 'rank_for_test'"):
         register_advantage("rank_for_test")(lambda inputs: [])
-    with pytest.raises(ConfigError, match=r"advantage.name.*'nope' is not registered \(registered: .*'group_relative'"):
+    with pytest.raises(
+        ConfigError, match=r"advantage.name.*'nope' is not registered \(registered: .*'group_relative'"
+    ):
         _grpo(name="nope")
     with pytest.raises(ConfigError, match="set one"):
         _grpo(name="rank_for_test", import_path="custom_advantage_fns.constant")

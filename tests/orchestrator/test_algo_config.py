@@ -45,23 +45,48 @@ def test_valid_settings_of_each_algorithm_pass(algo):
     ("make", "key", "message"),
     [
         (lambda: config(type="opd"), "orchestrator.algo.teacher.base_url", "frozen teacher"),
-        (lambda: config(type="opd", teacher={"name": "policy", "base_url": ("http://h:1",)}),
-         "orchestrator.algo.teacher", "degenerate"),
+        (
+            lambda: config(type="opd", teacher={"name": "policy", "base_url": ("http://h:1",)}),
+            "orchestrator.algo.teacher",
+            "degenerate",
+        ),
         (lambda: config(type="sft"), "orchestrator.algo.sampling.source", "frozen source"),
-        (lambda: config(type="sft", sampling=FROZEN), "orchestrator.algo.sampling.frozen.base_url", "endpoint"),
+        (
+            lambda: config(type="sft", sampling=FROZEN),
+            "orchestrator.algo.sampling.frozen.base_url",
+            "endpoint",
+        ),
         (lambda: frozen(config(type="grpo", sampling=FROZEN)), "orchestrator.algo.type", "only feed the ce"),
-        (lambda: frozen(config(type="opd", sampling=FROZEN, teacher={"base_url": ("http://h:1",)})),
-         "orchestrator.algo.type", "only feed the ce"),
-        (lambda: config(type="opsd", length_penalty={"type": "tokens", "coef": 0.1}),
-         "orchestrator.algo.length_penalty", "a key of grpo, max_rl, echo"),
-        (lambda: config(type="grpo", teacher={"base_url": ("http://h:1",)}), "orchestrator.algo.teacher",
-         "'grpo' has no 'teacher'"),
-        (lambda: config(length_penalty={"type": "turns", "coef": -1.0}), "orchestrator.algo.length_penalty.coef",
-         ">= 0"),
-        (lambda: config(advantage={"import_path": "nodots"}), "orchestrator.algo.advantage.import_path",
-         "import path"),
-        (lambda: config(type="echo", filter={"import_path": "nodots"}), "orchestrator.algo.filter.import_path",
-         "import path"),
+        (
+            lambda: frozen(config(type="opd", sampling=FROZEN, teacher={"base_url": ("http://h:1",)})),
+            "orchestrator.algo.type",
+            "only feed the ce",
+        ),
+        (
+            lambda: config(type="opsd", length_penalty={"type": "tokens", "coef": 0.1}),
+            "orchestrator.algo.length_penalty",
+            "a key of grpo, max_rl, echo",
+        ),
+        (
+            lambda: config(type="grpo", teacher={"base_url": ("http://h:1",)}),
+            "orchestrator.algo.teacher",
+            "'grpo' has no 'teacher'",
+        ),
+        (
+            lambda: config(length_penalty={"type": "turns", "coef": -1.0}),
+            "orchestrator.algo.length_penalty.coef",
+            ">= 0",
+        ),
+        (
+            lambda: config(advantage={"import_path": "nodots"}),
+            "orchestrator.algo.advantage.import_path",
+            "import path",
+        ),
+        (
+            lambda: config(type="echo", filter={"import_path": "nodots"}),
+            "orchestrator.algo.filter.import_path",
+            "import path",
+        ),
         (lambda: config(type="echo", roles={"tool": -0.1}), "orchestrator.algo.roles", "alpha"),
     ],
 )
@@ -84,7 +109,9 @@ def test_per_env_algorithm_is_checked_too():
         validate(cfg)
     assert e.value.key == "orchestrator.envs.reverse_text.algo.advantage.import_path"
     cfg = config()
-    cfg.orchestrator.envs.reverse_text.algo.roles = {"user": 1.0}  # set without choosing a type: not inherited
+    cfg.orchestrator.envs.reverse_text.algo.roles = {
+        "user": 1.0
+    }  # set without choosing a type: not inherited
     with pytest.raises(ConfigError, match="'' has no 'roles'"):
         validate(cfg)
 
@@ -96,7 +123,9 @@ def test_reference_example_sft_from_a_frozen_source_next_to_grpo_on_the_policy()
     with o.envs.unlocked() if o.envs.is_locked else _nothing():
         o.envs["distill"] = env("reverse-text")
     o.envs.distill.algo.type = "sft"
-    o.envs.distill.algo.sampling.update({"source": "frozen", "frozen": {"name": "big", "base_url": ("http://h:1",)}})
+    o.envs.distill.algo.sampling.update(
+        {"source": "frozen", "frozen": {"name": "big", "base_url": ("http://h:1",)}}
+    )
     o.envs.reverse_text.algo.type = "grpo"
     o.envs.reverse_text.algo.length_penalty.update({"type": "tokens", "coef": 0.1})
     typed_cfg = typed(cfg)

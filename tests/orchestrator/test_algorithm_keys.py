@@ -19,8 +19,10 @@ ADV = "custom_advantage_fns.constant"
 def rollouts(n: int = 2) -> list[Rollout]:
     example = Example(key="k", prompt=[{"role": "user", "content": "q"}], info={"hint": "do this"})
     steps = [TrajectoryStep([1, 2], [5, 6, 7], [-0.1] * 3, "stop", 0)]
-    return [Rollout(env="e", example_index=0, example=example, group_id=0, steps=steps, reward=float(i))
-            for i in range(n)]
+    return [
+        Rollout(env="e", example_index=0, example=example, group_id=0, steps=steps, reward=float(i))
+        for i in range(n)
+    ]
 
 
 def check_grpo(algo):
@@ -55,13 +57,24 @@ def check_sft(algo):
 
 
 CASES = {
-    "grpo": ({"length_penalty": {"type": "tokens", "coef": 0.5, "target": 1},
-              "advantage": {"import_path": ADV, "kwargs": {"value": 4.0}}}, check_grpo),
+    "grpo": (
+        {
+            "length_penalty": {"type": "tokens", "coef": 0.5, "target": 1},
+            "advantage": {"import_path": ADV, "kwargs": {"value": 4.0}},
+        },
+        check_grpo,
+    ),
     "max_rl": ({"length_penalty": {"type": "turns", "coef": 0.25, "target": 1}}, check_max_rl),
-    "echo": ({"roles": {"user": 0.3}, "filter": {"import_path": "custom_advantage_fns.keep_none"}}, check_echo),
+    "echo": (
+        {"roles": {"user": 0.3}, "filter": {"import_path": "custom_advantage_fns.keep_none"}},
+        check_echo,
+    ),
     "opd": ({"teacher": {"name": "teacher", "base_url": ("http://127.0.0.1:8911/v1",)}}, check_opd),
     "opsd": ({"demo_key": "hint", "template": "Teacher says: {demonstration}"}, check_opsd),
-    "sft": ({"sampling": {"source": "frozen", "frozen": {"base_url": ("http://127.0.0.1:8912",)}}}, check_sft),
+    "sft": (
+        {"sampling": {"source": "frozen", "frozen": {"base_url": ("http://127.0.0.1:8912",)}}},
+        check_sft,
+    ),
 }
 
 
@@ -84,7 +97,9 @@ def test_an_envs_own_algorithm_keys_reach_its_instance(name, tokenizer):
         else:
             block[key] = value
     cfg = typed(tree)
-    slots = {s.name: s for s in build_env_slots(cfg.orchestrator, policy_client=object(), tokenizer=tokenizer)}
+    slots = {
+        s.name: s for s in build_env_slots(cfg.orchestrator, policy_client=object(), tokenizer=tokenizer)
+    }
     own, other = slots["own"].algorithm, slots["reverse_text"].algorithm
     try:
         assert type(own).__name__ != "Algorithm" and own.config.type == name

@@ -17,8 +17,12 @@ from primejax.orchestrator.samples import rollout_to_samples
 from primejax.rendering.qwen3_renderer import Qwen3Renderer
 from primejax.utils.sections import build
 
-EXAMPLE = Example(key="k", prompt=[{"role": "user", "content": "q"}], answer="the answer",
-                  info={"demonstration": "do it like this"})
+EXAMPLE = Example(
+    key="k",
+    prompt=[{"role": "user", "content": "q"}],
+    answer="the answer",
+    info={"demonstration": "do it like this"},
+)
 
 
 def rollout(reward: float, tokens: int = 3, turns: int = 1) -> Rollout:
@@ -47,6 +51,7 @@ def finalize(algo, group: list[Rollout]) -> None:
 
 # ------------------------------------------------------------------------------------------------ max_rl
 
+
 def test_max_rl_divides_the_centered_reward_by_the_group_mean():
     cfg = algo_config()
     group = [rollout(1.0), rollout(0.0), rollout(0.0), rollout(0.0)]  # p = 0.25
@@ -74,10 +79,13 @@ def test_length_penalty_target_exempts_the_first_tokens_and_turns():
     group = [rollout(1.0, turns=1), rollout(1.0, turns=2), rollout(1.0, turns=3)]  # penalties 0, .2, .4
     finalize(build_algorithm("max_rl", cfg.algo, sampling=cfg.sampling), group)
     mean = 1 - 0.2
-    assert [r.advantages[0] for r in group] == pytest.approx([(1 - mean) / mean, 0.0, (0.6 - mean) / mean], abs=1e-12)
+    assert [r.advantages[0] for r in group] == pytest.approx(
+        [(1 - mean) / mean, 0.0, (0.6 - mean) / mean], abs=1e-12
+    )
 
 
 # ------------------------------------------------------------------------------------- custom advantage
+
 
 def test_custom_advantage_by_import_path_with_kwargs():
     cfg = algo_config(advantage={"import_path": "custom_advantage_fns.normalized", "kwargs": {"eps": 0.0}})
@@ -97,7 +105,9 @@ def test_per_env_advantage_overrides_the_global_one():
     tree.algo.advantage.update({"import_path": "custom_advantage_fns.constant", "kwargs": {"value": 2.0}})
     tree.envs["custom"] = env("reverse-text")
     tree.envs.custom.algo.type = "grpo"
-    tree.envs.custom.algo.advantage.update({"import_path": "custom_advantage_fns.constant", "kwargs": {"value": -3.0}})
+    tree.envs.custom.algo.advantage.update(
+        {"import_path": "custom_advantage_fns.constant", "kwargs": {"value": -3.0}}
+    )
     cfg = build(OrchestratorConfig, tree)
     for name, expected in (("reverse_text", 2.0), ("custom", -3.0)):
         group = [rollout(1.0), rollout(0.0)]
@@ -108,6 +118,7 @@ def test_per_env_advantage_overrides_the_global_one():
 
 
 # ------------------------------------------------------------------------------------ reference scoring
+
 
 class FakeScorer:
     """log p(token_i | prefix) = -(token_i + len(prefix)) / 100: depends on the whole context."""
@@ -136,9 +147,17 @@ def test_opd_scores_each_sample_context_under_the_teacher_and_ships_ref_kl():
     algo = build_algorithm("opd", cfg.algo, sampling=cfg.sampling)
     assert algo.teacher_client.base_urls == ["http://127.0.0.1:9"]
     algo.teacher_client = FakeScorer()
-    r = Rollout(env="e", example_index=0, example=EXAMPLE, group_id=0, reward=0.3, steps=[
-        TrajectoryStep([1, 2], [10, 11], [-0.5, -0.5], "stop", 0),
-        TrajectoryStep([1, 2, 10, 11, 20], [12], [-0.5], "stop", 0)])
+    r = Rollout(
+        env="e",
+        example_index=0,
+        example=EXAMPLE,
+        group_id=0,
+        reward=0.3,
+        steps=[
+            TrajectoryStep([1, 2], [10, 11], [-0.5, -0.5], "stop", 0),
+            TrajectoryStep([1, 2, 10, 11, 20], [12], [-0.5], "stop", 0),
+        ],
+    )
     finalize(algo, [r])
     assert algo.teacher_client.calls == [[1, 2, 10, 11, 20, 12]]  # one prefill per interleaved sample
     assert r.ref_logprobs == pytest.approx([-0.12, -0.14, -0.17], abs=1e-12)
@@ -153,18 +172,36 @@ def test_opsd_scores_the_policy_under_the_demonstration_hint(tokenizer):
     cfg = algo_config(type="opsd", template="Demo: {demonstration}")
     policy = FakeScorer()
     algo = build_algorithm("opsd", cfg.algo, sampling=cfg.sampling, policy_client=policy, tokenizer=tokenizer)
-    r = Rollout(env="e", example_index=0, example=EXAMPLE, group_id=0, reward=1.0,
-                steps=[TrajectoryStep([1, 2, 3], [10, 11], [-0.5, -0.5], "stop", 0)])
+    r = Rollout(
+        env="e",
+        example_index=0,
+        example=EXAMPLE,
+        group_id=0,
+        reward=1.0,
+        steps=[TrajectoryStep([1, 2, 3], [10, 11], [-0.5, -0.5], "stop", 0)],
+    )
     finalize(algo, [r])
     hint = tokenizer.encode("<|im_start|>system\nDemo: do it like this<|im_end|>\n", add_special_tokens=False)
     assert policy.calls == [hint + [1, 2, 3, 10, 11]]
     h = len(hint)
     assert r.ref_logprobs == pytest.approx([-(10 + h + 3) / 100, -(11 + h + 4) / 100], abs=1e-12)
     # falls back to the example field of the same name
-    algo = build_algorithm("opsd", cfg.algo.replace(demo_key="answer"), sampling=cfg.sampling, policy_client=policy, tokenizer=tokenizer)
+    algo = build_algorithm(
+        "opsd",
+        cfg.algo.replace(demo_key="answer"),
+        sampling=cfg.sampling,
+        policy_client=policy,
+        tokenizer=tokenizer,
+    )
     assert tokenizer.decode(algo.hint_ids("the answer")).endswith("Demo: the answer<|im_end|>\n")
-    r2 = Rollout(env="e", example_index=0, example=Example("k2", []), group_id=0, reward=1.0,
-                 steps=[TrajectoryStep([1], [2], [0.0], "stop", 0)])
+    r2 = Rollout(
+        env="e",
+        example_index=0,
+        example=Example("k2", []),
+        group_id=0,
+        reward=1.0,
+        steps=[TrajectoryStep([1], [2], [0.0], "stop", 0)],
+    )
     with pytest.raises(KeyError, match="no demonstration"):
         asyncio.run(algo.score_rollout(r2))
 
@@ -172,8 +209,10 @@ def test_opsd_scores_the_policy_under_the_demonstration_hint(tokenizer):
 def test_sft_needs_a_frozen_source_and_ships_ce_on_every_sampled_token():
     with pytest.raises(ConfigError, match="sft needs a frozen source"):  # rejected with the config
         algo_config(type="sft")
-    cfg = algo_config(type="sft", sampling={"source": "frozen",
-                                            "frozen": {"name": "big", "base_url": ("http://127.0.0.1:9",)}})
+    cfg = algo_config(
+        type="sft",
+        sampling={"source": "frozen", "frozen": {"name": "big", "base_url": ("http://127.0.0.1:9",)}},
+    )
     algo = build_algorithm("sft", cfg.algo, sampling=cfg.sampling)
     assert algo.sampling_client is not None and algo.sampling_client.base_urls == ["http://127.0.0.1:9"]
     group = [rollout(1.0), rollout(1.0)]
@@ -186,6 +225,7 @@ def test_sft_needs_a_frozen_source_and_ships_ce_on_every_sampled_token():
 
 # ------------------------------------------------------------------------------------------------ echo
 
+
 def echo_rollout(tokenizer) -> Rollout:
     """Two model calls bridged by the qwen3 renderer; a tool result and a user note arrive in between."""
     renderer = Qwen3Renderer(tokenizer)
@@ -196,11 +236,24 @@ def echo_rollout(tokenizer) -> Rollout:
     new = [{"role": "tool", "content": "result: 42"}, {"role": "user", "content": "thanks, now answer"}]
     p2 = renderer.bridge_to_next_turn(p1, c1, new)
     c2 = tokenizer.encode("the answer is 42", add_special_tokens=False) + [eos]
-    messages = prompt + [{"role": "assistant", "content": "calling"}, *new,
-                         {"role": "assistant", "content": "the answer is 42"}]
-    steps = [TrajectoryStep(p1, c1, [-0.1] * len(c1), "stop", 0), TrajectoryStep(p2, c2, [-0.2] * len(c2), "stop", 0)]
-    return Rollout(env="e", example_index=0, example=Example("k", prompt), group_id=0, messages=messages,
-                   steps=steps, reward=1.0)
+    messages = prompt + [
+        {"role": "assistant", "content": "calling"},
+        *new,
+        {"role": "assistant", "content": "the answer is 42"},
+    ]
+    steps = [
+        TrajectoryStep(p1, c1, [-0.1] * len(c1), "stop", 0),
+        TrajectoryStep(p2, c2, [-0.2] * len(c2), "stop", 0),
+    ]
+    return Rollout(
+        env="e",
+        example_index=0,
+        example=Example("k", prompt),
+        group_id=0,
+        messages=messages,
+        steps=steps,
+        reward=1.0,
+    )
 
 
 def spans(weights: list[float]) -> list[tuple[int, int, float]]:
@@ -232,7 +285,7 @@ def test_echo_weights_observation_content_by_role_and_ships_rl_plus_ce(tokenizer
     assert tokenizer.decode(ids[user_start:user_end]) == "thanks, now answer"
     (s,) = rollout_to_samples(r, algo.action_loss_type, 1.0, 512)  # the bridge keeps extension: one sample
     n1 = len(r.steps[0].prompt_ids) + len(r.steps[0].completion_ids)
-    assert s.ce_weights[n1:len(ids)] == w[n1:] and sum(s.ce_weights[:n1]) == 0
+    assert s.ce_weights[n1 : len(ids)] == w[n1:] and sum(s.ce_weights[:n1]) == 0
     assert s.rl_weights == [float(m and c == 0) for m, c in zip(s.loss_mask, s.ce_weights, strict=True)]
     assert [s.loss_mask[i] for i in range(tool_start, tool_end)] == [True] * (tool_end - tool_start)
     assert s.advantages[-1] == 0.5  # grpo credit on the sampled tokens

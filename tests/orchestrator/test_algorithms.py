@@ -18,7 +18,9 @@ EXAMPLE = Example(key="k", prompt=[{"role": "user", "content": "q"}])
 
 def rollout(reward: float | None, tokens: int = 3, error: str | None = None, turns: int = 1) -> Rollout:
     steps = [TrajectoryStep([1, 2], [5] * tokens, [-0.1] * tokens, "stop", 0) for _ in range(turns)]
-    return Rollout(env="e", example_index=0, example=EXAMPLE, group_id=0, steps=steps, reward=reward, error=error)
+    return Rollout(
+        env="e", example_index=0, example=EXAMPLE, group_id=0, steps=steps, reward=reward, error=error
+    )
 
 
 def grpo(**length_penalty):
@@ -38,7 +40,12 @@ def finalize(algo: Algorithm, group: list[Rollout]) -> None:
 
 
 def test_grpo_is_reward_minus_group_mean_broadcast_over_every_sampled_token():
-    group = [rollout(1.0, tokens=2), rollout(0.0, tokens=3), rollout(0.5, tokens=1), rollout(0.5, tokens=4, turns=2)]
+    group = [
+        rollout(1.0, tokens=2),
+        rollout(0.0, tokens=3),
+        rollout(0.5, tokens=1),
+        rollout(0.5, tokens=4, turns=2),
+    ]
     finalize(grpo(), group)
     assert [r.advantages for r in group] == [[0.5] * 2, [-0.5] * 3, [0.0] * 1, [0.0] * 8]
     assert all(r.finalized for r in group)

@@ -36,22 +36,28 @@ def trainer_step(tiny_model_dir):
     from primejax.trainer.losses import LossConfig
     from primejax.trainer.step import init_state, make_train_step
 
-    cfg = ModelConfig.from_model_dir(tiny_model_dir, param_dtype="float32", compute_dtype="float32",
-                                     attention_impl="xla")
+    cfg = ModelConfig.from_model_dir(
+        tiny_model_dir, param_dtype="float32", compute_dtype="float32", attention_impl="xla"
+    )
     from flax import nnx
 
     model = init_model(cfg, None, seed=0)
     sched = optim.make_schedule(1e-3)
-    opt = optim.make_optimizer({"lr": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
-                                "max_norm": 1.0}, sched)
+    opt = optim.make_optimizer(
+        {"lr": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "max_norm": 1.0}, sched
+    )
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     state = init_state(model, opt, mesh=mesh)
-    step = jit_train_step(make_train_step(nnx.graphdef(model), opt, sched, LossConfig(), chunk_size=256), state, mesh)
+    step = jit_train_step(
+        make_train_step(nnx.graphdef(model), opt, sched, LossConfig(), chunk_size=256), state, mesh
+    )
     return step, [state], cfg.vocab_size  # the step donates its state: the holder keeps the newest
 
 
 def orchestrate(run_dir: Path, model_dir: Path, policy_url: str, **setup) -> dict[str, float]:
-    cfg = small_config(run_dir, batch_size=4, group_size=2, async_level=0)  # seeded sampling: one step, no trainer
+    cfg = small_config(
+        run_dir, batch_size=4, group_size=2, async_level=0
+    )  # seeded sampling: one step, no trainer
     cfg.model.path = str(model_dir)
     o = cfg.orchestrator
     o.update({"seq_len": SEQ_LEN, "max_prompt_tokens": 256})
@@ -94,20 +100,31 @@ def train_on(run_dir: Path, trainer_step) -> dict[str, float]:
 CASES = {
     "grpo": ({}, {"rl"}),
     "max_rl": ({"type": "max_rl"}, {"rl"}),
-    "echo": ({"type": "echo", "roles": {"user": 0.1}, "env_id": "alphabet-sort",
-              "env_args": {"num_turns": 2, "initial_names": 2, "names_per_turn": 1}}, {"rl", "ce"}),
+    "echo": (
+        {
+            "type": "echo",
+            "roles": {"user": 0.1},
+            "env_id": "alphabet-sort",
+            "env_args": {"num_turns": 2, "initial_names": 2, "names_per_turn": 1},
+        },
+        {"rl", "ce"},
+    ),
     "opd": ({"type": "opd", "teacher": "frozen"}, {"ref_kl"}),
     "sft": ({"type": "sft", "sampling": "frozen"}, {"ce"}),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_algorithm_step_feeds_the_trainer_its_loss_components(name, tmp_path, vllm_server, tiny_model_dir,
-                                                               trainer_step):
+def test_algorithm_step_feeds_the_trainer_its_loss_components(
+    name, tmp_path, vllm_server, tiny_model_dir, trainer_step
+):
     setup, components = CASES[name]
     setup = dict(setup)
     if setup.get("teacher") == "frozen" or setup.get("sampling") == "frozen":
-        ref = {"name": "", "base_url": (vllm_server.base_url + "/v1",)}  # a client of its own, the same server
+        ref = {
+            "name": "",
+            "base_url": (vllm_server.base_url + "/v1",),
+        }  # a client of its own, the same server
         if setup.get("teacher"):
             setup["teacher"] = ref
         else:
@@ -147,8 +164,9 @@ def test_offline_eval_of_a_weights_dir_against_the_server(tmp_path, vllm_server,
     assert asyncio.run(version()) == 0  # the shared server is back on the base model
 
 
-def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(tmp_path, vllm_server, tiny_model_dir,
-                                                                       trainer_step):
+def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(
+    tmp_path, vllm_server, tiny_model_dir, trainer_step
+):
     """Reference 001's per-env algorithms: in one run of 2 steps, env `distill` runs sft sampled from a frozen
     server and env `reverse_text` runs grpo on the policy. Every sample of the written batches carries only ce
     tokens (distill) or only rl tokens (grpo), and one trainer step on each batch trains both components. The
@@ -174,8 +192,9 @@ def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(tmp_path,
 
     async def main():
         client = InferenceClient(vllm_server.base_url, timeout_s=120, max_retries=2)
-        orch = Orchestrator(c.orchestrator, client=client, tokenizer=tokenizer, run_dir=run_dir,
-                            pad_rows_to_multiple=ROWS)
+        orch = Orchestrator(
+            c.orchestrator, client=client, tokenizer=tokenizer, run_dir=run_dir, pad_rows_to_multiple=ROWS
+        )
         assert orch.buffer.envs["distill"].algorithm.sampling_client.base_urls == [frozen.base_url]
         assert orch.buffer.envs["reverse_text"].algorithm.sampling_client is None  # samples from the policy
         try:
@@ -196,7 +215,9 @@ def test_sft_env_from_a_frozen_source_next_to_a_grpo_env_on_the_policy(tmp_path,
                 where = batch.segment_ids[row] == seg
                 trained = where & batch.loss_mask[row]
                 segments[tuple(batch.tokens[row][where].tolist())] = (
-                    float(batch.rl_weights[row][trained].sum()), float(batch.ce_weights[row][trained].sum()))
+                    float(batch.rl_weights[row][trained].sum()),
+                    float(batch.ce_weights[row][trained].sum()),
+                )
         envs_seen = set()
         for rollout in result.batch:
             for sample in orch.to_samples([rollout]):

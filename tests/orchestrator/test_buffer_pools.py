@@ -19,7 +19,9 @@ from primejax.orchestrator.loop import Orchestrator
 
 
 def buffer(n: int = 10, **settings) -> Buffer:
-    return Buffer([EnvSlot("rt", ReverseText(num_examples=n), 1.0, None)], seed=0, settings=BufferSettings(**settings))
+    return Buffer(
+        [EnvSlot("rt", ReverseText(num_examples=n), 1.0, None)], seed=0, settings=BufferSettings(**settings)
+    )
 
 
 def test_pools_retire_examples_at_their_thresholds_and_report_ratios():
@@ -71,8 +73,12 @@ def test_online_difficulty_filtering_drops_exactly_the_all_zero_and_all_one_grou
 
 
 def run(cfg, tokenizer, steps: int) -> tuple[Orchestrator, list[dict[str, float]]]:
-    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer,
-                        run_dir=cfg.run.output_dir + "/" + cfg.run.name)
+    orch = make_orchestrator(
+        cfg,
+        client=FakeClient(tokenizer),
+        tokenizer=tokenizer,
+        run_dir=cfg.run.output_dir + "/" + cfg.run.name,
+    )
     orch.resume(cfg.run.resume_step)
     return orch, asyncio.run(orch.run(steps))
 

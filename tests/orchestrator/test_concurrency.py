@@ -161,9 +161,14 @@ def test_auto_concurrency_is_aimd_when_a_server_exposes_vllm_metrics_and_fixed_o
     assert orch.limiter.limit == 4 and orch.aimd is None  # nothing decided before the run starts
     with caplog.at_level(logging.INFO, logger="primejax.orchestrator.loop"):
         assert asyncio.run(orch.pick_concurrency()) == mode
-        assert asyncio.run(orch.pick_concurrency()) == mode  # decided once: a second call neither asks nor logs
+        assert (
+            asyncio.run(orch.pick_concurrency()) == mode
+        )  # decided once: a second call neither asks nor logs
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("concurrency:")]
-    assert len(said) == 1 and ("AIMD between 4 and 4" if mode == "aimd" else "fixed at max_concurrent = 4") in said[0]
+    assert (
+        len(said) == 1
+        and ("AIMD between 4 and 4" if mode == "aimd" else "fixed at max_concurrent = 4") in said[0]
+    )
     assert getattr(client, "asked", 1) == 1
     if mode == "aimd":
         assert orch.aimd is not None and orch.aimd.s.floor == 4 and orch.aimd.s.cap == 4
@@ -175,8 +180,9 @@ def test_auto_concurrency_starts_aimd_at_its_floor_under_a_higher_cap(tmp_path, 
     from orch_fakes import make_orchestrator, small_config
 
     cfg = small_config(tmp_path / "run", max_concurrent=64)
-    orch = make_orchestrator(cfg, client=_MetricsClient(tokenizer, [METRICS]), tokenizer=tokenizer,
-                             run_dir=tmp_path / "run")
+    orch = make_orchestrator(
+        cfg, client=_MetricsClient(tokenizer, [METRICS]), tokenizer=tokenizer, run_dir=tmp_path / "run"
+    )
     assert orch.limiter.limit == 64
     assert asyncio.run(orch.pick_concurrency()) == "aimd"
     assert orch.limiter.limit == 8 and (orch.aimd.s.floor, orch.aimd.s.cap) == (8, 64)

@@ -62,6 +62,8 @@ def test_a_server_that_never_comes_back_ends_the_run_naming_the_step(tmp_path, t
     # Step mode: every attempt loses requests. (The continuous pool re-dispatches a lost group by itself, so
     # there a dead server shows as a cut that waits; the loop and its limit are the same object.)
     client = FlakyClient(tokenizer, lose=range(10_000))
-    with pytest.raises(RuntimeError, match=rf"step 1: inference failed in {MAX_STEP_ATTEMPTS} attempts in a row"):
+    with pytest.raises(
+        RuntimeError, match=rf"step 1: inference failed in {MAX_STEP_ATTEMPTS} attempts in a row"
+    ):
         _run(tmp_path, tokenizer, client, "step", steps=1)
     assert client.ready_waits == MAX_STEP_ATTEMPTS - 1

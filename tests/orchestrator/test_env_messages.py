@@ -18,7 +18,9 @@ from primejax.orchestrator.generate import GroupGenerator
 from primejax.orchestrator.message_caps import auto_limit, cap_messages, cap_text, check_tools
 from primejax.rendering.renderer import build_renderer
 
-HUGE = 300_000  # characters: big enough to show the cut, small enough that the old code's tokenization is quick
+HUGE = (
+    300_000  # characters: big enough to show the cut, small enough that the old code's tokenization is quick
+)
 
 
 class Version:
@@ -61,7 +63,9 @@ class Flood(Environment):
         return 1.0
 
 
-LIMIT = 2048  # orchestrator.max_env_message_chars here (the tiny tokenizer makes about one token per character)
+LIMIT = (
+    2048  # orchestrator.max_env_message_chars here (the tiny tokenizer makes about one token per character)
+)
 
 
 def _run(tokenizer, env, max_prompt_tokens=8192, limit=LIMIT):
@@ -102,18 +106,24 @@ def test_an_env_driven_episodes_messages_are_cut_and_bridging_still_matches(toke
         # the second call's prompt extends the first call's ids exactly (the recorded conversation is the cut one)
         first = r.steps[0]
         assert r.steps[1].prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == [
-            *first.prompt_ids, *first.completion_ids]
+            *first.prompt_ids,
+            *first.completion_ids,
+        ]
         assert all(len(s) <= LIMIT for s in _strings(r.messages))
 
 
 def test_a_huge_prompt_is_cut_and_one_too_large_in_all_is_refused(tokenizer):
     # the prompt's one string is cut to the limit; a prompt of many such strings is refused before rendering
     rollouts, gen = _run(tokenizer, Flood("prompt"), max_prompt_tokens=256, limit=0)  # 0: auto (4096)
-    assert all(re.fullmatch(r"request: ValueError: prompt has \d+ tokens > max_prompt_tokens", r.error)
-               for r in rollouts), [r.error for r in rollouts]
+    assert all(
+        re.fullmatch(r"request: ValueError: prompt has \d+ tokens > max_prompt_tokens", r.error)
+        for r in rollouts
+    ), [r.error for r in rollouts]
     assert all(len(s) <= auto_limit(256) == 4096 for r in rollouts for s in _strings(r.messages))
     many = [{"role": "user", "content": "w" * 4096}] * 9
-    with pytest.raises(ValueError, match=r"hold 36900 characters > 8 x orchestrator.max_env_message_chars \(4096\)"):
+    with pytest.raises(
+        ValueError, match=r"hold 36900 characters > 8 x orchestrator.max_env_message_chars \(4096\)"
+    ):
         cap_messages(many, 4096)
 
 
@@ -146,10 +156,11 @@ def test_a_malformed_env_response_errors_its_rollout_alone(tokenizer):
             return {"role": "user", "content": "a dict, not a list"}
 
     rollouts, gen = _run(tokenizer, Bad("env_response"))
-    assert all(r.error == "env: ValueError: environment messages must be a list of message dicts, got dict"
-               for r in rollouts), [r.error for r in rollouts]
+    assert all(
+        r.error == "env: ValueError: environment messages must be a list of message dicts, got dict"
+        for r in rollouts
+    ), [r.error for r in rollouts]
     assert gen.stats.errors == {"env": 2}
-
 
 
 def test_tool_schemas_too_large_fail_the_group_before_rendering(tokenizer):
@@ -158,11 +169,17 @@ def test_tool_schemas_too_large_fail_the_group_before_rendering(tokenizer):
 
     class HugeTools(Flood):
         async def tools(self, example):
-            return [{"type": "function", "function": {"name": "f", "description": "d" * HUGE, "parameters": {}}}]
+            return [
+                {"type": "function", "function": {"name": "f", "description": "d" * HUGE, "parameters": {}}}
+            ]
 
     rollouts, gen = _run(tokenizer, HugeTools("env_response"))
-    assert all(r.error is not None and "tool schemas hold" in r.error and "orchestrator.max_env_message_chars"
-               in r.error for r in rollouts), [r.error for r in rollouts]
+    assert all(
+        r.error is not None
+        and "tool schemas hold" in r.error
+        and "orchestrator.max_env_message_chars" in r.error
+        for r in rollouts
+    ), [r.error for r in rollouts]
     assert not gen.stats.requests
     small = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert check_tools(small, LIMIT) is small and check_tools(None, LIMIT) is None

@@ -32,7 +32,9 @@ def test_a_hung_env_worker_errors_its_rollouts_is_replaced_and_the_pool_refills(
     cfg.orchestrator.envs.reverse_text.args = {"marker": str(tmp_path / "hung")}
     if num >= 0:
         cfg.orchestrator.env_workers.num = num
-    assert cfg.orchestrator.pool.mode == "continuous" and cfg.orchestrator.env_workers.num == num  # -1: default
+    assert (
+        cfg.orchestrator.pool.mode == "continuous" and cfg.orchestrator.env_workers.num == num
+    )  # -1: default
     cfg.orchestrator.env_timeout_s = 2.0
     orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=run_dir)
     env = orch.slots[0].env
@@ -56,12 +58,23 @@ def test_a_hung_env_worker_errors_its_rollouts_is_replaced_and_the_pool_refills(
         assert read_batch(step_dir(run_dir, n) / "rank_0.npz").meta["num_samples"] > 0
 
 
-def test_auto_env_workers_size_cpu_heavy_envs_to_the_machine_and_keep_the_rest_in_process(tmp_path, tokenizer):
+def test_auto_env_workers_size_cpu_heavy_envs_to_the_machine_and_keep_the_rest_in_process(
+    tmp_path, tokenizer
+):
     heavy = load_env("worker_envs:load_hang_once", {"marker": str(tmp_path / "unused")})
     light = load_env("reverse-text")
     assert heavy.cpu_heavy and not light.cpu_heavy
     # -1 (auto): a quarter of the usable CPUs for a CPU-heavy env, at least 1, at most AUTO_MAX_WORKERS
-    assert [workers_for(heavy, -1, cpus) for cpus in (1, 2, 7, 8, 16, 31, 64, 512)] == [1, 1, 1, 2, 4, 7, 8, 8]
+    assert [workers_for(heavy, -1, cpus) for cpus in (1, 2, 7, 8, 16, 31, 64, 512)] == [
+        1,
+        1,
+        1,
+        2,
+        4,
+        7,
+        8,
+        8,
+    ]
     assert AUTO_MAX_WORKERS == 8
     assert workers_for(light, -1, 512) == 0  # a cheap env stays in process
     assert workers_for(heavy, 0, 512) == 0 and workers_for(light, 3, 2) == 3  # an explicit number is kept
@@ -165,7 +178,9 @@ def _scored_by_writer(lines, timeout_s=20.0):
     async def main():
         try:
             try:
-                result = await asyncio.wait_for(env.score(ex, [{"role": "assistant", "content": "x"}], {}), timeout_s)
+                result = await asyncio.wait_for(
+                    env.score(ex, [{"role": "assistant", "content": "x"}], {}), timeout_s
+                )
             except EnvWorkerError as e:
                 result = str(e)
             await asyncio.wait_for(env.pool.settled(), 30)
@@ -205,9 +220,13 @@ def test_a_stalled_orchestrator_loop_does_not_make_a_healthy_worker_hung(tokeniz
         try:
             await env.pool.start()
             await env.score(ex, [{"role": "assistant", "content": "x"}], {})  # the worker answers
-            time.sleep(4.5)  # the loop stalls 2.25 x env_timeout_s (by construction: nothing else runs meanwhile)
+            time.sleep(
+                4.5
+            )  # the loop stalls 2.25 x env_timeout_s (by construction: nothing else runs meanwhile)
             result = await asyncio.wait_for(env.score(ex, [{"role": "assistant", "content": "y"}], {}), 10)
-            await asyncio.wait_for(env.pool.settled(), 30)  # a replacement (the bug) finishes before the close
+            await asyncio.wait_for(
+                env.pool.settled(), 30
+            )  # a replacement (the bug) finishes before the close
             return result, env.pool.replaced
         finally:
             await env.aclose()

@@ -15,9 +15,15 @@ from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 
 
 def r(reward: float | None) -> Rollout:
-    return Rollout(env="e", example_index=0, example=Example("k", []), group_id=0, reward=reward,
-                   steps=[TrajectoryStep([1], [2, 3], [0.0, 0.0], "stop", 0)],
-                   error=None if reward is not None else "request: x")
+    return Rollout(
+        env="e",
+        example_index=0,
+        example=Example("k", []),
+        group_id=0,
+        reward=reward,
+        steps=[TrajectoryStep([1], [2, 3], [0.0, 0.0], "stop", 0)],
+        error=None if reward is not None else "request: x",
+    )
 
 
 def test_pass_at_k_counts_examples_with_any_pass_and_pass_at_1_the_mean_rate():
@@ -28,8 +34,9 @@ def test_pass_at_k_counts_examples_with_any_pass_and_pass_at_1_the_mean_rate():
     assert m["eval/e/errored"] == 1 and m["eval/e/num_rollouts"] == 12
     assert m["eval/e/reward/mean"] == pytest.approx(3.5 / 11, abs=1e-12)
     single = env_metrics("e", [[r(0.9)]], threshold=0.9)
-    assert single["eval/e/pass@1"] == 1.0 and not any(k.startswith("eval/e/pass@") and k != "eval/e/pass@1"
-                                                      for k in single)
+    assert single["eval/e/pass@1"] == 1.0 and not any(
+        k.startswith("eval/e/pass@") and k != "eval/e/pass@1" for k in single
+    )
 
 
 def test_online_eval_runs_every_interval_on_the_eval_envs(tmp_path, tokenizer):
@@ -59,8 +66,14 @@ def test_offline_eval_rejects_a_weights_directory_without_safetensors(tmp_path):
 
     assert weights_version("/x/broadcasts/step_12") == 12 and weights_version("/x/hf") == 1
     with pytest.raises(UsageError, match="no .safetensors"):
-        asyncio.run(evaluate(typed(small_config(tmp_path / "run")).orchestrator, "unused", client=None,
-                                weights=str(tmp_path)))
+        asyncio.run(
+            evaluate(
+                typed(small_config(tmp_path / "run")).orchestrator,
+                "unused",
+                client=None,
+                weights=str(tmp_path),
+            )
+        )
 
 
 def test_offline_eval_is_seeded_so_the_same_weights_give_the_same_requests(tmp_path, tokenizer):

@@ -15,11 +15,22 @@ from primejax.orchestrator.filters import (
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
 
 
-def rollout(completion: list[int], logprobs: list[float] | None = None, advantage: float | None = 1.0,
-            error: str | None = None) -> Rollout:
+def rollout(
+    completion: list[int],
+    logprobs: list[float] | None = None,
+    advantage: float | None = 1.0,
+    error: str | None = None,
+) -> Rollout:
     lps = logprobs if logprobs is not None else [-1.0] * len(completion)
-    r = Rollout(env="e", example_index=0, example=Example("k", []), group_id=0,
-                steps=[TrajectoryStep([1], completion, lps, "stop", 0)], reward=None if error else 1.0, error=error)
+    r = Rollout(
+        env="e",
+        example_index=0,
+        example=Example("k", []),
+        group_id=0,
+        steps=[TrajectoryStep([1], completion, lps, "stop", 0)],
+        reward=None if error else 1.0,
+        error=error,
+    )
     if advantage is not None:
         r.assign_advantages(advantage)
     return r
@@ -51,7 +62,11 @@ def test_repetition_fraction_and_threshold():
 
 
 def test_monitor_slot_flags_but_keeps_and_enforcing_slot_drops():
-    flagged, clean, errored = rollout([5], advantage=0.0), rollout([5]), rollout([5], advantage=None, error="x")
+    flagged, clean, errored = (
+        rollout([5], advantage=0.0),
+        rollout([5]),
+        rollout([5], advantage=None, error="x"),
+    )
     monitor = FilterSlot("pre_batch", {"zero_advantage": zero_advantage}, enforce=False)
     kept, counts = monitor.apply([flagged, clean, errored])
     assert kept == [flagged, clean, errored] and counts == {"zero_advantage": 1}

@@ -21,7 +21,9 @@ from primejax.orchestrator.loop import MAX_EMPTY_BATCHES, Orchestrator
 
 
 def run(cfg, client, tokenizer, steps: int) -> tuple[Orchestrator, list[dict[str, float]]]:
-    orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=cfg.run.output_dir + "/" + cfg.run.name)
+    orch = make_orchestrator(
+        cfg, client=client, tokenizer=tokenizer, run_dir=cfg.run.output_dir + "/" + cfg.run.name
+    )
     orch.resume(cfg.run.resume_step)
     return orch, asyncio.run(orch.run(steps))
 
@@ -83,15 +85,22 @@ def test_an_env_raising_fails_that_rollout_only(tmp_path, tokenizer, mode):
     assert metrics["rollouts/errored"] == groups
     assert metrics["errors/score"] == groups if mode == "step" else metrics["errors/score"] >= groups
     assert metrics["batch/rollouts"] == (3 * groups if mode == "step" else 8)
-    assert read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz").meta["num_samples"] == metrics["batch/rollouts"]
+    assert (
+        read_batch(step_dir(tmp_path / "run", 1) / "rank_0.npz").meta["num_samples"]
+        == metrics["batch/rollouts"]
+    )
 
 
 def sort_reply(prompt: str, member: int) -> str:
     """Sorts every name the user has sent so far; member i leaves out the last i names."""
     user_turns = [t.split("<|im_end|>")[0] for t in prompt.split("<|im_start|>user\n")[1:]]
-    seen = [n for t in user_turns for n in t.split(":", 1)[1].replace(".", ",").split(",") if n.strip() in NAMES]
+    seen = [
+        n for t in user_turns for n in t.split(":", 1)[1].replace(".", ",").split(",") if n.strip() in NAMES
+    ]
     seen = [n.strip() for n in seen]
-    return "<alphabetical_sorted>\n" + "\n".join(sorted(seen)[: len(seen) - member]) + "\n</alphabetical_sorted>"
+    return (
+        "<alphabetical_sorted>\n" + "\n".join(sorted(seen)[: len(seen) - member]) + "\n</alphabetical_sorted>"
+    )
 
 
 def test_multi_turn_rollouts_merge_into_one_sample_when_the_prefix_extends(tmp_path, tokenizer):
@@ -159,5 +168,7 @@ def test_repeated_empty_batches_abort_the_run(tmp_path, tokenizer):
     cfg = small_config(tmp_path / "run", batch_size=4, group_size=1)
     with pytest.raises(RuntimeError, match="empty batches in a row"):
         run(cfg, FakeClient(tokenizer), tokenizer, MAX_EMPTY_BATCHES + 3)
-    assert step_dir(tmp_path / "run", MAX_EMPTY_BATCHES).exists()  # the trainer got the empty batches meanwhile
+    assert step_dir(
+        tmp_path / "run", MAX_EMPTY_BATCHES
+    ).exists()  # the trainer got the empty batches meanwhile
     assert not step_dir(tmp_path / "run", MAX_EMPTY_BATCHES + 1).exists()

@@ -62,7 +62,9 @@ def test_step_never_samples_a_policy_older_than_the_bound(tmp_path, tokenizer, k
     client = FakeClient(tokenizer, clock=clock, gen_time=0.1)
     tracker = PolicyTracker(client, run_dir, poll_interval_s=0.1, sleep=clock.sleep, clock=clock.time)
     recorder = StepRecorder(client)
-    orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir, monitor=recorder, tracker=tracker)
+    orch = make_orchestrator(
+        cfg, client=client, tokenizer=tokenizer, run_dir=run_dir, monitor=recorder, tracker=tracker
+    )
     trainer = FakeTrainer(run_dir, clock, train_time=2.0)  # the trainer is the bottleneck
 
     async def main():
@@ -85,7 +87,9 @@ def test_step_never_samples_a_policy_older_than_the_bound(tmp_path, tokenizer, k
     # The trainer is slow, so the orchestrator uses all the slack it is allowed: staleness reaches k.
     assert max(m["staleness/max"] for m in recorder.metrics.values()) == k
     if k == 0:  # fully synchronous: every step samples the newest policy, θ_{N-1}
-        assert [recorder.metrics[n]["policy/min_version"] for n in range(1, MAX_STEPS + 1)] == list(range(MAX_STEPS))
+        assert [recorder.metrics[n]["policy/min_version"] for n in range(1, MAX_STEPS + 1)] == list(
+            range(MAX_STEPS)
+        )
     # The watcher told the server about broadcasts in order, each once.
     versions = [v for _, v in client.updates]
     assert versions == sorted(set(versions)) and versions[-1] >= min_policy_version(MAX_STEPS, k)

@@ -76,8 +76,9 @@ def run_continuous(tmp_path, tokenizer, *, k: int, steps: int = STEPS, oversampl
 
 
 @pytest.mark.parametrize("slow_box", [False, True])
-def test_continuous_pool_keeps_every_sample_within_the_bound_and_cancels_stale_groups(tmp_path, tokenizer,
-                                                                                      monkeypatch, slow_box):
+def test_continuous_pool_keeps_every_sample_within_the_bound_and_cancels_stale_groups(
+    tmp_path, tokenizer, monkeypatch, slow_box
+):
     # Oversampling starts groups beyond the batch: the first finished fill it, and the slow ones outlive the update.
     if slow_box:  # a loaded machine: each batch write (in a thread, real time) takes 0.3 s longer
         from primejax.orchestrator.loop import Orchestrator
@@ -90,7 +91,9 @@ def test_continuous_pool_keeps_every_sample_within_the_bound_and_cancels_stale_g
 
         monkeypatch.setattr(Orchestrator, "write", slow_write)
     k = 0
-    run_dir, client, orch, history = run_continuous(tmp_path, tokenizer, k=k, oversampling=2.0, groups_in_flight=6)
+    run_dir, client, orch, history = run_continuous(
+        tmp_path, tokenizer, k=k, oversampling=2.0, groups_in_flight=6
+    )
     for n in range(1, STEPS + 1):
         batch = read_batch(step_dir(run_dir, n) / "rank_0.npz", vocab_size=len(tokenizer))
         assert batch.meta["num_samples"] == 8

@@ -57,7 +57,9 @@ def test_continuous_pool_against_vllm_keeps_the_bound(tmp_path, vllm_server, tin
         assert batch.meta["num_samples"] == 8
         assert batch.meta["min_policy_version"] >= min_policy_version(n, k)
     assert [m["policy/min_version"] for m in history] == [0, 1, 2]  # k = 0: each step trains on θ_{n-1}
-    assert all(8 <= m["concurrency/limit"] <= cfg.orchestrator.max_concurrent for m in history)  # AIMD's range
+    assert all(
+        8 <= m["concurrency/limit"] <= cfg.orchestrator.max_concurrent for m in history
+    )  # AIMD's range
 
 
 def test_a_cancelled_request_is_aborted_on_the_server(vllm_server):

@@ -52,9 +52,18 @@ def conversation(renderer, tokenizer, turns: int = 3) -> Rollout:
         messages.append({"role": "assistant", "content": renderer.parse_response(completion)})
         new = [{"role": "user", "content": f"U{t + 2}"}]
         messages += new
-        prompt = renderer.bridge_to_next_turn(steps[-1].prompt_ids, completion, new) or renderer.render_ids(messages)
-    r = Rollout(env="e", example_index=0, example=Example("k", messages[:1]), group_id=0, messages=messages,
-                steps=steps, reward=1.0)
+        prompt = renderer.bridge_to_next_turn(steps[-1].prompt_ids, completion, new) or renderer.render_ids(
+            messages
+        )
+    r = Rollout(
+        env="e",
+        example_index=0,
+        example=Example("k", messages[:1]),
+        group_id=0,
+        messages=messages,
+        steps=steps,
+        reward=1.0,
+    )
     r.assign_advantages(1.0)
     return r
 
@@ -83,12 +92,19 @@ def test_qwen3_first_turn_matches_the_chat_template_and_bridge_closes_truncated_
     truncated = tokenizer.encode("<think>long", add_special_tokens=False)  # hit max_tokens: no <|im_end|>
     ids = renderer.bridge_to_next_turn([1, 2], truncated, [{"role": "user", "content": "U2"}])
     assert ids[: 2 + len(truncated)] == [1, 2, *truncated]
-    assert tokenizer.decode(ids[2 + len(truncated):]) == "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tokenizer.decode(ids[2 + len(truncated) :])
+        == "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n"
+    )
     tool = renderer.bridge_to_next_turn([1], [renderer.im_end], [{"role": "tool", "content": "42"}])
-    assert tokenizer.decode(tool[2:]) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tokenizer.decode(tool[2:])
+        == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert renderer.bridge_to_next_turn([1], [2], [{"role": "assistant", "content": "x"}]) is None
-    parsed = renderer.parse(tokenizer.encode("<think> plan </think>answer<tool_call>{}</tool_call>",
-                                             add_special_tokens=False))
+    parsed = renderer.parse(
+        tokenizer.encode("<think> plan </think>answer<tool_call>{}</tool_call>", add_special_tokens=False)
+    )
     assert (parsed.reasoning_content, parsed.content, parsed.tool_calls) == ("plan", "answer", ["{}"])
 
 

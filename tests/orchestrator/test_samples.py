@@ -21,7 +21,9 @@ def make_rollout(steps: list[TrajectoryStep], advantage: float | None = 1.0) -> 
 
 
 def step(prompt: list[int], completion: list[int], version: int = 0) -> TrajectoryStep:
-    return TrajectoryStep(prompt, completion, [-0.1 * (i + 1) for i in range(len(completion))], "stop", version)
+    return TrajectoryStep(
+        prompt, completion, [-0.1 * (i + 1) for i in range(len(completion))], "stop", version
+    )
 
 
 def test_single_turn_sample_aligns_every_stream_with_token_ids():
@@ -84,8 +86,10 @@ def test_ce_ref_kl_and_observation_streams():
 
 
 def test_multi_sample_batch_packs_and_round_trips_through_the_contract(tmp_path):
-    rollouts = [make_rollout([step(list(range(1, 2 + i)), [50 + i] * (3 + i), version=i % 2)], 0.25 * i)
-                for i in range(6)]
+    rollouts = [
+        make_rollout([step(list(range(1, 2 + i)), [50 + i] * (3 + i), version=i % 2)], 0.25 * i)
+        for i in range(6)
+    ]
     samples = [s for r in rollouts for s in rollout_to_samples(r, "rl", 1.0, 16)]
     (batch,) = pack_samples(samples, 16)
     path = write_batch(tmp_path, 0, batch, {"step": 1})

@@ -32,7 +32,9 @@ def test_enforced_pre_batch_filter_drops_are_replaced_and_the_batch_stays_full(t
     cfg.orchestrator.filters.update(
         {"pre_batch": ("gibberish",), "pre_batch_enforce": True, "post_batch": ()}
     )
-    orch = make_orchestrator(cfg, client=HalfGibberish(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    orch = make_orchestrator(
+        cfg, client=HalfGibberish(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run"
+    )
     (m,) = asyncio.run(orch.run(1))
     assert m["filters/pre_batch/dropped"] >= 8  # half of the first round's 16 rollouts
     assert m["batch/rollouts"] == 16 and m["samples/count"] == 16  # replaced: a full batch (was 8 of 16)
@@ -68,7 +70,9 @@ def test_online_evals_interleave_with_training_instead_of_holding_up_the_step(tm
         cfg.orchestrator.eval.update({"interval": eval_interval, "num_examples": 2, "group_size": 2})
         cfg.orchestrator.eval.envs = {"slow": _env("test-slow-eval")}
         client = SlowClient(tokenizer)
-        orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / f"run{eval_interval}")
+        orch = make_orchestrator(
+            cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / f"run{eval_interval}"
+        )
         return asyncio.run(orch.run(6))
 
     plain, with_eval = steps(0), steps(3)

@@ -15,16 +15,20 @@ from primejax.orchestrator.server_stats import ServerStats, step_metrics
 def page(gen: float, prompt: float, kv: float, running: float, waiting: float, preempt: float) -> str:
     """A vLLM-style page: two engines' label sets per metric (summed), counters with their _total suffix."""
     half = lambda v: v / 2  # noqa: E731
-    lines = ["# HELP vllm:generation_tokens Number of generation tokens processed.",
-             "# TYPE vllm:generation_tokens counter"]
+    lines = [
+        "# HELP vllm:generation_tokens Number of generation tokens processed.",
+        "# TYPE vllm:generation_tokens counter",
+    ]
     for engine in ("0", "1"):
-        lines += [f'vllm:generation_tokens_total{{engine="{engine}"}} {half(gen)}',
-                  f'vllm:prompt_tokens_total{{engine="{engine}"}} {half(prompt)}',
-                  f'vllm:prompt_tokens_by_source_total{{engine="{engine}",source="x"}} 1e9',  # not prompt_tokens
-                  f'vllm:kv_cache_usage_perc{{engine="{engine}"}} {half(kv)}',
-                  f'vllm:num_requests_running{{engine="{engine}"}} {half(running)}',
-                  f'vllm:num_requests_waiting{{engine="{engine}"}} {half(waiting)}',
-                  f'vllm:num_preemptions_total{{engine="{engine}"}} {half(preempt)}']
+        lines += [
+            f'vllm:generation_tokens_total{{engine="{engine}"}} {half(gen)}',
+            f'vllm:prompt_tokens_total{{engine="{engine}"}} {half(prompt)}',
+            f'vllm:prompt_tokens_by_source_total{{engine="{engine}",source="x"}} 1e9',  # not prompt_tokens
+            f'vllm:kv_cache_usage_perc{{engine="{engine}"}} {half(kv)}',
+            f'vllm:num_requests_running{{engine="{engine}"}} {half(running)}',
+            f'vllm:num_requests_waiting{{engine="{engine}"}} {half(waiting)}',
+            f'vllm:num_preemptions_total{{engine="{engine}"}} {half(preempt)}',
+        ]
     return "\n".join(lines)
 
 
@@ -43,16 +47,30 @@ def test_rates_gauges_resets_and_weight_loads_over_two_replicas():
     ]
     m = step_metrics(start, readings, {0: 0.25, 1: 0.5})
     expected = {
-        "server/0/gen_tokens_per_s": 600 / 4, "server/0/prompt_tokens_per_s": 1200 / 4,
-        "server/0/kv_cache_usage": 0.3, "server/0/kv_cache_usage_max": 0.4, "server/0/running": 4.0,
-        "server/0/waiting": 1.0, "server/0/preemptions": 1.0, "server/0/weight_update_s": 0.25,
+        "server/0/gen_tokens_per_s": 600 / 4,
+        "server/0/prompt_tokens_per_s": 1200 / 4,
+        "server/0/kv_cache_usage": 0.3,
+        "server/0/kv_cache_usage_max": 0.4,
+        "server/0/running": 4.0,
+        "server/0/waiting": 1.0,
+        "server/0/preemptions": 1.0,
+        "server/0/weight_update_s": 0.25,
         # replica 1's counters went down (it restarted): what it counts since then is the step's increase
-        "server/1/gen_tokens_per_s": 30 / 4, "server/1/prompt_tokens_per_s": 20 / 4,
-        "server/1/kv_cache_usage": 0.5, "server/1/kv_cache_usage_max": 0.5, "server/1/running": 4.0,
-        "server/1/waiting": 1.0, "server/1/preemptions": 1.0, "server/1/weight_update_s": 0.5,
-        "server/total/gen_tokens_per_s": 157.5, "server/total/prompt_tokens_per_s": 305.0,
-        "server/total/running": 8.0, "server/total/waiting": 2.0, "server/total/preemptions": 2.0,
-        "server/total/weight_update_s": 0.75, "server/max/kv_cache_usage": 0.5,
+        "server/1/gen_tokens_per_s": 30 / 4,
+        "server/1/prompt_tokens_per_s": 20 / 4,
+        "server/1/kv_cache_usage": 0.5,
+        "server/1/kv_cache_usage_max": 0.5,
+        "server/1/running": 4.0,
+        "server/1/waiting": 1.0,
+        "server/1/preemptions": 1.0,
+        "server/1/weight_update_s": 0.5,
+        "server/total/gen_tokens_per_s": 157.5,
+        "server/total/prompt_tokens_per_s": 305.0,
+        "server/total/running": 8.0,
+        "server/total/waiting": 2.0,
+        "server/total/preemptions": 2.0,
+        "server/total/weight_update_s": 0.75,
+        "server/max/kv_cache_usage": 0.5,
     }
     assert m.keys() == expected.keys()
     for k, v in expected.items():
@@ -61,8 +79,11 @@ def test_rates_gauges_resets_and_weight_loads_over_two_replicas():
 
 def test_a_server_unreadable_at_the_step_end_gets_no_rates_and_hostile_pages_give_nothing():
     start = (0.0, [parsed(page(0, 0, 0, 0, 0, 0))])
-    garbage = parsed("vllm:generation_tokens_total nan\nvllm:prompt_tokens_total\n" + "x" * 10_000
-                     + "\nvllm:num_requests_running{engine=\"0\"} inf\nvllm:kv_cache_usage_perc not-a-number")
+    garbage = parsed(
+        "vllm:generation_tokens_total nan\nvllm:prompt_tokens_total\n"
+        + "x" * 10_000
+        + '\nvllm:num_requests_running{engine="0"} inf\nvllm:kv_cache_usage_perc not-a-number'
+    )
     assert garbage == {}
     m = step_metrics(start, [(1.0, [garbage])])
     assert m == {}  # nothing known about it: no invented zeros
@@ -123,11 +144,16 @@ def test_each_servers_own_load_seconds_are_kept_per_server_and_insane_figures_dr
     said = {"a": 0.25, "b": float("nan"), "c": -1.0, "d": True, "e": "3", "f": None}
 
     def handler(req):
-        return httpx.Response(200, content=json.dumps({"version": 2, "load_seconds": said[req.url.host]}),
-                              headers={"content-type": "application/json"})
+        return httpx.Response(
+            200,
+            content=json.dumps({"version": 2, "load_seconds": said[req.url.host]}),
+            headers={"content-type": "application/json"},
+        )
 
     async def go():
-        async with InferenceClient([f"http://{h}" for h in said], transport=httpx.MockTransport(handler)) as c:
+        async with InferenceClient(
+            [f"http://{h}" for h in said], transport=httpx.MockTransport(handler)
+        ) as c:
             await c.update_weights("/w/step_2", 2)
             return c.last_load_seconds
 

@@ -43,8 +43,11 @@ class TwoCalls(Environment):
 def trace_spans(path) -> tuple[dict[tuple[int, int], str], list[dict]]:
     events = json.loads(path.read_text())["traceEvents"]
     lanes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    threads = {(e["pid"], e["tid"]): f"{lanes[e['pid']]}/{e['args']['name']}" for e in events
-               if e["name"] == "thread_name"}
+    threads = {
+        (e["pid"], e["tid"]): f"{lanes[e['pid']]}/{e['args']['name']}"
+        for e in events
+        if e["name"] == "thread_name"
+    }
     spans = [e for e in events if e["ph"] == "X"]
     assert all((e["pid"], e["tid"]) in threads and e["dur"] >= 0 for e in spans)
     assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)
@@ -53,7 +56,9 @@ def trace_spans(path) -> tuple[dict[tuple[int, int], str], list[dict]]:
 
 def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logged(tmp_path, tokenizer):
     register_env("test-two-calls", lambda: TwoCalls())
-    cfg = small_config(tmp_path / "run", env_id="test-two-calls", batch_size=8, group_size=4, max_concurrent=1)
+    cfg = small_config(
+        tmp_path / "run", env_id="test-two-calls", batch_size=8, group_size=4, max_concurrent=1
+    )
     cfg.orchestrator.pool.mode = "step"  # the per-step phases asserted below are the barrier's
     cfg.monitor.samples_per_env = 3
     cfg.monitor.timeline_image_every = 2
@@ -61,22 +66,35 @@ def test_timeline_tracks_requests_waits_env_work_and_phases_and_samples_are_logg
     with Monitor(tmp_path / "run", "orchestrator") as monitor:
         # Each request yields to the loop (virtual time), so the other rollouts' requests queue for the slot.
         client = FakeClient(tokenizer, clock=FakeClock(), gen_time=0.1)
-        orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run",
-                                 monitor=monitor, watch=c.monitor)
+        orch = make_orchestrator(
+            cfg,
+            client=client,
+            tokenizer=tokenizer,
+            run_dir=tmp_path / "run",
+            monitor=monitor,
+            watch=c.monitor,
+        )
         asyncio.run(orch.run(2))
     for step in (1, 2):
         threads, spans = trace_spans(tmp_path / "run" / "timeline" / f"step_{step}.json")
         by_track: dict[tuple[str, str], list[dict]] = {}
         for e in spans:
             by_track.setdefault((threads[(e["pid"], e["tid"])], e["name"]), []).append(e)
-        assert [e["name"] for e in spans if e["cat"] == "phase"] == ["wait_for_weights", "generate", "postprocess", "gc"]
+        assert [e["name"] for e in spans if e["cat"] == "phase"] == [
+            "wait_for_weights",
+            "generate",
+            "postprocess",
+            "gc",
+        ]
         for g in (0, 1):  # two groups of 4: the shared first request, then each rollout's second call
             assert len(by_track[(f"groups/group {g}", "request")]) == 1
             assert by_track[(f"groups/group {g}", "request")][0]["args"]["n"] == 4
             for m in range(4):
                 track = f"groups/group {g} · {m}"
                 assert len(by_track[(track, "request")]) == 1 and len(by_track[(track, "score")]) == 1
-                assert len(by_track[(track, "env")]) == 3  # its own code before, between and after the model calls
+                assert (
+                    len(by_track[(track, "env")]) == 3
+                )  # its own code before, between and after the model calls
         # One request slot: with 8 rollouts wanting their second call at once, most of them waited.
         assert len([e for e in spans if e["cat"] == "wait"]) >= 4
     samples = read_jsonl(tmp_path / "run" / "tables" / "orchestrator" / "rollout_samples.jsonl")
@@ -116,20 +134,29 @@ def test_tools_plot_draws_a_steps_timeline_and_refuses_a_missing_one(tmp_path, t
     from primejax.orchestrator.timeline_plot import COLORS
 
     cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
-    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run",
-                             watch=typed(cfg).monitor)
+    orch = make_orchestrator(
+        cfg,
+        client=FakeClient(tokenizer),
+        tokenizer=tokenizer,
+        run_dir=tmp_path / "run",
+        watch=typed(cfg).monitor,
+    )
     asyncio.run(orch.run(1))
     root = Path(__file__).resolve().parents[2]  # the tool runs from the checkout, as its users run it
     tool = [sys.executable, "-m", "tools.plot", str(tmp_path / "run"), "--timeline"]
-    proc = subprocess.run([*tool, "1", "--out", str(tmp_path / "t.png")], capture_output=True, text=True, cwd=root)
+    proc = subprocess.run(
+        [*tool, "1", "--out", str(tmp_path / "t.png")], capture_output=True, text=True, cwd=root
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == str(tmp_path / "t.png"), proc.stderr[-2000:]
     png = matplotlib.image.imread(tmp_path / "t.png")[..., :3]
-    phase = np.array([int(COLORS["phase"][i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    phase = np.array([int(COLORS["phase"][i : i + 2], 16) / 255 for i in (1, 3, 5)])
     # The step's phases are drawn at alpha 0.9 over white: that color fills a visible part of the image.
     drawn = np.abs(png - (0.9 * phase + 0.1)).max(axis=-1) < 0.02
     assert drawn.mean() > 0.01
     proc = subprocess.run([*tool, "9"], capture_output=True, text=True, cwd=root)
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: no ") and "step_9.json" in proc.stderr
+    assert (
+        proc.returncode == 2 and proc.stderr.strip().startswith("error: no ") and "step_9.json" in proc.stderr
+    )
 
 
 def test_continuous_pool_each_request_lands_in_exactly_one_steps_trace(tmp_path, tokenizer):
@@ -138,8 +165,9 @@ def test_continuous_pool_each_request_lands_in_exactly_one_steps_trace(tmp_path,
     cfg = small_config(tmp_path / "run", batch_size=8, group_size=4)
     cfg.orchestrator.pool.mode = "continuous"
     client = FakeClient(tokenizer, clock=FakeClock(), gen_time=0.1)
-    orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run",
-                             watch=typed(cfg).monitor)
+    orch = make_orchestrator(
+        cfg, client=client, tokenizer=tokenizer, run_dir=tmp_path / "run", watch=typed(cfg).monitor
+    )
     asyncio.run(orch.run(3))
     requests = 0
     for step in (1, 2, 3):

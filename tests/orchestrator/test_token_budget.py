@@ -31,7 +31,9 @@ def _rollout(steps: list[tuple[list[int], list[int]]], *, error: str | None = No
 
 def test_rollout_tokens_are_what_its_training_samples_hold():
     one = _rollout([([1, 2, 3], [4, 5])])
-    bridged = _rollout([([1, 2, 3], [4, 5]), ([1, 2, 3, 4, 5, 6, 7], [8])])  # turn 2 extends turn 1: one sample
+    bridged = _rollout(
+        [([1, 2, 3], [4, 5]), ([1, 2, 3, 4, 5, 6, 7], [8])]
+    )  # turn 2 extends turn 1: one sample
     split = _rollout([([1, 2, 3], [4, 5]), ([9, 9], [8, 8, 8])])  # turn 2 does not: two samples
     for r in (one, bridged, split):
         samples = rollout_to_samples(r, "rl", 1.0, seq_len=4096)

@@ -47,7 +47,9 @@ def write_perturbed(model_dir: Path, out: Path, seed: int) -> None:
 
     rng = np.random.default_rng(seed)
     for f in model_dir.glob("*.safetensors"):
-        tensors = {k: (v + 0.02 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in load_file(f).items()}
+        tensors = {
+            k: (v + 0.02 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in load_file(f).items()
+        }
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
     for name in ("config.json", "model.safetensors.index.json"):
         if (model_dir / name).exists():
@@ -85,8 +87,9 @@ def watched_run(tmp_path_factory, vllm_server, tiny_model_dir):
             before = await client.score(probe)
             c = typed(cfg)
             with Monitor.from_config(run_dir, "orchestrator", c.monitor, c.to_dict()) as monitor:
-                orch = make_orchestrator(cfg, client=client, tokenizer=tokenizer, run_dir=run_dir, monitor=monitor,
-                                         watch=c.monitor)
+                orch = make_orchestrator(
+                    cfg, client=client, tokenizer=tokenizer, run_dir=run_dir, monitor=monitor, watch=c.monitor
+                )
                 await orch.tracker.sync_with_server()
                 history = (await asyncio.gather(orch.run(STEPS), fake_trainer(run_dir, tiny_model_dir)))[0]
             await orch.tracker.refresh()  # pick up the last broadcast too
@@ -163,11 +166,15 @@ def test_the_run_logs_server_metrics_timeline_and_samples_to_every_sink(watched_
 
 
 def browser() -> str | None:
-    return next((p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))), None)
+    return next(
+        (p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))), None
+    )
 
 
-@pytest.mark.skipif(browser() is None or importlib.util.find_spec("tensorboard") is None,
-                    reason="needs a Chromium and the tensorboard package (CI installs neither browser)")
+@pytest.mark.skipif(
+    browser() is None or importlib.util.find_spec("tensorboard") is None,
+    reason="needs a Chromium and the tensorboard package (CI installs neither browser)",
+)
 def test_tensorboard_in_a_headless_browser_shows_the_server_metrics(watched_run, tmp_path):
     """TensorBoard serves the run's event files; the page a real browser renders lists the servers' metrics
     (its time-series dashboard names each card's tag in the DOM), and a screenshot of it is taken."""
@@ -182,17 +189,40 @@ def test_tensorboard_in_a_headless_browser_shows_the_server_metrics(watched_run,
     with socket.socket() as s:  # a free port on the loopback interface
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir / "tensorboard"),
-                               "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(run_dir / "tensorboard"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        names = ("server/0/gen_tokens_per_s", "server/0/prompt_tokens_per_s", "server/0/kv_cache_usage",
-                 "server/0/running", "server/0/waiting", "server/0/preemptions", "server/0/weight_update_s",
-                 "server/total/gen_tokens_per_s")
+        names = (
+            "server/0/gen_tokens_per_s",
+            "server/0/prompt_tokens_per_s",
+            "server/0/kv_cache_usage",
+            "server/0/running",
+            "server/0/waiting",
+            "server/0/preemptions",
+            "server/0/weight_update_s",
+            "server/total/gen_tokens_per_s",
+        )
         deadline = time.monotonic() + 180
-        while True:  # ready when it serves the run's tags (it loads the event files after it starts answering)
+        while (
+            True
+        ):  # ready when it serves the run's tags (it loads the event files after it starts answering)
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5) as r:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5
+                ) as r:
                     if set(names) <= set(json.loads(r.read()).get("orchestrator", {})):
                         break
             except (OSError, ValueError):
@@ -201,10 +231,19 @@ def test_tensorboard_in_a_headless_browser_shows_the_server_metrics(watched_run,
             time.sleep(0.5)
         # The time-series dashboard draws the cards of its tag filter (one page of them): exactly these.
         url = f"http://127.0.0.1:{port}/?tagFilter={urllib.parse.quote('^(' + '|'.join(names) + ')$')}#timeseries"
-        common = [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                  "--virtual-time-budget=30000", "--window-size=1400,3000"]
+        common = [
+            browser(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--virtual-time-budget=30000",
+            "--window-size=1400,3000",
+        ]
         for _ in range(3):  # a loaded box may hand over the page before its cards are drawn: look again
-            dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=300).stdout
+            dom = subprocess.run(
+                [*common, "--dump-dom", url], capture_output=True, text=True, timeout=300
+            ).stdout
             shown = set(re.findall(r'title="(server/[^"]+)"', dom))
             if shown:
                 break

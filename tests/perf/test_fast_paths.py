@@ -68,7 +68,9 @@ def test_fused_head_matches_reference_fp32(chunk):
 def test_fused_head_matches_autodiff_chunked_in_bf16():
     """bf16 compute: the fused backward rounds d logits to bf16 once; stays within bf16 tolerance."""
     h, w, y, tau, coef = _head_inputs(jnp.bfloat16, t=64, d=32, v=300)
-    (loss, _), (dh, dw) = _value_and_grads(lambda *a: fused_token_logprobs(*a, chunk_size=16), h, w, y, tau, coef)
+    (loss, _), (dh, dw) = _value_and_grads(
+        lambda *a: fused_token_logprobs(*a, chunk_size=16), h, w, y, tau, coef
+    )
     (loss_r, _), (dh_r, dw_r) = _value_and_grads(
         lambda *a: token_logprobs_autodiff(*a, chunk_size=16), h, w, y, tau, coef
     )
@@ -159,10 +161,24 @@ def sum_of_sin_atol(h, num_layers: int) -> float:
 
 def _tiny(remat: str, scan_layers: bool = False) -> ModelConfig:
     return ModelConfig(
-        model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, qk_norm=True, attention_bias=False, max_position_embeddings=64,
-        compute_dtype="float32", remat_policy=remat, scan_layers=scan_layers,
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e4,
+        rope_scaling=None,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        attention_bias=False,
+        max_position_embeddings=64,
+        compute_dtype="float32",
+        remat_policy=remat,
+        scan_layers=scan_layers,
     )
 
 

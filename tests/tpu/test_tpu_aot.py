@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _libtpu_available() -> bool:
-    code = "import sys; from primejax.trainer.tpu_topology import use_libtpu; sys.exit(0 if use_libtpu() else 1)"
+    code = (
+        "import sys; from primejax.trainer.tpu_topology import use_libtpu; sys.exit(0 if use_libtpu() else 1)"
+    )
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), timeout=120).returncode == 0
 
 

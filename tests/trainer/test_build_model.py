@@ -13,6 +13,8 @@ from primejax.trainer.loop import build_model
 def test_no_model_path_builds_the_build_tiny_architecture():
     tiny = TinyModelConfig(tokenizer="bytes", vocab_size=270, hidden_size=32, num_heads=2, num_kv_heads=1)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    model, cfg = build_model(ModelSettings(build_tiny=tiny, compute_dtype="float32"), mesh, max_positions=8192)
+    model, cfg = build_model(
+        ModelSettings(build_tiny=tiny, compute_dtype="float32"), mesh, max_positions=8192
+    )
     assert (cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings) == (270, 32, 8192)
     assert cfg.compute_dtype == "float32" and model.embed[...].shape == (270, 32)

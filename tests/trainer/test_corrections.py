@@ -487,7 +487,10 @@ def test_correction_blocks_saved_before_the_papers_defaults_keep_their_behaviour
     current = to_json(cfg)
     assert typed(from_json(current)).orchestrator.envs["a_env"].algo.correction.reject.level == "sequence"
     tree = json.loads(current)
-    blocks = [tree["orchestrator"]["algo"]["correction"], tree["orchestrator"]["envs"]["a_env"]["algo"]["correction"]]
+    blocks = [
+        tree["orchestrator"]["algo"]["correction"],
+        tree["orchestrator"]["envs"]["a_env"]["algo"]["correction"],
+    ]
     for block in blocks:
         del block["cispo"]["mask"], block["gspo"]["norm"]
     old = typed(from_json(json.dumps(tree))).orchestrator

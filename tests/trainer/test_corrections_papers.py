@@ -84,7 +84,9 @@ def tis(lp, lp0, b, c, fired):
     for row, i in sequences(b):
         w0 = np.exp(lp0[row, i] - b["inference_logprobs"][row, i])
         fired.add("truncated", w0 > c.is_weight.cap)
-        total += np.sum(np.minimum(w0, c.is_weight.cap) * b["advantages"][row, i] * np.exp(lp[row, i] - lp0[row, i]))
+        total += np.sum(
+            np.minimum(w0, c.is_weight.cap) * b["advantages"][row, i] * np.exp(lp[row, i] - lp0[row, i])
+        )
     return -total / n
 
 
@@ -200,12 +202,20 @@ CASES = {
         {},
     ),
     "rs_token_k1": (rejection, CorrectionConfig(reject=RejectConfig(level="token", low=-0.3, high=0.3)), {}),
-    "rs_sequence_k1": (rejection, CorrectionConfig(reject=RejectConfig(level="sequence", low=-0.693, high=0.693)), {}),
+    "rs_sequence_k1": (
+        rejection,
+        CorrectionConfig(reject=RejectConfig(level="sequence", low=-0.693, high=0.693)),
+        {},
+    ),
     "rs_sequence_k3": (
-        rejection, CorrectionConfig(reject=RejectConfig(level="sequence", divergence="k3", low=0.0, high=0.5)), {}
+        rejection,
+        CorrectionConfig(reject=RejectConfig(level="sequence", divergence="k3", low=0.0, high=0.5)),
+        {},
     ),
     "rs_geometric_k3": (
-        rejection, CorrectionConfig(reject=RejectConfig(level="geometric", divergence="k3", low=0.0, high=0.05)), {}
+        rejection,
+        CorrectionConfig(reject=RejectConfig(level="geometric", divergence="k3", low=0.0, high=0.05)),
+        {},
     ),
     "icepop": (icepop, CorrectionConfig(icepop=IcepopConfig(enabled=True, low=0.5, high=2.0)), {}),
     "gspo": (gspo, CorrectionConfig(objective="gspo", gspo=GspoConfig(eps_low=0.05, eps_high=0.07)), {}),

@@ -38,6 +38,7 @@ def test_chunked_matches_reference_gradients():
         def f(h, w):
             lp, ent = fn(h, w)
             return jnp.sum(coef * lp) + 0.1 * jnp.sum(ent)
+
         return jax.grad(f, argnums=(0, 1))
 
     g_fast = objective(lambda h, w: token_logprobs(h, w, y, tau, chunk_size=8))(h, w)

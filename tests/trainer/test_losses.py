@@ -26,7 +26,9 @@ def np_loss(lp, b, cfg: LossConfig):
         if c == "rl":
             masked = ((adv > 0) & (d > cfg.dppo_mask_high)) | ((adv <= 0) & (d < -cfg.dppo_mask_low))
             keep = member & ~masked
-            tok = -1.0 * keep * cfg.adv_tau * adv * np.minimum(r, cfg.is_clip) + cfg.kl_tau * member * log_r**2
+            tok = (
+                -1.0 * keep * cfg.adv_tau * adv * np.minimum(r, cfg.is_clip) + cfg.kl_tau * member * log_r**2
+            )
         elif c == "ce":
             tok = -1.0 * member * lp
         else:
@@ -45,8 +47,11 @@ def branch_batch():
     n = len(lq)
     b = {
         "loss_mask": np.ones(n, bool),
-        "inference_logprobs": lq, "advantages": adv, "ref_logprobs": np.log(np.full(n, 0.4)),
-        "rl_weights": np.array([1.0] * 9 + [0.0]), "ce_weights": np.array([0.0] * 5 + [0.5] * 5),
+        "inference_logprobs": lq,
+        "advantages": adv,
+        "ref_logprobs": np.log(np.full(n, 0.4)),
+        "rl_weights": np.array([1.0] * 9 + [0.0]),
+        "ce_weights": np.array([0.0] * 5 + [0.5] * 5),
         "ref_kl_weights": np.array([1.0, 0, 1.0, 0, 1.0, 0, 0, 1.0, 1.0, 0]),
         "segment_ids": np.ones(n, np.int32),
     }
@@ -76,7 +81,11 @@ def test_every_branch_matches_numpy():
 def test_branch_gradients():
     """Masked tokens and clamped ratios give no policy-gradient signal, only the KL term's gradient."""
     lp, b = branch_batch()
-    b = {**b, "ce_weights": np.zeros_like(b["ce_weights"]), "ref_kl_weights": np.zeros_like(b["ref_kl_weights"])}
+    b = {
+        **b,
+        "ce_weights": np.zeros_like(b["ce_weights"]),
+        "ref_kl_weights": np.zeros_like(b["ref_kl_weights"]),
+    }
     cfg = LossConfig(kl_tau=0.0)
     g = np.asarray(jax.grad(lambda x: _jax_loss(x, b, cfg)[0])(jnp.asarray(lp)))[0]
     n = 8
@@ -95,10 +104,13 @@ def test_random_inputs_match_numpy():
     lp = np.minimum(lp, -1e-3)
     b = {
         "loss_mask": rng.random(shape) < 0.8,
-        "inference_logprobs": lq, "advantages": rng.normal(size=shape),
+        "inference_logprobs": lq,
+        "advantages": rng.normal(size=shape),
         "ref_logprobs": np.log(rng.uniform(0.01, 1.0, shape)),
-        "rl_weights": rng.choice([0.0, 0.5, 1.0], shape), "ce_weights": rng.choice([0.0, 1.0, 2.0], shape),
-        "ref_kl_weights": rng.choice([0.0, 1.0], shape), "segment_ids": np.ones(shape, np.int32),
+        "rl_weights": rng.choice([0.0, 0.5, 1.0], shape),
+        "ce_weights": rng.choice([0.0, 1.0, 2.0], shape),
+        "ref_kl_weights": rng.choice([0.0, 1.0], shape),
+        "segment_ids": np.ones(shape, np.int32),
     }
     cfg = LossConfig(dppo_mask_low=0.1, dppo_mask_high=0.3, adv_tau=0.7, kl_tau=0.05, is_clip=2.0)
     loss, sums, _ = _jax_loss(lp, b, cfg)
@@ -140,13 +152,18 @@ def test_custom_loss_per_sequence(clip_eps):
     lq = np.log(rng.uniform(0.1, 0.9, shape))
     lp = lq + rng.normal(scale=0.3, size=shape)
     b = {
-        "loss_mask": (seg > 0) & (rng.random(shape) < 0.9), "inference_logprobs": lq,
-        "advantages": rng.normal(size=shape), "ref_logprobs": np.zeros(shape),
-        "rl_weights": rng.choice([0.0, 1.0, 2.0], shape), "ce_weights": np.zeros(shape),
-        "ref_kl_weights": np.zeros(shape), "segment_ids": seg.astype(np.int32),
+        "loss_mask": (seg > 0) & (rng.random(shape) < 0.9),
+        "inference_logprobs": lq,
+        "advantages": rng.normal(size=shape),
+        "ref_logprobs": np.zeros(shape),
+        "rl_weights": rng.choice([0.0, 1.0, 2.0], shape),
+        "ce_weights": np.zeros(shape),
+        "ref_kl_weights": np.zeros(shape),
+        "segment_ids": seg.astype(np.int32),
     }
-    cfg = LossConfig(type="custom", import_path="primejax.trainer.objectives.ppo_clip_loss",
-                     kwargs={"clip_eps": clip_eps})
+    cfg = LossConfig(
+        type="custom", import_path="primejax.trainer.objectives.ppo_clip_loss", kwargs={"clip_eps": clip_eps}
+    )
     loss, sums, counts = _jax_loss(lp, b, cfg, max_segments=4)
     member = b["loss_mask"] & (b["rl_weights"] != 0)
     ratio = np.exp(lp - lq)
@@ -154,8 +171,12 @@ def test_custom_loss_per_sequence(clip_eps):
     surr = np.minimum(ratio * b["advantages"], clipped * b["advantages"])
     expected = -np.sum(np.where(member, b["rl_weights"] * surr, 0)) / member.sum()
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    fracs = [((ratio != clipped) & member & (seg == s))[r].sum() / (member & (seg == s))[r].sum()
-             for r in range(2) for s in (1, 2) if (member & (seg == s))[r].any()]
+    fracs = [
+        ((ratio != clipped) & member & (seg == s))[r].sum() / (member & (seg == s))[r].sum()
+        for r in range(2)
+        for s in (1, 2)
+        if (member & (seg == s))[r].any()
+    ]
     m = finalize_metrics(sums, counts)
     np.testing.assert_allclose(m["custom/clip_frac"], np.mean(fracs), rtol=1e-5)
     assert sums["custom/num_sequences"] == len(fracs) == 3

@@ -95,11 +95,17 @@ def _trainers(config: Path, processes: int, *overrides: str) -> list[subprocess.
             JAX_PLATFORMS="cpu",
         )
         if processes > 1:
-            env.update(PRIMEJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", PRIMEJAX_NUM_PROCESSES=str(processes),
-                       PRIMEJAX_PROCESS_ID=str(pid))
+            env.update(
+                PRIMEJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                PRIMEJAX_NUM_PROCESSES=str(processes),
+                PRIMEJAX_PROCESS_ID=str(pid),
+            )
         cmd = [sys.executable, "-m", "primejax.trainer", "--config", str(config), *overrides]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     out = []
     for p in procs:
         try:
@@ -115,8 +121,16 @@ def _trainers(config: Path, processes: int, *overrides: str) -> list[subprocess.
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, make_samples):
     tmp = tmp_path_factory.mktemp("multiprocess")
-    model_dir = build_tiny_model(tmp / "model", tied=True, hidden_size=32, head_dim=32, num_heads=2,
-                                 num_kv_heads=1, intermediate_size=64, seed=5)
+    model_dir = build_tiny_model(
+        tmp / "model",
+        tied=True,
+        hidden_size=32,
+        head_dim=32,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        seed=5,
+    )
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     results = {}
     for name, processes in (("one", 1), ("two", 2)):
@@ -154,15 +168,23 @@ def test_each_process_writes_its_share_of_the_export(runs):
     """Multi-host export: the files are split between the processes (no host writes them all)."""
     (two, procs), (one, _) = runs["two"], runs["one"]
     for rank, p in enumerate(procs):
-        wrote = [float(x) for x in re.findall(rf"export step {STEPS}: process {rank} wrote ([0-9.e+-]+) of", p.stdout)]
+        wrote = [
+            float(x)
+            for x in re.findall(rf"export step {STEPS}: process {rank} wrote ([0-9.e+-]+) of", p.stdout)
+        ]
         assert wrote and wrote[0] > 0, p.stdout[-2000:]
     files = sorted(f.name for f in broadcast_dir(two, STEPS).glob("*.safetensors"))
-    assert len(files) >= 2 and files == sorted(f.name for f in broadcast_dir(one, STEPS).glob("*.safetensors"))
+    assert len(files) >= 2 and files == sorted(
+        f.name for f in broadcast_dir(one, STEPS).glob("*.safetensors")
+    )
 
 
 def test_metrics_once_and_checkpoints_from_both(runs):
     (one, _), (two, _) = runs["one"], runs["two"]
-    rows_one, rows_two = read_jsonl(one / "metrics" / "trainer.jsonl"), read_jsonl(two / "metrics" / "trainer.jsonl")
+    rows_one, rows_two = (
+        read_jsonl(one / "metrics" / "trainer.jsonl"),
+        read_jsonl(two / "metrics" / "trainer.jsonl"),
+    )
     assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == list(range(1, STEPS + 1))
     for r1, r2 in zip(rows_one, rows_two, strict=True):
         np.testing.assert_allclose(r2["loss"], r1["loss"], rtol=1e-5, atol=1e-7)

@@ -42,8 +42,10 @@ def test_a_registered_objective_trains_a_step_with_its_own_formula(make_config):
     logprobs = jax.jit(lambda params, arrays: target_logprobs(nnx.merge(graphdef, params), arrays))
 
     prompt, good, bad = [5, 9, 13, 2], [7, 7, 3, 1], [8, 4, 11, 6]
-    samples = [TrainingSample(prompt + c, [False] * 4 + [True] * 4, [0.0] * 8, advantages=[a] * 8)
-               for c, a in ((good, 1.0), (bad, -0.5))]
+    samples = [
+        TrainingSample(prompt + c, [False] * 4 + [True] * 4, [0.0] * 8, advantages=[a] * 8)
+        for c, a in ((good, 1.0), (bad, -0.5))
+    ]
     (batch,) = pack_samples(samples, seq_len=16)
     lp0 = np.asarray(logprobs(state.params, batch.arrays()), np.float64)
     batch.inference_logprobs = np.where(batch.loss_mask, lp0, 0.0).astype(np.float32)
@@ -70,5 +72,7 @@ def test_the_registry_refuses_ambiguous_names_and_names_what_it_holds():
     for builtin in ("default", "custom"):
         with pytest.raises(ValueError, match="built in"):
             register_loss(builtin)(reinforce)
-    with pytest.raises(ValueError, match=r"'nope' is not a registered rl objective \(registered: .*'ppo_clip'"):
+    with pytest.raises(
+        ValueError, match=r"'nope' is not a registered rl objective \(registered: .*'ppo_clip'"
+    ):
         make_loss_fn(LossConfig(type="nope"))

@@ -29,11 +29,17 @@ def state_trees(engine) -> dict:
     st = engine.state
     if engine.offload is None:
         get = optax.tree_utils.tree_get
-        return {"master": host(st.params), "mu": host(get(st.opt_state, "mu")), "nu": host(get(st.opt_state, "nu"))}
+        return {
+            "master": host(st.params),
+            "mu": host(get(st.opt_state, "mu")),
+            "nu": host(get(st.opt_state, "nu")),
+        }
     plan, treedef = engine.offload.plan, jax.tree.structure(st.params)
     out = {"master": assemble(plan, st.opt_state["master"], treedef)}
     for field in ("mu", "nu"):
-        out[field] = assemble(plan, [optax.tree_utils.tree_get(o, field) for o in st.opt_state["opt"]], treedef)
+        out[field] = assemble(
+            plan, [optax.tree_utils.tree_get(o, field) for o in st.opt_state["opt"]], treedef
+        )
     return out
 
 
@@ -117,7 +123,9 @@ def test_master_and_resident_buckets_on_the_devices_match_the_device_update(batc
     r = next(k for k in range(1, len(plan.buckets)) if layout(k) == layout(k - 1))
     first = sum(plan.bucket_bytes(k) for k in range(r)) * 2  # the 2 fp32 moments that would be on the host
     off = Engine.create(
-        _trainer(True, offload_master=False, offload_inflight=2, offload_resident_gib=first / 2**30), cfg, seed=0
+        _trainer(True, offload_master=False, offload_inflight=2, offload_resident_gib=first / 2**30),
+        cfg,
+        seed=0,
     )
     n = len(off.offload.plan.buckets)
     assert n > r + 2 and off.offload.resident == (True,) * r + (False,) * (n - r)
@@ -125,8 +133,10 @@ def test_master_and_resident_buckets_on_the_devices_match_the_device_update(batc
     def kinds():
         st = off.state.opt_state
         return [
-            ({x.sharding.memory_kind for x in jax.tree.leaves(st["master"][k])},
-             {x.sharding.memory_kind for x in jax.tree.leaves(st["opt"][k])})
+            (
+                {x.sharding.memory_kind for x in jax.tree.leaves(st["master"][k])},
+                {x.sharding.memory_kind for x in jax.tree.leaves(st["opt"][k])},
+            )
             for k in range(n)
         ]
 

@@ -59,6 +59,8 @@ def test_sharded_step_matches_single_device():
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
     }
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, here], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, here], capture_output=True, text=True, timeout=600, env=env
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().endswith("ok")

@@ -69,8 +69,12 @@ def test_packed_rows_equal_per_sample(model, make_samples):
         for seg in range(1, int(batch.segment_ids[r].max()) + 1):
             sel = np.flatnonzero(batch.segment_ids[r] == seg)
             toks = batch.tokens[r, sel]
-            alone = TrainingSample(list(toks), [False] * len(toks), [0.0] * len(toks),
-                                   temperature=float(batch.temperatures[r, sel[0]]))
+            alone = TrainingSample(
+                list(toks),
+                [False] * len(toks),
+                [0.0] * len(toks),
+                temperature=float(batch.temperatures[r, sel[0]]),
+            )
             (single,) = pack_samples([alone], seq_len=16)  # one padded shape: one compilation
             logits, lp = run({k: jnp.asarray(v) for k, v in single.arrays().items()})
             n = len(sel)
@@ -120,7 +124,10 @@ _FD_SCRIPT = textwrap.dedent(
 
 def test_rl_loss_gradients_match_finite_differences_fp64():
     out = subprocess.run(
-        [sys.executable, "-c", _FD_SCRIPT], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _FD_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={"JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -191,9 +198,6 @@ def test_nonfinite_step_is_skipped(tiny_cfg, rl_setup):
         np.testing.assert_array_equal(a, b)
 
 
-
-
-
 @pytest.mark.slow  # extended tier (PRIMEJAX_SLOW=1): two more compiled steps
 def test_bf16_step_matches_fp32_on_cpu(tiny_cfg):
     """The default compute dtype (bf16) trains on CPU too, and tracks the fp32 step to bf16 precision.
@@ -211,15 +215,35 @@ def test_bf16_step_matches_fp32_on_cpu(tiny_cfg):
     mesh = make_mesh()
     out = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = dataclasses.replace(tiny_cfg, compute_dtype=dtype, vocab_size=512, hidden_size=64, head_dim=32,
-                                  intermediate_size=128, num_layers=1, tie_word_embeddings=True)
-        opt = optim.make_optimizer(dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_norm=1.0),
-                                   optax.constant_schedule(1e-3))
+        cfg = dataclasses.replace(
+            tiny_cfg,
+            compute_dtype=dtype,
+            vocab_size=512,
+            hidden_size=64,
+            head_dim=32,
+            intermediate_size=128,
+            num_layers=1,
+            tie_word_embeddings=True,
+        )
+        opt = optim.make_optimizer(
+            dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_norm=1.0),
+            optax.constant_schedule(1e-3),
+        )
         with jax.set_mesh(mesh):
             state = init_state(init_model(cfg, mesh, seed=0), opt, mesh=mesh)
             graphdef = nnx.graphdef(init_model(cfg, mesh, seed=0))
-            step = jit_train_step(make_train_step(graphdef, opt, optax.constant_schedule(1e-3), LossConfig(),
-                                                  chunk_size=2048, max_segments=1), state, mesh)
+            step = jit_train_step(
+                make_train_step(
+                    graphdef,
+                    opt,
+                    optax.constant_schedule(1e-3),
+                    LossConfig(),
+                    chunk_size=2048,
+                    max_segments=1,
+                ),
+                state,
+                mesh,
+            )
             _, metrics = step(state, device_batch(to_micro_batches(batch, 1), mesh))
         out[dtype] = {k: float(metrics[k]) for k in ("loss", "grad_norm", "nonfinite")}
     assert out["bfloat16"]["nonfinite"] == 0

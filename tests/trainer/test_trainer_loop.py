@@ -24,8 +24,16 @@ from primejax.utils.monitor import read_jsonl
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tied=False, hidden_size=32, head_dim=32,
-                            num_heads=2, num_kv_heads=1, intermediate_size=64, seed=3)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model",
+        tied=False,
+        hidden_size=32,
+        head_dim=32,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        seed=3,
+    )
 
 
 def write_rollouts(run, steps, vocab, make_samples):
@@ -71,7 +79,9 @@ def straight_run(tmp_path_factory, model_dir, make_samples):
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     write_rollouts(root / "a", range(1, 7), vocab, make_samples)
     write_rollouts(root / "b", range(1, 7), vocab, make_samples)
-    cfg = make_cfg(root, model_dir, "a", 6, **{"checkpoint.interval": 3, "checkpoint.keep": 1, "keep_rollouts": 1})
+    cfg = make_cfg(
+        root, model_dir, "a", 6, **{"checkpoint.interval": 3, "checkpoint.keep": 1, "keep_rollouts": 1}
+    )
     state = train(cfg)
     return root, cfg, state
 
@@ -111,7 +121,9 @@ def test_consumed_rollouts_after_the_newest_checkpoint_stay(tmp_path, model_dir,
     trainer.prune_consumed(5)
     assert left() == [".step_7.x.tmp", "step_3", "step_4", "step_5", "step_6"]
     # checkpoints off (they are on by default): keep_rollouts alone counts
-    trainer_of(make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=2, **{"checkpoint.interval": 0})).prune_consumed(5)
+    trainer_of(
+        make_cfg(tmp_path, model_dir, "e", 6, keep_rollouts=2, **{"checkpoint.interval": 0})
+    ).prune_consumed(5)
     assert left() == [".step_7.x.tmp", "step_4", "step_5", "step_6"]
 
 

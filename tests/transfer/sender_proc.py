@@ -52,8 +52,12 @@ def main() -> int:
 
         wire.TorchGroup.broadcast = faulty
     sender = CollectiveSender(
-        a.run_dir, secret=process_token(), timeout_s=a.timeout, bucket_bytes=a.bucket_bytes,
-        backend="nccl" if a.nccl else "gloo", device=device,
+        a.run_dir,
+        secret=process_token(),
+        timeout_s=a.timeout,
+        bucket_bytes=a.bucket_bytes,
+        backend="nccl" if a.nccl else "gloo",
+        device=device,
     )
     ok = sender.send(a.step, named)
     print("SENT" if ok else "FAILED", flush=True)

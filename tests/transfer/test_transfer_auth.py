@@ -137,6 +137,7 @@ def test_a_challenge_answered_byte_by_byte_is_cut_off_at_the_deadline(monkeypatc
     finally:
         server.close()
 
+
 def test_the_store_binds_only_the_configured_address():
     server = rendezvous.StoreServer("127.0.0.1", 0, SECRET)
     try:

@@ -135,7 +135,9 @@ def test_collective_update_equals_filesystem_update(server, tmp_path):
         from_disk = asyncio.run(_greedy(server.base_url, prompts))
         disk_digest = _digest(server.base_url)
         _reload_base(server.base_url)
-        assert _digest(server.base_url) == base_digest, "reload_weights puts the base weights back, bit for bit"
+        assert _digest(server.base_url) == base_digest, (
+            "reload_weights puts the base weights back, bit for bit"
+        )
         stats = asyncio.run(_collective(server.base_url, tmp_path / "run", 4, named))
         collective_digest = _digest(server.base_url)
         described = _get(server.base_url, "/weights_version").json()

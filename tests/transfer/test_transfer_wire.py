@@ -242,10 +242,18 @@ def test_device_tensors_of_weights_sharded_over_several_local_devices(tmp_path):
     """A one-process trainer on a mesh of 2 devices (FSDP, or tensor parallel): each parameter is gathered onto
     the sending device on device and equals the export's tensor. (On 2 GPUs this failed: a jitted call may not
     put its output on one device of its inputs' two.)"""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
-    out = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(tmp_path / "m")], capture_output=True,
-                         text=True, timeout=600, env=env)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT, str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
 

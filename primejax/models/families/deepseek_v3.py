@@ -49,7 +49,9 @@ class DeepseekV3(Family):
         # The original checkpoint's keys transformers ignores but whose other values mean another model.
         for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
             if hf.get(key, value) != value:
-                raise NotImplementedError(f"deepseek_v3 with {key}={hf[key]!r} is not implemented (only {value!r})")
+                raise NotImplementedError(
+                    f"deepseek_v3 with {key}={hf[key]!r} is not implemented (only {value!r})"
+                )
         return dict(
             sigmoid_moe_fields(hf, _DEFAULTS),
             head_dim=int(hf.get("qk_rope_head_dim", 64)),

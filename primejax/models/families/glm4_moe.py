@@ -99,7 +99,9 @@ class Glm4Moe(Family):
         )
 
     def hf_fields(self, cfg) -> dict[str, Any]:
-        return dict(sigmoid_moe_hf(cfg), use_qk_norm=cfg.qk_norm, partial_rotary_factor=cfg.partial_rotary_factor)
+        return dict(
+            sigmoid_moe_hf(cfg), use_qk_norm=cfg.qk_norm, partial_rotary_factor=cfg.partial_rotary_factor
+        )
 
     def tiny(self, shape: dict) -> dict:
         """GLM-4.5's structure: q/k/v bias, half the head dims rotated, the sigmoid MoE (`tiny_sigmoid_moe`)."""

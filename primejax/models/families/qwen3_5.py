@@ -44,7 +44,9 @@ class Qwen3_5(Family):
     model_type = "qwen3_5_text"
     architecture = "Qwen3_5ForCausalLM"
     wrappers = ("qwen3_5",)
-    hf_keys = frozenset(set(_DEFAULTS) | {"layer_types", "full_attention_interval", "partial_rotary_factor", "hidden_act"})
+    hf_keys = frozenset(
+        set(_DEFAULTS) | {"layer_types", "full_attention_interval", "partial_rotary_factor", "hidden_act"}
+    )
     mixers = (FULL_ATTENTION, LINEAR_ATTENTION)
     partial_rotary = True
 
@@ -88,14 +90,18 @@ class Qwen3_5(Family):
         if cfg.lora_rank:
             raise NotImplementedError(f"LoRA on {cfg.model_type} is not implemented")
         if cfg.num_experts:
-            raise ValueError("qwen3_5_text has no experts: a Qwen3.5 MoE checkpoint is model_type qwen3_5_moe_text")
+            raise ValueError(
+                "qwen3_5_text has no experts: a Qwen3.5 MoE checkpoint is model_type qwen3_5_moe_text"
+            )
 
     def text_config(self, hf: dict) -> dict:
         """The language model's config.json dict of a multimodal Qwen3.5 checkpoint (its `text_config`, with the
         top-level `tie_word_embeddings`, which transformers reads there)."""
         text = dict(hf.get("text_config") or {})
         if not text:
-            raise ValueError(f"model_type {hf.get('model_type')!r} without a text_config: not a Qwen3.5 checkpoint")
+            raise ValueError(
+                f"model_type {hf.get('model_type')!r} without a text_config: not a Qwen3.5 checkpoint"
+            )
         if "tie_word_embeddings" in hf:
             text["tie_word_embeddings"] = hf["tie_word_embeddings"]
         text["model_type"] = self.model_type

@@ -27,7 +27,25 @@ from primejax.orchestrator.algorithms.grpo import AdvantageConfig, GRPOConfig, L
 from primejax.orchestrator.algorithms.opd import OPDConfig
 from primejax.orchestrator.algorithms.opsd import OPSDConfig
 
-__all__ = ["LOSS_TYPES", "Algorithm", "AlgorithmConfig", "ImportConfig", "ModelRefConfig", "SamplingSourceConfig",
-           "GRPOConfig", "AdvantageConfig", "LengthPenaltyConfig", "EchoConfig", "OPDConfig", "OPSDConfig", "AdvantageInputs", "AdvantageOutputs", "register_advantage",
-           "registered_advantages", "algorithm_class", "build_algorithm",
-           "register_algorithm", "registered_algorithms"]
+__all__ = [
+    "LOSS_TYPES",
+    "Algorithm",
+    "AlgorithmConfig",
+    "ImportConfig",
+    "ModelRefConfig",
+    "SamplingSourceConfig",
+    "GRPOConfig",
+    "AdvantageConfig",
+    "LengthPenaltyConfig",
+    "EchoConfig",
+    "OPDConfig",
+    "OPSDConfig",
+    "AdvantageInputs",
+    "AdvantageOutputs",
+    "register_advantage",
+    "registered_advantages",
+    "algorithm_class",
+    "build_algorithm",
+    "register_algorithm",
+    "registered_algorithms",
+]

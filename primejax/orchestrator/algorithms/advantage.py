@@ -84,7 +84,9 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
         if not name:
             raise ValueError("an advantage needs a name")
         if _ADVANTAGES.get(name, fn) is not fn:
-            raise ValueError(f"an advantage is already registered as {name!r} ({_ADVANTAGES[name].__qualname__})")
+            raise ValueError(
+                f"an advantage is already registered as {name!r} ({_ADVANTAGES[name].__qualname__})"
+            )
         if not callable(fn):
             raise TypeError(f"register_advantage({name!r}) needs a function, got {type(fn).__name__}")
         _ADVANTAGES[name] = fn
@@ -109,8 +111,9 @@ def mean_normalized_advantage(inputs: AdvantageInputs) -> list[float]:
     return mean_normalized(inputs.scores)
 
 
-def bind_advantage(fn: AdvantageFn, kwargs: Mapping[str, Any] | None, label: str
-                   ) -> Callable[[AdvantageInputs], list[float]]:
+def bind_advantage(
+    fn: AdvantageFn, kwargs: Mapping[str, Any] | None, label: str
+) -> Callable[[AdvantageInputs], list[float]]:
     """`fn` bound to its kwargs and checked to return one finite value per rollout."""
     kwargs = dict(kwargs or {})
 
@@ -119,7 +122,9 @@ def bind_advantage(fn: AdvantageFn, kwargs: Mapping[str, Any] | None, label: str
         values = out.advantages if isinstance(out, AdvantageOutputs) else out
         values = [float(v) for v in values]
         if len(values) != len(inputs.rollouts):
-            raise ValueError(f"advantage {label} returned {len(values)} values for {len(inputs.rollouts)} rollouts")
+            raise ValueError(
+                f"advantage {label} returned {len(values)} values for {len(inputs.rollouts)} rollouts"
+            )
         if not all(math.isfinite(v) for v in values):
             raise ValueError(f"advantage {label} returned a non-finite value: {values}")
         return values
@@ -127,8 +132,9 @@ def bind_advantage(fn: AdvantageFn, kwargs: Mapping[str, Any] | None, label: str
     return advantage
 
 
-def load_advantage_fn(import_path: str, kwargs: Mapping[str, Any] | None = None
-                      ) -> Callable[[AdvantageInputs], list[float]]:
+def load_advantage_fn(
+    import_path: str, kwargs: Mapping[str, Any] | None = None
+) -> Callable[[AdvantageInputs], list[float]]:
     """The function at `import_path`, bound (`bind_advantage`)."""
     fn = import_object(import_path)
     if not callable(fn):
@@ -136,8 +142,9 @@ def load_advantage_fn(import_path: str, kwargs: Mapping[str, Any] | None = None
     return bind_advantage(fn, kwargs, repr(import_path))
 
 
-def registered_advantage(name: str, kwargs: Mapping[str, Any] | None = None
-                         ) -> Callable[[AdvantageInputs], list[float]]:
+def registered_advantage(
+    name: str, kwargs: Mapping[str, Any] | None = None
+) -> Callable[[AdvantageInputs], list[float]]:
     """The advantage registered as `name`, bound (`bind_advantage`)."""
     if name not in _ADVANTAGES:
         raise KeyError(f"advantage {name!r} is not registered (registered: {registered_advantages()})")
@@ -145,6 +152,7 @@ def registered_advantage(name: str, kwargs: Mapping[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------ reference scoring
+
 
 def extension_runs(steps: list[TrajectoryStep]) -> list[tuple[list[int], list[tuple[int, int]]]]:
     """Group a trajectory's steps the way interleaving merges them (the extension property,
@@ -157,8 +165,9 @@ def extension_runs(steps: list[TrajectoryStep]) -> list[tuple[list[int], list[tu
     runs: list[tuple[list[int], list[tuple[int, int]]]] = []
     for step in steps:
         context = runs[-1][0] if runs else None
-        if context is None or not (len(step.prompt_ids) >= len(context)
-                                   and step.prompt_ids[: len(context)] == context):
+        if context is None or not (
+            len(step.prompt_ids) >= len(context) and step.prompt_ids[: len(context)] == context
+        ):
             runs.append(([], []))
         spans = runs[-1][1]
         spans.append((len(step.prompt_ids), len(step.completion_ids)))
@@ -175,7 +184,7 @@ async def reference_logprobs(rollout: Rollout, score: ScoreFn, hint_ids: Sequenc
     out: list[float] = []
     hint = list(hint_ids)
     for context, spans in extension_runs(rollout.steps):
-        scored = (await score(hint + context))[len(hint):]
+        scored = (await score(hint + context))[len(hint) :]
         if len(scored) != len(context):
             raise RuntimeError(f"reference scored {len(scored)} positions of a {len(context)}-token context")
         for start, n in spans:

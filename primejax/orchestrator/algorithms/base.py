@@ -51,7 +51,9 @@ class ImportConfig(Section):
 
     def check(self) -> None:
         if self.import_path and "." not in self.import_path and ":" not in self.import_path:
-            raise ConfigError("import_path", f"must be an import path 'module.function', got {self.import_path!r}")
+            raise ConfigError(
+                "import_path", f"must be an import path 'module.function', got {self.import_path!r}"
+            )
 
 
 @section
@@ -94,7 +96,9 @@ class AlgorithmConfig(Section):
         name = node.get("type", "grpo")
         if not name:
             return AlgorithmConfig  # an env's block left empty: it inherits orchestrator.algo
-        if name not in _ALGORITHMS:  # not registered yet: only the common keys, checked again when it is built
+        if (
+            name not in _ALGORITHMS
+        ):  # not registered yet: only the common keys, checked again when it is built
             return AlgorithmConfig
         return _ALGORITHMS[name].config_class
 
@@ -112,15 +116,27 @@ class Algorithm:
     def check_config(cls, config: AlgorithmConfig) -> None:
         """Config-time rules of this algorithm (raise ConfigError naming the key, relative to the block)."""
         if config.sampling.source == "frozen" and cls.action_loss_type != "ce":
-            raise ConfigError("type", f"{config.type!r} trains with {cls.action_loss_type}: frozen-model sampling "
-                                      "can only feed the ce loss (rl and ref_kl need the live policy's sampling "
-                                      "logprobs)")
+            raise ConfigError(
+                "type",
+                f"{config.type!r} trains with {cls.action_loss_type}: frozen-model sampling "
+                "can only feed the ce loss (rl and ref_kl need the live policy's sampling "
+                "logprobs)",
+            )
         if cls.action_loss_type != "rl" and not config.correction.is_default:
-            raise ConfigError("correction", f"corrects the rl loss, and {config.type!r} trains with "
-                                            f"{cls.action_loss_type}: leave it at its defaults")
+            raise ConfigError(
+                "correction",
+                f"corrects the rl loss, and {config.type!r} trains with "
+                f"{cls.action_loss_type}: leave it at its defaults",
+            )
 
-    def __init__(self, config: AlgorithmConfig, *, policy_client: Any = None, tokenizer: Any = None,
-                 sampling: SamplingConfig | None = None):
+    def __init__(
+        self,
+        config: AlgorithmConfig,
+        *,
+        policy_client: Any = None,
+        tokenizer: Any = None,
+        sampling: SamplingConfig | None = None,
+    ):
         self.config = config  # this env's algorithm block (an instance of `config_class`)
         self.policy_client = policy_client  # the live policy's inference client (host-owned resource)
         self.tokenizer = tokenizer
@@ -168,7 +184,9 @@ class Algorithm:
             self.score_group(clean)
         for r in group:
             if r.ok and r.advantages is not None and len(r.advantages) != r.num_completion_tokens:
-                raise ValueError(f"{type(self).__name__}: advantages do not cover the rollout's sampled tokens")
+                raise ValueError(
+                    f"{type(self).__name__}: advantages do not cover the rollout's sampled tokens"
+                )
             r.finalized = True
 
 
@@ -207,8 +225,11 @@ def registered_algorithms() -> list[str]:
 def build_algorithm(name: str, config: AlgorithmConfig, **resources: Any) -> Algorithm:
     cls = algorithm_class(name)
     if not isinstance(config, cls.config_class):
-        raise ConfigError("algo", f"{name!r} reads {cls.config_class.__name__} but got {type(config).__name__}: "
-                                  "import the module that registers it before the config is read")
+        raise ConfigError(
+            "algo",
+            f"{name!r} reads {cls.config_class.__name__} but got {type(config).__name__}: "
+            "import the module that registers it before the config is read",
+        )
     cls.check_config(config)
     algorithm = cls(config, **resources)
     algorithm.setup()

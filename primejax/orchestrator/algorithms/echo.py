@@ -27,8 +27,10 @@ from primejax.utils.sections import ConfigError, option, section, sub
 class EchoConfig(GRPOConfig):
     """ECHO: grpo plus weighted ce on environment-provided observation tokens."""
 
-    roles: dict = option(doc="role -> ce weight alpha of its observation tokens (replaces the whole table)",
-                         factory=lambda: {"tool": 0.1})
+    roles: dict = option(
+        doc="role -> ce weight alpha of its observation tokens (replaces the whole table)",
+        factory=lambda: {"tool": 0.1},
+    )
     filter: ImportConfig = sub(ImportConfig, "a user keep-mask over observation tokens")
 
     def check(self) -> None:
@@ -102,11 +104,15 @@ class EchoAlgorithm(GRPOAlgorithm):
         if self.user_filter is not None:
             masks = self.user_filter(rollout)
             if len(masks) != len(rollout.steps):
-                raise ValueError(f"echo filter returned {len(masks)} masks for {len(rollout.steps)} model calls")
+                raise ValueError(
+                    f"echo filter returned {len(masks)} masks for {len(rollout.steps)} model calls"
+                )
             for i, (w, keep, step) in enumerate(zip(weights, masks, rollout.steps, strict=True)):
                 if len(keep) != len(step.prompt_ids):
-                    raise ValueError(f"echo filter mask {i} has {len(keep)} entries, the call's prompt "
-                                     f"{len(step.prompt_ids)}")
+                    raise ValueError(
+                        f"echo filter mask {i} has {len(keep)} entries, the call's prompt "
+                        f"{len(step.prompt_ids)}"
+                    )
                 if w is not None:
                     kept = [x if k else 0.0 for x, k in zip(w, keep, strict=True)]
                     weights[i] = kept if any(kept) else None

@@ -36,13 +36,18 @@ class LengthPenaltyConfig(Section):
 class AdvantageConfig(ImportConfig):
     """The advantage function of the group: a registered one by `name`, or any function by `import_path`."""
 
-    name: str = option("", "a registered advantage (group_relative, mean_normalized, or your own); '' = the "
-                           "algorithm's own (grpo: group_relative, max_rl: mean_normalized)")
+    name: str = option(
+        "",
+        "a registered advantage (group_relative, mean_normalized, or your own); '' = the "
+        "algorithm's own (grpo: group_relative, max_rl: mean_normalized)",
+    )
 
     def check(self) -> None:
         super().check()
         if self.name and self.import_path:
-            raise ConfigError("name", f"names {self.name!r} and import_path names {self.import_path!r}: set one")
+            raise ConfigError(
+                "name", f"names {self.name!r} and import_path names {self.import_path!r}: set one"
+            )
 
 
 @section
@@ -50,7 +55,10 @@ class GRPOConfig(AlgorithmConfig):
     """Group-relative credit (grpo, max_rl, echo): an optional length penalty and the advantage function."""
 
     length_penalty: LengthPenaltyConfig = sub(LengthPenaltyConfig, "length penalty")
-    advantage: AdvantageConfig = sub(AdvantageConfig, "the advantage function of the group (docs/algorithms.md)")
+    advantage: AdvantageConfig = sub(
+        AdvantageConfig, "the advantage function of the group (docs/algorithms.md)"
+    )
+
 
 __all__ = ["GRPOAlgorithm", "group_relative"]
 
@@ -60,7 +68,9 @@ class GRPOAlgorithm(Algorithm):
     action_loss_type = "rl"
     config_class = GRPOConfig
     config: GRPOConfig
-    default_advantage: ClassVar[str] = "group_relative"  # the registered advantage used unless the block names one
+    default_advantage: ClassVar[str] = (
+        "group_relative"  # the registered advantage used unless the block names one
+    )
 
     def setup(self) -> None:
         super().setup()

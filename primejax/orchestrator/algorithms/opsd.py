@@ -48,7 +48,13 @@ class OPSDAlgorithm(Algorithm):
             raise ValueError("opsd scores with the live policy: it needs the policy client and tokenizer")
 
     def hint_ids(self, demo: Any) -> list[int]:
-        text = demo if isinstance(demo, str) else "\n".join(map(str, demo)) if isinstance(demo, list) else str(demo)
+        text = (
+            demo
+            if isinstance(demo, str)
+            else "\n".join(map(str, demo))
+            if isinstance(demo, list)
+            else str(demo)
+        )
         system = [{"role": "system", "content": self.config.template.format(demonstration=text)}]
         rendered = self.tokenizer.apply_chat_template(system, tokenize=False, add_generation_prompt=False)
         return list(self.tokenizer.encode(rendered, add_special_tokens=False))

@@ -19,10 +19,14 @@ class SFTDistillAlgorithm(Algorithm):
     def check_config(cls, config: AlgorithmConfig) -> None:
         super().check_config(config)
         if config.sampling.source != "frozen":
-            raise ConfigError("sampling.source", "sft needs a frozen source (CE on the policy's own tokens is no "
-                                                 "distillation target)")
+            raise ConfigError(
+                "sampling.source",
+                "sft needs a frozen source (CE on the policy's own tokens is no distillation target)",
+            )
 
     def setup(self) -> None:
         super().setup()
         if self.sampling_client is None:
-            raise ValueError("sft needs a frozen sampling source (orchestrator.algo.sampling.source = 'frozen')")
+            raise ValueError(
+                "sft needs a frozen sampling source (orchestrator.algo.sampling.source = 'frozen')"
+            )

@@ -17,11 +17,18 @@ class BroadcastConfig(Section):
 
     dtype: str = option("bfloat16", "stored / sent dtype", choices=("bfloat16", "float32"))
     hash: bool = option(True, "list the files' sha256 in STABLE")
-    mode: str = option("filesystem", "how weights reach the inference servers", choices=("filesystem", "collective"))
-    transfer_host: str = option("127.0.0.1", "collective: address the trainer's rendezvous listens on (servers connect)")
+    mode: str = option(
+        "filesystem", "how weights reach the inference servers", choices=("filesystem", "collective")
+    )
+    transfer_host: str = option(
+        "127.0.0.1", "collective: address the trainer's rendezvous listens on (servers connect)"
+    )
     transfer_port: int = option(0, "collective: rendezvous port; 0 = any free port", ge=0, le=65535)
     transfer_timeout_s: float = option(
-        60.0, "collective: bound on each phase of a transfer before the fallback (at most a day)", gt=0, le=86400
+        60.0,
+        "collective: bound on each phase of a transfer before the fallback (at most a day)",
+        gt=0,
+        le=86400,
     )
     bucket_mb: int = option(256, "collective: packed bucket size (MiB)", gt=0)
     max_shard_mb: float = option(
@@ -41,5 +48,7 @@ class BroadcastConfig(Section):
     )
     export_threads: int = option(8, "parallel export: writer threads per process", gt=0)
     workers_per_server: int = option(
-        1, "collective: inference workers per server (its tensor- x pipeline-parallel size); each one receives", gt=0
+        1,
+        "collective: inference workers per server (its tensor- x pipeline-parallel size); each one receives",
+        gt=0,
     )

@@ -55,7 +55,11 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            dtype, shape, (start, end) = (
+                meta["dtype"],
+                tuple(int(d) for d in meta["shape"]),
+                meta["data_offsets"],
+            )
         except (KeyError, TypeError, ValueError):
             raise WeightDirError(f"{path.name}: malformed header entry for {name!r}") from None
         if not 0 <= start <= end <= data_bytes:
@@ -144,7 +148,9 @@ class WeightDirValidator:
         from primejax.transports.weights.collective.lanes import pieces_of
         from primejax.transports.weights.collective.meta import metas_from_update_info
 
-        pieces_of(update_info, metas_from_update_info(update_info))  # ValueError: pieces that miss or overlap rows
+        pieces_of(
+            update_info, metas_from_update_info(update_info)
+        )  # ValueError: pieces that miss or overlap rows
         for meta in metas_from_update_info(update_info):  # ValueError: lengths, dtype names, non-integer dims
             if any(d < 0 for d in meta.shape):
                 raise WeightDirError(f"{meta.name}: negative dimension in {list(meta.shape)}")
@@ -158,12 +164,16 @@ class WeightDirValidator:
             seen.discard(_TIED_OPTIONAL)
         if len(got) != len(names) or expected != seen:
             missing, unexpected = sorted(expected - seen), sorted(seen - expected)
-            raise WeightDirError(f"tensor names differ from the served model (missing {missing[:5]}, unexpected "
-                                 f"{unexpected[:5]}, {len(names) - len(got)} duplicated)")
+            raise WeightDirError(
+                f"tensor names differ from the served model (missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}, {len(names) - len(got)} duplicated)"
+            )
         for name in sorted(seen):
             if got[name] != self.reference[name].shape:
-                raise WeightDirError(f"{name} has shape {list(got[name])}, the served model has "
-                                     f"{list(self.reference[name].shape)}")
+                raise WeightDirError(
+                    f"{name} has shape {list(got[name])}, the served model has "
+                    f"{list(self.reference[name].shape)}"
+                )
 
 
 def version_from_dir(weight_dir: str | Path) -> int | None:

@@ -56,8 +56,9 @@ def check_adapter_dir(directory: str | Path, max_rank: int, base: Mapping | None
         raise WeightDirError(f"{d}: no {ADAPTER_WEIGHTS}")
     header = read_safetensors_header(d / ADAPTER_WEIGHTS)
     check_adapter_names(header, str(d / ADAPTER_WEIGHTS))
-    check_adapter_tensors({n: (t.dtype, t.shape) for n, t in header.items()}, config["r"], base,
-                          str(d / ADAPTER_WEIGHTS))
+    check_adapter_tensors(
+        {n: (t.dtype, t.shape) for n, t in header.items()}, config["r"], base, str(d / ADAPTER_WEIGHTS)
+    )
     return config
 
 
@@ -76,14 +77,21 @@ def check_adapter_config(config: object, max_rank: int, where: str) -> None:
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= max_rank:
         raise WeightDirError(f"{where}: rank {rank!r} is not in 1..{max_rank} (the server's max LoRA rank)")
     alpha = config.get("lora_alpha", 8)  # PEFT's default
-    if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha)
-            or not 0 < alpha <= MAX_LORA_SCALE * rank):
-        raise WeightDirError(f"{where}: lora_alpha {alpha!r} must be a finite number in (0, {MAX_LORA_SCALE:g} x r "
-                             f"= {MAX_LORA_SCALE * rank:g}] (the adapter scale is lora_alpha / r)")
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, numbers.Real)
+        or not math.isfinite(alpha)
+        or not 0 < alpha <= MAX_LORA_SCALE * rank
+    ):
+        raise WeightDirError(
+            f"{where}: lora_alpha {alpha!r} must be a finite number in (0, {MAX_LORA_SCALE:g} x r "
+            f"= {MAX_LORA_SCALE * rank:g}] (the adapter scale is lora_alpha / r)"
+        )
 
 
-def check_adapter_tensors(tensors: Mapping[str, tuple[str, tuple]], rank: int, base: Mapping | None,
-                          where: str) -> None:
+def check_adapter_tensors(
+    tensors: Mapping[str, tuple[str, tuple]], rank: int, base: Mapping | None, where: str
+) -> None:
     """Every tensor a float lora_A [r, in] or lora_B [out, r] of the config's rank, each module's A with its B;
     where the base model has the adapted weight ([out, in], PEFT's name without the `base_model.model.` prefix
     and the lora_A/lora_B part), `in` and `out` must be its dimensions."""
@@ -91,20 +99,30 @@ def check_adapter_tensors(tensors: Mapping[str, tuple[str, tuple]], rank: int, b
     for name, (dtype, shape) in tensors.items():
         part = "A" if ".lora_A." in name else "B"
         module = name.replace(f".lora_{part}.", ".", 1)
-        if str(dtype) not in _FLOAT_DTYPES or len(shape) != 2 or (shape[0] if part == "A" else shape[1]) != rank:
-            raise WeightDirError(f"{where}: {name}: {dtype} {list(shape)} is not a float lora_{part} "
-                                 f"{'[r, in]' if part == 'A' else '[out, r]'} of rank {rank}")
+        if (
+            str(dtype) not in _FLOAT_DTYPES
+            or len(shape) != 2
+            or (shape[0] if part == "A" else shape[1]) != rank
+        ):
+            raise WeightDirError(
+                f"{where}: {name}: {dtype} {list(shape)} is not a float lora_{part} "
+                f"{'[r, in]' if part == 'A' else '[out, r]'} of rank {rank}"
+            )
         modules.setdefault(module, {})[part] = tuple(shape)
     for module, parts in modules.items():
         if set(parts) != {"A", "B"}:
-            raise WeightDirError(f"{where}: {module}: has lora_{'A' if 'A' in parts else 'B'} without its pair")
+            raise WeightDirError(
+                f"{where}: {module}: has lora_{'A' if 'A' in parts else 'B'} without its pair"
+            )
         ref = None if base is None else base.get(module.removeprefix(_PEFT_PREFIX))
         if ref is None:
             continue  # a name the base stores otherwise (fused experts): only its rank is checked here
         out_in = tuple(ref.shape)
         if len(out_in) != 2 or (parts["B"][0], parts["A"][1]) != out_in:
-            raise WeightDirError(f"{where}: {module}: adapter maps {parts['A'][1]} -> {parts['B'][0]} but the base "
-                                 f"model's weight is {list(out_in)} [out, in]")
+            raise WeightDirError(
+                f"{where}: {module}: adapter maps {parts['A'][1]} -> {parts['B'][0]} but the base "
+                f"model's weight is {list(out_in)} [out, in]"
+            )
 
 
 def check_adapter_names(names: object, where: str) -> None:

@@ -72,7 +72,9 @@ def _output_sharding(w: Any, device: Any) -> Any:
     if sharding is None or len(sharding.device_set) == 1:
         return jax.sharding.SingleDeviceSharding(device)
     if device not in sharding.device_set:
-        raise ValueError(f"the sending device {device} holds no part of the weights ({sorted(sharding.device_set)})")
+        raise ValueError(
+            f"the sending device {device} holds no part of the weights ({sorted(sharding.device_set)})"
+        )
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
 
 

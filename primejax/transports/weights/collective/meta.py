@@ -15,6 +15,7 @@ from primejax.transports.weights.tensors import WIRE_DTYPES, TensorMeta
 # update_info key of an adapter round (adapters/): the adapter's adapter_config.json.
 ADAPTER_KEY = "adapter"
 
+
 def update_info(round_id: str, metas: Sequence[TensorMeta]) -> dict[str, Any]:
     """The JSON update info of one round (field names as vLLM's NCCL engine's, plus the round id)."""
     return {
@@ -34,9 +35,14 @@ def metas_from_update_info(info: dict[str, Any]) -> list[TensorMeta]:
             raise ValueError(f"update_info: dtype {d!r} is not one of {WIRE_DTYPES}")
     for n, s in zip(names, shapes, strict=True):
         # JSON integers only: a float (1e400 is inf), a string or a bool is a malformed offer, not a dimension
-        if not isinstance(n, str) or not isinstance(s, list) or any(
-                isinstance(x, bool) or not isinstance(x, int) for x in s):
-            raise ValueError(f"update_info: tensor {str(n)[:100]!r}: shape {str(s)[:100]} is not a list of integers")
+        if (
+            not isinstance(n, str)
+            or not isinstance(s, list)
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in s)
+        ):
+            raise ValueError(
+                f"update_info: tensor {str(n)[:100]!r}: shape {str(s)[:100]} is not a list of integers"
+            )
     return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
 
 

@@ -133,7 +133,9 @@ class CollectivePublisher:
             sender.group, self.new_group = None, True
         return agreed
 
-    def _after_send(self, step: int, model: nnx.Module, sent: bool, tensors: list | None = None) -> dict[str, float]:
+    def _after_send(
+        self, step: int, model: nnx.Module, sent: bool, tensors: list | None = None
+    ) -> dict[str, float]:
         """A sent update also goes to disk on checkpoint steps (and a failed one always): the filesystem is
         what a restart or a lost server reads."""
         metrics = dict(self.sender().last) if sent else {"transfer/failed": 1.0}
@@ -142,7 +144,9 @@ class CollectivePublisher:
             if self.disk.rank == 0:
                 prune_broadcasts(self.disk.run.root, step - self.disk.async_level)
             return metrics
-        extra = {} if tensors is None else {"tensors": tensors}  # the one-process path's gather, written as is
+        extra = (
+            {} if tensors is None else {"tensors": tensors}
+        )  # the one-process path's gather, written as is
         return {**metrics, **self.disk.publish(step, model, **extra)}
 
     def publish(self, step: int, model: nnx.Module, *, disk_only: bool = False) -> dict[str, float]:

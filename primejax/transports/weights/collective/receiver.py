@@ -88,7 +88,11 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
             rank = info.rank_offset + p.data_parallel_index * p.world_size + p.rank
             try:
                 self.receiver.receive(
-                    vars(info), vars(update_info), rank, self.device, self.model.load_weights,
+                    vars(info),
+                    vars(update_info),
+                    rank,
+                    self.device,
+                    self.model.load_weights,
                     read_token(),
                 )
             except BaseException:
@@ -109,6 +113,8 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
         @staticmethod
         def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
             # Abstract in vLLM < 0.28 (vllm_compat.py): primejax's trainer sends through primejax.transports.weights.
-            raise NotImplementedError("primejax's trainer sends weights with primejax.transports.weights.collective.sender")
+            raise NotImplementedError(
+                "primejax's trainer sends weights with primejax.transports.weights.collective.sender"
+            )
 
     return PrimejaxWeightTransferEngine

@@ -159,8 +159,10 @@ class CollectiveSender:
             except Exception as e:
                 # The round was completed with zero buckets: tell the receivers now, not at their timeout.
                 with contextlib.suppress(Exception):
-                    self.store.set(wire.lane_digest_key(round_id, self.lane),
-                                   f"{wire.ABORTED}: {type(e).__name__}: {str(e)[:200]}")
+                    self.store.set(
+                        wire.lane_digest_key(round_id, self.lane),
+                        f"{wire.ABORTED}: {type(e).__name__}: {str(e)[:200]}",
+                    )
                 raise
             self.store.set(wire.lane_digest_key(round_id, self.lane), digest.hexdigest())
             self.store.wait(

@@ -189,7 +189,9 @@ def send(
             buf = parts[0] if len(parts) == 1 else torch.cat(parts)
         except Exception:
             for rest in plan[b:]:
-                group.broadcast(torch.zeros(sum(metas[i].nbytes for i in rest), dtype=torch.uint8, device=device))
+                group.broadcast(
+                    torch.zeros(sum(metas[i].nbytes for i in rest), dtype=torch.uint8, device=device)
+                )
             raise
         group.broadcast(buf, src=0)
         if digest is not None:
@@ -323,8 +325,10 @@ class Receiver:
             for k, h in enumerate(digests):
                 expected = bytes(store.get(lane_digest_key(update_info["round_id"], k))).decode()
                 if expected.startswith(ABORTED):
-                    raise ValueError(f"round {update_info['round_id']}: sender {k} aborted it ({expected}); "
-                                     "not acknowledged")
+                    raise ValueError(
+                        f"round {update_info['round_id']}: sender {k} aborted it ({expected}); "
+                        "not acknowledged"
+                    )
                 if expected != h.hexdigest():
                     raise ValueError(
                         f"round {update_info['round_id']}: the weights received from sender {k} differ from what "

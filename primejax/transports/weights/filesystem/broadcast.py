@@ -116,7 +116,9 @@ def verify_broadcast(directory: str | Path, check_hashes: bool = True) -> dict[s
     directory = Path(directory)
     manifest = read_manifest(directory)
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise BroadcastError(f"{directory}: format_version {manifest.get('format_version')!r} != {FORMAT_VERSION}")
+        raise BroadcastError(
+            f"{directory}: format_version {manifest.get('format_version')!r} != {FORMAT_VERSION}"
+        )
     files = manifest.get("files")
     if not isinstance(files, dict) or not any(str(n).endswith(".safetensors") for n in files):
         raise BroadcastError(f"{directory}: the {STABLE} manifest lists no .safetensors file")
@@ -125,19 +127,25 @@ def verify_broadcast(directory: str | Path, check_hashes: bool = True) -> dict[s
         raise BroadcastError(f"{directory}: {unlisted[0]} is not in the {STABLE} manifest")
     for name, entry in files.items():
         hashed = manifest.get("hashed", True) is not False
-        if not isinstance(entry, dict) or (check_hashes and hashed and not isinstance(entry.get("sha256"), str)):
+        if not isinstance(entry, dict) or (
+            check_hashes and hashed and not isinstance(entry.get("sha256"), str)
+        ):
             raise BroadcastError(f"{directory}: the {STABLE} manifest entry of {name} has no sha256")
         size = entry.get("size")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise BroadcastError(f"{directory}: the {STABLE} manifest entry of {name} has no size in bytes")
         parts = Path(name).parts
-        if not parts or Path(name).is_absolute() or ".." in parts:  # it vouches for files of this directory only
+        if (
+            not parts or Path(name).is_absolute() or ".." in parts
+        ):  # it vouches for files of this directory only
             raise BroadcastError(f"{directory}: the {STABLE} manifest names {name!r}, outside its directory")
         p = directory / name
         if not p.is_file():
             raise BroadcastError(f"{directory}: missing file {name}")
         if p.stat().st_size != entry["size"]:
-            raise BroadcastError(f"{directory}: {name} has {p.stat().st_size} bytes, manifest says {entry['size']}")
+            raise BroadcastError(
+                f"{directory}: {name} has {p.stat().st_size} bytes, manifest says {entry['size']}"
+            )
         if check_hashes and "sha256" in entry and _file_sha256(p) != entry["sha256"]:
             raise BroadcastError(f"{directory}: {name} sha256 mismatch")
     return manifest
@@ -170,6 +178,15 @@ def prune_broadcasts(run_dir: str | Path, keep_from_step: int) -> list[int]:
 
 
 __all__ = [
-    "STABLE", "BroadcastError", "broadcasts_root", "broadcast_dir", "write_broadcast", "is_stable",
-    "read_manifest", "verify_broadcast", "stable_steps", "latest_stable_step", "prune_broadcasts",
+    "STABLE",
+    "BroadcastError",
+    "broadcasts_root",
+    "broadcast_dir",
+    "write_broadcast",
+    "is_stable",
+    "read_manifest",
+    "verify_broadcast",
+    "stable_steps",
+    "latest_stable_step",
+    "prune_broadcasts",
 ]
