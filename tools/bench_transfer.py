@@ -56,38 +56,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {  # Qwen3 configs (config.json of Qwen/Qwen3-0.6B, -4B, -8B)
-    "0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_layers=28,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    ),
-    "4b": dict(
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_layers=36,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    ),
-    "8b": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_layers=36,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
-}
+from tools.model_shapes import QWEN3  # noqa: E402
+
 SMOKE = dict(
     vocab_size=2048,
     hidden_size=128,
@@ -100,7 +70,18 @@ SMOKE = dict(
 
 
 def shape(size: str, smoke: bool) -> dict:
-    s = dict(SHAPES[size])
+    """`--size 0.6b|4b|8b`: the Qwen3 checkpoint's shape (tools/model_shapes.py) in ModelConfig's names."""
+    hf = QWEN3[f"qwen3-{size}"]
+    s = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"],
+        head_dim=hf["head_dim"],
+        tie_word_embeddings=hf["tie_word_embeddings"],
+    )
     if smoke:
         s.update(SMOKE)
     return s
