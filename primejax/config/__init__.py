@@ -18,6 +18,7 @@ from typing import Any
 
 from ml_collections import ConfigDict, FieldReference
 
+from primejax.cluster.slurm import SlurmConfig
 from primejax.config import compat, rules
 from primejax.contracts.rundir import RunConfig
 from primejax.inference.server import InferenceConfig
@@ -51,6 +52,7 @@ class Config(Section):
     inference: InferenceConfig = sub(InferenceConfig, "the inference server")
     monitor: MonitorConfig = sub(MonitorConfig, "metrics")
     sft: SftConfig = sub(SftConfig, "supervised fine-tuning")
+    slurm: SlurmConfig = sub(SlurmConfig, "the SLURM job of `python -m primejax.train --launcher slurm`")
 
     @property
     def run_dir(self):

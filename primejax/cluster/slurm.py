@@ -1,0 +1,160 @@
+"""A run as one SLURM job: `python -m primejax.train --launcher slurm --config X [--submit]`.
+
+Writes `<run>/slurm/job.sbatch` (and with `--submit` hands it to `sbatch`): one allocation of
+`slurm.trainer_nodes + slurm.inference_nodes` nodes on the run directory's shared filesystem. The script only
+starts `python -m primejax.cluster.slurm_job` in the batch step, which reads the job's node list, splits it
+into trainer and inference nodes, and starts the processes with `srun` (primejax/cluster/slurm_job.py).
+Submitting the same script again resumes the run from its newest checkpoint pair, as rerunning the local
+launcher does (`--requeue` lets SLURM do it after a node failure).
+
+One allocation split by the node list rather than a heterogeneous job (`#SBATCH hetjob`): it needs no site
+support for heterogeneous jobs, and it can be tested on a one-node SLURM, where slurm-wlm 22.05's backfill
+scheduler never starts two components of a heterogeneous job on the same node (docs/multinode.md).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from primejax.contracts.rundir import RunDir, write_resolved_config
+from primejax.utils.sections import ConfigError, Section, option, section
+
+if TYPE_CHECKING:
+    from primejax.config import Config
+
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # sbatch --time: minutes, [D-]HH:MM[:SS]
+_WORD = re.compile(r"^[A-Za-z0-9_.,:=@%+/-]*$")  # partition, account, qos: no spaces or shell characters
+
+
+@section
+class SlurmConfig(Section):
+    """`slurm`: the job `python -m primejax.train --launcher slurm` writes (docs/multinode.md)."""
+
+    trainer_nodes: int = option(1, "nodes of trainer ranks (the orchestrator runs beside rank 0)", gt=0, le=4096)
+    trainer_tasks_per_node: int = option(
+        1, "trainer processes per node: 1 on GPUs (one JAX process owns a node's GPUs); more on CPU", gt=0, le=64
+    )
+    inference_nodes: int = option(
+        1, "nodes with one inference server each (tensor-parallel over inference.tensor_parallel_size GPUs); "
+        "0 = the servers share the first trainer node (inference.devices / trainer.devices split it)", ge=0,
+        le=4096,
+    )
+    gpus_per_node: int = option(0, "GPUs asked per node (--gpus-per-node); 0 = none asked (CPU nodes)", ge=0, le=64)
+    cpus_per_task: int = option(1, "CPUs per task (--cpus-per-task)", gt=0, le=1024)
+    coordinator_port: int = option(29500, "jax.distributed coordinator port on the first trainer node", gt=0,
+                                   le=65535)
+    inference_port: int = option(8000, "each inference server's port on its node", gt=0, le=65535)
+    partition: str = option("", "--partition ('' = the cluster's default)")
+    account: str = option("", "--account ('' = none)")
+    qos: str = option("", "--qos ('' = none)")
+    time: str = option("", "--time limit, minutes or [D-]HH:MM[:SS] ('' = the partition's)")
+    exclusive: bool = option(True, "--exclusive: whole nodes (no other job on the run's GPUs)")
+    python: str = option("", "the interpreter every task runs ('' = the one that wrote the script)")
+    setup: tuple = option((), "shell lines run before the job (module load ..., source venv/bin/activate)")
+    extra_args: tuple = option((), "more #SBATCH options, e.g. ('--constraint=h100',)")
+
+    def check(self) -> None:
+        for key in ("partition", "account", "qos"):
+            if not _WORD.match(getattr(self, key)):
+                raise ConfigError(key, f"must be one word without spaces or shell characters, got {getattr(self, key)!r}")
+        if self.time and not _TIME.match(self.time):
+            raise ConfigError("time", f"must be minutes or [D-]HH:MM[:SS] as sbatch reads it, got {self.time!r}")
+        if self.gpus_per_node and self.trainer_tasks_per_node > 1:
+            raise ConfigError("trainer_tasks_per_node", "must be 1 on GPU nodes: one JAX process owns a node's GPUs")
+        if self.coordinator_port == self.inference_port:
+            raise ConfigError("coordinator_port", f"is also slurm.inference_port ({self.inference_port})")
+        for arg in self.extra_args:
+            if not (isinstance(arg, str) and arg.startswith("--") and "\n" not in arg):
+                raise ConfigError("extra_args", f"each must be one '--option[=value]' of sbatch, got {arg!r}")
+        for line in self.setup:
+            if not isinstance(line, str) or "\n" in line:
+                raise ConfigError("setup", f"each must be one shell line, got {line!r}")
+
+    @property
+    def nodes(self) -> int:
+        return self.trainer_nodes + self.inference_nodes
+
+    @property
+    def trainer_tasks(self) -> int:
+        return self.trainer_nodes * self.trainer_tasks_per_node
+
+
+def script_path(root: str | Path) -> Path:
+    return RunDir(root).slurm("job.sbatch")
+
+
+def render_script(cfg: Config, config_path: Path) -> str:
+    """The sbatch script of the run: resource lines, then one driver process (primejax.cluster.slurm_job)."""
+    s = cfg.slurm
+    root = Path(cfg.run_dir).resolve()
+    python = s.python or sys.executable
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=primejax-{cfg.run.name}",
+        f"#SBATCH --nodes={s.nodes}",
+        # trainer ranks are the widest step; srun asks each step's own task count
+        f"#SBATCH --ntasks-per-node={s.trainer_tasks_per_node}",
+        f"#SBATCH --cpus-per-task={s.cpus_per_task}",
+        f"#SBATCH --output={RunDir(root).slurm('job-%j.out')}",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",  # after a node failure SLURM may start the script again: it resumes
+        "#SBATCH --signal=B:TERM@120",  # before the time limit: the driver stops every step (checkpoints kept)
+    ]
+    if s.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
+    if s.exclusive:
+        lines.append("#SBATCH --exclusive")
+    for key in ("partition", "account", "qos", "time"):
+        if getattr(s, key):
+            lines.append(f"#SBATCH --{key}={getattr(s, key)}")
+    lines += [f"#SBATCH {arg}" for arg in s.extra_args]
+    lines += [
+        "# Written by `python -m primejax.train --launcher slurm`; submit it again to resume the run.",
+        "set -euo pipefail",
+        *s.setup,
+        f"cd {shlex.quote(str(Path.cwd()))}",
+        # exec: SLURM's signals (scancel, --signal) reach the driver itself, which stops every step
+        f"exec {shlex.quote(python)} -m primejax.cluster.slurm_job --config {shlex.quote(str(config_path))}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_script(cfg: Config) -> Path:
+    """Record the resolved config (`configs/train.json`) and write the job script beside it; return the script."""
+    root = Path(cfg.run_dir).resolve()
+    config = write_resolved_config(root, "train", cfg.to_json())
+    path = script_path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_script(cfg, config))
+    return path
+
+
+def submit(script: Path) -> str:
+    """`sbatch --parsable script`: the job id. Raises RuntimeError with sbatch's own message."""
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def generate(cfg: Config, submit_job: bool = False) -> int:
+    """The `--launcher slurm` entry: write the script, submit it when asked; the exit status."""
+    path = write_script(cfg)
+    print(f"primejax: SLURM job script written to {path} ({cfg.slurm.trainer_nodes} trainer node(s) x "
+          f"{cfg.slurm.trainer_tasks_per_node} task(s), {cfg.slurm.inference_nodes} inference node(s))", flush=True)
+    if not submit_job:
+        print(f"primejax: submit it with `sbatch {path}` (again to resume)", flush=True)
+        return 0
+    try:
+        job = submit(path)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"primejax: submitted job {job}; its log: {RunDir(path.parents[1]).slurm(f'job-{job}.out')}", flush=True)
+    return 0
