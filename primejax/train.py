@@ -19,8 +19,8 @@ DEFAULT_CONFIG = "configs/demo.py"
 
 def _define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_bool("dry_run", False, "resolve, validate and print the config, check every environment, then exit", flag_values=fv)
-    flags.DEFINE_enum("launcher", "local", ["local", "slurm"], "local: this node; slurm: write <run>/slurm/job.sbatch "
-                      "(docs/multinode.md)", flag_values=fv)
+    flags.DEFINE_enum("launcher", "local", ["local", "slurm", "k8s"], "local: this node; slurm: write the run's "
+                      "sbatch script; k8s: write its Kubernetes manifests (docs/multinode.md)", flag_values=fv)
     flags.DEFINE_bool("submit", False, "with --launcher slurm: also sbatch the job script", flag_values=fv)
 
 
@@ -51,10 +51,10 @@ def main() -> int:
         if model_problem:
             report(False, model_problem)
         return 0 if all(ok for ok, _ in check_envs(cfg, report)) and not model_problem else 1
-    if fv["launcher"].value == "slurm":  # a multi-node run as one SLURM job (primejax/cluster/slurm.py)
-        from primejax.cluster.slurm import generate
+    if fv["launcher"].value != "local":  # a multi-node run on a scheduler (primejax/cluster/)
+        from primejax.cluster import generate
 
-        return generate(cfg, submit_job=fv["submit"].value)
+        return generate(cfg, fv["launcher"].value, submit=fv["submit"].value)
     from primejax.launcher.launch import launch  # deferred: the launcher imports process machinery
 
     return launch(cfg)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from primejax.contracts.rundir import RunDir, write_resolved_config
+from primejax.contracts.rundir import RunDir
 
 if TYPE_CHECKING:
     from primejax.cluster.slurm import SlurmConfig
@@ -187,8 +187,7 @@ def _wait_servers(cfg: Config, step: Step) -> None:
 
 def run_job(cfg: Config, environ: Mapping[str, str]) -> int:
     """The batch step's work (see the module doc); returns the job's exit status."""
-    from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
-    from primejax.launcher.launch import _prepare
+    from primejax.cluster.prepare import prepare
     from primejax.launcher.preflight import PreflightError
     from primejax.launcher.resume import RunAlreadyDone
     from primejax.launcher.runlock import RunLock
@@ -206,11 +205,9 @@ def run_job(cfg: Config, environ: Mapping[str, str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         with RunLock(root):
-            cfg, start = _prepare(job_config(cfg, roles))
-            # Made once per job, in the environment srun hands every task (and in the run's 0600 file for a
-            # process started by hand), never on a command line.
-            os.environ[TOKEN_ENV] = write_run_token(root)
-            configs = {role: write_resolved_config(root, role, cfg.to_json()) for role in MODULES}
+            # The admin secret: made once per job, in the environment srun hands every task (and in the run's
+            # 0600 file for a process started by hand), never on a command line.
+            cfg, start, configs = prepare(job_config(cfg, roles))
             inference = Step("inference", cfg, configs["inference"], roles.inference, 1)
             steps.append(inference)
             _wait_servers(cfg, inference)

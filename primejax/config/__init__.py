@@ -18,6 +18,7 @@ from typing import Any
 
 from ml_collections import ConfigDict, FieldReference
 
+from primejax.cluster.k8s import K8sConfig
 from primejax.cluster.slurm import SlurmConfig
 from primejax.config import compat, rules
 from primejax.contracts.rundir import RunConfig
@@ -53,6 +54,7 @@ class Config(Section):
     monitor: MonitorConfig = sub(MonitorConfig, "metrics")
     sft: SftConfig = sub(SftConfig, "supervised fine-tuning")
     slurm: SlurmConfig = sub(SlurmConfig, "the SLURM job of `python -m primejax.train --launcher slurm`")
+    k8s: K8sConfig = sub(K8sConfig, "the Kubernetes manifests of `python -m primejax.train --launcher k8s`")
 
     @property
     def run_dir(self):

@@ -1,0 +1,192 @@
+"""A real SLURM job (one-node slurm-wlm, started by .ci/slurm-up.sh): 2 trainer ranks (CPU, jax.distributed over
+gloo) + 1 vLLM-CPU server + the orchestrator train 4 steps; a second job is cancelled (`scancel`) while the
+trainer is inside step 3, the same script is submitted again, and it must resume to the uninterrupted job's
+weights bit for bit (the fault suite's reproducible config: tests/faults/fault_harness.py). Nothing of the
+cancelled job may keep running.
+
+Needs a live SLURM (`sinfo` answers) that runs jobs as this user on a node that shares this filesystem; skipped
+otherwise. Extended tier: three jobs, each starting a vLLM server (~3-6 min in all on 2 cores).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from safetensors.numpy import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 4
+JOB_TIMEOUT_S = 600.0  # a deadline for a hang, not a speed check
+
+CONFIG = '''
+from primejax.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.run.name = {name!r}
+    c.run.output_dir = {output_dir!r}
+    c.run.max_steps = {steps}
+    c.model.path = {model!r}
+    c.model.compute_dtype = "float32"
+    c.orchestrator.envs.reverse_text.args = {{"system_prompt": "", "min_len": 3, "max_len": 6}}
+    c.orchestrator.batch_size = 16
+    c.orchestrator.group_size = 4
+    c.orchestrator.seq_len = 128
+    c.orchestrator.max_prompt_tokens = 96
+    c.orchestrator.sampling.max_tokens = 16
+    c.orchestrator.sampling.seed = 1234  # a seed per request and synchronous steps: reproducible on CPU
+    c.orchestrator.async_level = 0
+    c.orchestrator.pool.mode = "step"
+    c.orchestrator.weights_poll_s = 0.1
+    c.orchestrator.filters.pre_batch = ()
+    c.orchestrator.filters.post_batch = ()
+    c.orchestrator.checkpoint.interval = 1
+    c.orchestrator.checkpoint.keep = 0
+    c.trainer.checkpoint.interval = 1
+    c.trainer.broadcast.dtype = "float32"
+    c.trainer.optim.lr = 1e-3
+    c.trainer.micro_batch_size = 4
+    c.monitor.tensorboard = False
+    c.inference.max_model_len = 256
+    c.inference.startup_timeout_s = 300.0
+    c.slurm.trainer_nodes = 1
+    c.slurm.trainer_tasks_per_node = 2
+    c.slurm.inference_nodes = 0  # one node: the server shares it
+    c.slurm.exclusive = False
+    c.slurm.coordinator_port = {coordinator_port}
+    c.slurm.inference_port = {inference_port}
+    return c
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_up() -> str:
+    if shutil.which("sbatch") is None:
+        return "no sbatch (apt-get install slurm-wlm; .ci/slurm-up.sh)"
+    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    states = proc.stdout.split()
+    if proc.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mixed", "allocated") for s in states):
+        return f"no SLURM node up (sinfo: {proc.stderr.strip() or states}); run .ci/slurm-up.sh"
+    return ""
+
+
+pytestmark = [
+    pytest.mark.slow,  # extended tier: three SLURM jobs, each with its own vLLM server
+    pytest.mark.skipif(bool(_slurm_up()), reason=_slurm_up() or "slurm up"),
+]
+
+
+def _write_config(tmp: Path, name: str, model: Path) -> Path:
+    path = tmp / f"{name}.py"
+    path.write_text(CONFIG.format(name=name, output_dir=str(tmp / "runs"), steps=STEPS, model=str(model),
+                                  coordinator_port=free_port(), inference_port=free_port()))
+    return path
+
+
+def _env() -> dict[str, str]:
+    # sbatch hands the submitter's environment to the job: CPU JAX, this checkout first on the path
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def _submit_new(config: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "primejax.train", "--launcher", "slurm", "--submit", "--config",
+                           str(config)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return re.search(r"submitted job (\d+)", proc.stdout).group(1)
+
+
+def _resubmit(script: Path) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def _state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    found = re.search(r"JobState=(\w+)", out)
+    return found.group(1) if found else "GONE"
+
+
+def _wait_until(what: str, done, timeout_s: float = JOB_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1.0)
+
+
+def _wait_job(job: str) -> str:
+    _wait_until(f"job {job} to end", lambda: _state(job) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"))
+    return _state(job)
+
+
+def _trained(run: Path) -> list[int]:
+    import json
+
+    path = run / "metrics" / "trainer.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _params(run: Path) -> dict[str, np.ndarray]:
+    files = sorted(glob.glob(str(run / "broadcasts" / f"step_{STEPS}" / "*.safetensors")))
+    assert files, f"no broadcast of step {STEPS} in {run}"
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def _survivors(run: Path) -> list[str]:
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and str(run) in " ".join(p.info["cmdline"] or []):
+            left.append(f"{p.pid}: {' '.join(p.info['cmdline'])[:160]}")
+    return left
+
+
+def test_cancelled_job_resubmitted_resumes_to_the_uninterrupted_weights(tmp_path, tiny_model_dir):
+    reference = _write_config(tmp_path, "reference", tiny_model_dir)
+    job = _submit_new(reference)
+    ref_run = tmp_path / "runs" / "reference"
+    assert _wait_job(job) == "COMPLETED", (ref_run / "slurm" / f"job-{job}.out").read_text()
+    assert _trained(ref_run) == list(range(1, STEPS + 1))
+
+    config = _write_config(tmp_path, "cancelled", tiny_model_dir)
+    job = _submit_new(config)
+    run = tmp_path / "runs" / "cancelled"
+    _wait_until("step 2 trained", lambda: 2 in _trained(run) or _state(job) not in ("PENDING", "RUNNING"))
+    assert subprocess.run(["scancel", job]).returncode == 0  # the trainer is inside step 3 (async_level 0)
+    assert _wait_job(job) == "CANCELLED"
+    _wait_until("the cancelled job's processes to end", lambda: not _survivors(run), timeout_s=120)
+    assert max(_trained(run)) < STEPS
+
+    script = run / "slurm" / "job.sbatch"
+    job = _resubmit(script)  # the same script, as a user (or --requeue) submits it again
+    assert _wait_job(job) == "COMPLETED", (run / "slurm" / f"job-{job}.out").read_text()
+    out = (run / "slurm" / f"job-{job}.out").read_text()
+    assert re.search(r"resuming from step [12]\b", out), out
+    assert _trained(run)[-1] == STEPS
+    ref, got = _params(ref_run), _params(run)
+    assert ref.keys() == got.keys()
+    assert not [k for k in ref if not np.array_equal(ref[k], got[k])], "the resumed job trained other weights"
+    assert not _survivors(run)
+
+    token = (run / "admin_token").read_text().strip()  # the job's secret: a 0600 file, in no config, log or script
+    assert len(token) >= 32 and stat.S_IMODE((run / "admin_token").stat().st_mode) == 0o600
+    for path in [script, *run.glob("configs/*.json"), *run.glob("logs/*"), *run.glob("slurm/*.out")]:
+        assert token not in path.read_text(errors="replace"), path
