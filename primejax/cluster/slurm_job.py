@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primejax.contracts.rundir import RunDir
+from primejax.launcher.preflight import PreflightError
 
 if TYPE_CHECKING:
     from primejax.cluster.slurm import SlurmConfig
@@ -91,8 +92,40 @@ def job_config(cfg: Config, roles: Roles) -> Config:
         "trainer.distributed.process_id": 0,
         "inference.host": "0.0.0.0" if s.inference_nodes else "127.0.0.1",
         "inference.port": s.inference_port,
-        "orchestrator.client.base_urls": tuple(f"http://{h}:{s.inference_port}" for h in roles.inference),
+        "orchestrator.client.base_urls": tuple(f"http://{h}:{s.inference_port + i}" for h in roles.inference
+                                               for i in range(cfg.inference.replicas)),
     })
+
+
+def _local_server(cfg: Config, environ: Mapping[str, str]) -> tuple[int, str]:
+    """(port, devices) of inference task SLURM_LOCALID on its node: `inference.replicas` servers per node, on
+    consecutive ports, each its share of `inference.devices` (default: the node's `slurm.gpus_per_node` GPUs)."""
+    from primejax.launcher.replicas import split_devices
+
+    local = environ.get("SLURM_LOCALID", "0")
+    if not local.isdigit() or int(local) >= cfg.inference.replicas:
+        raise JobError(f"inference task SLURM_LOCALID={local!r}: the config has inference.replicas="
+                       f"{cfg.inference.replicas} per node")
+    devices = cfg.inference.devices
+    if not devices and cfg.slurm.gpus_per_node and cfg.slurm.inference_nodes:
+        devices = ",".join(str(i) for i in range(cfg.slurm.gpus_per_node))
+    try:
+        share = split_devices(devices, cfg.inference.replicas)[int(local)]
+    except PreflightError as e:
+        raise JobError(str(e)) from None
+    return cfg.inference.port + int(local), share
+
+
+def task_command(role: str, cfg: Config, config: Path, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """(environment added, argv) of an srun task of `role`."""
+    argv = [sys.executable, "-m", MODULES[role], "--config", str(config)]
+    env = task_env(role, cfg, environ)
+    if role == "inference":
+        port, devices = _local_server(cfg, environ)
+        argv.append(f"--config.inference.port={port}")
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+    return env, argv
 
 
 def task_env(role: str, cfg: Config, environ: Mapping[str, str]) -> dict[str, str]:
@@ -110,8 +143,6 @@ def task_env(role: str, cfg: Config, environ: Mapping[str, str]) -> dict[str, st
                            f"trainer.distributed.num_processes={cfg.trainer.distributed.num_processes}")
         env.update(PRIMEJAX_PROCESS_ID=rank, PRIMEJAX_NUM_PROCESSES=ntasks,
                    PRIMEJAX_COORDINATOR_ADDRESS=cfg.trainer.distributed.coordinator_address)
-    elif role == "inference":
-        env.update(accelerator_env(cfg.inference.devices, 0.0, environ))
     elif role == "orchestrator" and cfg.slurm.gpus_per_node:
         env["CUDA_VISIBLE_DEVICES"] = ""  # it needs no accelerator: no JAX backend of it may take a GPU's memory
     return env
@@ -122,8 +153,9 @@ def run_task(role: str, config: Path) -> int:
     from primejax.config import from_json, typed
 
     cfg = typed(from_json(config.read_text()))
-    os.environ.update(task_env(role, cfg, os.environ))
-    os.execv(sys.executable, [sys.executable, "-m", MODULES[role], "--config", str(config)])
+    env, argv = task_command(role, cfg, config, os.environ)
+    os.environ.update(env)
+    os.execv(sys.executable, argv)
     return 1  # unreachable
 
 
@@ -188,7 +220,6 @@ def _wait_servers(cfg: Config, step: Step) -> None:
 def run_job(cfg: Config, environ: Mapping[str, str]) -> int:
     """The batch step's work (see the module doc); returns the job's exit status."""
     from primejax.cluster.prepare import prepare
-    from primejax.launcher.preflight import PreflightError
     from primejax.launcher.resume import RunAlreadyDone
     from primejax.launcher.runlock import RunLock
 
@@ -208,7 +239,7 @@ def run_job(cfg: Config, environ: Mapping[str, str]) -> int:
             # The admin secret: made once per job, in the environment srun hands every task (and in the run's
             # 0600 file for a process started by hand), never on a command line.
             cfg, start, configs = prepare(job_config(cfg, roles))
-            inference = Step("inference", cfg, configs["inference"], roles.inference, 1)
+            inference = Step("inference", cfg, configs["inference"], roles.inference, cfg.inference.replicas)
             steps.append(inference)
             _wait_servers(cfg, inference)
             trainer = Step("trainer", cfg, configs["trainer"], roles.trainer, cfg.slurm.trainer_tasks_per_node)

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from primejax.cluster.slurm import SlurmConfig, script_path, write_script
-from primejax.cluster.slurm_job import JobError, Roles, hostnames, job_config, split_nodes, task_env
+from primejax.cluster.slurm_job import (
+    JobError,
+    Roles,
+    hostnames,
+    job_config,
+    split_nodes,
+    task_command,
+    task_env,
+)
 from primejax.config import default_config, typed
 from primejax.utils.sections import ConfigError
 
@@ -91,7 +99,22 @@ def test_trainer_rank_comes_from_slurms_task_variables(tmp_path):
             task_env("trainer", job, bad)
     gpu = job_config(_cfg(tmp_path, gpus_per_node=8), Roles(("t0",), ("i0",)))
     assert task_env("orchestrator", gpu, {})["CUDA_VISIBLE_DEVICES"] == ""  # no GPU for the orchestrator
-    assert task_env("inference", gpu, {"CUDA_VISIBLE_DEVICES": "0,1"}).get("CUDA_VISIBLE_DEVICES") is None
+
+
+def test_servers_per_node_get_their_own_port_and_gpus(tmp_path):
+    """inference.replicas servers per inference node: consecutive ports, the node's GPUs split between them."""
+    c = default_config()
+    c.model.path, c.run.output_dir = str(tmp_path / "model"), str(tmp_path / "runs")
+    c.inference.replicas, c.inference.tensor_parallel_size = 4, 2
+    c.slurm.gpus_per_node, c.slurm.inference_nodes, c.slurm.inference_port = 8, 2, 8000
+    job = job_config(typed(c), Roles(("t0",), ("i0", "i1")))
+    assert job.orchestrator.client.base_urls == tuple(f"http://{h}:{8000 + i}" for h in ("i0", "i1") for i in range(4))
+    config = tmp_path / "inference.json"
+    env, argv = task_command("inference", job, config, {"SLURM_LOCALID": "2"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and argv[-1] == "--config.inference.port=8002"
+    assert argv[1:5] == ["-m", "primejax.inference", "--config", str(config)]
+    with pytest.raises(JobError, match="SLURM_LOCALID='4'"):
+        task_command("inference", job, config, {"SLURM_LOCALID": "4"})
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's scontrol (apt-get install slurm-client)")
