@@ -122,3 +122,20 @@ def test_node_list_expanded_by_scontrol():
     assert hostnames("gpu[01-03],cpu7") == ["gpu01", "gpu02", "gpu03", "cpu7"]
     with pytest.raises(JobError, match="inside a SLURM job"):
         hostnames("")
+
+
+def test_the_train_command_writes_the_script_and_the_manifests(tmp_path):
+    """`python -m primejax.train --launcher {slurm,k8s}`: the dispatch the user types (no job submitted)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    base = [sys.executable, "-m", "primejax.train", "--config", str(repo / "configs" / "demo.py"),
+            f"--config.run.output_dir={tmp_path}", "--config.run.name=mn", f"--config.model.path={tmp_path}/m"]
+    slurm = subprocess.run([*base, "--launcher", "slurm"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert slurm.returncode == 0, slurm.stderr
+    assert "#SBATCH --nodes=2" in script_path(tmp_path / "mn").read_text() and "sbatch " in slurm.stdout
+    k8s = subprocess.run([*base, "--launcher", "k8s", "--config.k8s.image=r/p:1"], cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert k8s.returncode == 0, k8s.stderr
+    assert "kubectl apply" in k8s.stdout
