@@ -1,6 +1,6 @@
 """A run as one SLURM job: `python -m primejax.train --launcher slurm --config X [--submit]`.
 
-Writes `<run>/slurm/job.sbatch` (and with `--submit` hands it to `sbatch`): one allocation of
+Writes `<run>/cluster/job.sbatch` (and with `--submit` hands it to `sbatch`): one allocation of
 `slurm.trainer_nodes + slurm.inference_nodes` nodes on the run directory's shared filesystem. The script only
 starts `python -m primejax.cluster.slurm_job` in the batch step, which reads the job's node list, splits it
 into trainer and inference nodes, and starts the processes with `srun` (primejax/cluster/slurm_job.py).
@@ -85,7 +85,7 @@ class SlurmConfig(Section):
 
 
 def script_path(root: str | Path) -> Path:
-    return RunDir(root).slurm("job.sbatch")
+    return RunDir(root).cluster("job.sbatch")
 
 
 def render_script(cfg: Config, config_path: Path) -> str:
@@ -100,7 +100,7 @@ def render_script(cfg: Config, config_path: Path) -> str:
         # trainer ranks are the widest step; srun asks each step's own task count
         f"#SBATCH --ntasks-per-node={s.trainer_tasks_per_node}",
         f"#SBATCH --cpus-per-task={s.cpus_per_task}",
-        f"#SBATCH --output={RunDir(root).slurm('job-%j.out')}",
+        f"#SBATCH --output={RunDir(root).cluster('job-%j.out')}",
         "#SBATCH --open-mode=append",
         "#SBATCH --requeue",  # after a node failure SLURM may start the script again: it resumes
         "#SBATCH --signal=B:TERM@120",  # before the time limit: the driver stops every step (checkpoints kept)
@@ -156,5 +156,5 @@ def generate(cfg: Config, submit_job: bool = False) -> int:
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"primejax: submitted job {job}; its log: {RunDir(path.parents[1]).slurm(f'job-{job}.out')}", flush=True)
+    print(f"primejax: submitted job {job}; its log: {RunDir(path.parents[1]).cluster(f'job-{job}.out')}", flush=True)
     return 0

@@ -36,7 +36,7 @@ def test_script_asks_every_node_and_execs_the_driver(tmp_path):
     cfg = _cfg(tmp_path, trainer_nodes=2, inference_nodes=3, gpus_per_node=8, partition="gpu", time="2-00:00:00",
                extra_args=("--constraint=h100",), setup=("module load cuda",))
     path = write_script(cfg)
-    assert path == script_path(cfg.run_dir.resolve()) and path.parent.name == "slurm"
+    assert path == script_path(cfg.run_dir.resolve()) and path.parent.name == "cluster"
     text = path.read_text()
     lines = text.splitlines()
     for wanted in ("#SBATCH --nodes=5", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --requeue",

@@ -1,11 +1,11 @@
 """A real SLURM job (one-node slurm-wlm, started by .ci/slurm-up.sh): 2 trainer ranks (CPU, jax.distributed over
-gloo) + 1 vLLM-CPU server + the orchestrator train 4 steps; a second job is cancelled (`scancel`) while the
-trainer is inside step 3, the same script is submitted again, and it must resume to the uninterrupted job's
-weights bit for bit (the fault suite's reproducible config: tests/faults/fault_harness.py). Nothing of the
-cancelled job may keep running.
+gloo) + 1 vLLM-CPU server + the orchestrator train 4 steps. A second run loses trainer rank 1 (SIGKILL, as when
+its node dies) inside step 2, its script is submitted again and cancelled (`scancel`) inside step 3, then
+submitted once more: it must end on the uninterrupted job's weights bit for bit (the fault suite's reproducible
+config: tests/faults/fault_harness.py). Nothing of the failed or the cancelled job may keep running.
 
 Needs a live SLURM (`sinfo` answers) that runs jobs as this user on a node that shares this filesystem; skipped
-otherwise. Extended tier: three jobs, each starting a vLLM server (~3-6 min in all on 2 cores).
+otherwise. Extended tier: four jobs, each starting a vLLM server.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import numpy as np
 import psutil
 import pytest
 from safetensors.numpy import load_file
+
+from primejax.launcher.resume import common_resume_step
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -89,7 +91,7 @@ def _slurm_up() -> str:
 
 
 pytestmark = [
-    pytest.mark.slow,  # extended tier: three SLURM jobs, each with its own vLLM server
+    pytest.mark.slow,  # extended tier: four SLURM jobs, each with its own vLLM server
     pytest.mark.skipif(bool(_slurm_up()), reason=_slurm_up() or "slurm up"),
 ]
 
@@ -138,11 +140,25 @@ def _wait_job(job: str) -> str:
     return _state(job)
 
 
-def _trained(run: Path) -> list[int]:
+def _trained(run: Path, since: float = 0.0) -> list[int]:
+    """Trainer steps logged at or after wall time `since` (a resumed job's own steps)."""
     import json
 
     path = run / "metrics" / "trainer.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [r["step"] for r in rows if r["time"] >= since]
+
+
+def _rank(run: Path, rank: int) -> psutil.Process:
+    """Trainer rank `rank` of the run (its PRIMEJAX_PROCESS_ID, set by the srun task)."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        try:
+            if "-m primejax.trainer" in cmd and str(run) in cmd and p.environ().get("PRIMEJAX_PROCESS_ID") == str(rank):
+                return p
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no trainer rank {rank} of {run} running")
 
 
 def _params(run: Path) -> dict[str, np.ndarray]:
@@ -159,28 +175,41 @@ def _survivors(run: Path) -> list[str]:
     return left
 
 
-def test_cancelled_job_resubmitted_resumes_to_the_uninterrupted_weights(tmp_path, tiny_model_dir):
+def test_failed_and_cancelled_job_resubmitted_resumes_to_the_uninterrupted_weights(tmp_path, tiny_model_dir):
     reference = _write_config(tmp_path, "reference", tiny_model_dir)
     job = _submit_new(reference)
     ref_run = tmp_path / "runs" / "reference"
-    assert _wait_job(job) == "COMPLETED", (ref_run / "slurm" / f"job-{job}.out").read_text()
+    assert _wait_job(job) == "COMPLETED", (ref_run / "cluster" / f"job-{job}.out").read_text()
     assert _trained(ref_run) == list(range(1, STEPS + 1))
 
-    config = _write_config(tmp_path, "cancelled", tiny_model_dir)
+    config = _write_config(tmp_path, "faulted", tiny_model_dir)
+    run = tmp_path / "runs" / "faulted"
+    script, log = run / "cluster" / "job.sbatch", lambda job: (run / "cluster" / f"job-{job}.out").read_text()
+    # A node lost mid-run, as its ranks see it: trainer rank 1 killed (SIGKILL) inside step 2. Its step ends
+    # (--kill-on-bad-exit), the driver stops the others and the job fails; nothing is left running.
     job = _submit_new(config)
-    run = tmp_path / "runs" / "cancelled"
-    _wait_until("step 2 trained", lambda: 2 in _trained(run) or _state(job) not in ("PENDING", "RUNNING"))
-    assert subprocess.run(["scancel", job]).returncode == 0  # the trainer is inside step 3 (async_level 0)
-    assert _wait_job(job) == "CANCELLED"
-    _wait_until("the cancelled job's processes to end", lambda: not _survivors(run), timeout_s=120)
-    assert max(_trained(run)) < STEPS
+    _wait_until("step 1 checkpointed", lambda: common_resume_step(run, "latest") == 1 or _state(job) != "RUNNING"
+                and _state(job) != "PENDING")
+    _rank(run, 1).kill()
+    assert _wait_job(job) == "FAILED", log(job)
+    assert "primejax: trainer failed" in log(job)
+    _wait_until("the failed job's processes to end", lambda: not _survivors(run), timeout_s=120)
 
-    script = run / "slurm" / "job.sbatch"
-    job = _resubmit(script)  # the same script, as a user (or --requeue) submits it again
-    assert _wait_job(job) == "COMPLETED", (run / "slurm" / f"job-{job}.out").read_text()
-    out = (run / "slurm" / f"job-{job}.out").read_text()
-    assert re.search(r"resuming from step [12]\b", out), out
-    assert _trained(run)[-1] == STEPS
+    # The same script submitted again resumes; `scancel` while its trainer is inside step 3 ends it cleanly.
+    since = time.time()
+    job = _resubmit(script)
+    _wait_until("step 2 trained again", lambda: 2 in _trained(run, since) or _state(job) not in ("PENDING", "RUNNING"))
+    assert subprocess.run(["scancel", job]).returncode == 0  # async_level 0: the trainer waits in step 3
+    assert _wait_job(job) == "CANCELLED", log(job)
+    assert re.search(r"resuming from step 1\b", log(job)), log(job)
+    _wait_until("the cancelled job's processes to end", lambda: not _survivors(run), timeout_s=120)
+    assert STEPS not in _trained(run)
+
+    since = time.time()
+    job = _resubmit(script)  # once more: it resumes and finishes
+    assert _wait_job(job) == "COMPLETED", log(job)
+    assert re.search(r"resuming from step 2\b", log(job)), log(job)
+    assert _trained(run, since) == [3, 4]  # each lost step redone once
     ref, got = _params(ref_run), _params(run)
     assert ref.keys() == got.keys()
     assert not [k for k in ref if not np.array_equal(ref[k], got[k])], "the resumed job trained other weights"
@@ -188,5 +217,5 @@ def test_cancelled_job_resubmitted_resumes_to_the_uninterrupted_weights(tmp_path
 
     token = (run / "admin_token").read_text().strip()  # the job's secret: a 0600 file, in no config, log or script
     assert len(token) >= 32 and stat.S_IMODE((run / "admin_token").stat().st_mode) == 0o600
-    for path in [script, *run.glob("configs/*.json"), *run.glob("logs/*"), *run.glob("slurm/*.out")]:
+    for path in [script, *run.glob("configs/*.json"), *run.glob("logs/*"), *run.glob("cluster/*.out")]:
         assert token not in path.read_text(errors="replace"), path
