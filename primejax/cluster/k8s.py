@@ -24,57 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from primejax.contracts.cluster import CONFIG_MOUNT, K8sConfig
 from primejax.contracts.rundir import RunDir, write_resolved_config
-from primejax.utils.sections import ConfigError, Section, option, section
+from primejax.utils.sections import ConfigError, replace_key
 
 if TYPE_CHECKING:
     from primejax.config import Config
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
-CONFIG_MOUNT = "/etc/primejax"
 # JobSet's pod labels (kubernetes-sigs/jobset api/jobset/v1alpha2/jobset_types.go, pkg/constants/constants.go)
 JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"
 RESTART_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # an Indexed Job's pod annotation
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-
-
-@section
-class K8sConfig(Section):
-    """`k8s`: the manifests `python -m primejax.train --launcher k8s` writes (docs/multinode.md)."""
-
-    namespace: str = option("default", "namespace of every object")
-    image: str = option("", "container image with primejax installed (required)")
-    trainer_pods: int = option(1, "trainer processes, one pod each (one JAX process owns a node's GPUs)", gt=0,
-                               le=4096)
-    trainer_gpus: int = option(0, "GPUs per trainer pod (nvidia.com/gpu); 0 = CPU", ge=0, le=64)
-    inference_replicas: int = option(1, "vLLM servers, one pod each", gt=0, le=4096)
-    inference_gpus: int = option(0, "GPUs per server pod; set it to inference.tensor_parallel_size", ge=0, le=64)
-    cpu: str = option("", "CPU request and limit of each pod ('' = none)")
-    memory: str = option("", "memory request and limit of each pod, e.g. '512Gi' ('' = none)")
-    volume_claim: str = option("", "an existing ReadWriteMany claim for the run directory ('' = create one)")
-    volume_size: str = option("1Ti", "size of the created claim")
-    storage_class: str = option("", "storage class of the created claim ('' = the cluster's default)")
-    mount_path: str = option("/primejax", "where every pod mounts the run volume (run.output_dir below it)")
-    coordinator_port: int = option(29500, "jax.distributed coordinator port on trainer pod 0", gt=0, le=65535)
-    inference_port: int = option(8000, "each server's port", gt=0, le=65535)
-    max_restarts: int = option(3, "JobSet restarts (all pods, resuming) after a pod failed", ge=0, le=1000)
-    start_timeout_s: int = option(1800, "how long a trainer pod waits for the driver's configs", gt=0)
-
-    def check(self) -> None:
-        for key in ("namespace", "volume_claim", "storage_class"):
-            value = getattr(self, key)
-            if value and not (_DNS_LABEL.match(value) and len(value) <= 63):
-                raise ConfigError(key, f"must be a DNS label (a-z, 0-9, '-'), got {value!r}")
-        for key in ("cpu", "memory", "volume_size"):
-            value = getattr(self, key)
-            if value and not _QUANTITY.match(value):
-                raise ConfigError(key, f"must be a Kubernetes quantity like '8', '0.5' or '512Gi', got {value!r}")
-        if not self.mount_path.startswith("/") or self.mount_path.rstrip("/") in ("", CONFIG_MOUNT):
-            raise ConfigError("mount_path", f"must be an absolute path other than / and {CONFIG_MOUNT}")
-        if self.coordinator_port == self.inference_port:
-            raise ConfigError("coordinator_port", f"is also k8s.inference_port ({self.inference_port})")
 
 
 def app_name(cfg: Config) -> str:
@@ -86,11 +47,9 @@ def app_name(cfg: Config) -> str:
 
 def job_config(cfg: Config) -> Config:
     """The run's config inside the cluster: the volume's run directory, the pods' DNS names as addresses."""
-    from primejax.launcher.launch import _with
-
     k, app = cfg.k8s, app_name(cfg)
     ns = k.namespace
-    return _with(cfg, **{
+    return _replace(cfg, {
         "run.output_dir": f"{k.mount_path.rstrip('/')}/{Path(cfg.run.output_dir).name or 'outputs'}",
         "trainer.distributed.num_processes": k.trainer_pods,
         "trainer.distributed.coordinator_address": f"{app}-trainer-0-0.{app}.{ns}.svc:{k.coordinator_port}",
@@ -101,6 +60,12 @@ def job_config(cfg: Config) -> Config:
             f"http://{app}-inference-{i}.{app}-inference.{ns}.svc:{k.inference_port}"
             for i in range(k.inference_replicas)),
     })
+
+
+def _replace(cfg: Config, changes: dict[str, Any]) -> Config:
+    for key, value in changes.items():
+        cfg = replace_key(cfg, key, value)
+    return cfg
 
 
 def _env(app: str, *extra: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,7 +14,6 @@ scheduler never starts two components of a heterogeneous job on the same node (d
 
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 import sys
@@ -22,67 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primejax.contracts.rundir import RunDir, write_resolved_config
-from primejax.utils.sections import ConfigError, Section, option, section
 
 if TYPE_CHECKING:
     from primejax.config import Config
-
-_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # sbatch --time: minutes, [D-]HH:MM[:SS]
-_WORD = re.compile(r"^[A-Za-z0-9_.,:=@%+/-]*$")  # partition, account, qos: no spaces or shell characters
-
-
-@section
-class SlurmConfig(Section):
-    """`slurm`: the job `python -m primejax.train --launcher slurm` writes (docs/multinode.md)."""
-
-    trainer_nodes: int = option(1, "nodes of trainer ranks (the orchestrator runs beside rank 0)", gt=0, le=4096)
-    trainer_tasks_per_node: int = option(
-        1, "trainer processes per node: 1 on GPUs (one JAX process owns a node's GPUs); more on CPU", gt=0, le=64
-    )
-    inference_nodes: int = option(
-        1, "nodes with one inference server each (tensor-parallel over inference.tensor_parallel_size GPUs); "
-        "0 = the servers share the first trainer node (inference.devices / trainer.devices split it)", ge=0,
-        le=4096,
-    )
-    gpus_per_node: int = option(0, "GPUs asked per node (--gpus-per-node); 0 = none asked (CPU nodes)", ge=0, le=64)
-    cpus_per_task: int = option(1, "CPUs per task (--cpus-per-task)", gt=0, le=1024)
-    coordinator_port: int = option(29500, "jax.distributed coordinator port on the first trainer node", gt=0,
-                                   le=65535)
-    inference_port: int = option(8000, "each inference server's port on its node", gt=0, le=65535)
-    partition: str = option("", "--partition ('' = the cluster's default)")
-    account: str = option("", "--account ('' = none)")
-    qos: str = option("", "--qos ('' = none)")
-    time: str = option("", "--time limit, minutes or [D-]HH:MM[:SS] ('' = the partition's)")
-    exclusive: bool = option(True, "--exclusive: whole nodes (no other job on the run's GPUs)")
-    python: str = option("", "the interpreter every task runs ('' = the one that wrote the script)")
-    setup: tuple = option((), "shell lines run before the job (module load ..., source venv/bin/activate)")
-    extra_args: tuple = option((), "more #SBATCH options, e.g. ('--constraint=h100',)")
-
-    def check(self) -> None:
-        for key in ("partition", "account", "qos"):
-            if not _WORD.match(getattr(self, key)):
-                raise ConfigError(key, f"must be one word without spaces or shell characters, got {getattr(self, key)!r}")
-        if self.time and not _TIME.match(self.time):
-            raise ConfigError("time", f"must be minutes or [D-]HH:MM[:SS] as sbatch reads it, got {self.time!r}")
-        if self.gpus_per_node and self.trainer_tasks_per_node > 1:
-            raise ConfigError("trainer_tasks_per_node", "must be 1 on GPU nodes: one JAX process owns a node's GPUs")
-        if self.coordinator_port == self.inference_port:
-            raise ConfigError("coordinator_port", f"is also slurm.inference_port ({self.inference_port})")
-        for arg in self.extra_args:
-            if not (isinstance(arg, str) and arg.startswith("--") and "\n" not in arg):
-                raise ConfigError("extra_args", f"each must be one '--option[=value]' of sbatch, got {arg!r}")
-        for line in self.setup:
-            if not isinstance(line, str) or "\n" in line:
-                raise ConfigError("setup", f"each must be one shell line, got {line!r}")
-
-    @property
-    def nodes(self) -> int:
-        return self.trainer_nodes + self.inference_nodes
-
-    @property
-    def trainer_tasks(self) -> int:
-        return self.trainer_nodes * self.trainer_tasks_per_node
-
 
 def script_path(root: str | Path) -> Path:
     return RunDir(root).cluster("job.sbatch")

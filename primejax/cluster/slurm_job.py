@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from primejax.contracts.rundir import RunDir
 from primejax.launcher.preflight import PreflightError
+from primejax.utils.sections import replace_key
 
 if TYPE_CHECKING:
     from primejax.cluster.slurm import SlurmConfig
@@ -83,10 +84,8 @@ def split_nodes(hosts: list[str], s: SlurmConfig) -> Roles:
 
 def job_config(cfg: Config, roles: Roles) -> Config:
     """The run's config with the job's addresses: the coordinator, the servers' URLs, how many trainer ranks."""
-    from primejax.launcher.launch import _with
-
     s = cfg.slurm
-    return _with(cfg, **{
+    changes = {
         "trainer.distributed.num_processes": s.trainer_tasks,
         "trainer.distributed.coordinator_address": f"{roles.first}:{s.coordinator_port}",
         "trainer.distributed.process_id": 0,
@@ -94,7 +93,10 @@ def job_config(cfg: Config, roles: Roles) -> Config:
         "inference.port": s.inference_port,
         "orchestrator.client.base_urls": tuple(f"http://{h}:{s.inference_port + i}" for h in roles.inference
                                                for i in range(cfg.inference.replicas)),
-    })
+    }
+    for key, value in changes.items():
+        cfg = replace_key(cfg, key, value)
+    return cfg
 
 
 def _local_server(cfg: Config, environ: Mapping[str, str]) -> tuple[int, str]:

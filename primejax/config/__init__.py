@@ -18,9 +18,8 @@ from typing import Any
 
 from ml_collections import ConfigDict, FieldReference
 
-from primejax.cluster.k8s import K8sConfig
-from primejax.cluster.slurm import SlurmConfig
 from primejax.config import compat, rules
+from primejax.contracts.cluster import K8sConfig, SlurmConfig
 from primejax.contracts.rundir import RunConfig
 from primejax.inference.server import InferenceConfig
 from primejax.models.settings import ModelSettings

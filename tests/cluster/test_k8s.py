@@ -16,9 +16,10 @@ import yaml
 from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
-from primejax.cluster.k8s import COMPLETION_INDEX, K8sConfig, app_name, manifests, write_manifests
+from primejax.cluster.k8s import COMPLETION_INDEX, app_name, manifests, write_manifests
 from primejax.cluster.k8s_task import TaskError, ready_mark, wait_ready
 from primejax.config import default_config, from_json, typed
+from primejax.contracts.cluster import K8sConfig
 from primejax.utils.sections import ConfigError
 
 K8S_VERSION = "1.33.0"  # JobSet v0.9 supports Kubernetes 1.31+

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from primejax.cluster.slurm import SlurmConfig, script_path, write_script
+from primejax.cluster.slurm import script_path, write_script
 from primejax.cluster.slurm_job import (
     JobError,
     Roles,
@@ -20,6 +20,7 @@ from primejax.cluster.slurm_job import (
     task_env,
 )
 from primejax.config import default_config, typed
+from primejax.contracts.cluster import SlurmConfig
 from primejax.utils.sections import ConfigError
 
 
