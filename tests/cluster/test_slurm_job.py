@@ -190,6 +190,7 @@ def test_failed_and_cancelled_job_resubmitted_resumes_to_the_uninterrupted_weigh
     job = _submit_new(config)
     _wait_until("step 1 checkpointed", lambda: common_resume_step(run, "latest") == 1 or _state(job) != "RUNNING"
                 and _state(job) != "PENDING")
+    assert _state(job) == "RUNNING", log(job)
     _rank(run, 1).kill()
     assert _wait_job(job) == "FAILED", log(job)
     assert "primejax: trainer failed" in log(job)
