@@ -24,7 +24,7 @@ class SlurmConfig(Section):
         1, "trainer processes per node: 1 on GPUs (one JAX process owns a node's GPUs); more on CPU", gt=0, le=64
     )
     inference_nodes: int = option(
-        1, "nodes with one inference server each (tensor-parallel over inference.tensor_parallel_size GPUs); "
+        1, "nodes with inference.replicas servers each (inference.tensor_parallel_size GPUs per server); "
         "0 = the servers share the first trainer node (inference.devices / trainer.devices split it)", ge=0,
         le=4096,
     )
