@@ -212,5 +212,7 @@ def generate(cfg: Config) -> int:
     print(f"primejax: Kubernetes manifests written to {path} ({cfg.k8s.trainer_pods} trainer pod(s), "
           f"{cfg.k8s.inference_replicas} inference server(s)) and the run's Secret to {secret} (0600)\n"
           f"primejax: kubectl apply -f {secret} -f {path}   (the JobSet controller must be installed: "
-          "https://jobset.sigs.k8s.io)", flush=True)
+          "https://jobset.sigs.k8s.io)\n"
+          f"primejax: afterwards, kubectl delete jobset,statefulset,service -l app.kubernetes.io/part-of="
+          f"{app_name(cfg)} -n {cfg.k8s.namespace}   (keeps the run's volume)", flush=True)
     return 0
