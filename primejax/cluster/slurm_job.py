@@ -91,8 +91,9 @@ def job_config(cfg: Config, roles: Roles) -> Config:
         "trainer.distributed.process_id": 0,
         "inference.host": "0.0.0.0" if s.inference_nodes else "127.0.0.1",
         "inference.port": s.inference_port,
-        "orchestrator.client.base_urls": tuple(f"http://{h}:{s.inference_port + i}" for h in roles.inference
-                                               for i in range(cfg.inference.replicas)),
+        # servers beside the orchestrator (inference_nodes=0) bind 127.0.0.1 only: reached there, not by host name
+        "orchestrator.client.base_urls": tuple(f"http://{h if s.inference_nodes else '127.0.0.1'}:{s.inference_port + i}"
+                                               for h in roles.inference for i in range(cfg.inference.replicas)),
     }
     for key, value in changes.items():
         cfg = replace_key(cfg, key, value)

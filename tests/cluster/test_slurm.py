@@ -87,6 +87,7 @@ def test_job_config_takes_its_addresses_from_the_node_list(tmp_path):
     assert (job.inference.host, job.inference.port) == ("0.0.0.0", 8100)  # reachable from the other nodes
     shared = job_config(_cfg(tmp_path, trainer_tasks_per_node=2, inference_nodes=0), Roles(("t0",), ("t0",)))
     assert shared.inference.host == "127.0.0.1" and shared.trainer.distributed.num_processes == 2
+    assert shared.orchestrator.client.base_urls == ("http://127.0.0.1:8000",)  # beside it: not by host name
 
 
 def test_trainer_rank_comes_from_slurms_task_variables(tmp_path):

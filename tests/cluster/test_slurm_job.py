@@ -30,7 +30,7 @@ from primejax.launcher.resume import common_resume_step
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6  # room to cancel the resumed job before it finishes
-JOB_TIMEOUT_S = 600.0  # a deadline for a hang, not a speed check
+JOB_TIMEOUT_S = 1200.0  # a deadline for a hang, not a speed check (shared 2-core boxes: minutes per job)
 
 CONFIG = '''
 from primejax.config import default_config
@@ -63,7 +63,7 @@ def get_config():
     c.trainer.micro_batch_size = 4
     c.monitor.tensorboard = False
     c.inference.max_model_len = 256
-    c.inference.startup_timeout_s = 300.0
+    c.inference.startup_timeout_s = 900.0  # vLLM took over 300 s to start on a 2-core box at load 36
     c.slurm.trainer_nodes = 1
     c.slurm.trainer_tasks_per_node = 2
     c.slurm.inference_nodes = 0  # one node: the server shares it
