@@ -25,6 +25,7 @@ from primejax.contracts.rundir import RunDir, write_resolved_config
 if TYPE_CHECKING:
     from primejax.config import Config
 
+
 def script_path(root: str | Path) -> Path:
     return RunDir(root).cluster("job.sbatch")
 
@@ -38,8 +39,8 @@ def render_script(cfg: Config, config_path: Path) -> str:
         "#!/bin/bash",
         f"#SBATCH --job-name=primejax-{cfg.run.name}",
         f"#SBATCH --nodes={s.nodes}",
-        # trainer ranks are the widest step; srun asks each step's own task count
-        f"#SBATCH --ntasks-per-node={s.trainer_tasks_per_node}",
+        # room for the widest step on a node (the steps share the CPUs: srun --overlap); each asks its own count
+        f"#SBATCH --ntasks-per-node={max(s.trainer_tasks_per_node, cfg.inference.replicas)}",
         f"#SBATCH --cpus-per-task={s.cpus_per_task}",
         f"#SBATCH --output={RunDir(root).cluster('job-%j.out')}",
         "#SBATCH --open-mode=append",
