@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from primejax.cluster.slurm import script_path, write_script
+from primejax.cluster.slurm import render_script, script_path, write_script
 from primejax.cluster.slurm_job import (
     JobError,
     Roles,
@@ -110,6 +110,7 @@ def test_servers_per_node_get_their_own_port_and_gpus(tmp_path):
     c.inference.replicas, c.inference.tensor_parallel_size = 4, 2
     c.slurm.gpus_per_node, c.slurm.inference_nodes, c.slurm.inference_port = 8, 2, 8000
     job = job_config(typed(c), Roles(("t0",), ("i0", "i1")))
+    assert "#SBATCH --ntasks-per-node=4" in render_script(typed(c), tmp_path / "train.json").splitlines()
     assert job.orchestrator.client.base_urls == tuple(f"http://{h}:{8000 + i}" for h in ("i0", "i1") for i in range(4))
     config = tmp_path / "inference.json"
     env, argv = task_command("inference", job, config, {"SLURM_LOCALID": "2"})
