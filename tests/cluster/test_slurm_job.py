@@ -213,7 +213,7 @@ def test_failed_and_cancelled_job_resubmitted_resumes_to_the_uninterrupted_weigh
     job = _resubmit(script)  # once more: it resumes and finishes
     assert _wait_job(job) == "COMPLETED", log(job)
     second = int(re.search(r"resuming from step (\d+)\b", log(job)).group(1))
-    assert second > first
+    assert second >= first  # the cancelled job's own step counts only if both processes checkpointed it
     assert _trained(run, since) == list(range(second + 1, STEPS + 1))  # each lost step redone once
     ref, got = _params(ref_run), _params(run)
     assert ref.keys() == got.keys()
