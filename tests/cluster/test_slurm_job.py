@@ -92,7 +92,7 @@ def _slurm_up() -> str:
 
 pytestmark = [
     pytest.mark.slow,  # extended tier: four SLURM jobs, each with its own vLLM server
-    pytest.mark.timeout(3600),  # 8 min on a quiet 2-core box, over 15 at load 36
+    pytest.mark.timeout(3600),  # 6 min on a 2-core box at load ~5, over 15 at load 36
     pytest.mark.skipif(bool(_slurm_up()), reason=_slurm_up() or "slurm up"),
 ]
 
