@@ -19,6 +19,7 @@ from typing import Any
 from ml_collections import ConfigDict, FieldReference
 
 from primejax.config import compat, rules
+from primejax.contracts.cluster import K8sConfig, SlurmConfig
 from primejax.contracts.rundir import RunConfig
 from primejax.inference.server import InferenceConfig
 from primejax.models.settings import ModelSettings
@@ -52,6 +53,8 @@ class Config(Section):
     inference: InferenceConfig = sub(InferenceConfig, "the inference server")
     monitor: MonitorConfig = sub(MonitorConfig, "metrics")
     sft: SftConfig = sub(SftConfig, "supervised fine-tuning")
+    slurm: SlurmConfig = sub(SlurmConfig, "the SLURM job of `python -m primejax.train --launcher slurm`")
+    k8s: K8sConfig = sub(K8sConfig, "the Kubernetes manifests of `python -m primejax.train --launcher k8s`")
 
     @property
     def run_dir(self):

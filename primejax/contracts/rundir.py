@@ -108,6 +108,9 @@ class RunDir:
     LOCK_FILE = ".lock"  # held (flock) by the launcher of a live run
     ADMIN_TOKEN_FILE = "admin_token"  # the inference servers' admin secret (0600)
     TRANSFERS = "transfers"  # collective-transfer offers: owned by a live trainer, never outlive it
+    CLUSTER = (
+        "cluster"  # a scheduler's job files (SLURM script and logs, k8s manifests): kept across fresh starts
+    )
     # What a fresh start moves aside (configs/ is this invocation's own): only primejax's entries, anything else
     # (a user's files, a project a run directory was pointed at by mistake) is never touched.
     ENTRIES = frozenset(
@@ -234,6 +237,9 @@ class RunDir:
     @property
     def admin_token(self) -> Path:
         return self.root / self.ADMIN_TOKEN_FILE
+
+    def cluster(self, name: str) -> Path:
+        return self.root / self.CLUSTER / name
 
 
 def run_dir(run: RunConfig) -> Path:

@@ -24,6 +24,15 @@ def _define_flags(fv: flags.FlagValues) -> None:
         "resolve, validate and print the config, check every environment, then exit",
         flag_values=fv,
     )
+    flags.DEFINE_enum(
+        "launcher",
+        "local",
+        ["local", "slurm", "k8s"],
+        "local: this node; slurm: write the run's sbatch script; k8s: write its Kubernetes manifests "
+        "(docs/multinode.md)",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool("submit", False, "with --launcher slurm: also sbatch the job script", flag_values=fv)
 
 
 def main() -> int:
@@ -56,6 +65,10 @@ def main() -> int:
         if model_problem:
             report(False, model_problem)
         return 0 if all(ok for ok, _ in check_envs(cfg, report)) and not model_problem else 1
+    if fv["launcher"].value != "local":  # a multi-node run on a scheduler (primejax/cluster/)
+        from primejax.cluster import generate
+
+        return generate(cfg, fv["launcher"].value, submit=fv["submit"].value)
     from primejax.launcher.launch import launch  # deferred: the launcher imports process machinery
 
     return launch(cfg)
