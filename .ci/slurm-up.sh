@@ -6,7 +6,9 @@
 # Usage: sudo .ci/slurm-up.sh   (installs the packages with apt-get when sbatch is missing)
 set -euo pipefail
 if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null
+  # a fresh box may hold no package lists yet: read them once if the first try finds nothing to install
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; }
 fi
 host=$(hostname -s)
 conf=/etc/slurm/slurm.conf
