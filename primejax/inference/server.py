@@ -17,7 +17,12 @@ from pathlib import Path
 from primejax.contracts.rundir import RunDir
 from primejax.inference import vllm_compat
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
-from primejax.inference.cpu_limits import check_lora_servable, check_mla_rope_servable
+from primejax.inference.cpu_limits import (
+    check_lora_servable,
+    check_mla_rope_servable,
+    check_quantization_servable,
+)
+from primejax.inference.fp8 import QUANTIZATIONS as FP8_QUANTIZATIONS
 from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG
 from primejax.inference.vllm_ext import (
     PLUGIN_NAME,
@@ -51,6 +56,13 @@ class InferenceConfig(Section):
     enforce_eager: bool = option(True, "no CUDA graphs (fast start-up)")
     kvcache_space_gb: int = option(1, "CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE)", gt=0)
     dtype: str = option("auto", "serving dtype; auto = the checkpoint's own (config.json)")
+    quantization: str = option(
+        "",
+        "'' = serve in `dtype`; 'fp8' = per-tensor e4m3, 'fp8_per_block' = 128x128 block-scaled e4m3 (DeepSeek-V3 / "
+        "Qwen3-FP8 layout): vLLM quantizes the trainer's bf16 weights at start and at every update (GPU with "
+        "FP8 support; docs/fp8.md)",
+        choices=("", *FP8_QUANTIZATIONS),
+    )
     gpu_memory_utilization: float = option(
         0.0,
         "share of each GPU vLLM may take; 0 = 0.85 on its own GPUs, 0.45 on a GPU shared with the trainer "
@@ -94,6 +106,7 @@ class ServerSpec:
     enforce_eager: bool = True
     kvcache_space_gb: int = 1
     dtype: str = "auto"
+    quantization: str = ""  # '' or one of primejax.inference.fp8.QUANTIZATIONS (vLLM's --quantization)
     gpu_memory_utilization: float = 0.85
     devices: str = ""
     tensor_parallel_size: int = 1
@@ -132,6 +145,7 @@ class ServerSpec:
             enforce_eager=inf.enforce_eager,
             kvcache_space_gb=inf.kvcache_space_gb,
             dtype=inf.dtype,
+            quantization=inf.quantization,
             gpu_memory_utilization=inf.gpu_memory_utilization or OWN_GPU_MEMORY_UTILIZATION,
             devices=inf.devices,
             tensor_parallel_size=inf.tensor_parallel_size,
@@ -169,6 +183,7 @@ class ServerSpec:
         if self.lora_rank > 0 or "--enable-lora" in self.extra_args:
             check_lora_servable(self.model)
         check_mla_rope_servable(self.model)
+        check_quantization_servable(self.quantization)
 
     def argv(self) -> list[str]:
         args = [
@@ -205,6 +220,8 @@ class ServerSpec:
         args += vllm_compat.generate_route_flags(vllm_compat.installed())
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.quantization:
+            args += ["--quantization", self.quantization]
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.weight_transfer and transfer_plugin_installed():

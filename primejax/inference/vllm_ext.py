@@ -41,6 +41,9 @@ WORKER_EXTENSION = "primejax.inference.vllm_ext.PrimejaxWorkerExtension"
 PLUGIN_NAME = "primejax"
 _LOAD_METHOD = "primejax_load_weights"
 _DIGEST_METHOD = "primejax_weights_digest"
+_READ_METHOD = "primejax_read_params"
+# Most bytes one /weights_read answer carries (base64 in JSON): a layer or two of a small model, not a checkpoint.
+READ_LIMIT_BYTES = 256 * 2**20
 TRANSFER_BACKEND = "primejax"
 
 
@@ -88,6 +91,31 @@ class PrimejaxWorkerExtension:
         servers, or one server after two update paths, serve the same weights iff these are equal."""
         return weights_digest(self.model_runner.get_model())  # type: ignore[attr-defined]
 
+    def primejax_read_params(self, prefixes: list[str]) -> dict[str, dict]:
+        """The live parameters whose names start with one of `prefixes`, as served (vLLM's names, fused layout,
+        kernel dtype: an FP8 server's e4m3 weights and fp32 scales): {name: {dtype, shape, data}}."""
+        return read_params(self.model_runner.get_model(), prefixes)  # type: ignore[attr-defined]
+
+
+def read_params(model: Any, prefixes: list[str], limit: int = READ_LIMIT_BYTES) -> dict[str, dict]:
+    """Raw bytes of the matching parameters (host copies); ValueError past `limit` bytes in all."""
+    import torch
+
+    out, total = {}, 0
+    for name, p in model.named_parameters():
+        if not any(name.startswith(x) for x in prefixes):
+            continue
+        t = p.detach().contiguous()
+        total += t.numel() * t.element_size()
+        if total > limit:
+            raise ValueError(f"the parameters under {prefixes} hold over {limit} bytes; ask for fewer")
+        out[name] = {
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "data": t.view(-1).view(torch.uint8).cpu().numpy().tobytes(),
+        }
+    return out
+
 
 def weights_digest(model: Any) -> dict[str, str]:
     """sha256 of each parameter's bytes (on the host), by name."""
@@ -124,6 +152,10 @@ class VllmAdminEngine:
     async def weights_digest(self) -> list[dict[str, str]]:
         """Each worker's `primejax_weights_digest` (one per tensor-parallel rank)."""
         return list(await self.client.collective_rpc(_DIGEST_METHOD))
+
+    async def read_params(self, prefixes: list[str]) -> list[dict[str, dict]]:
+        """Each worker's `primejax_read_params` (one per tensor-parallel rank)."""
+        return list(await self.client.collective_rpc(_READ_METHOD, args=(list(prefixes),)))
 
     async def reset_cache(self) -> None:
         # Running requests are preempted and recomputed, so no KV from the old weights is reused.

@@ -1,0 +1,166 @@
+"""FP8 rollouts: what an FP8 server must serve after a weight update, computed on the host.
+
+`inference.quantization` selects one of vLLM's online FP8 schemes (the server loads the bf16 weights the trainer
+publishes and quantizes them itself, at start and again at every in-place update through vLLM's layerwise
+reload, docs/fp8.md):
+
+- `fp8`: per-tensor e4m3 (vLLM's `Fp8PerTensorOnline*Method`): one fp32 scale per linear weight (a fused
+  q/k/v or gate/up matrix is one tensor) and one per expert matrix; activations quantized per token on the fly.
+- `fp8_per_block`: e4m3 with one fp32 scale per 128 x 128 block, the layout DeepSeek-V3 and Qwen3-FP8
+  checkpoints store (`weight_scale_inv`); activations per 128-wide group.
+
+The functions below restate vLLM's quantization arithmetic in numpy (scale = amax / 448; q = e4m3(x * (1 /
+scale)), round to nearest even, saturated) so a test can read back what a server serves (POST /weights_read)
+and compare it with the quantization of the weights the trainer sent. tests/inference/test_fp8.py checks them
+against vLLM's own per-block function and an independent float64 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+QUANTIZATIONS = ("fp8", "fp8_per_block")
+E4M3 = ml_dtypes.float8_e4m3fn
+E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
+BLOCK = (128, 128)
+_BLOCK_AMAX_FLOOR = 1e-4  # vLLM's per-block cast clamps each block's amax from below (an all-zero block)
+
+
+def to_e4m3(x: np.ndarray) -> np.ndarray:
+    """float32 -> e4m3fn, round to nearest even, saturated at +-448 (the conversion vLLM's kernels use)."""
+    return np.clip(x.astype(np.float32), -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
+def quantize_per_tensor(w: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """One scale for the whole matrix: (e4m3 weights, fp32 scale); dequantized = q * scale."""
+    x = np.asarray(w, np.float32)
+    scale = np.float32(np.abs(x).max(initial=0.0)) / np.float32(E4M3_MAX)
+    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    return to_e4m3(x * inv), np.float32(scale)
+
+
+def quantize_per_block(w: np.ndarray, block: tuple[int, int] = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """One scale per block of a 2-D matrix (edge blocks zero-padded): (e4m3 weights, fp32 scales of shape
+    [ceil(rows / block rows), ceil(cols / block cols)]); dequantized = q * the block's scale."""
+    x = np.asarray(w, np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"per-block FP8 quantizes 2-D matrices, got shape {x.shape}")
+    (m, n), (bm, bn) = x.shape, block
+    pm, pn = -(-m // bm) * bm, -(-n // bn) * bn
+    padded = np.zeros((pm, pn), np.float32)
+    padded[:m, :n] = x
+    view = padded.reshape(pm // bm, bm, pn // bn, bn)
+    amax = np.maximum(np.abs(view).max(axis=(1, 3), keepdims=True), np.float32(_BLOCK_AMAX_FLOOR))
+    scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    q = to_e4m3(view * (np.float32(1.0) / scale)).reshape(pm, pn)[:m, :n]
+    return q, scale.reshape(pm // bm, pn // bn)
+
+
+def dequantize(
+    q: np.ndarray, scale: np.ndarray | np.float32, block: tuple[int, int] | None = None
+) -> np.ndarray:
+    """Back to fp32: a scalar scale for per-tensor, a [row blocks, column blocks] grid with `block`."""
+    x = np.asarray(q).astype(np.float32)
+    s = np.asarray(scale, np.float32)
+    if block is None or s.size == 1:
+        return x * s.reshape(())
+    bm, bn = block
+    grid = np.repeat(np.repeat(s, bm, axis=0), bn, axis=1)[: x.shape[0], : x.shape[1]]
+    return x * grid
+
+
+def quantize(w: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 weights, scales) for one of QUANTIZATIONS; a 3-D stack (experts) is quantized matrix by matrix."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown FP8 quantization {quantization!r} (one of {', '.join(QUANTIZATIONS)})")
+    x = np.asarray(w, np.float32)
+    if x.ndim == 3:
+        parts = [quantize(m, quantization) for m in x]
+        return np.stack([p[0] for p in parts]), np.stack([np.asarray(p[1]) for p in parts])
+    if quantization == "fp8":
+        q, s = quantize_per_tensor(x)
+        return q, np.asarray(s)
+    return quantize_per_block(x)
+
+
+def fused_hf_weights(tensors: Mapping[str, np.ndarray], layer: int, prefix: str = "model.layers") -> dict:
+    """The matrices vLLM quantizes for one decoder layer, built from HF tensors the way vLLM fuses them:
+    qkv_proj = [q; k; v], gate_up_proj = [gate; up], o_proj, down_proj (dense MLP), and for a Qwen3-MoE layer
+    experts.w13 = [gate_e; up_e] and experts.w2 = down_e stacked over experts. Keys are vLLM's module names."""
+    p = f"{prefix}.{layer}"
+    out: dict[str, np.ndarray] = {}
+    a = f"{p}.self_attn"
+    if f"{a}.q_proj.weight" in tensors:
+        out[f"{a}.qkv_proj"] = np.concatenate([tensors[f"{a}.{k}_proj.weight"] for k in "qkv"], axis=0)
+        out[f"{a}.o_proj"] = np.asarray(tensors[f"{a}.o_proj.weight"])
+    m = f"{p}.mlp"
+    if f"{m}.gate_proj.weight" in tensors:
+        out[f"{m}.gate_up_proj"] = np.concatenate(
+            [tensors[f"{m}.gate_proj.weight"], tensors[f"{m}.up_proj.weight"]]
+        )
+        out[f"{m}.down_proj"] = np.asarray(tensors[f"{m}.down_proj.weight"])
+    experts = sorted(
+        int(k.split(".")[-3])
+        for k in tensors
+        if k.startswith(f"{m}.experts.") and k.endswith(".gate_proj.weight")
+    )
+    if experts:
+        e = f"{m}.experts"
+        out[f"{e}.w13"] = np.stack(
+            [
+                np.concatenate([tensors[f"{e}.{i}.gate_proj.weight"], tensors[f"{e}.{i}.up_proj.weight"]])
+                for i in experts
+            ]
+        )
+        out[f"{e}.w2"] = np.stack([tensors[f"{e}.{i}.down_proj.weight"] for i in experts])
+    return out
+
+
+def compare_served(
+    served_q: np.ndarray, served_scale: np.ndarray, reference: np.ndarray, quantization: str
+) -> dict[str, float]:
+    """How closely a served FP8 matrix (or expert stack) and its scales match the quantization of `reference`
+    (the bf16 weights sent, as float32). The served weight may be stored transposed (vLLM keeps a per-tensor
+    linear weight as [in, out]); it is matched by shape. Returns the share of e4m3 codes equal, the largest
+    difference in e4m3 steps (codes are ordered like integers within a sign), the largest relative scale
+    difference and the largest dequantized difference relative to the weights' largest magnitude."""
+    ref_q, ref_s = quantize(reference, quantization)
+    q = np.asarray(served_q)
+    if q.shape != ref_q.shape and q.shape == ref_q.swapaxes(-1, -2).shape:
+        q = q.swapaxes(-1, -2)
+    if q.shape != ref_q.shape:
+        raise ValueError(
+            f"served weight shape {q.shape} is not the reference's {ref_q.shape} (or its transpose)"
+        )
+    s = np.asarray(served_scale, np.float32)
+    if s.size == ref_s.size and s.shape != ref_s.shape:
+        s = (
+            s.reshape(ref_s.shape)
+            if s.ndim <= 1 or ref_s.ndim <= 1
+            else s.swapaxes(-1, -2).reshape(ref_s.shape)
+        )
+    if s.shape != ref_s.shape:
+        raise ValueError(f"served scale shape {s.shape} is not the reference's {ref_s.shape}")
+    a, b = q.view(np.uint8).astype(np.int16), ref_q.view(np.uint8).astype(np.int16)
+    steps = np.abs((a & 0x7F) - (b & 0x7F)) + 256 * ((a ^ b) & 0x80 != 0) * ((a | b) & 0x7F != 0)
+    block = BLOCK if quantization == "fp8_per_block" else None
+    deq = _deq(q, s, block)
+    ref = _deq(ref_q, ref_s, block)
+    peak = float(np.abs(np.asarray(reference, np.float32)).max()) or 1.0
+    return {
+        "codes_equal": float((a == b).mean()),
+        "max_code_steps": float(steps.max(initial=0)),
+        "scale_rel_err": float(np.abs(s - ref_s).max() / max(float(np.abs(ref_s).max()), 1e-30)),
+        "dequant_rel_err": float(np.abs(deq - ref).max() / peak),
+        # what FP8 itself loses: the reference's dequantized weights against the weights sent
+        "fp8_rel_err": float(np.abs(ref - np.asarray(reference, np.float32)).max() / peak),
+    }
+
+
+def _deq(q: np.ndarray, s: np.ndarray, block: tuple[int, int] | None) -> np.ndarray:
+    if q.ndim == 3:
+        return np.stack([dequantize(q[i], s[i], block) for i in range(q.shape[0])])
+    return dequantize(q, s, block)

