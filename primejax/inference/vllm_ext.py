@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from argparse import Namespace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from primejax.inference.admin_auth import TOKEN_ENV
@@ -82,7 +83,13 @@ class PrimejaxWorkerExtension:
                 "for this vLLM backend (vLLM TPU); see docs/tpu.md"
             )
         install_cpu_moe_repack(self.model_runner.get_model())  # type: ignore[attr-defined]
-        reload(weights_path=weight_dir)
+        load_config = getattr(self.model_runner, "load_config", None)  # type: ignore[attr-defined]
+        if getattr(load_config, "load_format", None) == "dummy":
+            # Started with random weights (`--load-format dummy`, e.g. to start fast and take the trainer's first
+            # broadcast): vLLM's reload reads through the start-up loader, which has no files, so read them here.
+            reload(weights_iterator=_safetensors(weight_dir))
+        else:
+            reload(weights_path=weight_dir)
         _refresh_cpu_lm_head_gemm(self.model_runner.get_model())  # type: ignore[attr-defined]
         return time.perf_counter() - t0
 
@@ -95,6 +102,15 @@ class PrimejaxWorkerExtension:
         """The live parameters whose names start with one of `prefixes`, as served (vLLM's names, fused layout,
         kernel dtype: an FP8 server's e4m3 weights and fp32 scales): {name: {dtype, shape, data}}."""
         return read_params(self.model_runner.get_model(), prefixes)  # type: ignore[attr-defined]
+
+
+def _safetensors(weight_dir: str) -> Any:
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    files = sorted(str(p) for p in Path(weight_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {weight_dir}")
+    return safetensors_weights_iterator(files, False)
 
 
 def read_params(model: Any, prefixes: list[str], limit: int = READ_LIMIT_BYTES) -> dict[str, dict]:

@@ -6,8 +6,6 @@ What a GPU server serves after each update is checked against these functions in
 
 from __future__ import annotations
 
-import base64
-
 import httpx
 import ml_dtypes
 import numpy as np
@@ -154,10 +152,7 @@ def test_weights_read_returns_what_the_server_serves(vllm_server):
     )
     assert r.status_code == 200, r.text
     (served,) = r.json()["workers"]
-    got = {
-        name: np.frombuffer(base64.b64decode(t["data"]), dtype=np.dtype(t["dtype"])).reshape(t["shape"])
-        for name, t in served.items()
-    }
+    got = {name: fp8.decode_param(t) for name, t in served.items()}
     disk = {}
     for f in sorted(vllm_server.model_dir.glob("*.safetensors")):
         disk.update(load_file(f))
@@ -186,3 +181,21 @@ def test_read_params_refuses_more_than_its_limit():
     assert set(read_params(layer, ["weight"], limit=64 * 64 * 4)) == {"weight"}
     with pytest.raises(ValueError, match="ask for fewer"):
         read_params(layer, [""], limit=64 * 64 * 4)
+
+
+def test_decode_param_reads_e4m3_and_a_widened_per_tensor_scale_matches():
+    import base64
+
+    w = _bf16_values((32, 48), seed=4)
+    q, s = fp8.quantize(w, "fp8")
+    wire = {
+        "dtype": "float8_e4m3fn",
+        "shape": [48, 32],
+        "data": base64.b64encode(q.T.copy().tobytes()).decode(),
+    }
+    back = fp8.decode_param(wire)
+    assert back.dtype == fp8.E4M3 and np.array_equal(back.T.view(np.uint8), q.view(np.uint8))
+    widened = np.full(32, s, np.float32)  # one scale per output channel, all the tensor's
+    assert fp8.compare_served(back, widened, w, "fp8")["codes_equal"] == 1.0
+    with pytest.raises(ValueError, match="scale shape"):
+        fp8.compare_served(back, np.arange(32, dtype=np.float32), w, "fp8")

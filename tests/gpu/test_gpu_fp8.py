@@ -1,0 +1,231 @@
+"""FP8 servers on a GPU: after the first load and after every kind of weight update (filesystem, collective, LoRA
+merged), the e4m3 weights and scales a server serves are the quantization of the bf16 weights it was sent.
+
+One server per scheme (`fp8` per-tensor, `fp8_per_block` 128 x 128) serving a tiny Qwen3-MoE, so one layer holds
+both kinds of quantized weights vLLM has: linear (fused q/k/v, o) and fused experts (w13, w2). The served tensors
+come back through POST /weights_read and are compared with primejax.inference.fp8's numpy quantization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import ml_dtypes
+import numpy as np
+import pytest
+from gpu_env import SERVER_GPU  # tests/gpu/gpu_env.py
+
+from primejax.inference import InferenceClient, fp8
+from primejax.inference.admin_auth import HEADER, process_token, read_token
+from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
+from primejax.transports.weights.collective.offer import latest_offer
+
+PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
+LAYER = "model.layers.0"
+READ = [f"{LAYER}.self_attn.qkv_proj.", f"{LAYER}.self_attn.o_proj.", f"{LAYER}.mlp.experts."]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from primejax.models.tiny import build_tiny_model
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("gpu-fp8-moe") / "model",
+        family="qwen3_moe",
+        tied=False,
+        seed=5,
+        hidden_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+
+
+@pytest.fixture(scope="module", params=fp8.QUANTIZATIONS)
+def fp8_server(request, moe_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from primejax.inference.process import InferenceServerProcess
+    from primejax.inference.server import ServerSpec, free_port
+
+    spec = ServerSpec(
+        model=str(moe_dir),
+        port=free_port(),
+        dtype="bfloat16",
+        quantization=request.param,
+        max_model_len=1024,
+        devices=SERVER_GPU,
+        gpu_memory_utilization=0.12,
+    )
+    proc = InferenceServerProcess(spec, tmp_path_factory.mktemp(f"gpu-{request.param}") / "inference.log")
+    try:
+        proc.start()
+        print(f"\n{request.param} server healthy in {proc.wait_healthy(600):.0f} s (log {proc.log_path})")
+        yield request.param, spec.base_url
+    finally:
+        proc.stop()
+
+
+def _post(url: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={HEADER: read_token()}, timeout=300)
+
+
+def _bf16(tensors: dict) -> dict[str, np.ndarray]:
+    """What a bf16 server holds of these tensors before it quantizes: each value rounded to bf16."""
+    return {
+        k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in tensors.items()
+    }
+
+
+def _disk(model_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out: dict = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _check(url: str, quant: str, sent: dict[str, np.ndarray], what: str) -> dict:
+    """Every quantized matrix of layer 0 as served vs the quantization of `sent` (HF names, float32 values)."""
+    r = _post(url, "/weights_read", {"prefixes": READ})
+    assert r.status_code == 200, r.text
+    (served,) = r.json()["workers"]
+    got = {n: fp8.decode_param(t) for n, t in served.items()}
+    ref = fp8.fused_hf_weights(_bf16(sent), 0)
+    scale = "weight_scale_inv" if quant == "fp8_per_block" else "weight_scale"
+    pairs = {
+        f"{LAYER}.self_attn.qkv_proj": (
+            f"{LAYER}.self_attn.qkv_proj.weight",
+            f"{LAYER}.self_attn.qkv_proj.{scale}",
+        ),
+        f"{LAYER}.self_attn.o_proj": (
+            f"{LAYER}.self_attn.o_proj.weight",
+            f"{LAYER}.self_attn.o_proj.{scale}",
+        ),
+        f"{LAYER}.mlp.experts.w13": (f"{LAYER}.mlp.experts.w13_weight", f"{LAYER}.mlp.experts.w13_{scale}"),
+        f"{LAYER}.mlp.experts.w2": (f"{LAYER}.mlp.experts.w2_weight", f"{LAYER}.mlp.experts.w2_{scale}"),
+    }
+    layout = {n: (str(a.dtype), list(a.shape)) for n, a in got.items()}
+    stats = {}
+    for module, (w, s) in pairs.items():
+        assert w in got and s in got, f"{what}: {w} / {s} not served; served {json.dumps(layout)}"
+        stats[module] = fp8.compare_served(got[w], got[s], ref[module], quant)
+    print(f"\n{quant} after {what}: {json.dumps(stats)}")
+    for module, st in stats.items():
+        assert st["codes_equal"] >= 0.999 and st["max_code_steps"] <= 1, (what, module, st)
+        assert st["scale_rel_err"] <= 1e-6, (what, module, st)
+    return stats
+
+
+def _perturbed(base_dir: Path, seed: int) -> tuple[object, object, list[tuple[str, np.ndarray]]]:
+    import jax
+
+    model, cfg = load_model(base_dir, param_dtype="float32")
+    key = jax.random.key(seed)
+    for i, var in enumerate(param_variables(model).values()):
+        w = var[...]
+        var[...] = w + max(float(w.std()), 0.1) * jax.random.normal(
+            jax.random.fold_in(key, i), w.shape, w.dtype
+        )
+    return (
+        model,
+        cfg,
+        [(n, np.asarray(a, np.float32)) for n, a in state_to_hf_tensors(model, cfg, "bfloat16")],
+    )
+
+
+async def _greedy(url: str, model_dir: Path) -> list[list[float]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    async with InferenceClient(url) as c:
+        outs = await asyncio.gather(
+            *(c.generate(tok(p)["input_ids"], n=1, max_tokens=8, temperature=0.0) for p in PROMPTS)
+        )
+    return [o[0].completion_logprobs for o in outs]
+
+
+def test_fp8_server_serves_the_quantization_of_every_update(fp8_server, moe_dir, tmp_path):
+    import torch
+
+    from primejax.models import lora, lora_io
+    from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
+
+    quant, url = fp8_server
+    base = _disk(moe_dir)
+    _check(url, quant, base, "the first load")
+    try:
+        # 1. filesystem: the trainer's bf16 export, loaded in place (vLLM's layerwise reload re-quantizes)
+        model, cfg, named = _perturbed(moe_dir, seed=31)
+        export_safetensors(model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=moe_dir, tensors=named)
+        r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
+        assert r.status_code == 200, r.text
+        _check(url, quant, dict(named), "a filesystem update")
+
+        # 2. collective: the same protocol the trainer's sender speaks, over gloo (one GPU: NCCL needs two)
+        _, _, named2 = _perturbed(moe_dir, seed=32)
+        sender = CollectiveSender(
+            tmp_path / "run", secret=process_token(), timeout_s=120, backend="gloo", bucket_bytes=16 * 2**20
+        )
+        tensors = [(n, to_torch(a.astype(ml_dtypes.bfloat16))) for n, a in named2]
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(ok=sender.send(2, tensors)))
+        thread.start()
+        offer = None
+        for _ in range(1200):
+            offer = latest_offer(tmp_path / "run")
+            if offer is not None and offer.step == 2:
+                break
+            threading.Event().wait(0.05)
+        assert offer is not None, "the sender wrote no offer"
+
+        async def transfer() -> None:
+            async with InferenceClient(url) as c:
+                await c.transfer_weights(offer.step, offer.init_info, offer.update_info)
+
+        asyncio.run(transfer())
+        thread.join(300)
+        assert result.get("ok"), "the sender saw no acknowledgement"
+        _check(url, quant, dict(named2), "a collective update")
+
+        # 3. LoRA merged: base + s·A·B written by the trainer's merge, as trainer.broadcast.lora='merged' sends it
+        lmodel, lcfg = load_model(
+            moe_dir, param_dtype="float32", lora_rank=8, lora_alpha=16.0, lora_targets=lora.DEFAULT_TARGETS
+        )
+        lora.fill_adapters(lmodel, seed=0)
+        from flax import nnx
+
+        params = nnx.to_pure_dict(nnx.state(lmodel))
+        adapters, _ = lora.split_adapters(params)
+        rng = np.random.default_rng(7)
+        adapters = {
+            "layers": {
+                k: (
+                    rng.normal(0, 0.05, np.shape(v)).astype(np.float32) if k.endswith("_b") else np.asarray(v)
+                )
+                for k, v in adapters["layers"].items()
+            }
+        }
+        lora_io.export_peft(adapters, lcfg, tmp_path / "adapter")
+        lora_io.merge_peft(moe_dir, tmp_path / "adapter", tmp_path / "merged", dtype="bfloat16")
+        r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "merged"), "version": 3})
+        assert r.status_code == 200, r.text
+        merged = _disk(tmp_path / "merged")
+        assert not np.array_equal(
+            merged[f"{LAYER}.self_attn.q_proj.weight"], base[f"{LAYER}.self_attn.q_proj.weight"]
+        )
+        _check(url, quant, merged, "a LoRA-merged update")
+        logprobs = asyncio.run(_greedy(url, moe_dir))
+        assert all(len(lp) > 0 and np.isfinite(lp).all() for lp in logprobs)
+    finally:
+        assert _post(url, "/reload_weights").status_code == 200
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    _check(url, quant, base, "going back to the base weights")

