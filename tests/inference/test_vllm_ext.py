@@ -26,7 +26,11 @@ def test_worker_extension_adds_only_new_names_and_worker_has_reload_weights():
     from vllm.v1.worker.gpu_worker import Worker
 
     ours = {n for n in vars(vllm_ext.PrimejaxWorkerExtension) if not n.startswith("__")}
-    assert ours == {"primejax_load_weights", "primejax_weights_digest", "primejax_read_params"} and not ours & set(dir(Worker))
+    assert ours == {
+        "primejax_load_weights",
+        "primejax_weights_digest",
+        "primejax_read_params",
+    } and not ours & set(dir(Worker))
     assert "weights_path" in inspect.signature(Worker.reload_weights).parameters or inspect.signature(
         Worker.reload_weights
     ).parameters.keys() >= {"args", "kwargs"}
