@@ -20,8 +20,8 @@ from primejax.models.lora_io import read_peft
 from primejax.trainer.config import BroadcastConfig, TrainerConfig
 from primejax.trainer.engine import Engine
 from primejax.transports.weights.adapters.dirs import check_adapter_dir
-from primejax.transports.weights.filesystem.broadcast import stable_steps, verify_broadcast
 from primejax.transports.weights.collective.publisher import CollectivePublisher
+from primejax.transports.weights.filesystem.broadcast import stable_steps, verify_broadcast
 from primejax.transports.weights.publish import AdapterPublisher, FilesystemPublisher, make_publisher
 
 
