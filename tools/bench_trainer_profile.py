@@ -157,6 +157,14 @@ def _timed(fn, args_fn, steps: int, warmup: int) -> tuple[float, float]:
     return first, (time.perf_counter() - t0) / steps
 
 
+# A GPU kernel's category by its name, first match wins.
+KERNEL_CATEGORIES = (
+    ("attention", ("fmha", "sdpa", "flash", "cudnn", "fprop", "dgrad")),
+    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "matmul", "gmma", "nvjet")),
+    ("fusion/elementwise", ("reduce", "fusion", "loop", "copy", "transpose", "convert", "scatter", "gather")),
+)
+
+
 def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
     """GPU time per step from a jax.profiler trace: by category and the top kernels / XLA ops."""
     import collections
@@ -198,21 +206,10 @@ def _trace_summary(run, batch, steps: int = 2, top: int = 60) -> dict:
                             (ev.start_ns, ev.start_ns + ev.duration_ns, ev.name.split("(")[0])
                         )
 
-    def cat(name: str) -> str:
-        n = name.lower()
-        if any(x in n for x in ("fmha", "sdpa", "flash", "cudnn", "fprop", "dgrad")):
-            return "attention"
-        if any(x in n for x in ("gemm", "xmma", "cutlass", "cublas", "matmul", "gmma", "nvjet")):
-            return "matmul"
-        if any(
-            x in n for x in ("reduce", "fusion", "loop", "copy", "transpose", "convert", "scatter", "gather")
-        ):
-            return "fusion/elementwise"
-        return "other"
-
     cats: dict[str, float] = collections.defaultdict(float)
     for k, v in kernels.items():
-        cats[cat(k)] += v
+        n = k.lower()
+        cats[next((c for c, keys in KERNEL_CATEGORIES if any(x in n for x in keys)), "other")] += v
     best = lambda d: dict(sorted(((k[:140], round(v, 2)) for k, v in d.items()), key=lambda x: -x[1])[:top])  # noqa: E731
     return dict(
         ms_per_step_by_category={k: round(v, 1) for k, v in cats.items()},
