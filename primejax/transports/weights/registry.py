@@ -91,7 +91,7 @@ def lookup(name: str) -> Transport:
     if name not in _TRANSPORTS:
         raise UnknownTransport(
             f"no weight transport {name!r}: a transport is a folder primejax/transports/weights/<name>/ that "
-            f"registers itself (docs/weight_transfer.md); registered now: {', '.join(sorted(_TRANSPORTS))}"
+            "registers itself, e.g. filesystem or collective (docs/weight_transfer.md)"
         )
     return _TRANSPORTS[name]
 
