@@ -1,18 +1,12 @@
 """Qwen3-MoE on GPUs: grouped-matmul checks and speed, then the full RL trainer step, one table at the end.
 
     python tools/bench_moe.py                  # 1 GPU: 30B-A3B cut to 4, 8 and 10 layers at 16k
-    python tools/bench_moe.py --suite gpu1:checks  # 1 GPU: the grouped matmul (mgpu) against XLA, then its speed
-    python tools/bench_moe.py --suite gpu4     # 4 GPUs: 48-layer 30B-A3B, both expert-parallel modes
     python tools/bench_moe.py --suite gpu4:ep  # 4 GPUs: 48-layer 30B-A3B, expert parallelism by all-to-all vs fsdp
-    python tools/bench_moe.py --suite gpu2:context  # 2 GPUs: a 32k row split over both (context parallelism)
-    python tools/bench_moe.py --suite gpu1:families  # 1 GPU: GLM-4.5-Air cut to 4 layers next to Qwen3-30B-A3B
-    python tools/bench_moe.py --suite gpu4:families  # 4 GPUs: GLM-4.5-Air cut to 8 layers, expert-parallel
-    python tools/bench_moe.py --suite gpu1:qwen3_5  # 1 GPU: Qwen3.5-9B cut to 8 layers next to Qwen3-8B cut to 8
-    python tools/bench_moe.py --suite gpu1:qwen3_5_moe  # 1 GPU: Qwen3.5-35B-A3B cut to 4 / 8 layers next to 30B-A3B
     python tools/bench_moe.py --smoke          # CPU, tiny shapes (proves the script before GPU time is spent)
-    python tools/bench_moe.py --suite lora:gpu4   # 48-layer 30B-A3B LoRA (experts adapted) next to full FT
 
-The suites' rows are in tools/bench_moe_suites.py. Each step configuration runs in its own process (an OOM stays
+`--help` lists every suite; each suite's rows, with what they compare, are in tools/bench_moe_suites.py (checks of
+the grouped matmul, expert-parallel modes, context parallelism, offload, GLM / DeepSeek / Qwen3.5 shapes, LoRA).
+Each step configuration runs in its own process (an OOM stays
 contained). The step is the trainer's own
 (built and compiled by the trainer engine, primejax/trainer/engine.py), fake full rows of random tokens, RL loss
 over every token. MFU: prime-rl's formula over active parameters (`ModelConfig.flops_per_token`: 6 x active
@@ -23,10 +17,7 @@ TFLOP/s bf16 per GPU; `MFU/2attn` halves the attention term (causal).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,15 +26,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.bench_moe_suites import CONFIGS, PEAK_FLOPS, SHAPES  # noqa: E402
+from tools.bench_trainer_profile import _timed, bench_main, lora_options, rel, time_engine_step  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ gmm worker
-
-
-def _rel(a, b) -> float:
-    import numpy as np
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _sizes(kind: str, m: int, g: int, rng):
@@ -67,7 +52,6 @@ def gmm_worker(c: dict) -> dict:
     import numpy as np
 
     from primejax.models.gmm import adapter_grouped_matmul, grouped_matmul, resolve_impl
-    from tools.bench_trainer_profile import _timed
 
     fast = resolve_impl("auto")
     smoke = c.get("smoke", False)
@@ -92,38 +76,25 @@ def gmm_worker(c: dict) -> dict:
         w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
 
-        def loss(x, w, impl):
-            y = gmm(x, w, sizes, impl, all_rows_grouped=full)  # noqa: B023
-            return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: B023
+        def fwd_grads(f, x, w):  # f's values and both gradients of sum(f(x, w) * dy)
+            cot = dy.astype(jnp.float32)  # noqa: B023
+            grad = jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * cot), argnums=(0, 1))
+            return (jax.jit(f)(x, w), *jax.jit(grad)(x, w))
 
-        outs = {}
-        for impl in ("xla", fast):
-            y = jax.jit(lambda x, w, i=impl: gmm(x, w, sizes, i, all_rows_grouped=full))(x, w)  # noqa: B023
-            gx, gw = jax.jit(jax.grad(lambda x, w, i=impl: loss(x, w, i), argnums=(0, 1)))(x, w)
-            outs[impl] = (y, gx, gw)
+        def err(a, b):
+            return dict(zip(("y", "dx", "dw"), (rel(p, q) for p, q in zip(a, b, strict=True)), strict=True))
+
+        outs = {
+            i: fwd_grads(lambda x, w, i=i: gmm(x, w, sizes, i, all_rows_grouped=full), x, w)  # noqa: B023
+            for i in ("xla", fast)
+        }
         # fp32 reference on upcast inputs
-        ref = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, "xla"))(  # noqa: B023
-            x.astype(jnp.float32), w.astype(jnp.float32)
-        )
-        rgx, rgw = jax.jit(
-            jax.grad(
-                lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, "xla") * dy.astype(jnp.float32)),  # noqa: B023
-                argnums=(0, 1),
-            )
-        )(x.astype(jnp.float32), w.astype(jnp.float32))
+        f32 = x.astype(jnp.float32), w.astype(jnp.float32)
+        ref = fwd_grads(lambda x, w, s=sizes: grouped_matmul(x, w, s, "xla"), *f32)
         row = dict(routing=kind, op=op)
-        for impl, (y, gx, gw) in outs.items():
-            row[impl] = dict(
-                y=_rel(y, ref),
-                dx=_rel(gx, rgx),
-                dw=_rel(gw, rgw),
-                finite=bool(np.isfinite(np.asarray(y, np.float32)).all()),
-            )
-        row["mgpu_vs_xla"] = dict(
-            y=_rel(outs[fast][0], outs["xla"][0]),
-            dx=_rel(outs[fast][1], outs["xla"][1]),
-            dw=_rel(outs[fast][2], outs["xla"][2]),
-        )
+        for impl, out in outs.items():
+            row[impl] = dict(err(out, ref), finite=bool(np.isfinite(np.asarray(out[0], np.float32)).all()))
+        row["mgpu_vs_xla"] = err(outs[fast], outs["xla"])
         checks.append(row)
     ok = all(
         max(r[i][q] for q in ("y", "dx", "dw")) < 1e-2 and r[i]["finite"]
@@ -175,14 +146,9 @@ def _model_config(c: dict):
     if tiny and not model.startswith("tiny"):
         model = {"glm": "tiny-glm", "dee": "tiny-deepseek"}.get(model[:3], "tiny")
     hf = dict(SHAPES[model], num_hidden_layers=c["layers"])
-    lora = {}
-    if c.get("lora"):
-        from primejax.models.lora import DEFAULT_TARGETS
-
-        lora = dict(lora_rank=c["lora"], lora_alpha=2.0 * c["lora"], lora_targets=DEFAULT_TARGETS)
     return ModelConfig.from_hf_config(
         hf,
-        **lora,
+        **lora_options(c.get("lora", 0)),
         param_dtype=c["pdt"],
         compute_dtype="bfloat16",
         attention_impl=c["attn"],
@@ -214,7 +180,6 @@ def step_worker(c: dict) -> dict:
     from primejax.trainer.config import MeshConfig, OptimConfig, TrainerConfig
     from primejax.trainer.engine import Engine
     from tools.bench_trainer import _fake_batch
-    from tools.bench_trainer_profile import _jax_peak_gib, _memory_analysis, _timed, _trace_summary
 
     cfg = _model_config(c)
     rows, seq = c["rows"], c["seq"]
@@ -247,28 +212,16 @@ def step_worker(c: dict) -> dict:
     }
     if c.get("replay"):
         host.update(_uniform_routing((micro, rows, seq), len(cfg.sparse_layers()), cfg))
-    batch = engine.device_batch(host)
-    t0 = time.perf_counter()
-    step = engine.lower(batch, "rl", 1).compile()
-    compile_s = time.perf_counter() - t0
-    progress("compiled")
-
-    frozen = engine._frozen_arg()  # LoRA: the frozen weights are the step's third argument
     last = {}
 
-    def run(b):
-        engine.state, metrics = step(engine.state, b, *frozen)
+    def on_step(metrics):
         last["load"] = metrics.get("moe/load")
-        loss = metrics["loss"]
         if c.get("offload"):
-            loss.block_until_ready()
+            metrics["loss"].block_until_ready()
             progress("step")
-        return loss
 
-    with jax.set_mesh(engine.mesh):
-        first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
-        loss = float(run(batch))
-        trace = _trace_summary(run, batch, top=60) if c.get("trace") else None
+    res = time_engine_step(engine, host, "rl", 1, c, on_step=on_step, progress=progress)
+    dt = res.pop("step_s")
     lora = {}
     if c.get("lora"):  # the adapters (experts' included) and their broadcast, as the trainer publishes it
         from tools.bench_trainer import _export_times
@@ -281,16 +234,12 @@ def step_worker(c: dict) -> dict:
     attn = 12 * len(cfg.full_attention_layers()) * cfg.num_heads * (cfg.hidden_size // cfg.num_heads) * seq
     flops = cfg.flops_per_token(seq)
     return dict(
+        res,
         tok_s=tokens / dt,
         tok_s_gpu=tokens / dt / n_dev,
         step_ms=dt * 1e3,
-        loss=loss,
-        compile_s=compile_s,
-        first_step_s=first,
         mfu=tokens * flops / dt / PEAK_FLOPS / n_dev,
         mfu_half_attn=tokens * (flops - attn / 2) / dt / PEAK_FLOPS / n_dev,
-        peak_gib=_jax_peak_gib(),
-        memory=_memory_analysis(step),
         active_params=cfg.num_matmul_params(),
         params=cfg.num_params(),
         device=str(jax.devices()[0].device_kind),
@@ -302,7 +251,6 @@ def step_worker(c: dict) -> dict:
             for kind in {x.sharding.memory_kind for x in jax.tree.leaves(engine.state)}
         },
         buckets=len(engine.offload.plan.buckets) if engine.offload else 0,
-        trace=trace,
         device_load=_device_load(last.get("load"), n_dev),
         **lora,
     )
@@ -350,7 +298,7 @@ WORKERS = {
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
+def _env(c: dict, smoke: bool) -> dict:
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1")
     if c.get("offload"):
         # The GPU client's pinned host memory is capped per device (docs/memory.md). Each device's host allocator
@@ -367,132 +315,52 @@ def _run_child(c: dict, timeout: float, smoke: bool) -> dict:
         )
         env.update(pinned_host_env(state, c["devices"], env))
     env.update(c.get("env") or {})
-    if c.get("xla_flags"):
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + c["xla_flags"]).strip()
+    flags = [env.get("XLA_FLAGS", ""), c.get("xla_flags", "")]
     if smoke:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+        flags.append("--xla_force_host_platform_device_count=4")
         env["JAX_PLATFORMS"] = "cpu"
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(c)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-        )
-    except subprocess.TimeoutExpired as e:  # keep where it was: the worker's progress lines (stderr)
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        done = [ln for ln in err.splitlines() if ln.startswith("PROGRESS ")]
-        return dict(
-            c, error=f"timeout after {timeout:.0f}s" + (f"; last: {' | '.join(done[-4:])}" if done else "")
-        )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode or not lines:
-        tail = (p.stderr or p.stdout)[-2000:]
-        oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
-        # An OOM keeps its own line (how much was asked for, at compile or run time): the next fit starts there.
-        why = [ln for ln in tail.splitlines() if "RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()]
-        error = tail if not oom else "OOM: " + (why[0].strip()[:400] if why else "")
-        return dict(c, oom=oom, error=error, wall_s=time.perf_counter() - t0)
-    return dict(c, **json.loads(lines[-1][7:]), wall_s=time.perf_counter() - t0)
+    env["XLA_FLAGS"] = " ".join(f for f in flags if f)
+    return env
+
+
+def _gmm_lines(r: dict) -> list[str]:
+    if r.get("error"):
+        return [f"gmm: FAIL {r['error'][-600:]}"]
+    out = [f"grouped matmul ({r['impl']} vs xla, rel. error vs fp32; {r['device']}): ok={r['ok']}"]
+    err = lambda v: f"y={v['y']:.1e} dx={v['dx']:.1e} dw={v['dw']:.1e}"  # noqa: E731
+    for ch in r["checks"]:
+        cells = "  ".join(f"{i}: {err(v)}" for i, v in ch.items() if isinstance(v, dict) and "finite" in v)
+        out.append(f"  {ch['routing']:<8} {ch['op']:<6} {cells}  fast-vs-xla {err(ch['mgpu_vs_xla'])}")
+    for s in r["speed"]:
+        out.append(
+            f"  {s['shape']:<8} {s['impl']:<5} "
+            + (f"FAIL {s['error']}" if "error" in s else f"fwd {s['fwd_ms']:7.2f} ms {s['fwd_tflops']:6.0f} "
+               f"TF/s   bwd {s['bwd_ms']:7.2f} ms {s['bwd_tflops']:6.0f} TF/s")
+        )  # fmt: skip
+    return out
 
 
 def _table(results: list[dict]) -> str:
-    out = []
-    for r in results:
-        if r["kind"] != "gmm":
-            continue
-        if r.get("error"):
-            out.append(f"gmm: FAIL {r['error'][-600:]}")
-            continue
-        out.append(f"grouped matmul ({r['impl']} vs xla, rel. error vs fp32; {r['device']}): ok={r['ok']}")
-        for ch in r["checks"]:
-            cells = "  ".join(
-                f"{i}: y={v['y']:.1e} dx={v['dx']:.1e} dw={v['dw']:.1e}"
-                for i, v in ch.items()
-                if isinstance(v, dict) and "finite" in v
-            )
-            mv = ch["mgpu_vs_xla"]
-            out.append(
-                f"  {ch['routing']:<8} {ch.get('op', 'base'):<6} {cells}  fast-vs-xla y={mv['y']:.1e} dx={mv['dx']:.1e} dw={mv['dw']:.1e}"
-            )
-        for s in r["speed"]:
-            if "error" in s:
-                out.append(f"  {s['shape']:<8} {s['impl']:<5} FAIL {s['error']}")
-            else:
-                out.append(
-                    f"  {s['shape']:<8} {s['impl']:<5} fwd {s['fwd_ms']:7.2f} ms {s['fwd_tflops']:6.0f} TF/s   "
-                    f"bwd {s['bwd_ms']:7.2f} ms {s['bwd_tflops']:6.0f} TF/s"
-                )
+    out = [line for r in results if r["kind"] == "gmm" for line in _gmm_lines(r)]
     head = f"{'config':<26}{'gpus':>5}{'tok/s':>9}{'tok/s/gpu':>10}{'MFU':>7}{'MFU/2attn':>10}{'step ms':>9}{'peak GiB':>9}"
     out += [head, "-" * len(head)]
-    for r in results:
-        if r["kind"] != "step":
+    for r in (r for r in results if r["kind"] == "step"):
+        if not r.get("tok_s"):
+            why = "OOM" if r.get("oom") else "FAIL"
+            out.append(f"{r['name']:<26}{r['devices']:>5}  {why} {(r.get('error') or '')[-300:]}")
             continue
-        if r.get("tok_s"):
-            out.append(
-                f"{r['name']:<26}{r['devices']:>5}{r['tok_s']:>9.0f}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
-                f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}"
-                f"  gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']}"
-                f" context={r.get('context', 1)} compile={r['compile_s']:.0f}s"
-                + (
-                    f" adapter={r['adapter_export_mb']:.0f}MB export={r['adapter_export_s']:.1f}s"
-                    if r.get("adapter_export_s") is not None
-                    else ""
-                )
-                + (
-                    f" offload: {r['buckets']} buckets, state GiB/gpu {r['state_gib']}"
-                    if r.get("offload")
-                    else ""
-                )
-            )
-        else:
-            out.append(
-                f"{r['name']:<26}{r['devices']:>5}  {'OOM' if r.get('oom') else 'FAIL'} "
-                f"{(r.get('error') or '')[-300:]}"
-            )
+        notes = f"gmm={r['gmm']} remat={r['remat']} params={r['pdt']} scan={r['scan']} context={r['context']}"
+        notes += f" compile={r['compile_s']:.0f}s"
+        if r.get("adapter_export_s") is not None:
+            notes += f" adapter={r['adapter_export_mb']:.0f}MB export={r['adapter_export_s']:.1f}s"
+        if r.get("offload"):
+            notes += f" offload: {r['buckets']} buckets, state GiB/gpu {r['state_gib']}"
+        out.append(
+            f"{r['name']:<26}{r['devices']:>5}{r['tok_s']:>9.0f}{r['tok_s_gpu']:>10.0f}{100 * r['mfu']:>6.1f}%"
+            f"{100 * r['mfu_half_attn']:>9.1f}%{r['step_ms']:>9.0f}{r['peak_gib']:>9.1f}  {notes}"
+        )
     return "\n".join(out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", default="gpu1", choices=sorted(CONFIGS))
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (= --suite smoke)")
-    ap.add_argument("--only", default="", help="comma-separated row names, run in this order")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--timeout", type=float, default=240.0)
-    ap.add_argument("--budget", type=float, default=0.0, help="seconds for the whole suite (0 = none)")
-    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        c = json.loads(args.worker)
-        print("RESULT " + json.dumps(WORKERS[c["kind"]](c)), flush=True)
-        return
-    suite = "smoke" if args.smoke and not args.suite.startswith("smoke") else args.suite
-    configs = CONFIGS[suite]
-    if args.only:
-        by_name = {c["name"]: c for c in configs}  # in the order given: the budget goes to the first
-        configs = [by_name[n] for n in args.only.split(",") if n in by_name]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results, start = [], time.perf_counter()
-    for c in configs:
-        left = args.budget - (time.perf_counter() - start) if args.budget else args.timeout
-        if left < 20:
-            results.append(dict(c, error="skipped: suite budget spent"))
-            continue
-        if c.get("fallback") and any(r.get("tok_s") for r in results):
-            continue
-        if any(r["name"] == c.get("skip_if_oom") and r.get("oom") for r in results):
-            results.append(dict(c, error="skipped: a config needing less memory ran out"))
-            continue
-        r = _run_child(c, min(args.timeout, left), args.smoke or suite.startswith("smoke"))
-        results.append(r)
-        print(json.dumps(r)[:3000], flush=True)
-        (out / "bench_moe.jsonl").open("a").write(json.dumps(r) + "\n")
-    print(_table(results))
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, CONFIGS, WORKERS, _table, _env, script=__file__, suite="gpu1", timeout=240.0)

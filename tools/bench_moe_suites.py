@@ -62,80 +62,27 @@ SHAPES = {
 }  # fmt: skip
 
 
-def _step(
-    name,
-    seq,
-    layers,
-    *,
-    gmm="auto",
-    remat="auto",
-    pdt="float32",
-    ep="fsdp",
-    devices=1,
-    rows=1,
-    attn="cudnn",
-    steps=3,
-    warmup=2,
-    trace=False,
-    scan=False,
-    fallback=False,
-    skip_if_oom="",
-    micro=1,
-    context=1,
-    model="",
-    lora=0,
-    offload=False,
-    bucket_mb=1024.0,
-    offload_master=True,
-    inflight=1,
-    resident_gib=0.0,
-    xla_flags="",
-    env=None,
-    unroll=1,
-    keep_gathered=False,
-    keep_exchanged=False,
-    replay=False,
-):
-    """lora: adapter rank on attention, dense MLP and every expert (0 = full fine-tuning; docs/lora.md).
-    offload_master, inflight, resident_gib: trainer.optim.offload_master / offload_inflight / offload_resident_gib
-    (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS; env: more environment for its process.
-    keep_gathered: model.keep_gathered_experts (the backward reuses the forward's gathered experts).
-    keep_exchanged: model.keep_exchanged_tokens (a2a: the backward's recompute reuses the forward's exchange).
-    replay: the batch brings replayed routing spread evenly over the experts (bench_moe._uniform_routing)."""
-    return dict(
-        replay=replay,
-        keep_exchanged=keep_exchanged,
-        keep_gathered=keep_gathered,
-        unroll=unroll,
-        xla_flags=xla_flags,
-        env=env or {},
-        resident_gib=resident_gib,
-        lora=lora,
-        offload=offload,
-        bucket_mb=bucket_mb,
-        offload_master=offload_master,
-        inflight=inflight,
-        model=model,
-        context=context,
-        micro=micro,
-        skip_if_oom=skip_if_oom,
-        fallback=fallback,
-        kind="step",
-        name=name,
-        seq=seq,
-        layers=layers,
-        gmm=gmm,
-        remat=remat,
-        pdt=pdt,
-        ep=ep,
-        devices=devices,
-        rows=rows,
-        attn=attn,
-        steps=steps,
-        warmup=warmup,
-        trace=trace,
-        scan=scan,
-    )
+STEP = dict(
+    gmm="auto", remat="auto", pdt="float32", ep="fsdp", devices=1, rows=1, attn="cudnn", steps=3, warmup=2,
+    trace=False, scan=False, fallback=False, skip_if_oom="", micro=1, context=1, model="", lora=0, offload=False,
+    bucket_mb=1024.0, offload_master=True, inflight=1, resident_gib=0.0, xla_flags="", env={}, unroll=1,
+    keep_gathered=False, keep_exchanged=False, replay=False,
+)  # fmt: skip
+
+
+def _step(name, seq, layers, **kw):
+    """A trainer-step row; kw overrides STEP. lora: adapter rank on attention, dense MLP and every expert (0 = full
+    fine-tuning; docs/lora.md). offload_master, inflight, resident_gib: trainer.optim.offload_master /
+    offload_inflight / offload_resident_gib (trainer/offload.py). xla_flags: appended to the row's XLA_FLAGS;
+    env: more environment for its process. keep_gathered: model.keep_gathered_experts (the backward reuses the
+    forward's gathered experts). keep_exchanged: model.keep_exchanged_tokens (a2a: the backward's recompute reuses
+    the forward's exchange). replay: the batch brings replayed routing spread evenly over the experts
+    (bench_moe._uniform_routing). fallback: runs only if no row before it ran; skip_if_oom: a row whose OOM
+    skips this one."""
+    unknown = set(kw) - set(STEP)
+    if unknown:
+        raise TypeError(f"_step: unknown options {sorted(unknown)}")
+    return dict(STEP, **kw, kind="step", name=name, seq=seq, layers=layers)
 
 
 # 48 layers on 4 GPUs: bf16 parameters and AdamW moments (fp32 state, 16 B/param = 490 GB, does not fit 4 x 80 GB),

@@ -19,23 +19,14 @@ checkpointing. Results (one JSON object per configuration) go to `--out` as they
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script (`python tools/bench_trainer.py`): the repo root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.bench_trainer_checks import check_worker  # noqa: E402
-from tools.bench_trainer_profile import (  # noqa: E402
-    _jax_peak_gib,
-    _memory_analysis,
-    _timed,
-    _trace_summary,
-)
+from tools.bench_trainer_profile import bench_main, lora_options, rel, time_engine_step  # noqa: E402
 from tools.model_shapes import QWEN3  # noqa: E402
 
 PEAK_FLOPS = 989e12
@@ -46,66 +37,25 @@ GIB = 2.0**30
 # ----------------------------------------------------------------------------------------------- configurations
 
 
-def _jax(
-    seq,
-    rows=1,
-    loss="rl",
-    remat="auto",
-    attn="cudnn",
-    chunk=2048,
-    steps=5,
-    warmup=2,
-    trace=False,
-    tag="",
-    segs=1,
-    save_gib=None,
-    model="qwen3-0.6b",
-    lora=0,
-    pdt="float32",
-    export="",
-):
-    """segs: the step's static bound on samples per row (the fake rows hold one); save_gib: the trainer's
-    `lm_head_saved_logits_gib` (None: its default, auto; 0: the head always recomputes its logits); model: a
-    tools/model_shapes.py QWEN3 name; lora: adapter rank (0 = full fine-tuning) on every attention and MLP
-    projection, the base frozen in `pdt`; export: "adapter" / "both" also times the step's broadcast (the adapter
-    as the trainer publishes it; "both": the merged full weights too)."""
+def _jax(seq, rows=1, loss="rl", *, tag="", model="qwen3-0.6b", lora=0, **kw):
+    """A primejax step row. kw (defaults below): remat, attn, chunk (logprob chunk), steps, warmup, trace, segs
+    (the step's static bound on samples per row; the fake rows hold one), save_gib (the trainer's
+    `lm_head_saved_logits_gib`: None = its default, auto; 0 = the head always recomputes), pdt (the parameters'
+    dtype; with LoRA the frozen base's), export ("adapter" / "both": also time the step's broadcast as the
+    trainer publishes it; "both": the merged full weights too). model: a tools/model_shapes.py QWEN3 name; lora:
+    adapter rank (0 = full fine-tuning) on every attention and MLP projection."""
     name = f"jax:{seq}:{loss}" + ("" if rows == 1 else f":x{rows}") + (f":{tag}" if tag else "")
-    if model != "qwen3-0.6b":
-        name += f":{model}"
-    if lora:
-        name += f":lora{lora}"
-    return dict(
-        model=model,
-        lora=lora,
-        pdt=pdt,
-        export=export,
-        kind="jax",
-        name=name,
-        seq=seq,
-        rows=rows,
-        loss=loss,
-        remat=remat,
-        attn=attn,
-        chunk=chunk,
-        steps=steps,
-        warmup=warmup,
-        trace=trace,
-        segs=segs,
-        save_gib=save_gib,
-    )
+    name += ("" if model == "qwen3-0.6b" else f":{model}") + (f":lora{lora}" if lora else "")
+    defaults = dict(
+        remat="auto", attn="cudnn", chunk=2048, steps=5, warmup=2, trace=False, segs=1, save_gib=None,
+        pdt="float32", export="",
+    )  # fmt: skip
+    return dict(defaults, **kw, kind="jax", name=name, seq=seq, rows=rows, loss=loss, model=model, lora=lora)
 
 
 def _torch(seq, rows=1, ckpt=True, steps=4, warmup=2):
-    return dict(
-        kind="torch",
-        name=f"torch:{seq}:{'ckpt' if ckpt else 'nockpt'}" + ("" if rows == 1 else f":x{rows}"),
-        seq=seq,
-        rows=rows,
-        ckpt=ckpt,
-        loss="ce",
-        steps=steps,
-        warmup=warmup,
-    )
+    name = f"torch:{seq}:{'ckpt' if ckpt else 'nockpt'}" + ("" if rows == 1 else f":x{rows}")
+    return dict(kind="torch", name=name, seq=seq, rows=rows, ckpt=ckpt, loss="ce", steps=steps, warmup=warmup)
 
 
 CONFIGS = {
@@ -157,15 +107,9 @@ CONFIGS = {
     ],
 }
 SMOKE_MODEL = dict(
-    QWEN3_06B,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    vocab_size=512,
-)
+    QWEN3_06B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32, vocab_size=512,
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- jax worker
@@ -180,23 +124,18 @@ def _hf_shape(c: dict) -> dict:
 def _model_config(c: dict):
     from primejax.models.config import ModelConfig
 
-    lora = {}
-    if c.get("lora"):
-        from primejax.models.lora import DEFAULT_TARGETS
-
-        lora = dict(lora_rank=c["lora"], lora_alpha=2.0 * c["lora"], lora_targets=DEFAULT_TARGETS)
     return ModelConfig.from_hf_config(
         _hf_shape(c),
         param_dtype=c.get("pdt", "float32"),
         compute_dtype="bfloat16",
         attention_impl=c["attn"],
         remat_policy=c["remat"],
-        **lora,
+        **lora_options(c.get("lora", 0)),
     )
 
 
 def _export_times(engine, cfg, full: bool) -> dict:
-    """The step's broadcast as the trainer writes it (trainer/publish.py, bf16, sha256 in STABLE, into a temp
+    """The step's broadcast as the trainer writes it (transports/weights/, bf16, sha256 in STABLE, into a temp
     run directory): the adapter alone (LoRA), and with `full` the merged full weights next to it."""
     import tempfile
 
@@ -260,38 +199,16 @@ def jax_worker(c: dict) -> dict:
     engine = Engine.create(t, cfg, seed=0)
     kind = "sft" if c["loss"] == "ce" else "rl"
     host = {k: np.asarray(v)[None] for k, v in _fake_batch(rows, seq, cfg.vocab_size, c["loss"]).items()}
-    batch = engine.device_batch(host)
-    t0 = time.perf_counter()
-    step = engine.lower(batch, kind, c.get("segs", 1)).compile()
-    compile_only_s = time.perf_counter() - t0
-    mem = _memory_analysis(step)
-
-    frozen = engine._frozen_arg()  # LoRA: the frozen weights are the step's third argument
-
-    def run(batch):
-        engine.state, metrics = step(engine.state, batch, *frozen)
-        return metrics["loss"]
-
-    with jax.set_mesh(engine.mesh):
-        first, dt = _timed(run, lambda: (batch,), c["steps"], c["warmup"])
-        loss = float(run(batch))
-        trace = _trace_summary(run, batch) if c.get("trace") and jax.default_backend() == "gpu" else None
-    tokens = rows * seq
+    res = time_engine_step(engine, host, kind, c.get("segs", 1), c)
+    dt, tokens = res.pop("step_s"), rows * seq
     head_bytes = saved_logits_bytes(tokens, cfg.vocab_size, "bfloat16")
-    res = dict(
+    res.update(
         tok_s=tokens / dt,
         step_ms=dt * 1e3,
-        compile_s=compile_only_s,
-        first_step_s=first,
-        loss=loss,
         mfu=tokens * cfg.flops_per_token(seq) / dt / PEAK_FLOPS,
-        peak_gib=_jax_peak_gib(),
-        memory=mem,
         remat_resolved=resolve_remat_policy(c["remat"], rows * seq),
         head_saves_logits=0 < head_bytes <= engine.saved_logits_bytes,
     )
-    if trace is not None:
-        res["trace"] = trace
     if c.get("lora"):
         res["adapter_params"] = sum(int(x.size) for x in jax.tree.leaves(engine.state.params))
     if c.get("export"):
@@ -359,101 +276,162 @@ def torch_worker(c: dict) -> dict:
     )
 
 
+# ----------------------------------------------------------------------------------------------- GPU checks
+
+
+def check_worker(c: dict) -> dict:
+    """Every GPU fast path against its XLA reference: forward values and gradients, bf16 tolerance."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from primejax.models.attention import attention, prepare_segments
+    from primejax.trainer.fused_head import fused_token_logprobs
+    from primejax.trainer.logprobs import token_logprobs, token_logprobs_reference
+
+    out: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    try:
+        from jax._src import cuda_versions
+
+        out["cudnn"] = cuda_versions.cudnn_get_version()
+    except Exception as e:  # noqa: BLE001 - informational only
+        out["cudnn"] = repr(e)
+    tol = 2e-2
+    # Attention on packed rows: several segments of uneven length plus trailing padding, GQA 16/8, Dh 128.
+    t = 4096
+    seg = np.zeros((2, t), np.int32)
+    for r, lens in enumerate([(300, 1700, 1000, 1000), (4000,)]):
+        pos = 0
+        for s, n in enumerate(lens, 1):
+            seg[r, pos : pos + n] = s
+            pos += n
+    seg = jnp.asarray(seg)
+    k = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(k[0], (2, t, 16, 128), jnp.bfloat16)
+    kk = jax.random.normal(k[1], (2, t, 8, 128), jnp.bfloat16)
+    v = jax.random.normal(k[2], (2, t, 8, 128), jnp.bfloat16)
+    cot = jax.random.normal(k[3], q.shape, jnp.bfloat16)
+
+    def fwd_bwd(impl):
+        def f(q, kk, v):
+            return jnp.sum((attention(q, kk, v, seg, impl=impl) * cot).astype(jnp.float32))
+
+        o = jax.jit(lambda q, kk, v: attention(q, kk, v, seg, impl=impl))(q, kk, v)
+        return o, jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, kk, v)
+
+    o_ref, g_ref = fwd_bwd("xla")
+    o_fast, g_fast = fwd_bwd("cudnn")
+    errs = {"attn_out": rel(o_fast, o_ref)}
+    errs.update({f"attn_d{n}": rel(a, b) for n, a, b in zip("qkv", g_fast, g_ref, strict=True)})
+    # As the model runs it: the runs described once, with the step's bound (4 samples -> 5 run slots).
+    runs = prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=4)
+    o_runs = jax.jit(lambda q, kk, v: attention(q, kk, v, seg, impl="cudnn", runs=runs))(q, kk, v)
+    errs["attn_out_bound4"] = rel(o_runs, o_ref)
+    tight = prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=2)  # row 0 has 4: must flag
+    out["overflow_flagged"] = [bool(x) for x in np.asarray(tight.overflow)]
+    # One sample per row, padding last: the plain causal kernel, compared on the sample's tokens (values
+    # and gradients; the padding gets no cotangent, as in the trainer where it carries no loss).
+    seg1 = jnp.asarray(np.repeat([[1] * 3000 + [0] * (t - 3000)], 2, axis=0), jnp.int32)
+    one = prepare_segments(seg1, impl="cudnn", dtype=q.dtype, max_segments=1)
+    real = (seg1 > 0)[:, :, None, None]
+    cot1 = jnp.where(real, cot, 0)
+
+    def one_sample(impl, runs):
+        def f(q, kk, v):
+            return jnp.sum((attention(q, kk, v, seg1, impl=impl, runs=runs) * cot1).astype(jnp.float32))
+
+        o = jax.jit(lambda q, kk, v: attention(q, kk, v, seg1, impl=impl, runs=runs))(q, kk, v)
+        return jnp.where(real, o, 0), jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, kk, v)
+
+    (o1_ref, g1_ref), (o1, g1) = one_sample("xla", None), one_sample("cudnn", one)
+    errs["causal_out"] = rel(o1, o1_ref)
+    errs.update({f"causal_d{n}": rel(a, b) for n, a, b in zip("qkv", g1, g1_ref, strict=True)})
+    out["causal_overflow_flagged"] = [
+        bool(x)
+        for x in np.asarray(prepare_segments(seg, impl="cudnn", dtype=q.dtype, max_segments=1).overflow)
+    ]
+    # LM head + logprobs against full fp32 logits.
+    b, t, d, vocab = 1, 4096, 1024, 151936
+    k = jax.random.split(jax.random.key(1), 5)
+    h = jax.random.normal(k[0], (b, t, d), jnp.bfloat16)
+    w = 0.02 * jax.random.normal(k[1], (d, vocab), jnp.float32)
+    y = jax.random.randint(k[2], (b, t), 0, vocab)
+    tau = jax.random.uniform(k[3], (b, t), minval=0.7, maxval=1.3)
+    coef = jax.random.normal(k[4], (b, t))
+
+    def head(fn):
+        def f(h, w):
+            lp, ent = fn(h, w)
+            return jnp.sum(coef * lp) + 0.1 * jnp.sum(ent), (lp, ent)
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w)
+
+    (l_r, (lp_r, ent_r)), (gh_r, gw_r) = head(lambda h, w: token_logprobs_reference(h, w, y, tau))
+    heads = {
+        "head": lambda h, w: token_logprobs(h, w, y, tau, 1024),  # chunked, recomputed per chunk
+        "fused_head": lambda h, w: fused_token_logprobs(h, w, y, tau, 1024),
+        # the same head keeping its fp32 logits for the backward instead of recomputing them
+        "saved_head": lambda h, w: fused_token_logprobs(h, w, y, tau, 1024, 1 << 40),
+    }
+    for name, fn in heads.items():
+        (l_f, (lp_f, ent_f)), (gh_f, gw_f) = head(fn)
+        pairs = dict(
+            loss=(l_f, l_r), logprobs=(lp_f, lp_r), entropy=(ent_f, ent_r), dh=(gh_f, gh_r), dw=(gw_f, gw_r)
+        )
+        errs.update({f"{name}_{k}": rel(a, b) for k, (a, b) in pairs.items()})
+    out["errors"] = errs
+    out["ok"] = (
+        all(np.isfinite(e) and e < tol for e in errs.values())
+        and out["overflow_flagged"] == [True, False]
+        and out["causal_overflow_flagged"] == [True, False]
+    )
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- driver
 
 WORKERS = {"jax": jax_worker, "torch": torch_worker, "check": check_worker}
 
 
-def _run_child(c: dict, timeout: float) -> dict:
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.94", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, __file__, "--worker", json.dumps(c)]
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return dict(c, error=f"timeout after {timeout:.0f}s")
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode or not lines:
-        tail = (p.stderr or p.stdout)[-1500:]
-        oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
-        return dict(c, oom=oom, error=None if oom else tail, wall_s=time.perf_counter() - t0)
-    return dict(c, **json.loads(lines[-1][7:]), wall_s=time.perf_counter() - t0)
+def _env(c: dict, smoke: bool) -> dict:
+    return dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.94", PYTHONUNBUFFERED="1")
+
+
+def _notes(r: dict) -> str:
+    if r["kind"] != "jax":
+        return ""
+    notes = (
+        f"remat={r.get('remat_resolved') or r['remat']} attn={r['attn']} segs={r['segs']} chunk={r['chunk']}"
+    )
+    notes += " head=saved" if r.get("head_saves_logits") else " head=recompute"
+    if r.get("memory", {}).get("temp") is not None:
+        notes += f" temp={r['memory']['temp']:.1f}G"
+    if r.get("adapter_export_s") is not None:
+        notes += f" export: adapter {r['adapter_export_mb']:.1f}MB {r['adapter_export_s']:.2f}s"
+    if r.get("full_export_s") is not None:
+        notes += f" full {r['full_export_gb']:.2f}GB {r['full_export_s']:.1f}s"
+    return notes
 
 
 def _table(results: list[dict]) -> str:
-    torch_best = {}
-    for r in results:
-        if r["kind"] == "torch" and r.get("tok_s"):
-            key = (r["seq"], r["rows"])
-            torch_best[key] = max(torch_best.get(key, 0.0), r["tok_s"])
+    torch_best: dict[tuple, float] = {}  # the faster torch row of each shape is the jax rows' baseline
+    for r in (r for r in results if r["kind"] == "torch" and r.get("tok_s")):
+        torch_best[r["seq"], r["rows"]] = max(torch_best.get((r["seq"], r["rows"]), 0.0), r["tok_s"])
     head = f"{'impl':<24}{'seq':>7}{'rows':>5}{'tok/s':>10}{'MFU':>7}{'step ms':>10}{'peak GiB':>10}{'vs torch':>9}  notes"
     lines = [head, "-" * len(head)]
-    for r in results:
-        if r["kind"] == "check":
+    for r in (r for r in results if r["kind"] != "check"):
+        row = f"{r['name']:<24}{r['seq']:>7}{r['rows']:>5}"
+        if not r.get("tok_s"):
+            lines.append(f"{row}{'OOM' if r.get('oom') else 'FAIL':>10}{'':>36}  {_notes(r)}")
             continue
-        label = ""
-        if r["kind"] == "jax":
-            remat = r.get("remat_resolved") or r["remat"]
-            label = f"remat={remat} attn={r['attn']} segs={r.get('segs', 1)} chunk={r['chunk']}"
-            label += " head=saved" if r.get("head_saves_logits") else " head=recompute"
-            if r.get("memory", {}).get("temp") is not None:
-                label += f" temp={r['memory']['temp']:.1f}G"
-            if r.get("adapter_export_s") is not None:
-                label += f" export: adapter {r['adapter_export_mb']:.1f}MB {r['adapter_export_s']:.2f}s"
-            if r.get("full_export_s") is not None:
-                label += f" full {r['full_export_gb']:.2f}GB {r['full_export_s']:.1f}s"
-        if r.get("tok_s"):
-            best = torch_best.get((r["seq"], r["rows"]))
-            ratio = f"{r['tok_s'] / best:.2f}x" if best and r["kind"] == "jax" else ""
-            lines.append(
-                f"{r['name']:<24}{r['seq']:>7}{r['rows']:>5}{r['tok_s']:>10.0f}{100 * r['mfu']:>6.1f}%"
-                f"{r['step_ms']:>10.1f}{r['peak_gib']:>10.1f}{ratio:>9}  {label}"
-            )
-        else:
-            status = "OOM" if r.get("oom") else "FAIL"
-            lines.append(f"{r['name']:<24}{r['seq']:>7}{r['rows']:>5}{status:>10}{'':>27}{'':>9}  {label}")
+        best = torch_best.get((r["seq"], r["rows"])) if r["kind"] == "jax" else None
+        ratio = f"{r['tok_s'] / best:.2f}x" if best else ""
+        lines.append(
+            f"{row}{r['tok_s']:>10.0f}{100 * r['mfu']:>6.1f}%{r['step_ms']:>10.1f}{r['peak_gib']:>10.1f}{ratio:>9}"
+            f"  {_notes(r)}"
+        )
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", default="main", choices=sorted(CONFIGS))
-    ap.add_argument("--smoke", action="store_true", help="= --suite smoke (CPU: tiny model, seconds)")
-    ap.add_argument("--only", default="", help="comma-separated configuration names from the suite")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
-    ap.add_argument(
-        "--budget",
-        type=float,
-        default=0.0,
-        help="seconds for the whole suite (0 = none): configurations that would start later are skipped",
-    )
-    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        c = json.loads(args.worker)
-        print("RESULT " + json.dumps(WORKERS[c["kind"]](c)), flush=True)
-        return
-    configs = CONFIGS["smoke" if args.smoke and not args.suite.startswith("smoke") else args.suite]
-    if args.only:
-        wanted = set(args.only.split(","))
-        configs = [c for c in configs if c["name"] in wanted]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    start = time.perf_counter()
-    for c in configs:
-        left = args.budget - (time.perf_counter() - start) if args.budget else args.timeout
-        if left < 20:
-            results.append(dict(c, error="skipped: suite budget spent"))
-            continue
-        r = _run_child(c, min(args.timeout, left))
-        results.append(r)
-        print(json.dumps(r), flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    print()
-    print(_table(results))
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, CONFIGS, WORKERS, _table, _env, script=__file__, suite="main", timeout=300.0)

@@ -29,34 +29,45 @@ def series(run_dir: Path, process: str, key: str) -> tuple[list[int], list[float
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
-def plot(run_dir: str | Path | list, out: str | Path | None = None) -> Path:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    runs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
-    out = Path(out) if out else runs[0] / "curves.png"
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
-    for ax, (process, key, title) in zip(axes, PANELS, strict=True):
-        found = False
-        for run in runs:
-            steps, values = series(run, process, key)
-            ax.plot(steps, values, marker="o", markersize=3, label=run.name)
-            found = found or bool(steps)
-        if len(runs) > 1:
-            ax.legend(fontsize=7)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if not found:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(" vs ".join(r.name for r in runs))
+    return plt
+
+
+def _panel(ax, lines: list[tuple[str, list, list]], title: str) -> None:
+    """One panel over steps: a line per (label, steps, values) that has points; "no data" when none has."""
+    for label, steps, values in lines:
+        if steps:
+            ax.plot(steps, values, marker="o", markersize=3, label=label)
+    if not ax.lines:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    elif len(lines) > 1:
+        ax.legend(fontsize=7)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+
+
+def _save(plt, fig, title: str, out: Path) -> Path:
+    fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot(run_dir: str | Path | list, out: str | Path | None = None) -> Path:
+    plt = _pyplot()
+    runs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
+    for ax, (process, key, title) in zip(axes, PANELS, strict=True):
+        _panel(ax, [(run.name, *series(run, process, key)) for run in runs], title)
+    return _save(plt, fig, " vs ".join(r.name for r in runs), Path(out) if out else runs[0] / "curves.png")
 
 
 SERVER_PANELS = (
@@ -71,36 +82,20 @@ SERVER_PANELS = (
 
 def plot_servers(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """One panel per server metric (primejax.orchestrator.server_stats), one line per server and the total."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     run = Path(run_dir)
-    out = Path(out) if out else run / "servers.png"
     rows = read_jsonl(RunDir(run).metrics("orchestrator"))
     servers = sorted({int(m.group(1)) for r in rows for k in r if (m := re.match(r"server/(\d+)/", k))})
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.4))
     for ax, (key, title) in zip(axes.flat, SERVER_PANELS, strict=True):
-        lines = [(f"server {i}", f"server/{i}/{key}") for i in servers]
+        names = [(f"server {i}", f"server/{i}/{key}") for i in servers]
         if len(servers) > 1 and key != "kv_cache_usage":
-            lines.append(("total", f"server/total/{key}"))
-        for label, name in lines:
-            found = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
-            if found:
-                ax.plot(*zip(*found, strict=True), marker="o", markersize=3, label=label)
-        if not ax.lines:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        elif len(lines) > 1:
-            ax.legend(fontsize=7)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{run.name}: inference servers")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+            names.append(("total", f"server/total/{key}"))
+        found = [(label, [r for r in rows if r.get(name) is not None], name) for label, name in names]
+        _panel(
+            ax, [(label, [r["step"] for r in rs], [r[name] for r in rs]) for label, rs, name in found], title
+        )
+    return _save(plt, fig, f"{run.name}: inference servers", Path(out) if out else run / "servers.png")
 
 
 def plot_timeline(run_dir: str | Path, step: int, out: str | Path | None = None) -> Path:

@@ -43,37 +43,28 @@ from primejax.trainer.hlo_collectives import collective_bytes
 from primejax.trainer.tpu_topology import GIB, parse_slice, topology_devices, use_libtpu
 from tools.model_shapes import QWEN3
 
+# The tool's own flags beside --config (a table: one flag a line).
+# fmt: off
+FLAGS = (
+    (flags.DEFINE_string, "topology", None, "TPU slice: v5p-16, v5e-16, v6e-8, or libtpu's v5e:4x4"),
+    (flags.DEFINE_string, "model", "", f"a known shape instead of model.path: {', '.join(QWEN3)}"),
+    (flags.DEFINE_integer, "seq_len", 0, "tokens per packed row (0 = trainer.fake_data.seq_len)"),
+    (flags.DEFINE_integer, "tokens_per_chip", 0, "tokens per chip per micro-batch; sets the micro-batch rows "
+                                                 "(0 = trainer.micro_batch_size rows per data-parallel rank)"),
+    (flags.DEFINE_integer, "micro_batches", 1, "micro-batches per step (gradient accumulation)"),
+    (flags.DEFINE_integer, "max_segments", 0, "static bound on samples per row (0 = unknown)"),
+    (flags.DEFINE_bool, "recommend", False, "try meshes x remat policies and pick one"),
+    (flags.DEFINE_string, "json", "", "also write the report(s) to this JSON file"),
+    (flags.DEFINE_string, "tensor_sizes", "1,2,4,8", "--recommend: tensor-parallel sizes to try, in order"),
+    (flags.DEFINE_string, "context_sizes", "1,2,4,8,16", "--recommend: context-parallel sizes to try (a row of "
+                                                         "seq_len tokens over C chips), in order"),
+)
+# fmt: on
+
 
 def _flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string(
-        "topology", None, "TPU slice: v5p-16, v5e-16, v6e-8, or libtpu's v5e:4x4", flag_values=fv
-    )
-    flags.DEFINE_string(
-        "model", "", f"a known shape instead of model.path: {', '.join(QWEN3)}", flag_values=fv
-    )
-    flags.DEFINE_integer(
-        "seq_len", 0, "tokens per packed row (0 = trainer.fake_data.seq_len)", flag_values=fv
-    )
-    flags.DEFINE_integer(
-        "tokens_per_chip",
-        0,
-        "tokens per chip per micro-batch; sets the micro-batch rows "
-        "(0 = trainer.micro_batch_size rows per data-parallel rank)",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer("micro_batches", 1, "micro-batches per step (gradient accumulation)", flag_values=fv)
-    flags.DEFINE_integer("max_segments", 0, "static bound on samples per row (0 = unknown)", flag_values=fv)
-    flags.DEFINE_bool("recommend", False, "try meshes x remat policies and pick one", flag_values=fv)
-    flags.DEFINE_string("json", "", "also write the report(s) to this JSON file", flag_values=fv)
-    flags.DEFINE_string(
-        "tensor_sizes", "1,2,4,8", "--recommend: tensor-parallel sizes to try, in order", flag_values=fv
-    )
-    flags.DEFINE_string(
-        "context_sizes",
-        "1,2,4,8,16",
-        "--recommend: context-parallel sizes to try (a row of seq_len tokens over C chips), in order",
-        flag_values=fv,
-    )
+    for define, name, default, doc in FLAGS:
+        define(name, default, doc, flag_values=fv)
 
 
 def _model_config(cfg, name: str):

@@ -44,6 +44,7 @@ def main() -> int:
         run_dir=cfg.run_dir,
         admin_token=server_token(cfg.run_dir),
         lora_rank=served_lora_rank(cfg),
+        transport=cfg.trainer.broadcast.mode,
     )
     if fv["dry_run"].value:
         env = spec.environ({})

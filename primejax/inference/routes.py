@@ -9,6 +9,9 @@ scheduling with in-flight requests kept -> load in place -> drop cached KV compu
 (running requests are recomputed, none is lost) -> resume -> publish the new version. A request that
 straddles an update has its earlier tokens (and their logprobs) from the old weights and the rest from the
 new ones; callers that track policy versions should stamp a sample with the version at its start.
+
+A weight transport with a route of its own (transports/weights/registry.py) gets it without an edit here:
+transport_routes.py mounts it beside these and hands it this protocol (`_update_from_dir`, `_load_with`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
@@ -259,7 +262,11 @@ async def update_weights(request: Request) -> JSONResponse:
     weight_dir = body.get("weight_dir")
     if not isinstance(weight_dir, str) or not weight_dir:
         return _error(HTTPStatus.BAD_REQUEST, "'weight_dir' (a directory path) is required")
-    version = body.get("version", version_from_dir(weight_dir))
+    return await _update_from_dir(state, weight_dir, body.get("version", version_from_dir(weight_dir)))
+
+
+async def _update_from_dir(state: AdminState, weight_dir: str, version: Any) -> JSONResponse:
+    """/update_weights after its body is read: confine, check, then load the directory (or adapter)."""
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         return _error(
             HTTPStatus.BAD_REQUEST,
@@ -409,36 +416,41 @@ async def liveness(request: Request) -> JSONResponse:
 TRANSFER_GRACE_S = 30.0
 
 
-async def _transfer(
-    state: AdminState, init_info: dict, update_info: dict, version: int, timeout_s: float
+async def _load_with(
+    state: AdminState, version: int, transport: str, load: Callable[[Any], Awaitable[None]]
 ) -> JSONResponse:
+    """The update protocol around a load that is no directory (call with the state lock held): pause -> `await
+    load(engine)` -> cache reset -> resume -> version; on failure restore the previous weights or go unhealthy."""
     t0 = time.perf_counter()
     await state.engine.pause()
     try:
         try:
-            await asyncio.wait_for(
-                state.engine.transfer_weights(init_info, update_info),  # type: ignore[attr-defined]
-                timeout_s + TRANSFER_GRACE_S,
-            )
+            await load(state.engine)
         except Exception as e:
-            logger.exception("collective weight transfer of version %d failed", version)
-            restored = await _after_failed_load(state, f"the collective transfer of version {version} failed")
-            return _error(
-                HTTPStatus.BAD_GATEWAY,
-                f"collective transfer of version {version} failed "
-                f"({type(e).__name__}: {str(e)[:300]}); {restored}",
-            )
+            logger.exception("%s weight update of version %d failed", transport, version)
+            what = f"{transport} transfer of version {version} failed"
+            restored = await _after_failed_load(state, f"the {what}")
+            return _error(HTTPStatus.BAD_GATEWAY, f"{what} ({type(e).__name__}: {str(e)[:300]}); {restored}")
         await state.engine.reset_cache()
         state.unhealthy = ""
     finally:
         if not state.user_paused and not state.unhealthy:
             await state.engine.resume()
-    state.version, state.weight_dir, state.transport = version, "", "collective"
+    state.version, state.weight_dir, state.transport = version, "", transport
     state.adapters.serve_base()
     _start_reaper(state)
     state.last_load_s = time.perf_counter() - t0
-    logger.info("serving weights version %d received collectively (%.3f s)", version, state.last_load_s)
+    logger.info("serving weights version %d received by %s (%.3f s)", version, transport, state.last_load_s)
     return JSONResponse(state.describe())
+
+
+async def _transfer(
+    state: AdminState, init_info: dict, update_info: dict, version: int, timeout_s: float
+) -> JSONResponse:
+    async def load(engine: Any) -> None:
+        await asyncio.wait_for(engine.transfer_weights(init_info, update_info), timeout_s + TRANSFER_GRACE_S)
+
+    return await _load_with(state, version, "collective", load)
 
 
 @router.post("/transfer_weights")

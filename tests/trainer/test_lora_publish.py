@@ -20,13 +20,9 @@ from primejax.models.lora_io import read_peft
 from primejax.trainer.config import BroadcastConfig, TrainerConfig
 from primejax.trainer.engine import Engine
 from primejax.transports.weights.adapters.dirs import check_adapter_dir
+from primejax.transports.weights.collective.publisher import CollectivePublisher
 from primejax.transports.weights.filesystem.broadcast import stable_steps, verify_broadcast
-from primejax.transports.weights.publish import (
-    AdapterPublisher,
-    CollectivePublisher,
-    FilesystemPublisher,
-    make_publisher,
-)
+from primejax.transports.weights.publish import AdapterPublisher, FilesystemPublisher, make_publisher
 
 
 @pytest.fixture(scope="module")

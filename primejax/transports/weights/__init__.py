@@ -1,2 +1,3 @@
-"""Weight transports, trainer -> inference (docs/weight_transfer.md): one interface per direction (base.py),
-one folder per transport (filesystem/, collective/, adapters/) with its publisher and receiver."""
+"""Weight transports, trainer -> inference (docs/weight_transfer.md): one interface per direction (base.py), one
+folder per transport (filesystem/, collective/) that registers itself by name (registry.py); adapters/ is a LoRA
+run's disk format, which both use."""

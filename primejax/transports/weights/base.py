@@ -2,18 +2,22 @@
 
 - Trainer side, `Publisher.publish(step, model)`: make θ_step available to inference and return the step's
   metrics. One per transport: `filesystem.publisher.FilesystemPublisher`, `adapters.publisher.AdapterPublisher`,
-  `collective.publisher.CollectivePublisher`; `publish.make_publisher` picks the run's from `trainer.broadcast`.
+  `collective.publisher.CollectivePublisher`; `publish.make_publisher` asks the registry (registry.py) for
+  `trainer.broadcast.mode`'s transport and calls its publisher factory.
 - Server side, `Receiver.receive(...)`: take one round of tensors and hand them to `load` (vLLM's
   `load_weights`, or an adapter assembler) before acknowledging. The filesystem transport has no receiver of
   its own (the server loads a checked directory, `validate.py`); `collective.wire.Receiver` is the collective
   one, which the vLLM engine (`collective.receiver`) and the adapter round (`adapters.receiver`) drive.
+- Server side, `Server`: what a transport's own route (registry.Route) may do on an inference server: load a
+  directory through the filesystem update's checks, or run a load of its own inside the update protocol. The
+  server's routes (primejax/inference/routes.py) implement it.
 
-A new transport is one folder beside these three, with its publisher, its receiver and its wire.
+A new transport is one folder beside these three that registers itself (registry.py, docs/weight_transfer.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from flax import nnx
@@ -38,4 +42,28 @@ class Receiver(Protocol):
     ) -> int:
         """Receive one round as `rank`, handing whole tensors to `load`; `before_ack` runs after the last one
         and before the round is acknowledged. Returns the bytes received; raises when the round failed."""
+        ...
+
+
+class Server(Protocol):
+    """An inference server's update protocol, as a transport's route drives it. Each call takes the server's
+    update lock and answers (HTTP status, JSON object): 200 with the served version on success, 4xx/5xx with one
+    `error` line otherwise (a refused update touches nothing; a failed load restores the previous weights or
+    marks the server unhealthy, as /update_weights does)."""
+
+    @property
+    def version(self) -> int:
+        """The policy version served now."""
+        ...
+
+    async def load_directory(self, weight_dir: str, version: int) -> tuple[int, dict[str, Any]]:
+        """Load an HF safetensors (or PEFT adapter) directory with /update_weights' checks (confined to the
+        server's weights root, STABLE when required, headers against the served model) and protocol."""
+        ...
+
+    async def load_with(
+        self, version: int, transport: str, load: Callable[[Any], Awaitable[None]]
+    ) -> tuple[int, dict[str, Any]]:
+        """Pause (in-flight requests kept) -> `await load(engine)` -> cache reset -> resume -> `version`, tagged
+        `transport` in /weights_version. `engine` is the server's engine (its `load_weights(dir)`, ...)."""
         ...

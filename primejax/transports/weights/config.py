@@ -6,7 +6,8 @@ Light on purpose (no JAX import): the launcher and `--help=keys` read it without
 
 from __future__ import annotations
 
-from primejax.utils.sections import Section, option, section
+from primejax.transports.weights.registry import UnknownTransport, lookup
+from primejax.utils.sections import ConfigError, Section, option, section
 
 
 @section
@@ -18,7 +19,9 @@ class BroadcastConfig(Section):
     dtype: str = option("bfloat16", "stored / sent dtype", choices=("bfloat16", "float32"))
     hash: bool = option(True, "list the files' sha256 in STABLE")
     mode: str = option(
-        "filesystem", "how weights reach the inference servers", choices=("filesystem", "collective")
+        "filesystem",
+        "how weights reach the inference servers: a registered transport (filesystem, collective, or the "
+        "name of a folder under primejax/transports/weights/ that registers itself)",
     )
     transfer_host: str = option(
         "127.0.0.1", "collective: address the trainer's rendezvous listens on (servers connect)"
@@ -52,3 +55,9 @@ class BroadcastConfig(Section):
         "collective: inference workers per server (its tensor- x pipeline-parallel size); each one receives",
         gt=0,
     )
+
+    def check(self) -> None:
+        try:
+            lookup(self.mode)
+        except UnknownTransport as e:
+            raise ConfigError("mode", str(e)) from None
