@@ -59,6 +59,7 @@ def _body(base_dir, version=3, round_id="r1", **update):
     tensors = read_checkpoint_tensors(base_dir)
     info = {
         "round_id": round_id,
+        "wire_version": 2,
         "names": list(tensors),
         "dtype_names": ["bfloat16"] * len(tensors),
         "shapes": [list(t.shape) for t in tensors.values()],
