@@ -19,11 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from primejax.transports.weights.collective import meta
 from primejax.transports.weights.tensors import Piece, TensorMeta, piece_bytes, rows
 
 
 def pieces_of(update_info: dict[str, Any], metas: Sequence[TensorMeta]) -> tuple[int, list[Piece]]:
-    """(number of senders, the round's pieces), checked: every tensor's rows are covered exactly once."""
+    """(number of senders, the round's pieces), checked: every tensor's rows are covered exactly once; and the
+    round's stacks (meta.stacks_of), so that the server refuses a lying manifest before it pauses."""
+    meta.stacks_of(update_info, metas)
     senders = int(update_info.get("senders", 1))
     raw = update_info.get("pieces")
     if senders < 1:

@@ -28,7 +28,10 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
         WeightTransferInitInfo,
         WeightTransferUpdateInfo,
     )
+    from vllm.logger import init_logger
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    log = init_logger("vllm.primejax.transfer")  # under vllm's logger: the server's log shows it
 
     @dataclass(kw_only=True)
     class InitInfo(WeightTransferInitInfo):
@@ -103,6 +106,12 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
                     read_token(),
                     before_ack=getattr(load, "check_done", None),
                 )
+                if isinstance(load, ExpertLoader) and load.fused_calls:
+                    log.info(
+                        "round %s: %d MoE expert projections loaded whole into the fused parameters",
+                        update_info.round_id,
+                        load.fused_calls,
+                    )
             except BaseException:
                 # Leave the layerwise-reload state (layers that got nothing get their previous tensors back)
                 # so the model is usable by the next full load; the caller decides what the weights are now.

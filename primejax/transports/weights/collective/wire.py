@@ -365,7 +365,8 @@ class Receiver:
         is the run's admin secret) or when what arrived differs from a sender's digest. `before_ack`: run once
         everything arrived and matched, before the acknowledgement (a LoRA adapter is loaded there, so an
         acknowledged round is a served one); if it raises, nothing is acknowledged."""
-        metas = metas_from_update_info(update_info)
+        metas = metas_from_update_info(update_info)  # refuses another wire version
+        lanes.pieces_of(update_info, metas)  # and a manifest that lies, before joining anything
         timeout_s = float(init_info.get("timeout_s", 60.0))
         key = (
             init_info["master_address"],
