@@ -163,8 +163,9 @@ def _blocks(tensors: Iterable[Any], metas: Sequence[TensorMeta]) -> Iterator[tup
             raise ValueError(f"more tensors than the round's {len(metas)}")
         m = metas[i]
         shape, dtype = tuple(t.shape), str(t.dtype).removeprefix("torch.")
-        n = shape[0] if len(shape) == len(m.shape) + 1 and shape[1:] == m.shape else 1
-        if dtype != m.dtype or (n == 1 and shape != m.shape) or i + n > len(metas):
+        run = shape != m.shape and len(shape) == len(m.shape) + 1 and shape[1:] == m.shape
+        n = shape[0] if run else 1
+        if dtype != m.dtype or not (run or shape == m.shape) or n < 1 or i + n > len(metas):
             raise ValueError(f"tensor {m.name}: got {t.dtype} {shape}, declared {m.dtype} {m.shape}")
         for j in range(i + 1, i + n):
             if (metas[j].dtype, metas[j].shape) != (m.dtype, m.shape):
