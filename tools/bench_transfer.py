@@ -551,7 +551,7 @@ def moe_receiver(args: argparse.Namespace, device) -> None:
         load = Fused() if offer.init_info.get("fused_experts") else per_tensor
         rx.receive(offer.init_info, offer.update_info, 1, device or "cpu", load, process_token())
         state = [w for pair in fused.values() for w in pair] + list(other.values())
-        sums[r % 2] = [int(w.view(torch.int16).to(torch.int64).sum()) for w in state]
+        sums[r % 2] = [int(w.view(torch.int16).sum(dtype=torch.int64)) for w in state]  # no int64 copy
     _write(Path(args.run_dir) / "moe_done.json", {"identical": sums[0] == sums[1]})
 
 
