@@ -234,7 +234,8 @@ def test_moe_experts_loaded_fused_serve_the_bytes_of_the_per_tensor_load(moe_ser
     """Issue 47: a collective update whose experts go into vLLM's fused w13/w2 parameters one projection per
     layer (transports/weights/collective/fused.py, stacks on the wire) serves, bit for bit, what the same tensors
     serve after vLLM's own per-tensor load from disk and after the per-tensor collective path (no stacks, no
-    fused load); the server's log shows one round of fused loads (every MoE layer x 3 projections)."""
+    fused load), also when the experts travel one by one and are gathered per projection on the server; the
+    server's log shows those two rounds of fused loads (every MoE layer x 3 projections)."""
     dtype, url = moe_server
     if dtype != "float32":
         pytest.skip("the fused load is dtype-blind; checked once, in fp32")
@@ -264,10 +265,14 @@ def test_moe_experts_loaded_fused_serve_the_bytes_of_the_per_tensor_load(moe_ser
         asyncio.run(reload())
         _send(url, tmp_path / "plain", 7, named, stacks=False, fused_experts=False)
         plain_digest = _digest(url)
+        asyncio.run(reload())
+        # experts one by one on the wire, gathered per projection on the server (fused.py's torch.cat branch)
+        _send(url, tmp_path / "singles", 8, named, stacks=False)
+        singles_digest = _digest(url)
     finally:
         asyncio.run(reload())
     assert disk_digest != base_digest
     assert fused_digest == disk_digest, [k for k in disk_digest[0] if disk_digest[0][k] != fused_digest[0][k]]
-    assert plain_digest == disk_digest
+    assert plain_digest == disk_digest and singles_digest == disk_digest
     lines = [x for x in log.read_text().splitlines() if "MoE expert projections loaded whole" in x][before:]
-    assert len(lines) == 1 and f"{sparse * 3} MoE expert projections" in lines[0], lines
+    assert len(lines) == 2 and all(f"{sparse * 3} MoE expert projections" in x for x in lines), lines
