@@ -260,10 +260,11 @@ def receive_lanes(
     fed to its lane's digest; `load` gets the tensors that became whole, as the lanes' schedule completes them."""
     import torch
 
-    senders, pieces = lanes.pieces_of(update_info, metas)
-    if update_info.get("pieces") is None and senders == len(groups) == 1:
+    if update_info.get("pieces") is None and int(update_info.get("senders", 1)) == len(groups) == 1:
+        # One sender: whole tensors and stacks (the pieces' per-tensor bookkeeping is skipped: 30 ms for 30B-A3B)
         units = meta.stacks_of(update_info, metas)
         return receive_units(groups[0], metas, units, bucket_bytes, device, load, digests[0])
+    senders, pieces = lanes.pieces_of(update_info, metas)
     if senders != len(groups):
         raise ValueError(f"round of {senders} senders received over {len(groups)} groups")
     per_lane = lanes.lane_buckets(metas, pieces, senders, bucket_bytes)
