@@ -41,7 +41,9 @@ def test_buckets_cut_where_vllm_packs(bucket_bytes):
     vllm_cuts = []
     while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
         vllm_cuts.append(chunk.names)
-    ours = [[named[i][0] for i in idx] for idx in meta.buckets(tensor_metas(named), bucket_bytes)]
+    metas = tensor_metas(named)
+    units = meta.stacks_of({}, metas)  # no stacks: every tensor its own unit
+    ours = [[named[units[u][0]][0] for u in idx] for idx in meta.unit_buckets(metas, units, bucket_bytes)]
     assert ours == vllm_cuts
 
 

@@ -73,22 +73,6 @@ def metas_from_update_info(info: dict[str, Any]) -> list[TensorMeta]:
     return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
 
 
-def buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[int]]:
-    """Indices of `metas` per bucket: add tensors until the bucket holds more than `bucket_bytes`."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
-    for i, m in enumerate(metas):
-        cur.append(i)
-        size += m.nbytes
-        if size > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
-
-
 def make_stacks(metas: Sequence[TensorMeta], max_bytes: int) -> list[tuple[int, int]]:
     """The sender's stacks: maximal runs of consecutive tensors of one dtype and shape, each cut to at most
     `max_bytes` (the bucket size, so a stack never makes a bucket much larger than before); runs of one are
@@ -139,8 +123,8 @@ def stacks_of(info: dict[str, Any], metas: Sequence[TensorMeta]) -> list[tuple[i
 def unit_buckets(
     metas: Sequence[TensorMeta], units: Sequence[tuple[int, int]], bucket_bytes: int
 ) -> list[list[int]]:
-    """Indices of `units` per bucket, the rule of `buckets` over units (a stack is never split). Without
-    stacks the cut is `buckets`'s."""
+    """Indices of `units` per bucket: add units until the bucket holds more than `bucket_bytes` (vLLM's
+    packed-broadcast rule, wire.py; a stack is never split). Without stacks: vLLM's cut of the tensors."""
     out: list[list[int]] = []
     cur: list[int] = []
     size = 0

@@ -5,7 +5,8 @@ dtypes and shapes travel over HTTP in the update info). The bytes travel as pack
 flattened to uint8 and concatenated until a bucket holds MORE than `bucket_bytes` (the tensor that crosses
 the bound still goes in), the same cut rule as vLLM's packed NCCL broadcast
 (`vllm/distributed/weight_transfer/packed_tensor.py`), so both sides cut identical buckets from the metadata
-alone. Each bucket is one `broadcast` from rank 0 (the trainer) to every inference worker.
+alone; since wire version 2 the cut runs over units, a tensor or a stack of equal tensors that is never split
+(meta.py). Each bucket is one `broadcast` from rank 0 (the trainer) to every inference worker.
 
 Rendezvous: the trainer hosts a store for the whole run (primejax.transports.weights.collective.rendezvous: bound to the configured
 host only, every participant answers a challenge on the run's secret). A process group (gloo on CPU, NCCL on
