@@ -529,19 +529,22 @@ def moe_receiver(args: argparse.Namespace, device) -> None:
             x = expert.fullmatch(name)
             (dst(x[1], x[3])[int(x[2])] if x else other[name]).copy_(t, non_blocking=True)
 
-    class Fused:  # each layer's projection of a stack: one copy (fused.ExpertLoader's rule, without vLLM)
+    class Fused:  # a layer's projection (or the part of it in one stack): one copy, as fused.ExpertLoader
         __call__ = staticmethod(per_tensor)
 
         @staticmethod
         def stacked(names, t) -> None:
-            keys = [(x[1], x[3]) if (x := expert.fullmatch(n)) else (n, "") for n in names]
+            keys = [
+                (x[1], x[3], int(x[2])) if (x := expert.fullmatch(n)) else (n, "", j)
+                for j, n in enumerate(names)
+            ]
             a = 0
-            for key, run in itertools.groupby(keys):
-                b = a + len(list(run))
-                if key[1] and b - a == 128:
-                    dst(*key).copy_(t[a:b], non_blocking=True)
+            for _, run in itertools.groupby(keys, key=lambda k: k[:2] if k[1] else k):
+                (layer, proj, e), b = (run := list(run))[0], a + len(run)
+                if proj:
+                    dst(layer, proj)[e : e + b - a].copy_(t[a:b], non_blocking=True)
                 else:
-                    per_tensor(list(zip(names[a:b], t[a:b].unbind(0), strict=True)))
+                    per_tensor([(layer, t[a])])
                 a = b
 
     rx, sums = wire.Receiver(), {}
