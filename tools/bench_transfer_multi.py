@@ -12,7 +12,8 @@ at random init (bf16):
 - `--export --processes P`: the filesystem export, GB/s, gather (each tensor all-gathered to the host, whole
   files) vs parallel (each process pwrites its own row blocks), P processes with one GPU each, into `--tmp`.
 
-    NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py --senders 1,2 --receivers 2 --shapes qwen3-8b,qwen3-30b-a3b
+    NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py --senders 1,2 --receivers 2 --shapes qwen3-8b,qwen3-30b-a3b \
+        --paths old,new        # old: per tensor (before issue 47); new: stacks, receivers copy a stack at once
     python tools/bench_transfer.py --export --processes 4 --shapes qwen3-8b --tmp /path/on/local/disk
     python tools/bench_transfer.py --senders 1,2 --receivers 2 --smoke      # CPU, gloo, tiny shapes
     python tools/bench_transfer.py --export --processes 1,2 --cpu --shapes qwen3-0.6b   # CPU, real shapes
@@ -110,6 +111,7 @@ def sender(a: argparse.Namespace) -> None:
         pub = make_publisher(
             b, run, cfg, async_level=1, max_steps=10**6, checkpoint_interval=0, num_receivers=a.receivers
         )
+        pub.sender().stacks = pub.sender().fused_experts = a.path == "new"  # old: per tensor, before issue 47
         times = []
         for r in range(a.rounds + 1):
             t0 = time.perf_counter()
@@ -149,6 +151,21 @@ def receiver(a: argparse.Namespace) -> None:
                 store[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
             store[name].copy_(t, non_blocking=True)
 
+    class Stacked:  # issue 47: a run of equal tensors (a layer's experts) in one sliced copy, as fused.py loads
+        __call__ = staticmethod(load)
+
+        @staticmethod
+        def stacked(names, t) -> None:
+            if t.dim() > 2 and any(k in names[0] for k in COLUMN):
+                n = t.shape[1] // tp
+                t = t[:, tp_rank * n : (tp_rank + 1) * n]
+            elif t.dim() > 2 and any(k in names[0] for k in ROW):
+                n = t.shape[2] // tp
+                t = t[:, :, tp_rank * n : (tp_rank + 1) * n]
+            if names[0] not in store:
+                store[names[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
+            store[names[0]].copy_(t, non_blocking=True)
+
     rx = wire.Receiver()
     run = Path(a.run_dir)
     for r in range(a.rounds + 1):
@@ -157,7 +174,8 @@ def receiver(a: argparse.Namespace) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no offer for round {r}")
             time.sleep(0.0005)
-        rx.receive(offer.init_info, offer.update_info, a.rank, device, load, process_token())
+        how = Stacked() if offer.init_info.get("fused_experts") else load
+        rx.receive(offer.init_info, offer.update_info, a.rank, device, how, process_token())
 
 
 def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
@@ -186,6 +204,8 @@ def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
         str(a.bucket_mb),
         "--receivers",
         str(a.receivers),
+        "--path",
+        a.path,
     ] + (["--smoke"] if a.smoke else [])
     common += ["--cpu"] if a.cpu else []
     coord = f"127.0.0.1:{_free_port()}"
@@ -261,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         default="gather,parallel",
         help="export rows: which of gather, parallel, parallel-pwrite (the writer before mmap)",
     )
+    ap.add_argument("--paths", default="new", help="collective rows: old (per tensor, before issue 47), new")
+    ap.add_argument("--path", default="new")
     ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
     ap.add_argument("--shape", default="")
     ap.add_argument("--run-dir", default="")
@@ -281,10 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     counts = a.processes if a.export else a.senders
     for shape in a.shapes.split(","):
         for n in (int(x) for x in counts.split(",")):
-            with tempfile.TemporaryDirectory(prefix="bench-transfer-", dir=a.tmp) as run:
-                res = _row(a, shape, n, run)
-            print(json.dumps({"shape": shape, "processes": n, **res}), flush=True)
-            table.append((shape, n, res))
+            for path in ["new"] if a.export else a.paths.split(","):
+                a.path = path
+                with tempfile.TemporaryDirectory(prefix="bench-transfer-", dir=a.tmp) as run:
+                    res = _row(a, shape, n, run)
+                print(json.dumps({"shape": shape, "processes": n, "path": a.path, **res}), flush=True)
+                table.append((shape, n, {**res, "path": a.path}))
     where = "CPU smoke (gloo, tiny shapes)" if a.smoke else "CPU (gloo)" if a.cpu else "GPU"
     if a.export:
         print(f"\n{where}: filesystem export, median of {a.rounds} after a warm-up\n")
@@ -299,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             f"\n{where}: collective update to {a.receivers} TP workers, bucket {a.bucket_mb} MiB, median of "
             f"{a.rounds} after a warm-up\n"
         )
-        print("| shape | senders | s/update | GB sent by process 0 |\n|---|---|---|---|")
+        print("| shape | senders | path | s/update | GB sent by process 0 |\n|---|---|---|---|---|")
         for shape, n, res in table:
-            print(f"| {shape} | {n} | {statistics.median(res['collective']):.3f} | {res['gb_sent']:.2f} |")
+            sec = statistics.median(res["collective"])
+            print(f"| {shape} | {n} | {res['path']} | {sec:.3f} | {res['gb_sent']:.2f} |")
     return 0
 
 

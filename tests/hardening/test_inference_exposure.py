@@ -311,6 +311,7 @@ def test_a_malformed_transfer_offer_is_refused_before_the_server_pauses(base_dir
     names = sorted(validator.reference)
     info = {
         "round_id": "1-x",
+        "wire_version": 2,
         "names": names,
         "dtype_names": ["float32"] * len(names),
         "shapes": [list(validator.reference[n].shape) for n in names],

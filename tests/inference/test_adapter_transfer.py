@@ -133,6 +133,7 @@ def _round(named, config, **init):
     metas = tensor_metas(named)
     info = {
         "round_id": "1-x",
+        "wire_version": 2,
         "names": [m.name for m in metas],
         "dtype_names": [m.dtype for m in metas],
         "shapes": [list(m.shape) for m in metas],

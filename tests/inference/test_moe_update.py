@@ -85,6 +85,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+LOGS: dict[str, Path] = {}  # base_url -> the server's log
+
+
 @pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def moe_server(request, moe_dirs, tmp_path_factory):
     """(dtype, base_url): a vLLM server on A; one at a time (pytest tears one param down before the next)."""
@@ -92,6 +95,7 @@ def moe_server(request, moe_dirs, tmp_path_factory):
     log = tmp_path_factory.mktemp(f"moe-vllm-{request.param}") / "inference.log"
     with InferenceServerProcess(spec, log) as proc:
         proc.wait_healthy(300.0)
+        LOGS[spec.base_url] = log
         yield request.param, spec.base_url
 
 
@@ -186,3 +190,89 @@ def test_moe_collective_update_equals_the_new_model(moe_server, moe_dirs, tmp_pa
     assert result.get("ok"), "the sender saw no acknowledgement"
     _assert_matches(updated, HFReference(b), FP32_ATOL, tokens=True)
     _assert_same(restored, fresh)
+
+
+def _send(url: str, run_dir: Path, step: int, named, **sender_kw: bool) -> None:
+    """One collective round of `named` (a sender thread here, the server receiving through /transfer_weights)."""
+    sender = CollectiveSender(
+        run_dir, secret=process_token(), timeout_s=60.0, bucket_bytes=64 * 1024, **sender_kw
+    )
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(ok=sender.send(step, named)))
+    thread.start()
+
+    async def go():
+        offer = None
+        for _ in range(600):  # the offer appears once the sender listens
+            offer = latest_offer(run_dir)
+            if offer is not None and offer.step == step:
+                break
+            await asyncio.sleep(0.05)
+        assert offer is not None, "the sender wrote no offer"
+        async with InferenceClient(url) as c:
+            await c.transfer_weights(offer.step, offer.init_info, offer.update_info)
+
+    try:
+        asyncio.run(go())
+    finally:
+        thread.join(120)
+    assert result.get("ok"), "the sender saw no acknowledgement"
+
+
+def _digest(url: str) -> list[dict[str, str]]:
+    """Each worker's sha256 per served parameter (POST /weights_digest, an admin route)."""
+    import httpx
+
+    from primejax.inference.admin_auth import HEADER, read_token
+
+    r = httpx.post(url + "/weights_digest", headers={HEADER: read_token()}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["workers"]
+
+
+def test_moe_experts_loaded_fused_serve_the_bytes_of_the_per_tensor_load(moe_server, moe_dirs, tmp_path):
+    """Issue 47: a collective update whose experts go into vLLM's fused w13/w2 parameters one projection per
+    layer (transports/weights/collective/fused.py, stacks on the wire) serves, bit for bit, what the same tensors
+    serve after vLLM's own per-tensor load from disk and after the per-tensor collective path (no stacks, no
+    fused load), also when the experts travel one by one and are gathered per projection on the server; the
+    server's log shows those two rounds of fused loads (every MoE layer x 3 projections)."""
+    dtype, url = moe_server
+    if dtype != "float32":
+        pytest.skip("the fused load is dtype-blind; checked once, in fp32")
+    a, b = moe_dirs
+    model, cfg = load_model(b, param_dtype="float32")
+    named = [(n, to_torch(t)) for n, t in state_to_hf_tensors(model, cfg, "float32")]
+    sparse = len(cfg.sparse_layers())
+    assert sum(".experts." in n for n, _ in named) == sparse * cfg.num_experts * 3
+    log = LOGS[url]
+    before = log.read_text().count("MoE expert projections loaded whole")
+
+    async def disk():
+        async with InferenceClient(url) as c:
+            await c.update_weights(str(b), version=5)
+
+    async def reload():
+        async with InferenceClient(url) as c:
+            await c.reload_weights()
+
+    try:
+        asyncio.run(disk())
+        disk_digest = _digest(url)
+        asyncio.run(reload())
+        base_digest = _digest(url)
+        _send(url, tmp_path / "fused", 6, named)
+        fused_digest = _digest(url)
+        asyncio.run(reload())
+        _send(url, tmp_path / "plain", 7, named, stacks=False, fused_experts=False)
+        plain_digest = _digest(url)
+        asyncio.run(reload())
+        # experts one by one on the wire, gathered per projection on the server (fused.py's torch.cat branch)
+        _send(url, tmp_path / "singles", 8, named, stacks=False)
+        singles_digest = _digest(url)
+    finally:
+        asyncio.run(reload())
+    assert disk_digest != base_digest
+    assert fused_digest == disk_digest, [k for k in disk_digest[0] if disk_digest[0][k] != fused_digest[0][k]]
+    assert plain_digest == disk_digest and singles_digest == disk_digest
+    lines = [x for x in log.read_text().splitlines() if "MoE expert projections loaded whole" in x][before:]
+    assert len(lines) == 2 and all(f"{sparse * 3} MoE expert projections" in x for x in lines), lines

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -82,6 +83,7 @@ def test_collective_mode_with_lora_sends_the_adapter_alone_to_the_server(
     client, state = _app(tiny_model_dir, fake)
     state.admin_token = token
     answers: list = []
+    infos: list = []
 
     def orchestrate():
         deadline = time.monotonic() + 30
@@ -97,6 +99,7 @@ def test_collective_mode_with_lora_sends_the_adapter_alone_to_the_server(
                 "/transfer_weights", json={"version": 1, "init_info": init, "update_info": offer.update_info}
             )
         )
+        infos.append(offer.update_info)
 
     t = threading.Thread(target=orchestrate)
     t.start()
@@ -104,6 +107,9 @@ def test_collective_mode_with_lora_sends_the_adapter_alone_to_the_server(
     t.join(30)
     assert answers and answers[0].status_code == 200, answers and answers[0].text
     assert "transfer/failed" not in metrics and metrics["transfer/gb"] > 0
+    # Equal-shaped tensors sent next to each other, so each shape travels as one stack (issue 47).
+    shapes = Counter(tuple(x) for x in infos[0]["shapes"])
+    assert len(infos[0]["stacks"]) == sum(c > 1 for c in shapes.values()) > 0
     assert stable_steps(run) == []  # the adapter travelled alone: no broadcast written
     assert [c[:2] for c in fake.calls] == [("load_adapter", "policy-v1")]
     served = fake.calls[0][2]

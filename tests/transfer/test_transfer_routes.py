@@ -59,6 +59,7 @@ def _body(base_dir, version=3, round_id="r1", **update):
     tensors = read_checkpoint_tensors(base_dir)
     info = {
         "round_id": round_id,
+        "wire_version": 2,
         "names": list(tensors),
         "dtype_names": ["bfloat16"] * len(tensors),
         "shapes": [list(t.shape) for t in tensors.values()],
@@ -99,6 +100,20 @@ def test_transfer_is_refused_when_disabled_or_malformed(base_dir):
     body["update_info"]["names"][0] = "model.evil.weight"
     assert client.post("/transfer_weights", json=body).status_code == 422
     assert engine.calls == [], "nothing reaches the engine before validation passes"
+
+
+@pytest.mark.parametrize(
+    ("update", "match"),
+    [({"wire_version": 1}, "weight-wire version 1"), ({"stacks": [[0, 10**9]]}, "stack")],
+)
+def test_another_wire_version_or_a_lying_stack_manifest_is_refused_before_pausing(base_dir, update, match):
+    """Issue 47's wire version 2: a sender laying the bytes out another way, or a manifest of stacks out of
+    range, is one 422 line; the server is never paused."""
+    engine = FakeEngine()
+    client, state = _client(base_dir, engine)
+    r = client.post("/transfer_weights", json=_body(base_dir, **update))
+    assert r.status_code == 422 and match in r.json()["error"], r.text
+    assert engine.calls == [] and state.version == 0
 
 
 def test_failed_transfer_restores_a_directory_or_stays_paused_and_unhealthy(base_dir):

@@ -306,6 +306,7 @@ def test_transfer_rejects_wrong_tensors_before_touching_the_engine(vllm_server, 
     names = sorted(load_file(next(vllm_server.model_dir.glob("*.safetensors"))))
     info = {
         "round_id": "x",
+        "wire_version": 2,
         "names": names[:-1],
         "dtype_names": ["float32"] * (len(names) - 1),
         "shapes": [[1]] * (len(names) - 1),

@@ -41,7 +41,9 @@ def test_buckets_cut_where_vllm_packs(bucket_bytes):
     vllm_cuts = []
     while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
         vllm_cuts.append(chunk.names)
-    ours = [[named[i][0] for i in idx] for idx in meta.buckets(tensor_metas(named), bucket_bytes)]
+    metas = tensor_metas(named)
+    units = meta.stacks_of({}, metas)  # no stacks: every tensor its own unit
+    ours = [[named[units[u][0]][0] for u in idx] for idx in meta.unit_buckets(metas, units, bucket_bytes)]
     assert ours == vllm_cuts
 
 
@@ -163,6 +165,15 @@ def test_layers_per_call_is_the_largest_divisor_within_the_limit():
     assert layers_per_call(36, 2 << 30, 1 << 30) == 1  # a layer over the limit still goes, alone
 
 
+def _unstacked(items, metas) -> list[torch.Tensor]:
+    """The tensors of `hf_device_tensors`'s items (a run of layers or experts comes stacked, one item)."""
+    out: list[torch.Tensor] = []
+    for t in items:
+        m = metas[len(out)]
+        out += [t] if tuple(t.shape) == m.shape else list(t.unbind(0))
+    return out
+
+
 @pytest.mark.parametrize("variant", ["tied", "untied", "moe"])
 def test_device_tensors_equal_the_safetensors_export(variant, tmp_path):
     """The no-host-copy path (jitted HF conversion + DLPack) yields exactly the tensors the export writes, in
@@ -205,7 +216,7 @@ def test_device_tensors_equal_the_safetensors_export(variant, tmp_path):
     for dtype, max_chunk_bytes in (("float32", 1 << 30), ("bfloat16", 1 << 30), ("bfloat16", 1)):
         expected = list(state_to_hf_tensors(model, cfg, dtype))
         metas, tensors = hf_device_tensors(model, cfg, dtype, max_chunk_bytes=max_chunk_bytes)
-        got = list(tensors)
+        got = _unstacked(tensors, metas)
         assert [m.name for m in metas] == [n for n, _ in expected]
         assert [m.shape for m in metas] == [a.shape for _, a in expected]
         for (name, a), t in zip(expected, got, strict=True):
@@ -230,7 +241,9 @@ for fsdp, tensor in ((2, 1), (1, 2)):
     assert any(len(v.sharding.device_set) == 2 for v in jax.tree.leaves(model) if hasattr(v, "sharding"))
     expected = list(state_to_hf_tensors(model, cfg, "bfloat16"))
     metas, tensors = hf_device_tensors(model, cfg, "bfloat16", device=jax.devices()[1], max_chunk_bytes=1)
-    got = list(tensors)
+    got = []
+    for t in tensors:  # a run of layers comes stacked, one item
+        got += [t] if tuple(t.shape) == metas[len(got)].shape else list(t.unbind(0))
     assert [m.name for m in metas] == [n for n, _ in expected]
     for (name, a), t in zip(expected, got, strict=True):
         assert torch.equal(t, to_torch(a)), name

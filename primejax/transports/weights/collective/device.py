@@ -88,7 +88,8 @@ def _on_device(x: Any, device: Any) -> Any:
 def hf_device_tensors(
     model: Any, cfg: ModelConfig, dtype: str, device: Any = None, max_chunk_bytes: int = MAX_CHUNK_BYTES
 ) -> tuple[list[TensorMeta], Iterator[Any]]:
-    """(metadata of every HF tensor, a one-pass iterator of torch views of them on `device`), export order."""
+    """(metadata of every HF tensor, a one-pass iterator of torch views of them on `device`), export order; an
+    item covers one tensor, or several consecutive ones stacked on a leading axis (one call's run)."""
     device = device or jax.local_devices()[0]
     itemsize = jnp.dtype(dtype).itemsize
     steps = []
@@ -111,8 +112,9 @@ def hf_device_tensors(
             for args in calls:
                 out = _on_device(fn(var[...], *args), device)
                 out.block_until_ready()  # ready before torch's stream reads it
-                t = _to_torch(out).reshape(per_call, *per)  # a view: layers (x experts) are contiguous slices
-                yield from (t[j] for j in range(per_call))
-                del out, t
+                # One item for the run: its layers (x experts) stacked, a view; the wire takes it whole
+                # (wire._blocks), so 18,432 expert tensors are 72 items, not one each.
+                yield _to_torch(out).reshape(per_call, *per) if per_call > 1 else _to_torch(out).reshape(per)
+                del out
 
     return metas, tensors()

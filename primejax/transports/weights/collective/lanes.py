@@ -7,7 +7,7 @@ update info lists the tensors (names, dtypes, shapes, as before) and, with sever
 the trainer's devices hold the data). Without `pieces` every tensor is one piece of sender 0, the
 single-sender round.
 
-Each lane cuts its own pieces into buckets with the rule of `meta.buckets` (vLLM's packed-broadcast rule).
+Each lane cuts its own pieces into buckets with the rule of `meta.unit_buckets` (vLLM's packed-broadcast rule).
 Receivers take the lanes' buckets round-robin (lane 0's first, lane 1's first, ..., lane 0's second, ...):
 the pieces of one tensor sit at about the same place in every lane, so a receiver holds only the tensors
 that are partly arrived (about one bucket per lane) before handing them to the loader whole. Every side
@@ -19,11 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from primejax.transports.weights.collective import meta
 from primejax.transports.weights.tensors import Piece, TensorMeta, piece_bytes, rows
 
 
 def pieces_of(update_info: dict[str, Any], metas: Sequence[TensorMeta]) -> tuple[int, list[Piece]]:
-    """(number of senders, the round's pieces), checked: every tensor's rows are covered exactly once."""
+    """(number of senders, the round's pieces), checked: every tensor's rows are covered exactly once; and the
+    round's stacks (meta.stacks_of), so that the server refuses a lying manifest before it pauses."""
+    meta.stacks_of(update_info, metas)
     senders = int(update_info.get("senders", 1))
     raw = update_info.get("pieces")
     if senders < 1:
@@ -59,7 +62,7 @@ def pieces_of(update_info: dict[str, Any], metas: Sequence[TensorMeta]) -> tuple
 def lane_buckets(
     metas: Sequence[TensorMeta], pieces: Sequence[Piece], senders: int, bucket_bytes: int
 ) -> list[list[list[int]]]:
-    """Per lane, its buckets as indices into `pieces` (a lane's pieces in list order, cut as `meta.buckets`)."""
+    """Per lane, its buckets as indices into `pieces` (a lane's pieces in list order, cut as `meta.unit_buckets`)."""
     lanes: list[list[list[int]]] = [[] for _ in range(senders)]
     cur: list[list[int]] = [[] for _ in range(senders)]
     size = [0] * senders

@@ -121,6 +121,10 @@ class CollectivePublisher:
 
         disk, sender = self.disk, self.sender()
         tensors, extra = disk.adapter_round(model)
+        # Equal shapes next to each other (a stable sort: the same order on every process), so that one sender's
+        # round carries them as stacks (meta.py): PEFT's order interleaves an expert's lora_A and lora_B. The
+        # server keys the tensors by name, so the order is free.
+        tensors = sorted(tensors, key=lambda na: (str(na[1].dtype), tuple(na[1].shape)))
         named = [(n, to_torch(a)) for n, a in tensors]
         if disk.processes == 1:
             return sender.send(step, named, extra=extra)

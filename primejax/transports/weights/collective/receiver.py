@@ -2,7 +2,7 @@
 
 vLLM's worker creates it at model load and drives it through its own methods (`init_weight_transfer_engine` /
 `start_weight_update` / `update_weights` / `finish_weight_update`); it receives one round of HF tensors with
-`wire.Receiver` and loads them with vLLM's layerwise reload (the lifecycle of vLLM's NCCL engine: start ->
+`wire.Receiver` and loads them with vLLM's layerwise reload (an MoE layer's experts per projection, fused.py) (the lifecycle of vLLM's NCCL engine: start ->
 load_weights per bucket -> finalize). vLLM's stock engines need CUDA; this one runs over gloo on CPU (and NCCL on
 GPU), with timeouts. Registered by the vLLM plugin in `primejax/inference/vllm_ext.py`, which passes the
 server's fix-ups around a reload (`prepare` before it starts, `finalize` after it ends).
@@ -15,6 +15,7 @@ from typing import Any
 
 from primejax.contracts.secret import read_token
 from primejax.transports.weights.collective import wire
+from primejax.transports.weights.collective.fused import ExpertLoader
 
 
 def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]) -> type:
@@ -27,7 +28,10 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
         WeightTransferInitInfo,
         WeightTransferUpdateInfo,
     )
+    from vllm.logger import init_logger
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    log = init_logger("vllm.primejax.transfer")  # under vllm's logger: the server's log shows it
 
     @dataclass(kw_only=True)
     class InitInfo(WeightTransferInitInfo):
@@ -41,6 +45,7 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
         backend: str = "gloo"
         senders: int = 1  # trainer processes, one lane each (primejax.transports.weights.collective.lanes)
         workers_per_server: int = 1
+        fused_experts: bool = True  # MoE experts per projection into the fused parameters (fused.py)
 
     @dataclass(kw_only=True)
     class UpdateInfo(WeightTransferUpdateInfo):
@@ -50,6 +55,8 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
         shapes: list
         senders: int = 1
         pieces: list | None = None  # [tensor, sender, first row, end row]; None = whole tensors from sender 0
+        wire_version: int = 1  # a round without it is refused (meta.check_version)
+        stacks: list | None = None  # [first tensor, count] per stack (meta.py)
 
     class PrimejaxWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Receives one round of HF tensors from the primejax trainer (`wire.Receiver`) and loads
@@ -86,15 +93,25 @@ def engine_class(prepare: Callable[[Any], None], finalize: Callable[[Any], None]
                 raise RuntimeError("primejax weight transfer: init_weight_transfer_engine was not called")
             p = self.parallel_config
             rank = info.rank_offset + p.data_parallel_index * p.world_size + p.rank
+            load: Any = self.model.load_weights
+            if info.fused_experts:
+                load = ExpertLoader(self.model, self.model.load_weights)
             try:
                 self.receiver.receive(
                     vars(info),
                     vars(update_info),
                     rank,
                     self.device,
-                    self.model.load_weights,
+                    load,
                     read_token(),
+                    before_ack=getattr(load, "check_done", None),
                 )
+                if isinstance(load, ExpertLoader) and load.fused_calls:
+                    log.info(
+                        "round %s: %d MoE expert projections loaded whole into the fused parameters",
+                        update_info.round_id,
+                        load.fused_calls,
+                    )
             except BaseException:
                 # Leave the layerwise-reload state (layers that got nothing get their previous tensors back)
                 # so the model is usable by the next full load; the caller decides what the weights are now.

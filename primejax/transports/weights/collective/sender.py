@@ -76,11 +76,17 @@ class CollectiveSender:
         lane: int = 0,
         senders: int = 1,
         workers_per_server: int = 1,
+        stacks: bool = True,
+        fused_experts: bool = True,
     ):
+        """`stacks` / `fused_experts`: send runs of equal tensors as stacks (meta.py) / have the servers load an
+        MoE layer's experts per projection (fused.py); both off is the per-tensor path before issue 47, kept
+        for comparison (tools/bench_transfer.py --moe)."""
         self.run_dir = Path(run_dir)
         self.host, self.timeout_s, self.bucket_bytes = host, timeout_s, bucket_bytes
         self.num_receivers, self.backend, self.device = num_receivers, backend, device
         self.lane, self.senders, self.workers_per_server = lane, senders, workers_per_server
+        self.stacks, self.fused_experts = stacks, fused_experts
         self.server = wire.host_store(host, port, secret) if lane == 0 else None
         self.port = self.server.port if self.server is not None else port
         self.secret = secret
@@ -100,6 +106,7 @@ class CollectiveSender:
             "backend": self.backend,
             "senders": self.senders,
             "workers_per_server": self.workers_per_server,
+            "fused_experts": self.fused_experts,
         }
 
     def send(
@@ -132,7 +139,9 @@ class CollectiveSender:
             round_id = f"{step}-{uuid.uuid4().hex[:12]}"
             if self.group is None:
                 self.group_id = uuid.uuid4().hex[:12]
-        info = {**meta.update_info(round_id, metas), **(extra or {})}
+        # One sender: runs of equal tensors travel as stacks (meta.py, wire version 2); lanes send row blocks.
+        stacks = meta.make_stacks(metas, self.bucket_bytes) if pieces is None and self.stacks else []
+        info = {**meta.update_info(round_id, metas, stacks), **(extra or {})}
         if pieces is not None:
             info.update(senders=self.senders, pieces=[[p.tensor, p.sender, p.start, p.stop] for p in pieces])
         lane_metas = list(metas) if pieces is None else wire.lane_metas(metas, pieces, self.lane)
@@ -155,7 +164,9 @@ class CollectiveSender:
             t_join = time.perf_counter()
             digest = wire.new_digest()
             try:
-                nbytes = wire.send(self.group, tensors, lane_metas, self.bucket_bytes, digest, self.device)
+                nbytes = wire.send(
+                    self.group, tensors, lane_metas, self.bucket_bytes, digest, self.device, stacks
+                )
             except Exception as e:
                 # The round was completed with zero buckets: tell the receivers now, not at their timeout.
                 with contextlib.suppress(Exception):
