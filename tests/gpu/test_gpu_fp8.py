@@ -110,8 +110,14 @@ def _check(url: str, quant: str, sent: dict[str, np.ndarray], what: str) -> dict
             f"{LAYER}.self_attn.o_proj.weight",
             f"{LAYER}.self_attn.o_proj.{scale}",
         ),
-        f"{LAYER}.mlp.experts.w13": (f"{LAYER}.mlp.experts.routed_experts.w13_weight", f"{LAYER}.mlp.experts.routed_experts.w13_{scale}"),
-        f"{LAYER}.mlp.experts.w2": (f"{LAYER}.mlp.experts.routed_experts.w2_weight", f"{LAYER}.mlp.experts.routed_experts.w2_{scale}"),
+        f"{LAYER}.mlp.experts.w13": (
+            f"{LAYER}.mlp.experts.routed_experts.w13_weight",
+            f"{LAYER}.mlp.experts.routed_experts.w13_{scale}",
+        ),
+        f"{LAYER}.mlp.experts.w2": (
+            f"{LAYER}.mlp.experts.routed_experts.w2_weight",
+            f"{LAYER}.mlp.experts.routed_experts.w2_{scale}",
+        ),
     }
     layout = {n: (str(a.dtype), list(a.shape)) for n, a in got.items()}
     stats = {}
