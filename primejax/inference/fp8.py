@@ -17,16 +17,36 @@ against vLLM's own per-block function and an independent float64 rounding.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 import ml_dtypes
 import numpy as np
 
 QUANTIZATIONS = ("fp8", "fp8_per_block")
+# vLLM's online-quantization shorthands (`--quantization`, vllm/config/quantization.py) for each scheme.
+VLLM_SCHEMES = {"fp8": "fp8_per_tensor", "fp8_per_block": "fp8_per_block"}
+# Left in the serving dtype: MoE routers (Qwen3-MoE / GLM / DeepSeek `mlp.gate`, Qwen2-MoE's shared-expert gate).
+# A router's output width is the expert count, which a 128-wide block cannot tile (a tiny Qwen3-MoE's 8-expert
+# router stopped an fp8_per_block server at start on an H200), and an FP8 router would choose other experts than
+# the trainer's: the mismatch the corrections see should be the weights', not a different routing.
+UNQUANTIZED = ("re:.*\\.mlp\\.gate$", "re:.*\\.shared_expert_gate$")
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
 BLOCK = (128, 128)
 _BLOCK_AMAX_FLOOR = 1e-4  # vLLM's per-block cast clamps each block's amax from below (an all-zero block)
+
+
+def vllm_args(quantization: str) -> list[str]:
+    """vLLM's command-line arguments for one of QUANTIZATIONS: the online scheme, routers left unquantized."""
+    if quantization not in VLLM_SCHEMES:
+        raise ValueError(f"unknown FP8 quantization {quantization!r} (one of {', '.join(QUANTIZATIONS)})")
+    return [
+        "--quantization",
+        VLLM_SCHEMES[quantization],
+        "--quantization-config",
+        json.dumps({"ignore": UNQUANTIZED}),
+    ]
 
 
 def to_e4m3(x: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ from primejax.inference.cpu_limits import (
     check_quantization_servable,
 )
 from primejax.inference.fp8 import QUANTIZATIONS as FP8_QUANTIZATIONS
+from primejax.inference.fp8 import vllm_args as fp8_vllm_args
 from primejax.inference.routed_experts import ROUTED_EXPERTS_ENV, ROUTED_EXPERTS_FLAG
 from primejax.inference.vllm_ext import (
     PLUGIN_NAME,
@@ -225,7 +226,7 @@ class ServerSpec:
         if self.enforce_eager:
             args.append("--enforce-eager")
         if self.quantization:
-            args += ["--quantization", self.quantization]
+            args += fp8_vllm_args(self.quantization)
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.weight_transfer and transfer_plugin_installed():

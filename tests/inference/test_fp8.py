@@ -6,6 +6,8 @@ What a GPU server serves after each update is checked against these functions in
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import ml_dtypes
 import numpy as np
@@ -135,6 +137,7 @@ def test_server_command_passes_the_quantization(monkeypatch, tmp_path):
     monkeypatch.setattr(server, "check_quantization_servable", lambda q: None)
     argv = server.ServerSpec(model=str(tmp_path), quantization="fp8_per_block").argv()
     assert argv[argv.index("--quantization") + 1] == "fp8_per_block"
+    assert json.loads(argv[argv.index("--quantization-config") + 1]) == {"ignore": list(fp8.UNQUANTIZED)}
     assert "--quantization" not in server.ServerSpec(model=str(tmp_path)).argv()
 
 
@@ -199,3 +202,33 @@ def test_decode_param_reads_e4m3_and_a_widened_per_tensor_scale_matches():
     assert fp8.compare_served(back, widened, w, "fp8")["codes_equal"] == 1.0
     with pytest.raises(ValueError, match="scale shape"):
         fp8.compare_served(back, np.arange(32, dtype=np.float32), w, "fp8")
+
+
+@pytest.mark.parametrize("quantization", fp8.QUANTIZATIONS)
+def test_vllm_reads_our_arguments_as_the_scheme_with_routers_unquantized(quantization):
+    """vLLM's own resolver and layer matcher (vllm.config.quantization, the one its online FP8 methods use): the
+    scheme's weight key for linear and MoE layers, routers (Qwen3-MoE's gate, Qwen2-MoE's shared-expert gate)
+    ignored, every other projection (fused ones through their shards) quantized."""
+    from vllm.config.quantization import resolve_quantization_config
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+
+    args = fp8.vllm_args(quantization)
+    resolved = resolve_quantization_config(args[1], json.loads(args[3]))
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kFp8Static128BlockSym,
+        kFp8StaticTensorSym,
+    )
+
+    key = kFp8Static128BlockSym if quantization == "fp8_per_block" else kFp8StaticTensorSym
+    assert resolved.linear.weight == key and resolved.moe.weight == key
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    for name, ignored in (
+        ("model.layers.7.mlp.gate", True),
+        ("model.layers.7.mlp.shared_expert_gate", True),
+        ("model.layers.7.mlp.gate_up_proj", False),
+        ("model.layers.7.mlp.shared_expert.gate_up_proj", False),
+        ("model.layers.7.self_attn.qkv_proj", False),
+        ("model.layers.7.mlp.experts", False),
+        ("model.layers.7.mlp.down_proj", False),
+    ):
+        assert should_ignore_layer(name, ignore=resolved.ignore, fused_mapping=fused) == ignored, name

@@ -47,9 +47,11 @@ def test_buckets_cut_where_vllm_packs(bucket_bytes):
     assert ours == vllm_cuts
 
 
-def test_gloo_rounds_are_bit_exact_acknowledged_and_reuse_the_group(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_gloo_rounds_are_bit_exact_acknowledged_and_reuse_the_group(tmp_path, device):
     """Two rounds through CollectiveSender -> wire.Receiver (the engine's receive path): every byte arrives,
-    both rounds are acknowledged, and the second round reuses the first round's group (no new rendezvous)."""
+    both rounds are acknowledged, and the second round reuses the first round's group (no new rendezvous).
+    `meta`: a receiver whose own device gloo cannot fill (a GPU vLLM worker's) still receives into host memory."""
     from primejax.transports.weights.collective.offer import latest_offer
 
     rounds = [_named(1), _named(2)]
@@ -69,7 +71,7 @@ def test_gloo_rounds_are_bit_exact_acknowledged_and_reuse_the_group(tmp_path):
                 offer.init_info,
                 offer.update_info,
                 1,
-                "cpu",
+                torch.device(device),
                 lambda pairs, out=out: out.extend((n, t.clone()) for n, t in pairs),
                 SECRET,
             )

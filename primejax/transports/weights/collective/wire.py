@@ -380,6 +380,11 @@ class Receiver:
             init_info.get("backend", "gloo"),
             int(init_info.get("senders", 1)),
         )
+        if key[5] == "gloo":
+            # gloo moves host tensors: receive into host memory (load_weights copies each tensor to a GPU worker's
+            # device), where the digest is computed over the bytes as the sender's is (`_hash_bucket` hashes a CUDA
+            # buffer another way). Into a GPU vLLM on an H200, every gloo round was refused as a digest mismatch.
+            device = None
         try:
             if self.groups is None or self.key != key:
                 self.groups = None
