@@ -232,3 +232,45 @@ def test_vllm_reads_our_arguments_as_the_scheme_with_routers_unquantized(quantiz
         ("model.layers.7.mlp.down_proj", False),
     ):
         assert should_ignore_layer(name, ignore=resolved.ignore, fused_mapping=fused) == ignored, name
+
+
+@pytest.mark.slow  # starts a server of its own (~60 s)
+def test_a_server_started_on_random_weights_takes_a_filesystem_update(tiny_model_dir, vllm_server, tmp_path):
+    """`--load-format dummy` (random weights, the fast start bench_fp8 uses): vLLM's own reload would read through
+    that loader and has no files; primejax reads the safetensors itself, after which the server answers like the
+    shared server that loaded the same checkpoint from disk."""
+    import asyncio
+
+    from primejax.inference import InferenceClient
+    from primejax.inference.process import InferenceServerProcess
+    from primejax.inference.server import ServerSpec, free_port
+
+    async def greedy(url: str) -> list:
+        async with InferenceClient(url) as c:
+            outs = await asyncio.gather(
+                *(c.generate(p, n=1, max_tokens=6, temperature=0.0) for p in ([5, 6, 7], [9, 3]))
+            )
+        return [(o[0].completion_token_ids, o[0].completion_logprobs) for o in outs]
+
+    spec = ServerSpec(
+        model=str(tiny_model_dir), port=free_port(), dtype="float32", extra_args=("--load-format", "dummy")
+    )
+    proc = InferenceServerProcess(spec, tmp_path / "inference.log")
+    try:
+        proc.start()
+        proc.wait_healthy(600)
+        random_weights = asyncio.run(greedy(spec.base_url))
+        r = httpx.post(
+            spec.base_url + "/update_weights",
+            json={"weight_dir": str(tiny_model_dir), "version": 1},
+            headers={HEADER: read_token()},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        loaded = asyncio.run(greedy(spec.base_url))
+    finally:
+        proc.stop()
+    reference = asyncio.run(greedy(vllm_server.base_url))
+    assert [t for t, _ in loaded] == [t for t, _ in reference] and loaded != random_weights
+    for (_, a), (_, b) in zip(loaded, reference, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
