@@ -94,7 +94,10 @@ class BarrierDispatch(Dispatch):
         rounds = 1 + (MAX_TOPUP_ROUNDS if replaces or o.batch_tokens else 0)
         groups: list[list[Rollout]] = []
         missing = o.batch_size
-        meter, tokens = TokenMeter(), 0  # batch_tokens: rounds until the budget is covered (token_budget.py)
+        meter, tokens = (
+            TokenMeter(o.seq_len),
+            0,
+        )  # batch_tokens: rounds until the budget is covered (token_budget.py)
         for _ in range(rounds):
             prompts = self.buffer.sample(math.ceil(missing / o.group_size * o.buffer.oversampling_factor))
             new = await asyncio.gather(
@@ -170,6 +173,7 @@ class ContinuousDispatch(Dispatch):
             oversampling=o.buffer.oversampling_factor,
             group_timeout_s=o.pool.group_timeout_s,
             batch_tokens=o.batch_tokens,
+            seq_len=o.seq_len,
         )
         self.tracker, self.outages, self.retry = tracker, outages, retry
         # One server: a lost request may mean it restarted on the base weights, and groups sampled there since

@@ -100,6 +100,7 @@ class RolloutPool:
         group_timeout_s: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
         batch_tokens: int = 0,
+        seq_len: int = 1 << 30,
     ):
         """`run_group(env, index, group_id, step)` generates and finalizes one group; `sample(n)` draws n
         (env, index) prompts; `policy` has `.version` and `wait_for(v)` (the PolicyTracker); a group running
@@ -109,7 +110,8 @@ class RolloutPool:
         self.batch_size, self.group_size, self.k = batch_size, group_size, async_level
         self.capacity, self.oversampling, self.clock = max(1, capacity), oversampling, clock
         # orchestrator.batch_tokens: cuts hold a token budget; dispatch sizes a batch at the rollouts one held
-        self.batch_tokens, self.meter = batch_tokens, TokenMeter()
+        # (counted as the samples of `seq_len` hold them)
+        self.batch_tokens, self.meter = batch_tokens, TokenMeter(seq_len)
         self.running: dict[int, Ticket] = {}
         self.done: deque[Ticket] = deque()
         self.requeued: deque[tuple[str, int]] = deque()  # prompts dispatched first (resume, lost requests)
