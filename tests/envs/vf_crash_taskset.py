@@ -36,4 +36,3 @@ class CrashTaskset(vf.Taskset[CrashTask, CalcTasksetConfig]):
 
 
 __all__ = ["CrashTaskset"]
-
