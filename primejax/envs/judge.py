@@ -41,7 +41,7 @@ class JudgeServerConfig(Section):
     enabled: bool = option(
         False, "start a judge server; envs reach it with judge.base_url and model left empty"
     )
-    model_path: str = option("", "the judge model (a directory or a hub id)")
+    model_path: str = option("", "the judge model's local HF directory (weights, tokenizer, chat template)")
     port: int = option(0, "its port; 0 = a free one", ge=0, le=65535)
     max_concurrent: int = option(
         8, "sequences the judge server runs at once (vLLM --max-num-seqs)", gt=0, le=4096

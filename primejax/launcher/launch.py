@@ -34,7 +34,7 @@ from primejax.inference import identity
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig, ServerSpec, free_port
 from primejax.launcher.placement import Placement, PlacementError, node_gpu_count, plan
-from primejax.launcher.preflight import PreflightError, check_vllm, preflight
+from primejax.launcher.preflight import PreflightError, check_model_dir, check_vllm, preflight
 from primejax.launcher.replicas import ReplicaSpec, replica_specs
 from primejax.launcher.resume import (
     RunAlreadyDone,
@@ -420,6 +420,8 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
         sft_final if reuse_sft else cfg.model.path,
         cfg.inference.max_model_len if cfg.inference.enabled else 0,
     )
+    if cfg.judge.enabled:  # its own server (_judge_supervisor) would fail to start, max_restarts times
+        check_model_dir(cfg.judge.model_path, key="judge.model_path")
     if resume is None:
         if cfg.run.resume_step and not cfg.run.fresh:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
