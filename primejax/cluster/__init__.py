@@ -11,6 +11,12 @@ if TYPE_CHECKING:
 
 def generate(cfg: Config, scheduler: str, submit: bool = False) -> int:
     """`python -m primejax.train --launcher {slurm,k8s}`: write the job's files (SLURM: and submit when asked)."""
+    if cfg.judge.enabled:  # the judge server is the single-node launcher's (primejax/envs/judge.py)
+        import sys
+
+        print(f"error: judge.enabled: --launcher {scheduler} starts no judge server; give the envs' judges an "
+              "address (their judge.base_url and model)", file=sys.stderr)  # fmt: skip
+        return 2
     if scheduler == "slurm":
         from primejax.cluster.slurm import generate as slurm
 

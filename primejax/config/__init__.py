@@ -21,6 +21,7 @@ from ml_collections import ConfigDict, FieldReference
 from primejax.config import compat, rules
 from primejax.contracts.cluster import K8sConfig, SlurmConfig
 from primejax.contracts.rundir import RunConfig
+from primejax.envs.judge import JudgeServerConfig
 from primejax.inference.server import InferenceConfig
 from primejax.models.settings import ModelSettings
 from primejax.orchestrator.config import EnvConfig, OrchestratorConfig
@@ -51,6 +52,9 @@ class Config(Section):
     trainer: TrainerConfig = sub(TrainerConfig, "the trainer process")
     orchestrator: OrchestratorConfig = sub(OrchestratorConfig, "the orchestrator process")
     inference: InferenceConfig = sub(InferenceConfig, "the inference server")
+    judge: JudgeServerConfig = sub(
+        JudgeServerConfig, "an LLM judge's own vLLM server, started by the launcher"
+    )
     monitor: MonitorConfig = sub(MonitorConfig, "metrics")
     sft: SftConfig = sub(SftConfig, "supervised fine-tuning")
     slurm: SlurmConfig = sub(SlurmConfig, "the SLURM job of `python -m primejax.train --launcher slurm`")

@@ -317,9 +317,13 @@ class VerifiersServerEnv(VerifiersLoopEnv):
         self, example: Example, state: dict[str, Any], endpoint: Endpoint
     ) -> SampledRollout:
         await self.servers.start(endpoint.max_turns, endpoint.env_timeout_s)
-        task = self.tasks[example.info["index"]]
-        episode = await self.servers.run(model_context(endpoint), task.data.model_dump(mode="json"))
-        return episode_to_rollout(episode, getattr(self, "policy_agents", []), state)
+        index = example.info["index"]
+        episode = await self.servers.run(
+            model_context(endpoint), self.tasks[index].data.model_dump(mode="json")
+        )
+        return episode_to_rollout(
+            episode, getattr(self, "policy_agents", []), state, getattr(self, "seats", []), index
+        )
 
     async def aclose(self) -> None:
         await self.servers.aclose()

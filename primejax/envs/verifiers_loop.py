@@ -17,7 +17,8 @@ A verifiers env's `args.driver` picks who drives a rollout:
 
 What the fallback loses against the in-process driver: the policy version per turn (each turn is tagged with
 the version read when the rollout started, a lower bound), primejax's parsing and malformed-tool-call count
-(verifiers' renderer client parses), and traces other than the policy agent's (one trainable trace per episode).
+(verifiers' renderer client parses), and traces other than the trained one (one seat's first run per episode,
+rotating by example index as in process).
 
 `uv` must be installed (`pip install uv`): verifiers launches harness programs with it, and without it would
 try to install it into the user's home itself; the driver refuses to start instead. A taskset given as a module
@@ -304,8 +305,11 @@ class VerifiersLoopEnv(VerifiersEnv):
         # max_turns: already this env's cap and the orchestrator's, >= 1
         env = self._build(endpoint.max_turns, endpoint.env_timeout_s)
         await self._serve(env)
-        episode = await env.run_episode(self.tasks[example.info["index"]], model_context(endpoint))
-        return episode_to_rollout(episode, getattr(self, "policy_agents", []), state)
+        index = example.info["index"]
+        episode = await env.run_episode(self.tasks[index], model_context(endpoint))
+        return episode_to_rollout(
+            episode, getattr(self, "policy_agents", []), state, getattr(self, "seats", []), index
+        )
 
 
 def model_context(endpoint: Endpoint) -> Any:
@@ -337,10 +341,33 @@ def train_client(endpoint: Endpoint) -> Any:
     )
 
 
-def episode_to_rollout(episode: Any, policy_agents: list[str], state: dict[str, Any]) -> SampledRollout:
-    """The policy agent's trace of a verifiers episode as primejax turns: along the trace's main branch, each
-    sampled message node's prompt is every token before its completion span (earlier nodes' ids + its own
-    generation-prompt scaffold), its completion the masked span, its logprobs the node's, as recorded."""
+def trained_trace(episode: Any, policy_agents: list[str], seats: list[str], seat_index: int) -> Any:
+    """The trace a rollout trains: of the trainable seats (narrowed by `policy_agents`), the one `seat_index`
+    picks in rotation (the in-process driver's rule: a group = one game x seat; `seats` gives their order), its
+    first run; a seat that made no model call (the other forfeited) passes to the next."""
+    traces = [
+        t
+        for t in episode.traces
+        if t.agent.trainable and (not policy_agents or t.agent.name in policy_agents)
+    ]
+    named = list(dict.fromkeys(t.agent.name for t in traces))
+    order = [s for s in seats if s in named] + [n for n in named if n not in seats]
+    if not order:
+        raise RuntimeError("the verifiers episode has no trainable trace")
+    k = seat_index % len(order)
+    for seat in order[k:] + order[:k]:
+        first = next(t for t in traces if t.agent.name == seat)
+        if len(order) == 1 or any(n.sampled for n in first.nodes):
+            return first
+    raise RuntimeError(f"no trainable seat of the verifiers episode made a model call ({', '.join(order)})")
+
+
+def episode_to_rollout(
+    episode: Any, policy_agents: list[str], state: dict[str, Any], seats: list[str] = (), seat_index: int = 0
+) -> SampledRollout:
+    """The trained trace of a verifiers episode (`trained_trace`) as primejax turns: along the trace's main
+    branch, each sampled message node's prompt is every token before its completion span (earlier nodes' ids +
+    its own generation-prompt scaffold), its completion the masked span, its logprobs the node's, as recorded."""
     from verifiers.v1.dialects.chat import message_to_wire
 
     if not episode.ok:
@@ -349,16 +376,7 @@ def episode_to_rollout(episode: Any, policy_agents: list[str], state: dict[str, 
         raise RuntimeError(
             f"verifiers episode failed: {errors}" + (f" ({trace_errors})" if trace_errors else "")
         )
-    traces = [
-        t
-        for t in episode.traces
-        if t.agent.trainable and (not policy_agents or t.agent.name in policy_agents)
-    ]
-    if len(traces) != 1:
-        raise RuntimeError(
-            f"the verifiers episode has {len(traces)} trainable traces; this driver trains exactly one"
-        )
-    trace = traces[0]
+    trace = trained_trace(episode, policy_agents, list(seats), seat_index)
     # verifiers stops a trace whose stage deadline expired (a stop, not a failure: its reward may be unscored);
     # the env's stages run under orchestrator.env_timeout_s (VerifiersLoopEnv._build), so the rollout errors.
     stage = trace.stop_condition.removesuffix("_timeout") if trace.stop_condition else ""

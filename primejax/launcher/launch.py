@@ -24,15 +24,17 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from primejax.config import Config
 from primejax.contracts.rundir import RunDir, log_path, write_resolved_config
+from primejax.envs.judge import JUDGE_MODEL_ENV, JUDGE_URL_ENV
 from primejax.inference import identity
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
-from primejax.inference.server import InferenceConfig
+from primejax.inference.server import InferenceConfig, ServerSpec, free_port
 from primejax.launcher.placement import Placement, PlacementError, node_gpu_count, plan
-from primejax.launcher.preflight import PreflightError, check_vllm, preflight
+from primejax.launcher.preflight import PreflightError, check_model_dir, check_vllm, preflight
 from primejax.launcher.replicas import ReplicaSpec, replica_specs
 from primejax.launcher.resume import (
     RunAlreadyDone,
@@ -377,6 +379,27 @@ def _ensure_model(m: ModelSettings) -> None:
     t.build(path)
 
 
+def _judge_supervisor(cfg: Config, on_restart: Callable[[ChildProcess], None]) -> _InferenceSupervisor:
+    """The LLM judge's own vLLM server (`judge` section, primejax/envs/judge.py): its own port, `max_concurrent`
+    sequences at once, no weight updates; kept up like the policy server. Its address goes to the children in
+    the environment (JUDGE_URL_ENV / JUDGE_MODEL_ENV), where an env's judge without base_url finds it."""
+    j, host = cfg.judge, "127.0.0.1"
+    port = check_port(host, j.port, "judge.port") if j.port else free_port(host)
+    spec = ServerSpec(model=j.model_path, host=host, port=port, max_model_len=j.max_model_len, dtype=j.dtype,
+                      kvcache_space_gb=cfg.inference.kvcache_space_gb, devices=j.devices or cfg.inference.devices,
+                      gpu_memory_utilization=j.gpu_memory_utilization, seed=cfg.run.seed, weight_transfer=False,
+                      extra_args=("--max-num-seqs", str(j.max_concurrent)), admin_token=os.environ[TOKEN_ENV])  # fmt: skip
+    argv = spec.argv()
+    os.environ[JUDGE_URL_ENV] = spec.base_url
+    os.environ[JUDGE_MODEL_ENV] = argv[argv.index("--model") + 1]  # the name vLLM serves it under
+    inf = replace(cfg.inference, host=host, port=port, startup_timeout_s=j.startup_timeout_s)
+    return _InferenceSupervisor(
+        lambda: ChildProcess("judge", argv, log_path(cfg.run_dir, "judge"), env=spec.environ()),
+        inf,
+        on_restart,
+    )
+
+
 def _write_pids(root: Path, children: list[ChildProcess]) -> None:
     atomic_write_json(RunDir(root).pids_file, {"launcher": os.getpid(), **{c.name: c.pid for c in children}})
 
@@ -397,6 +420,8 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
         sft_final if reuse_sft else cfg.model.path,
         cfg.inference.max_model_len if cfg.inference.enabled else 0,
     )
+    if cfg.judge.enabled:  # its own server (_judge_supervisor) would fail to start, max_restarts times
+        check_model_dir(cfg.judge.model_path, key="judge.model_path")
     if resume is None:
         if cfg.run.resume_step and not cfg.run.fresh:
             print(f"primejax: no checkpoint in {root} to resume from: starting at step 0", flush=True)
@@ -460,16 +485,21 @@ def launch(cfg: Config) -> int:
                 cfg, "trainer", "primejax.trainer", cfg.trainer.devices, cfg.trainer.memory_fraction
             )
 
+        def on_restart(new: ChildProcess) -> None:
+            children[:] = [c for c in children if c.name != new.name] + [new]
+            _write_pids(root, children)
+
+        if cfg.judge.enabled:  # up before the orchestrator: its envs' first scores ask the judge
+            supervisors.append(_judge_supervisor(cfg, on_restart))
+            children.append(supervisors[-1].child)
+            print(f"primejax: judge server starting (log {supervisors[-1].child.log_path})", flush=True)
+            _wait_healthy(supervisors, [])
         # The orchestrator needs no accelerator: it sees none (no JAX backend of it may take a GPU's memory).
         orchestrator = _start(cfg, "orchestrator", "primejax.orchestrator", hide_gpus=placement.node_gpus > 0)
         trainer = None if placement.shared else start_trainer()
         children += [c for c in (trainer, orchestrator) if c is not None]
         for replica in replicas:
             replica_cfg = _with(cfg, **{"inference.port": replica.port, "inference.devices": replica.devices})
-
-            def on_restart(new: ChildProcess) -> None:
-                children[:] = [c for c in children if c.name != new.name] + [new]
-                _write_pids(root, children)
 
             def start_server(rl_cfg: Config = replica_cfg, name: str = replica.name) -> ChildProcess:
                 return _start(rl_cfg, name, "primejax.inference", devices=rl_cfg.inference.devices)
@@ -495,7 +525,7 @@ def launch(cfg: Config) -> int:
             print(f"  {child.name:<13} pid {child.pid}  log {child.log_path}", flush=True)
         progress = _Progress(root, cfg.run.max_steps)
         progress.printed = start_step
-        served = {r.name for r in replicas}
+        served = {s.child.name for s in supervisors}
         watched = [c for c in children if c.name not in served]  # the supervisors own the servers
         _watch(watched, [trainer, orchestrator], progress, supervisors)
         print(f"primejax: run finished: {cfg.run.max_steps} steps, outputs in {root}", flush=True)

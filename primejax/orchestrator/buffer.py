@@ -72,9 +72,12 @@ class Buffer:
             if index not in easy and index not in hard:
                 return index
 
-    def sample(self, num_groups: int) -> list[tuple[str, int]]:
-        """`num_groups` (env name, example index) pairs for the next step."""
-        names = list(self.envs)
+    def sample(self, num_groups: int, skip: set[str] = frozenset()) -> list[tuple[str, int]]:
+        """`num_groups` (env name, example index) pairs for the next step; none of an env in `skip` (the
+        continuous pool's envs at their limits.max_concurrent; at least one env must be left)."""
+        names = [n for n in self.envs if n not in skip]
+        if not names:
+            raise ValueError("every environment was skipped")
         weights = [self.envs[n].weight for n in names]
         picks = self.rng.choices(names, weights=weights, k=num_groups)
         return [(name, self._index(name)) for name in picks]

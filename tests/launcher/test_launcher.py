@@ -102,6 +102,7 @@ def _earlier_outputs(root: Path) -> dict[str, bytes]:
         "unknown_key",
         "resume_missing_step",
         "context_too_long",
+        "judge_model_missing",
     ],
 )
 def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case):
@@ -131,6 +132,8 @@ def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case
         hf = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 512}))
         overrides = ["--config.inference.max_model_len=1024"]
+    elif case == "judge_model_missing":  # the judge's own server would fail its start max_restarts times
+        overrides = ["--config.judge.enabled=True", f"--config.judge.model_path={tmp_path / 'no-judge'}"]
     # the context check is about the server the launcher starts: only that case has one
     own_server = case == "context_too_long"
     config = write_config(tmp_path, "bad", model, base_url="" if own_server else "http://127.0.0.1:9", port=0)
@@ -155,6 +158,7 @@ def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case
         "resume_missing_step": "run.resume_step: step 7",
         "context_too_long": "inference.max_model_len: 1024 is longer than the model's max_position_embeddings "
         "512",
+        "judge_model_missing": f"judge.model_path: {str(tmp_path / 'no-judge')!r} is not a directory",
     }[case]
     assert expected in lines[0]
     assert _earlier_outputs(root) == before

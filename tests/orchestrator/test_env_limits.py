@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from orch_fakes import FakeClient, make_orchestrator, small_config
 
+from primejax.config import env
 from primejax.envs.base import Environment, Example, SampledRollout, SampledTurn
 from primejax.envs.env_limits import EnvLimits, EnvLimitsConfig, Pacer, pace_tool_call
+from primejax.envs.reverse_text import ReverseText
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.config import SamplingConfig
 from primejax.orchestrator.generate import GroupGenerator
@@ -118,3 +121,57 @@ def test_tool_calls_are_paced_within_an_episode_only():
 
     asyncio.run(main())
     assert slept == [0.25, 0.25, 0.25, 0.25]  # 5 calls at 4/s: the first at once, then 1/4 s apart
+
+
+class Gated(ReverseText):
+    """reverse-text with a second turn that waits for `gate` (a slow tool: the episode holds its slot)."""
+
+    max_turns = 2
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gate = asyncio.Event()
+
+    async def env_response(self, example, messages, state):
+        if sum(m["role"] == "assistant" for m in messages) > 1:
+            return None
+        await self.gate.wait()
+        return [{"role": "user", "content": "again"}]
+
+
+def load_gated(**kw) -> Gated:
+    return Gated(**kw)
+
+
+def test_the_continuous_pool_keeps_a_slow_env_at_its_cap_and_the_other_env_running(tmp_path, tokenizer):
+    # The pool holds 4 groups. Without the cap the slow env's groups (waiting for its 2 episode slots) fill all 4
+    # and the fast env never runs again: no cut completes. With it at most ceil(2 / 2) = 1 slow group runs and
+    # every batch comes from the fast env while that group waits.
+    cfg = small_config(tmp_path / "run", batch_size=4, group_size=2)
+    o = cfg.orchestrator
+    o.pool.mode, o.pool.groups_in_flight = "continuous", 4
+    o.envs.slow = env("test_env_limits:load_gated")
+    o.envs.slow.limits.max_concurrent = 2
+    o.filters.post_batch = ()
+    orch = make_orchestrator(cfg, client=FakeClient(tokenizer), tokenizer=tokenizer, run_dir=tmp_path / "run")
+    slow = orch.buffer.envs["slow"]
+    steps = 4
+
+    async def main():
+        running = asyncio.ensure_future(orch.run(steps))
+        try:
+            async with asyncio.timeout(30):
+                history = await running
+            pool = orch.dispatch.pool
+            return history, sorted(t.env for t in pool.running.values()), pool.total
+        finally:
+            slow.env.gate.set()
+            if not running.done():
+                running.cancel()
+            await orch.dispatch.stop()
+
+    history, in_flight, total = asyncio.run(main())
+    assert len(history) == steps
+    assert in_flight.count("slow") <= 1
+    assert sum(m["samples/count"] for m in history) >= steps * 4
+    assert total["dispatched"] >= steps * 2 + 1  # the fast env's groups went on being dispatched

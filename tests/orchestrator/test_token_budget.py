@@ -37,8 +37,20 @@ def test_rollout_tokens_are_what_its_training_samples_hold():
     split = _rollout([([1, 2, 3], [4, 5]), ([9, 9], [8, 8, 8])])  # turn 2 does not: two samples
     for r in (one, bridged, split):
         samples = rollout_to_samples(r, "rl", 1.0, seq_len=4096)
-        assert rollout_tokens(r) == sum(len(s) for s in samples)
-    assert [rollout_tokens(r) for r in (one, bridged, split)] == [5, 8, 10]
+        assert rollout_tokens(r, 4096) == sum(len(s) for s in samples)
+    assert [rollout_tokens(r, 4096) for r in (one, bridged, split)] == [5, 8, 10]
+
+
+def test_rollout_tokens_count_a_turn_that_seq_len_split_off_in_full():
+    # turn 2 extends turn 1, but the merged sample (7 + 1 ids) would pass seq_len 6: rollout_to_samples starts a
+    # new sample from turn 2's whole prompt, so turn 1's ids are trained twice and count twice
+    r = _rollout([([1, 2, 3], [4, 5]), ([1, 2, 3, 4, 5, 6, 7], [8])])
+    samples = rollout_to_samples(r, "rl", 1.0, seq_len=6)
+    assert [len(s) for s in samples] == [5, 8]
+    assert rollout_tokens(r, 6) == 13
+    meter = TokenMeter(6)
+    assert meter.observe([r]) == 13
+    assert cut_by_tokens([[r]], 12, 6) == [] and cut_by_tokens([[r]], 13, 6) == [r]
 
 
 def test_a_batch_is_the_group_order_prefix_that_fits_the_budget():
@@ -49,17 +61,17 @@ def test_a_batch_is_the_group_order_prefix_that_fits_the_budget():
     rollouts[5].dropped = True
     groups = [rollouts[i : i + 8] for i in range(0, 64, 8)]
     trainable = [r for r in rollouts if r.ok and not r.dropped]
-    seq_len = max(rollout_tokens(r) for r in trainable)
+    seq_len = max(rollout_tokens(r, 10**9) for r in trainable)
     for budget in (seq_len, 2 * seq_len, 5 * seq_len):
-        batch = cut_by_tokens(groups, budget)
-        used = sum(rollout_tokens(r) for r in batch)
+        batch = cut_by_tokens(groups, budget, seq_len)
+        used = sum(rollout_tokens(r, seq_len) for r in batch)
         assert batch == trainable[: len(batch)]
         assert budget - seq_len < used <= budget
-    assert cut_by_tokens(groups, 10**9) == trainable  # short of the budget: everything trainable
-    meter = TokenMeter()
+    assert cut_by_tokens(groups, 10**9, seq_len) == trainable  # short of the budget: everything trainable
+    meter = TokenMeter(seq_len)
     assert meter.rollouts_for(1000, fallback=32) == 32
     meter.observe(trainable)
-    total = sum(rollout_tokens(r) for r in trainable)
+    total = sum(rollout_tokens(r, seq_len) for r in trainable)
     assert meter.rollouts_for(1000, fallback=32) == math.ceil(1000 * len(trainable) / total)  # at the mean
 
 
