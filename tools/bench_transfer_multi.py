@@ -104,32 +104,21 @@ def receiver(a: argparse.Namespace) -> None:
     tp_rank, tp = a.rank - 1, a.receivers
     store: dict[str, torch.Tensor] = {}
 
+    def put(name: str, t, lead: int) -> None:  # this worker's TP slice of t (`lead` stacking axes), one copy
+        dim = lead if any(k in name for k in COLUMN) else lead + 1 if any(k in name for k in ROW) else None
+        if dim is not None and t.dim() > lead + 1:
+            t = t.narrow(dim, tp_rank * (t.shape[dim] // tp), t.shape[dim] // tp)
+        if name not in store:
+            store[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        store[name].copy_(t, non_blocking=True)
+
     def load(pairs) -> None:
         for name, t in pairs:
-            if t.dim() > 1 and any(k in name for k in COLUMN):
-                n = t.shape[0] // tp
-                t = t[tp_rank * n : (tp_rank + 1) * n]
-            elif t.dim() > 1 and any(k in name for k in ROW):
-                n = t.shape[1] // tp
-                t = t[:, tp_rank * n : (tp_rank + 1) * n]
-            if name not in store:
-                store[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            store[name].copy_(t, non_blocking=True)
+            put(name, t, 0)
 
     class Stacked:  # issue 47: a run of equal tensors (a layer's experts) in one sliced copy, as fused.py loads
         __call__ = staticmethod(load)
-
-        @staticmethod
-        def stacked(names, t) -> None:
-            if t.dim() > 2 and any(k in names[0] for k in COLUMN):
-                n = t.shape[1] // tp
-                t = t[:, tp_rank * n : (tp_rank + 1) * n]
-            elif t.dim() > 2 and any(k in names[0] for k in ROW):
-                n = t.shape[2] // tp
-                t = t[:, :, tp_rank * n : (tp_rank + 1) * n]
-            if names[0] not in store:
-                store[names[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            store[names[0]].copy_(t, non_blocking=True)
+        stacked = staticmethod(lambda names, t: put(names[0], t, 1))
 
     rx = wire.Receiver()
     run = Path(a.run_dir)

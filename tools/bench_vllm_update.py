@@ -33,18 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.model_shapes import QWEN3  # noqa: E402
-
-SMOKE = dict(
-    QWEN3["qwen3-0.6b"],
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
+from tools.model_shapes import QWEN3, tiny  # noqa: E402
 
 
 def sparse_model_dir(d: Path, cfg) -> tuple[list, int]:
@@ -88,7 +77,7 @@ def one_shape(args: argparse.Namespace) -> dict:
     from primejax.transports.weights.collective.sender import CollectiveSender
 
     os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV) or new_token()
-    hf = SMOKE if args.smoke else QWEN3[args.shape]
+    hf = tiny(QWEN3["qwen3-0.6b"]) if args.smoke else QWEN3[args.shape]
     work = Path(tempfile.mkdtemp(prefix="vllm-update-", dir=args.tmp))
     cfg = ModelConfig.from_hf_config(hf, param_dtype="bfloat16", compute_dtype="bfloat16")
     t0 = time.perf_counter()
@@ -116,13 +105,8 @@ def one_shape(args: argparse.Namespace) -> dict:
         enforce_eager=True,
     )
     server = InferenceServerProcess(spec, work / "inference.log")
-    row: dict = {
-        "shape": args.shape,
-        "gb": nbytes / 1e9,
-        "tensors": len(metas),
-        "init_s": init_s,
-        "device": str(jax.local_devices()[0].device_kind),
-    }
+    row = dict(shape=args.shape, gb=nbytes / 1e9, tensors=len(metas), init_s=init_s)
+    row["device"] = str(jax.local_devices()[0].device_kind)
     try:
         row["server_start_s"] = server.start().wait_healthy(900)
         sender = CollectiveSender(
@@ -203,13 +187,9 @@ def main() -> int:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--shape", shape]  # the child reads --shape
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-        row = (
-            json.loads(found[-1])
-            if found
-            else {"shape": shape, "error": (proc.stderr or proc.stdout)[-1500:]}
-        )
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        err = (proc.stderr or proc.stdout)[-1500:]
+        rows.append(json.loads(found[-1]) if found else {"shape": shape, "error": err})
+        print(json.dumps(rows[-1]), flush=True)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             Path(args.out, "vllm_update.json").write_text(json.dumps(rows, indent=1))
@@ -219,9 +199,7 @@ def main() -> int:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(
-                f"| {r['shape']} | failed: {r['error'].splitlines()[-1][:80] if r['error'] else '?'} |"
-            )
+            lines.append(f"| {r['shape']} | failed: {(r['error'].splitlines() or ['?'])[-1][:80]} |")
             continue
         lines.append(
             f"| {r['shape']} | {r['gb']:.2f} | {r['tensors']} | {r['update_s']:.3f} | {r['update_min_s']:.3f}"
