@@ -27,16 +27,15 @@ real vLLM-CPU server, docs/benchmarks.md: `--moe 16 --cpu --vllm` in a checkout 
     python tools/bench_transfer.py --moe 16 --cpu                                         # CPU, gloo
     CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python tools/bench_transfer.py --moe 1   # GPU, the real shape
 
-Multi-process trainers (several senders -> tensor-parallel receivers; the filesystem export, gather vs
-parallel): `--senders ...` / `--export ...`, run by tools/bench_transfer_multi.py (its docstring has the commands).
+Multi-process trainers (several senders -> TP receivers; the filesystem export, gather vs parallel): `--senders
+...` / `--export ...`, in tools/bench_transfer_multi.py (its docstring has the commands).
 
 Two processes per model size. The sender is a primejax trainer stand-in: a Qwen3-shaped model (random bf16
-weights) in JAX on GPU 0, sent each round with `primejax.transports.weights.collective.sender.CollectiveSender` from
-`primejax.transports.weights.collective.device.hf_device_tensors` (jitted HF-layout conversion, DLPack into torch, packed buckets).
-The receiver is an inference-worker stand-in on GPU 1: it reads the offer file and runs
-`primejax.transports.weights.collective.wire.Receiver` -- the code primejax's vLLM engine runs in the worker -- loading into a
-torch parameter set in vLLM's layout (`StandIn`: fused qkv_proj and gate_up_proj, filled by slice copies as
-vLLM's Qwen3 `load_weights` does). What differs from a live vLLM GPU server: torch.distributed's
+weights) in JAX on GPU 0, sent each round with `CollectiveSender` from `hf_device_tensors` (jitted HF-layout
+conversion, DLPack into torch, packed buckets). The receiver is an inference-worker stand-in on GPU 1: it reads
+the offer file and runs `wire.Receiver` (primejax.transports.weights.collective: the code primejax's vLLM engine
+runs in the worker) into torch parameters in vLLM's layout (`StandIn`: fused qkv_proj and gate_up_proj, filled
+by slice copies as vLLM's Qwen3 `load_weights` does). What differs from a live vLLM GPU server: torch.distributed's
 ProcessGroupNCCL instead of vLLM's PyNcclCommunicator (both are NCCL broadcasts; vLLM's GPU build cannot be
 installed on the benchmark machines), the loader is the stand-in above instead of vLLM's model with its
 layerwise-reload wrapper, and there is no HTTP round trip (offer -> /transfer_weights, ~ms).
@@ -45,9 +44,8 @@ The filesystem row times the trainer's export (`export_safetensors`: device -> h
 plus the receiver loading those files (read to host, copy into the parameters, as vLLM's loader does); the
 files are read right after being written, so from the page cache: a lower bound for a real disk.
 
-Per size: one warm-up round (group rendezvous, NCCL communicator, jit), then `--rounds` timed rounds; the
-median is reported. The receiver checks that the collective and the filesystem paths loaded bit-identical
-parameters. Ends with a markdown table.
+Per size: one warm-up round (group rendezvous, NCCL communicator, jit), then `--rounds` timed rounds, median
+reported; the receiver checks that both paths loaded bit-identical parameters. Ends with a markdown table.
 """
 
 from __future__ import annotations
@@ -55,9 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,110 +62,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.model_shapes import QWEN3, tiny  # noqa: E402
-
-
-def model_config(name: str, smoke: bool, **overrides):
-    """The ModelConfig of Qwen3 checkpoint `name` (tools/model_shapes.py; `tiny` with --smoke), bf16."""
-    from primejax.models.config import ModelConfig
-
-    hf = tiny(QWEN3[name]) if smoke else QWEN3[name]
-    return ModelConfig.from_hf_config(hf, param_dtype="bfloat16", **overrides)
-
-
-def wait_file(path: Path, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {path} after {timeout_s:.0f} s")
-        time.sleep(0.001)
-    return json.loads(path.read_text())
-
-
-def write(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    tmp.rename(path)
-
-
-def offers(run: Path, rounds: int):
-    """The sender's offers of rounds 0..rounds-1, each as soon as it is written."""
-    from primejax.transports.weights.collective.offer import latest_offer
-
-    for r in range(rounds):
-        deadline = time.monotonic() + 900
-        while (offer := latest_offer(run)) is None or offer.step != r:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no offer for round {r}")
-            time.sleep(0.0005)
-        yield offer
-
-
-def launch(a: argparse.Namespace, run: str, roles: list[list[str]]) -> dict:
-    """One process per role: this script with the driver's own flags, `--run-dir` and the role's flags. The first
-    prints `RESULT {json}` (returned); a hung row's processes print their stacks (SIGABRT) before it raises."""
-    from primejax.inference.admin_auth import TOKEN_ENV, process_token
-
-    env = {
-        **os.environ,
-        TOKEN_ENV: process_token(),  # one run secret for all (each would otherwise refuse the others' store)
-        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "PYTHONFAULTHANDLER": "1",
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    if a.smoke or a.cpu:
-        env["JAX_PLATFORMS"] = "cpu"
-    # On GPUs every process sees every GPU (as vLLM's workers do), so NCCL can use peer access (NVLink).
-    cmd = [sys.executable, __file__, *sys.argv[1:], "--run-dir", run]
-    procs = [
-        subprocess.Popen(cmd + role, env=env, stdout=subprocess.PIPE if not i else None, text=True)
-        for i, role in enumerate(roles)
-    ]
-    try:
-        try:
-            out, _ = procs[0].communicate(timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"no result in {a.timeout:g} s; stacks of {[p.pid for p in procs if p.poll() is None]}:")
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGABRT)
-            for p in procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-            raise
-        for p in procs[1:]:
-            p.wait(timeout=300)
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"{roles[0]}: a process failed ({[p.returncode for p in procs]})")
-        return json.loads(
-            [x for x in out.splitlines() if x.startswith("RESULT ")][-1].removeprefix("RESULT ")
-        )
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def collective_sender(args: argparse.Namespace, device=None):
-    """The trainer's sender into --run-dir: NCCL from `device` (a torch GPU), else gloo from host memory."""
-    from primejax.inference.admin_auth import process_token
-    from primejax.transports.weights.collective.sender import CollectiveSender
-
-    backend, bucket_bytes = "nccl" if device else "gloo", args.bucket_mb * 2**20
-    return CollectiveSender(
-        Path(args.run_dir),
-        secret=process_token(),
-        timeout_s=600,
-        bucket_bytes=bucket_bytes,
-        backend=backend,
-        device=device,
-    )
-
+from tools import bench_transfer_multi as common  # noqa: E402
+from tools.model_shapes import QWEN3  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- model weights
 
@@ -184,19 +78,18 @@ def sender(args: argparse.Namespace) -> None:
     from primejax.transports.weights.collective.device import hf_device_tensors
 
     run = Path(args.run_dir)
-    cfg = model_config(f"qwen3-{args.size}", args.smoke)
+    cfg = common.model_config(f"qwen3-{args.size}", args.smoke)
     t0 = time.perf_counter()
     model = init_model(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]), seed=0)
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
-    gpu = jax.default_backend() == "gpu"
     device = None
-    if gpu:
+    if jax.default_backend() == "gpu":
         import torch
 
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-    sender = collective_sender(args, device)
+    sender = common.collective_sender(args, device)
     times, sends = [], []
     for r in range(args.rounds + 1):
         t0 = time.perf_counter()
@@ -207,13 +100,13 @@ def sender(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
             sends.append(sender.last["transfer/send_seconds"])
     gb = sender.last["transfer/gb"]
-    write(run / "collective_done.json", {})
+    common.write(run / "collective_done.json", {})
 
     t0 = time.perf_counter()
     export_safetensors(model, cfg, run / "fs", dtype="bfloat16")
     export_s = time.perf_counter() - t0
-    write(run / "fs_request.json", {"dir": str(run / "fs")})
-    done = wait_file(run / "fs_done.json", 1800)
+    common.write(run / "fs_request.json", {"dir": str(run / "fs")})
+    done = common.wait_file(run / "fs_done.json", 1800)
     row = dict(size=args.size, gb=gb, init_s=init_s, collective_s=statistics.median(times))
     row.update(collective_min_s=min(times), send_s=statistics.median(sends), export_s=export_s)
     row.update(load_s=done["load_s"], identical=done["identical"])
@@ -301,12 +194,12 @@ def receiver(args: argparse.Namespace) -> None:
     if gpu:
         torch.cuda.set_device(device)
     rx, params = wire.Receiver(), None
-    for offer in offers(run, args.rounds + 1):
+    for offer in common.offers(run, args.rounds + 1):
         params = params or StandIn(metas_from_update_info(offer.update_info), device)
         rx.receive(offer.init_info, offer.update_info, 1, device, params.load, process_token())
     collective = params.checksums()
-    wait_file(run / "collective_done.json", 600)
-    request = wait_file(run / "fs_request.json", 1800)
+    common.wait_file(run / "collective_done.json", 600)
+    request = common.wait_file(run / "fs_request.json", 1800)
     params.zero_()
     t0 = time.perf_counter()
     for f in sorted(Path(request["dir"]).glob("*.safetensors")):
@@ -314,7 +207,7 @@ def receiver(args: argparse.Namespace) -> None:
     if gpu:
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    write(run / "fs_done.json", {"load_s": load_s, "identical": params.checksums() == collective})
+    common.write(run / "fs_done.json", {"load_s": load_s, "identical": params.checksums() == collective})
 
 
 # ---------------------------------------------------------------------------------------------- adapters
@@ -331,7 +224,7 @@ def adapter_sender(args: argparse.Namespace) -> None:
     from primejax.transports.weights.filesystem.broadcast import verify_broadcast, write_broadcast
 
     run = Path(args.run_dir)
-    cfg = model_config(
+    cfg = common.model_config(
         f"qwen3-{args.size}",
         args.smoke,
         lora_rank=args.adapter,
@@ -346,7 +239,7 @@ def adapter_sender(args: argparse.Namespace) -> None:
     }
     adapters = {"layers": jax.block_until_ready(layers)}
     config = lora_io.peft_config(cfg)
-    sender = collective_sender(args)
+    sender = common.collective_sender(args)
     coll, fs, checks = [], [], []
     for r in range(args.rounds + 1):
         t0 = time.perf_counter()
@@ -365,7 +258,7 @@ def adapter_sender(args: argparse.Namespace) -> None:
             coll.append(t1 - t0)
             fs.append(t2 - t1)
             checks.append(t3 - t2)
-    done = wait_file(run / "adapter_done.json", 600)
+    done = common.wait_file(run / "adapter_done.json", 600)
     want = lora_io.adapter_tensors(adapters, cfg)
     from safetensors.numpy import load_file
 
@@ -375,7 +268,7 @@ def adapter_sender(args: argparse.Namespace) -> None:
     row.update(collective_s=statistics.median(coll), export_s=statistics.median(fs))
     row.update(load_s=statistics.median(checks), identical=identical, tensors=len(want))
     print("RESULT " + json.dumps(dict(row, device=str(jax.local_devices()[0].device_kind))), flush=True)
-    write(run / "adapter_read.json", {})
+    common.write(run / "adapter_read.json", {})
 
 
 def adapter_receiver(args: argparse.Namespace) -> None:
@@ -388,15 +281,15 @@ def adapter_receiver(args: argparse.Namespace) -> None:
     run = Path(args.run_dir)
     rx = wire.Receiver()
     last = None
-    for r, offer in enumerate(offers(run, args.rounds + 1)):
+    for r, offer in enumerate(common.offers(run, args.rounds + 1)):
         d = run / f"private_{r}"
         d.mkdir()
         receive_adapter(rx, {**offer.init_info, "rank_offset": 1}, offer.update_info, process_token(), d)
         if last is not None:
             shutil.rmtree(last)  # as the server drops an unloaded adapter's directory
         last = d
-    write(run / "adapter_done.json", {"dir": str(last)})
-    wait_file(run / "adapter_read.json", 600)
+    common.write(run / "adapter_done.json", {"dir": str(last)})
+    common.wait_file(run / "adapter_read.json", 600)
 
 
 # ---------------------------------------------------------------------------------------------- MoE
@@ -452,7 +345,7 @@ def moe_sender(args: argparse.Namespace) -> None:
             n += 1
         runs.append(torch.randn(n, *metas[at].shape, device=device).to(torch.bfloat16))
         at += n
-    sender = collective_sender(args, device)
+    sender = common.collective_sender(args, device)
     times: dict[str, list[float]] = {"old": [], "new": []}
     for r in range(2 * (args.rounds + 1)):
         mode = "new" if r % 2 else "old"
@@ -463,7 +356,7 @@ def moe_sender(args: argparse.Namespace) -> None:
             raise RuntimeError(f"round {r} failed")
         if r >= 2:  # the first of each mode warms up
             times[mode].append(time.perf_counter() - t0)
-    done = wait_file(Path(args.run_dir) / "moe_done.json", 600)
+    done = common.wait_file(Path(args.run_dir) / "moe_done.json", 600)
     row = {k: statistics.median(v) for k, v in times.items()}
     print("RESULT " + json.dumps({**row, "tensors": len(metas), "gb": sender.last["transfer/gb"], **done}))
 
@@ -474,19 +367,17 @@ def moe_receiver(args: argparse.Namespace) -> None:
 
     device = _moe_device(args, 1)
     rx, params, sums = wire.Receiver(), StandIn(moe_metas(args.moe), device), {}
-    for r, offer in enumerate(offers(Path(args.run_dir), 2 * (args.rounds + 1))):
+    for r, offer in enumerate(common.offers(Path(args.run_dir), 2 * (args.rounds + 1))):
         load = params if offer.init_info.get("fused_experts") else params.load
         rx.receive(offer.init_info, offer.update_info, 1, device or "cpu", load, process_token())
         sums[r % 2] = params.checksums()
-    write(Path(args.run_dir) / "moe_done.json", {"identical": sums[0] == sums[1]})
+    common.write(Path(args.run_dir) / "moe_done.json", {"identical": sums[0] == sums[1]})
 
 
 # ---------------------------------------------------------------------------------------------- driver
 
 
 def main() -> int:
-    from tools.bench_transfer_multi import add_multi_arguments, multi
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (proves the script)")
     ap.add_argument("--cpu", action="store_true", help="CPU, gloo, the real shapes")
@@ -502,20 +393,19 @@ def main() -> int:
     ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
     ap.add_argument("--size", default="")
     ap.add_argument("--run-dir", default="")
-    add_multi_arguments(ap)
+    common.add_multi_arguments(ap)
     args = ap.parse_args()
     args.bucket_mb = args.bucket_mb or (1 if args.smoke else 256 if args.cpu else 1024)
     if args.senders or args.export:
-        return multi(args)
+        return common.multi(args)
     if args.role != "driver":
-        roles = (sender, receiver) if not (args.adapter or args.moe) else (adapter_sender, adapter_receiver)
-        roles = (moe_sender, moe_receiver) if args.moe else roles
-        roles[args.role == "receiver"](args)
+        kind = "moe_" if args.moe else "adapter_" if args.adapter else ""
+        globals()[kind + args.role](args)  # sender, receiver, adapter_sender, ..., moe_receiver
         return 0
     start = time.perf_counter()
     if args.moe:
         with tempfile.TemporaryDirectory(prefix="bench-transfer-moe-", dir=args.tmp) as run:
-            row = launch(args, run, [["--role", "sender"], ["--role", "receiver"]])
+            row = common.launch(args, run, [["--role", "sender"], ["--role", "receiver"]])
         print(
             f"\nQwen3-30B-A3B tensor list, dimensions / {args.moe}, into the stand-in receiver: {row['tensors']} "
             f"tensors, {row['gb']:.2f} GB; bucket {args.bucket_mb} MiB; median of {args.rounds} rounds per path "
@@ -533,7 +423,7 @@ def main() -> int:
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory(prefix=f"bench-transfer-{size}-", dir=args.tmp) as run:
             roles = [["--role", role, "--size", size] for role in ("sender", "receiver")]
-            rows.append(launch(args, run, roles))
+            rows.append(common.launch(args, run, roles))
         print(json.dumps(rows[-1]), flush=True)
     total = f"median of {args.rounds} rounds after a warm-up; total {time.perf_counter() - start:.0f} s\n"
     if args.adapter:

@@ -1,4 +1,5 @@
-"""Weight transfer from a multi-process trainer (run through tools/bench_transfer.py; docs/weight_transfer.md).
+"""Weight transfer from a multi-process trainer (run through tools/bench_transfer.py; docs/weight_transfer.md), and
+the helpers of every tools/bench_transfer.py row (shapes, the row's processes, the offer wait).
 
 Two benchmarks with the trainer's own publisher (primejax.transports.weights.publish), model shapes of tools/model_shapes.py
 at random init (bf16):
@@ -25,15 +26,127 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tools.bench_transfer import launch, model_config, offers
+from tools.model_shapes import QWEN3, tiny
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROW = ("o_proj", "down_proj")
+
+
+def model_config(name: str, smoke: bool, **overrides):
+    """The ModelConfig of Qwen3 checkpoint `name` (tools/model_shapes.py; `tiny` with --smoke), bf16."""
+    from primejax.models.config import ModelConfig
+
+    hf = tiny(QWEN3[name]) if smoke else QWEN3[name]
+    return ModelConfig.from_hf_config(hf, param_dtype="bfloat16", **overrides)
+
+
+def wait_file(path: Path, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after {timeout_s:.0f} s")
+        time.sleep(0.001)
+    return json.loads(path.read_text())
+
+
+def write(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.rename(path)
+
+
+def offers(run: Path, rounds: int):
+    """The sender's offers of rounds 0..rounds-1, each as soon as it is written."""
+    from primejax.transports.weights.collective.offer import latest_offer
+
+    for r in range(rounds):
+        deadline = time.monotonic() + 900
+        while (offer := latest_offer(run)) is None or offer.step != r:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no offer for round {r}")
+            time.sleep(0.0005)
+        yield offer
+
+
+def launch(a: argparse.Namespace, run: str, roles: list[list[str]]) -> dict:
+    """One process per role: this script with the driver's own flags, `--run-dir` and the role's flags. The first
+    prints `RESULT {json}` (returned); a hung row's processes print their stacks (SIGABRT) before it raises."""
+    from primejax.inference.admin_auth import TOKEN_ENV, process_token
+
+    env = {
+        **os.environ,
+        TOKEN_ENV: process_token(),  # one run secret for all (each would otherwise refuse the others' store)
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "PYTHONFAULTHANDLER": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    if a.smoke or a.cpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    # On GPUs every process sees every GPU (as vLLM's workers do), so NCCL can use peer access (NVLink).
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("bench_transfer.py")),
+        *sys.argv[1:],
+        "--run-dir",
+        run,
+    ]
+    procs = [
+        subprocess.Popen(cmd + role, env=env, stdout=subprocess.PIPE if not i else None, text=True)
+        for i, role in enumerate(roles)
+    ]
+    try:
+        try:
+            out, _ = procs[0].communicate(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"no result in {a.timeout:g} s; stacks of {[p.pid for p in procs if p.poll() is None]}:")
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGABRT)
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            raise
+        for p in procs[1:]:
+            p.wait(timeout=300)
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"{roles[0]}: a process failed ({[p.returncode for p in procs]})")
+        return json.loads(
+            [x for x in out.splitlines() if x.startswith("RESULT ")][-1].removeprefix("RESULT ")
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def collective_sender(args: argparse.Namespace, device=None):
+    """The trainer's sender into --run-dir: NCCL from `device` (a torch GPU), else gloo from host memory."""
+    from primejax.inference.admin_auth import process_token
+    from primejax.transports.weights.collective.sender import CollectiveSender
+
+    backend, bucket_bytes = "nccl" if device else "gloo", args.bucket_mb * 2**20
+    return CollectiveSender(
+        Path(args.run_dir),
+        secret=process_token(),
+        timeout_s=600,
+        bucket_bytes=bucket_bytes,
+        backend=backend,
+        device=device,
+    )
 
 
 def sender(a: argparse.Namespace) -> None:
