@@ -82,25 +82,18 @@ def launch(a: argparse.Namespace, run: str, roles: list[list[str]]) -> dict:
     prints `RESULT {json}` (returned); a hung row's processes print their stacks (SIGABRT) before it raises."""
     from primejax.inference.admin_auth import TOKEN_ENV, process_token
 
+    here = Path(__file__).resolve().parent
     env = {
         **os.environ,
         TOKEN_ENV: process_token(),  # one run secret for all (each would otherwise refuse the others' store)
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "PYTHONFAULTHANDLER": "1",
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-        ),
+        "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]),
     }
     if a.smoke or a.cpu:
         env["JAX_PLATFORMS"] = "cpu"
     # On GPUs every process sees every GPU (as vLLM's workers do), so NCCL can use peer access (NVLink).
-    cmd = [
-        sys.executable,
-        str(Path(__file__).with_name("bench_transfer.py")),
-        *sys.argv[1:],
-        "--run-dir",
-        run,
-    ]
+    cmd = [sys.executable, str(here / "bench_transfer.py"), *sys.argv[1:], "--run-dir", run]
     procs = [
         subprocess.Popen(cmd + role, env=env, stdout=subprocess.PIPE if not i else None, text=True)
         for i, role in enumerate(roles)
@@ -123,9 +116,8 @@ def launch(a: argparse.Namespace, run: str, roles: list[list[str]]) -> dict:
             p.wait(timeout=300)
         if any(p.returncode for p in procs):
             raise RuntimeError(f"{roles[0]}: a process failed ({[p.returncode for p in procs]})")
-        return json.loads(
-            [x for x in out.splitlines() if x.startswith("RESULT ")][-1].removeprefix("RESULT ")
-        )
+        result = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        return json.loads(result[-1].removeprefix("RESULT "))
     finally:
         for p in procs:
             if p.poll() is None:
