@@ -30,43 +30,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.bench_vllm_update import write_sparse_safetensors  # noqa: E402
+from tools.bench_vllm_update import sparse_model_dir  # noqa: E402
 from tools.model_shapes import QWEN3  # noqa: E402
-
-
-class _Meta:
-    def __init__(self, name: str, shape: tuple[int, ...]):
-        self.name, self.shape, self.dtype = name, shape, "bfloat16"
-        self.nbytes = 2 * int(__import__("math").prod(shape))
-
-
-def qwen3_tensors(hf: dict) -> list[_Meta]:
-    """Qwen3 / Qwen3-MoE's HF tensor names and shapes from config.json (the checkpoints' own layout)."""
-    d, v, hd = hf["hidden_size"], hf["vocab_size"], hf["head_dim"]
-    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
-    out = [_Meta("model.embed_tokens.weight", (v, d)), _Meta("model.norm.weight", (d,))]
-    if not hf.get("tie_word_embeddings"):
-        out.append(_Meta("lm_head.weight", (v, d)))
-    for i in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        out += [
-            _Meta(f"{p}.input_layernorm.weight", (d,)),
-            _Meta(f"{p}.post_attention_layernorm.weight", (d,)),
-        ]
-        for name, shape in (("q", (q, d)), ("k", (kv, d)), ("v", (kv, d)), ("o", (d, q))):
-            out.append(_Meta(f"{p}.self_attn.{name}_proj.weight", shape))
-        out += [_Meta(f"{p}.self_attn.q_norm.weight", (hd,)), _Meta(f"{p}.self_attn.k_norm.weight", (hd,))]
-        if hf.get("num_experts"):
-            e, f = hf["num_experts"], hf["moe_intermediate_size"]
-            out.append(_Meta(f"{p}.mlp.gate.weight", (e, d)))
-            for j in range(e):
-                for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-                    out.append(_Meta(f"{p}.mlp.experts.{j}.{name}_proj.weight", shape))
-        else:
-            f = hf["intermediate_size"]
-            for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-                out.append(_Meta(f"{p}.mlp.{name}_proj.weight", shape))
-    return out
 
 
 async def generate(url: str, args: argparse.Namespace, vocab: int) -> dict:
@@ -99,18 +64,14 @@ def update_seconds(url: str, model_dir: Path, rounds: int) -> list[float]:
     times = []
     for i in range(rounds + 1):
         t0 = time.perf_counter()
-        r = httpx.post(
-            url + "/update_weights",
-            json={"weight_dir": str(model_dir), "version": i + 1},
-            headers={HEADER: read_token()},
-            timeout=900,
-        )
+        body = {"weight_dir": str(model_dir), "version": i + 1}
+        r = httpx.post(url + "/update_weights", json=body, headers={HEADER: read_token()}, timeout=900)
         r.raise_for_status()
         times.append(time.perf_counter() - t0)
     return times[1:]  # the first loads the page cache and any lazy kernels
 
 
-def one_mode(mode: str, model_dir: Path, hf: dict, args: argparse.Namespace, log_dir: Path) -> dict:
+def one_mode(mode: str, model_dir: Path, vocab: int, args: argparse.Namespace, log_dir: Path) -> dict:
     from primejax.inference.process import InferenceServerProcess
     from primejax.inference.server import ServerSpec, free_port
 
@@ -135,7 +96,7 @@ def one_mode(mode: str, model_dir: Path, hf: dict, args: argparse.Namespace, log
     row: dict = {"mode": mode}
     try:
         row["start_s"] = server.start().wait_healthy(900)
-        row.update(asyncio.run(generate(spec.base_url, args, hf["vocab_size"])))
+        row.update(asyncio.run(generate(spec.base_url, args, vocab)))
         ups = update_seconds(spec.base_url, model_dir, args.update_rounds)
         row.update(update_s=min(ups), update_all_s=ups)
     except Exception as e:  # one mode failing still reports the others
@@ -165,14 +126,10 @@ def main() -> int:
 
     os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV) or new_token()
     work = Path(tempfile.mkdtemp(prefix="bench-fp8-"))
-    hf = ModelConfig.from_hf_config(QWEN3[args.shape], param_dtype="bfloat16").to_hf_config("bfloat16")
-    model_dir = work / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(hf, indent=1))
-    metas = qwen3_tensors(hf)
-    gb = write_sparse_safetensors(model_dir / "model.safetensors", metas) / 1e9
-    rows = [one_mode(m, model_dir, hf, args, Path(args.out)) for m in args.modes.split(",")]
-    result = {"shape": args.shape, "gb_bf16": gb, "tensors": len(metas), "args": vars(args), "rows": rows}
+    cfg = ModelConfig.from_hf_config(QWEN3[args.shape], param_dtype="bfloat16")
+    metas, nbytes = sparse_model_dir(work / "model", cfg)
+    rows = [one_mode(m, work / "model", cfg.vocab_size, args, Path(args.out)) for m in args.modes.split(",")]
+    result = dict(shape=args.shape, gb_bf16=nbytes / 1e9, tensors=len(metas), args=vars(args), rows=rows)
     Path(args.out, f"fp8_{args.shape}.json").write_text(json.dumps(result, indent=1))
     base = next((r for r in rows if r["mode"] == "bf16" and "tokens_per_s" in r), None)
     for r in rows:

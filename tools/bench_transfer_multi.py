@@ -1,4 +1,5 @@
-"""Weight transfer from a multi-process trainer (run through tools/bench_transfer.py; docs/weight_transfer.md).
+"""Weight transfer from a multi-process trainer (run through tools/bench_transfer.py; docs/weight_transfer.md), and
+the helpers of every tools/bench_transfer.py row (shapes, the row's processes, the offer wait).
 
 Two benchmarks with the trainer's own publisher (primejax.transports.weights.publish), model shapes of tools/model_shapes.py
 at random init (bf16):
@@ -27,7 +28,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,38 +35,110 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.model_shapes import QWEN3, tiny
 
-from tools.model_shapes import QWEN3  # noqa: E402
-
-TINY = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=2048,
-    moe_intermediate_size=64,
-    num_experts=8,
-    num_experts_per_tok=2,
-)
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROW = ("o_proj", "down_proj")
 
 
-def _shape(name: str, smoke: bool) -> dict:
-    s = dict(QWEN3[name])
-    if smoke:
-        s.update({k: v for k, v in TINY.items() if k in s or k in ("head_dim",)})
-    return s
+def model_config(name: str, smoke: bool, **overrides):
+    """The ModelConfig of Qwen3 checkpoint `name` (tools/model_shapes.py; `tiny` with --smoke), bf16."""
+    from primejax.models.config import ModelConfig
+
+    hf = tiny(QWEN3[name]) if smoke else QWEN3[name]
+    return ModelConfig.from_hf_config(hf, param_dtype="bfloat16", **overrides)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_file(path: Path, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after {timeout_s:.0f} s")
+        time.sleep(0.001)
+    return json.loads(path.read_text())
+
+
+def write(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.rename(path)
+
+
+def offers(run: Path, rounds: int):
+    """The sender's offers of rounds 0..rounds-1, each as soon as it is written."""
+    from primejax.transports.weights.collective.offer import latest_offer
+
+    for r in range(rounds):
+        deadline = time.monotonic() + 900
+        while (offer := latest_offer(run)) is None or offer.step != r:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no offer for round {r}")
+            time.sleep(0.0005)
+        yield offer
+
+
+def launch(a: argparse.Namespace, run: str, roles: list[list[str]]) -> dict:
+    """One process per role: this script with the driver's own flags, `--run-dir` and the role's flags. The first
+    prints `RESULT {json}` (returned); a hung row's processes print their stacks (SIGABRT) before it raises."""
+    from primejax.inference.admin_auth import TOKEN_ENV, process_token
+
+    here = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        TOKEN_ENV: process_token(),  # one run secret for all (each would otherwise refuse the others' store)
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "PYTHONFAULTHANDLER": "1",
+        "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    if a.smoke or a.cpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    # On GPUs every process sees every GPU (as vLLM's workers do), so NCCL can use peer access (NVLink).
+    cmd = [sys.executable, str(here / "bench_transfer.py"), *sys.argv[1:], "--run-dir", run]
+    procs = [
+        subprocess.Popen(cmd + role, env=env, stdout=subprocess.PIPE if not i else None, text=True)
+        for i, role in enumerate(roles)
+    ]
+    try:
+        try:
+            out, _ = procs[0].communicate(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"no result in {a.timeout:g} s; stacks of {[p.pid for p in procs if p.poll() is None]}:")
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGABRT)
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            raise
+        for p in procs[1:]:
+            p.wait(timeout=300)
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"{roles[0]}: a process failed ({[p.returncode for p in procs]})")
+        result = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        return json.loads(result[-1].removeprefix("RESULT "))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def collective_sender(args: argparse.Namespace, device=None):
+    """The trainer's sender into --run-dir: NCCL from `device` (a torch GPU), else gloo from host memory."""
+    from primejax.inference.admin_auth import process_token
+    from primejax.transports.weights.collective.sender import CollectiveSender
+
+    backend, bucket_bytes = "nccl" if device else "gloo", args.bucket_mb * 2**20
+    return CollectiveSender(
+        Path(args.run_dir),
+        secret=process_token(),
+        timeout_s=600,
+        bucket_bytes=bucket_bytes,
+        backend=backend,
+        device=device,
+    )
 
 
 def sender(a: argparse.Namespace) -> None:
@@ -76,13 +148,12 @@ def sender(a: argparse.Namespace) -> None:
     if a.nproc > 1 or gpu:
         kw = {"local_device_ids": [a.pid]} if gpu else {}
         jax.distributed.initialize(a.coordinator, a.nproc, a.pid, **kw)
-    from primejax.models.config import ModelConfig
     from primejax.models.sharding import make_mesh
     from primejax.models.transformer import init_model
     from primejax.trainer.config import BroadcastConfig
     from primejax.transports.weights.publish import FilesystemPublisher, make_publisher
 
-    cfg = ModelConfig.from_hf_config(_shape(a.shape, a.smoke), param_dtype="bfloat16")
+    cfg = model_config(a.shape, a.smoke)
     model = init_model(cfg, make_mesh(fsdp=-1), seed=0)
     jax.block_until_ready(jax.tree.leaves(model))
     run = Path(a.run_dir)
@@ -130,7 +201,6 @@ def receiver(a: argparse.Namespace) -> None:
 
     from primejax.inference.admin_auth import process_token
     from primejax.transports.weights.collective import wire
-    from primejax.transports.weights.collective.offer import latest_offer
 
     gpu = not (a.smoke or a.cpu)
     device = torch.device("cuda", a.gpu) if gpu else torch.device("cpu")
@@ -139,160 +209,55 @@ def receiver(a: argparse.Namespace) -> None:
     tp_rank, tp = a.rank - 1, a.receivers
     store: dict[str, torch.Tensor] = {}
 
+    def put(name: str, t, lead: int) -> None:  # this worker's TP slice of t (`lead` stacking axes), one copy
+        dim = lead if any(k in name for k in COLUMN) else lead + 1 if any(k in name for k in ROW) else None
+        if dim is not None and t.dim() > lead + 1:
+            t = t.narrow(dim, tp_rank * (t.shape[dim] // tp), t.shape[dim] // tp)
+        if name not in store:
+            store[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        store[name].copy_(t, non_blocking=True)
+
     def load(pairs) -> None:
         for name, t in pairs:
-            if t.dim() > 1 and any(k in name for k in COLUMN):
-                n = t.shape[0] // tp
-                t = t[tp_rank * n : (tp_rank + 1) * n]
-            elif t.dim() > 1 and any(k in name for k in ROW):
-                n = t.shape[1] // tp
-                t = t[:, tp_rank * n : (tp_rank + 1) * n]
-            if name not in store:
-                store[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            store[name].copy_(t, non_blocking=True)
+            put(name, t, 0)
 
     class Stacked:  # issue 47: a run of equal tensors (a layer's experts) in one sliced copy, as fused.py loads
         __call__ = staticmethod(load)
-
-        @staticmethod
-        def stacked(names, t) -> None:
-            if t.dim() > 2 and any(k in names[0] for k in COLUMN):
-                n = t.shape[1] // tp
-                t = t[:, tp_rank * n : (tp_rank + 1) * n]
-            elif t.dim() > 2 and any(k in names[0] for k in ROW):
-                n = t.shape[2] // tp
-                t = t[:, :, tp_rank * n : (tp_rank + 1) * n]
-            if names[0] not in store:
-                store[names[0]] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            store[names[0]].copy_(t, non_blocking=True)
+        stacked = staticmethod(lambda names, t: put(names[0], t, 1))
 
     rx = wire.Receiver()
     run = Path(a.run_dir)
-    for r in range(a.rounds + 1):
-        deadline = time.monotonic() + 900
-        while (offer := latest_offer(run)) is None or offer.step != r:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no offer for round {r}")
-            time.sleep(0.0005)
+    for offer in offers(run, a.rounds + 1):
         how = Stacked() if offer.init_info.get("fused_experts") else load
         rx.receive(offer.init_info, offer.update_info, a.rank, device, how, process_token())
 
 
-def _row(a: argparse.Namespace, shape: str, nproc: int, run: str) -> dict:
-    from primejax.inference.admin_auth import process_token
-
-    process_token()  # every child inherits the run's secret
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "PYTHONFAULTHANDLER": "1",  # a hung row's processes print their stacks on SIGABRT (below)
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    if a.smoke or a.cpu:
-        env["JAX_PLATFORMS"] = "cpu"
-    common = [
-        sys.executable,
-        __file__,
-        "--shape",
-        shape,
-        "--run-dir",
-        run,
-        "--rounds",
-        str(a.rounds),
-        "--bucket-mb",
-        str(a.bucket_mb),
-        "--receivers",
-        str(a.receivers),
-        "--path",
-        a.path,
-    ] + (["--smoke"] if a.smoke else [])
-    common += ["--cpu"] if a.cpu else []
-    coord = f"127.0.0.1:{_free_port()}"
-    rx = []
-    if not a.export:
-        gpus = [int(g) for g in a.receiver_gpus.split(",")]
-        rx = [
-            subprocess.Popen(
-                common + ["--role", "receiver", "--rank", str(r), "--gpu", str(gpus[r - 1])], env=env
-            )
-            for r in range(1, a.receivers + 1)
-        ]
-    tx = [
-        subprocess.Popen(
-            common
-            + ["--role", "sender", "--pid", str(k), "--nproc", str(nproc), "--coordinator", coord]
-            + (["--export", "--export-modes", a.export_modes] if a.export else []),
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for k in range(nproc)
-    ]
-    try:
-        try:
-            out, _ = tx[0].communicate(timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            alive = [p.pid for p in tx + rx if p.poll() is None]
-            print(f"{shape}, {nproc} processes: no result in {a.timeout:g} s; stacks of {alive}:", flush=True)
-            for p in tx + rx:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGABRT)
-            for p in tx + rx:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-            raise
-        for p in tx[1:] + rx:
-            p.wait(timeout=300)
-        if any(p.returncode for p in tx + rx):
-            raise RuntimeError(
-                f"{shape}, {nproc} processes: a process failed ({[p.returncode for p in tx + rx]})"
-            )
-        return json.loads(
-            [x for x in out.splitlines() if x.startswith("RESULT ")][-1].removeprefix("RESULT ")
-        )
-    finally:
-        for p in tx + rx:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (proves the script)")
-    ap.add_argument("--cpu", action="store_true", help="CPU, gloo, the real shapes")
+def add_multi_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--export", action="store_true", help="the filesystem export (gather vs parallel)")
     ap.add_argument("--shapes", default="qwen3-8b,qwen3-30b-a3b")
-    ap.add_argument("--senders", default="1,2", help="collective rows: trainer processes (one GPU each)")
+    ap.add_argument(
+        "--senders", default="", help="collective rows: trainer processes (one GPU each), e.g. 1,2"
+    )
     ap.add_argument("--processes", default="4", help="export rows: trainer processes (one GPU each)")
     ap.add_argument(
         "--receivers", type=int, default=2, help="tensor-parallel workers of the receiving server"
     )
     ap.add_argument("--receiver-gpus", default="2,3")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=int, default=0, help="default 1024 GPU, 1 smoke")
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--tmp", default=None)
     ap.add_argument(
         "--export-modes",
         default="gather,parallel",
         help="export rows: which of gather, parallel, parallel-pwrite (the writer before mmap)",
     )
     ap.add_argument("--paths", default="new", help="collective rows: old (per tensor, before issue 47), new")
-    ap.add_argument("--path", default="new")
-    ap.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver")
-    ap.add_argument("--shape", default="")
-    ap.add_argument("--run-dir", default="")
-    ap.add_argument("--pid", type=int, default=0)
-    ap.add_argument("--nproc", type=int, default=1)
-    ap.add_argument("--coordinator", default="")
-    ap.add_argument("--rank", type=int, default=1)
-    ap.add_argument("--gpu", type=int, default=0)
-    a = ap.parse_args(argv)
-    a.bucket_mb = a.bucket_mb or (1 if a.smoke else 256 if a.cpu else 1024)
+    for flag, default in (("--path", "new"), ("--shape", ""), ("--coordinator", "")):
+        ap.add_argument(flag, default=default, help="a row's process")
+    for flag, default in (("--pid", 0), ("--nproc", 1), ("--rank", 1), ("--gpu", 0)):
+        ap.add_argument(flag, type=int, default=default, help="a row's process")
+
+
+def multi(a: argparse.Namespace) -> int:
+    from primejax.inference.server import free_port
+
     if a.role == "sender":
         sender(a)
         return 0
@@ -304,11 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     for shape in a.shapes.split(","):
         for n in (int(x) for x in counts.split(",")):
             for path in ["new"] if a.export else a.paths.split(","):
-                a.path = path
+                row = ["--shape", shape, "--path", path, "--nproc", str(n)]
+                row += ["--coordinator", f"127.0.0.1:{free_port()}"]
+                tx = [["--role", "sender", "--pid", str(k), *row] for k in range(n)]
+                gpus = a.receiver_gpus.split(",")
+                rx = [
+                    ["--role", "receiver", "--rank", str(r), "--gpu", gpus[r - 1], *row]
+                    for r in range(1, a.receivers + 1)
+                ]
                 with tempfile.TemporaryDirectory(prefix="bench-transfer-", dir=a.tmp) as run:
-                    res = _row(a, shape, n, run)
-                print(json.dumps({"shape": shape, "processes": n, "path": a.path, **res}), flush=True)
-                table.append((shape, n, {**res, "path": a.path}))
+                    res = launch(a, run, tx + ([] if a.export else rx))
+                print(json.dumps({"shape": shape, "processes": n, "path": path, **res}), flush=True)
+                table.append((shape, n, res if a.export else {**res, "path": path}))  # export: modes only
     where = "CPU smoke (gloo, tiny shapes)" if a.smoke else "CPU (gloo)" if a.cpu else "GPU"
     if a.export:
         print(f"\n{where}: filesystem export, median of {a.rounds} after a warm-up\n")
@@ -328,7 +300,3 @@ def main(argv: list[str] | None = None) -> int:
             sec = statistics.median(res["collective"])
             print(f"| {shape} | {n} | {res['path']} | {sec:.3f} | {res['gb_sent']:.2f} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

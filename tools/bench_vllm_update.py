@@ -33,37 +33,34 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.model_shapes import QWEN3  # noqa: E402
-
-SMOKE = dict(
-    QWEN3["qwen3-0.6b"],
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
-_ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+from tools.model_shapes import QWEN3, tiny  # noqa: E402
 
 
-def write_sparse_safetensors(path: Path, metas: list) -> int:
-    """A safetensors file with these tensors' header and a data region that is a hole (nothing written)."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+def sparse_model_dir(d: Path, cfg) -> tuple[list, int]:
+    """`d`: config.json and a bf16 model.safetensors of `cfg`'s HF tensors whose header has the real names and
+    shapes (from the model code's export plan, on shapes only) and whose data region is a hole (nothing
+    written); returns (the tensors' metadata in export order, their bytes)."""
+    import jax
+
+    from primejax.models.hf_io import abstract_model, hf_tensor_plan
+    from primejax.transports.weights.tensors import TensorMeta
+
+    metas, header, offset = [], {"__metadata__": {"format": "pt"}}, 0
+    for var, names, to_hf, per_slice in hf_tensor_plan(abstract_model(cfg), cfg):
+        w = jax.ShapeDtypeStruct(var.shape[1:] if names[0][:13] == "model.layers." else var.shape, var.dtype)
+        shape = jax.eval_shape(lambda x, f=to_hf: f(x, cfg), w).shape[1 if per_slice > 1 else 0 :]
+        metas += [TensorMeta(n, "bfloat16", tuple(shape)) for n in names]
     for m in metas:
-        header[m.name] = {
-            "dtype": _ST_DTYPE[m.dtype],
-            "shape": list(m.shape),
-            "data_offsets": [offset, offset + m.nbytes],
-        }
+        header[m.name] = dict(dtype="BF16", shape=list(m.shape), data_offsets=[offset, offset + m.nbytes])
         offset += m.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_config("bfloat16"), indent=1))
+    with open(d / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         f.truncate(8 + len(raw) + offset)
-    return offset
+    return metas, offset
 
 
 def one_shape(args: argparse.Namespace) -> dict:
@@ -77,23 +74,18 @@ def one_shape(args: argparse.Namespace) -> dict:
     from primejax.models.sharding import make_mesh
     from primejax.models.tiny import build_tokenizer
     from primejax.models.transformer import init_model
-    from primejax.transports.weights.collective.device import hf_device_tensors
     from primejax.transports.weights.collective.sender import CollectiveSender
 
     os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV) or new_token()
-    hf = SMOKE if args.smoke else QWEN3[args.shape]
+    hf = tiny(QWEN3["qwen3-0.6b"]) if args.smoke else QWEN3[args.shape]
     work = Path(tempfile.mkdtemp(prefix="vllm-update-", dir=args.tmp))
     cfg = ModelConfig.from_hf_config(hf, param_dtype="bfloat16", compute_dtype="bfloat16")
     t0 = time.perf_counter()
     model = init_model(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]), seed=0)
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
-    metas, _ = hf_device_tensors(model, cfg, "bfloat16")
-    model_dir = work / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(cfg.to_hf_config("bfloat16"), indent=1))
-    build_tokenizer(model_dir, kind="bytes")
-    nbytes = write_sparse_safetensors(model_dir / "model.safetensors", metas)
+    metas, nbytes = sparse_model_dir(work / "model", cfg)
+    build_tokenizer(work / "model", kind="bytes")
 
     gpu = jax.default_backend() == "gpu"
     device = None
@@ -103,7 +95,7 @@ def one_shape(args: argparse.Namespace) -> dict:
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     spec = ServerSpec(
-        model=str(model_dir),
+        model=str(work / "model"),
         port=free_port(),
         dtype="bfloat16",
         max_model_len=1024,
@@ -113,13 +105,8 @@ def one_shape(args: argparse.Namespace) -> dict:
         enforce_eager=True,
     )
     server = InferenceServerProcess(spec, work / "inference.log")
-    row: dict = {
-        "shape": args.shape,
-        "gb": nbytes / 1e9,
-        "tensors": len(metas),
-        "init_s": init_s,
-        "device": str(jax.local_devices()[0].device_kind),
-    }
+    row = dict(shape=args.shape, gb=nbytes / 1e9, tensors=len(metas), init_s=init_s)
+    row["device"] = str(jax.local_devices()[0].device_kind)
     try:
         row["server_start_s"] = server.start().wait_healthy(900)
         sender = CollectiveSender(
@@ -155,17 +142,18 @@ def _round(sender, model, cfg, url: str, run: Path, step: int) -> tuple[float, f
 
     from primejax.inference import InferenceClient
     from primejax.transports.weights.collective.device import hf_device_tensors
+    from primejax.transports.weights.collective.offer import latest_offer
 
-    t0 = time.perf_counter()
-    result: dict = {}
-
-    def send() -> None:
-        metas, tensors = hf_device_tensors(model, cfg, "bfloat16")
-        result["ok"] = sender.send_lazy(step, metas, tensors)
-
-    thread = threading.Thread(target=send)
+    t0, result = time.perf_counter(), {}
+    thread = threading.Thread(
+        target=lambda: result.update(ok=sender.send_lazy(step, *hf_device_tensors(model, cfg, "bfloat16")))
+    )
     thread.start()
-    offer = _wait_offer(run, step, thread)
+    deadline = time.monotonic() + 600
+    while (offer := latest_offer(run)) is None or offer.step != step:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"round {step}: no offer from the sender")
+        time.sleep(0.01)
 
     async def receive() -> None:
         async with InferenceClient(url) as c:
@@ -176,22 +164,7 @@ def _round(sender, model, cfg, url: str, run: Path, step: int) -> tuple[float, f
     seconds = time.perf_counter() - t0
     if not result.get("ok"):
         raise RuntimeError(f"round {step}: the sender saw no acknowledgement")
-    described = httpx.get(url + "/weights_version", timeout=60).json()
-    return seconds, float(described.get("load_seconds", 0.0))
-
-
-def _wait_offer(run: Path, step: int, thread: threading.Thread):
-    from primejax.transports.weights.collective.offer import latest_offer
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        offer = latest_offer(run)
-        if offer is not None and offer.step == step:
-            return offer
-        if not thread.is_alive():
-            raise RuntimeError("the sender stopped before writing its offer")
-        time.sleep(0.01)
-    raise TimeoutError("no offer from the sender")
+    return seconds, float(httpx.get(url + "/weights_version", timeout=60).json().get("load_seconds", 0.0))
 
 
 def main() -> int:
@@ -211,27 +184,12 @@ def main() -> int:
         return 0
     rows = []
     for shape in args.shapes.split(","):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--shape",
-            shape,
-            "--server-gpu",
-            args.server_gpu,
-            "--rounds",
-            str(args.rounds),
-            "--bucket-mb",
-            str(args.bucket_mb),
-        ] + (["--tmp", args.tmp] if args.tmp else [])
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--shape", shape]  # the child reads --shape
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-        row = (
-            json.loads(found[-1])
-            if found
-            else {"shape": shape, "error": (proc.stderr or proc.stdout)[-1500:]}
-        )
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        err = (proc.stderr or proc.stdout)[-1500:]
+        rows.append(json.loads(found[-1]) if found else {"shape": shape, "error": err})
+        print(json.dumps(rows[-1]), flush=True)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             Path(args.out, "vllm_update.json").write_text(json.dumps(rows, indent=1))
@@ -241,9 +199,7 @@ def main() -> int:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(
-                f"| {r['shape']} | failed: {r['error'].splitlines()[-1][:80] if r['error'] else '?'} |"
-            )
+            lines.append(f"| {r['shape']} | failed: {(r['error'].splitlines() or ['?'])[-1][:80]} |")
             continue
         lines.append(
             f"| {r['shape']} | {r['gb']:.2f} | {r['tensors']} | {r['update_s']:.3f} | {r['update_min_s']:.3f}"

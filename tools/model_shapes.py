@@ -86,4 +86,12 @@ QWEN3_5: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         **_QWEN3_5_COMMON),
 }
+
+# The tools' --smoke runs (CPU): tiny(shape) is the shape with these dimensions (layer and expert counts too).
+TINY = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
 # fmt: on
+
+
+def tiny(hf: dict[str, Any]) -> dict[str, Any]:
+    return dict(hf, **{k: v for k, v in TINY.items() if k in hf})
