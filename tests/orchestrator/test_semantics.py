@@ -63,7 +63,8 @@ class SlowClient(FakeClient):
 
 
 def test_online_evals_interleave_with_training_instead_of_holding_up_the_step(tmp_path, tokenizer):
-    register_env("test-slow-eval", lambda **_: SlowEval())
+    delay = [1.5]  # the eval's scoring time, set from the plain steps' time below
+    register_env("test-slow-eval", lambda **_: SlowEval(delay[0]))
 
     def steps(eval_interval: int) -> list[dict]:
         cfg = small_config(tmp_path / f"run{eval_interval}", batch_size=8, group_size=4)
@@ -75,13 +76,16 @@ def test_online_evals_interleave_with_training_instead_of_holding_up_the_step(tm
         )
         return asyncio.run(orch.run(6))
 
-    plain, with_eval = steps(0), steps(3)
-    assert [m.get("eval/step") for m in with_eval][-1] == 6.0 and with_eval[-1]["eval/time"] >= 1.5
+    plain = steps(0)
     baseline = max(m["time/step_wall"] for m in plain)
-    # Steps 4 and 5 run while the eval started after step 3 is still scoring (1.5 s): they take the time of
-    # a plain step, not a plain step plus the eval's.
+    # The eval must outlast a plain step by a margin wherever this runs (a loaded CI box makes steps slower).
+    delay[0] = max(1.5, 3 * baseline + 0.5)
+    with_eval = steps(3)
+    assert [m.get("eval/step") for m in with_eval][-1] == 6.0 and with_eval[-1]["eval/time"] >= delay[0]
+    # Steps 4 and 5 run while the eval started after step 3 is still scoring: they take the time of a plain
+    # step, not a plain step plus the eval's.
     for m in with_eval[3:5]:
-        assert m["time/step_wall"] < baseline + 0.5 < 1.5
+        assert m["time/step_wall"] < baseline + 0.5 < delay[0]
 
 
 def test_mixture_weights_set_each_envs_share_of_prompts(tmp_path, tokenizer):
