@@ -125,10 +125,13 @@ def main() -> int:
     from primejax.models.config import ModelConfig
 
     os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV) or new_token()
-    work = Path(tempfile.mkdtemp(prefix="bench-fp8-"))
     cfg = ModelConfig.from_hf_config(QWEN3[args.shape], param_dtype="bfloat16")
-    metas, nbytes = sparse_model_dir(work / "model", cfg)
-    rows = [one_mode(m, work / "model", cfg.vocab_size, args, Path(args.out)) for m in args.modes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-fp8-") as work:
+        metas, nbytes = sparse_model_dir(Path(work, "model"), cfg)
+        rows = [
+            one_mode(m, Path(work, "model"), cfg.vocab_size, args, Path(args.out))
+            for m in args.modes.split(",")
+        ]
     result = dict(shape=args.shape, gb_bf16=nbytes / 1e9, tensors=len(metas), args=vars(args), rows=rows)
     Path(args.out, f"fp8_{args.shape}.json").write_text(json.dumps(result, indent=1))
     base = next((r for r in rows if r["mode"] == "bf16" and "tokens_per_s" in r), None)
