@@ -23,9 +23,9 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-QUANTIZATIONS = ("fp8", "fp8_per_block")
-# vLLM's online-quantization shorthands (`--quantization`, vllm/config/quantization.py) for each scheme.
+# Each scheme and vLLM's online-quantization shorthand for it (`--quantization`, vllm/config/quantization.py).
 VLLM_SCHEMES = {"fp8": "fp8_per_tensor", "fp8_per_block": "fp8_per_block"}
+QUANTIZATIONS = tuple(VLLM_SCHEMES)
 # Left in the serving dtype: MoE routers (Qwen3-MoE / GLM / DeepSeek `mlp.gate`, Qwen2-MoE's shared-expert gate).
 # A router's output width is the expert count, which a 128-wide block cannot tile (a tiny Qwen3-MoE's 8-expert
 # router stopped an fp8_per_block server at start on an H200), and an FP8 router would choose other experts than
@@ -39,14 +39,18 @@ _BLOCK_AMAX_FLOOR = 1e-4  # vLLM's per-block cast clamps each block's amax from 
 
 def vllm_args(quantization: str) -> list[str]:
     """vLLM's command-line arguments for one of QUANTIZATIONS: the online scheme, routers left unquantized."""
-    if quantization not in VLLM_SCHEMES:
-        raise ValueError(f"unknown FP8 quantization {quantization!r} (one of {', '.join(QUANTIZATIONS)})")
+    _check(quantization)
     return [
         "--quantization",
         VLLM_SCHEMES[quantization],
         "--quantization-config",
         json.dumps({"ignore": UNQUANTIZED}),
     ]
+
+
+def _check(quantization: str) -> None:
+    if quantization not in VLLM_SCHEMES:
+        raise ValueError(f"unknown FP8 quantization {quantization!r} (one of {', '.join(QUANTIZATIONS)})")
 
 
 def to_e4m3(x: np.ndarray) -> np.ndarray:
@@ -94,8 +98,7 @@ def dequantize(
 
 def quantize(w: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:
     """(e4m3 weights, scales) for one of QUANTIZATIONS; a 3-D stack (experts) is quantized matrix by matrix."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown FP8 quantization {quantization!r} (one of {', '.join(QUANTIZATIONS)})")
+    _check(quantization)
     x = np.asarray(w, np.float32)
     if x.ndim == 3:
         parts = [quantize(m, quantization) for m in x]
