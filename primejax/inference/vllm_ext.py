@@ -115,20 +115,17 @@ def _safetensors(weight_dir: str) -> Any:
 
 def read_params(model: Any, prefixes: list[str], limit: int = READ_LIMIT_BYTES) -> dict[str, dict]:
     """Raw bytes of the matching parameters (host copies); ValueError past `limit` bytes in all."""
-    import torch
-
     out, total = {}, 0
     for name, p in model.named_parameters():
         if not any(name.startswith(x) for x in prefixes):
             continue
-        t = p.detach().contiguous()
-        total += t.numel() * t.element_size()
+        total += p.numel() * p.element_size()  # before copying anything to the host
         if total > limit:
             raise ValueError(f"the parameters under {prefixes} hold over {limit} bytes; ask for fewer")
         out[name] = {
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape),
-            "data": t.view(-1).view(torch.uint8).cpu().numpy().tobytes(),
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "shape": list(p.shape),
+            "data": _host_bytes(p),
         }
     return out
 
@@ -137,13 +134,14 @@ def weights_digest(model: Any) -> dict[str, str]:
     """sha256 of each parameter's bytes (on the host), by name."""
     import hashlib
 
+    return {name: hashlib.sha256(_host_bytes(p)).hexdigest() for name, p in model.named_parameters()}
+
+
+def _host_bytes(p: Any) -> bytes:
+    """A parameter's bytes in its logical (row-major) order, whatever its dtype, layout or device."""
     import torch
 
-    out = {}
-    for name, p in model.named_parameters():
-        raw = p.detach().contiguous().view(-1).view(torch.uint8)
-        out[name] = hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()
-    return out
+    return p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
 class VllmAdminEngine:
