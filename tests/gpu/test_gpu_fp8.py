@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
 
-import httpx
 import ml_dtypes
 import numpy as np
 import pytest
 from gpu_env import SERVER_GPU  # tests/gpu/gpu_env.py
+from gpu_rounds import collective_round, perturbed, post  # tests/gpu/gpu_rounds.py
 
 from primejax.inference import InferenceClient, fp8
-from primejax.inference.admin_auth import HEADER, process_token, read_token
-from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
-from primejax.transports.weights.collective.offer import latest_offer
+from primejax.inference.admin_auth import process_token
+from primejax.models.hf_io import export_safetensors, load_model
 
 PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
 LAYER = "model.layers.0"
@@ -73,10 +71,6 @@ def fp8_server(request, moe_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         proc.stop()
 
 
-def _post(url: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.post(url + path, json=body, headers={HEADER: read_token()}, timeout=300)
-
-
 def _bf16(tensors: dict) -> dict[str, np.ndarray]:
     """What a bf16 server holds of these tensors before it quantizes: each value rounded to bf16."""
     return {
@@ -95,7 +89,7 @@ def _disk(model_dir: Path) -> dict[str, np.ndarray]:
 
 def _check(url: str, quant: str, sent: dict[str, np.ndarray], what: str) -> dict:
     """Every quantized matrix of layer 0 as served vs the quantization of `sent` (HF names, float32 values)."""
-    r = _post(url, "/weights_read", {"prefixes": READ})
+    r = post(url, "/weights_read", {"prefixes": READ})
     assert r.status_code == 200, r.text
     (served,) = r.json()["workers"]
     got = {n: fp8.decode_param(t) for n, t in served.items()}
@@ -131,23 +125,6 @@ def _check(url: str, quant: str, sent: dict[str, np.ndarray], what: str) -> dict
     return stats
 
 
-def _perturbed(base_dir: Path, seed: int) -> tuple[object, object, list[tuple[str, np.ndarray]]]:
-    import jax
-
-    model, cfg = load_model(base_dir, param_dtype="float32")
-    key = jax.random.key(seed)
-    for i, var in enumerate(param_variables(model).values()):
-        w = var[...]
-        var[...] = w + max(float(w.std()), 0.1) * jax.random.normal(
-            jax.random.fold_in(key, i), w.shape, w.dtype
-        )
-    return (
-        model,
-        cfg,
-        [(n, np.asarray(a, np.float32)) for n, a in state_to_hf_tensors(model, cfg, "bfloat16")],
-    )
-
-
 async def _greedy(url: str, model_dir: Path) -> list[list[float]]:
     from transformers import AutoTokenizer
 
@@ -170,36 +147,18 @@ def test_fp8_server_serves_the_quantization_of_every_update(fp8_server, moe_dir,
     _check(url, quant, base, "the first load")
     try:
         # 1. filesystem: the trainer's bf16 export, loaded in place (vLLM's layerwise reload re-quantizes)
-        model, cfg, named = _perturbed(moe_dir, seed=31)
+        model, cfg, named = perturbed(moe_dir, seed=31)
         export_safetensors(model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=moe_dir, tensors=named)
-        r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
+        r = post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
         assert r.status_code == 200, r.text
         _check(url, quant, dict(named), "a filesystem update")
 
         # 2. collective: the same protocol the trainer's sender speaks, over gloo (one GPU: NCCL needs two)
-        _, _, named2 = _perturbed(moe_dir, seed=32)
+        _, _, named2 = perturbed(moe_dir, seed=32)
         sender = CollectiveSender(
             tmp_path / "run", secret=process_token(), timeout_s=120, backend="gloo", bucket_bytes=16 * 2**20
         )
-        tensors = [(n, to_torch(a.astype(ml_dtypes.bfloat16))) for n, a in named2]
-        result: dict = {}
-        thread = threading.Thread(target=lambda: result.update(ok=sender.send(2, tensors)))
-        thread.start()
-        offer = None
-        for _ in range(1200):
-            offer = latest_offer(tmp_path / "run")
-            if offer is not None and offer.step == 2:
-                break
-            threading.Event().wait(0.05)
-        assert offer is not None, "the sender wrote no offer"
-
-        async def transfer() -> None:
-            async with InferenceClient(url) as c:
-                await c.transfer_weights(offer.step, offer.init_info, offer.update_info)
-
-        asyncio.run(transfer())
-        thread.join(300)
-        assert result.get("ok"), "the sender saw no acknowledgement"
+        collective_round(url, sender, tmp_path / "run", 2, [(n, to_torch(a)) for n, a in named2])
         _check(url, quant, dict(named2), "a collective update")
 
         # 3. LoRA merged: base + s·A·B written by the trainer's merge, as trainer.broadcast.lora='merged' sends it
@@ -222,7 +181,7 @@ def test_fp8_server_serves_the_quantization_of_every_update(fp8_server, moe_dir,
         }
         lora_io.export_peft(adapters, lcfg, tmp_path / "adapter")
         lora_io.merge_peft(moe_dir, tmp_path / "adapter", tmp_path / "merged", dtype="bfloat16")
-        r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "merged"), "version": 3})
+        r = post(url, "/update_weights", {"weight_dir": str(tmp_path / "merged"), "version": 3})
         assert r.status_code == 200, r.text
         merged = _disk(tmp_path / "merged")
         assert not np.array_equal(
@@ -232,6 +191,6 @@ def test_fp8_server_serves_the_quantization_of_every_update(fp8_server, moe_dir,
         logprobs = asyncio.run(_greedy(url, moe_dir))
         assert all(len(lp) > 0 and np.isfinite(lp).all() for lp in logprobs)
     finally:
-        assert _post(url, "/reload_weights").status_code == 200
+        assert post(url, "/reload_weights").status_code == 200
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     _check(url, quant, base, "going back to the base weights")

@@ -10,18 +10,17 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from gpu_env import GPUS, RUN_GPU, SERVER_GPU  # tests/gpu/gpu_env.py
+from gpu_rounds import collective_round, perturbed, post, wait_offer  # tests/gpu/gpu_rounds.py
 
 from primejax.inference import InferenceClient
-from primejax.inference.admin_auth import HEADER, process_token, read_token
-from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
-from primejax.transports.weights.collective.offer import latest_offer
+from primejax.inference.admin_auth import process_token
+from primejax.models.hf_io import export_safetensors
 
 PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
 REPO = Path(__file__).resolve().parents[2]
@@ -40,28 +39,10 @@ async def _greedy(url: str, prompts: list[list[int]]) -> list[tuple[list[int], l
     return [(o[0].completion_token_ids, o[0].completion_logprobs) for o in outs]
 
 
-def _post(url: str, path: str, body: dict | None = None, timeout: float = 300) -> httpx.Response:
-    return httpx.post(url + path, json=body, headers={HEADER: read_token()}, timeout=timeout)
-
-
 def _digest(url: str) -> list[dict[str, str]]:
-    r = _post(url, "/weights_digest")
+    r = post(url, "/weights_digest")
     assert r.status_code == 200, r.text
     return r.json()["workers"]
-
-
-def _perturbed(base_dir: Path, seed: int) -> tuple[object, object, list[tuple[str, np.ndarray]]]:
-    """Base weights + noise (JAX on GPU 0): the model and the bf16 HF tensors the trainer's export writes."""
-    import jax
-
-    model, cfg = load_model(base_dir, param_dtype="float32")
-    key = jax.random.key(seed)
-    for i, var in enumerate(param_variables(model).values()):
-        w = var[...]
-        var[...] = w + max(float(w.std()), 0.1) * jax.random.normal(
-            jax.random.fold_in(key, i), w.shape, w.dtype
-        )
-    return model, cfg, list(state_to_hf_tensors(model, cfg, "bfloat16"))
 
 
 def test_gpu_server_serves_greedy_tokens_with_finite_logprobs(gpu_server):
@@ -83,16 +64,16 @@ def test_nccl_update_serves_bit_for_bit_what_the_filesystem_update_serves(gpu_se
 
     url = gpu_server.base_url
     prompts = _prompts(gpu_server.model_dir)
-    model, cfg, named = _perturbed(gpu_server.model_dir, seed=21)
+    model, cfg, named = perturbed(gpu_server.model_dir, seed=21)
     export_safetensors(
         model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=gpu_server.model_dir, tensors=named
     )
     try:
         base, base_digest = asyncio.run(_greedy(url, prompts)), _digest(url)
-        r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
+        r = post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
         assert r.status_code == 200, r.text
         from_disk, disk_digest = asyncio.run(_greedy(url, prompts)), _digest(url)
-        assert _post(url, "/reload_weights").status_code == 200
+        assert post(url, "/reload_weights").status_code == 200
         assert _digest(url) == base_digest
 
         device = torch.device("cuda", 0)
@@ -105,28 +86,11 @@ def test_nccl_update_serves_bit_for_bit_what_the_filesystem_update_serves(gpu_se
             bucket_bytes=16 * 2**20,
         )
         gpu_named = [(n, to_torch(a).to(device)) for n, a in named]
-        result: dict = {}
-        thread = threading.Thread(target=lambda: result.update(ok=sender.send(2, gpu_named)))
-        thread.start()
-        offer = None
-        for _ in range(600):
-            offer = latest_offer(tmp_path / "run")
-            if offer is not None and offer.step == 2:
-                break
-            threading.Event().wait(0.05)
-        assert offer is not None, "the sender wrote no offer"
-
-        async def transfer() -> None:
-            async with InferenceClient(url) as c:
-                await c.transfer_weights(offer.step, offer.init_info, offer.update_info)
-
-        asyncio.run(transfer())
-        thread.join(300)
-        assert result.get("ok"), "the sender saw no acknowledgement"
+        collective_round(url, sender, tmp_path / "run", 2, gpu_named, polls=600)
         collective, collective_digest = asyncio.run(_greedy(url, prompts)), _digest(url)
         print(f"\nNCCL update of {sender.last.get('transfer/gb', 0):.3f} GB: {json.dumps(sender.last)}")
     finally:
-        assert _post(url, "/reload_weights").status_code == 200
+        assert post(url, "/reload_weights").status_code == 200
     assert collective_digest == disk_digest and disk_digest != base_digest
     assert collective == from_disk and collective != base
 
@@ -213,7 +177,7 @@ def test_filesystem_update_into_a_cuda_graph_server_serves_what_an_eager_server_
     from primejax.inference.server import ServerSpec, free_port
 
     prompts = _prompts(gpu_server.model_dir)
-    model, cfg, named = _perturbed(gpu_server.model_dir, seed=29)
+    model, cfg, named = perturbed(gpu_server.model_dir, seed=29)
     export_safetensors(
         model, cfg, tmp_path / "step_1", dtype="bfloat16", src_dir=gpu_server.model_dir, tensors=named
     )
@@ -232,12 +196,12 @@ def test_filesystem_update_into_a_cuda_graph_server_serves_what_an_eager_server_
         print(f"\nCUDA-graph server healthy in {graphs.wait_healthy(600):.0f} s")
         base = asyncio.run(_greedy(spec.base_url, prompts))
         for url in (spec.base_url, gpu_server.base_url):
-            r = _post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
+            r = post(url, "/update_weights", {"weight_dir": str(tmp_path / "step_1")})
             assert r.status_code == 200, r.text
         with_graphs = asyncio.run(_greedy(spec.base_url, prompts))
         eager = asyncio.run(_greedy(gpu_server.base_url, prompts))
     finally:
-        assert _post(gpu_server.base_url, "/reload_weights").status_code == 200
+        assert post(gpu_server.base_url, "/reload_weights").status_code == 200
         graphs.stop()
     # Graph replay may pick other GEMM kernels than eager mode (padded batch sizes), so a near-tie can flip a later
     # greedy token; the first token of each prompt and its logprob are compared, the whole sequences reported.
@@ -258,7 +222,7 @@ def test_nccl_sender_killed_mid_round_leaves_the_server_up_on_its_weights(gpu_se
     of ending the process, which took the whole server down in the first 4-GPU run. The route answers an error,
     the server stays healthy, on version 0, serving the base weights."""
     url = gpu_server.base_url
-    model, cfg, named = _perturbed(gpu_server.model_dir, seed=23)
+    model, cfg, named = perturbed(gpu_server.model_dir, seed=23)
     export_safetensors(model, cfg, tmp_path / "w", dtype="bfloat16", tensors=named)
     base_digest = _digest(url)
     env = {
@@ -289,19 +253,14 @@ def test_nccl_sender_killed_mid_round_leaves_the_server_up_on_its_weights(gpu_se
         text=True,
     )
     try:
-        offer = None
-        for _ in range(1200):
-            offer = latest_offer(tmp_path / "run")
-            if offer is not None or proc.poll() is not None:
-                break
-            threading.Event().wait(0.05)
+        offer = wait_offer(tmp_path / "run", gone=lambda: proc.poll() is not None)
         assert offer is not None, proc.stdout.read() if proc.poll() is not None else "no offer"
         body = {
             "version": 5,
             "init_info": {**offer.init_info, "rank_offset": 1},
             "update_info": offer.update_info,
         }
-        r = _post(url, "/transfer_weights", body, timeout=300)
+        r = post(url, "/transfer_weights", body, timeout=300)
         assert r.status_code >= 400, r.text
     finally:
         proc.kill()
