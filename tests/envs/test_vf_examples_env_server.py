@@ -10,19 +10,16 @@ seconds each on 2 cores); tests/envs/test_env_server_run.py stands for the env s
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
-from ml_collections import ConfigDict
 
-from primejax.config import default_config, env, typed
+from primejax.config import env
 from primejax.contracts.batch import read_batch, step_dir
 from primejax.envs.env_server import VerifiersServerEnv
-from primejax.inference.client import InferenceClient
-from primejax.orchestrator.loop import Orchestrator
 from primejax.rendering.renderer import load_tokenizer
-from primejax.utils.monitor import Monitor, read_jsonl
+from primejax.utils.monitor import read_jsonl
+from tests.envs.session_orchestrator import only_env, run_orchestrator, session_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -48,38 +45,15 @@ def test_a_verifiers_example_env_runs_a_step_through_the_env_server(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(vf_examples), os.environ.get("PYTHONPATH")]))
     )
     run_dir = tmp_path / "run"
-    cfg = default_config()
-    cfg.run.output_dir, cfg.run.name, cfg.model.path = str(tmp_path), "run", str(tiny_model_dir)
-    cfg.inference.max_model_len = 2048  # the session server's
-    o = cfg.orchestrator
-    o.batch_size, o.group_size = 2, 2
-    o.async_level = 8  # no trainer here: never wait for weights
-    o.envs = ConfigDict({name: entry})
-    o.seq_len, o.max_prompt_tokens = 2048, 1500
-    o.sampling.max_tokens = 12
-    o.filters.post_batch = ()  # a random tiny model's rewards may tie; ship everything
+    cfg = session_config(tmp_path, tiny_model_dir, {name: entry}, batch_size=2, group_size=2)
     tokenizer = load_tokenizer(str(tiny_model_dir))
-
-    async def main():
-        client = InferenceClient(vllm_server.base_url, timeout_s=120, max_retries=2)
-        monitor = Monitor(run_dir, "orchestrator")
-        try:
-            c = typed(cfg)
-            orch = Orchestrator(c.orchestrator, client=client, tokenizer=tokenizer, run_dir=run_dir,
-                                monitor=monitor, seed=c.run.seed,
-                                pad_rows_to_multiple=c.trainer.micro_batch_size)  # fmt: skip
-            await orch.tracker.sync_with_server()
-            try:
-                history = await orch.run(1)
-                (slot,) = orch.slots
-                return history, slot.env, len(slot.env.servers.conns)
-            finally:
-                await orch.close()
-        finally:
-            monitor.close()
-            await client.close()
-
-    history, served_env, servers = asyncio.run(main())
+    history, (served_env, servers) = run_orchestrator(
+        cfg,
+        vllm_server.base_url,
+        tokenizer,
+        1,
+        lambda orch: (only_env(orch), len(only_env(orch).servers.conns)),
+    )
     assert isinstance(served_env, VerifiersServerEnv) and servers == 1  # the rollouts ran on the env server
     (metrics,) = history
     assert metrics["rollouts/errored"] == 0, metrics

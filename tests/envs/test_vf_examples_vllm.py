@@ -6,19 +6,16 @@ rollout, every batch readable by the trainer, the envs' own reward components in
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from pathlib import Path
 
 import pytest
-from ml_collections import ConfigDict
 
-from primejax.config import default_config, env, typed
+from primejax.config import env
 from primejax.contracts.batch import read_batch, step_dir
-from primejax.inference.client import InferenceClient
-from primejax.orchestrator.loop import Orchestrator
 from primejax.rendering.renderer import load_tokenizer
-from primejax.utils.monitor import Monitor, read_jsonl
+from primejax.utils.monitor import read_jsonl
+from tests.envs.session_orchestrator import run_orchestrator, session_config
 
 pytestmark = pytest.mark.vllm
 STEPS = 2
@@ -62,42 +59,9 @@ def test_a_verifiers_env_by_id_runs_two_steps_with_no_errored_rollout(
 ):
     entry, env_class, signals = CASES[name]
     run_dir = tmp_path / "run"
-    cfg = default_config()
-    cfg.run.output_dir, cfg.run.name, cfg.model.path = str(tmp_path), "run", str(tiny_model_dir)
-    cfg.inference.max_model_len = 2048  # the session server's
-    o = cfg.orchestrator
-    o.batch_size, o.group_size = 4, 2
-    o.async_level = 8  # no trainer here: never wait for weights
-    o.envs = ConfigDict({name: entry})
-    o.seq_len, o.max_prompt_tokens = 2048, 1500
-    o.sampling.max_tokens = 12
-    o.filters.post_batch = ()  # a random tiny model's rewards may tie; ship everything
+    cfg = session_config(tmp_path, tiny_model_dir, {name: entry}, batch_size=4, group_size=2)
     tokenizer = load_tokenizer(str(tiny_model_dir))
-
-    async def main():
-        client = InferenceClient(vllm_server.base_url, timeout_s=120, max_retries=2)
-        monitor = Monitor(run_dir, "orchestrator")
-        try:
-            c = typed(cfg)
-            orch = Orchestrator(
-                c.orchestrator,
-                client=client,
-                tokenizer=tokenizer,
-                run_dir=run_dir,
-                monitor=monitor,
-                seed=c.run.seed,
-                pad_rows_to_multiple=c.trainer.micro_batch_size,
-            )
-            await orch.tracker.sync_with_server()
-            try:
-                return await orch.run(STEPS), orch
-            finally:
-                await orch.close()
-        finally:
-            monitor.close()
-            await client.close()
-
-    history, orch = asyncio.run(main())
+    history, orch = run_orchestrator(cfg, vllm_server.base_url, tokenizer, STEPS)
     assert len(history) == STEPS
     for metrics in history:
         assert metrics["rollouts/errored"] == 0, metrics
