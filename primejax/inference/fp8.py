@@ -66,9 +66,18 @@ def quantize_per_tensor(w: np.ndarray) -> tuple[np.ndarray, np.float32]:
     return to_e4m3(x * inv), np.float32(scale)
 
 
-def quantize_per_block(w: np.ndarray, block: tuple[int, int] = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+def quantize_per_block(
+    w: np.ndarray, block: tuple[int, int] = BLOCK, *, cuda: bool = False, ue8m0: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """One scale per block of a 2-D matrix (edge blocks zero-padded): (e4m3 weights, fp32 scales of shape
-    [ceil(rows / block rows), ceil(cols / block cols)]); dequantized = q * the block's scale."""
+    [ceil(rows / block rows), ceil(cols / block cols)]); dequantized = q * the block's scale.
+
+    vLLM casts per block in PyTorch (`per_block_cast_to_fp8`), and two things differ on a GPU, both found on an
+    H200 (docs/fp8.md):
+    - `cuda`: the scale is amax * float32(1 / 448), not amax / 448: ATen's CUDA division by a host scalar
+      multiplies by its reciprocal, which can land one ulp away, and a code one step away with it.
+    - `ue8m0`: DeepGEMM's linear kernel (vLLM's default on Hopper and Blackwell) casts again: it dequantizes the
+      first cast and quantizes that with each block's scale rounded up to a power of two."""
     x = np.asarray(w, np.float32)
     if x.ndim != 2:
         raise ValueError(f"per-block FP8 quantizes 2-D matrices, got shape {x.shape}")
@@ -78,9 +87,23 @@ def quantize_per_block(w: np.ndarray, block: tuple[int, int] = BLOCK) -> tuple[n
     padded[:m, :n] = x
     view = padded.reshape(pm // bm, bm, pn // bn, bn)
     amax = np.maximum(np.abs(view).max(axis=(1, 3), keepdims=True), np.float32(_BLOCK_AMAX_FLOOR))
-    scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    if cuda:
+        scale = (amax * (np.float32(1.0) / np.float32(E4M3_MAX))).astype(np.float32)
+    else:
+        scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
     q = to_e4m3(view * (np.float32(1.0) / scale)).reshape(pm, pn)[:m, :n]
-    return q, scale.reshape(pm // bm, pn // bn)
+    scale = scale.reshape(pm // bm, pn // bn)
+    if ue8m0:
+        return _quantize_pow2(dequantize(q, scale, block), block, cuda)
+    return q, scale
+
+
+def _quantize_pow2(x: np.ndarray, block: tuple[int, int], cuda: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The per-block cast with each scale rounded up to a power of two (vLLM's `use_ue8m0=True`)."""
+    _, scale = quantize_per_block(x, block, cuda=cuda)
+    pow2 = np.power(np.float32(2.0), np.ceil(np.log2(scale))).astype(np.float32)
+    grid = np.repeat(np.repeat(pow2, block[0], axis=0), block[1], axis=1)[: x.shape[0], : x.shape[1]]
+    return to_e4m3(x * (np.float32(1.0) / grid)), pow2
 
 
 def dequantize(
@@ -96,17 +119,23 @@ def dequantize(
     return x * grid
 
 
-def quantize(w: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:
-    """(e4m3 weights, scales) for one of QUANTIZATIONS; a 3-D stack (experts) is quantized matrix by matrix."""
+def quantize(
+    w: np.ndarray, quantization: str, *, cuda: bool = False, ue8m0: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 weights, scales) for one of QUANTIZATIONS; a 3-D stack (experts) is quantized matrix by matrix.
+    `cuda` and `ue8m0` are quantize_per_block's (per-tensor scales come from vLLM's own CUDA kernel, which
+    divides exactly: the H200 served them bit for bit)."""
     _check(quantization)
     x = np.asarray(w, np.float32)
     if x.ndim == 3:
-        parts = [quantize(m, quantization) for m in x]
+        parts = [quantize(m, quantization, cuda=cuda, ue8m0=ue8m0) for m in x]
         return np.stack([p[0] for p in parts]), np.stack([np.asarray(p[1]) for p in parts])
     if quantization == "fp8":
+        if ue8m0:
+            raise ValueError("power-of-two (ue8m0) scales exist only for fp8_per_block")
         q, s = quantize_per_tensor(x)
         return q, np.asarray(s)
-    return quantize_per_block(x)
+    return quantize_per_block(x, cuda=cuda, ue8m0=ue8m0)
 
 
 def fused_hf_weights(tensors: Mapping[str, np.ndarray], layer: int, prefix: str = "model.layers") -> dict:
@@ -143,14 +172,23 @@ def fused_hf_weights(tensors: Mapping[str, np.ndarray], layer: int, prefix: str 
 
 
 def compare_served(
-    served_q: np.ndarray, served_scale: np.ndarray, reference: np.ndarray, quantization: str
+    served_q: np.ndarray,
+    served_scale: np.ndarray,
+    reference: np.ndarray,
+    quantization: str,
+    *,
+    cuda: bool = False,
 ) -> dict[str, float]:
     """How closely a served FP8 matrix (or expert stack) and its scales match the quantization of `reference`
-    (the bf16 weights sent, as float32). The served weight may be stored transposed (vLLM keeps a per-tensor
-    linear weight as [in, out]); it is matched by shape. Returns the share of e4m3 codes equal, the largest
-    difference in e4m3 steps (codes are ordered like integers within a sign), the largest relative scale
-    difference and the largest dequantized difference relative to the weights' largest magnitude."""
-    ref_q, ref_s = quantize(reference, quantization)
+    (the bf16 weights sent, as float32); `cuda`: served by a GPU (quantize_per_block). The served weight may be
+    stored transposed (vLLM keeps a per-tensor linear weight as [in, out]); it is matched by shape. Per-block
+    scales that are all powers of two are compared with the power-of-two cast (`ue8m0`, reported as 1.0):
+    which layers DeepGEMM takes is vLLM's choice, by shape and GPU. Returns the share of e4m3 codes equal,
+    the largest difference in e4m3 steps (codes are ordered like integers within a sign), the largest relative
+    scale difference and the largest dequantized difference relative to the weights' largest magnitude."""
+    s = np.asarray(served_scale, np.float32)
+    ue8m0 = quantization == "fp8_per_block" and s.size > 0 and bool(np.all(np.frexp(s)[0] == 0.5))
+    ref_q, ref_s = quantize(reference, quantization, cuda=cuda, ue8m0=ue8m0)
     q = np.asarray(served_q)
     if q.shape != ref_q.shape and q.shape == ref_q.swapaxes(-1, -2).shape:
         q = q.swapaxes(-1, -2)
@@ -158,7 +196,6 @@ def compare_served(
         raise ValueError(
             f"served weight shape {q.shape} is not the reference's {ref_q.shape} (or its transpose)"
         )
-    s = np.asarray(served_scale, np.float32)
     if ref_s.size == 1 and s.size > 1 and np.all(s == s.reshape(-1)[0]):
         s = s.reshape(-1)[:1]  # a kernel may widen a per-tensor scale to one per output channel, all equal
     if s.size == ref_s.size and s.shape != ref_s.shape:
@@ -177,6 +214,7 @@ def compare_served(
     peak = float(np.abs(np.asarray(reference, np.float32)).max()) or 1.0
     return {
         "codes_equal": float((a == b).mean()),
+        "ue8m0": float(ue8m0),
         "max_code_steps": float(steps.max(initial=0)),
         "scale_rel_err": float(np.abs(s - ref_s).max() / max(float(np.abs(ref_s).max()), 1e-30)),
         "dequant_rel_err": float(np.abs(deq - ref).max() / peak),

@@ -21,6 +21,7 @@ from gpu_rounds import collective_round, perturbed, post  # tests/gpu/gpu_rounds
 from primejax.inference import InferenceClient, fp8
 from primejax.inference.admin_auth import process_token
 from primejax.models.hf_io import export_safetensors, load_model
+from tests.inference.fp8_model import build_fp8_moe
 
 PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
 LAYER = "model.layers.0"
@@ -29,23 +30,7 @@ READ = [f"{LAYER}.self_attn.qkv_proj.", f"{LAYER}.self_attn.o_proj.", f"{LAYER}.
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from primejax.models.tiny import build_tiny_model
-
-    return build_tiny_model(
-        tmp_path_factory.mktemp("gpu-fp8-moe") / "model",
-        family="qwen3_moe",
-        tied=False,
-        seed=5,
-        hidden_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=128,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_experts=8,
-        num_experts_per_tok=2,
-    )
+    return build_fp8_moe(tmp_path_factory.mktemp("gpu-fp8-moe") / "model")
 
 
 @pytest.fixture(scope="module", params=fp8.QUANTIZATIONS)
@@ -117,7 +102,7 @@ def _check(url: str, quant: str, sent: dict[str, np.ndarray], what: str) -> dict
     stats = {}
     for module, (w, s) in pairs.items():
         assert w in got and s in got, f"{what}: {w} / {s} not served; served {json.dumps(layout)}"
-        stats[module] = fp8.compare_served(got[w], got[s], ref[module], quant)
+        stats[module] = fp8.compare_served(got[w], got[s], ref[module], quant, cuda=True)
     print(f"\n{quant} after {what}: {json.dumps(stats)}")
     for module, st in stats.items():
         assert st["codes_equal"] >= 0.999 and st["max_code_steps"] <= 1, (what, module, st)

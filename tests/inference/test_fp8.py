@@ -59,6 +59,76 @@ def test_per_block_matches_vllms_own_cast_bit_for_bit():
     assert np.array_equal(s, s_ref.numpy())
 
 
+def test_power_of_two_recast_matches_vllms_own_requant_bit_for_bit():
+    """DeepGEMM's linear layers (vLLM's default on Hopper) cast a block-quantized weight again with power-of-two
+    scales (`requant_weight_ue8m0_inplace`, torch, runs on CPU too): same codes, same scales."""
+    import torch
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import requant_weight_ue8m0_inplace
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    w = _bf16_values((384, 260), seed=3)
+    w[300, 9] = 2.0
+    q_ref, s_ref = per_block_cast_to_fp8(torch.tensor(w, dtype=torch.bfloat16), block_size=[128, 128])
+    requant_weight_ue8m0_inplace(q_ref, s_ref, block_size=[128, 128])
+    q, s = fp8.quantize_per_block(w, ue8m0=True)
+    assert np.array_equal(q.view(np.uint8), q_ref.view(torch.uint8).numpy())
+    assert np.array_equal(s, s_ref.numpy()) and np.all(np.frexp(s)[0] == 0.5)
+    plain_q, plain_s = fp8.quantize_per_block(w)
+    assert np.all(s >= plain_s) and not np.array_equal(q, plain_q)
+
+
+def test_cuda_scales_are_amax_times_the_reciprocal_within_one_ulp():
+    """On a GPU, ATen divides by a host scalar by multiplying with its reciprocal: the per-block scale is
+    amax * float32(1/448), at most one ulp from amax / 448, and a code moves at most one step with it."""
+    w = _bf16_values((512, 512), seed=4)
+    q, s = fp8.quantize_per_block(w)
+    qc, sc = fp8.quantize_per_block(w, cuda=True)
+    amax = np.abs(w.reshape(4, 128, 4, 128)).max(axis=(1, 3))
+    assert np.array_equal(sc, amax * (np.float32(1) / np.float32(448)))
+    ulps = np.abs(sc.view(np.int32) - s.view(np.int32))
+    assert ulps.max() <= 1 and ulps.max() == 1  # the two formulas differ somewhere on these weights
+    same = fp8.compare_served(qc, sc, w, "fp8_per_block", cuda=True)
+    other = fp8.compare_served(qc, sc, w, "fp8_per_block")
+    assert same["codes_equal"] == 1.0 and same["ue8m0"] == 0.0
+    assert other["codes_equal"] < 1.0 and other["max_code_steps"] == 1.0
+
+
+def test_what_an_h200_served_is_reproduced_on_the_host(tmp_path):
+    """The FP8 GPU test's model, layer 0, as an H200 running vLLM 0.26 served it with `fp8_per_block` and
+    compared it with the plain host cast (docs/benchmarks.md, "FP8 rollouts"): these were its figures. The GPU's
+    two differences (one-ulp scales; DeepGEMM's power-of-two re-cast of q/k/v and o, not of the experts)
+    reproduce them, and `compare_served(..., cuda=True)` then finds the served codes all equal."""
+    from tests.inference.fp8_model import build_fp8_moe
+
+    h200 = {  # module: (served layer's power-of-two scales, codes equal, largest scale difference)
+        "self_attn.qkv_proj": (True, 4.1961669921875e-05, 0.3743315637111664),
+        "self_attn.o_proj": (True, 1.52587890625e-05, 0.392857164144516),
+        "mlp.experts.w13": (False, 0.9996147155761719, 6.449971579058911e-08),
+        "mlp.experts.w2": (False, 0.997528076171875, 6.2389908350724e-08),
+    }
+    from safetensors.numpy import load_file
+
+    model = build_fp8_moe(tmp_path / "model")
+    sent = {}
+    for f in sorted(model.glob("*.safetensors")):
+        sent.update(load_file(f))
+    sent = {
+        k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in sent.items()
+    }
+    ref = fp8.fused_hf_weights(sent, 0)
+    for module, (pow2, codes_equal, scale_err) in h200.items():
+        w = ref[f"model.layers.0.{module}"]
+        q, s = fp8.quantize(w, "fp8_per_block", cuda=True, ue8m0=pow2)
+        plain = fp8.quantize(w, "fp8_per_block")
+        a, b = q.view(np.uint8), plain[0].view(np.uint8)
+        # w2: one code of its 262,144 lands on the other side on the GPU
+        assert abs(float((a == b).mean()) - codes_equal) <= 1 / a.size, module
+        assert float(np.abs(s - plain[1]).max() / np.abs(plain[1]).max()) == pytest.approx(
+            scale_err, rel=1e-6
+        )
+        assert fp8.compare_served(q, s, w, "fp8_per_block", cuda=True)["codes_equal"] == 1.0
+
+
 def test_per_tensor_matches_float64_rounding_and_torchs_cast():
     w = _bf16_values((64, 96), seed=1)
     q, s = fp8.quantize_per_tensor(w)
