@@ -27,6 +27,7 @@ async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
     from primejax.orchestrator.loop import Orchestrator
     from primejax.orchestrator.run import model_vocab_size, policy_client
     from primejax.rendering.renderer import load_tokenizer
+    from primejax.transports.weights.registry import follower_for
     from primejax.utils.monitor import Monitor
 
     root = cfg.run_dir
@@ -49,6 +50,7 @@ async def run_orchestrator(cfg: Config) -> list[dict[str, float]]:
             monitor=monitor,
             routing=RoutingShape.of_model_dir(cfg.model.path) if cfg.orchestrator.routing_replay else None,
             watch=cfg.monitor,
+            weights_follower=follower_for(cfg.trainer.broadcast.mode, root),
         )
         orchestrator.resume(cfg.run.resume_step)
         # Start from a known policy: the base model. A server left serving another (or a killed) run's weights

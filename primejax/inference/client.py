@@ -445,12 +445,9 @@ class InferenceClient:
     async def update_weights(self, weight_dir: str, version: int) -> None:
         """Load `weight_dir` in place on every server and serve it as `version`."""
         # Absolute on the wire: a server on another host (or another cwd) must not resolve our relative path.
-        urls = self.up_urls
-        answers = await self._all(
-            "POST", "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)}
+        await self.post_admin(
+            "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)}
         )
-        self._note_loads(urls, answers)
-        self._adopt(answers)
 
     async def transfer_weights(self, version: int, init_info: dict, update_info: dict) -> None:
         """Receive `version` collectively on every server (the trainer is sending); the workers of server i join
@@ -483,6 +480,15 @@ class InferenceClient:
         answers = list(await asyncio.gather(*(one(i, u) for i, u in enumerate(urls))))
         self._note_loads(urls, answers)
         self._adopt(answers)
+
+    async def post_admin(self, path: str, body: dict) -> list[Any]:
+        """POST `body` to an admin route on every server (a transport's own, registry.Route) and return the
+        answers; an update's answers are read as /update_weights' are (load seconds, the adapter served)."""
+        urls = self.up_urls
+        answers = await self._all("POST", path, body)
+        self._note_loads(urls, answers)
+        self._adopt(answers)
+        return answers
 
     async def reload_weights(self) -> None:
         """Go back to the base model on every server (version 0)."""

@@ -122,11 +122,14 @@ class Orchestrator:
         tracker: PolicyTracker | None = None,
         routing: RoutingShape | None = None,
         watch: MonitorConfig | None = None,
+        weights_follower: tuple[str, Any] | None = None,
     ):
         """`num_shards`: trainer processes (one batch file each); `pad_rows_to_multiple`: the trainer's
         micro_batch_size; `recovery_timeout_s`: how long an inference outage may last (a restart included);
         `routing`: the policy's MoE routing shape, when its routed experts are recorded (routing replay);
-        `watch`: what to log beside the step metrics (servers' metrics, timeline, samples; None = nothing)."""
+        `watch`: what to log beside the step metrics (servers' metrics, timeline, samples; None = nothing);
+        `weights_follower`: (transport, follower) when the run's weight transport needs the orchestrator to deliver
+        its updates (transports/weights/base.Follower)."""
         self.o = o
         self.routing = routing
         self.client = client
@@ -134,7 +137,9 @@ class Orchestrator:
         self.monitor = monitor
         self.slots = build_env_slots(o, policy_client=client, tokenizer=tokenizer)
         self.buffer = Buffer(self.slots, seed=seed, settings=o.buffer)
-        self.tracker = tracker or PolicyTracker(client, self.run_dir, poll_interval_s=o.weights_poll_s)
+        self.tracker = tracker or PolicyTracker(
+            client, self.run_dir, poll_interval_s=o.weights_poll_s, follower=weights_follower
+        )
         self.outages = OutageCounter(client)
         c = o.concurrency
         # auto starts fixed; `pick_concurrency` (at the start of `run`) switches it to AIMD if the servers allow.

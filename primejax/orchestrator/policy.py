@@ -13,7 +13,9 @@ A watcher task polls `broadcasts/` for STABLE steps and `transfers/` for collect
 sending a step's weights: primejax.transports.weights.collective.offer) and tells the server to load each newer one; the gate
 waits on the watcher's version. An offer of step N is preferred over a broadcast of the same step; a failed
 collective update is never retried: the trainer writes `broadcasts/step_N` for it, which the next poll loads
-(the filesystem fallback). Time is injected (`sleep`, `clock`) so tests run on a fake clock.
+(the filesystem fallback). A transport whose updates need the orchestrator's call each step brings a follower
+(transports/weights/base.Follower), asked the same way: its step is preferred over a broadcast of the same step,
+and a failed delivery is never retried. Time is injected (`sleep`, `clock`) so tests run on a fake clock.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from primejax.contracts.rundir import RunDir
 from primejax.transports.weights.collective.offer import Offer, latest_offer, rendezvous_listening
@@ -35,6 +37,9 @@ from primejax.transports.weights.filesystem.broadcast import (
     latest_stable_step,
     verify_broadcast,
 )
+
+if TYPE_CHECKING:
+    from primejax.transports.weights.base import Follower
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,9 @@ class PolicyTracker:
         latest_step: Callable[[Path], int | None] = latest_stable_step,
         offers: Callable[[Path, set[int]], Offer | None] = latest_offer,
         owner_alive: Callable[[Offer], Awaitable[bool]] | None = None,
+        follower: tuple[str, Follower] | None = None,
     ):
+        """`follower`: (transport name, its follower) for a transport whose updates the orchestrator delivers."""
         self.client = client
         self.run_dir = Path(run_dir)
         self.poll_interval_s = poll_interval_s
@@ -87,6 +94,8 @@ class PolicyTracker:
         self.update_seconds = 0.0
         self.collective_updates = 0
         self.failed_offers: set[int] = set()  # steps whose collective update failed (never retried)
+        self._follower = follower
+        self.failed_follows: set[int] = set()  # steps the follower failed to deliver (never retried)
         self.update_events: deque[WeightUpdate] = deque(maxlen=1000)  # the monitor drains it each step
 
     @property
@@ -150,8 +159,22 @@ class PolicyTracker:
         async with lock:
             step = self._latest_step(self.run_dir)
             offer = await self._live_offer()
+            follow = await self._follow_step()
             start = self._clock()
             if (
+                follow is not None
+                and follow > self._version
+                and follow >= max(step or 0, offer.step if offer else 0)
+            ):
+                name, follower = self._follower
+                try:
+                    await follower.deliver(self.client, follow)
+                except Exception as e:  # noqa: BLE001 - the step's broadcast, if any, is loaded instead
+                    self.failed_follows.add(follow)
+                    log.warning("%s update to step %d failed (%s)", name, follow, str(e)[:500])
+                    return False
+                step, transport = follow, name
+            elif (
                 offer is not None
                 and offer.step > self._version
                 and offer.step >= (step or 0)
@@ -194,6 +217,18 @@ class PolicyTracker:
             changed.notify_all()
         log.info("inference server now serves policy version %d", step)
         return True
+
+    async def _follow_step(self) -> int | None:
+        """The follower's newest step not tried yet; a follower that cannot say counts as having none."""
+        if self._follower is None:
+            return None
+        name, follower = self._follower
+        try:
+            step = await follower.newest()
+        except Exception as e:  # noqa: BLE001 - asked again at the next poll
+            log.warning("%s: finding its newest step failed (%s)", name, str(e)[:500])
+            return None
+        return None if step is None or step in self.failed_follows else int(step)
 
     async def _live_offer(self) -> Offer | None:
         """The newest offer not tried yet whose trainer is alive. An offer nobody listens for (a crashed trainer's

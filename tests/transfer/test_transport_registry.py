@@ -21,11 +21,12 @@ from primejax.inference.transport_routes import admin_router
 from primejax.inference.vllm_ext import PrimejaxEndpointPlugin
 from primejax.models.tiny import build_tiny_model
 from primejax.transports.weights.config import BroadcastConfig
-from primejax.transports.weights.filesystem.broadcast import verify_broadcast
+from primejax.transports.weights.filesystem.broadcast import is_stable, verify_broadcast
 from primejax.transports.weights.registry import (
     TRANSPORT_ENV,
     Route,
     Transport,
+    follower_for,
     lookup,
     register,
     unregister,
@@ -64,10 +65,26 @@ async def push_mirror(server, body):  # a load of the transport's own inside the
     return await server.load_with(body.get("version"), "mirror", load)
 
 
+class MirrorFollower:
+    """The orchestrator's half: the newest complete mirror copy, delivered through the transport's own route."""
+
+    def __init__(self, run_dir: Path):
+        self.mirror = run_dir / "mirror"
+
+    async def newest(self):
+        steps = [int(p.name.split("_")[1]) for p in self.mirror.glob("step_*") if is_stable(p)]
+        return max(steps, default=None)
+
+    async def deliver(self, client, step):
+        body = {"weight_dir": str(self.mirror / f"step_{step}"), "version": step}
+        await client.post_admin("/mirror_weights", body)
+
+
 MIRROR = Transport(
     "mirror",
     lambda ctx: MirrorPublisher(ctx.disk(), ctx.root),
     routes=(Route("/mirror_weights", load_mirror), Route("/mirror_push", push_mirror)),
+    follower=MirrorFollower,
 )
 
 
@@ -218,6 +235,49 @@ def test_transport_routes_are_admin_routes_that_drive_the_update_protocol(mirror
     assert engine.calls == [("pause",)]
     r = client.post("/mirror_push", json={"version": 8}, headers=auth)  # the handler's own bug: 500, one line
     assert r.status_code == 500 and "KeyError" in r.json()["error"]
+
+
+def test_the_orchestrator_delivers_a_transports_updates_through_its_follower(mirror, tmp_path, monkeypatch):
+    """The run's transport brings the orchestrator's half (`follower`): the real watcher asks it for its newest
+    step and has it call the transport's own route on the server (the real routes app, reached by the real
+    client). A failed delivery is not retried: the step's broadcast is loaded instead, by the filesystem route."""
+    import asyncio
+
+    import httpx
+
+    from primejax.inference.client import InferenceClient
+    from primejax.orchestrator.policy import PolicyTracker
+
+    monkeypatch.setenv(TRANSPORT_ENV, "mirror")
+    base = build_tiny_model(tmp_path / "base")
+    run = tmp_path / "run"
+    for step in (1, 2):  # the publisher's two copies of each step: broadcasts/ and mirror/
+        _mirror_dir(base, run, step)
+        shutil.copytree(run / "broadcasts" / f"step_{step}", run / "mirror" / f"step_{step}")
+    http, engine, state = _client(base, run)
+    assert follower_for("filesystem", run) is None and follower_for("collective", run) is None
+    name, follower = follower_for("mirror", run)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=http.app)
+        async with InferenceClient("http://server", transport=transport, admin_token=TOKEN) as client:
+            tracker = PolicyTracker(client, run, follower=(name, follower))
+            assert await tracker.refresh() and tracker.version == 2
+            assert tracker.update_events[-1].transport == "mirror"
+            assert engine.calls[1] == ("load", str(run / "mirror" / "step_2"))
+
+            _mirror_dir(base, run, 3)  # its mirror copy is outside the server's weights root: refused
+            bad = tmp_path / "outside" / "step_3"
+            shutil.copytree(run / "broadcasts" / "step_3", bad)
+            (run / "mirror" / "step_3").symlink_to(bad, target_is_directory=True)
+            engine.calls.clear()
+            assert not await tracker.refresh() and tracker.failed_follows == {3} and tracker.version == 2
+            assert await tracker.refresh() and tracker.version == 3  # not retried: the broadcast instead
+            assert tracker.update_events[-1].transport == "filesystem"
+            assert ("load", str(run / "broadcasts" / "step_3")) in engine.calls
+
+    asyncio.run(scenario())
+    assert state.version == 3
 
 
 def test_a_transport_route_may_not_shadow_a_server_route(tmp_path):

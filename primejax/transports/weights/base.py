@@ -8,6 +8,9 @@
   `load_weights`, or an adapter assembler) before acknowledging. The filesystem transport has no receiver of
   its own (the server loads a checked directory, `validate.py`); `collective.wire.Receiver` is the collective
   one, which the vLLM engine (`collective.receiver`) and the adapter round (`adapters.receiver`) drive.
+- Orchestrator side, `Follower` (optional): for a transport whose updates need the orchestrator to act each step
+  (call one of its own routes on every server). The orchestrator's watcher (primejax/orchestrator/policy.py)
+  follows broadcasts and collective offers by itself; a transport with a follower is asked too.
 - Server side, `Server`: what a transport's own route (registry.Route) may do on an inference server: load a
   directory through the filesystem update's checks, or run a load of its own inside the update protocol. The
   server's routes (primejax/inference/routes.py) implement it.
@@ -42,6 +45,22 @@ class Receiver(Protocol):
     ) -> int:
         """Receive one round as `rank`, handing whole tensors to `load`; `before_ack` runs after the last one
         and before the round is acknowledged. Returns the bytes received; raises when the round failed."""
+        ...
+
+
+class Follower(Protocol):
+    """The orchestrator's half of a transport (registry.Transport.follower, built once per orchestrator with the
+    run directory). The watcher asks it for the newest step it can deliver; when that is newer than what the
+    servers serve and no older than the newest broadcast, it has it deliver that step. A failed delivery is not
+    retried: the watcher loads that step's broadcast when the publisher wrote one (as the collective offer)."""
+
+    async def newest(self) -> int | None:
+        """The newest step this transport can deliver now (None: none)."""
+        ...
+
+    async def deliver(self, client: Any, step: int) -> None:
+        """Make every server serve θ_step; `client` is the orchestrator's InferenceClient (its
+        `post_admin(path, body)` reaches a route on every server). Raise when it failed."""
         ...
 
 

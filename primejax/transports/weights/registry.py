@@ -16,10 +16,11 @@ import importlib.util
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from primejax.transports.weights.base import Publisher, Server
+    from primejax.transports.weights.base import Follower, Publisher, Server
 
 PACKAGE = "primejax.transports.weights"
 # The run's mode, in an inference server's environment (inference/server.py): its transport's routes are mounted.
@@ -44,12 +45,14 @@ class Route:
 class Transport:
     """One weight transport: its name (the `trainer.broadcast.mode` value), the trainer's half (`publisher`,
     called once per run by `publish.make_publisher` with a `publish.PublishContext`: the section, the run's facts
-    and its disk publisher) and the server's routes beyond the built-in ones."""
+    and its disk publisher), the server's routes beyond the built-in ones, and the orchestrator's half when the
+    watcher must act for it each step (`follower`, called with the run directory; base.Follower)."""
 
     name: str
     publisher: Callable[[Any], Publisher]
     routes: tuple[Route, ...] = ()
     doc: str = ""
+    follower: Callable[[Path], Follower] | None = None
 
 
 _TRANSPORTS: dict[str, Transport] = {}
@@ -94,6 +97,13 @@ def lookup(name: str) -> Transport:
             "registers itself, e.g. filesystem or collective (docs/weight_transfer.md)"
         )
     return _TRANSPORTS[name]
+
+
+def follower_for(name: str, run_dir: str | Path) -> tuple[str, Follower] | None:
+    """(name, the orchestrator's half) of transport `name` for the run in `run_dir`, or None when the watcher
+    follows it by itself (broadcasts, collective offers)."""
+    transport = lookup(name)
+    return None if transport.follower is None else (transport.name, transport.follower(Path(run_dir)))
 
 
 def registered() -> tuple[Transport, ...]:
