@@ -148,16 +148,15 @@ class WeightDirValidator:
         from primejax.transports.weights.collective.lanes import pieces_of
         from primejax.transports.weights.collective.meta import metas_from_update_info
 
-        pieces_of(
-            update_info, metas_from_update_info(update_info)
-        )  # ValueError: pieces that miss or overlap rows
-        for meta in metas_from_update_info(update_info):  # ValueError: lengths, dtype names, non-integer dims
+        metas = metas_from_update_info(update_info)  # ValueError: lengths, dtype names, non-integer dims
+        pieces_of(update_info, metas)  # ValueError: pieces that miss or overlap rows
+        for meta in metas:
             if any(d < 0 for d in meta.shape):
                 raise WeightDirError(f"{meta.name}: negative dimension in {list(meta.shape)}")
         names, shapes = update_info["names"], update_info["shapes"]
-        if not isinstance(names, list) or not isinstance(shapes, list) or len(names) != len(shapes):
+        if not isinstance(names, list) or not isinstance(shapes, list):
             raise WeightDirError("'names' and 'shapes' must be lists of equal length")
-        got = dict(zip(names, (tuple(int(d) for d in s) for s in shapes), strict=True))
+        got = {meta.name: meta.shape for meta in metas}
         expected, seen = set(self.reference), set(got)
         if self.tied:
             expected.discard(_TIED_OPTIONAL)
