@@ -46,6 +46,14 @@ def test_an_orchestrator_run_on_local_env_servers_survives_a_killed_server(
     assert sum(m["rollouts/errored"] for m in history) == servers.lost >= 1
     rows = read_jsonl(run_dir / "metrics" / "orchestrator.jsonl")
     assert sum(r["env_servers/lost"] for r in rows) == servers.lost
-    assert sum(r["env_servers/replaced"] for r in rows) == servers.replaced == 1
+    # The replacement starts when the server dies and ends when the new one answers: on a loaded machine that
+    # may be after the last step's row, so it is counted in a row or still held by the counter, exactly once.
+    pending = servers.take_counts()
+    assert pending["env_servers/lost"] == 0
+    assert (
+        sum(r["env_servers/replaced"] for r in rows) + pending["env_servers/replaced"]
+        == servers.replaced
+        == 1
+    )
     batches = [read_batch(step_dir(run_dir, n) / "rank_0.npz", vocab_size=len(tokenizer)) for n in (1, 2)]
     assert sum(b.meta["num_samples"] for b in batches) >= 2 * STEPS - servers.lost
