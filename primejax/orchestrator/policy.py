@@ -52,7 +52,7 @@ class WeightUpdate:
     step: int
     start: float
     end: float
-    transport: str  # filesystem | collective
+    transport: str  # filesystem, collective, or a registered transport with a follower
     load_seconds: dict[str, float] = field(default_factory=dict)  # by server URL
 
 
