@@ -81,6 +81,17 @@ def quantize_per_block(
     x = np.asarray(w, np.float32)
     if x.ndim != 2:
         raise ValueError(f"per-block FP8 quantizes 2-D matrices, got shape {x.shape}")
+    q, scale = _cast_blocks(x, block, cuda, pow2=False)
+    if ue8m0:
+        q, scale = _cast_blocks(dequantize(q, scale, block), block, cuda, pow2=True)
+    return q, scale
+
+
+def _cast_blocks(
+    x: np.ndarray, block: tuple[int, int], cuda: bool, pow2: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's `per_block_cast_to_fp8` of a 2-D float32 matrix; `pow2`: its `use_ue8m0=True` (each scale
+    rounded up to a power of two)."""
     (m, n), (bm, bn) = x.shape, block
     pm, pn = -(-m // bm) * bm, -(-n // bn) * bn
     padded = np.zeros((pm, pn), np.float32)
@@ -91,19 +102,10 @@ def quantize_per_block(
         scale = (amax * (np.float32(1.0) / np.float32(E4M3_MAX))).astype(np.float32)
     else:
         scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    if pow2:
+        scale = np.power(np.float32(2.0), np.ceil(np.log2(scale))).astype(np.float32)
     q = to_e4m3(view * (np.float32(1.0) / scale)).reshape(pm, pn)[:m, :n]
-    scale = scale.reshape(pm // bm, pn // bn)
-    if ue8m0:
-        return _quantize_pow2(dequantize(q, scale, block), block, cuda)
-    return q, scale
-
-
-def _quantize_pow2(x: np.ndarray, block: tuple[int, int], cuda: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The per-block cast with each scale rounded up to a power of two (vLLM's `use_ue8m0=True`)."""
-    _, scale = quantize_per_block(x, block, cuda=cuda)
-    pow2 = np.power(np.float32(2.0), np.ceil(np.log2(scale))).astype(np.float32)
-    grid = np.repeat(np.repeat(pow2, block[0], axis=0), block[1], axis=1)[: x.shape[0], : x.shape[1]]
-    return to_e4m3(x * (np.float32(1.0) / grid)), pow2
+    return q, scale.reshape(pm // bm, pn // bn)
 
 
 def dequantize(
