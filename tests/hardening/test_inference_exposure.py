@@ -23,31 +23,20 @@ from primejax.inference.routes import AdminState, router
 from primejax.models.tiny import build_tiny_model
 from primejax.transports.weights.filesystem.broadcast import write_broadcast
 from primejax.transports.weights.validate import WeightDirValidator
+from tests.inference.recording_engine import RecordingEngine
 
 SECRET = "s3cret-for-tests"
 
 
-class FakeEngine:
+class FakeEngine(RecordingEngine):
     def __init__(self, fail: tuple[str, ...] = ()):
-        self.calls: list[tuple[str, ...]] = []
+        super().__init__()
         self.fail = fail
 
-    async def pause(self):
-        self.calls.append(("pause",))
-
-    async def resume(self):
-        self.calls.append(("resume",))
-
     async def load_weights(self, weight_dir):
-        self.calls.append(("load", weight_dir))
+        await super().load_weights(weight_dir)
         if any(weight_dir.endswith(f) for f in self.fail):
             raise RuntimeError("device lost")
-
-    async def reset_cache(self):
-        self.calls.append(("reset",))
-
-    async def check_health(self):
-        pass
 
 
 @pytest.fixture(scope="module")

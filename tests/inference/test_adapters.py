@@ -22,6 +22,7 @@ from primejax.models.tiny import build_tiny_model
 from primejax.transports.weights.adapters.dirs import AdapterSet, adapter_name, vllm_max_lora_rank
 from primejax.transports.weights.filesystem.broadcast import write_broadcast
 from primejax.transports.weights.validate import WeightDirValidator
+from tests.inference.recording_engine import RecordingEngine
 
 
 def test_adapter_set_keeps_served_and_previous_and_retires_older():
@@ -76,27 +77,12 @@ def test_lora_on_an_moe_model_is_refused_with_vllm_cpu(tmp_path, key):
             ServerSpec(model=str(moe), lora_rank=8).argv()
 
 
-class FakeLoraEngine:
+class FakeLoraEngine(RecordingEngine):
     """Records the admin engine calls; `busy` names adapters a request in the engine still uses."""
 
     def __init__(self):
-        self.calls: list[tuple[str, ...]] = []
+        super().__init__()
         self.busy: set[str] = set()
-
-    async def pause(self):
-        self.calls.append(("pause",))
-
-    async def resume(self):
-        self.calls.append(("resume",))
-
-    async def load_weights(self, weight_dir):
-        self.calls.append(("load", weight_dir))
-
-    async def reset_cache(self):
-        self.calls.append(("reset",))
-
-    async def check_health(self):
-        pass
 
     async def load_adapter(self, name, adapter_dir):
         self.calls.append(("load_adapter", name, adapter_dir))

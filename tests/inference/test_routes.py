@@ -9,26 +9,18 @@ from fastapi.testclient import TestClient
 from primejax.inference.routes import AdminState, router
 from primejax.models.tiny import build_tiny_model
 from primejax.transports.weights.validate import WeightDirValidator
+from tests.inference.recording_engine import RecordingEngine
 
 
-class FakeEngine:
+class FakeEngine(RecordingEngine):
     def __init__(self, fail_on: str | None = None):
-        self.calls: list[tuple[str, ...]] = []
+        super().__init__()
         self.fail_on = fail_on
 
-    async def pause(self):
-        self.calls.append(("pause",))
-
-    async def resume(self):
-        self.calls.append(("resume",))
-
     async def load_weights(self, weight_dir):
-        self.calls.append(("load", weight_dir))
+        await super().load_weights(weight_dir)
         if self.fail_on and weight_dir.endswith(self.fail_on):
             raise RuntimeError("disk vanished")
-
-    async def reset_cache(self):
-        self.calls.append(("reset",))
 
     async def check_health(self):
         self.calls.append(("health",))

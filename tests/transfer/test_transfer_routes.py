@@ -9,27 +9,13 @@ from fastapi.testclient import TestClient
 from primejax.inference.routes import AdminState, router
 from primejax.models.tiny import build_tiny_model
 from primejax.transports.weights.validate import WeightDirValidator, read_checkpoint_tensors
+from tests.inference.recording_engine import RecordingEngine
 
 
-class FakeEngine:
+class FakeEngine(RecordingEngine):
     def __init__(self):
-        self.calls: list[tuple[str, ...]] = []
+        super().__init__()
         self.fail_transfer = False
-
-    async def pause(self):
-        self.calls.append(("pause",))
-
-    async def resume(self):
-        self.calls.append(("resume",))
-
-    async def load_weights(self, weight_dir):
-        self.calls.append(("load", weight_dir))
-
-    async def reset_cache(self):
-        self.calls.append(("reset",))
-
-    async def check_health(self):
-        pass
 
     async def transfer_weights(self, init_info, update_info):
         self.calls.append(("transfer", update_info["round_id"]))

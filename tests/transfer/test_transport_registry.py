@@ -33,6 +33,7 @@ from primejax.transports.weights.registry import (
 )
 from primejax.transports.weights.validate import WeightDirValidator
 from primejax.utils.sections import ConfigError
+from tests.inference.recording_engine import RecordingEngine
 
 TOKEN = "t" * 32
 
@@ -93,26 +94,6 @@ def mirror():
     register(MIRROR)
     yield MIRROR
     unregister("mirror")
-
-
-class FakeEngine:
-    def __init__(self):
-        self.calls = []
-
-    async def pause(self):
-        self.calls.append(("pause",))
-
-    async def resume(self):
-        self.calls.append(("resume",))
-
-    async def load_weights(self, weight_dir):
-        self.calls.append(("load", weight_dir))
-
-    async def reset_cache(self):
-        self.calls.append(("reset",))
-
-    async def check_health(self):
-        pass
 
 
 def test_mode_accepts_exactly_the_registered_transports(mirror):
@@ -180,7 +161,7 @@ def _client(base_dir, weights_root):
     """The app as a vLLM server builds it: primejax's endpoint plugin attaches the admin routes."""
     app = FastAPI()
     PrimejaxEndpointPlugin().attach_router(app)
-    engine = FakeEngine()
+    engine = RecordingEngine()
     app.state.primejax = AdminState(
         engine=engine,
         base_dir=str(base_dir),
