@@ -1,4 +1,5 @@
-"""What the GPU tier's weight-update tests share: an admin POST, perturbed weights, one collective round.
+"""What the GPU tier's weight-update tests share: an admin POST, one collective round (perturbed weights:
+tests/transfer/perturbed.py).
 
 Imported by the tests beside it (pytest puts this folder on sys.path, as for gpu_env.py).
 """
@@ -10,31 +11,15 @@ import threading
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import HEADER, read_token
-from primejax.models.hf_io import load_model, param_variables, state_to_hf_tensors
 from primejax.transports.weights.collective.offer import latest_offer
 
 
 def post(url: str, path: str, body: dict | None = None, timeout: float = 300) -> httpx.Response:
     """An admin call (the run's secret in its header)."""
     return httpx.post(url + path, json=body, headers={HEADER: read_token()}, timeout=timeout)
-
-
-def perturbed(base_dir: Path, seed: int) -> tuple[object, object, list[tuple[str, np.ndarray]]]:
-    """Base weights + noise (JAX on GPU 0): the model and the bf16 HF tensors the trainer's export writes."""
-    import jax
-
-    model, cfg = load_model(base_dir, param_dtype="float32")
-    key = jax.random.key(seed)
-    for i, var in enumerate(param_variables(model).values()):
-        w = var[...]
-        var[...] = w + max(float(w.std()), 0.1) * jax.random.normal(
-            jax.random.fold_in(key, i), w.shape, w.dtype
-        )
-    return model, cfg, list(state_to_hf_tensors(model, cfg, "bfloat16"))
 
 
 def wait_offer(run_dir: Path, step: int | None = None, polls: int = 1200, gone: object = None) -> object:

@@ -16,12 +16,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gpu_env import SERVER_GPU  # tests/gpu/gpu_env.py
-from gpu_rounds import collective_round, perturbed, post  # tests/gpu/gpu_rounds.py
+from gpu_rounds import collective_round, post  # tests/gpu/gpu_rounds.py
 
 from primejax.inference import InferenceClient, fp8
 from primejax.inference.admin_auth import process_token
 from primejax.models.hf_io import export_safetensors, load_model
 from tests.inference.fp8_model import build_fp8_moe
+from tests.transfer.perturbed import perturbed
 
 PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
 LAYER = "model.layers.0"

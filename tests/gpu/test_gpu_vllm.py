@@ -16,11 +16,12 @@ import httpx
 import numpy as np
 import pytest
 from gpu_env import GPUS, RUN_GPU, SERVER_GPU  # tests/gpu/gpu_env.py
-from gpu_rounds import collective_round, perturbed, post, wait_offer  # tests/gpu/gpu_rounds.py
+from gpu_rounds import collective_round, post, wait_offer  # tests/gpu/gpu_rounds.py
 
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import process_token
 from primejax.models.hf_io import export_safetensors
+from tests.transfer.perturbed import perturbed
 
 PROMPTS = ["reverse: hello world", "12 + 30 = ", "sort: cherry apple banana"]
 REPO = Path(__file__).resolve().parents[2]

@@ -22,11 +22,12 @@ from transformers import AutoTokenizer
 
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import HEADER, process_token, read_token
-from primejax.models.hf_io import export_safetensors, load_model, param_variables, state_to_hf_tensors
+from primejax.models.hf_io import export_safetensors
 from primejax.orchestrator.policy import PolicyTracker
 from primejax.transports.weights.collective.offer import latest_offer
 from primejax.transports.weights.collective.sender import CollectiveSender, to_torch
 from primejax.transports.weights.filesystem.broadcast import write_broadcast
+from tests.transfer.perturbed import perturbed
 
 pytestmark = pytest.mark.vllm
 HERE = Path(__file__).parent
@@ -62,20 +63,6 @@ async def _greedy(url: str, prompts: list[list[int]]) -> list[tuple[list[int], l
     async with InferenceClient(url) as c:
         outs = await asyncio.gather(*(c.generate(p, n=1, max_tokens=16, temperature=0.0) for p in prompts))
     return [(o[0].completion_token_ids, o[0].completion_logprobs) for o in outs]
-
-
-def _perturbed(base_dir: Path, seed: int, dtype: str) -> tuple[object, object, list[tuple[str, np.ndarray]]]:
-    """Base weights + noise (in JAX): the model and the HF tensors the trainer's export writes for it."""
-    import jax
-
-    model, cfg = load_model(base_dir, param_dtype="float32")
-    key = jax.random.key(seed)
-    for i, var in enumerate(param_variables(model).values()):
-        w = var[...]
-        var[...] = w + max(float(w.std()), 0.1) * jax.random.normal(
-            jax.random.fold_in(key, i), w.shape, w.dtype
-        )
-    return model, cfg, list(state_to_hf_tensors(model, cfg, dtype))
 
 
 async def _collective(url: str, run_dir: Path, step: int, named, timeout_s: float = 30.0) -> dict:
@@ -125,7 +112,7 @@ def test_collective_update_equals_filesystem_update(server, tmp_path):
     variant, server = server
     dtype = "float32" if variant == "tied" else "bfloat16"
     prompts = _prompts(server.model_dir)
-    model, cfg, named = _perturbed(server.model_dir, seed=11, dtype=dtype)
+    model, cfg, named = perturbed(server.model_dir, seed=11, dtype=dtype)
     export_safetensors(model, cfg, tmp_path / "step_3", dtype=dtype, src_dir=server.model_dir, tensors=named)
     try:
         base = asyncio.run(_greedy(server.base_url, prompts))
@@ -209,7 +196,7 @@ def test_sender_killed_mid_transfer_server_restores_previous_weights(vllm_server
     base weights back (they live in a directory), keeps serving version 0 and stays healthy."""
     url = vllm_server.base_url
     prompts = _prompts(vllm_server.model_dir)
-    model, cfg, named = _perturbed(vllm_server.model_dir, seed=12, dtype="float32")
+    model, cfg, named = perturbed(vllm_server.model_dir, seed=12, dtype="float32")
     export_safetensors(model, cfg, tmp_path / "w", dtype="float32", tensors=named)
     base = asyncio.run(_greedy(url, prompts))
     proc = _faulty_sender(tmp_path / "run", tmp_path / "w", 5, "kill", timeout_s=20)
@@ -236,8 +223,8 @@ def test_sender_stalled_after_collective_update_server_unhealthy_until_full_upda
     update of the same step (the orchestrator's fallback) makes it healthy and exact again."""
     url = vllm_server.base_url
     prompts = _prompts(vllm_server.model_dir)
-    _, _, first = _perturbed(vllm_server.model_dir, seed=13, dtype="float32")
-    model, cfg, second = _perturbed(vllm_server.model_dir, seed=14, dtype="float32")
+    _, _, first = perturbed(vllm_server.model_dir, seed=13, dtype="float32")
+    model, cfg, second = perturbed(vllm_server.model_dir, seed=14, dtype="float32")
     export_safetensors(
         model, cfg, tmp_path / "step_2", dtype="float32", src_dir=vllm_server.model_dir, tensors=second
     )
@@ -272,7 +259,7 @@ def test_orchestrator_falls_back_to_filesystem_broadcast(vllm_server, tmp_path):
     """The policy tracker's collective update fails (sender killed); it never retries that offer, and loads the
     step's broadcast from disk once the trainer wrote it."""
     url, run = vllm_server.base_url, tmp_path / "run"
-    model, cfg, named = _perturbed(vllm_server.model_dir, seed=15, dtype="float32")
+    model, cfg, named = perturbed(vllm_server.model_dir, seed=15, dtype="float32")
     export_safetensors(model, cfg, tmp_path / "w", dtype="float32", tensors=named)
     proc = _faulty_sender(run, tmp_path / "w", 1, "kill", timeout_s=20)
 
