@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from gpu_env import GPUS, RUN_GPU, SERVER_GPU  # tests/gpu/gpu_env.py
+from gpu_env import GPUS, SERVER_GPU  # tests/gpu/gpu_env.py
 from gpu_rounds import collective_round, post, wait_offer  # tests/gpu/gpu_rounds.py
+from gpu_runs import small_run, trained_steps  # tests/gpu/gpu_runs.py
 
 from primejax.inference import InferenceClient
 from primejax.inference.admin_auth import process_token
@@ -96,51 +97,12 @@ def test_nccl_update_serves_bit_for_bit_what_the_filesystem_update_serves(gpu_se
     assert collective == from_disk and collective != base
 
 
-def _small_run(tmp_path: Path, *extra: str, max_steps: int = 3) -> subprocess.CompletedProcess:
-    """The user's command (configs/gpu_single.py) with a small bf16 model, on RUN_GPU. On a one-GPU node the
-    session's server (30% of the card) holds the same GPU, so the run's two shares shrink to fit beside it."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": RUN_GPU, "PYTHONUNBUFFERED": "1"}
-    shares = (
-        []
-        if GPUS >= 2
-        else ["--config.trainer.memory_fraction=0.25", "--config.inference.gpu_memory_utilization=0.25"]
-    )
-    args = [
-        sys.executable,
-        "-m",
-        "primejax.train",
-        "--config",
-        str(REPO / "configs/gpu_single.py"),
-        f"--config.run.output_dir={tmp_path}",
-        "--config.run.name=run",
-        f"--config.run.max_steps={max_steps}",
-        f"--config.model.path={tmp_path / 'model'}",
-        "--config.model.build_tiny.hidden_size=256",
-        "--config.model.build_tiny.num_layers=2",
-        "--config.model.build_tiny.num_heads=4",
-        "--config.model.build_tiny.num_kv_heads=2",
-        "--config.model.build_tiny.intermediate_size=512",
-        "--config.sft.steps=20",
-        "--config.orchestrator.batch_size=64",
-        *shares,
-        *extra,
-    ]
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _trained_steps(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
-    return [r for r in rows if "mismatch_kl" in r]
-
-
 def test_rl_steps_on_one_gpu_shared_by_trainer_and_server(tmp_path):
     """The user's command on one GPU (placement: shared, server first): a few RL steps of the demo's task with a
     small bf16 model, exit 0, every step trained, the trainer's logprobs close to vLLM's (mismatch KL)."""
-    proc = _small_run(tmp_path)
+    proc = small_run(tmp_path)
     assert "share GPU" in proc.stdout, proc.stdout[-2000:]
-    steps = _trained_steps(tmp_path / "run")
+    steps = trained_steps(tmp_path / "run")
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) for r in steps)
     assert steps[0]["mismatch_kl"] < 1e-2, steps[0]
@@ -158,13 +120,13 @@ def test_lora_run_with_cuda_graphs_resumes_from_its_checkpoint(tmp_path):
         "--config.inference.enforce_eager=False",
         "--config.trainer.checkpoint.interval=2",
     ]  # the orchestrator follows (it once stayed at 10: no resume)
-    _small_run(tmp_path, *lora, max_steps=2)
-    first = _trained_steps(tmp_path / "run")
+    small_run(tmp_path, *lora, max_steps=2)
+    first = trained_steps(tmp_path / "run")
     assert [r["step"] for r in first] == [1, 2]
     assert first[0]["mismatch_kl"] < 1e-2, first[0]
-    proc = _small_run(tmp_path, *lora, max_steps=4)
+    proc = small_run(tmp_path, *lora, max_steps=4)
     assert "resuming from step 2" in proc.stdout, proc.stdout[-2000:]
-    steps = _trained_steps(tmp_path / "run")
+    steps = trained_steps(tmp_path / "run")
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(np.isfinite(r["loss"]) for r in steps)
 

@@ -1,7 +1,7 @@
 """Each GPU fast path's CPU-runnable part matches its reference, values and gradients.
 
-The kernels themselves (cuDNN attention) only run on a GPU; tools/bench_trainer.py checks them there against
-the xla path in the same run as the timings. Here: the fused LM-head backward, the packed-segment run
+The kernels themselves (cuDNN attention) only run on a GPU; tests/gpu/test_gpu_fast_paths.py checks them there
+against the xla path. Here: the fused LM-head backward, the packed-segment run
 description the cuDNN path feeds the kernel, the remat policies that keep attention, and the cudnn request's
 CPU fallback.
 """
