@@ -52,22 +52,31 @@ async def generate(url: str, args: argparse.Namespace, vocab: int, concurrency: 
         [rng.randrange(1000, vocab) for _ in range(args.prompt_len)] for _ in range(waves * concurrency)
     ]
     body = dict(model="m", max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, seed=0)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    # A pooled connection idle past uvicorn's 5 s keep-alive can be closed by the server as the client reuses it
+    # (a second call's run stopped at its first wave that way, we believe): expire them sooner, retry once.
+    limits = httpx.Limits(
+        max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8, keepalive_expiry=1
+    )
+    retried = []
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
 
-        async def one(p: list[int]) -> int:
+        async def one(p: list[int], **kw) -> int:
             async with gate:
-                r = await c.post("/v1/completions", json={**body, "model": model, "prompt": p})
+                try:
+                    r = await c.post("/v1/completions", json={**body, "model": model, "prompt": p, **kw})
+                except httpx.TransportError as e:
+                    retried.append(repr(e))
+                    r = await c.post("/v1/completions", json={**body, "model": model, "prompt": p, **kw})
             r.raise_for_status()
             return int(r.json()["usage"]["completion_tokens"])
 
-        await one(prompts[0][:16])  # warm-up
+        await one(prompts[0][:16], max_tokens=8)  # warm-up (short: a profile's skipped steps are the wave's)
         t0 = time.perf_counter()
         tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
         wall = time.perf_counter() - t0
-    return {"completion_tokens": tokens, "gen_s": wall, "tokens_per_s": tokens / wall}
+    return {"completion_tokens": tokens, "gen_s": wall, "tokens_per_s": tokens / wall, "retried": retried}
 
 
 def trace_summary(trace_dir: Path, top: int = 12) -> dict:
@@ -80,7 +89,11 @@ def trace_summary(trace_dir: Path, top: int = 12) -> dict:
 
     files = sorted(trace_dir.rglob("*.pt.trace.json.gz"), key=lambda f: f.stat().st_size)
     events = json.loads(gzip.open(files[-1]).read())["traceEvents"] if files else []
-    steps = sorted((e["ts"], e["name"]) for e in events if e.get("name", "").startswith("execute_context_"))
+    steps = sorted(
+        (e["ts"], e["name"])
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("execute_context_")
+    )
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if not steps or not kernels:
         return {"error": f"{trace_dir}: {len(files)} traces, {len(steps)} steps, {len(kernels)} kernels"}
@@ -95,6 +108,9 @@ def trace_summary(trace_dir: Path, top: int = 12) -> dict:
     return dict(
         steps=len(steps),
         decode_steps=sum(name.startswith("execute_context_0(") for _, name in steps),
+        sequences=sorted(int(name.split("_generation_")[1].split("(")[0]) for _, name in steps)[
+            len(steps) // 2
+        ],
         step_wall_ms=round((steps[-1][0] - steps[0][0]) / 1e3 / max(len(steps) - 1, 1), 3),
         gpu_busy_ms=round(
             _length(_union([(k["ts"], k["ts"] + k["dur"]) for k in kernels])) / 1e3 / len(steps), 3

@@ -253,6 +253,7 @@ def test_lora_adapter_on_an_fp8_base_serves_the_quantized_base_plus_the_adapter(
         max_model_len=512,
         devices=SERVER_GPU,
         gpu_memory_utilization=0.12,
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},  # /v1/load_lora_adapter, as docs/lora.md loads one
     )
     proc = InferenceServerProcess(spec, tmp_path / "inference.log")
     try:
