@@ -1,8 +1,10 @@
 """Groups of rollouts: the environment <-> inference client loop, with bounded concurrency.
 
 A group's first turn is one request with `n = group_size` (the prompt is shared, so the server prefills it
-once); each rollout then continues alone through its later turns. A semaphore bounds the requests in flight.
+once); each rollout then continues alone through its later turns. A limiter bounds the requests in flight.
 Each rollout is handed to `algorithm.finalize_rollout` as soon as it is scored, before its siblings finish.
+The single model requests and environment calls the loops below are built from (bounded, checked, counted)
+are `RolloutCalls` (primejax/orchestrator/rollout_calls.py).
 
 The policy's client serves every request unless the env's algorithm samples from a frozen model
 (`algorithm.sampling_client`, e.g. sft's teacher).
@@ -26,98 +28,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import math
 import numbers
-import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from primejax.envs.base import Endpoint
 from primejax.envs.env_clock import EnvClock
-from primejax.envs.env_limits import pace_tool_call
 from primejax.inference.client import sticky_route
 from primejax.inference.routed_experts import RoutingShape
-from primejax.inference.routed_experts import decode as decode_routed
 from primejax.orchestrator.buffer import EnvSlot
 from primejax.orchestrator.concurrency import Limiter
-from primejax.orchestrator.message_caps import auto_limit, cap_messages, check_tools
+from primejax.orchestrator.group_trace import note_version
+from primejax.orchestrator.message_caps import auto_limit, check_tools
 from primejax.orchestrator.rollout import Rollout, TrajectoryStep
+from primejax.orchestrator.rollout_calls import RolloutCalls, SamplingClient, VersionSource
 from primejax.orchestrator.sampling import SamplingConfig
-from primejax.orchestrator.timeline import TRACK, Timeline
+from primejax.orchestrator.timeline import TRACK
 from primejax.rendering.renderer import Renderer, parse_message
 
 log = logging.getLogger(__name__)
-
-
-class Completion(Protocol):
-    prompt_token_ids: list[int] | None
-    completion_token_ids: list[int]
-    completion_logprobs: list[float]
-    finish_reason: str
-    text: str
-
-
-class SamplingClient(Protocol):
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float = 1.0,
-        stop: list[str] | None = None,
-        seed: int | None = None,
-    ) -> list[Any]: ...
-
-
-class VersionSource(Protocol):
-    @property
-    def version(self) -> int: ...
-
-
-@dataclass
-class GroupTrace:
-    """What a continuous pool needs to know about one group while it runs (set per group task in TRACE):
-    the policy version read at the start of each of its requests (the oldest bounds every sample it can
-    yield) and how many of its requests the server lost (the group is then dispatched again)."""
-
-    versions: list[int] = field(default_factory=list)
-    lost: int = 0
-
-    @property
-    def oldest(self) -> int | None:
-        return min(self.versions, default=None)
-
-
-#: The running group's trace; a task inherits it from the group task that spawned it (asyncio copies contexts).
-TRACE: contextvars.ContextVar[GroupTrace | None] = contextvars.ContextVar(
-    "primejax_group_trace", default=None
-)
-
-
-def _note_version(version: int) -> None:
-    trace = TRACE.get()
-    if trace is not None:
-        trace.versions.append(version)
-
-
-@dataclass
-class GenerationStats:
-    """Per-step counters the metrics stage reads."""
-
-    requests: int = 0
-    server_seconds: float = 0.0  # summed request latency (overlapping requests add up)
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-
-    def count_error(self, kind: str) -> None:
-        self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
 def checked_reward(value: Any, max_abs: float = 1e6) -> float:
@@ -147,7 +80,7 @@ def _sampler(slot: EnvSlot) -> SamplingClient | None:
     return getattr(slot.algorithm, "sampling_client", None)
 
 
-class GroupGenerator:
+class GroupGenerator(RolloutCalls):
     def __init__(
         self,
         client: SamplingClient,
@@ -167,114 +100,22 @@ class GroupGenerator:
         request limit shared with other generators (evaluation shares training's), else `max_concurrent`;
         `max_env_message_chars`: the cut of every env message before rendering (0 = from max_prompt_tokens,
         primejax/orchestrator/message_caps.py)."""
-        self.client = client
-        self.routing = routing
-        self.renderer = renderer
-        self.settings = settings
-        self.max_prompt_tokens = max_prompt_tokens
-        self.max_env_message_chars = max_env_message_chars or auto_limit(max_prompt_tokens)
-        self.max_abs_reward = max_abs_reward
-        self.env_timeout_s = env_timeout_s
-        self.policy = policy
-        self.semaphore = limiter or Limiter(max_concurrent)
-        self.stats = GenerationStats()
-        self.timeline: Timeline | None = None  # set by the orchestrator when monitor.timeline is on
-
-    async def _request(
-        self, prompt_ids: list[int], n: int, seed: int | None, client: SamplingClient | None = None
-    ) -> tuple[list[Any], int]:
-        s = self.settings
-        client = client or self.client
-        tl = self.timeline
-        queued = tl.clock() if tl is not None else 0.0
-        async with self.semaphore:
-            # Read the version when the request starts: the gate guarantees it is fresh enough, and a weight
-            # update racing the request can only make the served policy newer than the tag.
-            version = self.policy.version
-            _note_version(version)
-            start = time.perf_counter()
-            if tl is not None:
-                began = tl.clock()
-                if began - queued > 1e-3:  # it waited for a request slot (orchestrator.max_concurrent / AIMD)
-                    tl.add("wait", "request slot", queued, began)
-            # Only the policy's own routing is replayed: a frozen sampler's (another model) is not asked for.
-            extra = {"routed_experts": True} if self.routing is not None and client is self.client else {}
-            completions = None
-            try:
-                completions = await client.generate(
-                    prompt_ids,
-                    n=n,
-                    max_tokens=s.max_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    seed=seed,
-                    **extra,
-                )
-            finally:
-                if tl is not None:
-                    tl.add(
-                        "request",
-                        "request" if completions is not None else "request (failed)",
-                        began,
-                        tl.clock(),
-                        n=n,
-                        prompt_tokens=len(prompt_ids),
-                        version=version,
-                        completion_tokens=sum(len(c.completion_token_ids) for c in completions or ()),
-                    )
-            self.stats.server_seconds += time.perf_counter() - start
-        self.stats.requests += 1
-        self.stats.prompt_tokens += len(prompt_ids)
-        self.stats.completion_tokens += sum(len(c.completion_token_ids) for c in completions)
-        if len(completions) != n:
-            raise RuntimeError(f"asked for {n} completions, got {len(completions)}")
-        return completions, version
-
-    def _step(
-        self, prompt_ids: list[int], completion: Any, version: int, sampler: SamplingClient | None = None
-    ) -> TrajectoryStep:
-        """One trajectory step from a reply; `sampler`: the frozen model that served it (None = the policy)."""
-        ids = list(completion.completion_token_ids)
-        logprobs = [float(x) for x in completion.completion_logprobs]
-        if len(logprobs) != len(ids):
-            raise RuntimeError(f"server returned {len(logprobs)} logprobs for {len(ids)} tokens")
-        served = getattr(completion, "prompt_token_ids", None)
-        if served is not None and list(served) != prompt_ids:
-            raise RuntimeError("the server's prompt token ids differ from the ids sent")
-        routed = None
-        if self.routing is not None and getattr(completion, "routed_experts", None) is not None:
-            r = self.routing
-            routed = decode_routed(
-                completion.routed_experts,
-                len(ids),
-                r.num_layers,
-                r.top_k,
-                r.num_experts,
-                r.sparse_layers,
-                prompt_len=len(prompt_ids),
-            )
-        elif self.routing is not None and sampler is None:
-            raise RuntimeError(
-                "orchestrator.routing_replay is on but the server returned no routed_experts "
-                "(is inference.return_routed_experts on?)"
-            )
-        return TrajectoryStep(
-            prompt_ids=prompt_ids,
-            completion_ids=ids,
-            completion_logprobs=logprobs,
-            finish_reason=str(completion.finish_reason),
-            policy_version=version,
-            routed_experts=routed,
+        super().__init__(
+            client,
+            settings,
+            policy,
+            limiter=limiter or Limiter(max_concurrent),
+            routing=routing,
+            env_timeout_s=env_timeout_s,
+            max_env_message_chars=max_env_message_chars or auto_limit(max_prompt_tokens),
         )
+        self.renderer = renderer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_abs_reward = max_abs_reward
 
     def _max_turns(self, slot: EnvSlot) -> int:
         """Model calls one rollout may make: the env's own cap and orchestrator.sampling.max_turns."""
         return max(1, min(slot.env.max_turns, self.settings.max_turns))
-
-    def _seed(self, step: int, group_id: int, turn: int, member: int) -> int | None:
-        if self.settings.seed < 0:
-            return None
-        return (self.settings.seed * 1_000_003 + step * 10_007 + group_id * 101 + turn * 7 + member) % (2**31)
 
     async def group(
         self, slot: EnvSlot, index: int, group_id: int, group_size: int, step: int
@@ -345,27 +186,6 @@ class GroupGenerator:
             )
         )
         return rollouts
-
-    def _capped(self, messages: Any) -> list[dict[str, Any]]:
-        """An environment's messages cut before anything tokenizes them (primejax/orchestrator/message_caps.py)."""
-        return cap_messages(messages, self.max_env_message_chars)
-
-    async def _env_call(self, call: Any, what: str) -> Any:
-        """An environment call bounded by `orchestrator.env_timeout_s`: a hung one errors its rollout alone."""
-        tl = self.timeline
-        if what == "env_response":
-            await pace_tool_call()  # the env's tool-call rate (its limits.tool_calls_per_s)
-        start = tl.clock() if tl is not None else 0.0
-        try:
-            return await asyncio.wait_for(call, self.env_timeout_s)
-        except TimeoutError:
-            raise TimeoutError(
-                f"environment {what} did not answer within {self.env_timeout_s:g} s "
-                "(orchestrator.env_timeout_s)"
-            ) from None
-        finally:
-            if tl is not None:
-                tl.add("env", what, start, tl.clock())
 
     async def _settle(
         self, slot: EnvSlot, rollout: Rollout, stage: _Stage, play: Callable[[], Awaitable[None]]
@@ -475,7 +295,7 @@ class GroupGenerator:
             )
             async with self.semaphore:
                 version = self.policy.version
-                _note_version(version)
+                note_version(version)
                 start = self.timeline.clock() if self.timeline is not None else 0.0
                 sampled = await slot.env.sample_rollout(rollout.example, rollout.state, endpoint)
                 if self.timeline is not None:  # the env's own loop: its requests and tools are one span

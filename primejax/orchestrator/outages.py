@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from primejax.inference.client import InferenceError
-from primejax.orchestrator.generate import TRACE
+from primejax.orchestrator.group_trace import TRACE
 
 log = logging.getLogger(__name__)
 MAX_STEP_ATTEMPTS = 4  # generation attempts of one step across inference outages before the run gives up

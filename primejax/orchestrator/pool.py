@@ -6,7 +6,7 @@ cut) as soon as they hold `batch_size` trainable rollouts (or `batch_tokens` of 
 primejax/orchestrator/token_budget.py); what is left waits for the next cut.
 
 The off-policy bound holds per sample. Every request of a group notes the policy version it started under
-(`generate.GroupTrace`); a group's samples are no older than its oldest request. Step n may train on samples
+(`group_trace.GroupTrace`); a group's samples are no older than its oldest request. Step n may train on samples
 of θ_{n-1-k} or newer (`policy.min_policy_version`, k = async_level), and the step being cut only grows, so a
 group whose oldest request is below the current step's bound can never be used: if it is still running its
 task is cancelled (the HTTP request is closed, which makes vLLM abort it) and counted `cancelled_stale`; if it
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from primejax.orchestrator.concurrency import PRIORITY
-from primejax.orchestrator.generate import TRACE, GroupTrace
+from primejax.orchestrator.group_trace import TRACE, GroupTrace
 from primejax.orchestrator.policy import min_policy_version
 from primejax.orchestrator.rollout import Rollout
 from primejax.orchestrator.token_budget import TokenMeter

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from primejax.orchestrator.generate import TRACE
+from primejax.orchestrator.group_trace import TRACE
 from primejax.orchestrator.pool import RolloutPool
 
 
