@@ -5,9 +5,10 @@
 Importing this package does not import vLLM; only the server process does (through `vllm_ext`).
 """
 
-from primejax.inference.client import Completion, InferenceClient, InferenceError
+from primejax.inference.client import Completion, InferenceClient
 from primejax.inference.process import InferenceServerProcess, ServerDiedError
 from primejax.inference.server import ServerSpec
+from primejax.inference.server_pool import InferenceError
 
 __all__ = [
     "Completion",

@@ -1,4 +1,4 @@
-"""Async client for one or more primejax inference servers (vLLM + primejax admin routes).
+"""`InferenceClient`, async client for one or more primejax inference servers; here: sampling and its routing.
 
 Token-level throughout: prompts go in as token ids and every sample comes back with its exact prompt ids,
 completion ids and the sampling logprob of each completion token, taken after temperature (the server
@@ -6,17 +6,12 @@ runs with `--logprobs-mode processed_logprobs`), which is what the trainer's imp
 
 Generation requests are spread over the servers (least in-flight first), and the turns of one rollout stay on
 the server its first request went to (its prompt prefix is cached there): the orchestrator opens a route per
-group with `sticky_route()`, and every request made in that context (its tasks inherit it) follows it. Admin
-calls go to every server that is up. A server whose request failed for good (unreachable, 5xx after retries)
-is marked down: no request goes there until `revive()` finds it answering again and the caller has put it
-back on the current weights (PolicyTracker.revive_replicas).
-Connection errors, timeouts and 5xx answers are retried with exponential backoff; 4xx answers are not
-(they describe a bad request, which retrying does not fix) and raise `InferenceError` with the server's
-message.
+group with `sticky_route()`, and every request made in that context (its tasks inherit it) follows it. A server
+whose request failed for good (unreachable, 5xx after retries) is marked down and routed around.
 
-Every server's identity is checked before the first request to it and again after a connection to it failed
-(a challenge on the run's admin secret, primejax.inference.identity): a URL answered by anything but the run's
-own server raises `ServerIdentityError` in one line, and no sampling or admin request reaches it.
+`InferenceClient` is built in three layers, one module each: `ServerPool` (server_pool.py: retries with
+backoff, 4xx as `InferenceError`, identity checks, servers down and revived), `ServerAdmin` (server_admin.py:
+weight updates, pause/resume and versions on every server) and, here, sampling.
 """
 
 from __future__ import annotations
@@ -27,21 +22,18 @@ import logging
 import math
 import os
 import random
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
-from primejax.inference import identity
-from primejax.inference.admin_auth import HEADER, read_token
 from primejax.inference.busy import BusyMeter
 from primejax.inference.identity import ServerIdentityError
 from primejax.inference.routed_experts import request_fields as routed_request_fields
+from primejax.inference.server_admin import ServerAdmin
+from primejax.inference.server_pool import InferenceError
 
-if TYPE_CHECKING:
-    from primejax.inference.process import InferenceServerProcess
-
+# One logger for the whole client (pool, admin calls, sampling): a level or filter set on it covers all its records.
 logger = logging.getLogger("primejax.inference.client")
 #: The longest /metrics page read (vLLM's is tens of kB; each LoRA adapter and histogram adds some).
 MAX_METRICS_BYTES = 4 << 20
@@ -58,14 +50,6 @@ def sticky_route() -> None:
     _ROUTE.set({})
 
 
-class InferenceError(RuntimeError):
-    """A request the server rejected (4xx) or that kept failing after all retries."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
 @dataclass
 class Completion:
     """One sample."""
@@ -80,7 +64,7 @@ class Completion:
     routed_experts: str | None = None
 
 
-class InferenceClient:
+class InferenceClient(ServerAdmin):
     def __init__(
         self,
         base_urls: str | list[str] | tuple[str, ...],
@@ -101,35 +85,22 @@ class InferenceClient:
         `api_key`: the servers' OpenAI API key (vLLM's --api-key), sent as a bearer token on every call;
         `api_key_var`: the environment variable holding it (read when `api_key` is None), also handed to the clients
         environments open themselves (`Endpoint.api_key_var`), so every client reads one source."""
-        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
-        if not urls:
-            raise ValueError("InferenceClient needs at least one base URL")
-        self.base_urls = [u.rstrip("/") for u in urls]
         self.api_key_var = api_key_var
         if api_key is None and api_key_var:
             api_key = os.environ.get(api_key_var) or None
-        self.max_retries = max_retries
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self._model = model
-        # The LoRA adapter every server serves the current policy as (transports/weights/adapters/dirs.py): requests name it as
-        # their `model`; "" = the served model itself. Learned from the servers' answers to weight updates.
-        self._adapter = ""
-        self.vocab_size = vocab_size
-        token = admin_token or read_token()
-        self._admin_headers = {HEADER: token} if token else {}
-        # Without a secret there is no identity to check (a server of one's own started by hand without one).
-        self._secret = token
-        self._verified: set[str] = set()
-        self.busy = BusyMeter(self.base_urls)  # requests outstanding per server, and their busy time
-        self.down: set[str] = set()  # servers no request goes to until revive()
-        self.last_load_seconds: dict[str, float] = {}  # each server's own load time of the last weight update
-        # No connection cap: concurrency is the orchestrator's decision (its semaphore), not the pool's.
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        super().__init__(
+            base_urls,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
             transport=transport,
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            admin_token=admin_token,
+            api_key=api_key,
         )
+        self._model = model
+        self.vocab_size = vocab_size
+        self.busy = BusyMeter(self.base_urls)  # requests outstanding per server, and their busy time
 
     async def openai_endpoint(self) -> tuple[str, str]:
         """(server root URL, served model name) of the least-loaded server, for an environment that samples
@@ -137,7 +108,7 @@ class InferenceClient:
         url = self._pick()
         return url, await self._model_name(url)
 
-    # ---------------------------------------------------------------- transport
+    # ---------------------------------------------------------------- routing
     def _pick(self) -> str:
         route = _ROUTE.get()
         held = None if route is None else route.get(id(self))
@@ -151,67 +122,6 @@ class InferenceClient:
         if route is not None:
             route[id(self)] = url
         return url
-
-    def mark_down(self, url: str, reason: str) -> None:
-        if url not in self.down and len(self.base_urls) > 1:  # one server: nothing to route around
-            logger.warning("inference server %s is down (%s): routing around it", url, reason)
-            self.down.add(url)
-
-    async def alive(self, url: str) -> bool:
-        try:
-            r = await self._http.get(url + "/liveness", timeout=5.0)
-        except (httpx.TransportError, httpx.TimeoutException):
-            return False
-        return r.status_code == 200
-
-    async def server_version(self, url: str) -> int:
-        return int(
-            (await self._request("GET", url, "/weights_version", None, self._admin_headers))["version"]
-        )
-
-    async def revive(self, url: str) -> None:
-        """Route requests to `url` again (the caller checked it answers and serves the current weights)."""
-        if url in self.down:
-            self.down.discard(url)
-            logger.warning("inference server %s is back", url)
-
-    async def _request(
-        self,
-        method: str,
-        url: str,
-        path: str,
-        payload: dict | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> Any:
-        """One HTTP call with retries on connection errors, timeouts and 5xx. Returns the decoded JSON."""
-        last: Exception | None = None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            try:
-                await self._ensure_identity(url)
-                r = await self._http.request(method, url + path, json=payload, headers=headers)
-            except (httpx.TransportError, httpx.TimeoutException) as e:
-                self._verified.discard(url)  # whoever answers next on this address is checked again
-                last = e
-                logger.warning("%s %s%s: %s (attempt %d)", method, url, path, type(e).__name__, attempt + 1)
-                continue
-            if r.status_code >= 500:
-                last = InferenceError(f"{method} {url}{path}: {r.status_code} {_message(r)}", r.status_code)
-                logger.warning("%s (attempt %d)", last, attempt + 1)
-                continue
-            if r.status_code >= 400:
-                raise InferenceError(f"{method} {url}{path}: {r.status_code} {_message(r)}", r.status_code)
-            return r.json() if r.content else None
-        raise InferenceError(
-            f"{method} {url}{path} failed after {self.max_retries + 1} attempts: {last}"
-        ) from last
-
-    async def _ensure_identity(self, url: str) -> None:
-        if self._secret and url not in self._verified:
-            await identity.verify(self._http, url, self._secret)
-            self._verified.add(url)
 
     async def _balanced(self, path: str, payload: dict, check: bool = False) -> Any:
         url = self._pick()
@@ -253,56 +163,6 @@ class InferenceClient:
                     raise InferenceError(
                         f"server {url} returned sampling logprob {v!r} (not a finite log probability)"
                     )
-
-    async def _all(self, method: str, path: str, payload: dict | None = None) -> list[Any]:
-        # Admin calls (and only these) carry the secret: generation may go to endpoints that are not ours.
-        async def one(url: str) -> Any:
-            try:
-                return await self._request(method, url, path, payload, self._admin_headers)
-            except InferenceError as e:
-                if e.status is None or e.status >= 500:
-                    self.mark_down(url, str(e)[:200])
-                raise
-
-        return list(await asyncio.gather(*(one(u) for u in self.up_urls)))
-
-    @property
-    def up_urls(self) -> list[str]:
-        return [u for u in self.base_urls if u not in self.down]
-
-    async def update_one(self, url: str, weight_dir: str | None, version: int) -> None:
-        """Put one server on `weight_dir` as `version` (None: back to the base model, version 0)."""
-        if weight_dir is None:
-            await self._request("POST", url, "/reload_weights", None, self._admin_headers)
-        else:
-            await self._request(
-                "POST",
-                url,
-                "/update_weights",
-                {"weight_dir": os.path.abspath(weight_dir), "version": int(version)},
-                self._admin_headers,
-            )
-
-    def _note_loads(self, urls: list[str], answers: list[Any]) -> None:
-        """Each server's own time to load the last update (`load_seconds` of its answer), for the run's metrics;
-        an answer without a sane figure gives none."""
-        loads = {}
-        for url, a in zip(urls, answers, strict=False):
-            s = a.get("load_seconds") if isinstance(a, dict) else None
-            if isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0:
-                loads[url] = float(s)
-        self.last_load_seconds = loads
-
-    def _adopt(self, answers: list[Any]) -> None:
-        """Follow the servers to the adapter they all serve now (answers of /update_weights & co.)."""
-        names = {a.get("adapter") or "" for a in answers if isinstance(a, dict)}
-        if len(names) == 1:
-            self._adapter = names.pop()
-
-    @property
-    def adapter(self) -> str:
-        """The LoRA adapter requests are sent to ("" = the served model itself)."""
-        return self._adapter
 
     async def _model_name(self, url: str) -> str:
         if self._adapter:
@@ -441,110 +301,6 @@ class InferenceClient:
 
         return list(await asyncio.gather(*(one(u) for u in self.base_urls)))
 
-    # ---------------------------------------------------------------- admin
-    async def update_weights(self, weight_dir: str, version: int) -> None:
-        """Load `weight_dir` in place on every server and serve it as `version`."""
-        # Absolute on the wire: a server on another host (or another cwd) must not resolve our relative path.
-        await self.post_admin(
-            "/update_weights", {"weight_dir": os.path.abspath(weight_dir), "version": int(version)}
-        )
-
-    async def transfer_weights(self, version: int, init_info: dict, update_info: dict) -> None:
-        """Receive `version` collectively on every server (the trainer is sending); the workers of server i join
-        as ranks 1 + i * workers_per_server + their own rank (a tensor-parallel server has several).
-
-        Not retried: a round is one rendezvous with the trainer and cannot be joined twice.
-        """
-
-        async def one(i: int, url: str) -> Any:
-            workers = int(init_info.get("workers_per_server", 1))
-            body = {
-                "version": int(version),
-                "init_info": {**init_info, "rank_offset": 1 + i * workers},
-                "update_info": update_info,
-            }
-            await self._ensure_identity(url)
-            r = await self._http.post(
-                url + "/transfer_weights",
-                json=body,
-                headers=self._admin_headers,
-                timeout=float(init_info.get("timeout_s", 60.0)) + 120.0,
-            )
-            if r.status_code >= 400:
-                raise InferenceError(
-                    f"POST {url}/transfer_weights: {r.status_code} {_message(r)}", r.status_code
-                )
-            return r.json()
-
-        urls = self.up_urls
-        answers = list(await asyncio.gather(*(one(i, u) for i, u in enumerate(urls))))
-        self._note_loads(urls, answers)
-        self._adopt(answers)
-
-    async def post_admin(self, path: str, body: dict) -> list[Any]:
-        """POST `body` to an admin route on every server (a transport's own, registry.Route) and return the
-        answers; an update's answers are read as /update_weights' are (load seconds, the adapter served)."""
-        urls = self.up_urls
-        answers = await self._all("POST", path, body)
-        self._note_loads(urls, answers)
-        self._adopt(answers)
-        return answers
-
-    async def reload_weights(self) -> None:
-        """Go back to the base model on every server (version 0)."""
-        self._adopt(await self._all("POST", "/reload_weights"))
-
-    async def pause(self) -> None:
-        await self._all("POST", "/pause")
-
-    async def resume(self) -> None:
-        await self._all("POST", "/resume")
-
-    async def weights_version(self) -> int:
-        """The weight version every server has reached (the minimum over servers); where they all serve one
-        version, requests follow them to its adapter (an orchestrator restarted next to live servers)."""
-        answers = await self._all("GET", "/weights_version")
-        if len({int(v["version"]) for v in answers}) == 1:
-            self._adopt(answers)
-        return min(int(v["version"]) for v in answers)
-
-    async def wait_ready(self, timeout_s: float, process: InferenceServerProcess | None = None) -> None:
-        """Wait until every server answers GET /liveness. Raises at once if `process` died (with its log)."""
-        deadline = time.monotonic() + timeout_s
-        pending = set(self.base_urls)
-        while pending:
-            if process is not None:
-                process.raise_if_dead()
-            for url in list(pending):
-                try:
-                    r = await self._http.get(url + "/liveness", timeout=5.0)
-                    if r.status_code == 200:
-                        self._verified.discard(url)
-                        await self._ensure_identity(url)  # ServerIdentityError: not the run's server
-                        pending.discard(url)
-                    elif r.status_code == 404:
-                        raise ServerIdentityError(
-                            f"the server at {url} is not this run's inference server: "
-                            "it has no /liveness route (another program holds the port?)"
-                        )
-                except (httpx.TransportError, httpx.TimeoutException):
-                    pass
-            if pending:
-                if time.monotonic() > deadline:
-                    raise InferenceError(
-                        f"inference servers not ready after {timeout_s:.0f} s: {sorted(pending)}"
-                    )
-                await asyncio.sleep(0.5)
-
-    async def close(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> InferenceClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
 
 def _sampling(
     n: int,
@@ -578,16 +334,3 @@ def _floats(values: list, n: int) -> list[float]:
     if len(values) != n:
         raise InferenceError(f"server returned {len(values)} logprobs for {n} tokens")
     return [float(v) for v in values]
-
-
-def _message(r: httpx.Response) -> str:
-    try:
-        body = r.json()
-    except ValueError:
-        return r.text[:500]
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        return str(err)[:1000]
-    return str(body)[:1000]

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from primejax.inference.client import InferenceError
+from primejax.inference.server_pool import InferenceError
 from primejax.orchestrator.group_trace import TRACE
 
 log = logging.getLogger(__name__)

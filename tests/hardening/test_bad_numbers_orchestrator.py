@@ -17,7 +17,8 @@ from primejax.contracts.batch import read_batch, step_dir  # noqa: E402
 from primejax.envs.base import Environment, Example  # noqa: E402
 from primejax.envs.registry import register_env  # noqa: E402
 from primejax.envs.reverse_text import ReverseText  # noqa: E402
-from primejax.inference.client import InferenceClient, InferenceError  # noqa: E402
+from primejax.inference.client import InferenceClient  # noqa: E402
+from primejax.inference.server_pool import InferenceError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from primejax.inference.admin_auth import TOKEN_ENV
-from primejax.inference.client import InferenceClient, InferenceError
+from primejax.inference.client import InferenceClient
+from primejax.inference.server_pool import InferenceError
 
 COMPLETION = {
     "choices": [

@@ -11,7 +11,7 @@ import pytest
 from orch_fakes import FakeClient, make_orchestrator, small_config
 
 from primejax.contracts.batch import read_batch, step_dir
-from primejax.inference.client import InferenceError
+from primejax.inference.server_pool import InferenceError
 from primejax.orchestrator.outages import MAX_STEP_ATTEMPTS
 
 
