@@ -1,6 +1,6 @@
 """What a scheduler's job does before it starts any process of the run, the same on SLURM and Kubernetes.
 
-The local launcher's preparation (primejax.launcher.launch): check the input, settle what to resume from (the
+The local launcher's preparation (primejax.launcher.prepare): check the input, settle what to resume from (the
 newest intact checkpoint pair; later outputs set aside), run the SFT warm-up when asked; then the run's admin
 secret and the resolved config of every process, written to `<run>/configs/`.
 """
@@ -24,9 +24,9 @@ def prepare(cfg: Config) -> tuple[Config, int, dict[str, Path]]:
     for this process and its children: the scheduler's secret when it set one, else made here, and written to
     `<run>/admin_token` (0600); never on a command line. Raises PreflightError / RunAlreadyDone as the launcher."""
     from primejax.inference.admin_auth import TOKEN_ENV, write_run_token
-    from primejax.launcher.launch import _prepare
+    from primejax.launcher.prepare import prepare_run
 
-    cfg, start = _prepare(cfg)
+    cfg, start = prepare_run(cfg)
     os.environ[TOKEN_ENV] = write_run_token(cfg.run_dir)
     configs = {p: write_resolved_config(cfg.run_dir, p, cfg.to_json()) for p in PROCESSES}
     return cfg, start, configs

@@ -26,8 +26,11 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from primejax.config import Config
 from primejax.inference.server import OWN_GPU_MEMORY_UTILIZATION as OWN_INFERENCE_FRACTION
+from primejax.launcher.preflight import PreflightError
 from primejax.utils.devices import check_layout, parse_devices
+from primejax.utils.sections import replace_keys
 
 SHARED_TRAINER_FRACTION = 0.45
 SHARED_INFERENCE_FRACTION = 0.45
@@ -138,6 +141,44 @@ def plan(
         trainer_devices=to_physical(p.trainer_devices, visible),
         inference_devices=to_physical(p.inference_devices, visible),
     )
+
+
+def place(cfg: Config) -> tuple[Config, Placement]:
+    """This node's layout for the run's settings, written into the config the children get (and printed, on a
+    GPU node); PreflightError names the key to change when it cannot work."""
+    inf, tr = cfg.inference, cfg.trainer
+    try:
+        p = plan(
+            node_gpu_count(),
+            tr.devices,
+            inf.devices,
+            inference_enabled=inf.enabled,
+            replicas=inf.replicas,
+            tensor_parallel=inf.tensor_parallel_size,
+            trainer_memory_fraction=tr.memory_fraction,
+            inference_memory_fraction=inf.gpu_memory_utilization,
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
+    except PlacementError as e:
+        raise PreflightError(e.key, str(e).split(": ", 1)[1]) from None
+    if not p.node_gpus:
+        return cfg, p
+    if p.shared and tr.broadcast.mode == "collective":
+        raise PreflightError(
+            "trainer.broadcast.mode",
+            "collective needs the trainer and the server on different "
+            "GPUs (NCCL cannot join two processes on one GPU): use filesystem on a shared GPU",
+        )
+    print(f"primejax: {p.describe()}", flush=True)
+    changes: dict[str, object] = {
+        "trainer.devices": p.trainer_devices,
+        "inference.devices": p.inference_devices,
+        "trainer.memory_fraction": p.trainer_memory_fraction,
+        "inference.gpu_memory_utilization": p.inference_memory_fraction,
+    }
+    if tr.broadcast.workers_per_server == 1:  # every tensor-parallel worker of a server receives the update
+        changes["trainer.broadcast.workers_per_server"] = inf.tensor_parallel_size
+    return replace_keys(cfg, changes), p
 
 
 def _plan(

@@ -386,6 +386,13 @@ def replace_key(value: T, key: str, new: Any) -> T:
     return dataclasses.replace(value, **{head: replace_key(getattr(value, head), rest, new)})
 
 
+def replace_keys(value: T, changes: Mapping[str, Any]) -> T:
+    """A copy of section `value` with every dotted key of `changes` set (`replace_key`, one after another)."""
+    for key, new in changes.items():
+        value = replace_key(value, key, new)
+    return value
+
+
 __all__ = [
     "ConfigError",
     "Section",
@@ -396,4 +403,5 @@ __all__ = [
     "to_configdict",
     "describe",
     "replace_key",
+    "replace_keys",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from primejax.config import ConfigError, default_config, validate
-from primejax.launcher.launch import _child_env
+from primejax.launcher.children import child_env
 from primejax.utils.devices import (
     PINNED_HOST_LIMIT_ENV,
     accelerator_env,
@@ -55,10 +55,10 @@ def test_config_validation_names_the_key():
 
 
 def test_child_env_gives_only_its_devices_and_bounds_jax():
-    env = _child_env("1", platform_cpu=False, memory_fraction=0.5)
+    env = child_env("1", platform_cpu=False, memory_fraction=0.5)
     assert env["CUDA_VISIBLE_DEVICES"] == "1"
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in _child_env("1", platform_cpu=False)  # 0: JAX's default
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in child_env("1", platform_cpu=False)  # 0: JAX's default
     # The trainer process started by hand: the user's environment wins over the config.
     assert accelerator_env("1", 0.3, {"CUDA_VISIBLE_DEVICES": "2"}) == {
         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"

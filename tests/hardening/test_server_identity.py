@@ -104,10 +104,10 @@ def test_another_runs_primejax_server_is_refused_and_the_own_is_accepted(server_
 
 
 def test_the_launchers_health_watch_does_not_count_an_impostors_200(impostor):
-    from primejax.launcher.launch import _Liveness
+    from primejax.launcher.supervisor import Liveness
 
     url, _ = impostor
-    watch = _Liveness(url, SECRET)
+    watch = Liveness(url, SECRET)
     watch.start()
     try:
         deadline = time.monotonic() + 30

@@ -175,7 +175,7 @@ def test_a_server_that_refuses_its_arguments_is_not_restarted(tmp_path):
     """Exit status 2 is a server refusing its arguments (primejax's entry point, vLLM's parser): the same
     arguments would be refused again, so the supervisor stops the run at once instead of restarting it."""
     from primejax.inference.server import InferenceConfig
-    from primejax.launcher.launch import REFUSED_EXIT, ChildFailed, _InferenceSupervisor
+    from primejax.launcher.supervisor import REFUSED_EXIT, ChildFailed, InferenceSupervisor
     from primejax.utils.procs import ChildProcess
 
     starts: list[ChildProcess] = []
@@ -186,7 +186,7 @@ def test_a_server_that_refuses_its_arguments_is_not_restarted(tmp_path):
         return starts[-1]
 
     inf = InferenceConfig(port=9, max_restarts=3)
-    supervisor = _InferenceSupervisor(start, inf, on_restart=lambda child: None)
+    supervisor = InferenceSupervisor(start, inf, on_restart=lambda child: None)
     try:
         starts[0].popen.wait(timeout=60)
         with pytest.raises(ChildFailed, match="refused its arguments") as e:
