@@ -1,9 +1,10 @@
 """Model configuration: one frozen dataclass for every decoder family (models/families/).
 
 Built from (and written back to) a Hugging Face `config.json`, so a checkpoint directory alone describes the
-model: this module reads and writes the keys every family shares and asks the checkpoint's family
-(`families.family_of(model_type)`) for the rest, its checks and its FLOPs convention. Training-side choices
-(dtypes, attention kernel, remat policy) are not part of the HF config and come in as overrides.
+model: hf_config.py translates the keys every family shares and asks the checkpoint's family
+(`families.family_of(model_type)`) for the rest; this module holds the fields, the allowed values of the
+training-side ones, and the checks (the family adds its own). Training-side choices (dtypes, attention kernel,
+remat policy) are not part of the HF config and come in as overrides. Parameter and FLOP counts: accounting.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from primejax.models.families import FAMILIES, WRAPPERS, Family, family_of
+from primejax.models import accounting, hf_config
+from primejax.models.families import FAMILIES, Family, family_of
 from primejax.models.families.base import FULL_ATTENTION, LINEAR_ATTENTION
 
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
@@ -44,18 +46,9 @@ REMAT_POLICIES = (
     "auto",
 )
 _DTYPES = ("float32", "bfloat16", "float16")
-# The model families (HF model_type -> its transformers class), as registered in models/families/.
-ARCHITECTURES = {t: f.architecture for t, f in FAMILIES.items()}
-SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+# The model_types whose checkpoints have experts, as registered in models/families/.
 MOE_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.moe)
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the token mixers (transformer.MIXERS)
-# config.json keys every family reads (from_hf_config); a family's own are its `hf_keys`
-COMMON_HF_KEYS = frozenset({
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
-    "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "max_position_embeddings",
-    "architectures", "torch_dtype", "dtype", "transformers_version",
-})  # fmt: skip
 # How a MoE router turns its logits into experts and combine weights (models/moe.py `route`):
 #   softmax  Qwen3-MoE: softmax over all experts, top-k of the probabilities
 #   sigmoid  GLM-4.5 / DeepSeek-V3: a sigmoid score per expert; the top-k is chosen on score + a fixed
@@ -392,60 +385,12 @@ class ModelConfig:
         d.pop("hf_extra")
         return hash(json.dumps(d, sort_keys=True, default=str))
 
-    # ------------------------------------------------------------------ HF config.json
+    # ------------------------------------------------------------------ HF config.json (models/hf_config.py)
 
     @classmethod
     def from_hf_config(cls, hf: dict, **overrides: Any) -> ModelConfig:
-        """Map an HF `config.json` dict to a ModelConfig; `overrides` set fields (dtypes, attention_impl, ...).
-
-        The keys every family shares are read here, the family's own by its `fields` (models/families/)."""
-        if hf.get("model_type") in WRAPPERS:  # a multimodal checkpoint: its language model
-            hf = WRAPPERS[hf["model_type"]].text_config(hf)
-        model_type = hf.get("model_type")
-        if model_type not in FAMILIES:
-            raise ValueError(
-                f"HF model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})"
-            )
-        family = FAMILIES[model_type]
-        if hf.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is implemented")
-        if hf.get("mlp_bias", False):
-            raise NotImplementedError("mlp_bias=true is not implemented")
-        if hf.get("quantization_config"):
-            method = hf["quantization_config"].get("quant_method", "?")
-            raise NotImplementedError(
-                f"quantized checkpoints ({method}) are not loaded: convert the weights to bf16 first"
-            )
-        if hf.get("use_sliding_window", False):
-            raise NotImplementedError("sliding-window attention (use_sliding_window=true) is not implemented")
-
-        rope_theta, rope_scaling = read_rope(hf)
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        bias = bool(hf.get("attention_bias", False))
-        known = COMMON_HF_KEYS | family.hf_keys
-        fields: dict[str, Any] = dict(
-            model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf.get("intermediate_size", 0)),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=bool(hf.get("use_qk_norm", False)),
-            attention_bias=bias,
-            attention_out_bias=bias,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            hf_extra={k: v for k, v in hf.items() if k not in known},
-        )
-        fields.update(family.fields(hf))
-        fields.update(overrides)
-        return cls(**fields)
+        """Map an HF `config.json` dict to a ModelConfig; `overrides` set fields (dtypes, attention_impl, ...)."""
+        return cls(**{**hf_config.read_hf_config(hf), **overrides})
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
@@ -455,46 +400,9 @@ class ModelConfig:
         return cls.from_hf_config(json.loads(path.read_text()), **overrides)
 
     def to_hf_config(self, dtype: str | None = None) -> dict:
-        """An HF `config.json` dict that transformers and vLLM load unchanged.
-
-        `dtype` is the dtype the weights are stored in (defaults to param_dtype). Rope settings are written in
-        both the transformers-5 form (`rope_parameters`) and the legacy one (`rope_theta` / `rope_scaling`)
-        so older readers agree with newer ones.
-        """
-        dtype = dtype or self.param_dtype
-        rope_params = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling is not None:
-            rope_params.update({k: v for k, v in self.rope_scaling.items() if k != "type"})
-            rope_params["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-        hf: dict[str, Any] = dict(self.hf_extra)
-        hf.update(
-            architectures=[ARCHITECTURES[self.model_type]],
-            model_type=self.model_type,
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            hidden_act="silu",
-            rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
-            rope_scaling=None if self.rope_scaling is None else dict(self.rope_scaling),
-            rope_parameters=rope_params,
-            torch_dtype=dtype,
-            dtype=dtype,
-            attention_bias=self.attention_bias,
-        )
-        family = self.family
-        if family.partial_rotary:
-            rope_params["partial_rotary_factor"] = self.partial_rotary_factor
-        hf.update(family.hf_fields(self))
-        for key in family.hf_absent:
-            del hf[key]
-        return hf
+        """An HF `config.json` dict that transformers and vLLM load unchanged (weights stored in `dtype`,
+        param_dtype by default)."""
+        return hf_config.write_hf_config(self, dtype)
 
     # ------------------------------------------------------------------ mixture of experts
 
@@ -513,52 +421,6 @@ class ModelConfig:
         """Indices of the layers with a dense SwiGLU MLP (all of them for a dense model)."""
         return tuple(i for i in range(self.num_layers) if not self.is_sparse_layer(i))
 
-    # ------------------------------------------------------------------ accounting
-
-    def num_matmul_params(self) -> int:
-        """Weights that take part in a token's matmuls: projections and MLP of every layer plus lm_head.
-
-        For a MoE model only the active parameters count (top-k experts plus the router), as in prime-rl's
-        MFU accounting of Qwen3-30B-A3B.
-
-        lm_head is counted even when tied to the embedding (it still costs a matmul); the embedding lookup,
-        norms and biases are not, as in prime-rl's MFU accounting.
-        """
-        d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = self._mla_params() if self.mla else d * h * hd + 2 * d * k * hd + h * hd * d
-        if self.attn_output_gate:  # q_proj's second half: the output gate
-            attn += d * h * hd
-        mlp = 3 * d * self.intermediate_size
-        return (
-            len(self.full_attention_layers()) * attn
-            + self._linear_attention_params(matmul=True)
-            + len(self.dense_layers()) * mlp
-            + self._moe_params(active=True)
-            + (d * self.vocab_size)
-        )
-
-    def _linear_attention_params(self, *, matmul: bool) -> int:
-        """The Gated DeltaNet layers' weights (qwen3_5_text): all, or only those in matmuls."""
-        if not self.layer_types:
-            return 0
-        from primejax.models.deltanet import deltanet_params
-
-        return len(self.linear_attention_layers()) * deltanet_params(self, matmul=matmul)
-
-    def _mla_params(self) -> int:
-        """One layer's multi-head latent attention matmul weights (q path, kv_a, kv_b, o_proj)."""
-        d, h, rq, rkv = self.hidden_size, self.num_heads, self.q_lora_rank, self.kv_lora_rank
-        q = d * rq + rq * h * self.qk_head_dim if rq else d * h * self.qk_head_dim
-        kv = d * (rkv + self.head_dim) + rkv * h * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv + h * self.v_head_dim * d
-
-    def _moe_params(self, *, active: bool) -> int:
-        """Expert + router weights of all sparse layers; `active`: only the top-k experts a token uses. The
-        shared experts and Qwen3.5 MoE's shared-expert gate [D] count in both."""
-        d, routed = self.hidden_size, (self.num_experts_per_tok if active else self.num_experts)
-        per_layer = 3 * d * (self.moe_intermediate_size * routed + self.shared_width) + d * self.num_experts
-        return len(self.sparse_layers()) * (per_layer + (d if self.shared_expert_gate else 0))
-
     @property
     def shared_width(self) -> int:
         """The shared experts' SwiGLU width (0 without shared experts)."""
@@ -566,72 +428,19 @@ class ModelConfig:
             return 0
         return self.shared_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
 
+    # ------------------------------------------------------------------ accounting (models/accounting.py)
+
+    def num_matmul_params(self) -> int:
+        """Weights in a token's matmuls: every layer's plus lm_head, only the active experts of a MoE."""
+        return accounting.num_matmul_params(self)
+
+    def num_matmul_params_per_layer(self) -> int:
+        return accounting.num_matmul_params_per_layer(self)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward), prime-rl's formula.
-
-        6 * matmul params + 12 * layers * heads * (hidden / heads) * seq_len. The attention term uses
-        hidden/heads, not head_dim, exactly as prime-rl (and torchtitan) do, so MFU numbers are comparable.
-        GLM-4.5 uses its own head width (12 * layers * heads * head_dim * seq_len: QK^T and PV, forward and
-        backward): its 96 heads of 128 are three times its hidden size of 4096, which hidden/heads would miss.
-        Qwen3.5 MoE too (16 heads of 256 against a hidden size of 2048), over its full-attention layers only;
-        the hybrid families add their DeltaNet layers' own term (deltanet.deltanet_flops_per_token).
-        DeepSeek-V3 (MLA, trained decompressed) counts QK^T over Dn + Dr and PV over Dv per head:
-        6 * layers * heads * (Dn + Dr + Dv) * seq_len (V3: 192 + 128 against hidden/heads = 56).
-        """
-        if self.mla:
-            per_token = 6 * self.num_layers * self.num_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
-            return float(6 * self.num_matmul_params() + per_token)
-        # GLM-4.5 and Qwen3.5 MoE (16 heads of 256 over a hidden size of 2048) use their own head width
-        own = self.family.flops_own_head_dim
-        per_head = self.head_dim if own else self.hidden_size // self.num_heads
-        full = len(self.full_attention_layers())
-        linear = 0.0
-        if self.layer_types:
-            from primejax.models.deltanet import deltanet_flops_per_token
-
-            linear = len(self.linear_attention_layers()) * deltanet_flops_per_token(self)
-        return float(6 * self.num_matmul_params() + 12 * full * self.num_heads * per_head * seq_len + linear)
+        """Training FLOPs per token (forward + backward), prime-rl's formula."""
+        return accounting.flops_per_token(self, seq_len)
 
     def num_params(self) -> int:
         """All parameters as stored (embedding once when tied, norms and biases included)."""
-        d, h, k, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        per_layer = d * h * hd * (2 if self.attn_output_gate else 1) + 2 * d * k * hd + h * hd * d
-        if self.mla:  # its matmuls plus the latent norms
-            per_layer = self._mla_params() + self.q_lora_rank + self.kv_lora_rank
-        if self.qk_norm:
-            per_layer += 2 * hd
-        if self.attention_bias:
-            per_layer += (h + 2 * k) * hd
-        if self.attention_out_bias:
-            per_layer += d
-        attention = len(self.full_attention_layers()) * per_layer + self._linear_attention_params(
-            matmul=False
-        )
-        head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        mlp = len(self.dense_layers()) * 3 * d * self.intermediate_size + self._moe_params(active=False)
-        if self.router_scoring == "sigmoid":  # e_score_correction_bias
-            mlp += len(self.sparse_layers()) * self.num_experts
-        return attention + self.num_layers * 2 * d + mlp + self.vocab_size * d + head + d
-
-    def num_matmul_params_per_layer(self) -> int:
-        return (self.num_matmul_params() - self.hidden_size * self.vocab_size) // self.num_layers
-
-
-def read_rope(hf: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either the transformers-5 `rope_parameters` or the legacy keys."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        scaling = None
-        if rope_type != "default":
-            scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
-            scaling["rope_type"] = rope_type
-        return float(theta), scaling
-    scaling = hf.get("rope_scaling")
-    if scaling:
-        scaling = dict(scaling)
-        scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type", "default"))
-        if scaling["rope_type"] == "default":
-            scaling = None
-    return float(hf.get("rope_theta", 10000.0)), scaling or None
+        return accounting.num_params(self)

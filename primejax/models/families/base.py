@@ -2,11 +2,12 @@
 
 A family owns what is particular to its checkpoints: its `config.json` keys both ways (`fields` /
 `hf_fields`), its checks, its HF tensor names where they differ from the common ones, its FLOPs convention
-and its tiny test shape. The model core (config.py, transformer.py, hf_io.py) asks the family and names none.
-Adding a family is one file: a `Family` subclass under `@register` (docs/models.md, "Adding a family").
+and its tiny test shape. The model core (config.py, hf_config.py, accounting.py, transformer.py, hf_io.py)
+asks the family and names none. Adding a family is one file: a `Family` subclass under `@register`
+(docs/models.md, "Adding a family").
 
-This module imports nothing from primejax and no jax: `ModelConfig` (config.py) calls into it and is read
-where only config.json matters (inference/routed_experts.py).
+This module imports nothing from primejax and no jax: `ModelConfig` (config.py, hf_config.py) calls into it
+and is read where only config.json matters (inference/routed_experts.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 
 class Family:
-    """What one HF `model_type` needs beyond the common decoder (config.py reads the common keys).
+    """What one HF `model_type` needs beyond the common decoder (hf_config.py reads the common keys).
 
     `cfg` below is a `ModelConfig` (not imported: config.py is built on this module)."""
 
@@ -31,7 +32,7 @@ class Family:
     rope_types: ClassVar[tuple[str, ...]] = ("default", "llama3")
     # rotary on the first head_dim * partial_rotary_factor dims: the factor is also written in rope_parameters
     partial_rotary: ClassVar[bool] = False
-    # FLOPs' attention term per head: its own head_dim, or prime-rl's hidden/heads (config.flops_per_token)
+    # FLOPs' attention term per head: its own head_dim, or prime-rl's hidden/heads (accounting.flops_per_token)
     flops_own_head_dim: ClassVar[bool] = False
     wrappers: ClassVar[tuple[str, ...]] = ()  # multimodal model_types whose `text_config` is this family
     # HF tensor names (under model.layers.{i}.) where they differ from hf_io's common table
