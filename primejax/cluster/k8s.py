@@ -26,7 +26,7 @@ import yaml
 
 from primejax.contracts.cluster import CONFIG_MOUNT, K8sConfig
 from primejax.contracts.rundir import RunDir, write_resolved_config
-from primejax.utils.sections import ConfigError, replace_key
+from primejax.utils.sections import ConfigError, replace_keys
 
 if TYPE_CHECKING:
     from primejax.config import Config
@@ -49,7 +49,7 @@ def job_config(cfg: Config) -> Config:
     """The run's config inside the cluster: the volume's run directory, the pods' DNS names as addresses."""
     k, app = cfg.k8s, app_name(cfg)
     ns = k.namespace
-    return _replace(
+    return replace_keys(
         cfg,
         {
             "run.output_dir": f"{k.mount_path.rstrip('/')}/{Path(cfg.run.output_dir).name or 'outputs'}",
@@ -64,12 +64,6 @@ def job_config(cfg: Config) -> Config:
             ),
         },
     )
-
-
-def _replace(cfg: Config, changes: dict[str, Any]) -> Config:
-    for key, value in changes.items():
-        cfg = replace_key(cfg, key, value)
-    return cfg
 
 
 def _env(app: str, *extra: dict[str, Any]) -> list[dict[str, Any]]:

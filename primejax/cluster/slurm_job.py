@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from primejax.contracts.rundir import RunDir
 from primejax.launcher.preflight import PreflightError
-from primejax.utils.sections import replace_key
+from primejax.utils.sections import replace_keys
 
 if TYPE_CHECKING:
     from primejax.cluster.slurm import SlurmConfig
@@ -108,9 +108,7 @@ def job_config(cfg: Config, roles: Roles) -> Config:
             for i in range(cfg.inference.replicas)
         ),
     }
-    for key, value in changes.items():
-        cfg = replace_key(cfg, key, value)
-    return cfg
+    return replace_keys(cfg, changes)
 
 
 def _local_server(cfg: Config, environ: Mapping[str, str]) -> tuple[int, str]:
