@@ -32,14 +32,6 @@ from primejax.orchestrator.sampling import SamplingConfig
 from primejax.orchestrator.timeline import Timeline
 
 
-class Completion(Protocol):
-    prompt_token_ids: list[int] | None
-    completion_token_ids: list[int]
-    completion_logprobs: list[float]
-    finish_reason: str
-    text: str
-
-
 class SamplingClient(Protocol):
     async def generate(
         self,
