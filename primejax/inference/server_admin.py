@@ -7,8 +7,8 @@ every server (`post_admin`, `pause`, ...) failed for good is marked down, as a f
 `transfer_weights` and the one-server calls (`update_one`, `server_version`) leave that to their caller.
 
 The servers' answers to weight updates steer sampling: each names the LoRA adapter it now serves the policy as
-(none: the served model itself), and once all of them name one, requests ask for it (`adapter`); each also says how long its load took
-(`last_load_seconds`, for the run's metrics).
+(none: the served model itself), and once all of them name one, requests ask for it (`adapter`); each also says
+how long its load took (`last_load_seconds`, for the run's metrics).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ class ServerAdmin(ServerPool):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        # The LoRA adapter every server serves the current policy as (transports/weights/adapters/dirs.py): requests name it as
-        # their `model`; "" = the served model itself. Learned from the servers' answers to weight updates.
+        # The LoRA adapter every server serves the current policy as (transports/weights/adapters/dirs.py):
+        # requests name it as their `model`; "" = the served model itself. Learned from the servers' answers to
+        # weight updates.
         self._adapter = ""
         self.last_load_seconds: dict[str, float] = {}  # each server's own load time of the last weight update
 
