@@ -63,12 +63,13 @@ async def generate(url: str, args: argparse.Namespace, vocab: int, concurrency: 
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
 
         async def one(p: list[int], **kw) -> int:
+            request = {**body, "model": model, "prompt": p, **kw}
             async with gate:
                 try:
-                    r = await c.post("/v1/completions", json={**body, "model": model, "prompt": p, **kw})
+                    r = await c.post("/v1/completions", json=request)
                 except httpx.TransportError as e:
                     retried.append(repr(e))
-                    r = await c.post("/v1/completions", json={**body, "model": model, "prompt": p, **kw})
+                    r = await c.post("/v1/completions", json=request)
             r.raise_for_status()
             return int(r.json()["usage"]["completion_tokens"])
 
@@ -102,9 +103,10 @@ def trace_summary(trace_dir: Path, top: int = 12) -> dict:
     for k in kernels:
         low = k["name"].lower()
         kind = next((kind for kind, keys in KERNEL_KINDS if any(x in low for x in keys)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + k["dur"] / 1e3 / len(steps)  # trace times are µs
-        names[k["name"][:100]] = names.get(k["name"][:100], 0.0) + k["dur"] / 1e3 / len(steps)
-    ranked = lambda d, n=None: {k: round(v, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}  # noqa: E731
+        kinds[kind] = kinds.get(kind, 0.0) + k["dur"]
+        names[k["name"][:100]] = names.get(k["name"][:100], 0.0) + k["dur"]
+    ms_per_step = lambda us: round(us / 1e3 / len(steps), 3)  # noqa: E731  (trace times are µs)
+    ranked = lambda d, n=None: {k: ms_per_step(v) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}  # noqa: E731
     return dict(
         steps=len(steps),
         decode_steps=sum(name.startswith("execute_context_0(") for _, name in steps),
@@ -112,9 +114,7 @@ def trace_summary(trace_dir: Path, top: int = 12) -> dict:
             len(steps) // 2
         ],
         step_wall_ms=round((steps[-1][0] - steps[0][0]) / 1e3 / max(len(steps) - 1, 1), 3),
-        gpu_busy_ms=round(
-            _length(_union([(k["ts"], k["ts"] + k["dur"]) for k in kernels])) / 1e3 / len(steps), 3
-        ),
+        gpu_busy_ms=ms_per_step(_length(_union([(k["ts"], k["ts"] + k["dur"]) for k in kernels]))),
         kernel_ms_by_kind=ranked(kinds),
         top_kernels=ranked(names, top),
     )
